@@ -1,0 +1,7 @@
+#pragma once
+#include "tessera/autograd/engine.h"
+#include "tessera/autograd/function.h"
+#include "tessera/autograd/grad_mode.h"
+#include "tessera/autograd/gradcheck.h"
+#include "tessera/autograd/node.h"
+#include "tessera/autograd/ops.h"

@@ -1,0 +1,36 @@
+#pragma once
+#include <functional>
+#include <vector>
+
+#include "tessera/core/tensor.h"
+
+namespace tessera {
+
+// Backpropagates from `outputs`. Without grad_outputs each output must be a scalar and gets 1.
+// Saved tensors are freed as each node runs unless retain_graph.
+void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& grad_outputs = {},
+              bool retain_graph = false);
+inline void backward(const Tensor& output, const Tensor& grad_output = {},
+                     bool retain_graph = false) {
+  backward(std::vector<Tensor>{output},
+           grad_output.defined() ? std::vector<Tensor>{grad_output} : std::vector<Tensor>{},
+           retain_graph);
+}
+
+// Hooks. A gradient hook may return a replacement gradient (or an undefined tensor to keep it).
+// On a leaf it runs before accumulation; on a non-leaf when its gradient is computed.
+void register_hook(const Tensor& t, std::function<Tensor(const Tensor&)> hook);
+// Runs on a leaf after its .grad has been updated by a backward (FSDP starts its reduce-scatter
+// from here).
+void register_post_accumulate_grad_hook(const Tensor& leaf, std::function<void(Tensor&)> hook);
+// Keeps the .grad of a non-leaf.
+void retain_grad(const Tensor& t);
+
+namespace autograd {
+// Runs `cb` once the backward pass currently executing has finished all its nodes; callbacks
+// queued by callbacks also run. Outside a backward pass this is an error.
+void queue_callback(std::function<void()> cb);
+bool in_backward();
+}  // namespace autograd
+
+}  // namespace tessera

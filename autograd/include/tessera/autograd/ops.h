@@ -1,0 +1,102 @@
+#pragma once
+// Differentiable operations on Tensors. Each records autograd history when grad mode is on and an
+// input requires grad; the raw kernels they call are in <tessera/core/kernels/*.h>.
+#include <vector>
+
+#include "tessera/core/kernels/nn.h"
+#include "tessera/core/random.h"
+#include "tessera/core/tensor.h"
+
+namespace tessera {
+
+// --- views (share storage with the input) ---
+Tensor view(const Tensor& x, const Shape& shape);
+Tensor reshape(const Tensor& x, const Shape& shape);
+Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length);
+Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t step = 1);
+Tensor select(const Tensor& x, int64_t dim, int64_t index);
+Tensor transpose(const Tensor& x, int64_t d0, int64_t d1);
+Tensor permute(const Tensor& x, const std::vector<int64_t>& dims);
+Tensor expand(const Tensor& x, const Shape& shape);
+Tensor unsqueeze(const Tensor& x, int64_t dim);
+Tensor squeeze(const Tensor& x, int64_t dim);
+Tensor flatten(const Tensor& x, int64_t start_dim = 0, int64_t end_dim = -1);
+Tensor contiguous(const Tensor& x);
+std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim);
+std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim);
+
+// --- copies ---
+Tensor clone(const Tensor& x);
+// Differentiable dtype cast (the gradient is cast back to x's dtype).
+Tensor cast(const Tensor& x, DType dtype);
+
+// --- elementwise (broadcasting) ---
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor pow(const Tensor& a, const Tensor& b);
+Tensor maximum(const Tensor& a, const Tensor& b);
+Tensor minimum(const Tensor& a, const Tensor& b);
+Tensor add(const Tensor& a, double s);
+Tensor sub(const Tensor& a, double s);
+Tensor mul(const Tensor& a, double s);
+Tensor div(const Tensor& a, double s);
+Tensor pow(const Tensor& a, double exponent);
+Tensor neg(const Tensor& x);
+Tensor exp(const Tensor& x);
+Tensor log(const Tensor& x);
+Tensor sqrt(const Tensor& x);
+Tensor rsqrt(const Tensor& x);
+Tensor tanh(const Tensor& x);
+Tensor sigmoid(const Tensor& x);
+Tensor relu(const Tensor& x);
+// Exact (erf) GELU; approximate = true uses the tanh form.
+Tensor gelu(const Tensor& x, bool approximate = false);
+Tensor silu(const Tensor& x);
+Tensor abs(const Tensor& x);
+Tensor square(const Tensor& x);
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
+Tensor masked_fill(const Tensor& x, const Tensor& mask, double value);
+
+Tensor operator+(const Tensor& a, const Tensor& b);
+Tensor operator-(const Tensor& a, const Tensor& b);
+Tensor operator*(const Tensor& a, const Tensor& b);
+Tensor operator/(const Tensor& a, const Tensor& b);
+Tensor operator+(const Tensor& a, double s);
+Tensor operator-(const Tensor& a, double s);
+Tensor operator*(const Tensor& a, double s);
+Tensor operator/(const Tensor& a, double s);
+Tensor operator*(double s, const Tensor& a);
+Tensor operator-(const Tensor& x);
+
+// --- reductions ---
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor mean(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+// Gradient flows to the maximal elements (split evenly among ties).
+Tensor amax(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+
+// --- linear algebra ---
+Tensor matmul(const Tensor& a, const Tensor& b);
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {});
+
+// --- neural-network ops ---
+Tensor softmax(const Tensor& x, int64_t dim);
+Tensor log_softmax(const Tensor& x, int64_t dim);
+// logits [..., C] (flattened to [N, C]), target int64 [...].
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
+                     kernels::Reduction reduction = kernels::Reduction::Mean);
+Tensor embedding(const Tensor& indices, const Tensor& weight);
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
+Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin);
+// q [B, H, T, D], k/v [B, H, S, D]; scale <= 0 means 1/sqrt(D).
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    bool causal = true, double scale = 0.0);
+// Identity when !training or p == 0.
+Tensor dropout(const Tensor& x, double p, bool training, Generator& gen);
+Tensor cat(const std::vector<Tensor>& tensors, int64_t dim);
+Tensor stack(const std::vector<Tensor>& tensors, int64_t dim);
+Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
+
+}  // namespace tessera

@@ -1,0 +1,100 @@
+#include "tessera/autograd/function.h"
+
+#include <cxxabi.h>
+
+#include <cstdlib>
+#include <typeinfo>
+
+#include "tessera/core/factory.h"
+
+namespace tessera::autograd {
+
+std::string Function::name() const {
+  int status = 0;
+  const char* mangled = typeid(*this).name();
+  char* demangled = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+  std::string out = status == 0 && demangled ? demangled : mangled;
+  std::free(demangled);
+  return out;
+}
+
+std::vector<Tensor> Function::run(const std::vector<Tensor>& inputs) {
+  bool record = false;
+  needs_input_grad_.assign(inputs.size(), false);
+  if (grad_enabled()) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      needs_input_grad_[i] = inputs[i].defined() && inputs[i].requires_grad();
+      record = record || needs_input_grad_[i];
+    }
+  }
+  std::vector<Tensor> outputs;
+  {
+    NoGradGuard no_grad;
+    outputs = forward(inputs);
+  }
+  if (!record) {
+    saved_.clear();
+    return outputs;
+  }
+  std::vector<Edge> edges(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (needs_input_grad_[i]) edges[i] = gradient_edge(inputs[i]);
+  set_next_edges(std::move(edges));
+  set_num_outputs(uint32_t(outputs.size()));
+  output_meta_.clear();
+  std::shared_ptr<Node> self = shared_from_this();
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    Tensor& out = outputs[i];
+    if (!out.defined()) {
+      output_meta_.push_back({});
+      continue;
+    }
+    output_meta_.push_back({out.shape(), out.dtype(), out.device()});
+    if (!is_floating(out.dtype())) continue;
+    // A fresh impl, so that a tensor saved inside forward() never points back at this node
+    // (no reference cycle) and an input returned unchanged keeps its own history.
+    out = out.detach();
+    AutogradMeta& meta = out.autograd_meta();
+    meta.grad_fn = self;
+    meta.output_nr = uint32_t(i);
+  }
+  return outputs;
+}
+
+std::vector<Tensor> Function::apply(std::vector<Tensor>&& grad_outputs) {
+  grad_outputs.resize(output_meta_.size());
+  if (materialize_grads_) {
+    for (size_t i = 0; i < grad_outputs.size(); ++i) {
+      if (grad_outputs[i].defined()) continue;
+      const OutputMeta& m = output_meta_[i];
+      grad_outputs[i] = zeros(m.shape, TensorOptions(m.dtype, m.device));
+    }
+  }
+  std::vector<Tensor> grads = backward(grad_outputs);
+  TESSERA_CHECK(grads.size() == needs_input_grad_.size(), name(), "::backward returned ",
+                grads.size(), " gradients for ", needs_input_grad_.size(), " inputs");
+  for (size_t i = 0; i < grads.size(); ++i)
+    if (!needs_input_grad_[i]) grads[i] = Tensor();
+  return grads;
+}
+
+void Function::save_for_backward(std::vector<Tensor> tensors) { saved_ = std::move(tensors); }
+
+const std::vector<Tensor>& Function::saved_tensors() const {
+  TESSERA_CHECK(!saved_released_, name(),
+                ": saved tensors were already freed by a previous backward; pass "
+                "retain_graph=true to backward through the graph twice");
+  return saved_;
+}
+
+void Function::release_saved_tensors() {
+  saved_.clear();
+  saved_.shrink_to_fit();
+  saved_released_ = true;
+}
+
+bool Function::needs_input_grad(size_t i) const {
+  return i < needs_input_grad_.size() && needs_input_grad_[i];
+}
+
+}  // namespace tessera::autograd

@@ -1,0 +1,67 @@
+#include "tessera/autograd/node.h"
+
+#include <atomic>
+
+#include "tessera/core/kernels/elementwise.h"
+
+namespace tessera::autograd {
+
+namespace {
+std::atomic<uint64_t> g_sequence{0};
+}
+
+Node::Node() : sequence_nr_(g_sequence.fetch_add(1)) {}
+
+void Node::add_pre_hook(uint32_t output_nr, GradHook hook) {
+  pre_hooks_.emplace(output_nr, std::move(hook));
+}
+
+std::vector<Tensor> Node::run_pre_hooks(std::vector<Tensor>&& grads) {
+  for (auto& [nr, hook] : pre_hooks_) {
+    if (nr >= grads.size() || !grads[nr].defined()) continue;
+    Tensor replaced = hook(grads[nr]);
+    if (replaced.defined()) grads[nr] = replaced;
+  }
+  return std::move(grads);
+}
+
+AccumulateGrad::AccumulateGrad(Tensor leaf) : leaf_(std::move(leaf)) {}
+
+std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
+  Tensor g = grad_outputs.empty() ? Tensor() : grad_outputs[0];
+  if (!g.defined()) return {};
+  AutogradMeta& meta = leaf_.autograd_meta();
+  for (auto& hook : meta.grad_hooks) {
+    Tensor replaced = hook(g);
+    if (replaced.defined()) g = replaced;
+  }
+  TESSERA_CHECK(g.shape() == leaf_.shape(), "gradient of shape ", shape_str(g.shape()),
+                " for a leaf of shape ", shape_str(leaf_.shape()));
+  if (!meta.grad.defined()) {
+    // The incoming buffer may be shared with other graph values; own a private copy in the
+    // leaf's dtype so later in-place accumulation never aliases.
+    meta.grad = g.dtype() == leaf_.dtype() ? g.clone() : g.to(leaf_.dtype());
+  } else {
+    kernels::add_(meta.grad, g);
+  }
+  for (auto& hook : meta.post_accumulate_grad_hooks) hook(leaf_);
+  return {};
+}
+
+Edge gradient_edge(const Tensor& t) {
+  if (!t.defined()) return {};
+  AutogradMeta* m = t.autograd_meta_if_exists();
+  if (!m) return {};
+  if (m->grad_fn) return {m->grad_fn, m->output_nr};
+  if (!m->requires_grad) return {};
+  std::shared_ptr<Node> acc = m->grad_accumulator.lock();
+  if (!acc) {
+    // The accumulator refers to the leaf through a tensor sharing its impl, so .grad set by the
+    // engine is the leaf's own.
+    acc = std::make_shared<AccumulateGrad>(t);
+    m->grad_accumulator = acc;
+  }
+  return {acc, 0};
+}
+
+}  // namespace tessera::autograd

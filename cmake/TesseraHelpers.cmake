@@ -1,0 +1,42 @@
+include(GNUInstallDirs)
+
+# Flags for project code only: dependencies' headers are included as SYSTEM so their warnings
+# do not trip -Werror.
+add_library(tessera_warnings INTERFACE)
+target_compile_options(tessera_warnings INTERFACE
+  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Werror -Wno-error=deprecated-declarations>)
+add_library(tessera_arch INTERFACE)
+if(TESSERA_NATIVE)
+  target_compile_options(tessera_arch INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-march=native>)
+endif()
+install(TARGETS tessera_warnings tessera_arch EXPORT tesseraTargets)
+
+set(TESSERA_LAYER_TARGETS "" CACHE INTERNAL "")
+
+# tessera_add_layer(<folder> DEPS <targets...>)
+# One library per folder: sources are every .cpp under src/ (and .cu under src/cuda when CUDA is
+# on), public headers under include/tessera/<folder>/.
+function(tessera_add_layer folder)
+  cmake_parse_arguments(ARG "" "" "DEPS;PRIVATE_DEPS" ${ARGN})
+  set(target tessera_${folder})
+  file(GLOB_RECURSE srcs CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/src/*.cpp)
+  list(FILTER srcs EXCLUDE REGEX "/src/cuda/")
+  if(TESSERA_CUDA_ENABLED)
+    file(GLOB_RECURSE cuda_srcs CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/*.cpp
+         ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/*.cu)
+    list(APPEND srcs ${cuda_srcs})
+  endif()
+  add_library(${target} ${srcs})
+  add_library(tessera::${folder} ALIAS ${target})
+  set_target_properties(${target} PROPERTIES OUTPUT_NAME tessera_${folder} EXPORT_NAME ${folder})
+  target_include_directories(${target} PUBLIC
+    $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include>
+    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
+  target_link_libraries(${target} PUBLIC ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS}
+                        $<BUILD_INTERFACE:tessera_warnings> $<BUILD_INTERFACE:tessera_arch>)
+  install(DIRECTORY include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  install(TARGETS ${target} EXPORT tesseraTargets
+          ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+          LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+  set(TESSERA_LAYER_TARGETS ${TESSERA_LAYER_TARGETS} ${target} CACHE INTERNAL "")
+endfunction()

@@ -1,0 +1,43 @@
+#pragma once
+// Every tensor byte goes through an Allocator, so the per-device counters are the truth about
+// memory: FSDP's memory targets are measured with them.
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "tessera/core/device.h"
+
+namespace tessera {
+
+struct MemoryStats {
+  int64_t current_bytes = 0;
+  int64_t peak_bytes = 0;
+  int64_t total_allocated_bytes = 0;
+  int64_t num_allocations = 0;
+};
+
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  virtual void* allocate(size_t nbytes) = 0;
+  virtual void deallocate(void* ptr, size_t nbytes) = 0;
+  virtual Device device() const = 0;
+};
+
+// The allocator used for new storage on `device`.
+Allocator& allocator_for(Device device);
+// Replaces the allocator for a device type (nullptr restores the default); for tests and
+// integrations with an external caching allocator. Returns the previous one.
+Allocator* set_allocator(DeviceType type, Allocator* allocator);
+
+MemoryStats memory_stats(Device device = Device::cpu());
+// Sets the peak to the current value, so a later peak measures one phase.
+void reset_peak_memory(Device device = Device::cpu());
+
+namespace detail {
+// Called by allocators (and only by them) to keep the counters.
+void record_alloc(Device device, size_t nbytes);
+void record_free(Device device, size_t nbytes);
+}  // namespace detail
+
+}  // namespace tessera

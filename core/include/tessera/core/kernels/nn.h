@@ -1,0 +1,75 @@
+#pragma once
+// Raw neural-network kernels and their backward kernels.
+#include "tessera/core/random.h"
+#include "tessera/core/tensor.h"
+
+namespace tessera::kernels {
+
+Tensor softmax(const Tensor& x, int64_t dim);
+Tensor log_softmax(const Tensor& x, int64_t dim);
+Tensor softmax_backward(const Tensor& grad_out, const Tensor& out, int64_t dim);
+Tensor log_softmax_backward(const Tensor& grad_out, const Tensor& out, int64_t dim);
+
+enum class Reduction : uint8_t { None, Mean, Sum };
+// logits [N, C], target int64 [N]; rows whose target is ignore_index contribute nothing and
+// Mean divides by the count of the others.
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
+                     Reduction reduction = Reduction::Mean);
+// grad_loss has the loss's shape (scalar, or [N] for None).
+Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
+                              int64_t ignore_index, Reduction reduction);
+
+// weight [V, D], indices int64 of any shape -> [..., D].
+Tensor embedding(const Tensor& weight, const Tensor& indices);
+Tensor embedding_backward(const Tensor& grad_out, const Tensor& indices, int64_t num_embeddings);
+
+// Normalises over the last dim. Returns the output and the per-row statistics kept for backward.
+struct NormResult {
+  Tensor out;
+  Tensor mean;  // LayerNorm only
+  Tensor rstd;
+};
+NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps);
+struct NormGrads {
+  Tensor grad_x;
+  Tensor grad_weight;
+  Tensor grad_bias;
+};
+NormGrads rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                            const Tensor& rstd);
+NormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps);
+NormGrads layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                              const Tensor& mean, const Tensor& rstd);
+
+// Rotary embedding on x [B, T, H, D] (D even, pairs (2i, 2i+1)) with cos/sin [T, D/2]. The
+// backward is the same rotation with -sin.
+Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse = false);
+// cos/sin tables [max_seq, head_dim/2] for base theta.
+std::pair<Tensor, Tensor> rope_tables(int64_t max_seq, int64_t head_dim, double theta = 10000.0,
+                                      DType dtype = DType::Float32);
+
+// Scaled dot-product attention: q [B, H, T, D], k/v [B, H, S, D]; causal masks keys after the
+// query position (aligned at the end when S > T). Returns the output and the row logsumexp
+// [B, H, T] that the backward needs.
+struct AttentionResult {
+  Tensor out;
+  Tensor lse;
+};
+AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             bool causal, double scale);
+struct AttentionGrads {
+  Tensor dq, dk, dv;
+};
+AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_out, const Tensor& q,
+                                                     const Tensor& k, const Tensor& v,
+                                                     const Tensor& out, const Tensor& lse,
+                                                     bool causal, double scale);
+
+// Returns the output and the mask (x's dtype, values 0 or 1/(1-p)) so backward is grad * mask.
+struct DropoutResult {
+  Tensor out;
+  Tensor mask;
+};
+DropoutResult dropout(const Tensor& x, double p, Generator& gen);
+
+}  // namespace tessera::kernels

@@ -1,0 +1,20 @@
+#pragma once
+#include "tessera/core/tensor.h"
+
+namespace tessera::kernels {
+
+// Reductions over `dims` (empty = all dims). Float results accumulate in float64 for float64
+// inputs and float32 otherwise; 16-bit inputs return their own dtype.
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor mean(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor amax(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor amin(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+// Max over one dim with the int64 index of the (first) maximum.
+struct MaxResult {
+  Tensor values;
+  Tensor indices;
+};
+MaxResult max(const Tensor& x, int64_t dim, bool keepdim = false);
+Tensor argmax(const Tensor& x, int64_t dim, bool keepdim = false);
+
+}  // namespace tessera::kernels

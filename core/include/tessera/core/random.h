@@ -1,0 +1,75 @@
+#pragma once
+// Counter-based random numbers (Philox-4x32-10). A draw is addressed by (seed, offset): the
+// value of logical element i depends only on (seed, offset + i), never on which process draws it
+// or how many elements it draws. A shard draws exactly its window of the logical tensor and gets
+// bit for bit what a single process drawing the whole tensor would hold there.
+#include <cstdint>
+
+#include "tessera/core/tensor.h"
+
+namespace tessera {
+
+class Generator {
+ public:
+  explicit Generator(uint64_t seed = 0) : seed_(seed) {}
+  uint64_t seed() const { return seed_; }
+  uint64_t offset() const { return offset_; }
+  void set_offset(uint64_t offset) { offset_ = offset; }
+  void manual_seed(uint64_t seed) {
+    seed_ = seed;
+    offset_ = 0;
+  }
+  // Reserves n logical elements; returns the offset the draw starts at.
+  uint64_t advance(uint64_t n) {
+    uint64_t start = offset_;
+    offset_ += n;
+    return start;
+  }
+
+ private:
+  uint64_t seed_;
+  uint64_t offset_ = 0;
+};
+
+// The process-wide generator used when none is given.
+Generator& default_generator();
+void manual_seed(uint64_t seed);
+
+// Where a local tensor sits inside the logical tensor a draw addresses. A whole tensor is the
+// window with global_shape == local shape and a zero offset.
+struct RandomWindow {
+  Shape global_shape;
+  Shape global_offset;
+};
+
+enum class RandomKind : uint8_t { Uniform, Normal, Bernoulli };
+
+// Fills `out` (any float dtype, any strides) with the window of the logical draw that starts at
+// stream offset `base` under `seed`. Uniform: [a, b). Normal: mean a, std b. Bernoulli: 1 with
+// probability a, else 0.
+void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed, uint64_t base,
+                 const RandomWindow& window);
+
+// Whole-tensor draws that consume numel() elements of `gen`.
+Tensor rand(const Shape& shape, Generator& gen, DType dtype = DType::Float32);
+Tensor randn(const Shape& shape, Generator& gen, DType dtype = DType::Float32);
+Tensor& uniform_(Tensor& t, double low, double high, Generator& gen);
+Tensor& normal_(Tensor& t, double mean, double std, Generator& gen);
+
+// Fans from a weight's logical shape ([out, in, ...]); for a shard, pass the global shape.
+struct Fans {
+  int64_t fan_in;
+  int64_t fan_out;
+};
+Fans compute_fans(const Shape& global_shape);
+
+enum class FanMode : uint8_t { FanIn, FanOut };
+// PyTorch's kaiming_uniform_ with leaky_relu gain sqrt(2 / (1 + a^2)); the default a = sqrt(5)
+// is nn.Linear's initialisation.
+double kaiming_uniform_bound(const Shape& global_shape, double a, FanMode mode);
+Tensor& kaiming_uniform_(Tensor& t, Generator& gen, double a = 2.23606797749979,
+                         FanMode mode = FanMode::FanIn);
+double xavier_uniform_bound(const Shape& global_shape, double gain);
+Tensor& xavier_uniform_(Tensor& t, Generator& gen, double gain = 1.0);
+
+}  // namespace tessera

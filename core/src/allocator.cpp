@@ -1,0 +1,109 @@
+#include "tessera/core/allocator.h"
+
+#include <cstdlib>
+#include <mutex>
+#include <new>
+
+#include "tessera/core/error.h"
+#include "tessera/core/storage.h"
+
+namespace tessera {
+
+namespace {
+
+constexpr int kMaxDevices = 16;
+
+struct Counters {
+  std::atomic<int64_t> current{0};
+  std::atomic<int64_t> peak{0};
+  std::atomic<int64_t> total{0};
+  std::atomic<int64_t> count{0};
+};
+
+Counters& counters(Device d) {
+  static Counters cpu;
+  static Counters cuda[kMaxDevices];
+  if (d.is_cpu()) return cpu;
+  TESSERA_CHECK(d.index >= 0 && d.index < kMaxDevices, "device index ", d.index, " out of range");
+  return cuda[d.index];
+}
+
+// 64-byte aligned host memory: Eigen and AVX-512 loads want it.
+class CpuAllocator final : public Allocator {
+ public:
+  void* allocate(size_t nbytes) override {
+    if (nbytes == 0) return nullptr;
+    size_t rounded = (nbytes + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, rounded);
+    TESSERA_CHECK(p != nullptr, "out of host memory allocating ", nbytes, " bytes");
+    detail::record_alloc(Device::cpu(), nbytes);
+    return p;
+  }
+  void deallocate(void* ptr, size_t nbytes) override {
+    if (!ptr) return;
+    std::free(ptr);
+    detail::record_free(Device::cpu(), nbytes);
+  }
+  Device device() const override { return Device::cpu(); }
+};
+
+CpuAllocator g_cpu_allocator;
+std::atomic<Allocator*> g_cpu_override{nullptr};
+std::atomic<Allocator*> g_cuda_override{nullptr};
+
+}  // namespace
+
+Allocator* cuda_default_allocator(int index);  // cuda/allocator.cpp, or the error below
+
+Allocator& allocator_for(Device device) {
+  if (device.is_cpu()) {
+    Allocator* a = g_cpu_override.load();
+    return a ? *a : g_cpu_allocator;
+  }
+  Allocator* a = g_cuda_override.load();
+  if (a) return *a;
+#ifdef TESSERA_WITH_CUDA
+  return *cuda_default_allocator(device.index);
+#else
+  TESSERA_FAIL("cannot allocate on ", device.str(), ": this build has no CUDA support");
+#endif
+}
+
+Allocator* set_allocator(DeviceType type, Allocator* allocator) {
+  return type == DeviceType::CPU ? g_cpu_override.exchange(allocator)
+                                 : g_cuda_override.exchange(allocator);
+}
+
+MemoryStats memory_stats(Device device) {
+  Counters& c = counters(device);
+  return {c.current.load(), c.peak.load(), c.total.load(), c.count.load()};
+}
+
+void reset_peak_memory(Device device) {
+  Counters& c = counters(device);
+  c.peak.store(c.current.load());
+}
+
+namespace detail {
+void record_alloc(Device device, size_t nbytes) {
+  Counters& c = counters(device);
+  int64_t now = c.current.fetch_add(int64_t(nbytes)) + int64_t(nbytes);
+  int64_t peak = c.peak.load();
+  while (now > peak && !c.peak.compare_exchange_weak(peak, now)) {
+  }
+  c.total.fetch_add(int64_t(nbytes));
+  c.count.fetch_add(1);
+}
+void record_free(Device device, size_t nbytes) {
+  counters(device).current.fetch_sub(int64_t(nbytes));
+}
+}  // namespace detail
+
+StorageImpl::StorageImpl(size_t nbytes, Device device)
+    : nbytes_(nbytes), device_(device), allocator_(&allocator_for(device)) {
+  data_ = allocator_->allocate(nbytes);
+}
+
+StorageImpl::~StorageImpl() { allocator_->deallocate(data_, nbytes_); }
+
+}  // namespace tessera

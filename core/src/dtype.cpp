@@ -1,0 +1,85 @@
+#include "tessera/core/dtype.h"
+
+#include "tessera/core/device.h"
+#include "tessera/core/error.h"
+
+namespace tessera {
+
+size_t element_size(DType dt) {
+  switch (dt) {
+    case DType::Float32:
+    case DType::Int32:
+      return 4;
+    case DType::Float64:
+    case DType::Int64:
+      return 8;
+    case DType::BFloat16:
+    case DType::Float16:
+      return 2;
+    case DType::Bool:
+      return 1;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType dt) {
+  switch (dt) {
+    case DType::Float32:
+      return "float32";
+    case DType::Float64:
+      return "float64";
+    case DType::BFloat16:
+      return "bfloat16";
+    case DType::Float16:
+      return "float16";
+    case DType::Int64:
+      return "int64";
+    case DType::Int32:
+      return "int32";
+    case DType::Bool:
+      return "bool";
+  }
+  return "?";
+}
+
+namespace {
+int rank_of(DType dt) {
+  switch (dt) {
+    case DType::Bool:
+      return 0;
+    case DType::Int32:
+      return 1;
+    case DType::Int64:
+      return 2;
+    case DType::Float16:
+    case DType::BFloat16:
+      return 3;
+    case DType::Float32:
+      return 4;
+    case DType::Float64:
+      return 5;
+  }
+  return 0;
+}
+}  // namespace
+
+DType promote_types(DType a, DType b) {
+  if (a == b) return a;
+  // Mixing the two 16-bit formats has no exact common 16-bit type: use float32 like PyTorch.
+  if (is_half(a) && is_half(b)) return DType::Float32;
+  return rank_of(a) >= rank_of(b) ? a : b;
+}
+
+std::string Device::str() const {
+  return is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(index);
+}
+
+bool cuda_compiled() {
+#ifdef TESSERA_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace tessera

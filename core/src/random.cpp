@@ -1,0 +1,148 @@
+#include "tessera/core/random.h"
+
+#include <Random123/boxmuller.hpp>
+#include <Random123/philox.h>
+#include <Random123/uniform.hpp>
+#include <cmath>
+
+#include "tessera/core/detail/strided_loop.h"
+#include "tessera/core/factory.h"
+
+namespace tessera {
+
+Generator& default_generator() {
+  static Generator gen(0);
+  return gen;
+}
+void manual_seed(uint64_t seed) { default_generator().manual_seed(seed); }
+
+namespace {
+
+using Philox = r123::Philox4x32;
+
+// The 4 words Philox gives for counter block c of stream `kind` under `seed`.
+inline Philox::ctr_type block(uint64_t seed, RandomKind kind, uint64_t c) {
+  Philox::key_type key = {{uint32_t(seed), uint32_t(seed >> 32)}};
+  Philox::ctr_type ctr = {{uint32_t(c), uint32_t(c >> 32), uint32_t(kind), 0x7e55e7a}};
+  return Philox()(ctr, key);
+}
+
+// Value of logical element `i` (absolute stream position) of a draw. Uniform and Bernoulli use
+// one 32-bit word per element (4 per block); Normal uses a Box-Muller pair per 2 elements.
+inline double value_at(uint64_t seed, RandomKind kind, double a, double b, uint64_t i) {
+  switch (kind) {
+    case RandomKind::Uniform: {
+      auto r = block(seed, kind, i >> 2);
+      float u = r123::u01<float>(r.v[i & 3]);  // (0, 1]
+      return a + (b - a) * (1.0 - double(u));  // [a, b)
+    }
+    case RandomKind::Bernoulli: {
+      auto r = block(seed, kind, i >> 2);
+      float u = r123::u01<float>(r.v[i & 3]);
+      return (1.0 - double(u)) < a ? 1.0 : 0.0;
+    }
+    case RandomKind::Normal: {
+      auto r = block(seed, kind, i >> 1);
+      r123::float2 z = r123::boxmuller(r.v[0], r.v[1]);
+      return a + b * double((i & 1) ? z.y : z.x);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed, uint64_t base,
+                 const RandomWindow& window) {
+  const Shape& local = out.shape();
+  TESSERA_CHECK(is_floating(out.dtype()), "random fill of a ", dtype_name(out.dtype()),
+                " tensor: needs a floating dtype");
+  TESSERA_CHECK(out.device().is_cpu(), "random fill on ", out.device().str(),
+                " is not supported by this build");
+  TESSERA_CHECK(window.global_shape.size() == local.size() &&
+                    window.global_offset.size() == local.size(),
+                "random window: global shape ", shape_str(window.global_shape), " / offset ",
+                shape_str(window.global_offset), " do not match local shape ", shape_str(local));
+  for (size_t d = 0; d < local.size(); ++d) {
+    TESSERA_CHECK(window.global_offset[d] >= 0 &&
+                      window.global_offset[d] + local[d] <= window.global_shape[d],
+                  "random window: local shape ", shape_str(local), " at offset ",
+                  shape_str(window.global_offset), " exceeds global shape ",
+                  shape_str(window.global_shape));
+  }
+  if (out.numel() == 0) return;
+  // Global linear index of the local element at multi-index idx is
+  // sum_d (offset_d + idx_d) * gstride_d; iterate runs over the local tensor.
+  Shape gstrides = contiguous_strides(window.global_shape);
+  int64_t gbase = 0;
+  for (size_t d = 0; d < local.size(); ++d) gbase += window.global_offset[d] * gstrides[d];
+  dispatch_dtype(out.dtype(), [&]<class T>() {
+    if constexpr (std::is_floating_point_v<compute_t<T>>) {
+      T* p = static_cast<T*>(out.raw_data());
+      detail::for_each_run<2>(local, {&out.strides(), &gstrides}, [&](const detail::Run<2>& r) {
+        for (int64_t i = 0; i < r.length; ++i) {
+          uint64_t g = base + uint64_t(gbase + r.offset[1] + i * r.stride[1]);
+          p[r.offset[0] + i * r.stride[0]] = T(compute_t<T>(value_at(seed, kind, a, b, g)));
+        }
+      });
+    }
+  });
+}
+
+namespace {
+void fill_whole(Tensor& t, RandomKind kind, double a, double b, Generator& gen) {
+  uint64_t base = gen.advance(uint64_t(t.numel()));
+  philox_fill(t, kind, a, b, gen.seed(), base, {t.shape(), Shape(t.dim(), 0)});
+}
+}  // namespace
+
+Tensor rand(const Shape& shape, Generator& gen, DType dtype) {
+  Tensor t = empty(shape, dtype);
+  return uniform_(t, 0.0, 1.0, gen);
+}
+
+Tensor randn(const Shape& shape, Generator& gen, DType dtype) {
+  Tensor t = empty(shape, dtype);
+  return normal_(t, 0.0, 1.0, gen);
+}
+
+Tensor& uniform_(Tensor& t, double low, double high, Generator& gen) {
+  fill_whole(t, RandomKind::Uniform, low, high, gen);
+  return t;
+}
+
+Tensor& normal_(Tensor& t, double mean, double std, Generator& gen) {
+  fill_whole(t, RandomKind::Normal, mean, std, gen);
+  return t;
+}
+
+Fans compute_fans(const Shape& s) {
+  TESSERA_CHECK(s.size() >= 2, "fan in/out need at least 2 dims, got shape ", shape_str(s));
+  int64_t receptive = 1;
+  for (size_t d = 2; d < s.size(); ++d) receptive *= s[d];
+  return {s[1] * receptive, s[0] * receptive};
+}
+
+double kaiming_uniform_bound(const Shape& global_shape, double a, FanMode mode) {
+  Fans f = compute_fans(global_shape);
+  double fan = double(mode == FanMode::FanIn ? f.fan_in : f.fan_out);
+  double gain = std::sqrt(2.0 / (1.0 + a * a));
+  return gain * std::sqrt(3.0 / fan);
+}
+
+Tensor& kaiming_uniform_(Tensor& t, Generator& gen, double a, FanMode mode) {
+  double bound = kaiming_uniform_bound(t.shape(), a, mode);
+  return uniform_(t, -bound, bound, gen);
+}
+
+double xavier_uniform_bound(const Shape& global_shape, double gain) {
+  Fans f = compute_fans(global_shape);
+  return gain * std::sqrt(6.0 / double(f.fan_in + f.fan_out));
+}
+
+Tensor& xavier_uniform_(Tensor& t, Generator& gen, double gain) {
+  double bound = xavier_uniform_bound(t.shape(), gain);
+  return uniform_(t, -bound, bound, gen);
+}
+
+}  // namespace tessera

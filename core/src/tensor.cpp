@@ -1,0 +1,254 @@
+#include "tessera/core/tensor.h"
+
+#include <cstring>
+#include <ostream>
+
+#include "tessera/core/allocator.h"
+#include "tessera/core/detail/cuda_copy.h"
+#include "tessera/core/detail/strided_loop.h"
+#include "tessera/core/factory.h"
+
+namespace tessera {
+
+Tensor Tensor::make(Storage storage, Shape sizes, Shape strides, int64_t offset, DType dtype) {
+  TESSERA_CHECK(sizes.size() == strides.size(), "tensor view: ", sizes.size(), " sizes but ",
+                strides.size(), " strides");
+  TESSERA_CHECK(offset >= 0, "tensor view: negative storage offset ", offset);
+  int64_t max_index = offset;
+  bool empty = false;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    TESSERA_CHECK(sizes[i] >= 0, "tensor view: negative size in ", shape_str(sizes));
+    TESSERA_CHECK(strides[i] >= 0, "tensor view: negative stride in ", shape_str(strides));
+    if (sizes[i] == 0) empty = true;
+    else max_index += (sizes[i] - 1) * strides[i];
+  }
+  if (!empty) {
+    size_t need = size_t(max_index + 1) * tessera::element_size(dtype);
+    TESSERA_CHECK(need <= storage.nbytes(), "tensor view ", shape_str(sizes), " strides ",
+                  shape_str(strides), " offset ", offset, " needs ", need,
+                  " bytes but the storage has ", storage.nbytes());
+  }
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::move(storage);
+  impl->sizes = std::move(sizes);
+  impl->strides = std::move(strides);
+  impl->offset = offset;
+  impl->dtype = dtype;
+  return Tensor(std::move(impl));
+}
+
+const TensorImpl& Tensor::checked() const {
+  TESSERA_CHECK(impl_ != nullptr, "operation on an undefined tensor");
+  return *impl_;
+}
+
+int64_t Tensor::size(int64_t d) const { return sizes()[wrap_dim(d, dim(), "size")]; }
+int64_t Tensor::stride(int64_t d) const { return strides()[wrap_dim(d, dim(), "stride")]; }
+
+bool Tensor::is_contiguous() const {
+  const TensorImpl& t = checked();
+  int64_t expected = 1;
+  for (size_t i = t.sizes.size(); i-- > 0;) {
+    if (t.sizes[i] == 1) continue;
+    if (t.sizes[i] == 0) return true;
+    if (t.strides[i] != expected) return false;
+    expected *= t.sizes[i];
+  }
+  return true;
+}
+
+void* Tensor::raw_data() const {
+  const TensorImpl& t = checked();
+  if (!t.storage.data()) return nullptr;
+  return static_cast<char*>(t.storage.data()) + t.offset * int64_t(tessera::element_size(t.dtype));
+}
+
+template <class T>
+std::vector<T> Tensor::to_vector() const {
+  TESSERA_CHECK(device().is_cpu(), "to_vector on a ", device().str(), " tensor: copy to cpu first");
+  Tensor c = dtype() == DTypeOf<T>::value ? contiguous() : to(DTypeOf<T>::value);
+  const T* p = c.data<T>();
+  return std::vector<T>(p, p + c.numel());
+}
+
+template <class T>
+T Tensor::item() const {
+  TESSERA_CHECK(numel() == 1, "item() on a tensor of shape ", shape_str(shape()),
+                " (needs exactly one element)");
+  return to_vector<T>()[0];
+}
+
+#define TESSERA_INSTANTIATE(T)                        \
+  template std::vector<T> Tensor::to_vector<T>() const; \
+  template T Tensor::item<T>() const;
+TESSERA_INSTANTIATE(float)
+TESSERA_INSTANTIATE(double)
+TESSERA_INSTANTIATE(BFloat16)
+TESSERA_INSTANTIATE(Float16)
+TESSERA_INSTANTIATE(int64_t)
+TESSERA_INSTANTIATE(int32_t)
+TESSERA_INSTANTIATE(bool)
+#undef TESSERA_INSTANTIATE
+
+Tensor Tensor::as_strided(Shape sizes, Shape strides, int64_t offset) const {
+  return make(storage(), std::move(sizes), std::move(strides), offset, dtype());
+}
+
+Tensor Tensor::detach() const {
+  const TensorImpl& t = checked();
+  return make(t.storage, t.sizes, t.strides, t.offset, t.dtype);
+}
+
+Tensor Tensor::contiguous() const {
+  if (is_contiguous()) return *this;
+  return clone();
+}
+
+Tensor Tensor::clone() const {
+  Tensor out = empty(shape(), TensorOptions(dtype(), device()));
+  out.copy_(*this);
+  return out;
+}
+
+Tensor Tensor::to(DType dt) const {
+  if (dt == dtype()) return *this;
+  Tensor out = empty(shape(), TensorOptions(dt, device()));
+  out.copy_(*this);
+  return out;
+}
+
+Tensor Tensor::to(Device dev) const {
+  if (dev == device()) return *this;
+  Tensor out = empty(shape(), TensorOptions(dtype(), dev));
+  out.copy_(*this);
+  return out;
+}
+
+namespace {
+
+template <class D, class S>
+void copy_runs(const Tensor& dst, const Tensor& src) {
+  D* d = static_cast<D*>(dst.raw_data());
+  const S* s = static_cast<const S*>(src.raw_data());
+  detail::for_each_run<2>(dst.shape(), {&dst.strides(), &src.strides()},
+                          [&](const detail::Run<2>& r) {
+                            D* dp = d + r.offset[0];
+                            const S* sp = s + r.offset[1];
+                            if (r.stride[0] == 1 && r.stride[1] == 1) {
+                              if constexpr (std::is_same_v<D, S>) {
+                                std::memcpy(dp, sp, size_t(r.length) * sizeof(D));
+                              } else {
+                                for (int64_t i = 0; i < r.length; ++i) dp[i] = D(to_compute(sp[i]));
+                              }
+                              return;
+                            }
+                            for (int64_t i = 0; i < r.length; ++i)
+                              dp[i * r.stride[0]] = D(to_compute(sp[i * r.stride[1]]));
+                          });
+}
+
+}  // namespace
+
+Tensor& Tensor::copy_(const Tensor& src) {
+  TESSERA_CHECK(src.shape() == shape(), "copy_: source shape ", shape_str(src.shape()),
+                " does not match destination shape ", shape_str(shape()));
+  if (numel() == 0) return *this;
+  if (!device().is_cpu() || !src.device().is_cpu()) {
+    TESSERA_CHECK(src.dtype() == dtype() && src.is_contiguous() && is_contiguous(),
+                  "copy_ between ", src.device().str(), " and ", device().str(),
+                  " needs contiguous tensors of one dtype (got ", src.str(), " -> ", str(), ")");
+    detail::device_copy(raw_data(), device(), src.raw_data(), src.device(), nbytes());
+    return *this;
+  }
+  dispatch_dtype(dtype(), [&]<class D>() {
+    dispatch_dtype(src.dtype(), [&]<class S>() { copy_runs<D, S>(*this, src); });
+  });
+  return *this;
+}
+
+Tensor& Tensor::fill_(double value) {
+  if (numel() == 0) return *this;
+  if (!device().is_cpu()) {
+    Tensor host = full(shape(), value, TensorOptions(dtype(), Device::cpu()));
+    return copy_(host);
+  }
+  dispatch_dtype(dtype(), [&]<class T>() {
+    T v = T(static_cast<compute_t<T>>(value));
+    T* p = static_cast<T*>(raw_data());
+    detail::for_each_run<1>(shape(), {&strides()}, [&](const detail::Run<1>& r) {
+      for (int64_t i = 0; i < r.length; ++i) p[r.offset[0] + i * r.stride[0]] = v;
+    });
+  });
+  return *this;
+}
+
+// --- autograd state ---
+
+AutogradMeta& Tensor::autograd_meta() {
+  TensorImpl& t = const_cast<TensorImpl&>(checked());
+  if (!t.autograd) t.autograd = std::make_shared<AutogradMeta>();
+  return *t.autograd;
+}
+AutogradMeta* Tensor::autograd_meta_if_exists() const { return checked().autograd.get(); }
+
+bool Tensor::requires_grad() const {
+  auto* m = autograd_meta_if_exists();
+  return m && (m->requires_grad || m->grad_fn);
+}
+
+Tensor& Tensor::set_requires_grad(bool requires_grad) {
+  AutogradMeta* m = autograd_meta_if_exists();
+  TESSERA_CHECK(!(m && m->grad_fn), "set_requires_grad on a non-leaf tensor ", str(),
+                ": only leaves can be marked; use detach() first");
+  TESSERA_CHECK(!requires_grad || is_floating(dtype()), "set_requires_grad on a ",
+                dtype_name(dtype()), " tensor: only floating-point tensors can require grad");
+  autograd_meta().requires_grad = requires_grad;
+  return *this;
+}
+
+bool Tensor::is_leaf() const {
+  auto* m = autograd_meta_if_exists();
+  return !m || !m->grad_fn;
+}
+
+Tensor Tensor::grad() const {
+  auto* m = autograd_meta_if_exists();
+  return m ? m->grad : Tensor();
+}
+
+void Tensor::set_grad(const Tensor& grad) {
+  if (grad.defined()) {
+    TESSERA_CHECK(grad.shape() == shape(), "set_grad: gradient shape ", shape_str(grad.shape()),
+                  " does not match tensor shape ", shape_str(shape()));
+  }
+  autograd_meta().grad = grad;
+}
+
+const std::shared_ptr<autograd::Node>& Tensor::grad_fn() const {
+  static const std::shared_ptr<autograd::Node> kNone;
+  auto* m = autograd_meta_if_exists();
+  return m ? m->grad_fn : kNone;
+}
+
+uint32_t Tensor::output_nr() const {
+  auto* m = autograd_meta_if_exists();
+  return m ? m->output_nr : 0;
+}
+
+std::string Tensor::str() const {
+  if (!defined()) return "Tensor(undefined)";
+  return "Tensor" + shape_str(shape()) + " " + dtype_name(dtype()) + " " + device().str();
+}
+
+std::ostream& operator<<(std::ostream& os, const Tensor& t) {
+  os << t.str();
+  if (t.defined() && t.device().is_cpu() && t.numel() <= 64) {
+    os << " {";
+    auto v = t.to_vector<double>();
+    for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
+    os << "}";
+  }
+  return os;
+}
+
+}  // namespace tessera
