@@ -1,0 +1,3 @@
+#pragma once
+#include "tessera/comm/process_group.h"
+#include "tessera/comm/runtime.h"

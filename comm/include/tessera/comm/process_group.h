@@ -1,0 +1,71 @@
+#pragma once
+// A group of ranks that run collectives together (c10d's Backend): one virtual method per
+// collective, each asynchronous, returning a Work to wait on. Blocking use is `->wait()`.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessera/core/tensor.h"
+
+namespace tessera {
+
+enum class ReduceOp : uint8_t { Sum, Avg, Max, Min, Product };
+const char* reduce_op_name(ReduceOp op);
+
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the operation finished; aborts the job after the collective timeout with a
+  // message naming op, group, shapes and rank.
+  virtual void wait() = 0;
+  virtual bool is_completed() = 0;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+class ProcessGroup {
+ public:
+  virtual ~ProcessGroup() = default;
+
+  int rank() const { return rank_; }  // rank inside this group
+  int size() const { return size_; }
+  // World ranks of the members, in group-rank order.
+  const std::vector<int>& world_ranks() const { return world_ranks_; }
+  const std::string& name() const { return name_; }
+
+  // In place on `t`. Avg divides the sum by size(). 16-bit floats accumulate in float32.
+  virtual WorkPtr all_reduce(Tensor& t, ReduceOp op) = 0;
+  // `out` is size() copies of `in`'s shape concatenated on dim 0 (out.size(0) = size() *
+  // in.size(0)); every rank passes the same shape.
+  virtual WorkPtr all_gather_into_tensor(Tensor& out, const Tensor& in) = 0;
+  // outputs[r] receives rank r's `in`; shapes may differ across ranks (outputs pre-sized).
+  virtual WorkPtr all_gather(std::vector<Tensor>& outputs, const Tensor& in) = 0;
+  // `in` is size() blocks of `out`'s shape on dim 0; rank r gets the reduction of block r.
+  virtual WorkPtr reduce_scatter_tensor(Tensor& out, const Tensor& in, ReduceOp op) = 0;
+  // inputs[r] (shapes may differ per r, same on every rank) reduced into rank r's `out`.
+  virtual WorkPtr reduce_scatter(Tensor& out, const std::vector<Tensor>& inputs, ReduceOp op) = 0;
+  // inputs[r] goes to rank r; outputs[r] receives from rank r (pre-sized, any sizes).
+  virtual WorkPtr all_to_all(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs) = 0;
+  virtual WorkPtr broadcast(Tensor& t, int root) = 0;
+  // Root passes inputs[r] for each rank r (sizes may differ); others pass an empty vector.
+  virtual WorkPtr scatter(Tensor& out, const std::vector<Tensor>& inputs, int root) = 0;
+  virtual WorkPtr send(const Tensor& t, int dst, int tag = 0) = 0;
+  virtual WorkPtr recv(Tensor& t, int src, int tag = 0) = 0;
+  virtual WorkPtr barrier() = 0;
+
+  // Collective over this group: members passing the same color form a new group, ordered by
+  // key then by rank here (MPI_Comm_split).
+  virtual std::shared_ptr<ProcessGroup> split(int color, int key, const std::string& name) = 0;
+
+ protected:
+  ProcessGroup(int rank, int size, std::vector<int> world_ranks, std::string name)
+      : rank_(rank), size_(size), world_ranks_(std::move(world_ranks)), name_(std::move(name)) {}
+
+ private:
+  int rank_;
+  int size_;
+  std::vector<int> world_ranks_;
+  std::string name_;
+};
+using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
+
+}  // namespace tessera

@@ -1,0 +1,38 @@
+#pragma once
+// Joining the job. Under mpirun (or srun) the process joins the MPI world; started alone it is a
+// world of one rank. Uncaught exceptions after init print their message and abort every rank.
+#include "tessera/comm/process_group.h"
+
+namespace tessera {
+
+// Idempotent. Reads TESSERA_COLLECTIVE_TIMEOUT (seconds) and TESSERA_DEBUG_COLLECTIVES.
+void init(int* argc = nullptr, char*** argv = nullptr);
+void finalize();
+bool is_initialized();
+
+int world_rank();
+int world_size();
+ProcessGroupPtr world_group();
+
+// RAII form of init/finalize for main().
+class Runtime {
+ public:
+  Runtime(int& argc, char**& argv) { init(&argc, &argv); }
+  Runtime() { init(); }
+  ~Runtime() { finalize(); }
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+};
+
+// Prints `what` with the rank and aborts every rank of the job (MPI_Abort); never returns.
+[[noreturn]] void abort_job(const std::string& what);
+
+// Collective timeout in seconds (default 300), settable for tests.
+double collective_timeout_seconds();
+void set_collective_timeout_seconds(double seconds);
+// When on, every collective first checks that all ranks of the group call the same op with the
+// same shapes and dtypes.
+bool debug_collectives();
+void set_debug_collectives(bool on);
+
+}  // namespace tessera
