@@ -1,8 +1,21 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "tessera/tessera.h"
 
 using namespace tessera;
+
+namespace {
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
 
 TEST(Tensor, ViewsShareStorage) {
   Tensor a = arange(0, 12, 1, DType::Float32);
@@ -13,4 +26,132 @@ TEST(Tensor, ViewsShareStorage) {
   EXPECT_EQ(t.shape(), (Shape{4, 3}));
   EXPECT_EQ(t.contiguous().to_vector<float>(),
             (std::vector<float>{0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11}));
+}
+
+TEST(Tensor, NarrowSliceSelectPermute) {
+  Tensor a = kernels::view(arange(0, 24, 1, DType::Float64), {2, 3, 4});
+  Tensor n = kernels::narrow(a, 2, 1, 2);
+  EXPECT_EQ(n.shape(), (Shape{2, 3, 2}));
+  EXPECT_EQ(n.storage_offset(), 1);
+  EXPECT_EQ(n.contiguous().to_vector<double>(),
+            (std::vector<double>{1, 2, 5, 6, 9, 10, 13, 14, 17, 18, 21, 22}));
+  Tensor s = kernels::slice(a, 2, 0, 4, 2);
+  EXPECT_EQ(s.contiguous().to_vector<double>(),
+            (std::vector<double>{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22}));
+  Tensor sel = kernels::select(a, 1, -1);
+  EXPECT_EQ(sel.contiguous().to_vector<double>(),
+            (std::vector<double>{8, 9, 10, 11, 20, 21, 22, 23}));
+  Tensor p = kernels::permute(a, {2, 0, 1});
+  EXPECT_EQ(p.shape(), (Shape{4, 2, 3}));
+  EXPECT_EQ(p.contiguous().to_vector<double>()[3], 12.0);  // p[0,1,0] = a[1,0,0]
+  Tensor u = kernels::unsqueeze(a, 1);
+  EXPECT_EQ(u.shape(), (Shape{2, 1, 3, 4}));
+  EXPECT_EQ(kernels::squeeze(u).shape(), (Shape{2, 3, 4}));
+  EXPECT_EQ(kernels::flatten(a, 1).shape(), (Shape{2, 12}));
+}
+
+TEST(Tensor, ExpandHasZeroStride) {
+  Tensor a = from_vector<float>({1, 2, 3}, {3, 1});
+  Tensor e = kernels::expand(a, {2, 3, 4});
+  EXPECT_EQ(e.strides(), (Shape{0, 1, 0}));
+  std::vector<float> v = e.contiguous().to_vector<float>();
+  EXPECT_EQ(v.size(), 24u);
+  EXPECT_EQ(v[4], 2.0f);
+  EXPECT_NE(error_of([&] { kernels::expand(a, {2, 2}); }).find("cannot expand"), std::string::npos);
+}
+
+TEST(Tensor, ViewNeedsCompatibleStridesReshapeCopies) {
+  Tensor a = kernels::view(arange(0, 6, 1, DType::Float32), {2, 3});
+  Tensor t = kernels::transpose(a, 0, 1);
+  EXPECT_NE(error_of([&] { kernels::view(t, {6}); }).find("use reshape"), std::string::npos);
+  Tensor r = kernels::reshape(t, {6});
+  EXPECT_FALSE(r.storage().is_same(a.storage()));
+  EXPECT_EQ(r.to_vector<float>(), (std::vector<float>{0, 3, 1, 4, 2, 5}));
+  // A view over a split of a contiguous dim stays a view.
+  Tensor v = kernels::view(a, {3, 2});
+  EXPECT_TRUE(v.storage().is_same(a.storage()));
+  EXPECT_EQ(kernels::view(a, {-1}).shape(), (Shape{6}));
+}
+
+TEST(Tensor, ChunkFollowsTorchSemantics) {
+  Tensor a = arange(5, DType::Float32);
+  auto pieces = kernels::chunk(a, 4, 0);
+  ASSERT_EQ(pieces.size(), 3u);  // ceil(5/4) = 2 -> 2, 2, 1
+  EXPECT_EQ(pieces[0].numel(), 2);
+  EXPECT_EQ(pieces[2].numel(), 1);
+  auto s = kernels::split(a, {1, 0, 4}, 0);
+  EXPECT_EQ(s[1].numel(), 0);
+  EXPECT_EQ(s[2].to_vector<float>(), (std::vector<float>{1, 2, 3, 4}));
+}
+
+TEST(Tensor, DtypeConversionRoundsToNearestEven) {
+  // 1 + 2^-8 is halfway between two bfloat16 values: ties go to the even mantissa (1.0).
+  Tensor f = from_vector<float>({1.0f + 1.0f / 256, 1.0f + 3.0f / 256, 65520.0f, 1e-8f, -2.5f});
+  Tensor bf = f.to(DType::BFloat16);
+  std::vector<float> back = bf.to_vector<float>();
+  EXPECT_EQ(back[0], 1.0f);
+  EXPECT_EQ(back[1], 1.0f + 4.0f / 256);
+  EXPECT_EQ(back[4], -2.5f);
+  Tensor h = f.to(DType::Float16);
+  std::vector<float> hb = h.to_vector<float>();
+  EXPECT_EQ(hb[0], 1.0f + 1.0f / 256);  // exact in float16's 10-bit mantissa
+  EXPECT_TRUE(std::isinf(hb[2]));  // 65520 rounds up past fp16's max 65504
+  EXPECT_NEAR(hb[3], 0.0f, 1e-7f);
+  EXPECT_EQ(hb[4], -2.5f);
+  EXPECT_EQ(Float16::to_float(Float16::from_float(65504.0f)), 65504.0f);
+  EXPECT_EQ(Float16::to_float(Float16::from_float(5.9604644775390625e-8f)),
+            5.9604644775390625e-8f);  // smallest subnormal
+  Tensor i = from_vector<float>({1.7f, -2.2f}).to(DType::Int64);
+  EXPECT_EQ(i.to_vector<int64_t>(), (std::vector<int64_t>{1, -2}));
+}
+
+TEST(Tensor, Float16RoundTripIsExactForAllHalfValues) {
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    if ((bits & 0x7c00) == 0x7c00 && (bits & 0x3ff)) continue;  // NaN payloads
+    float f = Float16::to_float(uint16_t(bits));
+    ASSERT_EQ(Float16::from_float(f), uint16_t(bits)) << bits;
+  }
+}
+
+TEST(Tensor, CopyAcrossStridesAndDtypes) {
+  Tensor src = kernels::transpose(kernels::view(arange(0, 6, 1, DType::Int32), {2, 3}), 0, 1);
+  Tensor dst = zeros({3, 2}, DType::Float64);
+  dst.copy_(src);
+  EXPECT_EQ(dst.to_vector<double>(), (std::vector<double>{0, 3, 1, 4, 2, 5}));
+  EXPECT_NE(error_of([&] { dst.copy_(zeros({2, 3})); }).find("[2, 3]"), std::string::npos);
+  Tensor window = kernels::narrow(zeros({4, 4}), 1, 1, 2);
+  window.fill_(7);
+  EXPECT_EQ(window.contiguous().to_vector<float>(), std::vector<float>(8, 7.0f));
+}
+
+TEST(Tensor, AllocatorCountsEveryByte) {
+  reset_peak_memory();
+  int64_t before = memory_stats().current_bytes;
+  {
+    Tensor a = empty({1024, 256});  // 1 MiB
+    EXPECT_EQ(memory_stats().current_bytes - before, 1024 * 256 * 4);
+    Tensor v = kernels::narrow(a, 0, 0, 10);  // views allocate nothing
+    EXPECT_EQ(memory_stats().current_bytes - before, 1024 * 256 * 4);
+  }
+  EXPECT_EQ(memory_stats().current_bytes, before);
+  EXPECT_GE(memory_stats().peak_bytes - before, 1024 * 256 * 4);
+  reset_peak_memory();
+  EXPECT_EQ(memory_stats().peak_bytes, memory_stats().current_bytes);
+}
+
+TEST(Tensor, FactoriesAndItem) {
+  EXPECT_EQ(arange(2, 8, 2, DType::Int64).to_vector<int64_t>(), (std::vector<int64_t>{2, 4, 6}));
+  EXPECT_EQ(full({2}, 3.5, DType::BFloat16).to_vector<float>(), (std::vector<float>{3.5f, 3.5f}));
+  EXPECT_EQ(ones({2, 2}, DType::Bool).to_vector<bool>(), std::vector<bool>(4, true));
+  EXPECT_EQ(scalar_tensor(4.0).item<float>(), 4.0f);
+  EXPECT_EQ(scalar_tensor(4.0).dim(), 0);
+  EXPECT_NE(error_of([] { ones({2}).item<float>(); }).find("exactly one"), std::string::npos);
+  EXPECT_NE(error_of([] { ones({2}).data<double>(); }).find("float32"), std::string::npos);
+}
+
+TEST(Tensor, CudaWithoutBuildIsAClearError) {
+  if (cuda_compiled()) GTEST_SKIP() << "CUDA build";
+  EXPECT_NE(error_of([] { empty({2}, TensorOptions(DType::Float32, Device::cuda())); })
+                .find("no CUDA support"),
+            std::string::npos);
 }

@@ -1,0 +1,207 @@
+// The engine, Function, hooks and callbacks, exercised with Functions defined here so the test
+// depends on nothing but the engine itself.
+#include <gtest/gtest.h>
+
+#include "tessera/tessera.h"
+
+using namespace tessera;
+
+namespace {
+
+Tensor leaf(std::vector<double> v, Shape s = {}) {
+  Tensor t = from_vector<double>(v, s);
+  t.set_requires_grad(true);
+  return t;
+}
+
+// y = x * x, elementwise, with loops so the test does not depend on the kernels under test.
+class Square final : public autograd::Function {
+ public:
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    save_for_backward({in[0]});
+    Tensor y = in[0].clone();
+    double* p = y.data<double>();
+    for (int64_t i = 0; i < y.numel(); ++i) p[i] *= p[i];
+    return {y};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) override {
+    Tensor x = saved_tensors()[0].contiguous();
+    Tensor gx = g[0].clone();
+    double* p = gx.data<double>();
+    const double* xp = x.data<double>();
+    for (int64_t i = 0; i < gx.numel(); ++i) p[i] *= 2 * xp[i];
+    ++calls;
+    return {gx};
+  }
+  static inline int calls = 0;
+};
+
+// Two outputs: (a + b, a - b).
+class SumDiff final : public autograd::Function {
+ public:
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    Tensor s = in[0].clone(), d = in[0].clone();
+    const double* b = in[1].contiguous().data<double>();
+    for (int64_t i = 0; i < s.numel(); ++i) {
+      s.data<double>()[i] += b[i];
+      d.data<double>()[i] -= b[i];
+    }
+    return {s, d};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) override {
+    Tensor ga = g[0].clone(), gb = g[0].clone();
+    for (int64_t i = 0; i < ga.numel(); ++i) {
+      ga.data<double>()[i] += g[1].contiguous().data<double>()[i];
+      gb.data<double>()[i] -= g[1].contiguous().data<double>()[i];
+    }
+    return {ga, gb};
+  }
+};
+
+Tensor square(const Tensor& x) { return autograd::Function::apply<Square>({x})[0]; }
+
+}  // namespace
+
+TEST(AutogradEngine, ChainAndAccumulationIntoLeaves) {
+  Tensor x = leaf({3.0});
+  Tensor y = square(square(x));  // x^4
+  backward(y);
+  EXPECT_DOUBLE_EQ(x.grad().item<double>(), 4 * 27.0);
+  // A second graph accumulates into the same .grad.
+  backward(square(x));
+  EXPECT_DOUBLE_EQ(x.grad().item<double>(), 108.0 + 6.0);
+}
+
+TEST(AutogradEngine, DiamondSumsBothPathsAndRunsEachNodeOnce) {
+  Tensor x = leaf({1.0, 2.0});
+  Tensor y = square(x);
+  auto sd = autograd::Function::apply<SumDiff>({y, y});  // (2y, 0)
+  Square::calls = 0;
+  backward({sd[0], sd[1]}, {ones({2}, DType::Float64), ones({2}, DType::Float64)});
+  // d/dx [(y + y) + (y - y)] = 2 * 2x
+  EXPECT_EQ(x.grad().to_vector<double>(), (std::vector<double>{4.0, 8.0}));
+  EXPECT_EQ(Square::calls, 1);
+}
+
+TEST(AutogradEngine, UnusedOutputGetsZeroGradient) {
+  Tensor a = leaf({1.0}), b = leaf({2.0});
+  auto sd = autograd::Function::apply<SumDiff>({a, b});
+  backward(sd[1]);  // only a - b
+  EXPECT_DOUBLE_EQ(a.grad().item<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(b.grad().item<double>(), -1.0);
+}
+
+TEST(AutogradEngine, NoGradGuardRecordsNothing) {
+  Tensor x = leaf({2.0});
+  Tensor y;
+  {
+    NoGradGuard g;
+    y = square(x);
+  }
+  EXPECT_FALSE(y.requires_grad());
+  EXPECT_TRUE(y.is_leaf());
+  EXPECT_THROW(backward(y), Error);
+}
+
+TEST(AutogradEngine, SavedTensorsFreedUnlessRetained) {
+  Tensor x = leaf({2.0});
+  Tensor y = square(x);
+  backward(y, {}, /*retain_graph=*/true);
+  backward(y);
+  EXPECT_DOUBLE_EQ(x.grad().item<double>(), 8.0);
+  try {
+    backward(y);
+    FAIL() << "second backward without retain_graph must fail";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("retain_graph"), std::string::npos);
+  }
+}
+
+TEST(AutogradEngine, LeafHookCanReplaceGradientAndPostHookSeesResult) {
+  Tensor x = leaf({1.0});
+  register_hook(x, [](const Tensor& g) {
+    Tensor r = g.clone();
+    r.data<double>()[0] *= 10;
+    return r;
+  });
+  double seen = 0;
+  register_post_accumulate_grad_hook(x, [&](Tensor& t) { seen = t.grad().item<double>(); });
+  backward(square(x));
+  EXPECT_DOUBLE_EQ(x.grad().item<double>(), 20.0);
+  EXPECT_DOUBLE_EQ(seen, 20.0);
+}
+
+TEST(AutogradEngine, NonLeafHookAndRetainGrad) {
+  Tensor x = leaf({3.0});
+  Tensor y = square(x);
+  double seen = 0;
+  register_hook(y, [&](const Tensor& g) {
+    seen = g.item<double>();
+    return Tensor();
+  });
+  retain_grad(y);
+  backward(square(y));  // d(y^2)/dy = 2y = 18
+  EXPECT_DOUBLE_EQ(seen, 18.0);
+  EXPECT_DOUBLE_EQ(y.grad().item<double>(), 18.0);
+  EXPECT_DOUBLE_EQ(x.grad().item<double>(), 18.0 * 6.0);
+}
+
+TEST(AutogradEngine, CallbacksRunAfterAllNodes) {
+  Tensor x = leaf({1.0});
+  std::vector<std::string> order;
+  register_post_accumulate_grad_hook(x, [&](Tensor&) {
+    order.push_back("accumulate");
+    autograd::queue_callback([&] {
+      order.push_back("callback");
+      autograd::queue_callback([&] { order.push_back("nested"); });
+    });
+  });
+  backward(square(x));
+  EXPECT_EQ(order, (std::vector<std::string>{"accumulate", "callback", "nested"}));
+  EXPECT_FALSE(autograd::in_backward());
+  EXPECT_THROW(autograd::queue_callback([] {}), Error);
+}
+
+TEST(AutogradEngine, NonScalarNeedsGradientAndShapesAreChecked) {
+  Tensor x = leaf({1.0, 2.0});
+  Tensor y = square(x);
+  EXPECT_THROW(backward(y), Error);
+  EXPECT_THROW(backward(y, ones({3}, DType::Float64)), Error);
+}
+
+TEST(AutogradEngine, ViewsAreDifferentiable) {
+  Tensor x = leaf({0, 1, 2, 3, 4, 5}, {2, 3});
+  Tensor t = transpose(x, 0, 1);           // [3, 2]
+  Tensor n = narrow(t, 0, 1, 2);           // rows 1..2 of x^T
+  Tensor r = reshape(square(n), {4});      // non-contiguous -> copy
+  Tensor e = expand(unsqueeze(r, 0), {3, 4});
+  backward(e, ones({3, 4}, DType::Float64));
+  // grad = 3 * 2x on x[:, 1:3], 0 on column 0
+  EXPECT_EQ(x.grad().to_vector<double>(), (std::vector<double>{0, 6, 12, 0, 24, 30}));
+}
+
+TEST(AutogradEngine, GradcheckOnViews) {
+  Tensor x = leaf({0.5, -1, 2, 3, 4, 5, 6, 7}, {2, 2, 2});
+  auto r = gradcheck(
+      [](const std::vector<Tensor>& in) {
+        Tensor p = permute(in[0], {2, 0, 1});
+        Tensor s = select(slice(p, 1, 0, 2, 1), 2, 1);
+        return square(contiguous(s));
+      },
+      {x});
+  EXPECT_TRUE(r.ok) << r.message;
+  Tensor y = leaf({1, 2, 3}, {3, 1});
+  auto r2 = gradcheck(
+      [](const std::vector<Tensor>& in) { return square(contiguous(expand(in[0], {2, 3, 4}))); },
+      {y});
+  EXPECT_TRUE(r2.ok) << r2.message;
+}
+
+TEST(AutogradEngine, CastIsDifferentiable) {
+  Tensor x = leaf({1.5, 2.5});
+  Tensor y = cast(x, DType::Float32);
+  EXPECT_EQ(y.dtype(), DType::Float32);
+  backward(cast(y, DType::Float64), ones({2}, DType::Float64));
+  EXPECT_EQ(x.grad().dtype(), DType::Float64);
+  EXPECT_EQ(x.grad().to_vector<double>(), (std::vector<double>{1, 1}));
+}
