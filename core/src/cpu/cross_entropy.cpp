@@ -1,0 +1,157 @@
+// Cross-entropy on logits [N, C] with int64 class targets [N], fused with its log-softmax so
+// the probabilities are never materialised in the forward pass.
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "tessera/core/factory.h"
+#include "tessera/core/kernels/nn.h"
+
+namespace tessera::kernels {
+
+namespace {
+
+const char* reduction_name(Reduction r) {
+  switch (r) {
+    case Reduction::None:
+      return "none";
+    case Reduction::Mean:
+      return "mean";
+    case Reduction::Sum:
+      return "sum";
+  }
+  return "?";
+}
+
+void check_args(const char* op, const Tensor& logits, const Tensor& target) {
+  TESSERA_CHECK(logits.defined() && target.defined(), op, ": undefined logits or target");
+  TESSERA_CHECK(logits.dim() == 2 && is_floating(logits.dtype()), op,
+                ": logits must be a floating-point [N, C] tensor, got ", logits.str());
+  TESSERA_CHECK(target.dtype() == DType::Int64, op, ": target must be int64 class indices, got ",
+                target.str());
+  TESSERA_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), op, ": target shape ",
+                shape_str(target.shape()), " does not match logits ", shape_str(logits.shape()),
+                " (expected [", logits.size(0), "])");
+  TESSERA_CHECK(logits.device().is_cpu() && target.device().is_cpu(), op,
+                ": the CPU kernel got logits on ", logits.device().str(), " and target on ",
+                target.device().str());
+}
+
+// Validated targets; -1 marks an ignored row.
+std::vector<int64_t> class_indices(const char* op, const Tensor& target, int64_t num_classes,
+                                   int64_t ignore_index, int64_t& kept) {
+  std::vector<int64_t> t = target.to_vector<int64_t>();
+  kept = 0;
+  for (size_t i = 0; i < t.size(); ++i) {
+    if (t[i] == ignore_index) {
+      t[i] = -1;
+      continue;
+    }
+    TESSERA_CHECK(t[i] >= 0 && t[i] < num_classes, op, ": target ", t[i], " at row ", i,
+                  " is out of range for ", num_classes, " classes (ignore_index is ", ignore_index,
+                  ")");
+    ++kept;
+  }
+  return t;
+}
+
+// log(sum(exp(row))) computed stably.
+template <class T>
+compute_t<T> logsumexp(const T* row, int64_t c) {
+  using C = compute_t<T>;
+  C m = -std::numeric_limits<C>::infinity();
+  for (int64_t j = 0; j < c; ++j)
+    m = std::max(m, C(row[j]));
+  if (std::isinf(m)) return m;
+  C s = 0;
+  for (int64_t j = 0; j < c; ++j)
+    s += std::exp(C(row[j]) - m);
+  return m + std::log(s);
+}
+
+}  // namespace
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index,
+                     Reduction reduction) {
+  const char* op = "cross_entropy";
+  check_args(op, logits, target);
+  const int64_t n = logits.size(0), c = logits.size(1);
+  int64_t kept = 0;
+  std::vector<int64_t> t = class_indices(op, target, c, ignore_index, kept);
+  Tensor x = logits.contiguous();
+  Tensor out =
+      reduction == Reduction::None ? empty({n}, logits.dtype()) : empty({}, logits.dtype());
+  dispatch_dtype(logits.dtype(), [&]<class T>() {
+    if constexpr (std::is_floating_point_v<compute_t<T>>) {
+      using C = compute_t<T>;
+      const T* px = x.data<T>();
+      T* po = out.data<T>();
+      double total = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        C loss = 0;
+        if (t[size_t(i)] >= 0) {
+          const T* row = px + i * c;
+          loss = logsumexp(row, c) - C(row[t[size_t(i)]]);
+        }
+        if (reduction == Reduction::None)
+          po[i] = T(loss);
+        else
+          total += double(loss);
+      }
+      // Mean over zero kept rows is 0/0, as in PyTorch.
+      if (reduction == Reduction::Sum) po[0] = T(C(total));
+      if (reduction == Reduction::Mean)
+        po[0] = T(C(kept ? total / double(kept) : std::numeric_limits<double>::quiet_NaN()));
+    }
+  });
+  return out;
+}
+
+Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
+                              int64_t ignore_index, Reduction reduction) {
+  const char* op = "cross_entropy_backward";
+  check_args(op, logits, target);
+  const int64_t n = logits.size(0), c = logits.size(1);
+  TESSERA_CHECK(grad_loss.defined(), op, ": undefined grad_loss");
+  if (reduction == Reduction::None) {
+    TESSERA_CHECK(grad_loss.shape() == Shape{n}, op, ": grad_loss ", shape_str(grad_loss.shape()),
+                  " for reduction none must be [", n, "]");
+  } else {
+    TESSERA_CHECK(grad_loss.numel() == 1, op, ": grad_loss ", shape_str(grad_loss.shape()),
+                  " for reduction ", reduction_name(reduction), " must hold one value");
+  }
+  int64_t kept = 0;
+  std::vector<int64_t> t = class_indices(op, target, c, ignore_index, kept);
+  std::vector<double> gl = grad_loss.to_vector<double>();
+  Tensor x = logits.contiguous();
+  Tensor gx = empty(logits.shape(), logits.dtype());
+  dispatch_dtype(logits.dtype(), [&]<class T>() {
+    if constexpr (std::is_floating_point_v<compute_t<T>>) {
+      using C = compute_t<T>;
+      const T* px = x.data<T>();
+      T* pg = gx.data<T>();
+      for (int64_t i = 0; i < n; ++i) {
+        T* grow = pg + i * c;
+        const int64_t ti = t[size_t(i)];
+        if (ti < 0) {
+          std::fill(grow, grow + c, T(C(0)));
+          continue;
+        }
+        double w = reduction == Reduction::None  ? gl[size_t(i)]
+                   : reduction == Reduction::Sum ? gl[0]
+                                                 : gl[0] / double(kept);
+        const T* row = px + i * c;
+        C lse = logsumexp(row, c);
+        C scale = C(w);
+        for (int64_t j = 0; j < c; ++j) {
+          C p = std::exp(C(row[j]) - lse) - (j == ti ? C(1) : C(0));
+          grow[j] = T(p * scale);
+        }
+      }
+    }
+  });
+  return gx;
+}
+
+}  // namespace tessera::kernels
