@@ -1,0 +1,503 @@
+// Binary, scalar, comparison, selection and in-place kernels. Operands are promoted to a common
+// dtype first (a copy at the operand's own size, never at the broadcast size), so every loop
+// below sees one element type and the compiler can specialise and vectorise it.
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include "elementwise_loop.h"
+#include "tessera/core/factory.h"
+#include "tessera/core/kernels/elementwise.h"
+#include "tessera/core/kernels/reduce.h"
+#include "tessera/core/kernels/views.h"
+
+namespace tessera::kernels {
+
+namespace {
+
+using cpu::broadcast_strides;
+using cpu::check_cpu;
+using cpu::is_nan;
+using cpu::map_runs;
+
+const char* binary_name(BinaryOp op) {
+  switch (op) {
+    case BinaryOp::Add:
+      return "add";
+    case BinaryOp::Sub:
+      return "sub";
+    case BinaryOp::Mul:
+      return "mul";
+    case BinaryOp::Div:
+      return "div";
+    case BinaryOp::Pow:
+      return "pow";
+    case BinaryOp::Maximum:
+      return "maximum";
+    case BinaryOp::Minimum:
+      return "minimum";
+  }
+  return "binary";
+}
+
+const char* compare_name(CompareOp op) {
+  switch (op) {
+    case CompareOp::Eq:
+      return "eq";
+    case CompareOp::Ne:
+      return "ne";
+    case CompareOp::Lt:
+      return "lt";
+    case CompareOp::Le:
+      return "le";
+    case CompareOp::Gt:
+      return "gt";
+    case CompareOp::Ge:
+      return "ge";
+  }
+  return "compare";
+}
+
+bool is_int(DType dt) {
+  return dt == DType::Int64 || dt == DType::Int32;
+}
+bool int_op(BinaryOp op) {
+  return op != BinaryOp::Div && op != BinaryOp::Pow;
+}
+
+void check_binary_dtype(const char* name, BinaryOp op, DType dt, const Tensor& a, const Tensor& b) {
+  TESSERA_CHECK(is_floating(dt) || (is_int(dt) && int_op(op)), name, ": unsupported dtypes ",
+                dtype_name(a.dtype()), " ", shape_str(a.shape()), " and ", dtype_name(b.dtype()),
+                " ", shape_str(b.shape()), " (expected floating dtypes",
+                int_op(op) ? " or int32/int64" : "", ")");
+}
+
+// The scalar in the tensor's compute type. Integer tensors keep their dtype, so the scalar must
+// be an integer they can hold; anything else is an error rather than a silent truncation.
+template <class C>
+C scalar_as(const char* name, DType dt, double s) {
+  if constexpr (std::is_integral_v<C>) {
+    TESSERA_CHECK(std::isfinite(s) && s == std::trunc(s) &&
+                      s >= double(std::numeric_limits<C>::lowest()) &&
+                      s <= double(std::numeric_limits<C>::max()),
+                  name, ": scalar ", s, " cannot be applied to a ", dtype_name(dt),
+                  " tensor (needs an integer in range; cast the tensor to a floating dtype)");
+  } else {
+    (void)name;
+    (void)dt;
+  }
+  return C(s);
+}
+
+template <BinaryOp kOp, class C>
+inline C apply_binary(C a, C b) {
+  if constexpr (std::is_integral_v<C>) {
+    // Unsigned arithmetic wraps like PyTorch's integer ops instead of being undefined.
+    using U = std::make_unsigned_t<C>;
+    if constexpr (kOp == BinaryOp::Add) return C(U(a) + U(b));
+    if constexpr (kOp == BinaryOp::Sub) return C(U(a) - U(b));
+    if constexpr (kOp == BinaryOp::Mul) return C(U(a) * U(b));
+  } else {
+    if constexpr (kOp == BinaryOp::Add) return a + b;
+    if constexpr (kOp == BinaryOp::Sub) return a - b;
+    if constexpr (kOp == BinaryOp::Mul) return a * b;
+    if constexpr (kOp == BinaryOp::Div) return a / b;
+    if constexpr (kOp == BinaryOp::Pow) return std::pow(a, b);
+  }
+  // maximum/minimum propagate NaN, like torch.maximum.
+  if constexpr (kOp == BinaryOp::Maximum) return is_nan(a) || b < a ? a : b;
+  if constexpr (kOp == BinaryOp::Minimum) return is_nan(a) || a < b ? a : b;
+  return C(0);
+}
+
+template <CompareOp kOp, class C>
+inline bool apply_compare(C a, C b) {
+  if constexpr (kOp == CompareOp::Eq) return a == b;
+  if constexpr (kOp == CompareOp::Ne) return a != b;
+  if constexpr (kOp == CompareOp::Lt) return a < b;
+  if constexpr (kOp == CompareOp::Le) return a <= b;
+  if constexpr (kOp == CompareOp::Gt) return a > b;
+  if constexpr (kOp == CompareOp::Ge) return a >= b;
+  return false;
+}
+
+// Calls f.template operator()<kOp>() for the runtime op, for integer element types only with
+// the ops integers support (the others are rejected before dispatch).
+template <class C, class F>
+void with_binary_op(BinaryOp op, F&& f) {
+  switch (op) {
+    case BinaryOp::Add:
+      return f.template operator()<BinaryOp::Add>();
+    case BinaryOp::Sub:
+      return f.template operator()<BinaryOp::Sub>();
+    case BinaryOp::Mul:
+      return f.template operator()<BinaryOp::Mul>();
+    case BinaryOp::Maximum:
+      return f.template operator()<BinaryOp::Maximum>();
+    case BinaryOp::Minimum:
+      return f.template operator()<BinaryOp::Minimum>();
+    case BinaryOp::Div:
+      if constexpr (std::is_floating_point_v<C>) return f.template operator()<BinaryOp::Div>();
+      break;
+    case BinaryOp::Pow:
+      if constexpr (std::is_floating_point_v<C>) return f.template operator()<BinaryOp::Pow>();
+      break;
+  }
+  TESSERA_FAIL(binary_name(op), ": not defined for integer tensors");
+}
+
+template <class F>
+void with_compare_op(CompareOp op, F&& f) {
+  switch (op) {
+    case CompareOp::Eq:
+      return f.template operator()<CompareOp::Eq>();
+    case CompareOp::Ne:
+      return f.template operator()<CompareOp::Ne>();
+    case CompareOp::Lt:
+      return f.template operator()<CompareOp::Lt>();
+    case CompareOp::Le:
+      return f.template operator()<CompareOp::Le>();
+    case CompareOp::Gt:
+      return f.template operator()<CompareOp::Gt>();
+    case CompareOp::Ge:
+      return f.template operator()<CompareOp::Ge>();
+  }
+}
+
+// Arithmetic element types: everything but bool.
+template <class T>
+constexpr bool kArithmetic = !std::is_same_v<T, bool>;
+
+// a op s (or s op a when `reversed`), for a's dtype.
+Tensor scalar_op(BinaryOp op, const Tensor& a, double s, bool reversed) {
+  const char* name = binary_name(op);
+  check_cpu(name, a);
+  const DType dt = a.dtype();
+  TESSERA_CHECK(is_floating(dt) || (is_int(dt) && int_op(op)), name, ": unsupported dtype ",
+                dtype_name(dt), " for tensor of shape ", shape_str(a.shape()),
+                " with a scalar (expected a floating dtype", int_op(op) ? " or int32/int64" : "",
+                ")");
+  Tensor out = empty(a.shape(), dt);
+  dispatch_dtype(dt, [&]<class T>() {
+    if constexpr (kArithmetic<T>) {
+      using C = compute_t<T>;
+      const C sv = scalar_as<C>(name, dt, s);
+      with_binary_op<C>(op, [&]<BinaryOp kOp>() {
+        if (reversed) {
+          map_runs<T, T, 1>(out, {&a}, {a.strides()},
+                            [sv](const std::array<const C*, 1>& in, C* o, int64_t n) {
+                              const C* x = in[0];
+                              for (int64_t i = 0; i < n; ++i)
+                                o[i] = apply_binary<kOp>(sv, x[i]);
+                            });
+        } else {
+          map_runs<T, T, 1>(out, {&a}, {a.strides()},
+                            [sv](const std::array<const C*, 1>& in, C* o, int64_t n) {
+                              const C* x = in[0];
+                              for (int64_t i = 0; i < n; ++i)
+                                o[i] = apply_binary<kOp>(x[i], sv);
+                            });
+        }
+      });
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
+  const char* name = binary_name(op);
+  check_cpu(name, a);
+  check_cpu(name, b);
+  const DType dt = promote_types(a.dtype(), b.dtype());
+  check_binary_dtype(name, op, dt, a, b);
+  const Shape shape = broadcast_shapes(a.shape(), b.shape(), name);
+  const Tensor ac = a.to(dt), bc = b.to(dt);
+  Tensor out = empty(shape, dt);
+  dispatch_dtype(dt, [&]<class T>() {
+    if constexpr (kArithmetic<T>) {
+      using C = compute_t<T>;
+      with_binary_op<C>(op, [&]<BinaryOp kOp>() {
+        map_runs<T, T, 2>(out, {&ac, &bc},
+                          {broadcast_strides(ac, shape), broadcast_strides(bc, shape)},
+                          [](const std::array<const C*, 2>& in, C* o, int64_t n) {
+                            const C* x = in[0];
+                            const C* y = in[1];
+                            for (int64_t i = 0; i < n; ++i)
+                              o[i] = apply_binary<kOp>(x[i], y[i]);
+                          });
+      });
+    }
+  });
+  return out;
+}
+
+Tensor binary_scalar(BinaryOp op, const Tensor& a, double s) {
+  if (op == BinaryOp::Pow && s == 2.0) return unary(UnaryOp::Square, a);
+  return scalar_op(op, a, s, false);
+}
+
+Tensor rbinary_scalar(BinaryOp op, double s, const Tensor& a) {
+  return scalar_op(op, a, s, true);
+}
+
+Tensor compare(CompareOp op, const Tensor& a, const Tensor& b) {
+  const char* name = compare_name(op);
+  check_cpu(name, a);
+  check_cpu(name, b);
+  const DType dt = promote_types(a.dtype(), b.dtype());
+  const Shape shape = broadcast_shapes(a.shape(), b.shape(), name);
+  const Tensor ac = a.to(dt), bc = b.to(dt);
+  Tensor out = empty(shape, DType::Bool);
+  dispatch_dtype(dt, [&]<class T>() {
+    using C = compute_t<T>;
+    with_compare_op(op, [&]<CompareOp kOp>() {
+      map_runs<T, bool, 2>(out, {&ac, &bc},
+                           {broadcast_strides(ac, shape), broadcast_strides(bc, shape)},
+                           [](const std::array<const C*, 2>& in, bool* o, int64_t n) {
+                             const C* x = in[0];
+                             const C* y = in[1];
+                             for (int64_t i = 0; i < n; ++i)
+                               o[i] = apply_compare<kOp>(x[i], y[i]);
+                           });
+    });
+  });
+  return out;
+}
+
+Tensor compare_scalar(CompareOp op, const Tensor& a, double s) {
+  const char* name = compare_name(op);
+  check_cpu(name, a);
+  Tensor out = empty(a.shape(), DType::Bool);
+  dispatch_dtype(a.dtype(), [&]<class T>() {
+    using C = compute_t<T>;
+    // Floating tensors compare against the scalar rounded to their compute type (torch does the
+    // same); integers and bools compare exactly against the double, unless the scalar is an
+    // integer they can hold, which keeps the loop in the tensor's own type.
+    auto run = [&]<class S>(S sv) {
+      with_compare_op(op, [&]<CompareOp kOp>() {
+        map_runs<T, bool, 1>(out, {&a}, {a.strides()},
+                             [sv](const std::array<const C*, 1>& in, bool* o, int64_t n) {
+                               const C* x = in[0];
+                               for (int64_t i = 0; i < n; ++i)
+                                 o[i] = apply_compare<kOp>(S(x[i]), sv);
+                             });
+      });
+    };
+    if constexpr (std::is_floating_point_v<C>) {
+      run(C(s));
+    } else if constexpr (std::is_same_v<C, bool>) {
+      run(double(s));
+    } else {
+      const bool fits = s == std::trunc(s) && s >= double(std::numeric_limits<C>::lowest()) &&
+                        s <= double(std::numeric_limits<C>::max());
+      if (fits) {
+        run(C(s));
+      } else {
+        run(double(s));
+      }
+    }
+  });
+  return out;
+}
+
+namespace {
+
+template <class D, class S>
+void add_runs(Tensor& dst, const Tensor& src, const Shape& src_strides, double alpha) {
+  using C = compute_t<D>;
+  const C a = scalar_as<C>("add_", dst.dtype(), alpha);
+  D* d = static_cast<D*>(dst.raw_data());
+  const S* s = static_cast<const S*>(src.raw_data());
+  auto combine = [a](D dv, S sv) {
+    if constexpr (std::is_integral_v<C>) {
+      using U = std::make_unsigned_t<C>;
+      return D(C(U(dv) + U(a) * U(C(sv))));
+    } else {
+      return D(C(dv) + a * C(sv));
+    }
+  };
+  detail::for_each_run<2>(dst.shape(), {&dst.strides(), &src_strides},
+                          [&](const detail::Run<2>& r) {
+                            D* dp = d + r.offset[0];
+                            const S* sp = s + r.offset[1];
+                            if (r.stride[0] == 1 && r.stride[1] == 1) {
+                              for (int64_t i = 0; i < r.length; ++i)
+                                dp[i] = combine(dp[i], sp[i]);
+                            } else if (r.stride[0] == 1 && r.stride[1] == 0) {
+                              const S v = sp[0];
+                              for (int64_t i = 0; i < r.length; ++i)
+                                dp[i] = combine(dp[i], v);
+                            } else {
+                              for (int64_t i = 0; i < r.length; ++i) {
+                                D& x = dp[i * r.stride[0]];
+                                x = combine(x, sp[i * r.stride[1]]);
+                              }
+                            }
+                          });
+}
+
+// In-place ops write each element once, which a destination with stride 0 along a dim of size
+// > 1 (an expanded view) cannot honour.
+void check_writable(const char* op, const Tensor& dst) {
+  for (int64_t d = 0; d < dst.dim(); ++d)
+    TESSERA_CHECK(dst.size(d) <= 1 || dst.stride(d) != 0, op, ": destination ", dst.str(),
+                  " with strides ", shape_str(dst.strides()),
+                  " has overlapping elements (an expanded view); clone it first");
+}
+
+}  // namespace
+
+void add_(Tensor& dst, const Tensor& src, double alpha) {
+  check_cpu("add_", dst);
+  check_cpu("add_", src);
+  const DType dt = dst.dtype();
+  TESSERA_CHECK(is_floating(dt) || is_int(dt), "add_: unsupported destination dtype ",
+                dtype_name(dt), " (expected a floating dtype or int32/int64)");
+  TESSERA_CHECK(is_floating(dt) || !is_floating(src.dtype()), "add_: cannot add a ",
+                dtype_name(src.dtype()), " source into a ", dtype_name(dt),
+                " destination without losing the fraction");
+  const Shape shape = broadcast_shapes(dst.shape(), src.shape(), "add_");
+  TESSERA_CHECK(shape == dst.shape(), "add_: source shape ", shape_str(src.shape()),
+                " does not broadcast to destination shape ", shape_str(dst.shape()));
+  check_writable("add_", dst);
+  if (dst.numel() == 0) return;
+  dispatch_dtype(dt, [&]<class D>() {
+    if constexpr (kArithmetic<D>) {
+      using C = compute_t<D>;
+      if (src.dtype() == dt) {
+        add_runs<D, D>(dst, src, broadcast_strides(src, shape), alpha);
+      } else {
+        // Converting to the compute type (not to a 16-bit destination type) keeps the source's
+        // precision until the single rounding of the sum.
+        const Tensor sc = src.to(DTypeOf<C>::value);
+        add_runs<D, C>(dst, sc, broadcast_strides(sc, shape), alpha);
+      }
+    }
+  });
+}
+
+void mul_scalar_(Tensor& dst, double s) {
+  check_cpu("mul_scalar_", dst);
+  const DType dt = dst.dtype();
+  TESSERA_CHECK(is_floating(dt) || is_int(dt), "mul_scalar_: unsupported dtype ", dtype_name(dt),
+                " for tensor of shape ", shape_str(dst.shape()),
+                " (expected a floating dtype or int32/int64)");
+  check_writable("mul_scalar_", dst);
+  dispatch_dtype(dt, [&]<class T>() {
+    if constexpr (kArithmetic<T>) {
+      using C = compute_t<T>;
+      const C sv = scalar_as<C>("mul_scalar_", dt, s);
+      T* p = static_cast<T*>(dst.raw_data());
+      detail::for_each_run<1>(dst.shape(), {&dst.strides()}, [&](const detail::Run<1>& r) {
+        T* q = p + r.offset[0];
+        const int64_t st = r.stride[0];
+        if (st == 1) {
+          for (int64_t i = 0; i < r.length; ++i)
+            q[i] = T(apply_binary<BinaryOp::Mul>(C(q[i]), sv));
+        } else {
+          for (int64_t i = 0; i < r.length; ++i)
+            q[i * st] = T(apply_binary<BinaryOp::Mul>(C(q[i * st]), sv));
+        }
+      });
+    }
+  });
+}
+
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  check_cpu("where", cond);
+  check_cpu("where", a);
+  check_cpu("where", b);
+  TESSERA_CHECK(cond.dtype() == DType::Bool, "where: condition must be bool, got ",
+                dtype_name(cond.dtype()), " ", shape_str(cond.shape()));
+  const DType dt = promote_types(a.dtype(), b.dtype());
+  const Shape shape =
+      broadcast_shapes(broadcast_shapes(cond.shape(), a.shape(), "where"), b.shape(), "where");
+  const Tensor ac = a.to(dt), bc = b.to(dt);
+  Tensor out = empty(shape, dt);
+  const Shape cs = broadcast_strides(cond, shape), as = broadcast_strides(ac, shape),
+              bs = broadcast_strides(bc, shape);
+  dispatch_dtype(dt, [&]<class T>() {
+    T* o = static_cast<T*>(out.raw_data());
+    const bool* c = static_cast<const bool*>(cond.raw_data());
+    const T* x = static_cast<const T*>(ac.raw_data());
+    const T* y = static_cast<const T*>(bc.raw_data());
+    detail::for_each_run<4>(shape, {&out.strides(), &cs, &as, &bs}, [&](const detail::Run<4>& r) {
+      T* op = o + r.offset[0];
+      const bool* cp = c + r.offset[1];
+      const T* xp = x + r.offset[2];
+      const T* yp = y + r.offset[3];
+      if (r.stride[1] == 1 && r.stride[2] == 1 && r.stride[3] == 1) {
+        for (int64_t i = 0; i < r.length; ++i)
+          op[i] = cp[i] ? xp[i] : yp[i];
+        return;
+      }
+      for (int64_t i = 0; i < r.length; ++i)
+        op[i] = cp[i * r.stride[1]] ? xp[i * r.stride[2]] : yp[i * r.stride[3]];
+    });
+  });
+  return out;
+}
+
+Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
+  check_cpu("masked_fill", x);
+  check_cpu("masked_fill", mask);
+  TESSERA_CHECK(mask.dtype() == DType::Bool, "masked_fill: mask must be bool, got ",
+                dtype_name(mask.dtype()), " ", shape_str(mask.shape()));
+  const Shape shape = broadcast_shapes(x.shape(), mask.shape(), "masked_fill");
+  TESSERA_CHECK(shape == x.shape(), "masked_fill: mask shape ", shape_str(mask.shape()),
+                " does not broadcast to input shape ", shape_str(x.shape()));
+  Tensor out = empty(x.shape(), x.dtype());
+  const Shape ms = broadcast_strides(mask, shape);
+  dispatch_dtype(x.dtype(), [&]<class T>() {
+    using C = compute_t<T>;
+    T v;
+    if constexpr (std::is_same_v<T, bool>) {
+      v = value != 0;
+    } else {
+      v = T(scalar_as<C>("masked_fill", x.dtype(), value));
+    }
+    T* o = static_cast<T*>(out.raw_data());
+    const T* xp = static_cast<const T*>(x.raw_data());
+    const bool* m = static_cast<const bool*>(mask.raw_data());
+    detail::for_each_run<3>(shape, {&out.strides(), &x.strides(), &ms},
+                            [&](const detail::Run<3>& r) {
+                              T* op = o + r.offset[0];
+                              const T* ip = xp + r.offset[1];
+                              const bool* mp = m + r.offset[2];
+                              if (r.stride[1] == 1 && r.stride[2] == 1) {
+                                for (int64_t i = 0; i < r.length; ++i)
+                                  op[i] = mp[i] ? v : ip[i];
+                                return;
+                              }
+                              for (int64_t i = 0; i < r.length; ++i)
+                                op[i] = mp[i * r.stride[2]] ? v : ip[i * r.stride[1]];
+                            });
+  });
+  return out;
+}
+
+Tensor sum_to_shape(const Tensor& x, const Shape& shape) {
+  check_cpu("sum_to_shape", x);
+  if (x.shape() == shape) return x;
+  const Shape& xs = x.shape();
+  bool ok = shape.size() <= xs.size();
+  const size_t lead = ok ? xs.size() - shape.size() : 0;
+  std::vector<int64_t> dims;
+  for (size_t i = 0; i < lead; ++i)
+    dims.push_back(int64_t(i));
+  for (size_t i = 0; ok && i < shape.size(); ++i) {
+    if (shape[i] == xs[lead + i]) continue;
+    ok = shape[i] == 1;
+    dims.push_back(int64_t(lead + i));
+  }
+  TESSERA_CHECK(ok, "sum_to_shape: cannot sum a tensor of shape ", shape_str(xs), " down to ",
+                shape_str(shape), " (", shape_str(shape), " does not broadcast to ", shape_str(xs),
+                ")");
+  Tensor r = dims.empty() ? x : sum(x, dims, /*keepdim=*/true);
+  if (r.dtype() != x.dtype()) r = r.to(x.dtype());
+  return reshape(r, shape);
+}
+
+}  // namespace tessera::kernels

@@ -1,0 +1,289 @@
+// Unary kernels and their fused backward (grad * f'(x)). Transcendentals go through Eigen's
+// array expressions, whose packet math vectorises exp/log/tanh/erf/sin/cos where std:: calls in a
+// loop would not; the simple ops are plain loops the compiler vectorises on its own.
+//
+// GCC 12 reports false -W(maybe-)uninitialized errors inside its own AVX-512 intrinsics
+// (_mm512_undefined_pd) when Eigen's pexp is inlined (GCC bug 105593); it is not about our code.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <Eigen/Core>
+#include <cmath>
+#include <type_traits>
+#include <unsupported/Eigen/SpecialFunctions>
+
+#include "elementwise_loop.h"
+#include "tessera/core/factory.h"
+#include "tessera/core/kernels/elementwise.h"
+
+namespace tessera::kernels {
+
+namespace {
+
+using cpu::check_cpu;
+using cpu::map_runs;
+
+constexpr double kSqrt1_2 = 0.70710678118654752440;      // 1/sqrt(2)
+constexpr double kInvSqrt2Pi = 0.39894228040143267794;   // 1/sqrt(2*pi)
+constexpr double kSqrt2OverPi = 0.79788456080286535588;  // sqrt(2/pi)
+constexpr double kGeluCubic = 0.044715;
+
+const char* unary_name(UnaryOp op) {
+  switch (op) {
+    case UnaryOp::Neg:
+      return "neg";
+    case UnaryOp::Exp:
+      return "exp";
+    case UnaryOp::Log:
+      return "log";
+    case UnaryOp::Sqrt:
+      return "sqrt";
+    case UnaryOp::Rsqrt:
+      return "rsqrt";
+    case UnaryOp::Tanh:
+      return "tanh";
+    case UnaryOp::Sigmoid:
+      return "sigmoid";
+    case UnaryOp::Relu:
+      return "relu";
+    case UnaryOp::Gelu:
+      return "gelu";
+    case UnaryOp::GeluTanh:
+      return "gelu(tanh)";
+    case UnaryOp::Silu:
+      return "silu";
+    case UnaryOp::Abs:
+      return "abs";
+    case UnaryOp::Sin:
+      return "sin";
+    case UnaryOp::Cos:
+      return "cos";
+    case UnaryOp::Square:
+      return "square";
+    case UnaryOp::Reciprocal:
+      return "reciprocal";
+  }
+  return "unary";
+}
+
+// Ops that are exact on integers; everything else needs a floating dtype.
+bool integer_ok(UnaryOp op) {
+  return op == UnaryOp::Neg || op == UnaryOp::Abs || op == UnaryOp::Square || op == UnaryOp::Relu;
+}
+
+template <class C>
+using Arr = Eigen::Array<C, Eigen::Dynamic, 1>;
+
+template <class C>
+void unary_float(UnaryOp op, const C* x, C* y, int64_t n) {
+  Eigen::Map<const Arr<C>> in(x, n);
+  Eigen::Map<Arr<C>> out(y, n);
+  switch (op) {
+    case UnaryOp::Neg:
+      for (int64_t i = 0; i < n; ++i)
+        y[i] = -x[i];
+      return;
+    case UnaryOp::Exp:
+      out = in.exp();
+      return;
+    case UnaryOp::Log:
+      out = in.log();
+      return;
+    case UnaryOp::Sqrt:
+      out = in.sqrt();
+      return;
+    case UnaryOp::Rsqrt:
+      // 1/sqrt rather than the hardware estimate: within an ulp, like torch.rsqrt.
+      out = in.sqrt().inverse();
+      return;
+    case UnaryOp::Tanh:
+      out = in.tanh();
+      return;
+    case UnaryOp::Sigmoid:
+      out = (C(1) + (-in).exp()).inverse();
+      return;
+    case UnaryOp::Relu:
+      // NaN < 0 is false, so NaN propagates as in PyTorch.
+      for (int64_t i = 0; i < n; ++i)
+        y[i] = x[i] < C(0) ? C(0) : x[i];
+      return;
+    case UnaryOp::Gelu:
+      out = C(0.5) * in * (C(1) + (in * C(kSqrt1_2)).erf());
+      return;
+    case UnaryOp::GeluTanh:
+      out = C(0.5) * in * (C(1) + (C(kSqrt2OverPi) * (in + C(kGeluCubic) * in.cube())).tanh());
+      return;
+    case UnaryOp::Silu:
+      out = in / (C(1) + (-in).exp());
+      return;
+    case UnaryOp::Abs:
+      for (int64_t i = 0; i < n; ++i)
+        y[i] = std::abs(x[i]);
+      return;
+    case UnaryOp::Sin:
+      out = in.sin();
+      return;
+    case UnaryOp::Cos:
+      out = in.cos();
+      return;
+    case UnaryOp::Square:
+      for (int64_t i = 0; i < n; ++i)
+        y[i] = x[i] * x[i];
+      return;
+    case UnaryOp::Reciprocal:
+      for (int64_t i = 0; i < n; ++i)
+        y[i] = C(1) / x[i];
+      return;
+  }
+}
+
+template <class C>
+void unary_int(UnaryOp op, const C* x, C* y, int64_t n) {
+  // Unsigned arithmetic wraps like PyTorch's integer ops instead of being undefined.
+  using U = std::make_unsigned_t<C>;
+  switch (op) {
+    case UnaryOp::Neg:
+      for (int64_t i = 0; i < n; ++i)
+        y[i] = C(U(0) - U(x[i]));
+      return;
+    case UnaryOp::Abs:
+      for (int64_t i = 0; i < n; ++i)
+        y[i] = x[i] < 0 ? C(U(0) - U(x[i])) : x[i];
+      return;
+    case UnaryOp::Square:
+      for (int64_t i = 0; i < n; ++i)
+        y[i] = C(U(x[i]) * U(x[i]));
+      return;
+    case UnaryOp::Relu:
+      for (int64_t i = 0; i < n; ++i)
+        y[i] = x[i] < 0 ? C(0) : x[i];
+      return;
+    default:
+      TESSERA_FAIL(unary_name(op), ": not defined for integer tensors");
+  }
+}
+
+// y = g * f'(x). Where f'(x) reuses f(x), f(x) is written to y first and refined in place so that
+// no transcendental is evaluated twice.
+template <class C>
+void unary_backward_float(UnaryOp op, const C* g, const C* x, C* y, int64_t n) {
+  Eigen::Map<const Arr<C>> gr(g, n), in(x, n);
+  Eigen::Map<Arr<C>> out(y, n);
+  switch (op) {
+    case UnaryOp::Neg:
+      for (int64_t i = 0; i < n; ++i)
+        y[i] = -g[i];
+      return;
+    case UnaryOp::Exp:
+      out = gr * in.exp();
+      return;
+    case UnaryOp::Log:
+      for (int64_t i = 0; i < n; ++i)
+        y[i] = g[i] / x[i];
+      return;
+    case UnaryOp::Sqrt:
+      out = C(0.5) * gr / in.sqrt();
+      return;
+    case UnaryOp::Rsqrt:
+      out = C(-0.5) * gr / (in * in.sqrt());
+      return;
+    case UnaryOp::Tanh:
+      out = in.tanh();
+      out = gr * (C(1) - out.square());
+      return;
+    case UnaryOp::Sigmoid:
+      out = (C(1) + (-in).exp()).inverse();
+      out = gr * out * (C(1) - out);
+      return;
+    case UnaryOp::Relu:
+      for (int64_t i = 0; i < n; ++i)
+        y[i] = x[i] > C(0) ? g[i] : C(0);
+      return;
+    case UnaryOp::Gelu:
+      // d/dx x*Phi(x) = Phi(x) + x*phi(x).
+      out = C(0.5) * (C(1) + (in * C(kSqrt1_2)).erf());
+      out = gr * (out + in * (C(-0.5) * in.square()).exp() * C(kInvSqrt2Pi));
+      return;
+    case UnaryOp::GeluTanh:
+      out = (C(kSqrt2OverPi) * (in + C(kGeluCubic) * in.cube())).tanh();
+      out = gr * (C(0.5) * (C(1) + out) + C(0.5) * in * (C(1) - out.square()) * C(kSqrt2OverPi) *
+                                              (C(1) + C(3 * kGeluCubic) * in.square()));
+      return;
+    case UnaryOp::Silu:
+      out = (C(1) + (-in).exp()).inverse();
+      out = gr * out * (C(1) + in * (C(1) - out));
+      return;
+    case UnaryOp::Abs:
+      // sign(0) = 0, as in PyTorch.
+      for (int64_t i = 0; i < n; ++i)
+        y[i] = x[i] > C(0) ? g[i] : (x[i] < C(0) ? -g[i] : C(0));
+      return;
+    case UnaryOp::Sin:
+      out = gr * in.cos();
+      return;
+    case UnaryOp::Cos:
+      out = -gr * in.sin();
+      return;
+    case UnaryOp::Square:
+      for (int64_t i = 0; i < n; ++i)
+        y[i] = C(2) * x[i] * g[i];
+      return;
+    case UnaryOp::Reciprocal:
+      for (int64_t i = 0; i < n; ++i)
+        y[i] = -g[i] / (x[i] * x[i]);
+      return;
+  }
+}
+
+}  // namespace
+
+Tensor unary(UnaryOp op, const Tensor& x) {
+  const char* name = unary_name(op);
+  check_cpu(name, x);
+  const DType dt = x.dtype();
+  TESSERA_CHECK(is_floating(dt) || ((dt == DType::Int64 || dt == DType::Int32) && integer_ok(op)),
+                name, ": unsupported dtype ", dtype_name(dt), " for input of shape ",
+                shape_str(x.shape()), " (expected a floating dtype",
+                integer_ok(op) ? " or int32/int64" : "", ")");
+  Tensor out = empty(x.shape(), dt);
+  dispatch_dtype(dt, [&]<class T>() {
+    using C = compute_t<T>;
+    if constexpr (std::is_floating_point_v<C>) {
+      map_runs<T, T, 1>(out, {&x}, {x.strides()},
+                        [op](const std::array<const C*, 1>& in, C* y, int64_t n) {
+                          unary_float<C>(op, in[0], y, n);
+                        });
+    } else if constexpr (std::is_same_v<C, int64_t> || std::is_same_v<C, int32_t>) {
+      map_runs<T, T, 1>(out, {&x}, {x.strides()},
+                        [op](const std::array<const C*, 1>& in, C* y, int64_t n) {
+                          unary_int<C>(op, in[0], y, n);
+                        });
+    }
+  });
+  return out;
+}
+
+Tensor unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x) {
+  const char* name = unary_name(op);
+  check_cpu(name, grad);
+  check_cpu(name, x);
+  TESSERA_CHECK(grad.shape() == x.shape(), name, " backward: gradient shape ",
+                shape_str(grad.shape()), " does not match input shape ", shape_str(x.shape()));
+  TESSERA_CHECK(is_floating(grad.dtype()) && is_floating(x.dtype()), name,
+                " backward: needs floating tensors, got gradient ", dtype_name(grad.dtype()),
+                " and input ", dtype_name(x.dtype()));
+  const DType dt = promote_types(grad.dtype(), x.dtype());
+  Tensor g = grad.to(dt), xc = x.to(dt);
+  Tensor out = empty(x.shape(), dt);
+  dispatch_dtype(dt, [&]<class T>() {
+    using C = compute_t<T>;
+    if constexpr (std::is_floating_point_v<C>) {
+      map_runs<T, T, 2>(out, {&g, &xc}, {g.strides(), xc.strides()},
+                        [op](const std::array<const C*, 2>& in, C* y, int64_t n) {
+                          unary_backward_float<C>(op, in[0], in[1], y, n);
+                        });
+    }
+  });
+  return out;
+}
+
+}  // namespace tessera::kernels
