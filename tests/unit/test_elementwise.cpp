@@ -1,0 +1,817 @@
+// Elementwise kernels and their autograd ops. Expected values are computed here with plain loops
+// and std:: math in double; broadcasting references use their own index arithmetic.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+
+#include "tessera/tessera.h"
+
+using namespace tessera;
+using kernels::BinaryOp;
+using kernels::CompareOp;
+using kernels::UnaryOp;
+
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// Deterministic, irregular values in [lo, hi], never exactly 0 when lo < 0 < hi is symmetric.
+std::vector<double> wavy(int64_t n, double lo, double hi, double phase = 0.0) {
+  std::vector<double> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const double u = 0.5 + 0.5 * std::sin(1.7 * double(i) + 0.3 + phase);  // (0, 1)
+    v[size_t(i)] = lo + (hi - lo) * (0.02 + 0.96 * u);
+  }
+  return v;
+}
+
+Tensor tensor_of(const std::vector<double>& v, const Shape& shape, DType dt) {
+  return from_vector<double>(v, shape).to(dt);
+}
+
+// Values a tensor of dtype `dt` actually holds after rounding `v` into it.
+std::vector<double> rounded(const std::vector<double>& v, DType dt) {
+  return from_vector<double>(v).to(dt).to_vector<double>();
+}
+
+void expect_close(const Tensor& t, const std::vector<double>& want, double rtol, double atol,
+                  const std::string& what = "") {
+  const std::vector<double> got = t.to_vector<double>();
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(want[i])) {
+      EXPECT_TRUE(std::isnan(got[i])) << what << " element " << i << " got " << got[i];
+      continue;
+    }
+    if (std::isinf(want[i])) {
+      EXPECT_EQ(got[i], want[i]) << what << " element " << i;
+      continue;
+    }
+    EXPECT_NEAR(got[i], want[i], atol + rtol * std::abs(want[i])) << what << " element " << i;
+  }
+}
+
+// out[idx] = f(a[bcast idx], b[bcast idx]) for numpy broadcasting of a and b to `out_shape`.
+std::vector<double> ref_broadcast(const std::vector<double>& a, const Shape& as,
+                                  const std::vector<double>& b, const Shape& bs,
+                                  const Shape& out_shape,
+                                  const std::function<double(double, double)>& f) {
+  const int64_t n = shape_numel(out_shape);
+  const size_t nd = out_shape.size();
+  auto index_in = [&](int64_t flat, const Shape& s) {
+    // Walk out's dims from the back; dims of s align to the right, size-1 dims read index 0.
+    int64_t idx = 0, mul = 1;
+    for (size_t k = 0; k < nd; ++k) {
+      const size_t od = nd - 1 - k;
+      const int64_t coord = flat % out_shape[od];
+      flat /= out_shape[od];
+      if (k < s.size()) {
+        const int64_t sd = s[s.size() - 1 - k];
+        idx += (sd == 1 ? 0 : coord) * mul;
+        mul *= sd;
+      }
+    }
+    return idx;
+  };
+  std::vector<double> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    out[size_t(i)] = f(a[size_t(index_in(i, as))], b[size_t(index_in(i, bs))]);
+  return out;
+}
+
+double ref_unary(UnaryOp op, double x) {
+  switch (op) {
+    case UnaryOp::Neg:
+      return -x;
+    case UnaryOp::Exp:
+      return std::exp(x);
+    case UnaryOp::Log:
+      return std::log(x);
+    case UnaryOp::Sqrt:
+      return std::sqrt(x);
+    case UnaryOp::Rsqrt:
+      return 1.0 / std::sqrt(x);
+    case UnaryOp::Tanh:
+      return std::tanh(x);
+    case UnaryOp::Sigmoid:
+      return 1.0 / (1.0 + std::exp(-x));
+    case UnaryOp::Relu:
+      return x > 0 ? x : 0.0;
+    case UnaryOp::Gelu:
+      return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
+    case UnaryOp::GeluTanh:
+      return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x)));
+    case UnaryOp::Silu:
+      return x / (1.0 + std::exp(-x));
+    case UnaryOp::Abs:
+      return std::abs(x);
+    case UnaryOp::Sin:
+      return std::sin(x);
+    case UnaryOp::Cos:
+      return std::cos(x);
+    case UnaryOp::Square:
+      return x * x;
+    case UnaryOp::Reciprocal:
+      return 1.0 / x;
+  }
+  return kNaN;
+}
+
+// f'(x) by central differences of ref_unary: independent of the kernels' derivative formulas.
+double ref_derivative(UnaryOp op, double x) {
+  const double h = 1e-5 * std::max(1.0, std::abs(x));
+  return (ref_unary(op, x + h) - ref_unary(op, x - h)) / (2 * h);
+}
+
+const std::vector<UnaryOp> kAllUnary = {
+    UnaryOp::Neg,   UnaryOp::Exp,      UnaryOp::Log,     UnaryOp::Sqrt,
+    UnaryOp::Rsqrt, UnaryOp::Tanh,     UnaryOp::Sigmoid, UnaryOp::Relu,
+    UnaryOp::Gelu,  UnaryOp::GeluTanh, UnaryOp::Silu,    UnaryOp::Abs,
+    UnaryOp::Sin,   UnaryOp::Cos,      UnaryOp::Square,  UnaryOp::Reciprocal};
+
+bool positive_domain(UnaryOp op) {
+  return op == UnaryOp::Log || op == UnaryOp::Sqrt || op == UnaryOp::Rsqrt ||
+         op == UnaryOp::Reciprocal;
+}
+
+std::vector<double> unary_inputs(UnaryOp op, int64_t n) {
+  return positive_domain(op) ? wavy(n, 0.2, 4.0) : wavy(n, -4.0, 4.0);
+}
+
+std::vector<double> map(const std::vector<double>& v, const std::function<double(double)>& f) {
+  std::vector<double> out;
+  for (double x : v)
+    out.push_back(f(x));
+  return out;
+}
+
+Tensor leaf(const std::vector<double>& v, const Shape& s) {
+  Tensor t = from_vector<double>(v, s);
+  t.set_requires_grad(true);
+  return t;
+}
+
+void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f,
+                      const std::vector<Tensor>& inputs, const std::string& what) {
+  GradcheckResult r = gradcheck(f, inputs);
+  EXPECT_TRUE(r.ok) << what << ": " << r.message;
+}
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+}  // namespace
+
+// --- unary ---
+
+TEST(Unary, Float32MatchesReference) {
+  for (UnaryOp op : kAllUnary) {
+    const auto x = rounded(unary_inputs(op, 300), DType::Float32);  // long enough to vectorise
+    Tensor y = kernels::unary(op, tensor_of(x, {300}, DType::Float32));
+    EXPECT_EQ(y.dtype(), DType::Float32);
+    expect_close(y, map(x, [op](double v) { return ref_unary(op, v); }), 4e-6, 1e-6,
+                 "op " + std::to_string(int(op)));
+  }
+}
+
+TEST(Unary, Float64MatchesReference) {
+  for (UnaryOp op : kAllUnary) {
+    const auto x = unary_inputs(op, 37);
+    Tensor y = kernels::unary(op, tensor_of(x, {37}, DType::Float64));
+    EXPECT_EQ(y.dtype(), DType::Float64);
+    expect_close(y, map(x, [op](double v) { return ref_unary(op, v); }), 1e-13, 1e-14,
+                 "op " + std::to_string(int(op)));
+  }
+}
+
+TEST(Unary, HalfDtypesComputeInFloatAndRound) {
+  for (DType dt : {DType::BFloat16, DType::Float16}) {
+    for (UnaryOp op : kAllUnary) {
+      const auto x = rounded(unary_inputs(op, 40), dt);
+      Tensor y = kernels::unary(op, tensor_of(x, {5, 8}, dt));
+      EXPECT_EQ(y.dtype(), dt);
+      const auto want = rounded(map(x, [op](double v) { return ref_unary(op, v); }), dt);
+      // One unit in the last place of the 16-bit format.
+      const double ulp = dt == DType::BFloat16 ? 1.0 / 128 : 1.0 / 1024;
+      expect_close(y, want, ulp, 1e-6,
+                   std::string(dtype_name(dt)) + " op " + std::to_string(int(op)));
+    }
+  }
+}
+
+TEST(Unary, NonContiguousInput) {
+  // A transposed view and a strided slice: the kernel must read through the strides.
+  const auto base = wavy(24, -2.0, 2.0);
+  Tensor m = tensor_of(base, {4, 6}, DType::Float32);
+  Tensor t = kernels::transpose(m, 0, 1);  // [6, 4]
+  Tensor y = kernels::unary(UnaryOp::Tanh, t);
+  EXPECT_EQ(y.shape(), (Shape{6, 4}));
+  std::vector<double> want;
+  for (int i = 0; i < 6; ++i)
+    for (int j = 0; j < 4; ++j)
+      want.push_back(std::tanh(double(float(base[size_t(j * 6 + i)]))));
+  expect_close(y, want, 4e-6, 1e-6);
+
+  Tensor s = kernels::slice(m, 1, 1, 6, 2);  // columns 1, 3, 5
+  Tensor e = kernels::unary(UnaryOp::Exp, s);
+  want.clear();
+  for (int i = 0; i < 4; ++i)
+    for (int j = 1; j < 6; j += 2)
+      want.push_back(std::exp(double(float(base[size_t(i * 6 + j)]))));
+  expect_close(e, want, 4e-6, 1e-6);
+}
+
+TEST(Unary, ExtremeInputsStayFinite) {
+  Tensor x = from_vector<float>({-100.f, -30.f, 0.f, 30.f, 100.f});
+  expect_close(kernels::unary(UnaryOp::Sigmoid, x),
+               map({-100, -30, 0, 30, 100}, [](double v) { return 1 / (1 + std::exp(-v)); }), 1e-5,
+               1e-38);
+  expect_close(kernels::unary(UnaryOp::Tanh, x), {-1, -1, 0, 1, 1}, 0, 1e-7);
+  expect_close(kernels::unary(UnaryOp::Silu, x),
+               map({-100, -30, 0, 30, 100}, [](double v) { return v / (1 + std::exp(-v)); }), 1e-5,
+               1e-30);
+  Tensor nan = from_vector<float>({float(kNaN), -1.f, 2.f});
+  expect_close(kernels::unary(UnaryOp::Relu, nan), {kNaN, 0, 2}, 0, 0);
+}
+
+TEST(Unary, IntegerOpsAndErrors) {
+  Tensor x = from_vector<int64_t>({-3, 0, 5});
+  EXPECT_EQ(kernels::unary(UnaryOp::Neg, x).to_vector<int64_t>(), (std::vector<int64_t>{3, 0, -5}));
+  EXPECT_EQ(kernels::unary(UnaryOp::Abs, x).to_vector<int64_t>(), (std::vector<int64_t>{3, 0, 5}));
+  EXPECT_EQ(kernels::unary(UnaryOp::Relu, from_vector<int32_t>({-3, 4})).to_vector<int32_t>(),
+            (std::vector<int32_t>{0, 4}));
+  EXPECT_EQ(kernels::unary(UnaryOp::Square, x).dtype(), DType::Int64);
+  const std::string msg = error_of([&] { kernels::unary(UnaryOp::Exp, x); });
+  EXPECT_NE(msg.find("exp"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("int64"), std::string::npos) << msg;
+}
+
+TEST(UnaryBackward, MatchesNumericDerivative) {
+  for (UnaryOp op : kAllUnary) {
+    const auto x = unary_inputs(op, 33);
+    const auto g = wavy(33, -1.5, 1.5, 2.0);
+    for (DType dt : {DType::Float32, DType::Float64}) {
+      const auto xr = rounded(x, dt), gr = rounded(g, dt);
+      Tensor gx =
+          kernels::unary_backward(op, tensor_of(gr, {3, 11}, dt), tensor_of(xr, {3, 11}, dt));
+      EXPECT_EQ(gx.dtype(), dt);
+      std::vector<double> want;
+      for (size_t i = 0; i < xr.size(); ++i)
+        want.push_back(gr[i] * ref_derivative(op, xr[i]));
+      const double tol = dt == DType::Float32 ? 2e-5 : 1e-7;
+      expect_close(gx, want, tol, tol,
+                   std::string(dtype_name(dt)) + " op " + std::to_string(int(op)));
+    }
+  }
+}
+
+TEST(UnaryBackward, ShapeMismatchIsAnError) {
+  const std::string msg = error_of([] {
+    kernels::unary_backward(UnaryOp::Exp, zeros({2, 3}), zeros({3, 2}));
+  });
+  EXPECT_NE(msg.find("[2, 3]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[3, 2]"), std::string::npos) << msg;
+}
+
+TEST(UnaryAutograd, Gradcheck) {
+  using Op = std::function<Tensor(const Tensor&)>;
+  struct Case {
+    std::string name;
+    Op f;
+    bool positive;  // needs x > 0
+  };
+  const std::vector<Case> cases = {
+      {"neg", [](const Tensor& x) { return neg(x); }, false},
+      {"exp", [](const Tensor& x) { return tessera::exp(x); }, false},
+      {"log", [](const Tensor& x) { return tessera::log(x); }, true},
+      {"sqrt", [](const Tensor& x) { return tessera::sqrt(x); }, true},
+      {"rsqrt", [](const Tensor& x) { return rsqrt(x); }, true},
+      {"tanh", [](const Tensor& x) { return tessera::tanh(x); }, false},
+      {"sigmoid", [](const Tensor& x) { return sigmoid(x); }, false},
+      {"relu", [](const Tensor& x) { return relu(x); }, false},
+      {"gelu", [](const Tensor& x) { return gelu(x); }, false},
+      {"gelu_tanh", [](const Tensor& x) { return gelu(x, true); }, false},
+      {"silu", [](const Tensor& x) { return silu(x); }, false},
+      {"abs", [](const Tensor& x) { return abs(x); }, false},
+      {"square", [](const Tensor& x) { return square(x); }, false},
+      {"operator-", [](const Tensor& x) { return -x; }, false},
+  };
+  for (const Case& c : cases) {
+    Tensor x = leaf(c.positive ? wavy(12, 0.3, 3.0) : wavy(12, -2.5, 2.5), {3, 4});
+    expect_gradcheck([&c](const std::vector<Tensor>& in) { return c.f(in[0]); }, {x}, c.name);
+  }
+}
+
+TEST(UnaryAutograd, ValuesMatchKernels) {
+  Tensor x = tensor_of(wavy(6, -2, 2), {2, 3}, DType::Float32);
+  EXPECT_EQ(gelu(x, true).to_vector<float>(),
+            kernels::unary(UnaryOp::GeluTanh, x).to_vector<float>());
+  EXPECT_EQ(silu(x).to_vector<float>(), kernels::unary(UnaryOp::Silu, x).to_vector<float>());
+}
+
+// --- binary ---
+
+namespace {
+
+double ref_binary(BinaryOp op, double a, double b) {
+  switch (op) {
+    case BinaryOp::Add:
+      return a + b;
+    case BinaryOp::Sub:
+      return a - b;
+    case BinaryOp::Mul:
+      return a * b;
+    case BinaryOp::Div:
+      return a / b;
+    case BinaryOp::Pow:
+      return std::pow(a, b);
+    case BinaryOp::Maximum:
+      return std::isnan(a) || std::isnan(b) ? kNaN : std::max(a, b);
+    case BinaryOp::Minimum:
+      return std::isnan(a) || std::isnan(b) ? kNaN : std::min(a, b);
+  }
+  return kNaN;
+}
+
+const std::vector<BinaryOp> kAllBinary = {BinaryOp::Add,    BinaryOp::Sub, BinaryOp::Mul,
+                                          BinaryOp::Div,    BinaryOp::Pow, BinaryOp::Maximum,
+                                          BinaryOp::Minimum};
+
+// Positive operands keep pow real and div away from 0.
+struct BinaryCase {
+  Shape as, bs, out;
+};
+const std::vector<BinaryCase> kBroadcastCases = {
+    {{300}, {300}, {300}},              // same shape, long enough to vectorise
+    {{2, 3, 4}, {3, 1}, {2, 3, 4}},     // inner broadcast
+    {{4}, {2, 3, 4}, {2, 3, 4}},        // leading broadcast of a
+    {{2, 1, 4}, {1, 3, 1}, {2, 3, 4}},  // both broadcast
+    {{3, 4}, {}, {3, 4}},               // 0-d operand
+    {{0, 4}, {4}, {0, 4}},              // empty
+};
+
+}  // namespace
+
+TEST(Binary, AllOpsBroadcastFloat32AndFloat64) {
+  for (DType dt : {DType::Float32, DType::Float64}) {
+    for (BinaryOp op : kAllBinary) {
+      for (const BinaryCase& c : kBroadcastCases) {
+        const auto a = rounded(wavy(shape_numel(c.as), 0.5, 2.5), dt);
+        const auto b = rounded(wavy(shape_numel(c.bs), 0.5, 2.5, 1.0), dt);
+        Tensor y = kernels::binary(op, tensor_of(a, c.as, dt), tensor_of(b, c.bs, dt));
+        EXPECT_EQ(y.shape(), c.out);
+        EXPECT_EQ(y.dtype(), dt);
+        const double tol = dt == DType::Float32 ? 1e-6 : 1e-15;
+        expect_close(y,
+                     ref_broadcast(a, c.as, b, c.bs, c.out,
+                                   [op](double u, double v) { return ref_binary(op, u, v); }),
+                     tol, tol,
+                     std::string(dtype_name(dt)) + " op " + std::to_string(int(op)) + " " +
+                         shape_str(c.as) + " with " + shape_str(c.bs));
+      }
+    }
+  }
+}
+
+TEST(Binary, NonContiguousOperands) {
+  const auto av = wavy(12, -2, 2), bv = wavy(18, -2, 2, 0.7);
+  Tensor a = kernels::transpose(tensor_of(av, {3, 4}, DType::Float32), 0, 1);    // [4, 3]
+  Tensor b = kernels::slice(tensor_of(bv, {3, 6}, DType::Float32), 1, 0, 6, 2);  // [3, 3]
+  Tensor b_row = kernels::select(b, 0, 1);                                       // [3]
+  Tensor y = kernels::binary(BinaryOp::Mul, a, b_row);
+  ASSERT_EQ(y.shape(), (Shape{4, 3}));
+  std::vector<double> want;
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 3; ++j)
+      want.push_back(double(float(av[size_t(j * 4 + i)])) * double(float(bv[size_t(6 + 2 * j)])));
+  expect_close(y, want, 1e-6, 1e-7);
+}
+
+TEST(Binary, MixedDtypesPromote) {
+  Tensor f32 = from_vector<float>({1.5f, -2.f});
+  Tensor f64 = from_vector<double>({0.25, 4.0});
+  Tensor i64 = from_vector<int64_t>({3, -7});
+  Tensor i32 = from_vector<int32_t>({10, 20});
+  Tensor bf = from_vector<float>({1.f, 2.f}).to(DType::BFloat16);
+  Tensor hf = from_vector<float>({0.5f, 3.f}).to(DType::Float16);
+  Tensor mask = from_vector<bool>({true, false});
+
+  Tensor y = kernels::binary(BinaryOp::Add, f32, f64);
+  EXPECT_EQ(y.dtype(), DType::Float64);
+  EXPECT_EQ(y.to_vector<double>(), (std::vector<double>{1.75, 2.0}));
+  y = kernels::binary(BinaryOp::Mul, i64, f32);
+  EXPECT_EQ(y.dtype(), DType::Float32);
+  EXPECT_EQ(y.to_vector<float>(), (std::vector<float>{4.5f, 14.f}));
+  y = kernels::binary(BinaryOp::Add, bf, hf);
+  EXPECT_EQ(y.dtype(), DType::Float32);
+  EXPECT_EQ(y.to_vector<float>(), (std::vector<float>{1.5f, 5.f}));
+  y = kernels::binary(BinaryOp::Mul, bf, i64);
+  EXPECT_EQ(y.dtype(), DType::BFloat16);
+  EXPECT_EQ(y.to_vector<float>(), (std::vector<float>{3.f, -14.f}));
+  y = kernels::binary(BinaryOp::Add, i32, i64);
+  EXPECT_EQ(y.dtype(), DType::Int64);
+  EXPECT_EQ(y.to_vector<int64_t>(), (std::vector<int64_t>{13, 13}));
+  y = kernels::binary(BinaryOp::Mul, mask, f32);
+  EXPECT_EQ(y.dtype(), DType::Float32);
+  EXPECT_EQ(y.to_vector<float>(), (std::vector<float>{1.5f, 0.f}));
+}
+
+TEST(Binary, HalfInputsRoundOnce) {
+  for (DType dt : {DType::BFloat16, DType::Float16}) {
+    const auto a = rounded(wavy(64, -3, 3), dt), b = rounded(wavy(64, 0.5, 3, 0.4), dt);
+    for (BinaryOp op : {BinaryOp::Add, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Maximum}) {
+      Tensor y = kernels::binary(op, tensor_of(a, {8, 8}, dt), tensor_of(b, {8, 8}, dt));
+      EXPECT_EQ(y.dtype(), dt);
+      std::vector<double> want;
+      for (size_t i = 0; i < a.size(); ++i)
+        want.push_back(double(float(ref_binary(op, a[i], b[i]))));
+      const double ulp = dt == DType::BFloat16 ? 1.0 / 128 : 1.0 / 1024;
+      expect_close(y, rounded(want, dt), ulp, 1e-6, dtype_name(dt));
+    }
+  }
+}
+
+TEST(Binary, IntegerOps) {
+  for (DType dt : {DType::Int32, DType::Int64}) {
+    Tensor a = from_vector<int64_t>({5, -3, 7, 0, 2, 9}, {2, 3}).to(dt);
+    Tensor b = from_vector<int64_t>({2, -4, 1}).to(dt);
+    auto check = [&](BinaryOp op, std::vector<int64_t> want) {
+      Tensor y = kernels::binary(op, a, b);
+      EXPECT_EQ(y.dtype(), dt);
+      EXPECT_EQ(y.to_vector<int64_t>(), want) << dtype_name(dt) << " op " << int(op);
+    };
+    check(BinaryOp::Add, {7, -7, 8, 2, -2, 10});
+    check(BinaryOp::Sub, {3, 1, 6, -2, 6, 8});
+    check(BinaryOp::Mul, {10, 12, 7, 0, -8, 9});
+    check(BinaryOp::Maximum, {5, -3, 7, 2, 2, 9});
+    check(BinaryOp::Minimum, {2, -4, 1, 0, -4, 1});
+    for (BinaryOp op : {BinaryOp::Div, BinaryOp::Pow}) {
+      const std::string msg = error_of([&] { kernels::binary(op, a, b); });
+      EXPECT_NE(msg.find(dtype_name(dt)), std::string::npos) << msg;
+    }
+  }
+  // Wraps instead of trapping, like PyTorch.
+  Tensor big = from_vector<int32_t>({std::numeric_limits<int32_t>::max()});
+  EXPECT_EQ(kernels::binary(BinaryOp::Add, big, from_vector<int32_t>({1})).item<int32_t>(),
+            std::numeric_limits<int32_t>::min());
+}
+
+TEST(Binary, MaximumMinimumPropagateNaN) {
+  Tensor a = from_vector<float>({float(kNaN), 1.f, 2.f});
+  Tensor b = from_vector<float>({0.f, float(kNaN), 3.f});
+  expect_close(kernels::binary(BinaryOp::Maximum, a, b), {kNaN, kNaN, 3}, 0, 0);
+  expect_close(kernels::binary(BinaryOp::Minimum, a, b), {kNaN, kNaN, 2}, 0, 0);
+}
+
+TEST(Binary, NonBroadcastableShapesNameBoth) {
+  const std::string msg = error_of([] {
+    kernels::binary(BinaryOp::Add, zeros({2, 3}), zeros({4}));
+  });
+  EXPECT_NE(msg.find("add"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[2, 3]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[4]"), std::string::npos) << msg;
+  EXPECT_THROW(kernels::compare(CompareOp::Lt, zeros({3}), zeros({2})), Error);
+  EXPECT_THROW(kernels::binary(BinaryOp::Add, from_vector<bool>({true}), from_vector<bool>({true})),
+               Error);
+}
+
+TEST(BinaryScalar, AllOpsBothOrders) {
+  for (DType dt : {DType::Float32, DType::Float64}) {
+    const auto a = rounded(wavy(20, 0.5, 3.0), dt);
+    Tensor t = kernels::transpose(tensor_of(a, {4, 5}, dt), 0, 1);  // non-contiguous
+    std::vector<double> at;
+    for (int i = 0; i < 5; ++i)
+      for (int j = 0; j < 4; ++j)
+        at.push_back(a[size_t(j * 5 + i)]);
+    for (BinaryOp op : kAllBinary) {
+      for (double s : {1.75, 2.0, 0.5}) {
+        const double tol = dt == DType::Float32 ? 1e-6 : 1e-15;
+        const double sc = dt == DType::Float32 ? double(float(s)) : s;
+        expect_close(kernels::binary_scalar(op, t, s),
+                     map(at, [&](double v) { return ref_binary(op, v, sc); }), tol, tol, "a op s");
+        expect_close(kernels::rbinary_scalar(op, s, t),
+                     map(at, [&](double v) { return ref_binary(op, sc, v); }), tol, tol, "s op a");
+      }
+    }
+  }
+}
+
+TEST(BinaryScalar, IntegerTensors) {
+  Tensor a = from_vector<int32_t>({4, -2, 9});
+  Tensor y = kernels::binary_scalar(BinaryOp::Mul, a, 3);
+  EXPECT_EQ(y.dtype(), DType::Int32);
+  EXPECT_EQ(y.to_vector<int32_t>(), (std::vector<int32_t>{12, -6, 27}));
+  EXPECT_EQ(kernels::rbinary_scalar(BinaryOp::Sub, 10, a).to_vector<int32_t>(),
+            (std::vector<int32_t>{6, 12, 1}));
+  EXPECT_EQ(kernels::binary_scalar(BinaryOp::Maximum, a, 0).to_vector<int32_t>(),
+            (std::vector<int32_t>{4, 0, 9}));
+  const std::string msg = error_of([&] { kernels::binary_scalar(BinaryOp::Add, a, 0.5); });
+  EXPECT_NE(msg.find("0.5"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("int32"), std::string::npos) << msg;
+  EXPECT_THROW(kernels::binary_scalar(BinaryOp::Div, a, 2), Error);
+}
+
+TEST(BinaryScalar, HalfTensorKeepsDtype) {
+  Tensor a = from_vector<float>({1.f, 2.5f, -3.f}).to(DType::BFloat16);
+  Tensor y = kernels::binary_scalar(BinaryOp::Mul, a, 0.5);
+  EXPECT_EQ(y.dtype(), DType::BFloat16);
+  EXPECT_EQ(y.to_vector<float>(), (std::vector<float>{0.5f, 1.25f, -1.5f}));
+}
+
+// --- compare ---
+
+TEST(Compare, AllOpsBroadcastAndDtypes) {
+  const std::vector<std::pair<CompareOp, std::function<bool(double, double)>>> ops = {
+      {CompareOp::Eq, [](double a, double b) { return a == b; }},
+      {CompareOp::Ne, [](double a, double b) { return a != b; }},
+      {CompareOp::Lt, [](double a, double b) { return a < b; }},
+      {CompareOp::Le, [](double a, double b) { return a <= b; }},
+      {CompareOp::Gt, [](double a, double b) { return a > b; }},
+      {CompareOp::Ge, [](double a, double b) { return a >= b; }},
+  };
+  // Small integers so that ties occur.
+  const std::vector<double> a = {1, 2, 3, 2, 1, 0, 3, 3, 1, 2, 2, 0};
+  const std::vector<double> b = {2, 1, 3};
+  for (DType dt : {DType::Float32, DType::Float64, DType::BFloat16, DType::Float16, DType::Int64,
+                   DType::Int32}) {
+    for (const auto& [op, f] : ops) {
+      Tensor y = kernels::compare(op, tensor_of(a, {4, 3}, dt), tensor_of(b, {3}, DType::Int64));
+      EXPECT_EQ(y.dtype(), DType::Bool);
+      const auto want = ref_broadcast(a, {4, 3}, b, {3}, {4, 3},
+                                      [&f](double u, double v) { return f(u, v) ? 1.0 : 0.0; });
+      EXPECT_EQ(y.to_vector<double>(), want) << dtype_name(dt) << " op " << int(op);
+      Tensor ys = kernels::compare_scalar(op, tensor_of(a, {4, 3}, dt), 2.0);
+      EXPECT_EQ(ys.to_vector<double>(), map(a, [&f](double u) { return f(u, 2.0) ? 1.0 : 0.0; }))
+          << "scalar " << dtype_name(dt) << " op " << int(op);
+    }
+  }
+}
+
+TEST(Compare, IntegerAgainstFractionalScalarAndBool) {
+  Tensor a = from_vector<int64_t>({0, 1, 2});
+  EXPECT_EQ(kernels::compare_scalar(CompareOp::Lt, a, 0.5).to_vector<bool>(),
+            (std::vector<bool>{true, false, false}));
+  EXPECT_EQ(kernels::compare_scalar(CompareOp::Eq, a, 1.0).to_vector<bool>(),
+            (std::vector<bool>{false, true, false}));
+  Tensor m = from_vector<bool>({true, false});
+  EXPECT_EQ(kernels::compare(CompareOp::Eq, m, from_vector<bool>({true, true})).to_vector<bool>(),
+            (std::vector<bool>{true, false}));
+  Tensor nan = from_vector<float>({float(kNaN)});
+  EXPECT_FALSE(kernels::compare_scalar(CompareOp::Eq, nan, kNaN).item<bool>());
+  EXPECT_TRUE(kernels::compare(CompareOp::Ne, nan, nan).item<bool>());
+}
+
+// --- in place ---
+
+TEST(InPlace, AddBroadcastAlphaAndStridedDestination) {
+  Tensor dst = from_vector<float>({1, 2, 3, 4, 5, 6}, {2, 3});
+  kernels::add_(dst, from_vector<float>({10, 20, 30}), 0.5);
+  EXPECT_EQ(dst.to_vector<float>(), (std::vector<float>{6, 12, 18, 9, 15, 21}));
+
+  // Writing through a transposed view updates the base in place.
+  Tensor base = from_vector<double>({0, 1, 2, 3, 4, 5}, {2, 3});
+  Tensor view = kernels::transpose(base, 0, 1);  // [3, 2]
+  kernels::add_(view, from_vector<double>({100, 200}, {1, 2}));
+  EXPECT_EQ(base.to_vector<double>(), (std::vector<double>{100, 101, 102, 203, 204, 205}));
+
+  // Source in another dtype: float64 into float32, float32 into bfloat16, int32 into int64.
+  Tensor f = from_vector<float>({1, 2});
+  kernels::add_(f, from_vector<double>({0.25, 0.5}), 2.0);
+  EXPECT_EQ(f.to_vector<float>(), (std::vector<float>{1.5f, 3.f}));
+  Tensor h = from_vector<float>({1, 2}).to(DType::BFloat16);
+  kernels::add_(h, from_vector<float>({0.5f, 0.25f}));
+  EXPECT_EQ(h.dtype(), DType::BFloat16);
+  EXPECT_EQ(h.to_vector<float>(), (std::vector<float>{1.5f, 2.25f}));
+  Tensor i = from_vector<int64_t>({1, 2});
+  kernels::add_(i, from_vector<int32_t>({5, 6}), -1);
+  EXPECT_EQ(i.to_vector<int64_t>(), (std::vector<int64_t>{-4, -4}));
+}
+
+TEST(InPlace, AddErrors) {
+  Tensor dst = zeros({3});
+  std::string msg = error_of([&] { kernels::add_(dst, zeros({2, 3})); });
+  EXPECT_NE(msg.find("[2, 3]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[3]"), std::string::npos) << msg;
+  Tensor i = zeros({3}, DType::Int64);
+  msg = error_of([&] { kernels::add_(i, ones({3})); });
+  EXPECT_NE(msg.find("float32"), std::string::npos) << msg;
+  Tensor expanded = kernels::expand(zeros({1}), {3});
+  EXPECT_THROW(kernels::add_(expanded, ones({3})), Error);
+}
+
+TEST(InPlace, MulScalar) {
+  Tensor base = from_vector<float>({1, 2, 3, 4, 5, 6}, {2, 3});
+  Tensor col = kernels::select(base, 1, 1);  // strided [2]
+  kernels::mul_scalar_(col, -2);
+  EXPECT_EQ(base.to_vector<float>(), (std::vector<float>{1, -4, 3, 4, -10, 6}));
+  Tensor i = from_vector<int32_t>({3, -1});
+  kernels::mul_scalar_(i, 4);
+  EXPECT_EQ(i.to_vector<int32_t>(), (std::vector<int32_t>{12, -4}));
+  EXPECT_THROW(kernels::mul_scalar_(i, 0.5), Error);
+}
+
+// --- selection ---
+
+TEST(Where, BroadcastsAllThreeAndPromotes) {
+  Tensor cond = from_vector<bool>({true, false, true}, {3, 1});
+  Tensor a = from_vector<float>({1, 2, 3, 4}, {1, 4});
+  Tensor b = scalar_tensor(-1.0, DType::Float64);
+  Tensor y = kernels::where(cond, a, b);
+  EXPECT_EQ(y.shape(), (Shape{3, 4}));
+  EXPECT_EQ(y.dtype(), DType::Float64);
+  EXPECT_EQ(y.to_vector<double>(), (std::vector<double>{1, 2, 3, 4, -1, -1, -1, -1, 1, 2, 3, 4}));
+
+  Tensor ia = from_vector<int64_t>({1, 2, 3});
+  Tensor ib = kernels::transpose(from_vector<int64_t>({7, 8, 9}, {3, 1}), 0, 1);  // [1, 3]
+  Tensor m = from_vector<bool>({false, true, false});
+  EXPECT_EQ(kernels::where(m, ia, ib).to_vector<int64_t>(), (std::vector<int64_t>{7, 2, 9}));
+  std::string msg = error_of([&] { kernels::where(ia, ia, ib); });
+  EXPECT_NE(msg.find("bool"), std::string::npos) << msg;
+  msg = error_of([&] { kernels::where(from_vector<bool>({true, false}), zeros({3}), zeros({3})); });
+  EXPECT_NE(msg.find("[2]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[3]"), std::string::npos) << msg;
+}
+
+TEST(MaskedFill, BroadcastMaskAndDtypes) {
+  Tensor x = from_vector<float>({1, 2, 3, 4, 5, 6}, {2, 3});
+  Tensor mask = from_vector<bool>({true, false, true});
+  Tensor y = kernels::masked_fill(x, mask, -std::numeric_limits<double>::infinity());
+  expect_close(y, {-INFINITY, 2, -INFINITY, -INFINITY, 5, -INFINITY}, 0, 0);
+  Tensor xt = kernels::transpose(x, 0, 1);  // [3, 2] non-contiguous
+  y = kernels::masked_fill(xt, from_vector<bool>({false, true}, {1, 2}), 0);
+  EXPECT_EQ(y.to_vector<float>(), (std::vector<float>{1, 0, 2, 0, 3, 0}));
+  Tensor ids = from_vector<int64_t>({5, 6});
+  EXPECT_EQ(kernels::masked_fill(ids, from_vector<bool>({false, true}), -100).to_vector<int64_t>(),
+            (std::vector<int64_t>{5, -100}));
+  const std::string msg = error_of([&] { kernels::masked_fill(x, zeros({2, 3}), 0); });
+  EXPECT_NE(msg.find("bool"), std::string::npos) << msg;
+  // A mask larger than x cannot be applied in x's shape.
+  EXPECT_THROW(
+      kernels::masked_fill(mask.to(DType::Bool), from_vector<bool>({true}, {1, 1, 1}), 0).numel(),
+      Error);
+}
+
+TEST(SumToShape, UndoesBroadcasting) {
+  const auto v = wavy(24, -1, 1);
+  Tensor x = tensor_of(v, {2, 3, 4}, DType::Float64);
+  auto ref = [&](const Shape& target) {
+    // Sum each element into the target index it was broadcast from.
+    std::vector<double> out(size_t(shape_numel(target)), 0.0);
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 3; ++j)
+        for (int k = 0; k < 4; ++k) {
+          const int64_t c[3] = {i, j, k};
+          int64_t idx = 0;
+          const size_t lead = 3 - target.size();
+          for (size_t d = 0; d < target.size(); ++d)
+            idx = idx * target[d] + (target[d] == 1 ? 0 : c[lead + d]);
+          out[size_t(idx)] += v[size_t((i * 3 + j) * 4 + k)];
+        }
+    return out;
+  };
+  for (const Shape& target : {Shape{3, 1}, Shape{1, 4}, Shape{4}, Shape{2, 1, 4}, Shape{},
+                              Shape{1, 1, 1}, Shape{2, 3, 4}}) {
+    Tensor y = kernels::sum_to_shape(x, target);
+    EXPECT_EQ(y.shape(), target);
+    expect_close(y, ref(target), 1e-14, 1e-14, shape_str(target));
+  }
+  const std::string msg = error_of([&] { kernels::sum_to_shape(x, {5}); });
+  EXPECT_NE(msg.find("[2, 3, 4]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[5]"), std::string::npos) << msg;
+}
+
+// --- autograd ---
+
+TEST(BinaryAutograd, GradcheckWithBroadcasting) {
+  using Op = std::function<Tensor(const Tensor&, const Tensor&)>;
+  const std::vector<std::pair<std::string, Op>> ops = {
+      {"add", [](const Tensor& a, const Tensor& b) { return add(a, b); }},
+      {"sub", [](const Tensor& a, const Tensor& b) { return sub(a, b); }},
+      {"mul", [](const Tensor& a, const Tensor& b) { return mul(a, b); }},
+      {"div", [](const Tensor& a, const Tensor& b) { return div(a, b); }},
+      {"pow", [](const Tensor& a, const Tensor& b) { return tessera::pow(a, b); }},
+      {"maximum", [](const Tensor& a, const Tensor& b) { return maximum(a, b); }},
+      {"minimum", [](const Tensor& a, const Tensor& b) { return minimum(a, b); }},
+      {"operator+", [](const Tensor& a, const Tensor& b) { return a + b; }},
+      {"operator-", [](const Tensor& a, const Tensor& b) { return a - b; }},
+      {"operator*", [](const Tensor& a, const Tensor& b) { return a * b; }},
+      {"operator/", [](const Tensor& a, const Tensor& b) { return a / b; }},
+  };
+  const std::vector<std::pair<Shape, Shape>> shapes = {
+      {{2, 3}, {2, 3}}, {{2, 3}, {3}}, {{2, 1}, {1, 3}}, {{4}, {2, 3, 4}}, {{2, 3}, {}}};
+  for (const auto& [name, f] : ops) {
+    for (const auto& [as, bs] : shapes) {
+      // Positive, well-separated operands: pow stays real, max/min have no ties.
+      Tensor a = leaf(wavy(shape_numel(as), 0.5, 2.0), as);
+      Tensor b = leaf(wavy(shape_numel(bs), 0.6, 2.1, 2.0), bs);
+      expect_gradcheck([&f](const std::vector<Tensor>& in) { return f(in[0], in[1]); }, {a, b},
+                       name + " " + shape_str(as) + " with " + shape_str(bs));
+    }
+  }
+}
+
+TEST(BinaryAutograd, ScalarOverloadsGradcheck) {
+  using Op = std::function<Tensor(const Tensor&)>;
+  const std::vector<std::pair<std::string, Op>> ops = {
+      {"add", [](const Tensor& a) { return add(a, 1.5); }},
+      {"sub", [](const Tensor& a) { return sub(a, 1.5); }},
+      {"mul", [](const Tensor& a) { return mul(a, -2.5); }},
+      {"div", [](const Tensor& a) { return div(a, 4.0); }},
+      {"pow 3", [](const Tensor& a) { return tessera::pow(a, 3.0); }},
+      {"pow 2", [](const Tensor& a) { return tessera::pow(a, 2.0); }},
+      {"pow -0.5", [](const Tensor& a) { return tessera::pow(a, -0.5); }},
+      {"operator+", [](const Tensor& a) { return a + 2.0; }},
+      {"operator-", [](const Tensor& a) { return a - 2.0; }},
+      {"operator*", [](const Tensor& a) { return a * 3.0; }},
+      {"operator/", [](const Tensor& a) { return a / 3.0; }},
+      {"s*a", [](const Tensor& a) { return 3.0 * a; }},
+  };
+  for (const auto& [name, f] : ops) {
+    Tensor a = leaf(wavy(6, 0.5, 2.0), {2, 3});
+    expect_gradcheck([&f](const std::vector<Tensor>& in) { return f(in[0]); }, {a}, name);
+  }
+  // a^0 has zero gradient even at a == 0, where a^-1 is infinite.
+  Tensor z = leaf({0.0, 2.0}, {2});
+  backward(sum(tessera::pow(z, 0.0)));
+  EXPECT_EQ(z.grad().to_vector<double>(), (std::vector<double>{0.0, 0.0}));
+}
+
+TEST(BinaryAutograd, MaximumTiesSplitGradient) {
+  Tensor a = leaf({1, 5, 3}, {3});
+  Tensor b = leaf({2, 5, 1}, {3});
+  backward(sum(maximum(a, b)));
+  EXPECT_EQ(a.grad().to_vector<double>(), (std::vector<double>{0, 0.5, 1}));
+  EXPECT_EQ(b.grad().to_vector<double>(), (std::vector<double>{1, 0.5, 0}));
+  Tensor c = leaf({1, 5, 3}, {3});
+  Tensor d = leaf({2, 5, 1}, {3});
+  backward(sum(minimum(c, d)));
+  EXPECT_EQ(c.grad().to_vector<double>(), (std::vector<double>{1, 0.5, 0}));
+  EXPECT_EQ(d.grad().to_vector<double>(), (std::vector<double>{0, 0.5, 1}));
+}
+
+TEST(BinaryAutograd, PowExponentGradientAtZeroBase) {
+  Tensor a = leaf({0.0, 2.0}, {2});
+  Tensor b = leaf({2.0, 3.0}, {2});
+  backward(sum(tessera::pow(a, b)));
+  // d/db a^b = a^b log a: 0 at a == 0 (torch's convention), 8 log 2 at a == 2.
+  expect_close(b.grad(), {0.0, 8.0 * std::log(2.0)}, 1e-14, 0);
+  expect_close(a.grad(), {0.0, 12.0}, 1e-14, 0);
+}
+
+TEST(BinaryAutograd, GradientsKeepOperandDtypeAndShape) {
+  Tensor a = from_vector<float>({1, 2, 3}, {3});
+  a.set_requires_grad(true);
+  Tensor b = from_vector<double>({2, 4}, {2, 1});
+  b.set_requires_grad(true);
+  Tensor y = mul(a, b);  // [2, 3] float64
+  EXPECT_EQ(y.dtype(), DType::Float64);
+  backward(sum(y));
+  ASSERT_TRUE(a.grad().defined());
+  EXPECT_EQ(a.grad().dtype(), DType::Float32);
+  EXPECT_EQ(a.grad().shape(), (Shape{3}));
+  EXPECT_EQ(a.grad().to_vector<float>(), (std::vector<float>{6, 6, 6}));
+  EXPECT_EQ(b.grad().shape(), (Shape{2, 1}));
+  EXPECT_EQ(b.grad().to_vector<double>(), (std::vector<double>{6, 6}));
+}
+
+TEST(SelectionAutograd, WhereAndMaskedFillGradcheck) {
+  Tensor cond = from_vector<bool>({true, false, false, true, true, false}, {2, 3});
+  for (const auto& [as, bs] :
+       std::vector<std::pair<Shape, Shape>>{{{2, 3}, {2, 3}}, {{3}, {2, 1}}, {{}, {2, 3}}}) {
+    Tensor a = leaf(wavy(shape_numel(as), -1, 1), as);
+    Tensor b = leaf(wavy(shape_numel(bs), -1, 1, 1.0), bs);
+    expect_gradcheck([&cond](const std::vector<Tensor>& in) { return where(cond, in[0], in[1]); },
+                     {a, b}, "where " + shape_str(as) + " " + shape_str(bs));
+  }
+  Tensor mask = from_vector<bool>({false, true, false}, {3});
+  Tensor x = leaf(wavy(6, -1, 1), {2, 3});
+  expect_gradcheck([&mask](const std::vector<Tensor>& in) { return masked_fill(in[0], mask, 7.0); },
+                   {x}, "masked_fill");
+  Tensor x2 = leaf(wavy(6, -1, 1), {2, 3});
+  Tensor y = masked_fill(x2, mask, 7.0);
+  backward(sum(y));
+  EXPECT_EQ(x2.grad().to_vector<double>(), (std::vector<double>{1, 0, 1, 1, 0, 1}));
+  EXPECT_EQ(y.to_vector<double>()[1], 7.0);
+}
+
+TEST(BinaryAutograd, NoGraphWithoutRequiresGrad) {
+  Tensor a = ones({2});
+  Tensor y = add(a, a);
+  EXPECT_FALSE(y.requires_grad());
+  Tensor l = leaf({1, 2}, {2});
+  {
+    NoGradGuard guard;
+    EXPECT_FALSE(mul(l, l).requires_grad());
+  }
+  EXPECT_TRUE(mul(l, l).requires_grad());
+}
