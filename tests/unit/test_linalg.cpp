@@ -1,0 +1,355 @@
+// matmul / addmm / linear: values against a plain-loop reference in double (transposed, sliced
+// and broadcast operands, every float dtype, empty dims), copies counted through the allocator,
+// gradients by finite differences.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+
+#include "tessera/tessera.h"
+
+using namespace tessera;
+
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype = DType::Float32) {
+  Generator gen(seed);
+  return randn(shape, gen, dtype);
+}
+
+struct Ref {
+  std::vector<double> v;
+  Shape shape;
+};
+
+Ref ref_of(const Tensor& t) {
+  return {t.to_vector<double>(), t.shape()};
+}
+
+// Row-major linear index of `idx` in `shape`, where shape is right-aligned against idx and its
+// size-1 dims broadcast.
+int64_t broadcast_index(const Shape& idx, const Shape& shape) {
+  int64_t lin = 0;
+  size_t lead = idx.size() - shape.size();
+  for (size_t d = 0; d < shape.size(); ++d) {
+    int64_t i = shape[d] == 1 ? 0 : idx[lead + d];
+    lin = lin * shape[d] + i;
+  }
+  return lin;
+}
+
+// op(a) @ op(b) with numpy batch broadcasting, in double.
+Ref ref_matmul(const Ref& a, const Ref& b, bool ta = false, bool tb = false) {
+  size_t na = a.shape.size(), nb = b.shape.size();
+  int64_t ar = a.shape[na - 2], ac = a.shape[na - 1], br = b.shape[nb - 2], bc = b.shape[nb - 1];
+  int64_t m = ta ? ac : ar, k = ta ? ar : ac, n = tb ? br : bc;
+  Shape ba(a.shape.begin(), a.shape.end() - 2), bb(b.shape.begin(), b.shape.end() - 2);
+  size_t nbatch = std::max(ba.size(), bb.size());
+  Shape batch(nbatch);
+  for (size_t d = 0; d < nbatch; ++d) {
+    int64_t da = d + ba.size() >= nbatch ? ba[d + ba.size() - nbatch] : 1;
+    int64_t db = d + bb.size() >= nbatch ? bb[d + bb.size() - nbatch] : 1;
+    batch[d] = da == 1 ? db : da;
+  }
+  Ref out;
+  out.shape = batch;
+  out.shape.push_back(m);
+  out.shape.push_back(n);
+  int64_t nb_total = shape_numel(batch);
+  out.v.assign(size_t(nb_total * m * n), 0.0);
+  Shape idx(nbatch, 0);
+  for (int64_t bi = 0; bi < nb_total; ++bi) {
+    int64_t rem = bi;
+    for (size_t d = nbatch; d-- > 0;) {
+      idx[d] = rem % batch[d];
+      rem /= batch[d];
+    }
+    int64_t ia = broadcast_index(idx, ba), ib = broadcast_index(idx, bb);
+    const double* pa = a.v.data() + ia * ar * ac;
+    const double* pb = b.v.data() + ib * br * bc;
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        double s = 0;
+        for (int64_t p = 0; p < k; ++p) {
+          double x = ta ? pa[p * ac + i] : pa[i * ac + p];
+          double y = tb ? pb[j * bc + p] : pb[p * bc + j];
+          s += x * y;
+        }
+        out.v[size_t((bi * m + i) * n + j)] = s;
+      }
+    }
+  }
+  return out;
+}
+
+void expect_close(const Tensor& t, const Ref& r, double atol, double rtol) {
+  ASSERT_EQ(t.shape(), r.shape) << t.str();
+  std::vector<double> v = t.to_vector<double>();
+  for (size_t i = 0; i < v.size(); ++i) {
+    ASSERT_NEAR(v[i], r.v[i], atol + rtol * std::abs(r.v[i]))
+        << "element " << i << " of " << t.str();
+  }
+}
+
+int64_t allocations() {
+  return memory_stats().num_allocations;
+}
+
+void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f,
+                      const std::vector<Tensor>& inputs) {
+  GradcheckResult r = gradcheck(f, inputs);
+  EXPECT_TRUE(r.ok) << r.message;
+}
+
+Tensor leaf(const Shape& shape, uint64_t seed) {
+  Tensor t = random_tensor(shape, seed, DType::Float64);
+  t.set_requires_grad(true);
+  return t;
+}
+
+}  // namespace
+
+TEST(Matmul, TwoDimFloat32MatchesReference) {
+  Tensor a = random_tensor({5, 7}, 1), b = random_tensor({7, 3}, 2);
+  Tensor c = kernels::matmul(a, b);
+  EXPECT_EQ(c.dtype(), DType::Float32);
+  expect_close(c, ref_matmul(ref_of(a), ref_of(b)), 1e-5, 1e-5);
+}
+
+TEST(Matmul, TransposeFlagsAndTransposedViews) {
+  Tensor a = random_tensor({7, 5}, 3), b = random_tensor({3, 7}, 4);
+  Ref ra = ref_of(a), rb = ref_of(b);
+  expect_close(kernels::matmul(a, b, true, true), ref_matmul(ra, rb, true, true), 1e-5, 1e-5);
+  Tensor b2 = random_tensor({7, 3}, 5);
+  expect_close(kernels::matmul(a, b2, true, false), ref_matmul(ra, ref_of(b2), true, false), 1e-5,
+               1e-5);
+  // A transposed view passed without a flag is the same product.
+  Tensor at = kernels::transpose(a, 0, 1);
+  ASSERT_FALSE(at.is_contiguous());
+  expect_close(kernels::matmul(at, b2), ref_matmul(ra, ref_of(b2), true, false), 1e-5, 1e-5);
+  // Transposing a transposed view through the flag gives back the original orientation.
+  Tensor b3 = random_tensor({5, 2}, 6);
+  expect_close(kernels::matmul(at, b3, true, false), ref_matmul(ra, ref_of(b3)), 1e-5, 1e-5);
+}
+
+TEST(Matmul, TransposedAndRowSlicedOperandsAreNotCopied) {
+  Tensor a = random_tensor({64, 32}, 7), w = random_tensor({48, 32}, 8);
+  Tensor big = random_tensor({64, 40}, 9);
+  Tensor sliced = kernels::narrow(big, 1, 4, 32);  // row stride 40: a plain outer stride
+  Tensor wt = kernels::transpose(w, 0, 1);         // column-major [32, 48]
+
+  int64_t before = allocations();
+  Tensor y1 = kernels::matmul(a, w, false, true);
+  Tensor y2 = kernels::matmul(sliced, wt);
+  Tensor y3 = kernels::matmul(kernels::transpose(a, 0, 1), a, false, false);
+  EXPECT_EQ(allocations() - before, 3) << "only the three outputs should be allocated";
+
+  expect_close(y1, ref_matmul(ref_of(a), ref_of(w), false, true), 1e-4, 1e-5);
+  expect_close(y2, ref_matmul(ref_of(sliced.contiguous()), ref_of(w), false, true), 1e-4, 1e-5);
+  expect_close(y3, ref_matmul(ref_of(a), ref_of(a), true, false), 1e-4, 1e-5);
+}
+
+TEST(Matmul, StridesWithoutAUnitDimAreCopiedAndStillCorrect) {
+  Tensor big = random_tensor({6, 14}, 10);
+  Tensor a = kernels::slice(big, 1, 0, 14, 2);  // [6, 7] with column stride 2
+  Tensor b = random_tensor({7, 4}, 11);
+  int64_t before = allocations();
+  Tensor c = kernels::matmul(a, b);
+  EXPECT_EQ(allocations() - before, 2) << "one copy of a, one output";
+  expect_close(c, ref_matmul(ref_of(a.contiguous()), ref_of(b)), 1e-5, 1e-5);
+}
+
+TEST(Matmul, BatchedBroadcastDims) {
+  Tensor a = random_tensor({2, 1, 4, 5}, 12), b = random_tensor({3, 5, 6}, 13);
+  Tensor c = kernels::matmul(a, b);
+  EXPECT_EQ(c.shape(), (Shape{2, 3, 4, 6}));
+  expect_close(c, ref_matmul(ref_of(a), ref_of(b)), 1e-5, 1e-5);
+
+  // Batched transposes on both sides.
+  Tensor at = random_tensor({3, 5, 4}, 14), bt = random_tensor({1, 6, 5}, 15);
+  expect_close(kernels::matmul(at, bt, true, true), ref_matmul(ref_of(at), ref_of(bt), true, true),
+               1e-5, 1e-5);
+}
+
+TEST(Matmul, SharedWeightFoldsTheBatchIntoOneProduct) {
+  Tensor a = random_tensor({3, 4, 5}, 16), w = random_tensor({5, 6}, 17);
+  expect_close(kernels::matmul(a, w), ref_matmul(ref_of(a), ref_of(w)), 1e-5, 1e-5);
+  // A batch made of a permuted tensor cannot fold; it must still be right.
+  Tensor p = kernels::permute(random_tensor({4, 3, 5}, 18), {1, 0, 2});
+  expect_close(kernels::matmul(p, w), ref_matmul(ref_of(p.contiguous()), ref_of(w)), 1e-5, 1e-5);
+  // Nor can an expanded (stride 0) batch: every batch element reads the same rows.
+  Tensor e = kernels::expand(random_tensor({1, 4, 5}, 19), {3, 4, 5});
+  expect_close(kernels::matmul(e, w), ref_matmul(ref_of(e.contiguous()), ref_of(w)), 1e-5, 1e-5);
+  // Batched a transposed per batch element, with a shared weight.
+  Tensor at = random_tensor({3, 5, 4}, 20);
+  expect_close(kernels::matmul(at, w, true, false), ref_matmul(ref_of(at), ref_of(w), true, false),
+               1e-5, 1e-5);
+}
+
+TEST(Matmul, Float64IsExactToRounding) {
+  Tensor a = random_tensor({2, 9, 11}, 21, DType::Float64);
+  Tensor b = random_tensor({2, 11, 13}, 22, DType::Float64);
+  Tensor c = kernels::matmul(a, b);
+  EXPECT_EQ(c.dtype(), DType::Float64);
+  expect_close(c, ref_matmul(ref_of(a), ref_of(b)), 1e-12, 1e-12);
+}
+
+TEST(Matmul, HalfInputsComputeInFloat32) {
+  for (DType dt : {DType::BFloat16, DType::Float16}) {
+    Tensor a = random_tensor({6, 16}, 23, dt), b = random_tensor({8, 16}, 24, dt);
+    Tensor c = kernels::matmul(a, b, false, true);
+    EXPECT_EQ(c.dtype(), dt);
+    // The reference uses the already-rounded inputs, so only the output rounding remains.
+    expect_close(c, ref_matmul(ref_of(a), ref_of(b), false, true), 2e-2, 1e-2);
+  }
+}
+
+TEST(Matmul, EmptyDims) {
+  Tensor c = kernels::matmul(random_tensor({0, 3}, 25), random_tensor({3, 4}, 26));
+  EXPECT_EQ(c.shape(), (Shape{0, 4}));
+  Tensor z = kernels::matmul(random_tensor({2, 0}, 27), random_tensor({0, 4}, 28));
+  EXPECT_EQ(z.shape(), (Shape{2, 4}));
+  EXPECT_EQ(z.to_vector<float>(), std::vector<float>(8, 0.0f));
+  Tensor eb = kernels::matmul(random_tensor({0, 2, 3}, 29), random_tensor({3, 4}, 30));
+  EXPECT_EQ(eb.shape(), (Shape{0, 2, 4}));
+}
+
+TEST(Matmul, MismatchedInnerDimsNameBothShapes) {
+  Tensor a = random_tensor({2, 3}, 31), b = random_tensor({4, 5}, 32);
+  std::string msg = error_of([&] { kernels::matmul(a, b); });
+  EXPECT_NE(msg.find("matmul"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[2, 3]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[4, 5]"), std::string::npos) << msg;
+  msg = error_of([&] { tessera::matmul(a, b); });
+  EXPECT_NE(msg.find("[2, 3]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[4, 5]"), std::string::npos) << msg;
+  msg = error_of([&] { kernels::matmul(a, random_tensor({3, 2}, 33, DType::Float64)); });
+  EXPECT_NE(msg.find("float64"), std::string::npos) << msg;
+  msg = error_of([&] {
+    kernels::matmul(random_tensor({2, 2, 3}, 34), random_tensor({3, 3, 1}, 35));
+  });
+  EXPECT_NE(msg.find("broadcast"), std::string::npos) << msg;
+}
+
+TEST(Addmm, BiasBroadcastAndScales) {
+  Tensor a = random_tensor({4, 6}, 36), w = random_tensor({5, 6}, 37);
+  Tensor bias = random_tensor({5}, 38), c = random_tensor({4, 5}, 39);
+  Ref prod = ref_matmul(ref_of(a), ref_of(w), false, true);
+  std::vector<double> vb = bias.to_vector<double>(), vc = c.to_vector<double>();
+
+  Ref want = prod;
+  for (size_t i = 0; i < want.v.size(); ++i)
+    want.v[i] = 0.5 * vb[i % 5] + 2.0 * prod.v[i];
+  expect_close(kernels::addmm(bias, a, w, 0.5, 2.0, false, true), want, 1e-5, 1e-5);
+
+  for (size_t i = 0; i < want.v.size(); ++i)
+    want.v[i] = vc[i] + prod.v[i];
+  expect_close(kernels::addmm(c, a, w, 1.0, 1.0, false, true), want, 1e-5, 1e-5);
+
+  // beta = 0 ignores c entirely, NaNs included.
+  Tensor nan_c = full({4, 5}, std::numeric_limits<double>::quiet_NaN());
+  expect_close(kernels::addmm(nan_c, a, w, 0.0, 1.0, false, true), prod, 1e-5, 1e-5);
+
+  std::string msg =
+      error_of([&] { kernels::addmm(random_tensor({3}, 40), a, w, 1, 1, false, true); });
+  EXPECT_NE(msg.find("[3]"), std::string::npos) << msg;
+}
+
+TEST(Linear, BatchedInputWithAndWithoutBias) {
+  Tensor x = random_tensor({2, 3, 4}, 41), w = random_tensor({5, 4}, 42),
+         b = random_tensor({5}, 43);
+  Ref prod = ref_matmul(ref_of(x), ref_of(w), false, true);
+  expect_close(kernels::linear(x, w), prod, 1e-5, 1e-5);
+  Ref want = prod;
+  std::vector<double> vb = b.to_vector<double>();
+  for (size_t i = 0; i < want.v.size(); ++i)
+    want.v[i] += vb[i % 5];
+  expect_close(kernels::linear(x, w, b), want, 1e-5, 1e-5);
+  expect_close(tessera::linear(x, w, b), want, 1e-5, 1e-5);
+
+  // Non-contiguous input.
+  Tensor xt = kernels::transpose(random_tensor({4, 3}, 44), 0, 1);
+  expect_close(kernels::linear(xt, w), ref_matmul(ref_of(xt.contiguous()), ref_of(w), false, true),
+               1e-5, 1e-5);
+
+  std::string msg = error_of([&] { kernels::linear(random_tensor({2, 3}, 45), w); });
+  EXPECT_NE(msg.find("[2, 3]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[5, 4]"), std::string::npos) << msg;
+}
+
+TEST(MatmulAutograd, ValuesIncludingVectors) {
+  Tensor a = random_tensor({3, 4}, 46), b = random_tensor({4, 2}, 47);
+  expect_close(tessera::matmul(a, b), ref_matmul(ref_of(a), ref_of(b)), 1e-5, 1e-5);
+  Tensor v = random_tensor({4}, 48);
+  Ref col = ref_matmul(ref_of(a), {v.to_vector<double>(), {4, 1}});
+  col.shape = {3};
+  expect_close(tessera::matmul(a, v), col, 1e-5, 1e-5);
+  Tensor u = random_tensor({3}, 49);
+  Ref row = ref_matmul({u.to_vector<double>(), {1, 3}}, ref_of(a));
+  row.shape = {4};
+  expect_close(tessera::matmul(u, a), row, 1e-5, 1e-5);
+}
+
+TEST(MatmulAutograd, Gradcheck2D) {
+  expect_gradcheck([](const std::vector<Tensor>& in) { return tessera::matmul(in[0], in[1]); },
+                   {leaf({3, 4}, 50), leaf({4, 5}, 51)});
+}
+
+TEST(MatmulAutograd, GradcheckBatchedBroadcast) {
+  // Both operands broadcast somewhere, so both gradients are summed over batch dims.
+  expect_gradcheck([](const std::vector<Tensor>& in) { return tessera::matmul(in[0], in[1]); },
+                   {leaf({2, 1, 3, 4}, 52), leaf({3, 4, 2}, 53)});
+}
+
+TEST(MatmulAutograd, GradcheckSharedWeightAndBatchedRhs) {
+  expect_gradcheck([](const std::vector<Tensor>& in) { return tessera::matmul(in[0], in[1]); },
+                   {leaf({2, 3, 4}, 54), leaf({4, 5}, 55)});
+  expect_gradcheck([](const std::vector<Tensor>& in) { return tessera::matmul(in[0], in[1]); },
+                   {leaf({3, 4}, 56), leaf({2, 4, 5}, 57)});
+}
+
+TEST(MatmulAutograd, GradcheckVectorsAndTransposedViews) {
+  expect_gradcheck([](const std::vector<Tensor>& in) { return tessera::matmul(in[0], in[1]); },
+                   {leaf({4}, 58), leaf({4, 3}, 59)});
+  expect_gradcheck([](const std::vector<Tensor>& in) { return tessera::matmul(in[0], in[1]); },
+                   {leaf({2, 3, 4}, 60), leaf({4}, 61)});
+  expect_gradcheck(
+      [](const std::vector<Tensor>& in) {
+        return tessera::matmul(in[0], tessera::transpose(in[1], 0, 1));
+      },
+      {leaf({3, 4}, 62), leaf({5, 4}, 63)});
+}
+
+TEST(LinearAutograd, Gradcheck) {
+  expect_gradcheck(
+      [](const std::vector<Tensor>& in) { return tessera::linear(in[0], in[1], in[2]); },
+      {leaf({2, 3, 4}, 64), leaf({5, 4}, 65), leaf({5}, 66)});
+  expect_gradcheck([](const std::vector<Tensor>& in) { return tessera::linear(in[0], in[1]); },
+                   {leaf({4}, 67), leaf({3, 4}, 68)});
+}
+
+TEST(LinearAutograd, GradientOnlyWhereRequired) {
+  Tensor x = random_tensor({3, 4}, 69, DType::Float64);
+  Tensor w = leaf({2, 4}, 70);
+  Tensor y = tessera::linear(x, w);
+  tessera::backward(tessera::sum(y));
+  ASSERT_TRUE(w.grad().defined());
+  // d sum(x W^T) / dW[o, i] = sum_r x[r, i].
+  std::vector<double> vx = x.to_vector<double>(), gw = w.grad().to_vector<double>();
+  for (int64_t o = 0; o < 2; ++o)
+    for (int64_t i = 0; i < 4; ++i)
+      EXPECT_NEAR(gw[size_t(o * 4 + i)], vx[size_t(i)] + vx[size_t(4 + i)] + vx[size_t(8 + i)],
+                  1e-12);
+  EXPECT_FALSE(x.grad().defined());
+}
