@@ -170,7 +170,6 @@ bool single_stride(const Shape& sizes, const Shape& strides, int64_t& stride) {
     else if (strides[i] != expected)
       return false;
     expected = strides[i] * sizes[i];
-    if (expected < 0) return false;
   }
   return true;
 }
