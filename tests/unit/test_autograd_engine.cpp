@@ -58,23 +58,23 @@ class SumDiff final : public autograd::Function {
   }
 };
 
-Tensor square(const Tensor& x) { return autograd::Function::apply<Square>({x})[0]; }
+Tensor loop_square(const Tensor& x) { return autograd::Function::apply<Square>({x})[0]; }
 
 }  // namespace
 
 TEST(AutogradEngine, ChainAndAccumulationIntoLeaves) {
   Tensor x = leaf({3.0});
-  Tensor y = square(square(x));  // x^4
+  Tensor y = loop_square(loop_square(x));  // x^4
   backward(y);
   EXPECT_DOUBLE_EQ(x.grad().item<double>(), 4 * 27.0);
   // A second graph accumulates into the same .grad.
-  backward(square(x));
+  backward(loop_square(x));
   EXPECT_DOUBLE_EQ(x.grad().item<double>(), 108.0 + 6.0);
 }
 
 TEST(AutogradEngine, DiamondSumsBothPathsAndRunsEachNodeOnce) {
   Tensor x = leaf({1.0, 2.0});
-  Tensor y = square(x);
+  Tensor y = loop_square(x);
   auto sd = autograd::Function::apply<SumDiff>({y, y});  // (2y, 0)
   Square::calls = 0;
   backward({sd[0], sd[1]}, {ones({2}, DType::Float64), ones({2}, DType::Float64)});
@@ -96,7 +96,7 @@ TEST(AutogradEngine, NoGradGuardRecordsNothing) {
   Tensor y;
   {
     NoGradGuard g;
-    y = square(x);
+    y = loop_square(x);
   }
   EXPECT_FALSE(y.requires_grad());
   EXPECT_TRUE(y.is_leaf());
@@ -105,7 +105,7 @@ TEST(AutogradEngine, NoGradGuardRecordsNothing) {
 
 TEST(AutogradEngine, SavedTensorsFreedUnlessRetained) {
   Tensor x = leaf({2.0});
-  Tensor y = square(x);
+  Tensor y = loop_square(x);
   backward(y, {}, /*retain_graph=*/true);
   backward(y);
   EXPECT_DOUBLE_EQ(x.grad().item<double>(), 8.0);
@@ -126,21 +126,21 @@ TEST(AutogradEngine, LeafHookCanReplaceGradientAndPostHookSeesResult) {
   });
   double seen = 0;
   register_post_accumulate_grad_hook(x, [&](Tensor& t) { seen = t.grad().item<double>(); });
-  backward(square(x));
+  backward(loop_square(x));
   EXPECT_DOUBLE_EQ(x.grad().item<double>(), 20.0);
   EXPECT_DOUBLE_EQ(seen, 20.0);
 }
 
 TEST(AutogradEngine, NonLeafHookAndRetainGrad) {
   Tensor x = leaf({3.0});
-  Tensor y = square(x);
+  Tensor y = loop_square(x);
   double seen = 0;
   register_hook(y, [&](const Tensor& g) {
     seen = g.item<double>();
     return Tensor();
   });
   retain_grad(y);
-  backward(square(y));  // d(y^2)/dy = 2y = 18
+  backward(loop_square(y));  // d(y^2)/dy = 2y = 18
   EXPECT_DOUBLE_EQ(seen, 18.0);
   EXPECT_DOUBLE_EQ(y.grad().item<double>(), 18.0);
   EXPECT_DOUBLE_EQ(x.grad().item<double>(), 18.0 * 6.0);
@@ -156,7 +156,7 @@ TEST(AutogradEngine, CallbacksRunAfterAllNodes) {
       autograd::queue_callback([&] { order.push_back("nested"); });
     });
   });
-  backward(square(x));
+  backward(loop_square(x));
   EXPECT_EQ(order, (std::vector<std::string>{"accumulate", "callback", "nested"}));
   EXPECT_FALSE(autograd::in_backward());
   EXPECT_THROW(autograd::queue_callback([] {}), Error);
@@ -164,7 +164,7 @@ TEST(AutogradEngine, CallbacksRunAfterAllNodes) {
 
 TEST(AutogradEngine, NonScalarNeedsGradientAndShapesAreChecked) {
   Tensor x = leaf({1.0, 2.0});
-  Tensor y = square(x);
+  Tensor y = loop_square(x);
   EXPECT_THROW(backward(y), Error);
   EXPECT_THROW(backward(y, ones({3}, DType::Float64)), Error);
 }
@@ -173,7 +173,7 @@ TEST(AutogradEngine, ViewsAreDifferentiable) {
   Tensor x = leaf({0, 1, 2, 3, 4, 5}, {2, 3});
   Tensor t = transpose(x, 0, 1);           // [3, 2]
   Tensor n = narrow(t, 0, 1, 2);           // rows 1..2 of x^T
-  Tensor r = reshape(square(n), {4});      // non-contiguous -> copy
+  Tensor r = reshape(loop_square(n), {4});      // non-contiguous -> copy
   Tensor e = expand(unsqueeze(r, 0), {3, 4});
   backward(e, ones({3, 4}, DType::Float64));
   // grad = 3 * 2x on x[:, 1:3], 0 on column 0
@@ -186,13 +186,13 @@ TEST(AutogradEngine, GradcheckOnViews) {
       [](const std::vector<Tensor>& in) {
         Tensor p = permute(in[0], {2, 0, 1});
         Tensor s = select(slice(p, 1, 0, 2, 1), 2, 1);
-        return square(contiguous(s));
+        return loop_square(contiguous(s));
       },
       {x});
   EXPECT_TRUE(r.ok) << r.message;
   Tensor y = leaf({1, 2, 3}, {3, 1});
   auto r2 = gradcheck(
-      [](const std::vector<Tensor>& in) { return square(contiguous(expand(in[0], {2, 3, 4}))); },
+      [](const std::vector<Tensor>& in) { return loop_square(contiguous(expand(in[0], {2, 3, 4}))); },
       {y});
   EXPECT_TRUE(r2.ok) << r2.message;
 }
