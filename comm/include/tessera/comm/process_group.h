@@ -1,6 +1,8 @@
 #pragma once
 // A group of ranks that run collectives together (c10d's Backend): one virtual method per
 // collective, each asynchronous, returning a Work to wait on. Blocking use is `->wait()`.
+// Every rank of the group must call the same collectives in the same order. Tensors may have any
+// strides; the caller's tensors must stay alive and untouched until the Work completes.
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,8 +17,9 @@ const char* reduce_op_name(ReduceOp op);
 class Work {
  public:
   virtual ~Work() = default;
-  // Blocks until the operation finished; aborts the job after the collective timeout with a
-  // message naming op, group, shapes and rank.
+  // Blocks until the operation finished; aborts the job after the collective timeout (counted
+  // from the start of the wait) with a message naming op, group, shapes and rank. Dropping an
+  // unfinished Work waits for it, since MPI may still be writing into its buffers.
   virtual void wait() = 0;
   virtual bool is_completed() = 0;
 };
@@ -32,7 +35,11 @@ class ProcessGroup {
   const std::vector<int>& world_ranks() const { return world_ranks_; }
   const std::string& name() const { return name_; }
 
-  // In place on `t`. Avg divides the sum by size(). 16-bit floats accumulate in float32.
+  // In place on `t`. Avg divides the sum by size() (integers: truncating division). 16-bit floats
+  // combine in float32 and round back at each combining step, so they travel as 16 bits; with
+  // more than two ranks a sum may differ by rounding from one float32 accumulation (reduce in
+  // float32 when that matters). Bool: sum and max are "or", product and min "and"; avg is an
+  // error. The reducing collectives below follow the same rules.
   virtual WorkPtr all_reduce(Tensor& t, ReduceOp op) = 0;
   // `out` is size() copies of `in`'s shape concatenated on dim 0 (out.size(0) = size() *
   // in.size(0)); every rank passes the same shape.
@@ -53,7 +60,7 @@ class ProcessGroup {
   virtual WorkPtr barrier() = 0;
 
   // Collective over this group: members passing the same color form a new group, ordered by
-  // key then by rank here (MPI_Comm_split).
+  // key then by rank here (MPI_Comm_split). A negative color joins no group and gets nullptr.
   virtual std::shared_ptr<ProcessGroup> split(int color, int key, const std::string& name) = 0;
 
  protected:

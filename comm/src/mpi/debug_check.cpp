@@ -1,0 +1,211 @@
+#include "debug_check.h"
+
+#include "mpi_state.h"
+#include "tessera/core/error.h"
+
+namespace tessera::mpi {
+
+namespace {
+
+// One rank's signature as a fixed-size header of int64 plus its per-rank counts.
+constexpr int64_t kMagic = 0x7e55e7a0c011ec7L;
+constexpr int kMaxDims = 8;
+enum Field : int {
+  kFieldMagic,
+  kFieldOp,
+  kFieldReduce,
+  kFieldDtype,
+  kFieldRoot,
+  kFieldNdim,
+  kFieldDims,
+  kFieldShapeHash = kFieldDims + kMaxDims,
+  kFieldOutNdim,  // the output shape only describes the call: each rank checks it locally
+  kFieldOutDims,
+  kFieldNumel = kFieldOutDims + kMaxDims,
+  kFieldHasSend,
+  kFieldHasRecv,
+  kHeaderSize,
+};
+
+int64_t shape_hash(const Shape& shape) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the dims
+  for (int64_t d : shape) {
+    h ^= uint64_t(d);
+    h *= 1099511628211ull;
+  }
+  return int64_t(h >> 1);
+}
+
+std::vector<int64_t> encode(const Signature& sig, int size) {
+  std::vector<int64_t> rec(size_t(kHeaderSize + 2 * size), -1);
+  const CallInfo& c = sig.call;
+  rec[kFieldMagic] = kMagic;
+  rec[kFieldOp] = int64_t(c.op);
+  rec[kFieldReduce] = c.reduce ? int64_t(*c.reduce) : -1;
+  rec[kFieldDtype] = c.dtype ? int64_t(*c.dtype) : -1;
+  rec[kFieldRoot] = c.root;
+  if (c.shape) {
+    rec[kFieldNdim] = int64_t(c.shape->size());
+    for (size_t d = 0; d < c.shape->size() && d < size_t(kMaxDims); ++d) {
+      rec[kFieldDims + d] = (*c.shape)[d];
+    }
+    rec[kFieldShapeHash] = shape_hash(*c.shape);
+  }
+  if (c.out_shape) {
+    rec[kFieldOutNdim] = int64_t(c.out_shape->size());
+    for (size_t d = 0; d < c.out_shape->size() && d < size_t(kMaxDims); ++d) {
+      rec[kFieldOutDims + d] = (*c.out_shape)[d];
+    }
+  }
+  rec[kFieldNumel] = sig.numel;
+  rec[kFieldHasSend] = !sig.send_counts.empty();
+  rec[kFieldHasRecv] = !sig.recv_counts.empty();
+  for (int r = 0; r < size && !sig.send_counts.empty(); ++r)
+    rec[kHeaderSize + r] = sig.send_counts[r];
+  for (int r = 0; r < size && !sig.recv_counts.empty(); ++r) {
+    rec[kHeaderSize + size + r] = sig.recv_counts[r];
+  }
+  return rec;
+}
+
+// A table of every rank's record, as read back on each rank.
+class Table {
+ public:
+  Table(std::vector<int64_t> data, int size) : data_(std::move(data)), size_(size) {}
+  const int64_t* rec(int q) const { return data_.data() + size_t(q) * stride(); }
+  int64_t field(int q, int f) const { return rec(q)[f]; }
+  int64_t send(int q, int r) const { return rec(q)[kHeaderSize + r]; }
+  int64_t recv(int q, int r) const { return rec(q)[kHeaderSize + size_ + r]; }
+
+  CallInfo call(int q) const {
+    CallInfo c;
+    c.op = OpKind(field(q, kFieldOp));
+    if (field(q, kFieldReduce) >= 0) c.reduce = ReduceOp(field(q, kFieldReduce));
+    if (field(q, kFieldDtype) >= 0) c.dtype = DType(field(q, kFieldDtype));
+    c.root = int(field(q, kFieldRoot));
+    const int64_t ndim = field(q, kFieldNdim);
+    if (ndim >= 0) {
+      Shape s;
+      for (int64_t d = 0; d < ndim && d < kMaxDims; ++d)
+        s.push_back(field(q, kFieldDims + int(d)));
+      c.shape = s;
+    }
+    const int64_t out_ndim = field(q, kFieldOutNdim);
+    if (out_ndim >= 0) {
+      Shape s;
+      for (int64_t d = 0; d < out_ndim && d < kMaxDims; ++d) {
+        s.push_back(field(q, kFieldOutDims + int(d)));
+      }
+      c.out_shape = s;
+    }
+    return c;
+  }
+  bool same_call(int q) const {
+    for (int f : {kFieldOp, kFieldReduce, kFieldDtype, kFieldRoot}) {
+      if (field(q, f) != field(0, f)) return false;
+    }
+    return true;
+  }
+  bool same_shape(int q) const {
+    for (int f = kFieldNdim; f <= kFieldShapeHash; ++f) {
+      if (field(q, f) != field(0, f)) return false;
+    }
+    return true;
+  }
+  // "rank 0: all_reduce(sum) float32 [4]; rank 1: ..."
+  std::string calls() const {
+    std::string s;
+    for (int q = 0; q < size_; ++q) {
+      if (q) s += "; ";
+      s += "rank " + std::to_string(q) + ": " + to_string(call(q));
+      if (field(q, kFieldNdim) > kMaxDims || field(q, kFieldOutNdim) > kMaxDims) {
+        s += " (first " + std::to_string(kMaxDims) + " dims)";
+      }
+    }
+    return s;
+  }
+
+ private:
+  size_t stride() const { return size_t(kHeaderSize + 2 * size_); }
+  std::vector<int64_t> data_;
+  int size_;
+};
+
+// The pairing rules of the uneven collectives; "" when every pair fits.
+std::string pairing_errors(const Table& t, OpKind op, int size) {
+  std::string errs;
+  auto add = [&](const std::string& e) {
+    if (!errs.empty()) errs += "; ";
+    errs += e;
+  };
+  for (int q = 0; q < size; ++q) {
+    for (int s = 0; s < size; ++s) {
+      const std::string rq = "rank " + std::to_string(q);
+      const std::string rs = "rank " + std::to_string(s);
+      if (op == OpKind::AllGather && t.recv(q, s) != t.field(s, kFieldNumel)) {
+        add(rq + " expects " + std::to_string(t.recv(q, s)) + " elements from " + rs +
+            ", whose input has " + std::to_string(t.field(s, kFieldNumel)));
+      }
+      if (op == OpKind::AllToAll && t.recv(q, s) != t.send(s, q)) {
+        add(rq + " expects " + std::to_string(t.recv(q, s)) + " elements from " + rs +
+            ", which sends " + std::to_string(t.send(s, q)));
+      }
+      if (op == OpKind::ReduceScatter && t.send(q, s) != t.send(0, s)) {
+        add(rq + "'s input for " + rs + " has " + std::to_string(t.send(q, s)) +
+            " elements but rank 0's has " + std::to_string(t.send(0, s)));
+      }
+    }
+    if (op == OpKind::Scatter) {
+      const int root = int(t.field(0, kFieldRoot));
+      if (t.field(q, kFieldNumel) != t.send(root, q)) {
+        add("rank " + std::to_string(q) + "'s output has " +
+            std::to_string(t.field(q, kFieldNumel)) + " elements but root " + std::to_string(root) +
+            " sends it " + std::to_string(t.send(root, q)));
+      }
+    }
+  }
+  return errs;
+}
+
+}  // namespace
+
+void check_signatures(const Communicator& debug_comm, const Signature& mine) {
+  const int size = debug_comm.size;
+  std::vector<int64_t> rec = encode(mine, size);
+  std::vector<int64_t> all(rec.size() * size_t(size));
+  const std::string what = "debug check before " + describe(mine.call, debug_comm);
+  std::vector<MPI_Request> req(1, MPI_REQUEST_NULL);
+  std::vector<MPI_Status> st;
+  {
+    auto guard = lock();
+    check(MPI_Iallgather(rec.data(), int(rec.size()), MPI_INT64_T, all.data(), int(rec.size()),
+                         MPI_INT64_T, debug_comm.comm, req.data()),
+          "MPI_Iallgather", what);
+  }
+  wait_all(req, st, [&] { return what; });
+
+  Table t(std::move(all), size);
+  const std::string group = "'" + debug_comm.group_name + "'";
+  for (int q = 0; q < size; ++q) {
+    TESSERA_CHECK(t.field(q, kFieldMagic) == kMagic, "collective mismatch on group ", group,
+                  ": rank ", q, " sent a malformed debug record; is TESSERA_DEBUG_COLLECTIVES on ",
+                  "for every rank?");
+  }
+  bool same = true;
+  for (int q = 0; q < size; ++q)
+    same = same && t.same_call(q);
+  TESSERA_CHECK(same, "collective mismatch on group ", group,
+                ": the ranks called different operations: ", t.calls());
+  const OpKind op = OpKind(t.field(0, kFieldOp));
+  if (is_even(op)) {
+    for (int q = 0; q < size; ++q)
+      same = same && t.same_shape(q);
+    TESSERA_CHECK(same, "collective mismatch on group ", group, ": ", op_kind_name(op),
+                  " needs the same shape on every rank, but got ", t.calls());
+  }
+  const std::string errs = pairing_errors(t, op, size);
+  TESSERA_CHECK(errs.empty(), "collective mismatch on group ", group, ": ", op_kind_name(op),
+                " sizes do not pair up: ", errs, " (calls: ", t.calls(), ")");
+}
+
+}  // namespace tessera::mpi

@@ -1,0 +1,257 @@
+// The reducing and gathering collectives of the MPI group. Each validates its arguments on every
+// rank before any communication (so a bad call throws everywhere instead of hanging), picks MPI
+// buffers that avoid copies when the tensors allow it, and starts one non-blocking MPI call.
+#include "buffers.h"
+#include "mpi_process_group.h"
+#include "mpi_state.h"
+#include "mpi_types.h"
+#include "tessera/core/error.h"
+#include "tessera/core/factory.h"
+
+namespace tessera::mpi {
+
+namespace {
+
+// A contiguous tensor to receive `out`'s values: `out` itself when MPI can write it directly.
+Tensor receive_buffer(const Tensor& out, const std::vector<ByteRange>& send_ranges) {
+  if (out.is_contiguous() && !any_overlap({byte_range(out)}, send_ranges)) return out;
+  return empty(out.shape(), out.dtype());
+}
+
+// What to do once the reduction landed in `buf`: Avg divides, staged results are copied out.
+MpiWork::Completion finish_reduction(Tensor buf, Tensor out, ReduceOp op, int size) {
+  return [buf, out, op, size](const std::vector<MPI_Status>&) mutable {
+    if (op == ReduceOp::Avg) divide(buf.raw_data(), buf.numel(), buf.dtype(), size);
+    if (!buf.is_same(out)) out.copy_(buf);
+  };
+}
+
+Shape scale_dim0(Shape s, int64_t factor) {
+  s[0] *= factor;
+  return s;
+}
+
+}  // namespace
+
+WorkPtr MpiProcessGroup::all_reduce(Tensor& t, ReduceOp op) {
+  constexpr const char* kOp = "all_reduce";
+  enter(kOp);
+  check_tensor(t, kOp, "the tensor");
+  check_reduce(op, t.dtype(), kOp);
+  CallInfo call = tensor_call(OpKind::AllReduce, t.dtype(), t.shape());
+  call.reduce = op;
+  debug_check({call, {}, {}, t.numel()});
+  const int count = to_count(t.numel(), kOp);
+  Tensor buf = t.contiguous();
+  auto work = make_work(std::move(call));
+  {
+    auto guard = lock();
+    check(MPI_Iallreduce(MPI_IN_PLACE, buf.raw_data(), count, datatype(t.dtype()),
+                         reduce_op(op, t.dtype()), comm_->comm, work->new_request()),
+          "MPI_Iallreduce", where(kOp));
+  }
+  work->then(finish_reduction(buf, t, op, size()));
+  return work;
+}
+
+WorkPtr MpiProcessGroup::all_gather_into_tensor(Tensor& out, const Tensor& in) {
+  constexpr const char* kOp = "all_gather_into_tensor";
+  enter(kOp);
+  check_tensor(out, kOp, "the output");
+  check_tensor(in, kOp, "the input");
+  TESSERA_CHECK(out.dtype() == in.dtype(), where(kOp), ": output dtype ", dtype_name(out.dtype()),
+                " differs from input dtype ", dtype_name(in.dtype()));
+  TESSERA_CHECK(in.dim() >= 1, where(kOp),
+                ": the input is 0-d; gather scalars as shape [1] into shape [", size(), "]");
+  const Shape expected = scale_dim0(in.shape(), size());
+  TESSERA_CHECK(out.shape() == expected, where(kOp), ": output shape ", shape_str(out.shape()),
+                " must be ", shape_str(expected), " (", size(), " x input shape ",
+                shape_str(in.shape()), " on dim 0)");
+  CallInfo call = tensor_call(OpKind::AllGatherIntoTensor, in.dtype(), in.shape());
+  call.out_shape = out.shape();
+  debug_check({call, {}, {}, in.numel()});
+  const int count = to_count(in.numel(), kOp);
+  to_count(out.numel(), kOp);
+
+  Tensor recv = out.is_contiguous() ? out : empty(out.shape(), out.dtype());
+  const char* mine = static_cast<const char*>(recv.raw_data()) +
+                     int64_t(rank()) * count * int64_t(in.element_size());
+  Tensor send;
+  const void* send_ptr = MPI_IN_PLACE;
+  // FSDP gathers a shard that is a view of its own slot in the output: MPI_IN_PLACE. Any other
+  // overlap would alias MPI's buffers, so the input is copied.
+  if (!(count > 0 && in.is_contiguous() && in.raw_data() == mine)) {
+    send = in.is_contiguous() && !overlaps(byte_range(in), byte_range(recv)) ? in : in.clone();
+    send_ptr = send.raw_data();
+  }
+  auto work = make_work(std::move(call));
+  {
+    auto guard = lock();
+    const MPI_Datatype type = datatype(in.dtype());
+    check(MPI_Iallgather(send_ptr, count, type, recv.raw_data(), count, type, comm_->comm,
+                         work->new_request()),
+          "MPI_Iallgather", where(kOp));
+  }
+  work->keep_alive(send);
+  work->then([recv, out](const std::vector<MPI_Status>&) mutable {
+    if (!recv.is_same(out)) out.copy_(recv);
+  });
+  return work;
+}
+
+WorkPtr MpiProcessGroup::all_gather(std::vector<Tensor>& outputs, const Tensor& in) {
+  constexpr const char* kOp = "all_gather";
+  enter(kOp);
+  check_tensor(in, kOp, "the input");
+  check_list(outputs, in.dtype(), kOp, "outputs");
+  const Tensor& own = outputs[size_t(rank())];
+  TESSERA_CHECK(own.numel() == in.numel(), where(kOp), ": outputs[", rank(),
+                "] (this rank's own slot) has shape ", shape_str(own.shape()),
+                " but the input has shape ", shape_str(in.shape()));
+  Signature sig;
+  sig.call = tensor_call(OpKind::AllGather, in.dtype(), in.shape());
+  sig.call.pieces = int64_t(outputs.size());
+  sig.numel = in.numel();
+  for (const Tensor& o : outputs)
+    sig.recv_counts.push_back(o.numel());
+  debug_check(sig);
+  const int count = to_count(in.numel(), kOp);
+
+  auto recv = std::make_shared<FlatList>(flat_recv(outputs, in.dtype(), kOp));
+  const char* mine = static_cast<const char*>(recv->base) +
+                     int64_t(recv->displs[size_t(rank())]) * int64_t(in.element_size());
+  Tensor send;
+  const void* send_ptr = MPI_IN_PLACE;
+  if (!(count > 0 && !recv->staging.defined() && in.is_contiguous() && in.raw_data() == mine)) {
+    send = in.is_contiguous() && !any_overlap({byte_range(in)}, recv->ranges) ? in : in.clone();
+    send_ptr = send.raw_data();
+  }
+  auto work = make_work(sig.call);
+  {
+    auto guard = lock();
+    const MPI_Datatype type = datatype(in.dtype());
+    check(MPI_Iallgatherv(send_ptr, count, type, recv->base, recv->counts.data(),
+                          recv->displs.data(), type, comm_->comm, work->new_request()),
+          "MPI_Iallgatherv", where(kOp));
+  }
+  work->keep_alive(send);
+  // Copies of the tensor handles, so the caller's vector need not outlive the work.
+  work->then([recv, outs = outputs](const std::vector<MPI_Status>&) { unpack(*recv, outs); });
+  return work;
+}
+
+WorkPtr MpiProcessGroup::reduce_scatter_tensor(Tensor& out, const Tensor& in, ReduceOp op) {
+  constexpr const char* kOp = "reduce_scatter_tensor";
+  enter(kOp);
+  check_tensor(out, kOp, "the output");
+  check_tensor(in, kOp, "the input");
+  check_reduce(op, in.dtype(), kOp);
+  TESSERA_CHECK(out.dtype() == in.dtype(), where(kOp), ": output dtype ", dtype_name(out.dtype()),
+                " differs from input dtype ", dtype_name(in.dtype()));
+  TESSERA_CHECK(out.dim() >= 1, where(kOp),
+                ": the output is 0-d; reduce-scatter into shape [1] from shape [", size(), "]");
+  const Shape expected = scale_dim0(out.shape(), size());
+  TESSERA_CHECK(in.shape() == expected, where(kOp), ": input shape ", shape_str(in.shape()),
+                " must be ", shape_str(expected), " (", size(), " x output shape ",
+                shape_str(out.shape()), " on dim 0)");
+  CallInfo call = tensor_call(OpKind::ReduceScatterTensor, in.dtype(), in.shape());
+  call.reduce = op;
+  call.out_shape = out.shape();
+  debug_check({call, {}, {}, in.numel()});
+  const int count = to_count(out.numel(), kOp);
+  to_count(in.numel(), kOp);
+
+  // MPI_IN_PLACE would read the whole input from the output buffer, which never matches a
+  // caller's layout: overlapping buffers are separated by receiving into a fresh one.
+  Tensor send = in.contiguous();
+  Tensor recv = receive_buffer(out, {byte_range(send)});
+  auto work = make_work(std::move(call));
+  {
+    auto guard = lock();
+    check(MPI_Ireduce_scatter_block(send.raw_data(), recv.raw_data(), count, datatype(in.dtype()),
+                                    reduce_op(op, in.dtype()), comm_->comm, work->new_request()),
+          "MPI_Ireduce_scatter_block", where(kOp));
+  }
+  work->keep_alive(send);
+  work->then(finish_reduction(recv, out, op, size()));
+  return work;
+}
+
+WorkPtr MpiProcessGroup::reduce_scatter(Tensor& out, const std::vector<Tensor>& inputs,
+                                        ReduceOp op) {
+  constexpr const char* kOp = "reduce_scatter";
+  enter(kOp);
+  check_tensor(out, kOp, "the output");
+  check_reduce(op, out.dtype(), kOp);
+  check_list(inputs, out.dtype(), kOp, "inputs");
+  const Tensor& own = inputs[size_t(rank())];
+  TESSERA_CHECK(own.numel() == out.numel(), where(kOp), ": inputs[", rank(),
+                "] (this rank's block) has shape ", shape_str(own.shape()),
+                " but the output has shape ", shape_str(out.shape()));
+  Signature sig;
+  sig.call = tensor_call(OpKind::ReduceScatter, out.dtype(), out.shape());
+  sig.call.reduce = op;
+  sig.call.pieces = int64_t(inputs.size());
+  sig.numel = out.numel();
+  for (const Tensor& in : inputs)
+    sig.send_counts.push_back(in.numel());
+  debug_check(sig);
+  to_count(out.numel(), kOp);
+
+  auto send = std::make_shared<FlatList>(flat_send(inputs, out.dtype(), true, kOp));
+  Tensor recv = receive_buffer(out, send->ranges);
+  auto work = make_work(sig.call);
+  {
+    auto guard = lock();
+    check(
+        MPI_Ireduce_scatter(send->base, recv.raw_data(), send->counts.data(), datatype(out.dtype()),
+                            reduce_op(op, out.dtype()), comm_->comm, work->new_request()),
+        "MPI_Ireduce_scatter", where(kOp));
+  }
+  MpiWork::Completion finish = finish_reduction(recv, out, op, size());
+  work->then([send, finish](const std::vector<MPI_Status>& st) { finish(st); });
+  return work;
+}
+
+WorkPtr MpiProcessGroup::all_to_all(std::vector<Tensor>& outputs,
+                                    const std::vector<Tensor>& inputs) {
+  constexpr const char* kOp = "all_to_all";
+  enter(kOp);
+  TESSERA_CHECK(!inputs.empty() && inputs[0].defined(), where(kOp),
+                ": inputs must hold one defined tensor per rank (got ", inputs.size(), ")");
+  const DType dt = inputs[0].dtype();
+  check_list(inputs, dt, kOp, "inputs");
+  check_list(outputs, dt, kOp, "outputs");
+  const size_t me = size_t(rank());
+  TESSERA_CHECK(inputs[me].numel() == outputs[me].numel(), where(kOp), ": inputs[", me,
+                "] has shape ", shape_str(inputs[me].shape()), " but outputs[", me,
+                "] (what this rank sends itself) has shape ", shape_str(outputs[me].shape()));
+  Signature sig;
+  sig.call = tensor_call(OpKind::AllToAll, dt, inputs[me].shape());
+  sig.call.pieces = int64_t(inputs.size());
+  sig.numel = inputs[me].numel();
+  for (size_t r = 0; r < inputs.size(); ++r) {
+    sig.send_counts.push_back(inputs[r].numel());
+    sig.recv_counts.push_back(outputs[r].numel());
+  }
+  debug_check(sig);
+
+  auto recv = std::make_shared<FlatList>(flat_recv(outputs, dt, kOp));
+  auto send = std::make_shared<FlatList>(flat_send(inputs, dt, false, kOp));
+  if (!send->staging.defined() && any_overlap(send->ranges, recv->ranges)) {
+    *send = flat_copy(inputs, dt, kOp);
+  }
+  auto work = make_work(sig.call);
+  {
+    auto guard = lock();
+    const MPI_Datatype type = datatype(dt);
+    check(MPI_Ialltoallv(send->base, send->counts.data(), send->displs.data(), type, recv->base,
+                         recv->counts.data(), recv->displs.data(), type, comm_->comm,
+                         work->new_request()),
+          "MPI_Ialltoallv", where(kOp));
+  }
+  work->then([send, recv, outs = outputs](const std::vector<MPI_Status>&) { unpack(*recv, outs); });
+  return work;
+}
+
+}  // namespace tessera::mpi

@@ -1,0 +1,56 @@
+#pragma once
+// The ProcessGroup of CPU tensors: every collective is one non-blocking MPI call on a
+// communicator private to the group, returning an MpiWork.
+#include <mpi.h>
+
+#include <memory>
+#include <string>
+
+#include "debug_check.h"
+#include "tessera/comm/process_group.h"
+#include "work.h"
+
+namespace tessera::mpi {
+
+class MpiProcessGroup final : public ProcessGroup {
+ public:
+  // Takes ownership of `comm`, which must be private to the new group (a dup or split result);
+  // collective over `comm`.
+  static std::shared_ptr<MpiProcessGroup> create(MPI_Comm comm, std::string name);
+
+  WorkPtr all_reduce(Tensor& t, ReduceOp op) override;
+  WorkPtr all_gather_into_tensor(Tensor& out, const Tensor& in) override;
+  WorkPtr all_gather(std::vector<Tensor>& outputs, const Tensor& in) override;
+  WorkPtr reduce_scatter_tensor(Tensor& out, const Tensor& in, ReduceOp op) override;
+  WorkPtr reduce_scatter(Tensor& out, const std::vector<Tensor>& inputs, ReduceOp op) override;
+  WorkPtr all_to_all(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs) override;
+  WorkPtr broadcast(Tensor& t, int root) override;
+  WorkPtr scatter(Tensor& out, const std::vector<Tensor>& inputs, int root) override;
+  WorkPtr send(const Tensor& t, int dst, int tag) override;
+  WorkPtr recv(Tensor& t, int src, int tag) override;
+  WorkPtr barrier() override;
+  std::shared_ptr<ProcessGroup> split(int color, int key, const std::string& name) override;
+
+ private:
+  MpiProcessGroup(CommunicatorPtr comm, CommunicatorPtr debug_comm, std::vector<int> world_ranks,
+                  int tag_ub);
+
+  // Common entry of every operation: MPI usable, then the debug check when enabled.
+  void enter(const char* op) const;
+  void debug_check(const Signature& sig) const;
+  std::shared_ptr<MpiWork> make_work(CallInfo call) const;
+  // Errors name the group: "all_reduce on group 'tp' (rank 1 of 4): ...".
+  std::string where(const char* op) const;
+  void check_tensor(const Tensor& t, const char* op, const char* what) const;
+  void check_root(int root, const char* op, const char* what) const;
+  void check_list(const std::vector<Tensor>& list, DType dtype, const char* op,
+                  const char* what) const;
+  void check_reduce(ReduceOp reduce, DType dtype, const char* op) const;
+
+  CommunicatorPtr comm_;
+  // Debug exchanges travel on their own communicator so they can never match a data collective.
+  CommunicatorPtr debug_comm_;
+  int tag_ub_ = 32767;  // MPI guarantees at least this
+};
+
+}  // namespace tessera::mpi

@@ -1,0 +1,25 @@
+#pragma once
+// Tessera dtypes and reduce ops as MPI sees them. MPI has no 16-bit float types: bfloat16 and
+// float16 travel as distinct 2-byte contiguous types, reduced by user ops that compute each
+// combining step in float32 and round back to nearest even.
+#include <mpi.h>
+
+#include <cstdint>
+
+#include "tessera/comm/process_group.h"
+
+namespace tessera::mpi {
+
+// Creates and frees the 16-bit types and their ops; between init and finalize.
+void create_types();
+void free_types();
+
+MPI_Datatype datatype(DType dt);
+// The op MPI reduces with. Avg reduces with Sum and the caller divides afterwards. Bool is
+// logical: Sum and Max are "or", Product and Min are "and" (as torch does for bool).
+MPI_Op reduce_op(ReduceOp op, DType dt);
+// data[i] /= divisor for n contiguous elements of dtype dt: Avg's second half. Integers divide
+// with truncation toward zero, as C++ does, so an int Avg is the truncated mean.
+void divide(void* data, int64_t n, DType dt, int64_t divisor);
+
+}  // namespace tessera::mpi

@@ -1,0 +1,145 @@
+#include "work.h"
+
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <thread>
+
+#include "mpi_state.h"
+#include "tessera/comm/runtime.h"
+#include "tessera/core/error.h"
+
+namespace tessera::mpi {
+
+Communicator::Communicator(MPI_Comm c, std::string name) : comm(c), group_name(std::move(name)) {
+  auto guard = lock();
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+}
+
+Communicator::~Communicator() {
+  if (comm == MPI_COMM_NULL || !active()) return;
+  auto guard = lock();
+  MPI_Comm_free(&comm);
+}
+
+std::string describe(const CallInfo& call, const Communicator& comm) {
+  return to_string(call) + " on group '" + comm.group_name + "' (rank " +
+         std::to_string(comm.rank) + " of " + std::to_string(comm.size) + ")";
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How long a waiter keeps polling before it gives up its core: short waits (most collectives of
+// small tensors) keep their latency, long ones stop competing with the ranks they wait for.
+constexpr int kSpinPolls = 64;
+constexpr std::chrono::microseconds kYieldPhase{2000};
+constexpr std::chrono::microseconds kSleep{100};
+
+std::string status_errors(const std::vector<MPI_Status>& statuses) {
+  std::string s;
+  for (const MPI_Status& st : statuses) {
+    if (st.MPI_ERROR == MPI_SUCCESS || st.MPI_ERROR == MPI_ERR_PENDING) continue;
+    if (!s.empty()) s += "; ";
+    s += error_string(st.MPI_ERROR);
+  }
+  return s;
+}
+
+}  // namespace
+
+bool test_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statuses,
+              const std::function<std::string()>& what) {
+  statuses.resize(requests.size());
+  int flag = 0;
+  int rc;
+  {
+    auto guard = lock();
+    rc = MPI_Testall(int(requests.size()), requests.data(), &flag, statuses.data());
+  }
+  if (rc == MPI_ERR_IN_STATUS) TESSERA_FAIL(what(), " failed: ", status_errors(statuses));
+  check(rc, "MPI_Testall", what());
+  return flag != 0;
+}
+
+void wait_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statuses,
+              const std::function<std::string()>& what) {
+  const Clock::time_point start = Clock::now();
+  const double timeout = collective_timeout_seconds();
+  for (int polls = 0;; ++polls) {
+    if (test_all(requests, statuses, what)) return;
+    const Clock::duration waited = Clock::now() - start;
+    const double seconds = std::chrono::duration<double>(waited).count();
+    if (seconds > timeout) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%g s", timeout);
+      abort_job(what() + " did not complete within the collective timeout of " + buf +
+                ": a rank of the group has not called it, or called a different operation "
+                "(TESSERA_DEBUG_COLLECTIVES=1 checks that every rank calls the same one; "
+                "TESSERA_COLLECTIVE_TIMEOUT sets the timeout)");
+    }
+    if (polls < kSpinPolls) continue;
+    if (waited < kYieldPhase) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(kSleep);
+    }
+  }
+}
+
+MpiWork::MpiWork(CommunicatorPtr comm, CallInfo call)
+    : comm_(std::move(comm)), call_(std::move(call)) {
+  requests_.reserve(1);
+}
+
+MpiWork::~MpiWork() {
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (done_ || !active()) return;
+  // Freeing the buffers now would let MPI write into released memory; and a caller that drops
+  // the work without waiting still gets its staged outputs copied back.
+  try {
+    wait_all(requests_, statuses_, [this] { return what(); });
+    complete();
+  } catch (const std::exception& e) {
+    // A destructor cannot report the failure to anyone.
+    abort_job(std::string("a Work destroyed before completion failed: ") + e.what());
+  }
+}
+
+MPI_Request* MpiWork::new_request() {
+  requests_.push_back(MPI_REQUEST_NULL);
+  return &requests_.back();
+}
+
+std::string MpiWork::what() const {
+  return describe(call_, *comm_);
+}
+
+void MpiWork::complete() {
+  done_ = true;
+  Completion fn = std::move(completion_);
+  completion_ = nullptr;
+  if (fn) fn(statuses_);
+  keep_alive_.clear();
+}
+
+void MpiWork::wait() {
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (done_) return;
+  require_usable(op_kind_name(call_.op));
+  wait_all(requests_, statuses_, [this] { return what(); });
+  complete();
+}
+
+bool MpiWork::is_completed() {
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (done_) return true;
+  require_usable(op_kind_name(call_.op));
+  if (!test_all(requests_, statuses_, [this] { return what(); })) return false;
+  complete();
+  return true;
+}
+
+}  // namespace tessera::mpi

@@ -1,0 +1,77 @@
+#pragma once
+// The Work of an MPI operation: its requests, the buffers MPI reads and writes until they
+// complete, and what to do afterwards (divide for Avg, copy staged results into the caller's
+// tensors). Waiting polls, so a collective that never completes aborts the job with a message
+// instead of hanging.
+#include <mpi.h>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "call_info.h"
+#include "tessera/comm/process_group.h"
+
+namespace tessera::mpi {
+
+// One group's communicator. Shared by the group and its in-flight works, so that it outlives
+// both; freed on destruction unless MPI has been finalised already.
+struct Communicator {
+  MPI_Comm comm = MPI_COMM_NULL;
+  std::string group_name;
+  int rank = 0;
+  int size = 1;
+
+  Communicator(MPI_Comm c, std::string name);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+};
+using CommunicatorPtr = std::shared_ptr<const Communicator>;
+
+// "all_reduce(sum) float32 [4] on group 'world' (rank 1 of 2)".
+std::string describe(const CallInfo& call, const Communicator& comm);
+
+// Polls `requests` to completion. Spins briefly, then yields and finally sleeps between polls,
+// because ranks often outnumber cores and a spinning waiter steals the core of the rank it waits
+// for. After collective_timeout_seconds() of waiting it aborts the job naming `what()`.
+void wait_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statuses,
+              const std::function<std::string()>& what);
+// One non-blocking poll; true when all completed. Throws on MPI errors.
+bool test_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statuses,
+              const std::function<std::string()>& what);
+
+class MpiWork final : public Work {
+ public:
+  using Completion = std::function<void(const std::vector<MPI_Status>&)>;
+
+  MpiWork(CommunicatorPtr comm, CallInfo call);
+  // Waits for pending requests: MPI may still write into buffers this work keeps alive.
+  ~MpiWork() override;
+
+  // Setup, before the work is returned: the slot for the next request, buffers to keep alive,
+  // and the step run once after completion.
+  MPI_Request* new_request();
+  void keep_alive(Tensor t) { keep_alive_.push_back(std::move(t)); }
+  void then(Completion fn) { completion_ = std::move(fn); }
+
+  void wait() override;
+  bool is_completed() override;
+
+ private:
+  void complete();
+  std::string what() const;
+
+  CommunicatorPtr comm_;
+  CallInfo call_;
+  std::vector<MPI_Request> requests_;
+  std::vector<MPI_Status> statuses_;
+  std::vector<Tensor> keep_alive_;
+  Completion completion_;
+  std::mutex mutex_;
+  bool done_ = false;
+};
+
+}  // namespace tessera::mpi
