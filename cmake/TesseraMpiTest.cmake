@@ -1,0 +1,53 @@
+# tessera_add_mpi_test(<target> SOURCES <files...> RANKS <world sizes...> [TIMEOUT <seconds>])
+#
+# Builds a gtest binary with the MPI-aware main (tests/dist/mpi_gtest_main.cpp: every rank runs
+# every test, rank 0 prints the summary, every rank exits non-zero when any rank failed) and
+# registers one ctest test per world size, `<target>.np<N>`, run under mpirun with label `dist`.
+include_guard(GLOBAL)
+
+set(TESSERA_MPI_GTEST_MAIN ${CMAKE_CURRENT_LIST_DIR}/../tests/dist/mpi_gtest_main.cpp)
+
+# OpenMPI refuses to run as root and to start more ranks than cores unless told; other MPIs do
+# not know these flags.
+set(TESSERA_MPIEXEC_EXTRA_FLAGS "")
+if(MPIEXEC_EXECUTABLE)
+  execute_process(COMMAND ${MPIEXEC_EXECUTABLE} --version OUTPUT_VARIABLE _tessera_mpiexec_version
+                  ERROR_QUIET RESULT_VARIABLE _tessera_mpiexec_rc)
+  if(_tessera_mpiexec_rc EQUAL 0 AND _tessera_mpiexec_version MATCHES "Open MPI|OpenRTE")
+    set(TESSERA_MPIEXEC_EXTRA_FLAGS --oversubscribe --allow-run-as-root)
+  endif()
+endif()
+
+function(tessera_add_mpi_test target)
+  cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;RANKS" ${ARGN})
+  if(NOT ARG_SOURCES)
+    message(FATAL_ERROR "tessera_add_mpi_test(${target}): SOURCES is required")
+  endif()
+  if(NOT ARG_RANKS)
+    message(FATAL_ERROR "tessera_add_mpi_test(${target}): RANKS (world sizes) is required")
+  endif()
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 300)
+  endif()
+
+  if(NOT TARGET tessera_mpi_gtest_main)
+    add_library(tessera_mpi_gtest_main STATIC ${TESSERA_MPI_GTEST_MAIN})
+    target_link_libraries(tessera_mpi_gtest_main PUBLIC tessera::tessera GTest::gtest
+                          PRIVATE tessera_warnings tessera_arch)
+  endif()
+
+  add_executable(${target} ${ARG_SOURCES})
+  target_link_libraries(${target} PRIVATE tessera_mpi_gtest_main tessera::tessera GTest::gtest
+                        tessera_warnings tessera_arch)
+  target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
+
+  foreach(n IN LISTS ARG_RANKS)
+    set(test_name ${target}.np${n})
+    add_test(NAME ${test_name}
+             COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${n} ${TESSERA_MPIEXEC_EXTRA_FLAGS}
+                     ${MPIEXEC_PREFLAGS} $<TARGET_FILE:${target}> ${MPIEXEC_POSTFLAGS})
+    # Ranks are the parallelism: keep each rank single-threaded.
+    set_tests_properties(${test_name} PROPERTIES TIMEOUT ${ARG_TIMEOUT} LABELS dist
+                         PROCESSORS ${n} ENVIRONMENT "OMP_NUM_THREADS=1")
+  endforeach()
+endfunction()

@@ -1,0 +1,271 @@
+// How the comm layer fails: mismatched collectives caught by the debug check (the same error on
+// every rank), invalid arguments, and — in a child job — a rank that never joins a collective or
+// dies of an uncaught exception, both of which must end the whole job with a message.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+
+#include "tessera/comm/comm.h"
+#include "tessera/core/core.h"
+
+using namespace tessera;
+
+namespace {
+
+// The message of the tessera::Error `f` throws, or "" when it does not throw.
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+#define EXPECT_CONTAINS(haystack, needle)                          \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
+      << "missing: " << (needle) << "\nin: " << (haystack)
+
+class DebugCollectives : public ::testing::Test {
+ protected:
+  void SetUp() override { set_debug_collectives(true); }
+  void TearDown() override {
+    set_debug_collectives(false);
+    // Every rank leaves the test together, whatever it threw.
+    world_group()->barrier()->wait();
+  }
+};
+
+}  // namespace
+
+TEST_F(DebugCollectives, DifferentShapesThrowOnEveryRank) {
+  auto g = world_group();
+  Tensor t = ones({g->rank() == 0 ? 4 : 5}, DType::Float32);
+  const std::string msg = error_of([&] { g->all_reduce(t, ReduceOp::Sum)->wait(); });
+  EXPECT_CONTAINS(msg, "[rank " + std::to_string(g->rank()) + "]");
+  EXPECT_CONTAINS(msg, "collective mismatch on group 'world'");
+  EXPECT_CONTAINS(msg, "needs the same shape on every rank");
+  EXPECT_CONTAINS(msg, "rank 0: all_reduce(sum) float32 [4]");
+  EXPECT_CONTAINS(msg, "rank 1: all_reduce(sum) float32 [5]");
+  // Nothing was sent: the group still works.
+  Tensor u = ones({3}, DType::Float32);
+  g->all_reduce(u, ReduceOp::Sum)->wait();
+  EXPECT_EQ(u.to_vector<float>(), std::vector<float>(3, float(g->size())));
+}
+
+TEST_F(DebugCollectives, DifferentOperationsThrowOnEveryRank) {
+  auto g = world_group();
+  const int n = g->size();
+  Tensor t = ones({4}, DType::Float32);
+  Tensor out = zeros({4 * n}, DType::Float32);
+  const std::string msg = error_of([&] {
+    if (g->rank() == 0) {
+      g->all_reduce(t, ReduceOp::Sum)->wait();
+    } else {
+      g->all_gather_into_tensor(out, t)->wait();
+    }
+  });
+  EXPECT_CONTAINS(msg, "the ranks called different operations");
+  EXPECT_CONTAINS(msg, "rank 0: all_reduce(sum) float32 [4]");
+  EXPECT_CONTAINS(msg,
+                  "rank 1: all_gather_into_tensor float32 [4] -> [" + std::to_string(4 * n) + "]");
+}
+
+TEST_F(DebugCollectives, DifferentReduceOpsDtypesAndRootsThrow) {
+  auto g = world_group();
+  const bool first = g->rank() == 0;
+  Tensor t = ones({2}, DType::Float32);
+  std::string msg =
+      error_of([&] { g->all_reduce(t, first ? ReduceOp::Sum : ReduceOp::Max)->wait(); });
+  EXPECT_CONTAINS(msg, "rank 0: all_reduce(sum) float32 [2]");
+  EXPECT_CONTAINS(msg, "rank 1: all_reduce(max) float32 [2]");
+
+  Tensor d = ones({2}, first ? DType::Float32 : DType::Float64);
+  msg = error_of([&] { g->broadcast(d, 0)->wait(); });
+  EXPECT_CONTAINS(msg, "rank 0: broadcast(root 0) float32 [2]");
+  EXPECT_CONTAINS(msg, "rank 1: broadcast(root 0) float64 [2]");
+
+  msg = error_of([&] { g->broadcast(t, first ? 0 : 1)->wait(); });
+  EXPECT_CONTAINS(msg, "rank 0: broadcast(root 0) float32 [2]");
+  EXPECT_CONTAINS(msg, "rank 1: broadcast(root 1) float32 [2]");
+}
+
+// Rank 0 expects one element too many from rank 1 in an all_to_all.
+TEST_F(DebugCollectives, UnevenCountsThatDoNotPairUpThrow) {
+  auto g = world_group();
+  const int n = g->size();
+  std::vector<Tensor> inputs;
+  std::vector<Tensor> outputs;
+  for (int s = 0; s < n; ++s) {
+    inputs.push_back(ones({2}, DType::Float32));
+    const bool wrong = g->rank() == 0 && s == 1;
+    outputs.push_back(zeros({wrong ? 3 : 2}, DType::Float32));
+  }
+  const std::string msg = error_of([&] { g->all_to_all(outputs, inputs)->wait(); });
+  EXPECT_CONTAINS(msg, "all_to_all sizes do not pair up");
+  EXPECT_CONTAINS(msg, "rank 0 expects 3 elements from rank 1, which sends 2");
+}
+
+// Uneven collectives legitimately differ in shape: the check must let them through.
+TEST_F(DebugCollectives, MatchingUnevenCallsPass) {
+  auto g = world_group();
+  const int n = g->size();
+  Tensor in = full({g->rank() + 1}, g->rank(), DType::Int64);
+  std::vector<Tensor> outputs;
+  for (int r = 0; r < n; ++r)
+    outputs.push_back(zeros({r + 1}, DType::Int64));
+  EXPECT_EQ(error_of([&] { g->all_gather(outputs, in)->wait(); }), "");
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(outputs[size_t(r)].to_vector<int64_t>(), std::vector<int64_t>(size_t(r + 1), r));
+  }
+  auto sub = g->split(g->rank() % 2, g->rank(), "halves");
+  ASSERT_NE(sub, nullptr);
+  EXPECT_EQ(error_of([&] { sub->barrier()->wait(); }), "");
+}
+
+TEST(CommErrors, InvalidArgumentsNameTheProblem) {
+  auto g = world_group();
+  const int n = g->size();
+  const std::string where =
+      "on group 'world' (rank " + std::to_string(g->rank()) + " of " + std::to_string(n) + ")";
+  Tensor in = ones({2, 3}, DType::Float32);
+  Tensor bad_out = zeros({7, 3}, DType::Float32);
+  std::string msg = error_of([&] { g->all_gather_into_tensor(bad_out, in); });
+  EXPECT_CONTAINS(msg, "all_gather_into_tensor " + where);
+  EXPECT_CONTAINS(msg, "output shape [7, 3] must be [" + std::to_string(2 * n) + ", 3]");
+  EXPECT_CONTAINS(msg, "input shape [2, 3]");
+
+  Tensor int_out = zeros({2 * n, 3}, DType::Int32);
+  msg = error_of([&] { g->all_gather_into_tensor(int_out, in); });
+  EXPECT_CONTAINS(msg, "output dtype int32 differs from input dtype float32");
+
+  Tensor rs_out = zeros({2, 3}, DType::Float32);
+  msg = error_of([&] { g->reduce_scatter_tensor(rs_out, in, ReduceOp::Sum); });
+  if (n > 1) {
+    EXPECT_CONTAINS(msg, "input shape [2, 3] must be [" + std::to_string(2 * n) + ", 3]");
+  }
+
+  std::vector<Tensor> one_output = {zeros({2, 3}, DType::Float32)};
+  msg = error_of([&] { g->all_gather(one_output, in); });
+  EXPECT_CONTAINS(msg, "outputs has 1 tensors but the group has " + std::to_string(n) + " ranks");
+
+  msg = error_of([&] { g->broadcast(in, n); });
+  EXPECT_CONTAINS(msg, "root " + std::to_string(n) + " is not a rank of the group");
+
+  msg = error_of([&] { g->send(in, 0, -1); });
+  EXPECT_CONTAINS(msg, "send " + where + ": tag -1 is outside MPI's 0..");
+
+  Tensor flags = ones({4}, DType::Bool);
+  msg = error_of([&] { g->all_reduce(flags, ReduceOp::Avg); });
+  EXPECT_CONTAINS(msg, "reduce op avg is undefined for bool tensors");
+
+  Tensor undefined;
+  msg = error_of([&] { g->all_reduce(undefined, ReduceOp::Sum); });
+  EXPECT_CONTAINS(msg, "the tensor is an undefined tensor");
+
+  const int root = 0;
+  Tensor out = zeros({1}, DType::Float32);
+  std::vector<Tensor> pieces(size_t(n), ones({1}, DType::Float32));
+  if (g->rank() != root) {
+    msg = error_of([&] { g->scatter(out, pieces, root); });
+    EXPECT_CONTAINS(msg, "only the root (rank 0) passes inputs");
+  }
+  // No rank communicated above, so the group is in step.
+  g->barrier()->wait();
+}
+
+// ---- A child job under mpirun ----
+
+namespace {
+
+struct ChildResult {
+  int exit_code = -1;
+  double seconds = 0;
+  std::string output;  // stdout and stderr
+};
+
+// Runs `comm_timeout_child <mode> <timeout>` on two ranks, with `settings` (VAR=value ...) in
+// its environment. The child mpirun gets a clean environment: an inherited one would make it join
+// this job instead of starting its own.
+ChildResult run_child(const std::string& mode, const std::string& timeout,
+                      const std::string& settings = "") {
+  std::string env = "env -i PATH='" + std::string(std::getenv("PATH") ? std::getenv("PATH") : "") +
+                    "' OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " + settings;
+  for (const char* var : {"HOME", "LD_LIBRARY_PATH", "TMPDIR"}) {
+    if (const char* v = std::getenv(var)) env += std::string(" ") + var + "='" + v + "'";
+  }
+  // `timeout` bounds the test even if the abort we test for never happens.
+  const std::string cmd = env + " timeout -k 5 90 " + TESSERA_MPIEXEC + " " +
+                          TESSERA_MPIEXEC_NUMPROC_FLAG + " 2 " + TESSERA_MPIEXEC_FLAGS + " " +
+                          TESSERA_CHILD_EXE + " " + mode + " " + timeout + " 2>&1";
+  ChildResult result;
+  const auto start = std::chrono::steady_clock::now();
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) {
+    result.output = "popen failed for: " + cmd;
+    return result;
+  }
+  std::array<char, 4096> buf{};
+  size_t got = 0;
+  while ((got = std::fread(buf.data(), 1, buf.size(), pipe)) > 0)
+    result.output.append(buf.data(), got);
+  const int status = pclose(pipe);
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return result;
+}
+
+// Only rank 0 starts the child job, the others wait for it at the barrier.
+class ChildJob : public ::testing::Test {
+ protected:
+  bool launcher() const { return world_group()->rank() == 0; }
+  void TearDown() override { world_group()->barrier()->wait(); }
+};
+
+}  // namespace
+
+// The control: the same job without a failure succeeds, so the failures below are the child's.
+TEST_F(ChildJob, CompletesWhenEveryRankJoins) {
+  if (!launcher()) return;
+  ChildResult r = run_child("ok", "30");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "child ok: 3");
+}
+
+TEST_F(ChildJob, CollectiveTimeoutAbortsTheJob) {
+  if (!launcher()) return;
+  // Through the environment variable, as a user would set it.
+  ChildResult r = run_child("timeout", "env", "TESSERA_COLLECTIVE_TIMEOUT=2");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 30) << r.output;
+  EXPECT_CONTAINS(r.output, "[rank 0] tessera: all_reduce(sum) float32 [4, 4]");
+  EXPECT_CONTAINS(r.output, "on group 'stuck_group' (rank 0 of 2)");
+  EXPECT_CONTAINS(r.output, "did not complete within the collective timeout of 2 s");
+}
+
+TEST_F(ChildJob, UncaughtExceptionAbortsTheJob) {
+  if (!launcher()) return;
+  // A long collective timeout: only the terminate handler can end the job this early.
+  ChildResult r = run_child("throw", "100");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 30) << r.output;
+  EXPECT_CONTAINS(r.output, "[rank 1] tessera: uncaught exception: child rank 1 fails on purpose");
+}
+
+TEST_F(ChildJob, DebugMismatchFromTheEnvironmentAbortsTheJob) {
+  if (!launcher()) return;
+  ChildResult r = run_child("mismatch", "100", "TESSERA_DEBUG_COLLECTIVES=1");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 30) << r.output;
+  EXPECT_CONTAINS(r.output,
+                  "tessera: uncaught exception: collective mismatch on group 'stuck_group'");
+  EXPECT_CONTAINS(r.output,
+                  "rank 0: all_reduce(sum) float32 [4, 4]; rank 1: all_reduce(sum) float32 [4, 5]");
+}
