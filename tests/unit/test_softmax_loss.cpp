@@ -245,6 +245,12 @@ TEST(CrossEntropy, HigherRankLogitsAndDtypes) {
   EXPECT_EQ(none.shape(), (Shape{2, 3}));
   expect_close(none, rows, 1e-12, 1e-12);
 
+  // Unbatched: logits [C] with a 0-d target, as in PyTorch.
+  Tensor row = kernels::select(kernels::select(x, 0, 0), 0, 0);
+  Tensor one = tessera::cross_entropy(row, scalar_tensor(3, DType::Int64), -100, Reduction::None);
+  EXPECT_EQ(one.dim(), 0);
+  expect_close(one, {rows[0]}, 1e-12, 1e-12);
+
   Tensor h = x.to(DType::BFloat16);
   Tensor flat = from_vector<int64_t>(t, {6});
   std::vector<double> hrows = ref_ce_rows(h.to_vector<double>(), 4, t, -100);

@@ -153,9 +153,9 @@ Dims product_dims(const char* op, const Tensor& a, const Tensor& b, bool trans_a
   int64_t m = trans_a ? a.size(-1) : a.size(-2), k = trans_a ? a.size(-2) : a.size(-1);
   int64_t kb = trans_b ? b.size(-1) : b.size(-2), n = trans_b ? b.size(-2) : b.size(-1);
   TESSERA_CHECK(k == kb, op, ": inner dimensions differ: a ", shape_str(a.shape()),
-                trans_a ? " (transposed)" : "", " and b ", shape_str(b.shape()),
-                trans_b ? " (transposed)" : "", " give [", m, ", ", k, "] x [", kb, ", ", n,
-                "]; expected equal inner sizes");
+                trans_a ? " (transposed)" : "", " x b ", shape_str(b.shape()),
+                trans_b ? " (transposed)" : "", ": the columns of ", trans_a ? "a^T" : "a", " (", k,
+                ") must equal the rows of ", trans_b ? "b^T" : "b", " (", kb, ")");
   return {m, n, k};
 }
 
