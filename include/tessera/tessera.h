@@ -1,4 +1,10 @@
 #pragma once
 // The one header a user includes.
 #include "tessera/autograd/autograd.h"
+#include "tessera/comm/comm.h"
 #include "tessera/core/core.h"
+#include "tessera/dtensor/device_mesh.h"
+#include "tessera/dtensor/dtensor.h"
+#include "tessera/dtensor/ops.h"
+#include "tessera/dtensor/random.h"
+#include "tessera/dtensor/redistribute.h"

@@ -1,0 +1,74 @@
+#pragma once
+// A global (logical) array described by a DTensorSpec, of which this rank holds one local piece.
+// There is no implicit conversion from or to Tensor; the crossings are the named calls below.
+//
+// Autograd runs on the local tensors. The gradient of a DTensor has its placements with Partial
+// replaced by Replicate; every DTensor operation's backward produces its inputs' gradients in
+// those placements (that is where replicated gradients get summed over the ranks that used them).
+#include <memory>
+#include <optional>
+
+#include "tessera/core/tensor.h"
+#include "tessera/dtensor/dtensor_spec.h"
+
+namespace tessera {
+
+class DTensor {
+ public:
+  DTensor() = default;
+  // Wraps this rank's piece; no communication unless run_check. With global_shape given the
+  // local shape is checked against it; without, it is inferred assuming every shard has the
+  // local shape of this rank (even sharding) — pass it for uneven shapes. run_check verifies
+  // across ranks that the shapes (and for Replicate, the values) agree.
+  static DTensor from_local(const Tensor& local, const DeviceMesh& mesh,
+                            const Placements& placements,
+                            const std::optional<Shape>& global_shape = std::nullopt,
+                            bool run_check = false);
+  // For library code that already has a validated spec and local tensor.
+  DTensor(std::shared_ptr<const DTensorSpec> spec, Tensor local);
+
+  bool defined() const { return spec_ != nullptr; }
+  const DTensorSpec& spec() const;
+  const std::shared_ptr<const DTensorSpec>& spec_ptr() const { return spec_; }
+  const DeviceMesh& mesh() const { return spec().mesh; }
+  const Placements& placements() const { return spec().placements; }
+  const Shape& shape() const { return spec().global_shape; }  // global
+  int64_t dim() const { return spec().ndim(); }
+  int64_t size(int64_t d) const;
+  int64_t numel() const { return shape_numel(shape()); }
+  DType dtype() const { return spec().dtype; }
+
+  // This rank's piece (the autograd graph lives on it; differentiable by construction).
+  const Tensor& to_local() const { return local_; }
+  // The global tensor on every rank (gathers; differentiable).
+  Tensor full_tensor() const;
+  // The same global tensor with other placements, by the cheapest plan (differentiable).
+  DTensor redistribute(const Placements& placements) const;
+  // Copies this rank's window of `full` (the global tensor, checked against the global shape)
+  // into the local piece; no communication, no autograd.
+  void copy_from_full(const Tensor& full);
+
+  bool requires_grad() const { return local_.requires_grad(); }
+  DTensor& set_requires_grad(bool r);
+  // The gradient as a DTensor with grad placements (undefined before a backward).
+  DTensor grad() const;
+  DTensor detach() const;
+
+  std::string str() const;
+
+ private:
+  std::shared_ptr<const DTensorSpec> spec_;
+  Tensor local_;
+};
+
+// Global -> DTensor. With src_rank >= 0 only that world rank's `global` is read (others may pass
+// an undefined tensor or one of the global shape) and each rank receives its window. With
+// src_rank = -1 every rank holds the same `global` and cuts its window locally (shapes are
+// checked across ranks). Partial placements keep the value on mesh coordinate 0 of that dim.
+DTensor distribute_tensor(const Tensor& global, const DeviceMesh& mesh,
+                          const Placements& placements, int src_rank = -1);
+
+// Text table of which mesh coordinates hold which global block.
+std::string visualize_sharding(const DTensor& dt);
+
+}  // namespace tessera

@@ -1,0 +1,59 @@
+#pragma once
+// Operators on DTensors (sharding propagation). Each op looks up its sharding rule: from the
+// inputs' specs, the placements its inputs must have (they are redistributed first, by the
+// cheapest plan) and the placements of its output. The local op then runs on the local pieces.
+//
+// Backward follows the same rules: gradients come back in the inputs' grad placements. Where an
+// input is Replicate on a mesh dim but the output is not, each rank's local gradient is only its
+// share, and the ranks' shares are summed (all-reduce) — which is how a replicated weight used
+// by tensor-parallel ranks receives the sum of their contributions.
+#include <vector>
+
+#include "tessera/core/kernels/elementwise.h"
+#include "tessera/core/kernels/nn.h"
+#include "tessera/dtensor/dtensor.h"
+
+namespace tessera {
+
+// --- elementwise (broadcasting) ---
+DTensor add(const DTensor& a, const DTensor& b);
+DTensor sub(const DTensor& a, const DTensor& b);
+DTensor mul(const DTensor& a, const DTensor& b);
+DTensor div(const DTensor& a, const DTensor& b);
+DTensor add(const DTensor& a, double s);
+DTensor mul(const DTensor& a, double s);
+DTensor neg(const DTensor& x);
+DTensor exp(const DTensor& x);
+DTensor log(const DTensor& x);
+DTensor sqrt(const DTensor& x);
+DTensor rsqrt(const DTensor& x);
+DTensor tanh(const DTensor& x);
+DTensor sigmoid(const DTensor& x);
+DTensor relu(const DTensor& x);
+DTensor gelu(const DTensor& x, bool approximate = false);
+DTensor silu(const DTensor& x);
+DTensor square(const DTensor& x);
+DTensor cast(const DTensor& x, DType dtype);
+
+// --- linear algebra ---
+// [..., m, k] x [k, n] or batched [..., m, k] x [..., k, n].
+DTensor matmul(const DTensor& a, const DTensor& b);
+// x [..., in], weight [out, in], bias [out] (optional): column parallel (weight S(0)) gives
+// S(-1), row parallel (x S(-1), weight S(1)) gives Partial.
+DTensor linear(const DTensor& x, const DTensor& weight, const DTensor& bias = {});
+
+// --- reductions (a reduced sharded dim becomes Partial) ---
+DTensor sum(const DTensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+DTensor mean(const DTensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+
+// --- normalisation over a dim (that dim is gathered first if sharded) ---
+DTensor softmax(const DTensor& x, int64_t dim);
+DTensor log_softmax(const DTensor& x, int64_t dim);
+
+// --- views: allowed when every sharded dim survives intact (an error names the op and spec
+// otherwise) ---
+DTensor view(const DTensor& x, const Shape& shape);
+DTensor reshape(const DTensor& x, const Shape& shape);
+DTensor transpose(const DTensor& x, int64_t d0, int64_t d1);
+
+}  // namespace tessera

@@ -1,0 +1,55 @@
+#pragma once
+// Redistribution plans: a list of per-mesh-dim steps, each carried out by one transition family
+// (redistribute/*.cpp) chosen from an ordered table.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessera/core/tensor.h"
+#include "tessera/dtensor/dtensor_spec.h"
+
+namespace tessera {
+
+struct RedistributeStep {
+  int64_t mesh_dim;
+  Placements before;  // all placements before the step
+  Placements after;   // ... and after it (differ only at mesh_dim)
+  const class Transition* transition = nullptr;
+  std::string str() const;
+};
+
+struct RedistributePlan {
+  std::vector<RedistributeStep> steps;
+  int64_t bytes_moved = 0;  // estimate over all ranks, for choosing among plans
+  std::string str() const;
+};
+
+// One transition family: which (from, to) changes on a mesh dim it handles and how. apply and
+// backward run on this rank's local tensor; they may communicate over step's mesh-dim group.
+class Transition {
+ public:
+  virtual ~Transition() = default;
+  virtual const char* name() const = 0;
+  virtual bool applies(const Placement& from, const Placement& to) const = 0;
+  virtual Tensor apply(const Tensor& local, const DTensorSpec& before,
+                       const RedistributeStep& step) const = 0;
+  // Gradient w.r.t. the step's input given the gradient of its output, both in grad placements
+  // (Partial -> Replicate) of `before` and `after`.
+  virtual Tensor backward(const Tensor& grad, const DTensorSpec& before,
+                          const RedistributeStep& step) const = 0;
+  // Bytes this rank sends for the step (for plan choice).
+  virtual int64_t bytes_moved(const DTensorSpec& before, const RedistributeStep& step) const = 0;
+};
+
+// The ordered table (the policy); the first transition that applies wins.
+const std::vector<const Transition*>& transition_table();
+
+// The plan from src to dst placements (cached per (src spec, dst placements)).
+std::shared_ptr<const RedistributePlan> plan_redistribute(const DTensorSpec& src,
+                                                          const Placements& dst);
+
+// Runs a plan on a local tensor without autograd (used by the differentiable wrapper, and by
+// code that moves gradients or optimizer state).
+Tensor redistribute_local(const Tensor& local, const DTensorSpec& src, const Placements& dst);
+
+}  // namespace tessera

@@ -1,0 +1,184 @@
+#include "tessera/dtensor/device_mesh.h"
+
+#include <algorithm>
+
+#include "tessera/comm/runtime.h"
+#include "tessera/core/error.h"
+
+namespace tessera {
+
+struct DeviceMesh::Impl {
+  Shape shape;
+  std::vector<std::string> names;
+  std::vector<int> ranks;           // world ranks, row-major
+  std::vector<int64_t> coordinate;  // empty when this rank is not a member
+  std::vector<ProcessGroupPtr> groups;
+};
+
+namespace {
+
+std::vector<int64_t> unravel(int64_t index, const Shape& shape) {
+  std::vector<int64_t> c(shape.size());
+  for (size_t d = shape.size(); d-- > 0;) {
+    c[d] = index % shape[d];
+    index /= shape[d];
+  }
+  return c;
+}
+
+int64_t ravel(const std::vector<int64_t>& c, const Shape& shape) {
+  int64_t index = 0;
+  for (size_t d = 0; d < shape.size(); ++d)
+    index = index * shape[d] + c[d];
+  return index;
+}
+
+}  // namespace
+
+DeviceMesh::DeviceMesh(Shape shape, std::vector<std::string> dim_names) {
+  TESSERA_CHECK(!shape.empty(), "DeviceMesh: the shape must have at least one dim");
+  for (int64_t s : shape)
+    TESSERA_CHECK(s >= 1, "DeviceMesh: invalid mesh shape ", shape_str(shape));
+  ProcessGroupPtr world = world_group();
+  TESSERA_CHECK(shape_numel(shape) == world->size(), "DeviceMesh: mesh shape ", shape_str(shape),
+                " has ", shape_numel(shape), " ranks but the world has ", world->size(),
+                " (start the job with mpirun -np ", shape_numel(shape), ")");
+  if (dim_names.empty())
+    for (size_t d = 0; d < shape.size(); ++d)
+      dim_names.push_back("dim" + std::to_string(d));
+  TESSERA_CHECK(dim_names.size() == shape.size(), "DeviceMesh: ", dim_names.size(),
+                " dim names for a mesh of shape ", shape_str(shape));
+  for (size_t i = 0; i < dim_names.size(); ++i)
+    for (size_t j = 0; j < i; ++j)
+      TESSERA_CHECK(dim_names[i] != dim_names[j], "DeviceMesh: dim name '", dim_names[i],
+                    "' used twice");
+  auto impl = std::make_shared<Impl>();
+  impl->shape = shape;
+  impl->names = std::move(dim_names);
+  for (int r = 0; r < world->size(); ++r)
+    impl->ranks.push_back(world->world_ranks()[size_t(r)]);
+  impl->coordinate = unravel(world->rank(), shape);
+  // One group per mesh dim: ranks that agree on every other coordinate. Every rank makes the
+  // same sequence of splits, so this is collective over the world.
+  for (size_t m = 0; m < shape.size(); ++m) {
+    std::vector<int64_t> others = impl->coordinate;
+    others[m] = 0;
+    int color = int(ravel(others, shape));
+    impl->groups.push_back(world->split(color, int(impl->coordinate[m]), "mesh." + impl->names[m]));
+  }
+  impl_ = std::move(impl);
+}
+
+int64_t DeviceMesh::ndim() const {
+  return int64_t(impl_->shape.size());
+}
+const Shape& DeviceMesh::shape() const {
+  return impl_->shape;
+}
+int64_t DeviceMesh::size(int64_t mesh_dim) const {
+  return impl_->shape[size_t(wrap_dim(mesh_dim, ndim(), "DeviceMesh::size"))];
+}
+int64_t DeviceMesh::size() const {
+  return shape_numel(impl_->shape);
+}
+const std::vector<std::string>& DeviceMesh::dim_names() const {
+  return impl_->names;
+}
+
+int64_t DeviceMesh::dim_index(const std::string& name) const {
+  for (size_t i = 0; i < impl_->names.size(); ++i)
+    if (impl_->names[i] == name) return int64_t(i);
+  std::string known;
+  for (const auto& n : impl_->names)
+    known += (known.empty() ? "" : ", ") + n;
+  TESSERA_FAIL("DeviceMesh: no mesh dim named '", name, "' (dims: ", known, ")");
+}
+
+const std::vector<int>& DeviceMesh::world_ranks() const {
+  return impl_->ranks;
+}
+
+const std::vector<int64_t>& DeviceMesh::coordinate() const {
+  TESSERA_CHECK(!impl_->coordinate.empty(), "DeviceMesh: this rank is not part of ", str());
+  return impl_->coordinate;
+}
+
+std::vector<int64_t> DeviceMesh::coordinate_of(int world_rank) const {
+  auto it = std::find(impl_->ranks.begin(), impl_->ranks.end(), world_rank);
+  TESSERA_CHECK(it != impl_->ranks.end(), "DeviceMesh: world rank ", world_rank, " is not part of ",
+                str());
+  return unravel(it - impl_->ranks.begin(), impl_->shape);
+}
+
+int DeviceMesh::world_rank_at(const std::vector<int64_t>& coordinate) const {
+  TESSERA_CHECK(coordinate.size() == impl_->shape.size(), "DeviceMesh: coordinate of ",
+                coordinate.size(), " dims for ", str());
+  for (size_t d = 0; d < coordinate.size(); ++d)
+    TESSERA_CHECK(coordinate[d] >= 0 && coordinate[d] < impl_->shape[d],
+                  "DeviceMesh: coordinate out of range for ", str());
+  return impl_->ranks[size_t(ravel(coordinate, impl_->shape))];
+}
+
+const ProcessGroupPtr& DeviceMesh::group(int64_t mesh_dim) const {
+  return impl_->groups[size_t(wrap_dim(mesh_dim, ndim(), "DeviceMesh::group"))];
+}
+
+DeviceMesh DeviceMesh::operator[](const std::string& name) const {
+  return (*this)[std::vector<std::string>{name}];
+}
+
+DeviceMesh DeviceMesh::operator[](const std::vector<std::string>& names) const {
+  TESSERA_CHECK(!names.empty(), "DeviceMesh: sub-mesh of no dims");
+  std::vector<int64_t> dims;
+  for (const auto& n : names) {
+    int64_t d = dim_index(n);
+    TESSERA_CHECK(dims.empty() || d > dims.back(), "DeviceMesh: sub-mesh dims must be distinct ",
+                  "and in mesh order");
+    dims.push_back(d);
+  }
+  auto impl = std::make_shared<Impl>();
+  const std::vector<int64_t>& me = coordinate();
+  for (int64_t d : dims) {
+    impl->shape.push_back(impl_->shape[size_t(d)]);
+    impl->names.push_back(impl_->names[size_t(d)]);
+    impl->coordinate.push_back(me[size_t(d)]);
+    impl->groups.push_back(impl_->groups[size_t(d)]);
+  }
+  // Ranks of the sub-mesh: this rank's coordinate with the chosen dims varying.
+  for (int64_t i = 0; i < shape_numel(impl->shape); ++i) {
+    std::vector<int64_t> sub = unravel(i, impl->shape), full = me;
+    for (size_t k = 0; k < dims.size(); ++k)
+      full[size_t(dims[k])] = sub[k];
+    impl->ranks.push_back(impl_->ranks[size_t(ravel(full, impl_->shape))]);
+  }
+  return DeviceMesh(std::shared_ptr<const Impl>(std::move(impl)));
+}
+
+DeviceMesh DeviceMesh::flatten(const std::string& name) const {
+  std::string flat = name;
+  if (flat.empty())
+    for (const auto& n : impl_->names)
+      flat += (flat.empty() ? "" : "_") + n;
+  auto impl = std::make_shared<Impl>();
+  impl->shape = {size()};
+  impl->names = {flat};
+  impl->ranks = impl_->ranks;
+  impl->coordinate = {ravel(coordinate(), impl_->shape)};
+  // Sub-meshes that all ranks flatten at once partition the world; the lowest member names each.
+  int color = *std::min_element(impl_->ranks.begin(), impl_->ranks.end());
+  impl->groups = {world_group()->split(color, int(impl->coordinate[0]), "mesh." + flat)};
+  return DeviceMesh(std::shared_ptr<const Impl>(std::move(impl)));
+}
+
+bool DeviceMesh::operator==(const DeviceMesh& o) const {
+  return impl_ == o.impl_ || (impl_->shape == o.impl_->shape && impl_->ranks == o.impl_->ranks);
+}
+
+std::string DeviceMesh::str() const {
+  std::string s = "DeviceMesh(";
+  for (size_t d = 0; d < impl_->shape.size(); ++d)
+    s += (d ? ", " : "") + impl_->names[d] + "=" + std::to_string(impl_->shape[d]);
+  return s + ")";
+}
+
+}  // namespace tessera

@@ -1,0 +1,137 @@
+// Views of DTensors. A view keeps a sharded dim intact when that dim leads the group of dims it
+// is merged with or split into and the shard count divides the sizes involved (so each rank's
+// chunk of the old dim is exactly its chunk of the new one). Anything else would need data
+// movement and is refused with an error naming the op, shapes and placements.
+#include "dispatch.h"
+#include "tessera/autograd/ops.h"
+#include "tessera/core/kernels/views.h"
+#include "tessera/dtensor/ops.h"
+
+namespace tessera {
+
+namespace {
+
+using dtensor_ops::ShardingDecision;
+
+struct Group {
+  int64_t in_begin, in_end, out_begin, out_end;  // [begin, end)
+};
+
+// Splits the two shapes into runs of dims with equal products.
+std::vector<Group> group_dims(const Shape& in, const Shape& out) {
+  std::vector<Group> groups;
+  size_t i = 0, j = 0;
+  while (i < in.size() || j < out.size()) {
+    Group g{int64_t(i), int64_t(i), int64_t(j), int64_t(j)};
+    int64_t pi = 1, po = 1;
+    if (i < in.size()) pi = in[i++];
+    if (j < out.size()) po = out[j++];
+    while (pi != po) {
+      if (pi < po && i < in.size())
+        pi *= in[i++];
+      else if (j < out.size())
+        po *= out[j++];
+      else
+        break;
+    }
+    g.in_end = int64_t(i);
+    g.out_end = int64_t(j);
+    groups.push_back(g);
+  }
+  return groups;
+}
+
+int64_t first_nontrivial(const Shape& s, int64_t b, int64_t e) {
+  for (int64_t k = b; k < e; ++k)
+    if (s[size_t(k)] != 1) return k;
+  return b;
+}
+
+ShardingDecision view_decision(const char* op, const DTensor& x, const Shape& out) {
+  const Shape& in = x.shape();
+  ShardingDecision dec{{{}}, {}};
+  if (shape_numel(in) == 0) {
+    for (const Placement& p : x.placements()) {
+      if (p.is_shard() && !(out.size() == in.size()))
+        dtensor_ops::no_rule(op, {x}, "cannot view an empty sharded tensor as " + shape_str(out));
+      dec.inputs[0].push_back(p);
+      dec.output.push_back(p);
+    }
+    return dec;
+  }
+  std::vector<Group> groups = group_dims(in, out);
+  for (int64_t m = 0; m < x.mesh().ndim(); ++m) {
+    const Placement& p = x.placements()[size_t(m)];
+    dec.inputs[0].push_back(p);
+    if (!p.is_shard()) {
+      dec.output.push_back(p);
+      continue;
+    }
+    // Shards of this tensor dim over all mesh dims: their product must divide the sizes.
+    int64_t k = 1;
+    for (int64_t mm = 0; mm < x.mesh().ndim(); ++mm)
+      if (x.placements()[size_t(mm)].is_shard(p.dim())) k *= x.mesh().size(mm);
+    const Group* g = nullptr;
+    for (const Group& gr : groups)
+      if (p.dim() >= gr.in_begin && p.dim() < gr.in_end) g = &gr;
+    int64_t lead_in = g ? first_nontrivial(in, g->in_begin, g->in_end) : -1;
+    int64_t lead_out = g ? first_nontrivial(out, g->out_begin, g->out_end) : -1;
+    bool ok = g && lead_in == p.dim() && lead_out < g->out_end;
+    if (ok) {
+      bool one_to_one = in[size_t(p.dim())] == out[size_t(lead_out)] &&
+                        shape_numel(Shape(in.begin() + g->in_begin, in.begin() + g->in_end)) ==
+                            in[size_t(p.dim())];
+      ok = one_to_one || (in[size_t(p.dim())] % k == 0 && out[size_t(lead_out)] % k == 0);
+    }
+    if (!ok)
+      dtensor_ops::no_rule(op, {x},
+                           "sharded dim " + std::to_string(p.dim()) +
+                               " does not stay intact in "
+                               "shape " +
+                               shape_str(out) + " (redistribute it first)");
+    dec.output.push_back(p.is_strided_shard() ? StridedShard(lead_out, p.split_factor())
+                                              : Shard(lead_out));
+  }
+  return dec;
+}
+
+}  // namespace
+
+DTensor view(const DTensor& x, const Shape& shape) {
+  Shape out = kernels::infer_shape(shape, x.numel(), "view");
+  ShardingDecision dec = view_decision("view", x, out);
+  auto spec = std::make_shared<const DTensorSpec>(x.mesh(), dec.output, out, x.dtype());
+  Shape local = spec->local_layout().local_shape;
+  return dtensor_ops::run("view", {x}, dec, out,
+                          [local](const std::vector<Tensor>& l) { return view(l[0], local); });
+}
+
+DTensor reshape(const DTensor& x, const Shape& shape) {
+  Shape out = kernels::infer_shape(shape, x.numel(), "reshape");
+  ShardingDecision dec = view_decision("reshape", x, out);
+  auto spec = std::make_shared<const DTensorSpec>(x.mesh(), dec.output, out, x.dtype());
+  Shape local = spec->local_layout().local_shape;
+  return dtensor_ops::run("reshape", {x}, dec, out,
+                          [local](const std::vector<Tensor>& l) { return reshape(l[0], local); });
+}
+
+DTensor transpose(const DTensor& x, int64_t d0, int64_t d1) {
+  d0 = wrap_dim(d0, x.dim(), "transpose");
+  d1 = wrap_dim(d1, x.dim(), "transpose");
+  ShardingDecision dec{{x.placements()}, {}};
+  for (const Placement& p : x.placements()) {
+    if (!p.is_shard() || (p.dim() != d0 && p.dim() != d1)) {
+      dec.output.push_back(p);
+      continue;
+    }
+    int64_t nd = p.dim() == d0 ? d1 : d0;
+    dec.output.push_back(p.is_strided_shard() ? StridedShard(nd, p.split_factor()) : Shard(nd));
+  }
+  Shape out = x.shape();
+  std::swap(out[size_t(d0)], out[size_t(d1)]);
+  return dtensor_ops::run("transpose", {x}, dec, out, [d0, d1](const std::vector<Tensor>& l) {
+    return transpose(l[0], d0, d1);
+  });
+}
+
+}  // namespace tessera

@@ -1,0 +1,146 @@
+// Plans a redistribution as per-mesh-dim steps:
+//  1. reduce Partials that end up Replicate (or another op) while pieces are smallest;
+//  2. undo shards, innermost first, until what stays sharded is a prefix of the target's nesting
+//     (an S(a) -> S(b) that lands where the target wants it is one all-to-all);
+//  3. add the target's shards in its application order (R -> S free, P -> S reduce-scatter);
+//  4. settle the remaining Replicate/Partial differences.
+#include <map>
+#include <mutex>
+
+#include "tessera/dtensor/redistribute.h"
+
+namespace tessera {
+
+namespace {
+
+const Transition* find_transition(const Placement& from, const Placement& to) {
+  for (const Transition* t : transition_table())
+    if (t->applies(from, to)) return t;
+  TESSERA_FAIL("redistribute: no transition from ", from.str(), " to ", to.str());
+}
+
+// (mesh dim, placement) of the mesh dims sharding tensor dim d, in application order.
+std::vector<std::pair<int64_t, Placement>> nesting(const DTensorSpec& spec, const Placements& p,
+                                                   int64_t d) {
+  std::vector<std::pair<int64_t, Placement>> out;
+  for (int64_t m : shard_application_order(spec.global_shape, spec.mesh.shape(), p))
+    if (p[size_t(m)].is_shard(d)) out.emplace_back(m, p[size_t(m)]);
+  return out;
+}
+
+bool is_prefix_for_dim(const DTensorSpec& spec, const Placements& cur, const Placements& dst,
+                       int64_t d) {
+  auto c = nesting(spec, cur, d), t = nesting(spec, dst, d);
+  if (c.size() > t.size()) return false;
+  for (size_t i = 0; i < c.size(); ++i)
+    if (c[i] != t[i]) return false;
+  return true;
+}
+
+bool valid(const DTensorSpec& spec, const Placements& p) {
+  try {
+    shard_application_order(spec.global_shape, spec.mesh.shape(), p);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+class Planner {
+ public:
+  Planner(const DTensorSpec& src, const Placements& dst)
+      : src_(src), cur_(src.placements), dst_(dst) {}
+
+  RedistributePlan run() {
+    const int64_t nm = src_.mesh.ndim();
+    for (int64_t m = 0; m < nm; ++m) {
+      const Placement &c = cur_[size_t(m)], &t = dst_[size_t(m)];
+      if (c.is_partial() && !(c == t) && !t.is_shard()) step(m, Replicate());
+    }
+    for (int64_t d = 0; d < src_.ndim(); ++d) {
+      while (!is_prefix_for_dim(src_, cur_, dst_, d)) {
+        int64_t m = nesting(src_, cur_, d).back().first;
+        const Placement& t = dst_[size_t(m)];
+        Placements swapped = cur_;
+        swapped[size_t(m)] = t;
+        bool all_to_all = cur_[size_t(m)].kind() == Placement::Kind::Shard &&
+                          t.kind() == Placement::Kind::Shard && t.dim() != d &&
+                          valid(src_, swapped) && is_prefix_for_dim(src_, swapped, dst_, t.dim());
+        step(m, all_to_all ? t : Replicate());
+      }
+    }
+    for (int64_t m : shard_application_order(src_.global_shape, src_.mesh.shape(), dst_))
+      if (dst_[size_t(m)].is_shard() && !(cur_[size_t(m)] == dst_[size_t(m)]))
+        step(m, dst_[size_t(m)]);
+    for (int64_t m = 0; m < nm; ++m) {
+      if (cur_[size_t(m)] == dst_[size_t(m)]) continue;
+      if (cur_[size_t(m)].is_partial() && dst_[size_t(m)].is_partial()) step(m, Replicate());
+      step(m, dst_[size_t(m)]);
+    }
+    return std::move(plan_);
+  }
+
+ private:
+  void step(int64_t m, const Placement& to) {
+    RedistributeStep s;
+    s.mesh_dim = m;
+    s.before = cur_;
+    s.after = cur_;
+    s.after[size_t(m)] = to;
+    s.transition = find_transition(cur_[size_t(m)], to);
+    DTensorSpec before(src_.mesh, cur_, src_.global_shape, src_.dtype);
+    plan_.bytes_moved += s.transition->bytes_moved(before, s);
+    cur_ = s.after;
+    plan_.steps.push_back(std::move(s));
+  }
+
+  const DTensorSpec& src_;
+  Placements cur_;
+  const Placements& dst_;
+  RedistributePlan plan_;
+};
+
+}  // namespace
+
+std::string RedistributeStep::str() const {
+  return "mesh dim " + std::to_string(mesh_dim) + ": " + before[size_t(mesh_dim)].str() + " -> " +
+         after[size_t(mesh_dim)].str() + " (" + (transition ? transition->name() : "?") + ")";
+}
+
+std::string RedistributePlan::str() const {
+  std::string s;
+  for (const auto& st : steps)
+    s += (s.empty() ? "" : "; ") + st.str();
+  return s.empty() ? "(no steps)" : s;
+}
+
+std::shared_ptr<const RedistributePlan> plan_redistribute(const DTensorSpec& src,
+                                                          const Placements& dst_in) {
+  DTensorSpec dst(src.mesh, dst_in, src.global_shape, src.dtype);  // validates, normalizes
+  // Plans depend on the mesh shape, not on which ranks form it, nor on this rank's coordinate:
+  // the key is shapes and placements.
+  std::string key = shape_str(src.mesh.shape()) + shape_str(src.global_shape) +
+                    placements_str(src.placements) + "->" + placements_str(dst.placements);
+  static std::mutex mu;
+  static std::map<std::string, std::shared_ptr<const RedistributePlan>> cache;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  auto plan = std::make_shared<const RedistributePlan>(Planner(src, dst.placements).run());
+  std::lock_guard<std::mutex> lock(mu);
+  return cache.emplace(key, std::move(plan)).first->second;
+}
+
+Tensor redistribute_local(const Tensor& local, const DTensorSpec& src, const Placements& dst) {
+  auto plan = plan_redistribute(src, dst);
+  Tensor cur = local;
+  for (const RedistributeStep& s : plan->steps) {
+    DTensorSpec before(src.mesh, s.before, src.global_shape, src.dtype);
+    cur = s.transition->apply(cur, before, s);
+  }
+  return cur;
+}
+
+}  // namespace tessera

@@ -1,0 +1,17 @@
+#pragma once
+#include "tessera/dtensor/redistribute.h"
+
+namespace tessera::redistribute_detail {
+
+// One family per file; transition_table() orders them.
+const Transition* shard_to_shard();
+const Transition* shard_to_replicate();
+const Transition* partial_to_replicate();
+const Transition* partial_to_shard();
+const Transition* replicate_to_shard();
+const Transition* replicate_to_partial();
+
+// Bytes of this rank's piece under `spec`.
+int64_t local_bytes(const DTensorSpec& spec);
+
+}  // namespace tessera::redistribute_detail

@@ -1,0 +1,270 @@
+// Sharding propagation: every op on DTensors gives the global result and the global gradients
+// of the same computation on plain tensors, for several meshes and placements.
+#include <gtest/gtest.h>
+
+#include "tessera/tessera.h"
+
+using namespace tessera;
+
+namespace {
+
+Tensor global_randn(const Shape& s, uint64_t seed) {
+  Generator g(seed);
+  return randn(s, g, DType::Float64);
+}
+
+// A leaf DTensor holding the window of `global`.
+DTensor leaf(const Tensor& global, const DeviceMesh& mesh, const Placements& p) {
+  DTensor d = distribute_tensor(global, mesh, p);
+  d.set_requires_grad(true);
+  return d;
+}
+
+Tensor leaf(const Tensor& global) {
+  return global.clone().set_requires_grad(true);
+}
+
+void expect_close(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  auto g = got.to_vector<double>(), w = want.to_vector<double>();
+  for (size_t i = 0; i < g.size(); ++i)
+    ASSERT_NEAR(g[i], w[i], tol) << what << " element " << i << " of " << shape_str(got.shape());
+}
+
+// Backpropagates sum(out * weight) through the DTensor result and the reference.
+void backward_weighted(const DTensor& out, const Tensor& ref_out, uint64_t seed) {
+  Tensor w = global_randn(ref_out.shape(), seed);
+  backward(sum(mul(out.full_tensor(), w)));
+  backward(sum(mul(ref_out, w)));
+}
+
+std::vector<DeviceMesh> meshes() {
+  std::vector<DeviceMesh> out;
+  const int n = world_size();
+  out.emplace_back(Shape{n}, std::vector<std::string>{"tp"});
+  if (n == 4) out.emplace_back(Shape{2, 2}, std::vector<std::string>{"dp", "tp"});
+  return out;
+}
+
+}  // namespace
+
+TEST(DTensorOps, ColumnParallelLinearSumsReplicatedInputGradient) {
+  for (const DeviceMesh& mesh0 : meshes()) {
+    DeviceMesh mesh = mesh0["tp"];
+    Tensor xg = global_randn({3, 5, 6}, 1), wg = global_randn({10, 6}, 2),
+           bg = global_randn({10}, 3);
+    DTensor x = leaf(xg, mesh, {Replicate()});
+    DTensor w = leaf(wg, mesh, {Shard(0)});  // 10 rows: uneven over 3 or 4 ranks
+    DTensor b = leaf(bg, mesh, {Shard(0)});
+    DTensor y = linear(x, w, b);
+    EXPECT_EQ(y.placements(), (Placements{Shard(2)}));
+    Tensor rx = leaf(xg), rw = leaf(wg), rb = leaf(bg);
+    Tensor ry = linear(rx, rw, rb);
+    expect_close(y.full_tensor(), ry, 1e-12, "y");
+    backward_weighted(y, ry, 4);
+    expect_close(x.grad().full_tensor(), rx.grad(), 1e-12, "dx (replicated, summed over tp)");
+    expect_close(w.grad().full_tensor(), rw.grad(), 1e-12, "dW");
+    expect_close(b.grad().full_tensor(), rb.grad(), 1e-12, "db");
+  }
+}
+
+TEST(DTensorOps, RowParallelLinearGivesPartialAndAddsBiasOnce) {
+  for (const DeviceMesh& mesh0 : meshes()) {
+    DeviceMesh mesh = mesh0["tp"];
+    Tensor xg = global_randn({4, 7}, 5), wg = global_randn({3, 7}, 6), bg = global_randn({3}, 7);
+    DTensor x = leaf(xg, mesh, {Shard(1)});
+    DTensor w = leaf(wg, mesh, {Shard(1)});
+    DTensor b = leaf(bg, mesh, {Replicate()});
+    DTensor y = linear(x, w, b);
+    if (mesh.size() > 1) {
+      EXPECT_TRUE(y.placements()[0].is_partial()) << y.str();
+    }
+    Tensor rx = leaf(xg), rw = leaf(wg), rb = leaf(bg);
+    Tensor ry = linear(rx, rw, rb);
+    expect_close(y.full_tensor(), ry, 1e-12, "y");
+    backward_weighted(y, ry, 8);
+    expect_close(x.grad().full_tensor(), rx.grad(), 1e-12, "dx");
+    expect_close(w.grad().full_tensor(), rw.grad(), 1e-12, "dW");
+    expect_close(b.grad().full_tensor(), rb.grad(), 1e-12, "db");
+  }
+}
+
+TEST(DTensorOps, BatchShardedInputWithReplicatedWeight) {
+  for (const DeviceMesh& mesh : meshes()) {
+    Placements px(size_t(mesh.ndim()), Shard(0)), pw(size_t(mesh.ndim()), Replicate());
+    Tensor xg = global_randn({9, 4}, 9), wg = global_randn({5, 4}, 10);
+    DTensor x = leaf(xg, mesh, px), w = leaf(wg, mesh, pw);
+    DTensor y = linear(x, w);
+    EXPECT_EQ(y.placements(), px);
+    Tensor rx = leaf(xg), rw = leaf(wg);
+    Tensor ry = linear(rx, rw);
+    expect_close(y.full_tensor(), ry, 1e-12, "y");
+    backward_weighted(y, ry, 11);
+    expect_close(w.grad().full_tensor(), rw.grad(), 1e-12, "dW summed over batch shards");
+    expect_close(x.grad().full_tensor(), rx.grad(), 1e-12, "dx");
+  }
+}
+
+TEST(DTensorOps, TwoDimMeshLinear) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  DeviceMesh mesh({2, 2}, {"dp", "tp"});
+  Tensor xg = global_randn({6, 8}, 12), wg = global_randn({6, 8}, 13);
+  DTensor x = leaf(xg, mesh, {Shard(0), Replicate()});
+  DTensor w = leaf(wg, mesh, {Replicate(), Shard(0)});
+  DTensor y = linear(x, w);
+  EXPECT_EQ(y.placements(), (Placements{Shard(0), Shard(1)}));
+  Tensor rx = leaf(xg), rw = leaf(wg);
+  Tensor ry = linear(rx, rw);
+  expect_close(y.full_tensor(), ry, 1e-12, "y");
+  backward_weighted(y, ry, 14);
+  expect_close(x.grad().full_tensor(), rx.grad(), 1e-12, "dx");
+  expect_close(w.grad().full_tensor(), rw.grad(), 1e-12, "dW");
+}
+
+TEST(DTensorOps, MatmulContractionShardedGivesPartial) {
+  for (const DeviceMesh& mesh0 : meshes()) {
+    DeviceMesh mesh = mesh0["tp"];
+    Tensor ag = global_randn({2, 3, 10}, 15), bg = global_randn({10, 4}, 16);
+    DTensor a = leaf(ag, mesh, {Shard(2)}), b = leaf(bg, mesh, {Replicate()});
+    DTensor y = matmul(a, b);
+    if (mesh.size() > 1) {
+      EXPECT_TRUE(y.placements()[0].is_partial());
+    }
+    Tensor ra = leaf(ag), rb = leaf(bg);
+    Tensor ry = matmul(ra, rb);
+    expect_close(y.full_tensor(), ry, 1e-12, "y");
+    backward_weighted(y, ry, 17);
+    expect_close(a.grad().full_tensor(), ra.grad(), 1e-12, "da");
+    expect_close(b.grad().full_tensor(), rb.grad(), 1e-12, "db");
+  }
+}
+
+TEST(DTensorOps, BatchedMatmulHeadSharded) {
+  for (const DeviceMesh& mesh0 : meshes()) {
+    DeviceMesh mesh = mesh0["tp"];
+    Tensor qg = global_randn({2, 5, 3, 4}, 18), kg = global_randn({2, 5, 4, 3}, 19);
+    DTensor q = leaf(qg, mesh, {Shard(1)}), k = leaf(kg, mesh, {Replicate()});
+    DTensor s = matmul(q, k);
+    EXPECT_EQ(s.placements(), (Placements{Shard(1)}));
+    Tensor rq = leaf(qg), rk = leaf(kg);
+    Tensor rs = matmul(rq, rk);
+    expect_close(s.full_tensor(), rs, 1e-12, "scores");
+    backward_weighted(s, rs, 20);
+    expect_close(q.grad().full_tensor(), rq.grad(), 1e-12, "dq");
+    expect_close(k.grad().full_tensor(), rk.grad(), 1e-12, "dk");
+  }
+}
+
+TEST(DTensorOps, ElementwiseBroadcastAndPartialAddition) {
+  for (const DeviceMesh& mesh0 : meshes()) {
+    DeviceMesh mesh = mesh0["tp"];
+    Tensor ag = global_randn({7, 4}, 21), bg = global_randn({4}, 22), cg = global_randn({7, 4}, 23);
+    DTensor a = leaf(ag, mesh, {Shard(0)}), b = leaf(bg, mesh, {Replicate()});
+    DTensor c = leaf(cg, mesh, {Shard(1)});
+    // gelu(a * b) + c: c is re-cut to a's shard; b's gradient is summed over shards.
+    DTensor y = add(gelu(mul(a, b)), c);
+    EXPECT_EQ(y.placements(), (Placements{Shard(0)}));
+    Tensor ra = leaf(ag), rb = leaf(bg), rc = leaf(cg);
+    Tensor ry = add(gelu(mul(ra, rb)), rc);
+    expect_close(y.full_tensor(), ry, 1e-12, "y");
+    backward_weighted(y, ry, 24);
+    expect_close(a.grad().full_tensor(), ra.grad(), 1e-12, "da");
+    expect_close(b.grad().full_tensor(), rb.grad(), 1e-12, "db");
+    expect_close(c.grad().full_tensor(), rc.grad(), 1e-12, "dc");
+    // Partial + Replicate: the replicated addend counts once.
+    DTensor p = linear(leaf(global_randn({3, 6}, 25), mesh, {Shard(1)}),
+                       leaf(global_randn({2, 6}, 26), mesh, {Shard(1)}));
+    DTensor r = leaf(global_randn({3, 2}, 27), mesh, {Replicate()});
+    Tensor want =
+        add(linear(global_randn({3, 6}, 25), global_randn({2, 6}, 26)), global_randn({3, 2}, 27));
+    expect_close(add(p, r).full_tensor(), want, 1e-12, "P + R");
+    expect_close(mul(p, 3.0).full_tensor(), mul(sub(want, global_randn({3, 2}, 27)), 3.0), 1e-12,
+                 "P * s");
+    expect_close(relu(p).full_tensor(), relu(sub(want, global_randn({3, 2}, 27))), 1e-12,
+                 "relu(P) reduces first");
+  }
+}
+
+TEST(DTensorOps, ReductionsOverShardedDimsArePartial) {
+  for (const DeviceMesh& mesh0 : meshes()) {
+    DeviceMesh mesh = mesh0["tp"];
+    Tensor xg = global_randn({5, 6, 3}, 28);
+    for (std::vector<int64_t> dims : {std::vector<int64_t>{0}, {1}, {0, 2}, {}}) {
+      for (bool keep : {false, true}) {
+        DTensor x = leaf(xg, mesh, {Shard(0)});
+        Tensor rx = leaf(xg);
+        DTensor s = mean(x, dims, keep);
+        Tensor rs = mean(rx, dims, keep);
+        expect_close(s.full_tensor(), rs, 1e-12, "mean");
+        backward_weighted(s, rs, 29);
+        expect_close(x.grad().full_tensor(), rx.grad(), 1e-12, "dmean");
+        DTensor x2 = leaf(xg, mesh, {Shard(1)});
+        expect_close(sum(x2, dims, keep).full_tensor(), sum(xg, dims, keep), 1e-12, "sum");
+      }
+    }
+  }
+}
+
+TEST(DTensorOps, SoftmaxGathersItsDimOnly) {
+  for (const DeviceMesh& mesh0 : meshes()) {
+    DeviceMesh mesh = mesh0["tp"];
+    Tensor xg = global_randn({6, 5}, 30);
+    DTensor x = leaf(xg, mesh, {Shard(0)});
+    DTensor y = log_softmax(x, -1);
+    EXPECT_EQ(y.placements(), (Placements{Shard(0)}));
+    DTensor x2 = leaf(xg, mesh, {Shard(1)});
+    DTensor y2 = softmax(x2, 1);
+    EXPECT_EQ(y2.placements(), (Placements{Replicate()}));
+    Tensor rx = leaf(xg);
+    expect_close(y.full_tensor(), log_softmax(xg, -1), 1e-12, "log_softmax");
+    Tensor ry2 = softmax(rx, 1);
+    expect_close(y2.full_tensor(), ry2, 1e-12, "softmax");
+    backward_weighted(y2, ry2, 31);
+    expect_close(x2.grad().full_tensor(), rx.grad(), 1e-12, "dsoftmax");
+  }
+}
+
+TEST(DTensorOps, ViewsKeepShardedDimsIntact) {
+  for (const DeviceMesh& mesh0 : meshes()) {
+    DeviceMesh mesh = mesh0["tp"];
+    const int64_t n = mesh.size();
+    Tensor xg = global_randn({2, 3, 4 * n * 2}, 32);  // [B, T, H*Dh] with H = 4n heads of 2
+    DTensor x = leaf(xg, mesh, {Shard(2)});
+    DTensor heads = view(x, {2, 3, 4 * n, 2});
+    EXPECT_EQ(heads.placements(), (Placements{Shard(2)}));
+    DTensor t = transpose(heads, 1, 2);  // [B, H, T, Dh]
+    EXPECT_EQ(t.placements(), (Placements{Shard(1)}));
+    Tensor rx = leaf(xg);
+    Tensor rt = transpose(view(rx, {2, 3, 4 * n, 2}), 1, 2);
+    expect_close(t.full_tensor(), rt, 0, "heads");
+    backward_weighted(t, rt, 33);
+    expect_close(x.grad().full_tensor(), rx.grad(), 1e-12, "dheads");
+    DTensor back = reshape(transpose(t, 1, 2), {2, 3, -1});
+    EXPECT_EQ(back.placements(), (Placements{Shard(2)}));
+    expect_close(back.full_tensor(), xg, 0, "round trip");
+    if (n > 1) {
+      DTensor odd = leaf(global_randn({2, 3}, 34), mesh, {Shard(1)});  // 3 rows over n ranks
+      try {
+        view(odd, {6});
+        if (n != 3) FAIL() << "merging an unevenly sharded dim must be refused";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("view: no sharding rule"), std::string::npos)
+            << e.what();
+        EXPECT_NE(std::string(e.what()).find("[S(1)]"), std::string::npos) << e.what();
+      }
+    }
+  }
+}
+
+TEST(DTensorOps, MismatchedMeshesAreAnError) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  DeviceMesh mesh({2, 2}, {"dp", "tp"});
+  DTensor a = distribute_tensor(global_randn({4, 4}, 35), mesh["dp"], {Shard(0)});
+  DTensor b = distribute_tensor(global_randn({4, 4}, 36), mesh["tp"], {Shard(0)});
+  try {
+    add(a, b);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("different meshes"), std::string::npos) << e.what();
+  }
+}
