@@ -32,11 +32,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// How long a waiter keeps polling before it gives up its core: short waits (most collectives of
-// small tensors) keep their latency, long ones stop competing with the ranks they wait for.
+// MPI progresses non-blocking collectives only inside MPI calls, so a waiter must keep polling:
+// each round of a large collective waits for the next poll. It spins first, then yields (which
+// costs nothing when no other rank wants the core, and hands it over when ranks outnumber
+// cores), and only a wait long enough to be a stalled or much slower rank sleeps between polls.
 constexpr int kSpinPolls = 64;
-constexpr std::chrono::microseconds kYieldPhase{2000};
-constexpr std::chrono::microseconds kSleep{100};
+constexpr std::chrono::milliseconds kYieldPhase{1000};
+constexpr std::chrono::microseconds kSleep{500};
 
 std::string status_errors(const std::vector<MPI_Status>& statuses) {
   std::string s;

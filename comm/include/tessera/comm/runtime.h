@@ -5,11 +5,15 @@
 
 namespace tessera {
 
-// Idempotent. Reads TESSERA_COLLECTIVE_TIMEOUT (seconds) and TESSERA_DEBUG_COLLECTIVES.
+// Idempotent. Reads TESSERA_COLLECTIVE_TIMEOUT (seconds) and TESSERA_DEBUG_COLLECTIVES (1/0).
+// Starts MPI (MPI_THREAD_SERIALIZED: any thread may communicate, tessera serialises the calls)
+// unless the application already did, in which case the application also finalizes it.
 void init(int* argc = nullptr, char*** argv = nullptr);
+// Idempotent, and run at exit when the program did not call it. MPI cannot start again after.
 void finalize();
-bool is_initialized();
+bool is_initialized();  // between init() and finalize()
 
+// These need init(); they throw before it and after finalize().
 int world_rank();
 int world_size();
 ProcessGroupPtr world_group();
