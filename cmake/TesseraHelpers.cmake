@@ -4,7 +4,10 @@ include(GNUInstallDirs)
 # do not trip -Werror.
 add_library(tessera_warnings INTERFACE)
 target_compile_options(tessera_warnings INTERFACE
-  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Werror -Wno-error=deprecated-declarations>)
+  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Werror -Wno-error=deprecated-declarations>
+  # GCC 12 reports false maybe-uninitialized inside its own AVX-512 intrinsics when Eigen is
+  # compiled with -march=native (GCC bug 105593).
+  $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<CXX_COMPILER_ID:GNU>>:-Wno-maybe-uninitialized>)
 add_library(tessera_arch INTERFACE)
 if(TESSERA_NATIVE)
   target_compile_options(tessera_arch INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-march=native>)
