@@ -8,3 +8,5 @@
 #include "tessera/dtensor/ops.h"
 #include "tessera/dtensor/random.h"
 #include "tessera/dtensor/redistribute.h"
+#include "tessera/nn/nn.h"
+#include "tessera/nn/parallel/parallelize.h"

@@ -1,0 +1,65 @@
+#pragma once
+// Basic layers. Each draws its initial values with the shard-invariant RNG in registration
+// order, so the same seed gives the same model under any parallelism.
+#include "tessera/nn/module.h"
+
+namespace tessera {
+
+// y = x W^T + b, W [out, in]. Supports ColwiseParallel / RowwiseParallel (forward_dtensor).
+class Linear : public Module {
+ public:
+  Linear(int64_t in_features, int64_t out_features, bool bias, Generator& gen);
+  Tensor forward(const Tensor& x) override;
+  DTensor forward_dtensor(const DTensor& x) override;
+  // PyTorch's init: kaiming_uniform(a = sqrt(5)) for W, U(-1/sqrt(in), 1/sqrt(in)) for b.
+  void reset_parameters(Generator& gen);
+
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+  Parameter weight;
+  Parameter bias;  // undefined without bias
+
+ private:
+  int64_t in_, out_;
+};
+
+// Token ids (int64, any shape) -> vectors [..., dim]. Supports vocabulary-parallel sharding of
+// the weight (Shard(0)): each rank looks up the ids it owns and the partial results are summed.
+class Embedding : public Module {
+ public:
+  Embedding(int64_t num_embeddings, int64_t dim, Generator& gen);
+  Tensor forward(const Tensor& ids) override;
+  DTensor forward_dtensor(const DTensor& ids) override;
+  void reset_parameters(Generator& gen);  // N(0, 1) like PyTorch
+
+  Parameter weight;
+
+ private:
+  int64_t num_, dim_;
+};
+
+// Normalises the last dim. Supports SequenceParallel (input sharded on a non-normalised dim).
+class RMSNorm : public Module {
+ public:
+  explicit RMSNorm(int64_t dim, double eps = 1e-6);
+  Tensor forward(const Tensor& x) override;
+  DTensor forward_dtensor(const DTensor& x) override;
+  Parameter weight;  // ones
+
+ private:
+  double eps_;
+};
+
+class LayerNorm : public Module {
+ public:
+  explicit LayerNorm(int64_t dim, double eps = 1e-5);
+  Tensor forward(const Tensor& x) override;
+  DTensor forward_dtensor(const DTensor& x) override;
+  Parameter weight;  // ones
+  Parameter bias;    // zeros
+
+ private:
+  double eps_;
+};
+
+}  // namespace tessera

@@ -1,0 +1,116 @@
+#pragma once
+// Modules own parameters, buffers and child modules under ordered, deterministic names, so a
+// parameter's fully qualified name ("layers.0.attention.wq.weight") is the same in every process
+// and every parallelism. Modules are held by shared_ptr and are not copyable.
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tessera/nn/parameter.h"
+
+namespace tessera {
+
+class Module;
+using ModulePtr = std::shared_ptr<Module>;
+
+// How a module's forward crosses into DTensors, set by a parallel style: the local input is
+// taken as a DTensor with input_layouts, redistributed to desired_input_layouts, passed to
+// forward_dtensor, and the result redistributed to output_layouts (returned as its local piece
+// when use_local_output).
+struct DTensorIO {
+  DeviceMesh mesh;
+  Placements input_layouts;
+  Placements desired_input_layouts;
+  Placements output_layouts;
+};
+
+class Module : public std::enable_shared_from_this<Module> {
+ public:
+  explicit Module(std::string type_name) : type_name_(std::move(type_name)) {}
+  virtual ~Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  // Runs forward pre-hooks, forward (or the DTensor path when a style set one), forward hooks.
+  Tensor operator()(const Tensor& x);
+  virtual Tensor forward(const Tensor& x);
+  // The forward on DTensors, for modules that support a parallel style.
+  virtual DTensor forward_dtensor(const DTensor& x);
+
+  const std::string& type_name() const { return type_name_; }
+
+  // --- names (all in registration order, recursively, "a.b.c") ---
+  std::vector<std::pair<std::string, Parameter*>> named_parameters(bool recurse = true);
+  std::vector<Parameter*> parameters(bool recurse = true);
+  std::vector<std::pair<std::string, Tensor*>> named_buffers(bool recurse = true);
+  std::vector<std::pair<std::string, ModulePtr>> named_children();
+  // Every module below and including this one ("" is this one).
+  std::vector<std::pair<std::string, ModulePtr>> named_modules();
+  // The module at a dotted path ("layers.3.attention"); an error names the missing part.
+  ModulePtr get_submodule(const std::string& path);
+  // Replaces the child at `path` (LoRA and FSDP wrap layers this way); the new module must be
+  // of a type the parent's slot accepts.
+  void replace_submodule(const std::string& path, ModulePtr module);
+
+  void train(bool on = true);
+  void eval() { train(false); }
+  bool is_training() const { return training_; }
+
+  // Pre-hooks may return a replacement input (undefined keeps it); hooks a replacement output.
+  using ForwardPreHook = std::function<Tensor(Module&, const Tensor&)>;
+  using ForwardHook = std::function<Tensor(Module&, const Tensor& input, const Tensor& output)>;
+  void register_forward_pre_hook(ForwardPreHook hook);
+  void register_forward_hook(ForwardHook hook);
+
+  // Global tensors under fully qualified names (DTensors are gathered), buffers included.
+  std::map<std::string, Tensor> state_dict();
+  // Strict by default: missing, unexpected and mis-shaped keys are all listed in the error.
+  // Each rank copies its own window of every global tensor.
+  void load_state_dict(const std::map<std::string, Tensor>& state, bool strict = true);
+
+  void zero_grad();
+
+  // Set by parallel styles.
+  void set_dtensor_io(DTensorIO io) { dtensor_io_ = std::move(io); }
+  const std::optional<DTensorIO>& dtensor_io() const { return dtensor_io_; }
+
+ protected:
+  void register_parameter(const std::string& name, Parameter* slot);
+  void register_buffer(const std::string& name, Tensor* slot);
+  template <class T>
+  void register_module(const std::string& name, std::shared_ptr<T>& slot) {
+    ModuleSlot s;
+    s.get = [&slot]() -> ModulePtr { return slot; };
+    s.set = [&slot, name](ModulePtr m) {
+      auto typed = std::dynamic_pointer_cast<T>(m);
+      TESSERA_CHECK(typed != nullptr, "replace_submodule: '", name, "' holds a ",
+                    slot ? slot->type_name() : std::string("module"), "; got a ",
+                    m ? m->type_name() : std::string("null"), " that is not one");
+      slot = std::move(typed);
+    };
+    add_child(name, std::move(s));
+  }
+
+ private:
+  struct ModuleSlot {
+    std::function<ModulePtr()> get;
+    std::function<void(ModulePtr)> set;
+  };
+  void add_child(const std::string& name, ModuleSlot slot);
+  void check_new_name(const std::string& name) const;
+
+  std::string type_name_;
+  bool training_ = true;
+  std::vector<std::pair<std::string, Parameter*>> params_;
+  std::vector<std::pair<std::string, Tensor*>> buffers_;
+  std::vector<std::pair<std::string, ModuleSlot>> children_;
+  std::vector<ForwardPreHook> pre_hooks_;
+  std::vector<ForwardHook> hooks_;
+  std::optional<DTensorIO> dtensor_io_;
+};
+
+}  // namespace tessera

@@ -1,0 +1,50 @@
+#pragma once
+// A module parameter: a plain leaf tensor, or a DTensor whose local piece is the leaf (after
+// parallelize_module or fully_shard). Everything that walks parameters (optimizers, state dicts,
+// gradient clipping) handles both through this one type.
+#include "tessera/core/random.h"
+#include "tessera/dtensor/dtensor.h"
+
+namespace tessera {
+
+class Parameter {
+ public:
+  Parameter() = default;
+  explicit Parameter(Tensor t, bool requires_grad = true);
+  explicit Parameter(DTensor d, bool requires_grad = true);
+
+  // Draws a fresh value: fills the parameter's window of a logical draw from `gen` (every rank
+  // advances `gen` by the global numel), so any sharding holds the same values.
+  void kaiming_uniform_(Generator& gen, double a = 2.23606797749979);
+  void uniform_(double low, double high, Generator& gen);
+  void normal_(double mean, double std, Generator& gen);
+  void fill_(double value);
+
+  bool defined() const { return local_.defined(); }
+  bool is_dtensor() const { return dtensor_.defined(); }
+  // The leaf autograd sees: the tensor itself, or the DTensor's local piece.
+  const Tensor& local() const { return local_; }
+  const DTensor& dtensor() const;
+  const Shape& global_shape() const;
+  DType dtype() const { return local_.dtype(); }
+  bool requires_grad() const { return local_.requires_grad(); }
+  void set_requires_grad(bool r);
+
+  // The global value (gathers a DTensor; no autograd).
+  Tensor full() const;
+  // Copies a global value into this parameter (each rank its window).
+  void copy_from_full(const Tensor& full);
+  // The local gradient (undefined when none), and it as a DTensor in grad placements.
+  Tensor grad() const { return local_.grad(); }
+  DTensor grad_dtensor() const;
+  void zero_grad() { local_.set_grad(Tensor()); }
+
+  std::string str() const;
+
+ private:
+  Tensor local_;
+  DTensor dtensor_;
+  Shape shape_;
+};
+
+}  // namespace tessera

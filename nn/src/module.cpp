@@ -1,0 +1,225 @@
+#include "tessera/nn/module.h"
+
+#include <set>
+
+#include "tessera/autograd/grad_mode.h"
+
+namespace tessera {
+
+Tensor Module::operator()(const Tensor& x_in) {
+  Tensor x = x_in;
+  for (auto& h : pre_hooks_) {
+    Tensor r = h(*this, x);
+    if (r.defined()) x = r;
+  }
+  Tensor y;
+  if (dtensor_io_) {
+    const DTensorIO& io = *dtensor_io_;
+    DTensor xd = DTensor::from_local(x, io.mesh, io.input_layouts);
+    if (!io.desired_input_layouts.empty()) xd = xd.redistribute(io.desired_input_layouts);
+    DTensor yd = forward_dtensor(xd);
+    if (!io.output_layouts.empty()) yd = yd.redistribute(io.output_layouts);
+    y = yd.to_local();
+  } else {
+    y = forward(x);
+  }
+  for (auto& h : hooks_) {
+    Tensor r = h(*this, x, y);
+    if (r.defined()) y = r;
+  }
+  return y;
+}
+
+Tensor Module::forward(const Tensor&) {
+  TESSERA_FAIL(type_name_, " has no forward(Tensor)");
+}
+
+DTensor Module::forward_dtensor(const DTensor& x) {
+  TESSERA_FAIL(type_name_, " does not support DTensor inputs (got ", x.str(),
+               "); no parallel style applies to it");
+}
+
+void Module::check_new_name(const std::string& name) const {
+  TESSERA_CHECK(!name.empty() && name.find('.') == std::string::npos, type_name_,
+                ": invalid member name '", name, "'");
+  for (const auto& p : params_)
+    TESSERA_CHECK(p.first != name, type_name_, ": '", name, "' registered twice");
+  for (const auto& b : buffers_)
+    TESSERA_CHECK(b.first != name, type_name_, ": '", name, "' registered twice");
+  for (const auto& c : children_)
+    TESSERA_CHECK(c.first != name, type_name_, ": '", name, "' registered twice");
+}
+
+void Module::register_parameter(const std::string& name, Parameter* slot) {
+  check_new_name(name);
+  params_.emplace_back(name, slot);
+}
+
+void Module::register_buffer(const std::string& name, Tensor* slot) {
+  check_new_name(name);
+  buffers_.emplace_back(name, slot);
+}
+
+void Module::add_child(const std::string& name, ModuleSlot slot) {
+  check_new_name(name);
+  children_.emplace_back(name, std::move(slot));
+}
+
+std::vector<std::pair<std::string, ModulePtr>> Module::named_children() {
+  std::vector<std::pair<std::string, ModulePtr>> out;
+  for (auto& [name, slot] : children_)
+    if (ModulePtr m = slot.get()) out.emplace_back(name, m);
+  return out;
+}
+
+std::vector<std::pair<std::string, ModulePtr>> Module::named_modules() {
+  std::vector<std::pair<std::string, ModulePtr>> out = {{"", shared_from_this()}};
+  for (auto& [name, child] : named_children())
+    for (auto& [sub, m] : child->named_modules())
+      out.emplace_back(sub.empty() ? name : name + "." + sub, m);
+  return out;
+}
+
+std::vector<std::pair<std::string, Parameter*>> Module::named_parameters(bool recurse) {
+  std::vector<std::pair<std::string, Parameter*>> out;
+  std::set<const Tensor*> seen;  // a parameter shared by two modules is listed once
+  auto add = [&](const std::string& prefix, Module& m) {
+    for (auto& [name, p] : m.params_) {
+      if (!p->defined() || !seen.insert(&p->local()).second) continue;
+      out.emplace_back(prefix.empty() ? name : prefix + "." + name, p);
+    }
+  };
+  if (!recurse) {
+    add("", *this);
+    return out;
+  }
+  for (auto& [prefix, m] : named_modules())
+    add(prefix, *m);
+  return out;
+}
+
+std::vector<Parameter*> Module::parameters(bool recurse) {
+  std::vector<Parameter*> out;
+  for (auto& [n, p] : named_parameters(recurse))
+    out.push_back(p);
+  return out;
+}
+
+std::vector<std::pair<std::string, Tensor*>> Module::named_buffers(bool recurse) {
+  std::vector<std::pair<std::string, Tensor*>> out;
+  auto add = [&](const std::string& prefix, Module& m) {
+    for (auto& [name, b] : m.buffers_)
+      if (b->defined()) out.emplace_back(prefix.empty() ? name : prefix + "." + name, b);
+  };
+  if (!recurse) {
+    add("", *this);
+    return out;
+  }
+  for (auto& [prefix, m] : named_modules())
+    add(prefix, *m);
+  return out;
+}
+
+ModulePtr Module::get_submodule(const std::string& path) {
+  if (path.empty()) return shared_from_this();
+  size_t dot = path.find('.');
+  std::string head = path.substr(0, dot);
+  for (auto& [name, child] : named_children()) {
+    if (name != head) continue;
+    return dot == std::string::npos ? child : child->get_submodule(path.substr(dot + 1));
+  }
+  std::string known;
+  for (auto& [name, c] : named_children())
+    known += (known.empty() ? "" : ", ") + name;
+  TESSERA_FAIL(type_name_, " has no child '", head, "' (children: ", known, ")");
+}
+
+void Module::replace_submodule(const std::string& path, ModulePtr module) {
+  size_t dot = path.rfind('.');
+  ModulePtr parent =
+      dot == std::string::npos ? shared_from_this() : get_submodule(path.substr(0, dot));
+  std::string leaf = dot == std::string::npos ? path : path.substr(dot + 1);
+  for (auto& [name, slot] : parent->children_) {
+    if (name != leaf) continue;
+    slot.set(std::move(module));
+    return;
+  }
+  TESSERA_FAIL("replace_submodule: ", parent->type_name_, " has no child '", leaf, "'");
+}
+
+void Module::train(bool on) {
+  for (auto& [n, m] : named_modules())
+    m->training_ = on;
+}
+
+void Module::register_forward_pre_hook(ForwardPreHook hook) {
+  pre_hooks_.push_back(std::move(hook));
+}
+void Module::register_forward_hook(ForwardHook hook) {
+  hooks_.push_back(std::move(hook));
+}
+
+std::map<std::string, Tensor> Module::state_dict() {
+  std::map<std::string, Tensor> out;
+  for (auto& [name, p] : named_parameters())
+    out[name] = p->full();
+  for (auto& [name, b] : named_buffers())
+    out[name] = b->detach();
+  return out;
+}
+
+void Module::load_state_dict(const std::map<std::string, Tensor>& state, bool strict) {
+  std::vector<std::string> missing, unexpected, mismatched;
+  std::set<std::string> known;
+  auto params = named_parameters();
+  auto buffers = named_buffers();
+  for (auto& [name, p] : params) {
+    known.insert(name);
+    auto it = state.find(name);
+    if (it == state.end()) {
+      missing.push_back(name);
+    } else if (it->second.shape() != p->global_shape()) {
+      mismatched.push_back(name + " (expected " + shape_str(p->global_shape()) + ", got " +
+                           shape_str(it->second.shape()) + ")");
+    }
+  }
+  for (auto& [name, b] : buffers) {
+    known.insert(name);
+    auto it = state.find(name);
+    if (it == state.end()) {
+      missing.push_back(name);
+    } else if (it->second.shape() != b->shape()) {
+      mismatched.push_back(name + " (expected " + shape_str(b->shape()) + ", got " +
+                           shape_str(it->second.shape()) + ")");
+    }
+  }
+  for (auto& [name, t] : state)
+    if (!known.count(name)) unexpected.push_back(name);
+  auto join = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (const auto& x : v)
+      s += (s.empty() ? "" : ", ") + x;
+    return s;
+  };
+  bool bad = !mismatched.empty() || (strict && (!missing.empty() || !unexpected.empty()));
+  TESSERA_CHECK(!bad, "load_state_dict into ", type_name_, ": ",
+                missing.empty() ? "" : "missing keys: " + join(missing) + "; ",
+                unexpected.empty() ? "" : "unexpected keys: " + join(unexpected) + "; ",
+                mismatched.empty() ? "" : "mis-shaped keys: " + join(mismatched));
+  // Nothing is written before every key has been checked, so a failed load loses nothing.
+  for (auto& [name, p] : params) {
+    auto it = state.find(name);
+    if (it != state.end()) p->copy_from_full(it->second.to(p->dtype()));
+  }
+  for (auto& [name, b] : buffers) {
+    auto it = state.find(name);
+    if (it != state.end()) b->copy_(it->second);
+  }
+}
+
+void Module::zero_grad() {
+  for (Parameter* p : parameters())
+    p->zero_grad();
+}
+
+}  // namespace tessera

@@ -1,0 +1,98 @@
+#include "tessera/nn/parameter.h"
+
+#include "tessera/autograd/grad_mode.h"
+#include "tessera/dtensor/random.h"
+
+namespace tessera {
+
+Parameter::Parameter(Tensor t, bool requires_grad) : local_(t.detach()), shape_(t.shape()) {
+  if (requires_grad) local_.set_requires_grad(true);
+}
+
+Parameter::Parameter(DTensor d, bool requires_grad)
+    : local_(d.to_local().detach()), shape_(d.shape()) {
+  dtensor_ = DTensor(d.spec_ptr(), local_);
+  if (requires_grad) local_.set_requires_grad(true);
+}
+
+const DTensor& Parameter::dtensor() const {
+  TESSERA_CHECK(is_dtensor(), "Parameter ", str(), " is a plain tensor, not a DTensor");
+  return dtensor_;
+}
+
+const Shape& Parameter::global_shape() const {
+  return shape_;
+}
+
+void Parameter::set_requires_grad(bool r) {
+  local_.set_requires_grad(r);
+}
+
+Tensor Parameter::full() const {
+  if (!is_dtensor()) return local_.detach();
+  NoGradGuard no_grad;
+  return dtensor_.detach().full_tensor();
+}
+
+void Parameter::copy_from_full(const Tensor& full) {
+  TESSERA_CHECK(full.defined() && full.shape() == shape_, "Parameter: global value ",
+                full.defined() ? full.str() : std::string("(undefined)"),
+                " does not match the parameter's global shape ", shape_str(shape_));
+  NoGradGuard no_grad;
+  if (is_dtensor()) {
+    DTensor view(dtensor_.spec_ptr(), local_.detach());
+    view.copy_from_full(full);
+  } else {
+    Tensor(local_.detach()).copy_(full);
+  }
+}
+
+DTensor Parameter::grad_dtensor() const {
+  TESSERA_CHECK(is_dtensor(), "Parameter ", str(), " is not a DTensor");
+  return dtensor_.grad();
+}
+
+namespace {
+void fill_draw(Parameter& p, RandomKind kind, double a, double b, Generator& gen) {
+  NoGradGuard no_grad;
+  if (p.is_dtensor()) {
+    DTensor view(p.dtensor().spec_ptr(), p.local().detach());
+    if (kind == RandomKind::Uniform)
+      uniform_(view, a, b, gen);
+    else
+      normal_(view, a, b, gen);
+  } else {
+    Tensor view = p.local().detach();
+    if (kind == RandomKind::Uniform)
+      uniform_(view, a, b, gen);
+    else
+      normal_(view, a, b, gen);
+  }
+}
+}  // namespace
+
+void Parameter::kaiming_uniform_(Generator& gen, double a) {
+  double bound = kaiming_uniform_bound(shape_, a, FanMode::FanIn);
+  fill_draw(*this, RandomKind::Uniform, -bound, bound, gen);
+}
+
+void Parameter::uniform_(double low, double high, Generator& gen) {
+  fill_draw(*this, RandomKind::Uniform, low, high, gen);
+}
+
+void Parameter::normal_(double mean, double std, Generator& gen) {
+  fill_draw(*this, RandomKind::Normal, mean, std, gen);
+}
+
+void Parameter::fill_(double value) {
+  NoGradGuard no_grad;
+  Tensor view = local_.detach();
+  view.fill_(value);
+}
+
+std::string Parameter::str() const {
+  if (!defined()) return "Parameter(undefined)";
+  return is_dtensor() ? "Parameter(" + dtensor_.str() + ")" : "Parameter(" + local_.str() + ")";
+}
+
+}  // namespace tessera
