@@ -366,8 +366,14 @@ void add_(Tensor& dst, const Tensor& src, double alpha) {
   dispatch_dtype(dt, [&]<class D>() {
     if constexpr (kArithmetic<D>) {
       using C = compute_t<D>;
-      if (src.dtype() == dt) {
-        add_runs<D, D>(dst, src, broadcast_strides(src, shape), alpha);
+      if (compute_dtype(src.dtype()) == DTypeOf<C>::value) {
+        // Same arithmetic type (e.g. a bfloat16 gradient into a float32 buffer): read the
+        // source as it is, converting element by element inside the loop.
+        dispatch_dtype(src.dtype(), [&]<class S>() {
+          if constexpr (std::is_same_v<compute_t<S>, C>) {
+            add_runs<D, S>(dst, src, broadcast_strides(src, shape), alpha);
+          }
+        });
       } else {
         // Converting to the compute type (not to a 16-bit destination type) keeps the source's
         // precision until the single rounding of the sum.
@@ -405,6 +411,32 @@ void mul_scalar_(Tensor& dst, double s) {
   });
 }
 
+namespace {
+
+// Selection only moves bits, so it runs on unsigned words of the element's size (one
+// instantiation per width), reading masks as bytes: that form compiles to vector blends, where a
+// data-dependent branch would mispredict on random masks.
+template <class F>
+void dispatch_width(size_t bytes, F&& f) {
+  switch (bytes) {
+    case 1:
+      return f.template operator()<uint8_t>();
+    case 2:
+      return f.template operator()<uint16_t>();
+    case 4:
+      return f.template operator()<uint32_t>();
+    default:
+      return f.template operator()<uint64_t>();
+  }
+}
+
+template <class W>
+inline W blend(uint8_t take_x, W x, W y) {
+  return take_x != 0 ? x : y;
+}
+
+}  // namespace
+
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   check_cpu("where", cond);
   check_cpu("where", a);
@@ -418,23 +450,23 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   Tensor out = empty(shape, dt);
   const Shape cs = broadcast_strides(cond, shape), as = broadcast_strides(ac, shape),
               bs = broadcast_strides(bc, shape);
-  dispatch_dtype(dt, [&]<class T>() {
-    T* o = static_cast<T*>(out.raw_data());
-    const bool* c = static_cast<const bool*>(cond.raw_data());
-    const T* x = static_cast<const T*>(ac.raw_data());
-    const T* y = static_cast<const T*>(bc.raw_data());
+  dispatch_width(element_size(dt), [&]<class W>() {
+    W* o = static_cast<W*>(out.raw_data());
+    const uint8_t* c = static_cast<const uint8_t*>(cond.raw_data());
+    const W* x = static_cast<const W*>(ac.raw_data());
+    const W* y = static_cast<const W*>(bc.raw_data());
     detail::for_each_run<4>(shape, {&out.strides(), &cs, &as, &bs}, [&](const detail::Run<4>& r) {
-      T* op = o + r.offset[0];
-      const bool* cp = c + r.offset[1];
-      const T* xp = x + r.offset[2];
-      const T* yp = y + r.offset[3];
+      W* op = o + r.offset[0];
+      const uint8_t* cp = c + r.offset[1];
+      const W* xp = x + r.offset[2];
+      const W* yp = y + r.offset[3];
       if (r.stride[1] == 1 && r.stride[2] == 1 && r.stride[3] == 1) {
         for (int64_t i = 0; i < r.length; ++i)
-          op[i] = cp[i] ? xp[i] : yp[i];
+          op[i] = blend(cp[i], xp[i], yp[i]);
         return;
       }
       for (int64_t i = 0; i < r.length; ++i)
-        op[i] = cp[i * r.stride[1]] ? xp[i * r.stride[2]] : yp[i * r.stride[3]];
+        op[i] = blend(cp[i * r.stride[1]], xp[i * r.stride[2]], yp[i * r.stride[3]]);
     });
   });
   return out;
@@ -448,31 +480,34 @@ Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
   const Shape shape = broadcast_shapes(x.shape(), mask.shape(), "masked_fill");
   TESSERA_CHECK(shape == x.shape(), "masked_fill: mask shape ", shape_str(mask.shape()),
                 " does not broadcast to input shape ", shape_str(x.shape()));
+  // The fill value as a one-element tensor of x's dtype, whose bits the loop below copies.
+  Tensor fill = empty({}, x.dtype());
+  dispatch_dtype(x.dtype(), [&]<class T>() {
+    if constexpr (std::is_same_v<T, bool>) {
+      *fill.data<T>() = value != 0;
+    } else {
+      *fill.data<T>() = T(scalar_as<compute_t<T>>("masked_fill", x.dtype(), value));
+    }
+  });
   Tensor out = empty(x.shape(), x.dtype());
   const Shape ms = broadcast_strides(mask, shape);
-  dispatch_dtype(x.dtype(), [&]<class T>() {
-    using C = compute_t<T>;
-    T v;
-    if constexpr (std::is_same_v<T, bool>) {
-      v = value != 0;
-    } else {
-      v = T(scalar_as<C>("masked_fill", x.dtype(), value));
-    }
-    T* o = static_cast<T*>(out.raw_data());
-    const T* xp = static_cast<const T*>(x.raw_data());
-    const bool* m = static_cast<const bool*>(mask.raw_data());
+  dispatch_width(x.element_size(), [&]<class W>() {
+    const W v = *static_cast<const W*>(fill.raw_data());
+    W* o = static_cast<W*>(out.raw_data());
+    const W* xp = static_cast<const W*>(x.raw_data());
+    const uint8_t* m = static_cast<const uint8_t*>(mask.raw_data());
     detail::for_each_run<3>(shape, {&out.strides(), &x.strides(), &ms},
                             [&](const detail::Run<3>& r) {
-                              T* op = o + r.offset[0];
-                              const T* ip = xp + r.offset[1];
-                              const bool* mp = m + r.offset[2];
+                              W* op = o + r.offset[0];
+                              const W* ip = xp + r.offset[1];
+                              const uint8_t* mp = m + r.offset[2];
                               if (r.stride[1] == 1 && r.stride[2] == 1) {
                                 for (int64_t i = 0; i < r.length; ++i)
-                                  op[i] = mp[i] ? v : ip[i];
+                                  op[i] = blend(mp[i], v, ip[i]);
                                 return;
                               }
                               for (int64_t i = 0; i < r.length; ++i)
-                                op[i] = mp[i * r.stride[2]] ? v : ip[i * r.stride[1]];
+                                op[i] = blend(mp[i * r.stride[2]], v, ip[i * r.stride[1]]);
                             });
   });
   return out;

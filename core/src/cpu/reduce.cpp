@@ -82,23 +82,68 @@ ReducePlan plan_reduce(const Tensor& x, const std::vector<int64_t>& dims, bool k
   return p;
 }
 
+// The plan's iteration space with size-1 dims dropped and neighbours merged where both x and
+// the accumulators are contiguous across them (the same rule as detail::for_each_run).
+struct Collapsed {
+  Shape sizes, x_strides, out_strides;
+};
+Collapsed collapse(const ReducePlan& p) {
+  Collapsed c;
+  for (size_t d = 0; d < p.sizes.size(); ++d) {
+    if (p.sizes[d] == 1) continue;
+    if (!c.sizes.empty() && c.x_strides.back() == p.x_strides[d] * p.sizes[d] &&
+        c.out_strides.back() == p.out_strides[d] * p.sizes[d]) {
+      c.sizes.back() *= p.sizes[d];
+      c.x_strides.back() = p.x_strides[d];
+      c.out_strides.back() = p.out_strides[d];
+      continue;
+    }
+    c.sizes.push_back(p.sizes[d]);
+    c.x_strides.push_back(p.x_strides[d]);
+    c.out_strides.push_back(p.out_strides[d]);
+  }
+  return c;
+}
+
 // Folds x into acc (one accumulator per output, row-major over keep_shape).
 // horizontal(acc, ptr, stride, n) returns acc folded with n elements; vertical(acc, ptr, n)
 // folds ptr[i] into acc[i] (both unit stride); update(acc&, value) folds one element.
+// The two innermost dims are looped here rather than by for_each_run, so that short inner runs
+// (a [N, 4] tensor) do not pay the N-d loop's bookkeeping once per run.
 template <class T, class A, class Horizontal, class Vertical, class Update>
 void reduce_runs(const Tensor& x, const ReducePlan& p, A* acc, Horizontal&& horizontal,
                  Vertical&& vertical, Update&& update) {
+  if (shape_numel(p.sizes) == 0) return;
+  Collapsed c = collapse(p);
+  while (c.sizes.size() < 2) {
+    c.sizes.insert(c.sizes.begin(), 1);
+    c.x_strides.insert(c.x_strides.begin(), 0);
+    c.out_strides.insert(c.out_strides.begin(), 0);
+  }
+  const size_t nd = c.sizes.size();
+  const int64_t rows = c.sizes[nd - 2], len = c.sizes[nd - 1];
+  const int64_t xr = c.x_strides[nd - 2], ar = c.out_strides[nd - 2];
+  const int64_t xs = c.x_strides[nd - 1], as = c.out_strides[nd - 1];
+  const Shape outer(c.sizes.begin(), c.sizes.end() - 2);
+  const Shape outer_xs(c.x_strides.begin(), c.x_strides.end() - 2);
+  const Shape outer_as(c.out_strides.begin(), c.out_strides.end() - 2);
   const T* base = static_cast<const T*>(x.raw_data());
-  detail::for_each_run<2>(p.sizes, {&p.x_strides, &p.out_strides}, [&](const detail::Run<2>& r) {
-    const T* xp = base + r.offset[0];
-    A* ap = acc + r.offset[1];
-    if (r.stride[1] == 0) {
-      *ap = horizontal(*ap, xp, r.stride[0], r.length);
-    } else if (r.stride[0] == 1 && r.stride[1] == 1) {
-      vertical(ap, xp, r.length);
-    } else {
-      for (int64_t i = 0; i < r.length; ++i)
-        update(ap[i * r.stride[1]], xp[i * r.stride[0]]);
+  detail::for_each_run<2>(outer, {&outer_xs, &outer_as}, [&](const detail::Run<2>& r) {
+    for (int64_t o = 0; o < r.length; ++o) {
+      const T* xo = base + r.offset[0] + o * r.stride[0];
+      A* ao = acc + r.offset[1] + o * r.stride[1];
+      for (int64_t row = 0; row < rows; ++row) {
+        const T* xp = xo + row * xr;
+        A* ap = ao + row * ar;
+        if (as == 0) {
+          *ap = horizontal(*ap, xp, xs, len);
+        } else if (xs == 1 && as == 1) {
+          vertical(ap, xp, len);
+        } else {
+          for (int64_t i = 0; i < len; ++i)
+            update(ap[i * as], xp[i * xs]);
+        }
+      }
     }
   });
 }
@@ -113,6 +158,11 @@ A sum_run(A acc, const T* p, int64_t s, int64_t n) {
     return acc;
   }
   constexpr int kLanes = 16;
+  if (n < kLanes) {
+    for (int64_t i = 0; i < n; ++i)
+      acc += A(to_compute(p[i]));
+    return acc;
+  }
   A lane[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
@@ -128,32 +178,49 @@ A sum_run(A acc, const T* p, int64_t s, int64_t n) {
 
 template <bool kMax, class C>
 inline C pick(C best, C v) {
-  // NaN wins, as in torch.amax.
+  // NaN wins, as in torch.amax. Bitwise | keeps the select branch-free (and vectorisable).
   if constexpr (kMax) {
-    return (v > best || is_nan(v)) ? v : best;
+    return ((v > best) | is_nan(v)) ? v : best;
   } else {
-    return (v < best || is_nan(v)) ? v : best;
+    return ((v < best) | is_nan(v)) ? v : best;
   }
 }
 
 template <bool kMax, class C, class T>
 C extreme_run(C acc, const T* p, int64_t s, int64_t n) {
-  if (s != 1) {
+  constexpr int kLanes = 32;
+  if (s != 1 || n < kLanes) {
     for (int64_t i = 0; i < n; ++i)
       acc = pick<kMax>(acc, C(to_compute(p[i * s])));
     return acc;
   }
-  constexpr int kLanes = 16;
+  // The lanes use the plain compare-select (one vector max/min instruction) and track NaNs in
+  // separate flags: folding the NaN test into the select defeats the vectoriser.
   C lane[kLanes];
+  uint32_t nan[kLanes] = {};
   std::fill(lane, lane + kLanes, acc);
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int k = 0; k < kLanes; ++k)
-      lane[k] = pick<kMax>(lane[k], C(to_compute(p[i + k])));
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const C v = C(to_compute(p[i + k]));
+      if constexpr (kMax) {
+        lane[k] = v > lane[k] ? v : lane[k];
+      } else {
+        lane[k] = v < lane[k] ? v : lane[k];
+      }
+      nan[k] |= uint32_t(is_nan(v));
+    }
+  }
   for (; i < n; ++i)
     acc = pick<kMax>(acc, C(to_compute(p[i])));
-  for (int k = 0; k < kLanes; ++k)
+  bool any_nan = false;
+  for (int k = 0; k < kLanes; ++k) {
     acc = pick<kMax>(acc, lane[k]);
+    any_nan = any_nan || nan[k] != 0;
+  }
+  if constexpr (std::numeric_limits<C>::has_quiet_NaN) {
+    if (any_nan) return std::numeric_limits<C>::quiet_NaN();
+  }
   return acc;
 }
 
