@@ -397,6 +397,39 @@ TEST(Binary, NonContiguousOperands) {
   expect_close(y, want, 1e-6, 1e-7);
 }
 
+TEST(Binary, PermutedOperandsAcrossManyTiles) {
+  // [3, 37, 21] read through permutations, so the unit-stride dim of an operand is not the
+  // output's innermost: exercises the tiled path with partial tiles and an outer dim.
+  const Shape s = {3, 37, 21};
+  const auto av = wavy(shape_numel(s), -2, 2), bv = wavy(shape_numel(s), -2, 2, 0.9);
+  for (DType dt : {DType::Float32, DType::BFloat16}) {
+    const auto ar = rounded(av, dt), br = rounded(bv, dt);
+    Tensor a = tensor_of(ar, s, dt);
+    Tensor b = tensor_of(br, s, dt);
+    Tensor ap = kernels::permute(a, {2, 0, 1});  // [21, 3, 37]
+    Tensor bp = kernels::permute(b, {2, 0, 1});
+    Tensor bt = kernels::permute(kernels::transpose(b, 1, 2), {1, 0, 2});  // [21, 3, 37]
+    auto at = [&](const std::vector<double>& v, int64_t i, int64_t j, int64_t k) {
+      return v[size_t((i * 37 + j) * 21 + k)];
+    };
+    std::vector<double> want_sub, want_exp;
+    for (int64_t k = 0; k < 21; ++k)
+      for (int64_t i = 0; i < 3; ++i)
+        for (int64_t j = 0; j < 37; ++j) {
+          want_sub.push_back(double(float(at(ar, i, j, k) - at(br, i, j, k))));
+          want_exp.push_back(double(float(std::exp(at(ar, i, j, k)))));
+        }
+    const double tol = dt == DType::Float32 ? 1e-6 : 1.0 / 128;
+    Tensor d = kernels::binary(BinaryOp::Sub, ap, bp);
+    EXPECT_EQ(d.shape(), (Shape{21, 3, 37}));
+    expect_close(d, rounded(want_sub, dt), tol, 1e-6, "permuted sub");
+    expect_close(kernels::binary(BinaryOp::Sub, ap, bt), rounded(want_sub, dt), tol, 1e-6,
+                 "mixed layouts");
+    expect_close(kernels::unary(UnaryOp::Exp, ap), rounded(want_exp, dt), tol, 1e-6,
+                 "permuted exp");
+  }
+}
+
 TEST(Binary, MixedDtypesPromote) {
   Tensor f32 = from_vector<float>({1.5f, -2.f});
   Tensor f64 = from_vector<double>({0.25, 4.0});
@@ -592,6 +625,12 @@ TEST(InPlace, AddBroadcastAlphaAndStridedDestination) {
   kernels::add_(h, from_vector<float>({0.5f, 0.25f}));
   EXPECT_EQ(h.dtype(), DType::BFloat16);
   EXPECT_EQ(h.to_vector<float>(), (std::vector<float>{1.5f, 2.25f}));
+  Tensor acc = from_vector<float>({0.5f, 1.f, 2.f});  // a bfloat16 gradient into float32
+  kernels::add_(acc, from_vector<float>({1.f, 2.f, 3.f}).to(DType::BFloat16), 2.0);
+  EXPECT_EQ(acc.to_vector<float>(), (std::vector<float>{2.5f, 5.f, 8.f}));
+  Tensor hf = from_vector<float>({1, 2}).to(DType::Float16);
+  kernels::add_(hf, from_vector<float>({0.5f, 0.25f}).to(DType::BFloat16));
+  EXPECT_EQ(hf.to_vector<float>(), (std::vector<float>{1.5f, 2.25f}));
   Tensor i = from_vector<int64_t>({1, 2});
   kernels::add_(i, from_vector<int32_t>({5, 6}), -1);
   EXPECT_EQ(i.to_vector<int64_t>(), (std::vector<int64_t>{-4, -4}));
