@@ -184,6 +184,20 @@ TEST(Unary, Float32MatchesReference) {
   }
 }
 
+TEST(Unary, SqrtIsCorrectlyRounded) {
+  // IEEE sqrt is exact-then-rounded; float(sqrt(double(x))) is that value (no double rounding
+  // issue for sqrt), so the kernel must match it bit for bit, vector body and tail alike.
+  const auto x = rounded(wavy(1003, 1e-3, 1e3), DType::Float32);
+  const auto got =
+      kernels::unary(UnaryOp::Sqrt, tensor_of(x, {1003}, DType::Float32)).to_vector<float>();
+  for (size_t i = 0; i < x.size(); ++i)
+    EXPECT_EQ(got[i], float(std::sqrt(x[i]))) << x[i];
+  const auto got64 =
+      kernels::unary(UnaryOp::Sqrt, tensor_of(x, {1003}, DType::Float64)).to_vector<double>();
+  for (size_t i = 0; i < x.size(); ++i)
+    EXPECT_EQ(got64[i], std::sqrt(x[i])) << x[i];
+}
+
 TEST(Unary, Float64MatchesReference) {
   for (UnaryOp op : kAllUnary) {
     const auto x = unary_inputs(op, 37);

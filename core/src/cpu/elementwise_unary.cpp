@@ -8,6 +8,9 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <Eigen/Core>
 #include <cmath>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 #include <type_traits>
 #include <unsupported/Eigen/SpecialFunctions>
 
@@ -73,6 +76,33 @@ bool integer_ok(UnaryOp op) {
 template <class C>
 using Arr = Eigen::Array<C, Eigen::Dynamic, 1>;
 
+// Correctly rounded sqrt, vectorised. Eigen's packet sqrt under EIGEN_FAST_MATH is a hardware
+// reciprocal estimate plus a Newton step (~3 ulp), and a std::sqrt loop does not vectorise
+// while sqrt may set errno; the exact vector instructions are used directly instead.
+template <class C>
+void sqrt_exact(const C* x, C* y, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<C, float>) {
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(y + i, _mm512_sqrt_ps(_mm512_loadu_ps(x + i)));
+  } else {
+    for (; i + 8 <= n; i += 8)
+      _mm512_storeu_pd(y + i, _mm512_sqrt_pd(_mm512_loadu_pd(x + i)));
+  }
+#elif defined(__AVX__)
+  if constexpr (std::is_same_v<C, float>) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(y + i, _mm256_sqrt_ps(_mm256_loadu_ps(x + i)));
+  } else {
+    for (; i + 4 <= n; i += 4)
+      _mm256_storeu_pd(y + i, _mm256_sqrt_pd(_mm256_loadu_pd(x + i)));
+  }
+#endif
+  for (; i < n; ++i)
+    y[i] = std::sqrt(x[i]);
+}
+
 template <class C>
 void unary_float(UnaryOp op, const C* x, C* y, int64_t n) {
   Eigen::Map<const Arr<C>> in(x, n);
@@ -89,11 +119,12 @@ void unary_float(UnaryOp op, const C* x, C* y, int64_t n) {
       out = in.log();
       return;
     case UnaryOp::Sqrt:
-      out = in.sqrt();
+      sqrt_exact(x, y, n);
       return;
     case UnaryOp::Rsqrt:
       // 1/sqrt rather than the hardware estimate: within an ulp, like torch.rsqrt.
-      out = in.sqrt().inverse();
+      sqrt_exact(x, y, n);
+      out = out.inverse();
       return;
     case UnaryOp::Tanh:
       out = in.tanh();
@@ -181,10 +212,12 @@ void unary_backward_float(UnaryOp op, const C* g, const C* x, C* y, int64_t n) {
         y[i] = g[i] / x[i];
       return;
     case UnaryOp::Sqrt:
-      out = C(0.5) * gr / in.sqrt();
+      sqrt_exact(x, y, n);
+      out = C(0.5) * gr / out;
       return;
     case UnaryOp::Rsqrt:
-      out = C(-0.5) * gr / (in * in.sqrt());
+      sqrt_exact(x, y, n);
+      out = C(-0.5) * gr / (in * out);
       return;
     case UnaryOp::Tanh:
       out = in.tanh();
