@@ -1,5 +1,7 @@
 #include "tessera/core/allocator.h"
 
+#include <malloc.h>
+
 #include <cstdlib>
 #include <mutex>
 #include <new>
@@ -31,6 +33,13 @@ Counters& counters(Device d) {
 // 64-byte aligned host memory: Eigen and AVX-512 loads want it.
 class CpuAllocator final : public Allocator {
  public:
+  CpuAllocator() {
+    // glibc serves blocks over 32 MiB with a fresh mmap every time, and the page faults of
+    // touching new pages cost more than the kernels using them. Training allocates the same
+    // large sizes every step, so keep them in the heap to be reused.
+    mallopt(M_MMAP_THRESHOLD, 1 << 30);
+    mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  }
   void* allocate(size_t nbytes) override {
     if (nbytes == 0) return nullptr;
     size_t rounded = (nbytes + 63) / 64 * 64;

@@ -3,8 +3,9 @@
 
 namespace tessera::kernels {
 
-// Reductions over `dims` (empty = all dims). Float results accumulate in float64 for float64
-// inputs and float32 otherwise; 16-bit inputs return their own dtype.
+// Reductions over `dims` (empty = all dims). Floating sums accumulate in float64; 16-bit inputs
+// return their own dtype. Integer and bool sums return int64 (as PyTorch); mean of integers is an
+// error.
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
 Tensor mean(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
 Tensor amax(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
