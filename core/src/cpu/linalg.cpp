@@ -3,11 +3,6 @@
 // no copy: Eigen's GEMM packs both operands anyway and is as happy to pack from a column-major
 // view as from a row-major one. Only strides Eigen cannot express (no unit stride in either
 // matrix dim, or broadcast zero strides inside a matrix) are copied first.
-// GCC 12 reports false maybe-uninitialized warnings inside its own AVX-512 intrinsics once
-// Eigen's packet code is inlined here; the location is the intrinsic header, so the pragma must
-// precede every include.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <algorithm>
 
 #include <Eigen/Core>
@@ -297,5 +292,3 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias) {
 }
 
 }  // namespace tessera::kernels
-
-#pragma GCC diagnostic pop
