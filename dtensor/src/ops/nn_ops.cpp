@@ -1,0 +1,170 @@
+// Sharding rules of embedding, RMSNorm and LayerNorm (see nn_ops.h), and the local lookup of a
+// vocabulary shard: ids outside this rank's rows give zero rows, so the ranks' results add up to
+// the full lookup (Partial), and the backward scatters only into the rows this rank owns.
+#include "tessera/dtensor/nn_ops.h"
+
+#include "dispatch.h"
+#include "tessera/autograd/function.h"
+#include "tessera/autograd/ops.h"
+#include "tessera/core/factory.h"
+#include "tessera/core/kernels/elementwise.h"
+#include "tessera/core/kernels/nn.h"
+
+namespace tessera {
+
+namespace {
+
+using dtensor_ops::ShardingDecision;
+
+// Inputs {ids, weight rows [start, start + rows) of a [vocab, D] table}; only the weight is
+// differentiable.
+class VocabShardEmbedding final : public autograd::Function {
+ public:
+  VocabShardEmbedding(int64_t start, int64_t vocab) : start_(start), vocab_(vocab) {}
+
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor ids = in[0].to(DType::Int64).contiguous();
+    const Tensor& w = in[1];
+    rows_ = w.size(0);
+    dim_ = w.size(1);
+    Tensor shifted = empty(ids.shape(), DType::Int64);
+    // Rows owned elsewhere are filled with zeros rather than multiplied by a 0/1 mask, so that
+    // a non-finite value in this rank's table cannot leak into another rank's rows.
+    Shape mask_shape = ids.shape();
+    mask_shape.push_back(1);
+    Tensor foreign = empty(mask_shape, DType::Bool);
+    const int64_t* id = ids.data<int64_t>();
+    int64_t* sh = shifted.data<int64_t>();
+    bool* fo = foreign.data<bool>();
+    for (int64_t i = 0; i < ids.numel(); ++i) {
+      TESSERA_CHECK(id[i] >= 0 && id[i] < vocab_, "embedding: id ", id[i], " at position ", i,
+                    " of ids ", shape_str(ids.shape()), " is out of range for a vocabulary of ",
+                    vocab_);
+      const bool mine = id[i] >= start_ && id[i] < start_ + rows_;
+      sh[i] = mine ? id[i] - start_ : 0;
+      fo[i] = !mine;
+    }
+    dtype_ = w.dtype();
+    save_for_backward({shifted, foreign});
+    Shape out_shape = ids.shape();
+    out_shape.push_back(dim_);
+    if (rows_ == 0) return {zeros(out_shape, w.dtype())};
+    return {kernels::masked_fill(kernels::embedding(w, shifted), foreign, 0.0)};
+  }
+
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) override {
+    if (!needs_input_grad(1)) return {Tensor(), Tensor()};
+    if (rows_ == 0) return {Tensor(), zeros({0, dim_}, dtype_)};
+    const Tensor& shifted = saved_tensors()[0];
+    const Tensor& foreign = saved_tensors()[1];
+    Tensor masked = kernels::masked_fill(g[0], foreign, 0.0);
+    return {Tensor(), kernels::embedding_backward(masked, shifted, rows_).to(dtype_)};
+  }
+
+ private:
+  int64_t start_, vocab_;
+  int64_t rows_ = 0, dim_ = 0;
+  DType dtype_ = DType::Float32;
+};
+
+bool sum_partial(const Placement& p) {
+  return p.is_partial() && p.reduce_op() == ReduceOp::Sum;
+}
+
+ShardingDecision embedding_decision(const DTensor& ids, const DTensor& weight) {
+  ShardingDecision dec{{{}, {}}, {}};
+  const int64_t out_last = ids.dim();
+  for (int64_t m = 0; m < ids.mesh().ndim(); ++m) {
+    Placement pi = ids.placements()[size_t(m)];
+    Placement pw = weight.placements()[size_t(m)];
+    // Ids are never summed by a lookup, and a strided shard of the table has no row range.
+    if (pi.is_partial()) pi = Replicate();
+    if (pw.is_strided_shard() || (pw.is_partial() && !sum_partial(pw))) pw = Replicate();
+    if (pw.is_shard(0) || sum_partial(pw)) {
+      dec.inputs[0].push_back(Replicate());
+      dec.inputs[1].push_back(pw);
+      dec.output.push_back(Partial());
+    } else if (pw.is_shard(1)) {
+      // Ids are the small operand: gathering them keeps the table's columns split.
+      dec.inputs[0].push_back(Replicate());
+      dec.inputs[1].push_back(pw);
+      dec.output.push_back(Shard(out_last));
+    } else {
+      dec.inputs[0].push_back(pi);
+      dec.inputs[1].push_back(Replicate());
+      dec.output.push_back(pi);
+    }
+  }
+  return dec;
+}
+
+ShardingDecision norm_decision(const DTensor& x, size_t n_params) {
+  ShardingDecision dec;
+  dec.inputs.resize(1 + n_params);
+  const int64_t last = x.dim() - 1;
+  for (const Placement& p : x.placements()) {
+    const Placement q = (p.is_partial() || p.is_shard(last)) ? Replicate() : p;
+    dec.inputs[0].push_back(q);
+    for (size_t i = 1; i <= n_params; ++i)
+      dec.inputs[i].push_back(Replicate());
+    dec.output.push_back(q);
+  }
+  return dec;
+}
+
+void check_norm_args(const char* op, const DTensor& x, const std::vector<DTensor>& params) {
+  TESSERA_CHECK(x.defined() && x.dim() >= 1, op,
+                ": input must be a DTensor of at least 1 dim, got ",
+                x.defined() ? x.str() : std::string("undefined"));
+  for (const DTensor& p : params) {
+    if (!p.defined()) continue;
+    TESSERA_CHECK(p.dim() == 1 && p.size(0) == x.size(-1), op, ": weight/bias ",
+                  shape_str(p.shape()), " does not match the normalised dim of input ",
+                  shape_str(x.shape()), " (expected [", x.size(-1), "])");
+  }
+}
+
+}  // namespace
+
+DTensor embedding(const DTensor& ids, const DTensor& weight) {
+  TESSERA_CHECK(ids.defined() && weight.defined(), "embedding: undefined ids or weight");
+  dtensor_ops::check_same_mesh("embedding", {ids, weight});
+  TESSERA_CHECK(ids.dtype() == DType::Int64 || ids.dtype() == DType::Int32,
+                "embedding: ids must be int64 or int32, got ", ids.str());
+  TESSERA_CHECK(weight.dim() == 2, "embedding: weight must be [V, D], got ", weight.str());
+  ShardingDecision dec = embedding_decision(ids, weight);
+  Shape out = ids.shape();
+  out.push_back(weight.size(1));
+  bool vocab_sharded = false;
+  for (const Placement& p : dec.inputs[1])
+    vocab_sharded = vocab_sharded || p.is_shard(0);
+  if (!vocab_sharded)
+    return dtensor_ops::run("embedding", {ids, weight}, dec, out,
+                            [](const std::vector<Tensor>& l) { return embedding(l[0], l[1]); });
+  // The rows this rank holds once the weight has the placements the rule asks for.
+  const DTensorSpec wspec(weight.mesh(), dec.inputs[1], weight.shape(), weight.dtype());
+  const int64_t start = wspec.local_layout().global_offset[0];
+  const int64_t vocab = weight.size(0);
+  return dtensor_ops::run(
+      "embedding", {ids, weight}, dec, out, [start, vocab](const std::vector<Tensor>& l) {
+        return autograd::Function::apply<VocabShardEmbedding>({l[0], l[1]}, start, vocab)[0];
+      });
+}
+
+DTensor rms_norm(const DTensor& x, const DTensor& weight, double eps) {
+  check_norm_args("rms_norm", x, {weight});
+  dtensor_ops::check_same_mesh("rms_norm", {x, weight});
+  return dtensor_ops::run(
+      "rms_norm", {x, weight}, norm_decision(x, 1), x.shape(),
+      [eps](const std::vector<Tensor>& l) { return rms_norm(l[0], l[1], eps); });
+}
+
+DTensor layer_norm(const DTensor& x, const DTensor& weight, const DTensor& bias, double eps) {
+  check_norm_args("layer_norm", x, {weight, bias});
+  dtensor_ops::check_same_mesh("layer_norm", {x, weight, bias});
+  return dtensor_ops::run(
+      "layer_norm", {x, weight, bias}, norm_decision(x, 2), x.shape(),
+      [eps](const std::vector<Tensor>& l) { return layer_norm(l[0], l[1], l[2], eps); });
+}
+
+}  // namespace tessera

@@ -1,0 +1,132 @@
+// Linear, Embedding, RMSNorm and LayerNorm. The plain forward runs on the parameters' tensors;
+// the DTensor forward (set up by a parallel style) hands the parameters' DTensors to the DTensor
+// ops, whose sharding rules decide the communication.
+#include "tessera/nn/layers.h"
+
+#include <cmath>
+
+#include "tessera/autograd/ops.h"
+#include "tessera/core/factory.h"
+#include "tessera/dtensor/nn_ops.h"
+#include "tessera/dtensor/ops.h"
+
+namespace tessera {
+
+namespace {
+
+// The tensor a plain forward can use. A sharded DTensor parameter's local piece is not the
+// weight, and using it would compute a slice of the layer silently.
+const Tensor& whole(const Parameter& p, const Module& m, const char* name) {
+  if (p.defined() && p.is_dtensor())
+    TESSERA_CHECK(p.local().shape() == p.global_shape(), m.type_name(), ".forward: ", name,
+                  " is sharded (", p.str(),
+                  "); a module with sharded parameters runs on DTensors: apply a parallel style "
+                  "(set_dtensor_io) or gather the parameter first");
+  return p.local();
+}
+
+// A parameter as a DTensor on `mesh`: its own DTensor, or a plain tensor taken as replicated
+// (its gradient is then summed over the mesh dims on which the output is split).
+DTensor on_mesh(const Parameter& p, const DeviceMesh& mesh) {
+  if (!p.defined()) return DTensor();
+  if (p.is_dtensor()) return p.dtensor();
+  return DTensor::from_local(p.local(), mesh, Placements(size_t(mesh.ndim()), Replicate()));
+}
+
+}  // namespace
+
+// --- Linear ---
+
+Linear::Linear(int64_t in_features, int64_t out_features, bool bias, Generator& gen)
+    : Module("Linear"), in_(in_features), out_(out_features) {
+  TESSERA_CHECK(in_features > 0 && out_features > 0, "Linear: in_features (", in_features,
+                ") and out_features (", out_features, ") must be positive");
+  weight = Parameter(empty({out_, in_}));
+  register_parameter("weight", &weight);
+  if (bias) {
+    this->bias = Parameter(empty({out_}));
+    register_parameter("bias", &this->bias);
+  }
+  reset_parameters(gen);
+}
+
+void Linear::reset_parameters(Generator& gen) {
+  weight.kaiming_uniform_(gen);
+  if (bias.defined()) {
+    const double bound = 1.0 / std::sqrt(double(in_));
+    bias.uniform_(-bound, bound, gen);
+  }
+}
+
+Tensor Linear::forward(const Tensor& x) {
+  TESSERA_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == in_, "Linear(", in_, " -> ", out_,
+                "): input ", x.defined() ? x.str() : std::string("undefined"),
+                " must have last dim ", in_);
+  return linear(x, whole(weight, *this, "weight"), whole(bias, *this, "bias"));
+}
+
+DTensor Linear::forward_dtensor(const DTensor& x) {
+  TESSERA_CHECK(x.dim() >= 1 && x.size(-1) == in_, "Linear(", in_, " -> ", out_, "): input ",
+                x.str(), " must have last dim ", in_);
+  return linear(x, on_mesh(weight, x.mesh()), on_mesh(bias, x.mesh()));
+}
+
+// --- Embedding ---
+
+Embedding::Embedding(int64_t num_embeddings, int64_t dim, Generator& gen)
+    : Module("Embedding"), num_(num_embeddings), dim_(dim) {
+  TESSERA_CHECK(num_embeddings > 0 && dim > 0, "Embedding: num_embeddings (", num_embeddings,
+                ") and dim (", dim, ") must be positive");
+  weight = Parameter(empty({num_, dim_}));
+  register_parameter("weight", &weight);
+  reset_parameters(gen);
+}
+
+void Embedding::reset_parameters(Generator& gen) {
+  weight.normal_(0.0, 1.0, gen);
+}
+
+Tensor Embedding::forward(const Tensor& ids) {
+  return embedding(ids, whole(weight, *this, "weight"));
+}
+
+DTensor Embedding::forward_dtensor(const DTensor& ids) {
+  return embedding(ids, on_mesh(weight, ids.mesh()));
+}
+
+// --- RMSNorm / LayerNorm ---
+
+RMSNorm::RMSNorm(int64_t dim, double eps) : Module("RMSNorm"), eps_(eps) {
+  TESSERA_CHECK(dim > 0, "RMSNorm: dim must be positive, got ", dim);
+  weight = Parameter(empty({dim}));
+  weight.fill_(1.0);
+  register_parameter("weight", &weight);
+}
+
+Tensor RMSNorm::forward(const Tensor& x) {
+  return rms_norm(x, whole(weight, *this, "weight"), eps_);
+}
+
+DTensor RMSNorm::forward_dtensor(const DTensor& x) {
+  return rms_norm(x, on_mesh(weight, x.mesh()), eps_);
+}
+
+LayerNorm::LayerNorm(int64_t dim, double eps) : Module("LayerNorm"), eps_(eps) {
+  TESSERA_CHECK(dim > 0, "LayerNorm: dim must be positive, got ", dim);
+  weight = Parameter(empty({dim}));
+  weight.fill_(1.0);
+  bias = Parameter(empty({dim}));
+  bias.fill_(0.0);
+  register_parameter("weight", &weight);
+  register_parameter("bias", &bias);
+}
+
+Tensor LayerNorm::forward(const Tensor& x) {
+  return layer_norm(x, whole(weight, *this, "weight"), whole(bias, *this, "bias"), eps_);
+}
+
+DTensor LayerNorm::forward_dtensor(const DTensor& x) {
+  return layer_norm(x, on_mesh(weight, x.mesh()), on_mesh(bias, x.mesh()), eps_);
+}
+
+}  // namespace tessera

@@ -1,0 +1,220 @@
+// SGD, AdamW and clip_grad_norm_ on each parameter's local piece. The updates are elementwise,
+// so a sharded parameter updated shard by shard ends up exactly where the unsharded one would;
+// only the gradient norm needs communication.
+#include "tessera/nn/optim.h"
+
+#include <cmath>
+
+#include "tessera/autograd/grad_mode.h"
+#include "tessera/core/factory.h"
+#include "tessera/core/kernels/elementwise.h"
+
+namespace tessera {
+
+namespace {
+
+void check_params(const char* opt, const std::vector<Parameter*>& params) {
+  for (size_t i = 0; i < params.size(); ++i)
+    TESSERA_CHECK(params[i] != nullptr && params[i]->defined(), opt, ": parameter ", i, " of ",
+                  params.size(), " is null or undefined");
+}
+
+// float32 and float64 are updated in place; 16-bit parameters through a float32 copy, with
+// float32 optimizer state (the usual master-precision arrangement).
+DType compute_dtype_of(DType dt) {
+  return dt == DType::Float64 ? DType::Float64 : DType::Float32;
+}
+
+// Runs `update(param, grad)` on contiguous compute-dtype views of a parameter's local piece and
+// gradient, writing the result back when the piece had to be copied.
+template <class F>
+void update_local(const char* opt, size_t index, Parameter& p, F&& update) {
+  const Tensor& local = p.local();
+  Tensor grad = p.grad();
+  TESSERA_CHECK(grad.shape() == local.shape(), opt, ": gradient ", grad.str(), " of parameter ",
+                index, " ", p.str(), " does not have the local shape ", shape_str(local.shape()));
+  TESSERA_CHECK(is_floating(local.dtype()), opt, ": parameter ", index, " ", p.str(),
+                " is not floating point");
+  const DType ct = compute_dtype_of(local.dtype());
+  Tensor work = local.detach();
+  const bool in_place = work.dtype() == ct && work.is_contiguous();
+  if (!in_place) work = work.to(ct).contiguous().clone();
+  Tensor g = grad.detach().to(ct).contiguous();
+  update(work, g);
+  if (!in_place) local.detach().copy_(work);
+}
+
+template <class F>
+void dispatch_compute(DType ct, F&& f) {
+  if (ct == DType::Float64)
+    f.template operator()<double>();
+  else
+    f.template operator()<float>();
+}
+
+}  // namespace
+
+void Optimizer::zero_grad() {
+  for (Parameter* p : params_)
+    p->zero_grad();
+}
+
+// --- SGD ---
+
+SGD::SGD(std::vector<Parameter*> params, SGDOptions opts)
+    : Optimizer(std::move(params)), opts_(opts) {
+  check_params("SGD", params_);
+  TESSERA_CHECK(opts.lr >= 0 && opts.momentum >= 0 && opts.weight_decay >= 0, "SGD: lr (", opts.lr,
+                "), momentum (", opts.momentum, ") and weight_decay (", opts.weight_decay,
+                ") must be non-negative");
+  lr_ = opts.lr;
+  momentum_.resize(params_.size());
+}
+
+void SGD::step() {
+  NoGradGuard no_grad;
+  const double lr = lr_, mom = opts_.momentum, wd = opts_.weight_decay;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Parameter& p = *params_[i];
+    if (!p.grad().defined()) continue;
+    update_local("SGD", i, p, [&](Tensor& w, const Tensor& g) {
+      // PyTorch's first momentum step copies the gradient into the buffer.
+      const bool fresh = mom != 0 && !momentum_[i].defined();
+      if (fresh) momentum_[i] = zeros(w.shape(), w.dtype());
+      dispatch_compute(w.dtype(), [&]<class T>() {
+        T* pw = w.data<T>();
+        const T* pg = g.data<T>();
+        T* buf = mom != 0 ? momentum_[i].data<T>() : nullptr;
+        const T tlr = T(lr), tmom = T(mom), twd = T(wd);
+        for (int64_t j = 0; j < w.numel(); ++j) {
+          T d = pg[j];
+          if (wd != 0) d += twd * pw[j];
+          if (buf) {
+            buf[j] = fresh ? d : tmom * buf[j] + d;
+            d = buf[j];
+          }
+          pw[j] -= tlr * d;
+        }
+      });
+    });
+  }
+}
+
+// --- AdamW ---
+
+AdamW::AdamW(std::vector<Parameter*> params, AdamWOptions opts)
+    : Optimizer(std::move(params)), opts_(opts) {
+  check_params("AdamW", params_);
+  TESSERA_CHECK(opts.lr >= 0 && opts.eps >= 0 && opts.weight_decay >= 0, "AdamW: lr (", opts.lr,
+                "), eps (", opts.eps, ") and weight_decay (", opts.weight_decay,
+                ") must be non-negative");
+  TESSERA_CHECK(opts.beta1 >= 0 && opts.beta1 < 1 && opts.beta2 >= 0 && opts.beta2 < 1,
+                "AdamW: betas (", opts.beta1, ", ", opts.beta2, ") must be in [0, 1)");
+  lr_ = opts.lr;
+  m_.resize(params_.size());
+  v_.resize(params_.size());
+}
+
+void AdamW::step() {
+  NoGradGuard no_grad;
+  ++step_;
+  const double lr = lr_, b1 = opts_.beta1, b2 = opts_.beta2, eps = opts_.eps;
+  const double decay = 1.0 - lr * opts_.weight_decay;
+  const double step_size = lr / (1.0 - std::pow(b1, double(step_)));
+  const double bc2_sqrt = std::sqrt(1.0 - std::pow(b2, double(step_)));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Parameter& p = *params_[i];
+    if (!p.grad().defined()) continue;
+    update_local("AdamW", i, p, [&](Tensor& w, const Tensor& g) {
+      if (!m_[i].defined()) {
+        m_[i] = zeros(w.shape(), w.dtype());
+        v_[i] = zeros(w.shape(), w.dtype());
+      }
+      dispatch_compute(w.dtype(), [&]<class T>() {
+        T* pw = w.data<T>();
+        const T* pg = g.data<T>();
+        T* m = m_[i].data<T>();
+        T* v = v_[i].data<T>();
+        const T tdecay = T(decay), one_b1 = T(1 - b1), tb2 = T(b2), one_b2 = T(1 - b2);
+        const T tstep = T(step_size), tbc2 = T(bc2_sqrt), teps = T(eps);
+        for (int64_t j = 0; j < w.numel(); ++j) {
+          const T gj = pg[j];
+          pw[j] *= tdecay;
+          m[j] += one_b1 * (gj - m[j]);  // PyTorch's lerp
+          v[j] = tb2 * v[j] + one_b2 * gj * gj;
+          const T denom = std::sqrt(v[j]) / tbc2 + teps;
+          pw[j] -= tstep * (m[j] / denom);
+        }
+      });
+    });
+  }
+}
+
+// --- clip_grad_norm_ ---
+
+namespace {
+
+double sum_squares(const Tensor& grad) {
+  Tensor g = grad.detach().to(compute_dtype_of(grad.dtype())).contiguous();
+  double s = 0;
+  dispatch_compute(g.dtype(), [&]<class T>() {
+    const T* p = g.data<T>();
+    for (int64_t j = 0; j < g.numel(); ++j)
+      s += double(p[j]) * double(p[j]);
+  });
+  return s;
+}
+
+// Parameters whose gradients are split over the same mesh dims of the same mesh: their squared
+// sums are added locally and all-reduced once.
+struct NormGroup {
+  DeviceMesh mesh;
+  std::vector<int64_t> shard_dims;
+  double sum = 0;
+};
+
+}  // namespace
+
+double clip_grad_norm_(const std::vector<Parameter*>& params, double max_norm) {
+  NoGradGuard no_grad;
+  double total = 0;  // plain parameters: every rank holds the same gradient
+  std::vector<NormGroup> groups;
+  for (Parameter* p : params) {
+    if (p == nullptr || !p->defined()) continue;
+    const double s = p->grad().defined() ? sum_squares(p->grad()) : 0.0;
+    if (!p->is_dtensor()) {
+      total += s;
+      continue;
+    }
+    // Groups come from the parameters alone (not from which have gradients), so every rank
+    // issues the same all-reduces.
+    const DTensorSpec& spec = p->dtensor().spec();
+    const Placements gp = spec.grad_placements();
+    std::vector<int64_t> dims;
+    for (int64_t m = 0; m < spec.mesh.ndim(); ++m)
+      if (gp[size_t(m)].is_shard() && spec.mesh.size(m) > 1) dims.push_back(m);
+    NormGroup* g = nullptr;
+    for (NormGroup& cand : groups)
+      if (cand.mesh == spec.mesh && cand.shard_dims == dims) g = &cand;
+    if (g == nullptr) g = &groups.emplace_back(NormGroup{spec.mesh, dims, 0.0});
+    g->sum += s;
+  }
+  for (NormGroup& g : groups) {
+    Tensor t = full({1}, g.sum, DType::Float64);
+    for (int64_t m : g.shard_dims)
+      g.mesh.group(m)->all_reduce(t, ReduceOp::Sum)->wait();
+    total += t.item<double>();
+  }
+  const double norm = std::sqrt(total);
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    for (Parameter* p : params) {
+      if (p == nullptr || !p->defined() || !p->grad().defined()) continue;
+      Tensor g = p->grad();
+      kernels::mul_scalar_(g, coef);
+    }
+  }
+  return norm;
+}
+
+}  // namespace tessera

@@ -1,0 +1,373 @@
+// Basic layers: values against direct loops, initial values against the generator's draws,
+// gradients by finite differences through Module::operator(), and the Module machinery the
+// layers rely on (names, state dicts, submodule replacement, hooks, train/eval).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "tessera/tessera.h"
+
+using namespace tessera;
+
+namespace {
+
+Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype = DType::Float64) {
+  Generator gen(seed);
+  return randn(shape, gen, dtype);
+}
+
+void expect_near_all(const Tensor& got, const std::vector<double>& want, double tol,
+                     const std::string& what) {
+  std::vector<double> g = got.to_vector<double>();
+  ASSERT_EQ(g.size(), want.size()) << what;
+  for (size_t i = 0; i < g.size(); ++i)
+    ASSERT_NEAR(g[i], want[i], tol * (1.0 + std::abs(want[i]))) << what << " element " << i;
+}
+
+void expect_equal(const Tensor& got, const Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  EXPECT_EQ(got.to_vector<double>(), want.to_vector<double>()) << what;
+}
+
+template <class F>
+void expect_error(F&& f, const std::vector<std::string>& needles) {
+  try {
+    f();
+  } catch (const Error& e) {
+    for (const std::string& n : needles)
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
+          << "missing '" << n << "' in: " << e.what();
+    return;
+  }
+  ADD_FAILURE() << "expected an error containing '" << needles.front() << "'";
+}
+
+// Makes a layer's parameter a float64 leaf holding `value`.
+void set_param(Parameter& p, const Tensor& value) {
+  p = Parameter(value.to(DType::Float64).clone());
+}
+
+std::vector<std::string> names_of(Module& m) {
+  std::vector<std::string> out;
+  for (auto& [name, p] : m.named_parameters())
+    out.push_back(name);
+  return out;
+}
+
+// A container with two layers of different types, as a model would hold them.
+class Block : public Module {
+ public:
+  explicit Block(Generator& gen) : Module("Block") {
+    proj = std::make_shared<Linear>(4, 3, true, gen);
+    norm = std::make_shared<RMSNorm>(3);
+    register_module("proj", proj);
+    register_module("norm", norm);
+  }
+  Tensor forward(const Tensor& x) override { return (*norm)((*proj)(x)); }
+  std::shared_ptr<Linear> proj;
+  std::shared_ptr<RMSNorm> norm;
+};
+
+}  // namespace
+
+// --- Linear ---
+
+TEST(LinearLayer, ForwardMatchesDirectComputation) {
+  Generator gen(7);
+  Linear lin(5, 3, true, gen);
+  Tensor x = random_tensor({2, 4, 5}, 1, DType::Float32);
+  Tensor y = lin(x);
+  ASSERT_EQ(y.shape(), (Shape{2, 4, 3}));
+  auto xv = x.to_vector<double>(), wv = lin.weight.local().to_vector<double>(),
+       bv = lin.bias.local().to_vector<double>();
+  std::vector<double> want;
+  for (int r = 0; r < 8; ++r)
+    for (int o = 0; o < 3; ++o) {
+      double s = bv[size_t(o)];
+      for (int k = 0; k < 5; ++k)
+        s += xv[size_t(r * 5 + k)] * wv[size_t(o * 5 + k)];
+      want.push_back(s);
+    }
+  expect_near_all(y, want, 1e-5, "linear");
+}
+
+TEST(LinearLayer, WithoutBiasHasOnlyWeight) {
+  Generator gen(3);
+  auto lp = std::make_shared<Linear>(4, 2, false, gen);
+  Linear& lin = *lp;
+  EXPECT_FALSE(lin.bias.defined());
+  EXPECT_EQ(names_of(lin), (std::vector<std::string>{"weight"}));
+  Tensor x = random_tensor({3, 4}, 2, DType::Float32);
+  Tensor y = lin(x);
+  auto xv = x.to_vector<double>(), wv = lin.weight.local().to_vector<double>();
+  std::vector<double> want;
+  for (int r = 0; r < 3; ++r)
+    for (int o = 0; o < 2; ++o) {
+      double s = 0;
+      for (int k = 0; k < 4; ++k)
+        s += xv[size_t(r * 4 + k)] * wv[size_t(o * 4 + k)];
+      want.push_back(s);
+    }
+  expect_near_all(y, want, 1e-5, "linear without bias");
+}
+
+TEST(LinearLayer, InitDrawsWeightThenBiasFromTheGenerator) {
+  Generator gen(42);
+  auto lp = std::make_shared<Linear>(6, 4, true, gen);
+  Linear& lin = *lp;
+  EXPECT_EQ(names_of(lin), (std::vector<std::string>{"weight", "bias"}));
+  // PyTorch: kaiming_uniform(a = sqrt(5)) gives bound 1/sqrt(in) for W, and b ~ U(+-1/sqrt(in)).
+  const double bound = 1.0 / std::sqrt(6.0);
+  Generator ref(42);
+  Tensor w = empty({4, 6});
+  uniform_(w, -bound, bound, ref);
+  Tensor b = empty({4});
+  uniform_(b, -bound, bound, ref);
+  expect_equal(lin.weight.local(), w, "weight draw");
+  expect_equal(lin.bias.local(), b, "bias draw");
+  EXPECT_EQ(gen.offset(), ref.offset());
+  for (double v : lin.weight.local().to_vector<double>())
+    EXPECT_LE(std::abs(v), bound);
+  EXPECT_TRUE(lin.weight.requires_grad());
+  EXPECT_TRUE(lin.bias.requires_grad());
+}
+
+TEST(LinearLayer, RejectsWrongInputWidth) {
+  Generator gen(1);
+  Linear lin(4, 2, true, gen);
+  expect_error([&] { lin(zeros({3, 5})); }, {"Linear(4 -> 2)", "[3, 5]", "last dim 4"});
+}
+
+TEST(LinearLayer, GradcheckThroughModuleCall) {
+  Generator gen(5);
+  Linear lin(4, 3, true, gen);
+  set_param(lin.weight, random_tensor({3, 4}, 11));
+  set_param(lin.bias, random_tensor({3}, 12));
+  Tensor x = random_tensor({2, 4}, 13).set_requires_grad(true);
+  auto r = gradcheck([&](const std::vector<Tensor>& in) { return lin(in[0]); },
+                     {x, lin.weight.local(), lin.bias.local()});
+  EXPECT_TRUE(r.ok) << r.message;
+  EXPECT_TRUE(lin.weight.grad().defined());
+}
+
+// --- Embedding ---
+
+TEST(EmbeddingLayer, LooksUpRowsAndDrawsNormalInit) {
+  Generator gen(9);
+  Embedding emb(7, 3, gen);
+  Generator ref(9);
+  expect_equal(emb.weight.local(), randn({7, 3}, ref), "N(0, 1) init");
+  Tensor ids = from_vector<int64_t>({6, 0, 2, 2, 5, 1}, {2, 3});
+  Tensor y = emb(ids);
+  ASSERT_EQ(y.shape(), (Shape{2, 3, 3}));
+  auto wv = emb.weight.local().to_vector<double>();
+  std::vector<double> want;
+  for (int64_t id : ids.to_vector<int64_t>())
+    for (int d = 0; d < 3; ++d)
+      want.push_back(wv[size_t(id * 3 + d)]);
+  expect_near_all(y, want, 0, "embedding rows");
+}
+
+TEST(EmbeddingLayer, GradcheckThroughModuleCall) {
+  Generator gen(4);
+  Embedding emb(5, 3, gen);
+  set_param(emb.weight, random_tensor({5, 3}, 21));
+  Tensor ids = from_vector<int64_t>({4, 1, 1, 0}, {2, 2});
+  auto r = gradcheck([&](const std::vector<Tensor>&) { return emb(ids); }, {emb.weight.local()});
+  EXPECT_TRUE(r.ok) << r.message;
+  // Repeated id 1 accumulates twice; id 2 and 3 get nothing.
+  auto g = emb.weight.grad().to_vector<double>();
+  for (int d = 0; d < 3; ++d) {
+    EXPECT_EQ(g[size_t(2 * 3 + d)], 0.0);
+    EXPECT_EQ(g[size_t(3 * 3 + d)], 0.0);
+  }
+}
+
+// --- norms ---
+
+TEST(NormLayers, RMSNormMatchesDirectComputation) {
+  auto np = std::make_shared<RMSNorm>(4, 1e-5);
+  RMSNorm& norm = *np;
+  EXPECT_EQ(names_of(norm), (std::vector<std::string>{"weight"}));
+  expect_near_all(norm.weight.local(), {1, 1, 1, 1}, 0, "ones");
+  norm.weight.copy_from_full(from_vector<float>({0.5f, -1.f, 2.f, 1.5f}));
+  Tensor x = random_tensor({3, 4}, 31, DType::Float32);
+  auto xv = x.to_vector<double>();
+  const double w[] = {0.5, -1, 2, 1.5};
+  std::vector<double> want;
+  for (int r = 0; r < 3; ++r) {
+    double ss = 0;
+    for (int j = 0; j < 4; ++j)
+      ss += xv[size_t(r * 4 + j)] * xv[size_t(r * 4 + j)];
+    const double rs = 1.0 / std::sqrt(ss / 4 + 1e-5);
+    for (int j = 0; j < 4; ++j)
+      want.push_back(xv[size_t(r * 4 + j)] * rs * w[j]);
+  }
+  expect_near_all(norm(x), want, 1e-5, "rms_norm");
+}
+
+TEST(NormLayers, LayerNormMatchesDirectComputation) {
+  auto np = std::make_shared<LayerNorm>(5);
+  LayerNorm& norm = *np;
+  EXPECT_EQ(names_of(norm), (std::vector<std::string>{"weight", "bias"}));
+  expect_near_all(norm.weight.local(), {1, 1, 1, 1, 1}, 0, "ones");
+  expect_near_all(norm.bias.local(), {0, 0, 0, 0, 0}, 0, "zeros");
+  const std::vector<double> w = {1, 2, -1, 0.5, 3}, b = {0.1, 0, -0.2, 1, 0.5};
+  norm.weight.copy_from_full(from_vector<double>(w));
+  norm.bias.copy_from_full(from_vector<double>(b));
+  Tensor x = random_tensor({2, 5}, 32, DType::Float32);
+  auto xv = x.to_vector<double>();
+  std::vector<double> want;
+  for (int r = 0; r < 2; ++r) {
+    double mu = 0, var = 0;
+    for (int j = 0; j < 5; ++j)
+      mu += xv[size_t(r * 5 + j)] / 5;
+    for (int j = 0; j < 5; ++j)
+      var += (xv[size_t(r * 5 + j)] - mu) * (xv[size_t(r * 5 + j)] - mu) / 5;
+    for (int j = 0; j < 5; ++j)
+      want.push_back((xv[size_t(r * 5 + j)] - mu) / std::sqrt(var + 1e-5) * w[size_t(j)] +
+                     b[size_t(j)]);
+  }
+  expect_near_all(norm(x), want, 1e-5, "layer_norm");
+}
+
+TEST(NormLayers, GradcheckThroughModuleCall) {
+  RMSNorm rms(6);
+  set_param(rms.weight, random_tensor({6}, 41));
+  Tensor x = random_tensor({3, 6}, 42).set_requires_grad(true);
+  auto r =
+      gradcheck([&](const std::vector<Tensor>& in) { return rms(in[0]); }, {x, rms.weight.local()});
+  EXPECT_TRUE(r.ok) << "RMSNorm: " << r.message;
+
+  LayerNorm ln(6);
+  set_param(ln.weight, random_tensor({6}, 43));
+  set_param(ln.bias, random_tensor({6}, 44));
+  Tensor x2 = random_tensor({2, 2, 6}, 45).set_requires_grad(true);
+  auto r2 = gradcheck([&](const std::vector<Tensor>& in) { return ln(in[0]); },
+                      {x2, ln.weight.local(), ln.bias.local()});
+  EXPECT_TRUE(r2.ok) << "LayerNorm: " << r2.message;
+}
+
+// --- Module machinery through the layers ---
+
+TEST(LayerModules, NamesInRegistrationOrder) {
+  Generator gen(1);
+  auto block = std::make_shared<Block>(gen);
+  EXPECT_EQ(names_of(*block),
+            (std::vector<std::string>{"proj.weight", "proj.bias", "norm.weight"}));
+  EXPECT_EQ(block->get_submodule("proj")->type_name(), "Linear");
+  EXPECT_EQ(block->named_modules().size(), 3u);
+}
+
+TEST(LayerModules, StateDictRoundTrip) {
+  Generator g1(1), g2(2);
+  auto a = std::make_shared<Block>(g1);
+  auto b = std::make_shared<Block>(g2);
+  a->norm->weight.copy_from_full(from_vector<float>({0.5f, 2.f, -1.f}));
+  Tensor x = random_tensor({2, 4}, 5, DType::Float32);
+  Tensor ya = (*a)(x);
+  auto sd = a->state_dict();
+  ASSERT_EQ(sd.size(), 3u);
+  expect_equal(sd.at("proj.weight"), a->proj->weight.local(), "state_dict value");
+  b->load_state_dict(sd);
+  expect_equal((*b)(x), ya, "output after load");
+  // The loaded values are copies, not aliases of the source.
+  a->proj->weight.fill_(0.0);
+  EXPECT_NE(b->proj->weight.local().to_vector<double>()[0], 0.0);
+}
+
+TEST(LayerModules, StrictLoadNamesMissingUnexpectedAndMisshapedKeys) {
+  Generator g1(1);
+  auto m = std::make_shared<Block>(g1);
+  auto sd = m->state_dict();
+  Tensor before = m->proj->weight.local().clone();
+
+  auto missing = sd;
+  missing.erase("proj.bias");
+  expect_error([&] { m->load_state_dict(missing); }, {"missing keys: proj.bias"});
+  m->load_state_dict(missing, /*strict=*/false);  // allowed when not strict
+
+  auto unexpected = sd;
+  unexpected["proj.scale"] = zeros({3});
+  expect_error([&] { m->load_state_dict(unexpected); }, {"unexpected keys: proj.scale"});
+
+  auto misshaped = sd;
+  misshaped["proj.weight"] = zeros({4, 3});
+  misshaped["norm.weight"] = zeros({9});
+  expect_error([&] { m->load_state_dict(misshaped, /*strict=*/false); },
+               {"mis-shaped keys", "proj.weight (expected [3, 4], got [4, 3])",
+                "norm.weight (expected [3], got [9])"});
+  // A failed load writes nothing.
+  expect_equal(m->proj->weight.local(), before, "weight after failed load");
+}
+
+TEST(LayerModules, ReplaceSubmoduleChecksType) {
+  Generator gen(1);
+  auto block = std::make_shared<Block>(gen);
+  expect_error([&] { block->replace_submodule("proj", std::make_shared<RMSNorm>(4)); },
+               {"'proj'", "Linear", "RMSNorm"});
+  Generator g2(99);
+  auto other = std::make_shared<Linear>(4, 3, false, g2);
+  block->replace_submodule("proj", other);
+  EXPECT_EQ(block->proj, other);
+  EXPECT_EQ(names_of(*block), (std::vector<std::string>{"proj.weight", "norm.weight"}));
+  Tensor x = random_tensor({2, 4}, 5, DType::Float32);
+  expect_equal((*block)(x), (*block->norm)((*other)(x)), "forward through the new child");
+}
+
+TEST(LayerModules, HooksReplaceInputAndOutput) {
+  Generator gen(1);
+  Linear lin(3, 2, true, gen);
+  Tensor x = random_tensor({2, 3}, 6, DType::Float32);
+  Tensor doubled = lin(mul(x, 2.0));
+  int pre_calls = 0;
+  lin.register_forward_pre_hook([&](Module& m, const Tensor& in) {
+    EXPECT_EQ(&m, &lin);
+    ++pre_calls;
+    return mul(in, 2.0);
+  });
+  expect_equal(lin(x), doubled, "pre-hook replaced input");
+  Tensor seen_input;
+  lin.register_forward_hook([&](Module&, const Tensor& in, const Tensor& out) {
+    seen_input = in;
+    return add(out, 1.0);
+  });
+  Tensor y = lin(x);
+  expect_equal(seen_input, mul(x, 2.0), "forward hook sees the replaced input");
+  expect_near_all(y, add(doubled, 1.0).to_vector<double>(), 0, "hook replaced output");
+  // A pre-hook returning an undefined tensor keeps the input.
+  Linear lin2(3, 2, true, gen);
+  lin2.register_forward_pre_hook([](Module&, const Tensor&) { return Tensor(); });
+  Tensor y2 = lin2(x);
+  lin2.register_forward_hook([](Module&, const Tensor&, const Tensor&) { return Tensor(); });
+  expect_equal(lin2(x), y2, "undefined hook results keep values");
+  EXPECT_EQ(pre_calls, 2);
+}
+
+TEST(LayerModules, TrainEvalIsRecursive) {
+  Generator gen(1);
+  auto block = std::make_shared<Block>(gen);
+  EXPECT_TRUE(block->is_training());
+  EXPECT_TRUE(block->proj->is_training());
+  block->eval();
+  EXPECT_FALSE(block->is_training());
+  EXPECT_FALSE(block->proj->is_training());
+  EXPECT_FALSE(block->norm->is_training());
+  block->proj->train();
+  EXPECT_TRUE(block->proj->is_training());
+  EXPECT_FALSE(block->is_training());
+  block->train();
+  EXPECT_TRUE(block->norm->is_training());
+}
+
+TEST(LayerModules, ZeroGradClearsEveryLayer) {
+  Generator gen(1);
+  auto block = std::make_shared<Block>(gen);
+  backward(sum((*block)(random_tensor({2, 4}, 7, DType::Float32))));
+  for (Parameter* p : block->parameters())
+    EXPECT_TRUE(p->grad().defined()) << p->str();
+  block->zero_grad();
+  for (Parameter* p : block->parameters())
+    EXPECT_FALSE(p->grad().defined()) << p->str();
+}

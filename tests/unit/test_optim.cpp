@@ -1,0 +1,271 @@
+// SGD and AdamW against PyTorch's update formulas written out here in double, over several
+// steps with changing gradients; clip_grad_norm_ on plain parameters.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "tessera/tessera.h"
+
+using namespace tessera;
+
+namespace {
+
+using Vec = std::vector<double>;
+
+Vec random_vec(size_t n, uint64_t seed) {
+  Generator gen(seed);
+  return randn({int64_t(n)}, gen, DType::Float64).to_vector<double>();
+}
+
+Parameter make_param(const Vec& v, DType dtype = DType::Float64) {
+  return Parameter(from_vector<double>(v).to(dtype));
+}
+
+void set_grad(Parameter& p, const Vec& g) {
+  Tensor leaf = p.local();
+  leaf.set_grad(from_vector<double>(g).to(p.dtype()));
+}
+
+void expect_near_all(const Tensor& got, const Vec& want, double tol, const std::string& what) {
+  Vec g = got.to_vector<double>();
+  ASSERT_EQ(g.size(), want.size()) << what;
+  for (size_t i = 0; i < g.size(); ++i)
+    ASSERT_NEAR(g[i], want[i], tol * (1.0 + std::abs(want[i]))) << what << " element " << i;
+}
+
+// torch.optim.SGD (dampening 0, no nesterov): d = g + wd * p; buf = d on the first step, then
+// buf = momentum * buf + d; p -= lr * (momentum ? buf : d).
+struct RefSGD {
+  double lr, momentum, wd;
+  Vec buf;
+  void step(Vec& p, const Vec& g) {
+    Vec d(p.size());
+    for (size_t i = 0; i < p.size(); ++i)
+      d[i] = g[i] + wd * p[i];
+    if (momentum != 0) {
+      if (buf.empty()) {
+        buf = d;
+      } else {
+        for (size_t i = 0; i < p.size(); ++i)
+          buf[i] = momentum * buf[i] + d[i];
+      }
+      d = buf;
+    }
+    for (size_t i = 0; i < p.size(); ++i)
+      p[i] -= lr * d[i];
+  }
+};
+
+// torch.optim.AdamW: p *= 1 - lr * wd; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+// p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps).
+struct RefAdamW {
+  double lr, b1, b2, eps, wd;
+  Vec m, v;
+  int t = 0;
+  void step(Vec& p, const Vec& g) {
+    if (m.empty()) m.assign(p.size(), 0.0), v.assign(p.size(), 0.0);
+    ++t;
+    const double bc1 = 1 - std::pow(b1, t), bc2 = 1 - std::pow(b2, t);
+    for (size_t i = 0; i < p.size(); ++i) {
+      p[i] *= 1 - lr * wd;
+      m[i] = b1 * m[i] + (1 - b1) * g[i];
+      v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
+      p[i] -= lr / bc1 * m[i] / (std::sqrt(v[i]) / std::sqrt(bc2) + eps);
+    }
+  }
+};
+
+template <class F>
+void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    return;
+  }
+  ADD_FAILURE() << "expected an error containing '" << needle << "'";
+}
+
+}  // namespace
+
+TEST(SGD, PlainStepsMatchReference) {
+  Vec p0 = random_vec(6, 1);
+  Parameter p = make_param(p0);
+  SGD opt({&p}, {.lr = 0.1});
+  RefSGD ref{0.1, 0, 0, {}};
+  Vec want = p0;
+  for (int t = 0; t < 3; ++t) {
+    Vec g = random_vec(6, 10 + uint64_t(t));
+    set_grad(p, g);
+    opt.step();
+    ref.step(want, g);
+    expect_near_all(p.local(), want, 1e-14, "sgd step " + std::to_string(t));
+  }
+}
+
+TEST(SGD, MomentumAndWeightDecayMatchReference) {
+  Vec a0 = random_vec(5, 2), b0 = random_vec(3, 3);
+  Parameter a = make_param(a0), b = make_param(b0);
+  SGD opt({&a, &b}, {.lr = 0.05, .momentum = 0.9, .weight_decay = 0.01});
+  RefSGD ra{0.05, 0.9, 0.01, {}}, rb{0.05, 0.9, 0.01, {}};
+  Vec wa = a0, wb = b0;
+  for (int t = 0; t < 3; ++t) {
+    Vec ga = random_vec(5, 20 + uint64_t(t)), gb = random_vec(3, 30 + uint64_t(t));
+    set_grad(a, ga);
+    set_grad(b, gb);
+    opt.step();
+    ra.step(wa, ga);
+    rb.step(wb, gb);
+    expect_near_all(a.local(), wa, 1e-14, "a step " + std::to_string(t));
+    expect_near_all(b.local(), wb, 1e-14, "b step " + std::to_string(t));
+  }
+  // Momentum actually mattered: a plain-SGD trajectory ends elsewhere.
+  RefSGD plain{0.05, 0, 0.01, {}};
+  Vec wp = a0;
+  for (int t = 0; t < 3; ++t)
+    plain.step(wp, random_vec(5, 20 + uint64_t(t)));
+  EXPECT_GT(std::abs(wp[0] - wa[0]), 1e-4);
+}
+
+TEST(SGD, Float32AndBFloat16Parameters) {
+  Vec p0 = random_vec(8, 4);
+  Parameter p32 = make_param(p0, DType::Float32);
+  Parameter p16 = make_param(p0, DType::BFloat16);
+  Vec start16 = p16.local().to_vector<double>();
+  SGD opt({&p32, &p16}, {.lr = 0.1, .momentum = 0.5});
+  RefSGD r32{0.1, 0.5, 0, {}}, r16{0.1, 0.5, 0, {}};
+  Vec w32 = p32.local().to_vector<double>(), w16 = start16;
+  for (int t = 0; t < 3; ++t) {
+    Vec g = random_vec(8, 40 + uint64_t(t));
+    set_grad(p32, g);
+    set_grad(p16, g);
+    opt.step();
+    r32.step(w32, g);
+    r16.step(w16, p16.grad().to_vector<double>());
+  }
+  EXPECT_EQ(p16.dtype(), DType::BFloat16);
+  expect_near_all(p32.local(), w32, 1e-6, "float32");
+  expect_near_all(p16.local(), w16, 2e-2, "bfloat16");
+}
+
+TEST(AdamW, StepsMatchReferenceWithWeightDecay) {
+  Vec a0 = random_vec(7, 5), b0 = random_vec(4, 6);
+  Parameter a = make_param(a0), b = make_param(b0);
+  AdamWOptions o{.lr = 0.01, .beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6, .weight_decay = 0.1};
+  AdamW opt({&a, &b}, o);
+  RefAdamW ra{0.01, 0.8, 0.95, 1e-6, 0.1, {}, {}}, rb = ra;
+  Vec wa = a0, wb = b0;
+  for (int t = 0; t < 3; ++t) {
+    Vec ga = random_vec(7, 50 + uint64_t(t)), gb = random_vec(4, 60 + uint64_t(t));
+    set_grad(a, ga);
+    set_grad(b, gb);
+    opt.step();
+    ra.step(wa, ga);
+    rb.step(wb, gb);
+    expect_near_all(a.local(), wa, 1e-13, "a step " + std::to_string(t));
+    expect_near_all(b.local(), wb, 1e-13, "b step " + std::to_string(t));
+  }
+  EXPECT_EQ(opt.step_count(), 3);
+  expect_near_all(opt.exp_avg()[0], ra.m, 1e-13, "exp_avg");
+  expect_near_all(opt.exp_avg_sq()[1], rb.v, 1e-13, "exp_avg_sq");
+  EXPECT_EQ(opt.exp_avg()[0].shape(), a.local().shape());
+}
+
+TEST(AdamW, DecoupledDecayShrinksWithoutGradientSignal) {
+  // A zero gradient leaves m = v = 0, so only the decay p *= 1 - lr * wd acts.
+  Vec p0 = {1.0, -2.0, 0.5};
+  Parameter p = make_param(p0);
+  AdamW opt({&p}, {.lr = 0.1, .weight_decay = 0.5});
+  set_grad(p, {0, 0, 0});
+  opt.step();
+  expect_near_all(p.local(), {0.95, -1.9, 0.475}, 1e-15, "decayed");
+}
+
+TEST(AdamW, Float32MatchesReference) {
+  Vec p0 = random_vec(16, 7);
+  Parameter p = make_param(p0, DType::Float32);
+  AdamW opt({&p}, {.lr = 0.02});
+  RefAdamW ref{0.02, 0.9, 0.999, 1e-8, 1e-2, {}, {}};
+  Vec w = p.local().to_vector<double>();
+  for (int t = 0; t < 3; ++t) {
+    Vec g = random_vec(16, 70 + uint64_t(t));
+    set_grad(p, g);
+    opt.step();
+    ref.step(w, p.grad().to_vector<double>());
+  }
+  expect_near_all(p.local(), w, 1e-5, "float32 adamw");
+}
+
+TEST(Optimizer, SkipsParametersWithoutGradient) {
+  Vec a0 = random_vec(3, 8), b0 = random_vec(2, 9);
+  Parameter a = make_param(a0), b = make_param(b0);
+  AdamW adam({&a, &b}, {.lr = 0.1});
+  SGD sgd({&a, &b}, {.lr = 0.1, .momentum = 0.9, .weight_decay = 0.1});
+  for (int t = 0; t < 3; ++t) {
+    set_grad(a, random_vec(3, 80 + uint64_t(t)));
+    adam.step();
+    sgd.step();
+  }
+  // b never had a gradient: untouched (not even decayed) and no state was made for it.
+  expect_near_all(b.local(), b0, 0, "b untouched");
+  EXPECT_FALSE(adam.exp_avg()[1].defined());
+  EXPECT_TRUE(adam.exp_avg()[0].defined());
+  Vec av = a.local().to_vector<double>();
+  EXPECT_NE(av[0], a0[0]);
+}
+
+TEST(Optimizer, SetLrAndZeroGrad) {
+  Vec p0 = {1.0, 2.0};
+  Parameter p = make_param(p0);
+  SGD opt({&p}, {.lr = 0.1});
+  EXPECT_EQ(opt.lr(), 0.1);
+  opt.set_lr(0.5);
+  set_grad(p, {1.0, -1.0});
+  opt.step();
+  expect_near_all(p.local(), {0.5, 2.5}, 1e-15, "step with the new lr");
+  opt.zero_grad();
+  EXPECT_FALSE(p.grad().defined());
+  opt.step();  // no gradient: nothing happens
+  expect_near_all(p.local(), {0.5, 2.5}, 0, "no-op step");
+}
+
+TEST(Optimizer, RejectsBadOptions) {
+  Parameter p = make_param({1.0, 2.0});
+  expect_error([&] { SGD({&p}, {.lr = -1}); }, "SGD: lr (-1)");
+  expect_error([&] { AdamW({&p}, {.beta1 = 1.0}); }, "AdamW: betas (1, ");
+  expect_error([&] { SGD({nullptr}, {}); }, "SGD: parameter 0 of 1 is null");
+}
+
+TEST(ClipGradNorm, ScalesWhenAboveMaxNorm) {
+  Vec ga = {3.0, 0.0, -4.0}, gb = {12.0};
+  Parameter a = make_param({0, 0, 0}), b = make_param({0}), c = make_param({1, 1});
+  set_grad(a, ga);
+  set_grad(b, gb);  // c has no gradient and contributes nothing
+  const double norm = clip_grad_norm_({&a, &b, &c}, 6.5);
+  EXPECT_NEAR(norm, 13.0, 1e-12);  // sqrt(9 + 16 + 144)
+  const double coef = 6.5 / (13.0 + 1e-6);
+  expect_near_all(a.grad(), {3 * coef, 0, -4 * coef}, 1e-15, "a clipped");
+  expect_near_all(b.grad(), {12 * coef}, 1e-15, "b clipped");
+  EXPECT_FALSE(c.grad().defined());
+  // Now below the limit: returned, nothing scaled.
+  const double again = clip_grad_norm_({&a, &b, &c}, 100.0);
+  EXPECT_NEAR(again, 13.0 * coef, 1e-12);
+  expect_near_all(b.grad(), {12 * coef}, 1e-15, "b unchanged");
+}
+
+TEST(ClipGradNorm, Float32Gradients) {
+  Vec g = random_vec(100, 11);
+  Parameter p = make_param(Vec(100, 0.0), DType::Float32);
+  set_grad(p, g);
+  double want = 0;
+  for (double v : p.grad().to_vector<double>())
+    want += v * v;
+  want = std::sqrt(want);
+  EXPECT_NEAR(clip_grad_norm_({&p}, 1.0), want, 1e-9 * want);
+  double after = 0;
+  for (double v : p.grad().to_vector<double>())
+    after += v * v;
+  EXPECT_NEAR(std::sqrt(after), 1.0, 1e-5);
+}
