@@ -1,0 +1,260 @@
+// Loss-parallel cross-entropy against plain cross_entropy on the full logits, on every world size
+// (uneven and empty vocabulary shards, ignored rows, nested shards on a 2-D mesh); and the
+// decoder under the tensor-parallel plan, whose attention must find its local heads from its
+// local weights at every degree.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "tessera/tessera.h"
+
+using namespace tessera;
+
+namespace {
+
+Tensor global_randn(const Shape& s, uint64_t seed, DType dtype = DType::Float64) {
+  Generator g(seed);
+  return randn(s, g, dtype);
+}
+
+// Targets in [0, vocab) with every third row ignored.
+Tensor targets(const Shape& s, int64_t vocab, int64_t ignore_index, uint64_t seed) {
+  Generator g(seed);
+  std::vector<double> u = rand(s, g, DType::Float64).to_vector<double>();
+  std::vector<int64_t> t;
+  for (size_t i = 0; i < u.size(); ++i)
+    t.push_back(i % 3 == 1 ? ignore_index
+                           : std::min<int64_t>(vocab - 1, int64_t(u[i] * double(vocab))));
+  return from_vector<int64_t>(t, s);
+}
+
+void expect_close(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  auto g = got.to_vector<double>(), w = want.to_vector<double>();
+  for (size_t i = 0; i < g.size(); ++i)
+    ASSERT_NEAR(g[i], w[i], tol * (1.0 + std::abs(w[i]))) << what << " element " << i;
+}
+
+template <class F>
+void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message was: " << e.what();
+    return;
+  }
+  ADD_FAILURE() << "expected an error containing '" << needle << "'";
+}
+
+struct MeshCase {
+  DeviceMesh mesh;
+  Placements placements;
+};
+
+std::vector<MeshCase> mesh_cases() {
+  const int n = world_size();
+  DeviceMesh tp(Shape{n}, {"tp"});
+  std::vector<MeshCase> out = {{tp, {Shard(-1)}}, {tp, {Replicate()}}};
+  if (n == 4) {
+    DeviceMesh m2(Shape{2, 2}, {"dp", "tp"});
+    out.push_back({m2, {Replicate(), Shard(-1)}});
+    out.push_back({m2, {Shard(-1), Replicate()}});
+    out.push_back({m2, {Shard(-1), Shard(-1)}});  // nested: four vocabulary slices
+  }
+  return out;
+}
+
+// Loss and logits gradient of the vocab-parallel loss against the plain loss on one rank.
+void check_against_plain(const Shape& shape, DType dtype, int64_t ignore_index, double tol) {
+  const int64_t vocab = shape.back();
+  Shape rows(shape.begin(), shape.end() - 1);
+  Tensor full = global_randn(shape, 31, dtype).to(dtype);
+  Tensor target = targets(rows, vocab, ignore_index, 32);
+  const double upstream = 1.75;
+
+  Tensor ref_in = full.clone().set_requires_grad(true);
+  Tensor ref = cross_entropy(ref_in, target, ignore_index);
+  backward(mul(ref, upstream));
+
+  for (const MeshCase& mc : mesh_cases()) {
+    const std::string what = "logits " + shape_str(shape) + " " + dtype_name(dtype) + " on " +
+                             mc.mesh.str() + " " + placements_str(mc.placements);
+    DTensor logits = distribute_tensor(full, mc.mesh, mc.placements);
+    logits.set_requires_grad(true);
+    DTensor loss = vocab_parallel_cross_entropy(logits, target, ignore_index);
+    EXPECT_EQ(loss.shape(), Shape{}) << what;
+    EXPECT_EQ(loss.placements(), Placements(mc.placements.size(), Replicate())) << what;
+    EXPECT_EQ(loss.dtype(), dtype) << what;
+    expect_close(loss.to_local(), ref.detach(), tol, what + ": loss");
+    backward(mul(loss.to_local(), upstream));
+    ASSERT_TRUE(logits.grad().defined()) << what;
+    EXPECT_EQ(logits.grad().placements(), logits.placements()) << what;
+    expect_close(logits.grad().full_tensor(), ref_in.grad(), tol, what + ": grad");
+  }
+}
+
+}  // namespace
+
+TEST(VocabParallelLoss, MatchesPlainCrossEntropyWithUnevenVocabulary) {
+  // 13 classes: 7,6 / 5,5,3 / 4,4,4,1 per rank.
+  check_against_plain({3, 5, 13}, DType::Float64, -100, 1e-12);
+  check_against_plain({4, 13}, DType::Float32, -100, 1e-5);
+}
+
+TEST(VocabParallelLoss, EmptyVocabularyShardsAndCustomIgnoreIndex) {
+  // 3 classes over 4 ranks leaves the last rank an empty slice.
+  check_against_plain({6, 3}, DType::Float64, -1, 1e-12);
+  check_against_plain({2, 2, 2}, DType::Float64, 0, 1e-12);  // class 0 is the ignored one
+}
+
+TEST(VocabParallelLoss, LargeLogitsStayFinite) {
+  // Far beyond exp's range: only the shared max keeps the sum finite.
+  Tensor full = kernels::binary_scalar(kernels::BinaryOp::Mul, global_randn({5, 9}, 3), 800.0);
+  Tensor target = targets({5}, 9, -100, 4);
+  Tensor ref = cross_entropy(full, target);
+  DeviceMesh mesh(Shape{world_size()}, {"tp"});
+  DTensor loss = vocab_parallel_cross_entropy(distribute_tensor(full, mesh, {Shard(1)}), target);
+  ASSERT_TRUE(std::isfinite(loss.to_local().item<double>()));
+  expect_close(loss.to_local(), ref, 1e-12, "large logits");
+}
+
+TEST(VocabParallelLoss, AllRowsIgnoredIsNanLikeCrossEntropy) {
+  Tensor full = global_randn({3, 7}, 5);
+  Tensor target = full_like(zeros({3}, DType::Int64), -100);
+  DeviceMesh mesh(Shape{world_size()}, {"tp"});
+  DTensor logits = distribute_tensor(full, mesh, {Shard(1)});
+  logits.set_requires_grad(true);
+  DTensor loss = vocab_parallel_cross_entropy(logits, target);
+  EXPECT_TRUE(std::isnan(loss.to_local().item<double>()));
+  EXPECT_TRUE(std::isnan(cross_entropy(full, target).item<double>()));
+  backward(loss.to_local());
+  for (double g : logits.grad().to_local().to_vector<double>())
+    EXPECT_EQ(g, 0.0);
+}
+
+TEST(VocabParallelLoss, ErrorsNameTheProblem) {
+  DeviceMesh mesh(Shape{world_size()}, {"tp"});
+  Tensor full = global_randn({4, 13}, 6);
+  DTensor logits = distribute_tensor(full, mesh, {Shard(1)});
+  Tensor target = targets({4}, 13, -100, 7);
+  expect_error([&] { vocab_parallel_cross_entropy(logits, targets({5}, 13, -100, 7)); },
+               "target [5] does not match logits [4, 13] (expected [4]");
+  expect_error([&] { vocab_parallel_cross_entropy(logits, target.to(DType::Int32)); },
+               "target must be int64");
+  expect_error(
+      [&] {
+        vocab_parallel_cross_entropy(logits, from_vector<int64_t>({0, 13, 2, 1}, {4}));
+      },
+      "target 13 at row 1 is out of range for a vocabulary of 13");
+  expect_error(
+      [&] { vocab_parallel_cross_entropy(distribute_tensor(full, mesh, {Shard(0)}), target); },
+      "every mesh dim must be Replicate or Shard(-1)");
+  DTensor partial = DTensor::from_local(full, mesh, {Partial()});
+  expect_error([&] { vocab_parallel_cross_entropy(partial, target); }, "redistribute Partial");
+}
+
+// Under the tensor-parallel plan wq/wk/wv hand the attention a slice of the heads and wo sums
+// the ranks' outputs: the attention must find its local head counts from the local weights and
+// give the unsplit module's output and gradients at every degree.
+TEST(DecoderTensorParallel, AttentionDerivesLocalHeadsFromLocalWeights) {
+  const int n = world_size();
+  DeviceMesh mesh(Shape{n}, {"tp"});
+  DecoderConfig c;
+  c.dim = 48;
+  c.n_heads = 24;  // head_dim 2; 12 kv heads split evenly over 1-4 ranks
+  c.max_seq_len = 8;
+  for (int64_t kv_heads : {int64_t(12), int64_t(24)}) {
+    c.n_kv_heads = kv_heads;
+    const std::string what =
+        "attention split " + std::to_string(n) + " ways, " + std::to_string(kv_heads) + " kv heads";
+    Generator g1(4), g2(4);
+    auto full = std::make_shared<Attention>(c, g1);
+    auto split = std::make_shared<Attention>(c, g2);
+    auto col = std::make_shared<ColwiseParallel>();
+    auto row = std::make_shared<RowwiseParallel>();
+    parallelize_module(split, mesh, {{"wq", col}, {"wk", col}, {"wv", col}, {"wo", row}});
+    ASSERT_TRUE(split->wq->weight.is_dtensor()) << what;
+    EXPECT_EQ(split->wk->weight.local().size(0), kv_heads * 2 / n) << what;
+
+    Tensor xg = global_randn({2, 5, 48}, 8, DType::Float32);
+    Tensor xf = xg.clone().set_requires_grad(true), xs = xg.clone().set_requires_grad(true);
+    Tensor w = global_randn({2, 5, 48}, 9, DType::Float32);
+    Tensor yf = (*full)(xf), ys = (*split)(xs);
+    expect_close(ys, yf, 1e-5, what + ": output");
+    backward(sum(mul(yf, w)));
+    backward(sum(mul(ys, w)));
+    expect_close(xs.grad(), xf.grad(), 1e-5, what + ": input grad");
+    auto fp = full->named_parameters(), sp = split->named_parameters();
+    ASSERT_EQ(fp.size(), sp.size());
+    for (size_t i = 0; i < fp.size(); ++i)
+      expect_close(sp[i].second->grad_dtensor().full_tensor(), fp[i].second->grad(), 1e-5,
+                   what + ": grad of " + fp[i].first);
+  }
+}
+
+// The whole decoder under the tensor-parallel plan with loss parallelism: the logits stay
+// sharded on an uneven vocabulary and the loss-parallel cross-entropy gives the single-rank loss
+// and gradients.
+TEST(DecoderTensorParallel, LossParallelDecoderMatchesSingleRank) {
+  const int n = world_size();
+  DeviceMesh mesh(Shape{n}, {"tp"});
+  DecoderConfig c;
+  c.vocab_size = 13;
+  c.dim = 48;
+  c.n_layers = 2;
+  c.n_heads = 24;
+  c.n_kv_heads = 12;
+  c.ffn_dim = 24;
+  c.max_seq_len = 8;
+  c.seed = 3;
+  auto full = std::make_shared<Decoder>(c);
+  auto split = std::make_shared<Decoder>(c);
+  DecoderTPOptions opts;
+  opts.loss_parallel = true;
+  parallelize_module(split, mesh, decoder_tp_plan(c, mesh, opts));
+
+  Tensor ids = from_vector<int64_t>({1, 5, 12, 0, 7, 7, 3, 2, 9, 11, 4, 6}, {2, 6});
+  Tensor target = from_vector<int64_t>({5, 12, 0, 7, -100, 3, 2, 9, -100, 4, 6, 1}, {2, 6});
+  Tensor ref = cross_entropy((*full)(ids), target);
+  Tensor local_logits = (*split)(ids);
+  EXPECT_EQ(local_logits.size(2), chunk_of(13, n, mesh.local_rank(0)).length);
+  DTensor logits = DTensor::from_local(local_logits, mesh, {Shard(2)}, Shape{2, 6, 13});
+  DTensor loss = vocab_parallel_cross_entropy(logits, target);
+  expect_close(loss.to_local(), ref.detach(), 1e-5, "decoder loss");
+  backward(ref);
+  backward(loss.to_local());
+  auto fp = full->named_parameters(), sp = split->named_parameters();
+  ASSERT_EQ(fp.size(), sp.size());
+  for (size_t i = 0; i < fp.size(); ++i) {
+    ASSERT_EQ(fp[i].first, sp[i].first);
+    Tensor g = sp[i].second->is_dtensor() ? sp[i].second->grad_dtensor().full_tensor()
+                                          : sp[i].second->grad();
+    expect_close(g, fp[i].second->grad(), 1e-4, "grad of " + fp[i].first);
+  }
+}
+
+TEST(DecoderTensorParallel, TiedEmbeddingsMustStayReplicated) {
+  DecoderConfig c;
+  c.vocab_size = 10;
+  c.dim = 8;
+  c.n_layers = 1;
+  c.n_heads = 2;
+  c.n_kv_heads = 2;
+  c.ffn_dim = 8;
+  c.tie_embeddings = true;
+  auto dec = std::make_shared<Decoder>(c);
+  DeviceMesh mesh(Shape{world_size()}, {"tp"});
+  Tensor ids = from_vector<int64_t>({1, 2, 3, 4}, {1, 4});
+  Tensor want = (*dec)(ids).detach();
+  Tensor table = dec->tok_embeddings->weight.full();
+  // Replicated: the same logits.
+  dec->tok_embeddings->weight = Parameter(distribute_tensor(table, mesh, {Replicate()}));
+  EXPECT_EQ((*dec)(ids).detach().to_vector<float>(), want.to_vector<float>());
+  // Sharded on the vocabulary: the lookup runs vocab-parallel (the Embedding's DTensor path),
+  // but the tied projection refuses the sharded table.
+  dec->tok_embeddings->weight = Parameter(distribute_tensor(table, mesh, {Shard(0)}));
+  dec->tok_embeddings->set_dtensor_io(DTensorIO{mesh, {Replicate()}, {}, {Replicate()}});
+  expect_error([&] { (*dec)(ids); }, "tie_embeddings needs a replicated tok_embeddings.weight");
+}
