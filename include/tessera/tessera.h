@@ -5,6 +5,7 @@
 #include "tessera/core/core.h"
 #include "tessera/dtensor/device_mesh.h"
 #include "tessera/dtensor/dtensor.h"
+#include "tessera/dtensor/nn_ops.h"
 #include "tessera/dtensor/ops.h"
 #include "tessera/dtensor/random.h"
 #include "tessera/dtensor/redistribute.h"

@@ -113,6 +113,7 @@ AdamW::AdamW(std::vector<Parameter*> params, AdamWOptions opts)
   lr_ = opts.lr;
   m_.resize(params_.size());
   v_.resize(params_.size());
+  param_steps_.assign(params_.size(), 0);
 }
 
 void AdamW::step() {
@@ -120,11 +121,13 @@ void AdamW::step() {
   ++step_;
   const double lr = lr_, b1 = opts_.beta1, b2 = opts_.beta2, eps = opts_.eps;
   const double decay = 1.0 - lr * opts_.weight_decay;
-  const double step_size = lr / (1.0 - std::pow(b1, double(step_)));
-  const double bc2_sqrt = std::sqrt(1.0 - std::pow(b2, double(step_)));
   for (size_t i = 0; i < params_.size(); ++i) {
     Parameter& p = *params_[i];
     if (!p.grad().defined()) continue;
+    // Bias correction counts this parameter's own updates, like PyTorch's per-parameter step.
+    const int64_t t = ++param_steps_[i];
+    const double step_size = lr / (1.0 - std::pow(b1, double(t)));
+    const double bc2_sqrt = std::sqrt(1.0 - std::pow(b2, double(t)));
     update_local("AdamW", i, p, [&](Tensor& w, const Tensor& g) {
       if (!m_[i].defined()) {
         m_[i] = zeros(w.shape(), w.dtype());

@@ -85,13 +85,8 @@ Decoder::Decoder(const DecoderConfig& cfg) : Module("Decoder"), cfg_(cfg) {
   layers.reserve(size_t(cfg_.n_layers));
   for (int64_t i = 0; i < cfg_.n_layers; ++i)
     layers.push_back(std::make_shared<DecoderBlock>(cfg_, gen));
-  // register_module needs a slot that lives as long as this Decoder, and the header has no
-  // member for the list: the slot lives on the heap, owned by a no-op pre-hook, which the
-  // Decoder keeps exactly as long as itself.
-  auto list_slot =
-      std::make_shared<std::shared_ptr<BlockList>>(std::make_shared<BlockList>(layers));
-  register_module("layers", *list_slot);
-  register_forward_pre_hook([list_slot](Module&, const Tensor&) { return Tensor(); });
+  layers_list_ = std::make_shared<BlockList>(layers);
+  register_module("layers", layers_list_);
 
   norm = std::make_shared<RMSNorm>(cfg_.dim, cfg_.norm_eps);
   register_module("norm", norm);

@@ -59,6 +59,7 @@ class AdamW : public Optimizer {
  private:
   AdamWOptions opts_;
   int64_t step_ = 0;
+  std::vector<int64_t> param_steps_;  // per parameter, for bias correction
   std::vector<Tensor> m_, v_;
 };
 

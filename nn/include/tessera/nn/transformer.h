@@ -34,7 +34,8 @@ class Attention : public Module {
 
  private:
   int64_t n_heads_, n_kv_heads_, head_dim_;
-  Tensor rope_cos_, rope_sin_;  // buffers [max_seq_len, head_dim / 2]
+  // Derived tables [max_seq_len, head_dim / 2], deliberately not buffers: not in state_dict.
+  Tensor rope_cos_, rope_sin_;
 };
 
 // SwiGLU: w2(silu(w1 x) * w3 x).
@@ -64,12 +65,14 @@ class Decoder : public Module {
   const DecoderConfig& config() const { return cfg_; }
 
   std::shared_ptr<Embedding> tok_embeddings;
+  // Registered as the child "layers" with children "0", "1", ...; fixed after construction.
   std::vector<std::shared_ptr<DecoderBlock>> layers;
   std::shared_ptr<RMSNorm> norm;
   std::shared_ptr<Linear> output;  // null when tie_embeddings
 
  private:
   DecoderConfig cfg_;
+  std::shared_ptr<Module> layers_list_;  // the "layers" child naming the blocks
 };
 
 }  // namespace tessera
