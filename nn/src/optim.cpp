@@ -29,7 +29,7 @@ DType compute_dtype_of(DType dt) {
 // gradient, writing the result back when the piece had to be copied.
 template <class F>
 void update_local(const char* opt, size_t index, Parameter& p, F&& update) {
-  const Tensor& local = p.local();
+  const Tensor& local = p.stored();
   Tensor grad = p.grad();
   TESSERA_CHECK(grad.shape() == local.shape(), opt, ": gradient ", grad.str(), " of parameter ",
                 index, " ", p.str(), " does not have the local shape ", shape_str(local.shape()));
@@ -191,7 +191,7 @@ double clip_grad_norm_(const std::vector<Parameter*>& params, double max_norm) {
     }
     // Groups come from the parameters alone (not from which have gradients), so every rank
     // issues the same all-reduces.
-    const DTensorSpec& spec = p->dtensor().spec();
+    const DTensorSpec& spec = p->stored_dtensor().spec();
     const Placements gp = spec.grad_placements();
     std::vector<int64_t> dims;
     for (int64_t m = 0; m < spec.mesh.ndim(); ++m)

@@ -16,8 +16,29 @@ Parameter::Parameter(DTensor d, bool requires_grad)
 }
 
 const DTensor& Parameter::dtensor() const {
+  if (unsharded_local_.defined()) {
+    TESSERA_CHECK(unsharded_dtensor_.defined(), "Parameter ", str(),
+                  " is unsharded to a plain tensor; it has no DTensor to compute with");
+    return unsharded_dtensor_;
+  }
   TESSERA_CHECK(is_dtensor(), "Parameter ", str(), " is a plain tensor, not a DTensor");
   return dtensor_;
+}
+
+const DTensor& Parameter::stored_dtensor() const {
+  TESSERA_CHECK(is_dtensor(), "Parameter ", str(), " is a plain tensor, not a DTensor");
+  return dtensor_;
+}
+
+void Parameter::set_unsharded(Tensor local, DTensor dtensor) {
+  TESSERA_CHECK(local.defined(), "Parameter::set_unsharded: undefined tensor for ", str());
+  unsharded_local_ = std::move(local);
+  unsharded_dtensor_ = std::move(dtensor);
+}
+
+void Parameter::clear_unsharded() {
+  unsharded_local_ = Tensor();
+  unsharded_dtensor_ = DTensor();
 }
 
 const Shape& Parameter::global_shape() const {

@@ -22,9 +22,19 @@ class Parameter {
 
   bool defined() const { return local_.defined(); }
   bool is_dtensor() const { return dtensor_.defined(); }
-  // The leaf autograd sees: the tensor itself, or the DTensor's local piece.
-  const Tensor& local() const { return local_; }
+  // What forward computes with: the stored leaf (the tensor itself, or the DTensor's local
+  // piece), or, while FSDP has the parameter's group unsharded, the gathered value.
+  const Tensor& local() const { return unsharded_local_.defined() ? unsharded_local_ : local_; }
   const DTensor& dtensor() const;
+  // The stored leaf: what optimizers update and where the (sharded) gradient lives.
+  const Tensor& stored() const { return local_; }
+  const DTensor& stored_dtensor() const;
+
+  // FSDP: while a group is unsharded, forward uses `local` (and, for FSDP x TP, `dtensor`: the
+  // value on the remaining mesh dims) instead of the stored shard.
+  void set_unsharded(Tensor local, DTensor dtensor = {});
+  void clear_unsharded();
+  bool is_unsharded() const { return unsharded_local_.defined(); }
   const Shape& global_shape() const;
   DType dtype() const { return local_.dtype(); }
   bool requires_grad() const { return local_.requires_grad(); }
@@ -45,6 +55,8 @@ class Parameter {
   Tensor local_;
   DTensor dtensor_;
   Shape shape_;
+  Tensor unsharded_local_;
+  DTensor unsharded_dtensor_;
 };
 
 }  // namespace tessera
