@@ -1,0 +1,33 @@
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace lm {
+
+struct Options {
+  int64_t tp = 1;  // tensor-parallel degree
+  int64_t dp = 0;  // data-parallel degree (0: world size / tp)
+  bool sequence_parallel = false;
+  bool loss_parallel = false;
+  int64_t steps = 200;
+  int64_t batch = 16;  // global batch (rows)
+  int64_t seq = 64;
+  double lr = 3e-3;
+  double weight_decay = 0.01;
+  double clip = 1.0;  // max gradient norm (0: off)
+  uint64_t seed = 1234;
+  int64_t dim = 128;
+  int64_t layers = 2;
+  int64_t heads = 4;
+  int64_t kv_heads = 2;
+  int64_t ffn = 352;
+  int64_t corpus_chars = 200000;
+  int64_t log_every = 10;
+  std::string csv = "train_lm_loss.csv";
+};
+
+// --name value flags; an unknown flag or bad value is an error naming it. --help prints usage.
+Options parse_options(int argc, char** argv);
+std::string usage();
+
+}  // namespace lm
