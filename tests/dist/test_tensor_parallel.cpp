@@ -1,0 +1,545 @@
+// Tensor parallelism end to end: the styles on single layers, the decoder plan (plain, sequence
+// parallel, loss parallel, tied embeddings) trained with AdamW against the same decoder trained
+// unparallelized in the same process, gradients, state dicts across degrees, and the errors.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tessera/tessera.h"
+
+using namespace tessera;
+
+namespace {
+
+constexpr int64_t kBatch = 4;
+constexpr int64_t kSeq = 16;
+constexpr int kSteps = 30;
+
+DecoderConfig tiny_config(bool tied = false) {
+  DecoderConfig c;
+  c.vocab_size = 48;
+  c.dim = 32;
+  c.n_layers = 2;
+  c.n_heads = 8;
+  c.n_kv_heads = 4;  // grouped-query: two query heads per kv head, at every TP degree up to 4
+  c.ffn_dim = 64;
+  c.max_seq_len = kSeq;
+  c.tie_embeddings = tied;
+  c.seed = 20240611;
+  return c;
+}
+
+// A tensor-parallel mesh of `tp` ranks; the remaining factor of the world runs copies of it.
+DeviceMesh tp_mesh(int64_t tp) {
+  const int64_t n = world_size();
+  return DeviceMesh(Shape{n / tp, tp}, {"dp", "tp"})["tp"];
+}
+
+uint64_t splitmix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+struct Batch {
+  Tensor ids, targets;
+};
+
+// Each row follows x' = (5x + 3) mod V from a start that depends only on (step, row), so every
+// rank builds the same batch and the model has something to learn.
+Batch make_batch(int step, int64_t vocab, int64_t seq = kSeq) {
+  std::vector<int64_t> ids, targets;
+  for (int64_t b = 0; b < kBatch; ++b) {
+    int64_t x = int64_t(splitmix(uint64_t(step) * 1009 + uint64_t(b)) % uint64_t(vocab));
+    for (int64_t t = 0; t < seq; ++t) {
+      ids.push_back(x);
+      x = (5 * x + 3) % vocab;
+      targets.push_back(x);
+    }
+  }
+  return {from_vector<int64_t>(ids, {kBatch, seq}), from_vector<int64_t>(targets, {kBatch, seq})};
+}
+
+struct Variant {
+  const char* name;
+  DecoderTPOptions opts;
+};
+
+const std::vector<Variant>& variants() {
+  static const std::vector<Variant> v = {{"plain", {false, false}},
+                                         {"sequence_parallel", {true, false}},
+                                         {"loss_parallel", {false, true}},
+                                         {"sequence_and_loss_parallel", {true, true}}};
+  return v;
+}
+
+// A decoder, parallelized when a mesh is given (nullptr: the unparallelized reference).
+struct Model {
+  std::shared_ptr<Decoder> net;
+  const DeviceMesh* mesh = nullptr;
+  bool loss_parallel = false;
+};
+
+Model build(const DecoderConfig& cfg, const DeviceMesh* mesh, DecoderTPOptions opts = {}) {
+  Model m{std::make_shared<Decoder>(cfg), mesh, mesh != nullptr && opts.loss_parallel};
+  if (mesh) parallelize_module(m.net, *mesh, decoder_tp_plan(cfg, *mesh, opts));
+  return m;
+}
+
+Tensor loss_of(Model& m, const Batch& b) {
+  Tensor logits = (*m.net)(b.ids);
+  if (!m.loss_parallel) return cross_entropy(logits, b.targets);
+  // The global shape is passed: with an uneven vocabulary the ranks' pieces differ.
+  const Shape global = {b.ids.size(0), b.ids.size(1), m.net->config().vocab_size};
+  return vocab_parallel_cross_entropy(DTensor::from_local(logits, *m.mesh, {Shard(-1)}, global),
+                                      b.targets)
+      .to_local();
+}
+
+struct TrainRun {
+  std::vector<float> losses;
+  std::map<std::string, Tensor> state;
+};
+
+TrainRun train(Model m, int steps, int64_t seq = kSeq) {
+  AdamW opt(m.net->parameters(), AdamWOptions{.lr = 3e-3});
+  TrainRun r;
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    Tensor loss = loss_of(m, make_batch(s, m.net->config().vocab_size, seq));
+    backward(loss);
+    opt.step();
+    r.losses.push_back(loss.item<float>());
+  }
+  r.state = m.net->state_dict();
+  return r;
+}
+
+// The reference run is the same for every variant and test: compute it once per config.
+const TrainRun& reference_run(bool tied) {
+  static std::map<bool, TrainRun> cache;
+  auto it = cache.find(tied);
+  if (it == cache.end())
+    it = cache.emplace(tied, train(build(tiny_config(tied), nullptr), kSteps)).first;
+  return it->second;
+}
+
+// |got - want| <= tol * max(1, |want|) elementwise, or with `relative_to_max`,
+// |got - want| <= tol * max|want|: the gradients of a mean loss are far below 1, and would pass
+// any absolute test.
+void expect_close(const Tensor& got, const Tensor& want, double tol, const std::string& what,
+                  bool relative_to_max = false) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  auto g = got.to_vector<double>(), w = want.to_vector<double>();
+  double scale = 0;
+  for (double v : w)
+    scale = std::max(scale, std::abs(v));
+  if (relative_to_max) {
+    ASSERT_GT(scale, 0) << what << ": the reference is all zeros";
+  }
+  double worst = 0;
+  size_t at = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    double err = std::abs(g[i] - w[i]) / (relative_to_max ? scale : std::max(1.0, std::abs(w[i])));
+    if (!(err <= worst)) {
+      worst = err;
+      at = i;
+    }
+  }
+  EXPECT_LE(worst, tol) << what << ": element " << at << " is " << g[at] << ", expected " << w[at];
+}
+
+void expect_same_state(const std::map<std::string, Tensor>& got,
+                       const std::map<std::string, Tensor>& want, double tol,
+                       const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (const auto& [name, t] : want) {
+    auto it = got.find(name);
+    ASSERT_NE(it, got.end()) << what << ": missing " << name;
+    if (tol == 0) {
+      ASSERT_EQ(it->second.shape(), t.shape()) << what << ": " << name;
+      EXPECT_EQ(it->second.to_vector<float>(), t.to_vector<float>()) << what << ": " << name;
+    } else {
+      expect_close(it->second, t, tol, what + ": " + name);
+    }
+  }
+}
+
+// Losses within 1e-5 relative at every step, final parameters within 1e-5.
+void expect_same_training(const TrainRun& run, const TrainRun& ref, const std::string& what) {
+  ASSERT_EQ(run.losses.size(), ref.losses.size()) << what;
+  for (size_t s = 0; s < run.losses.size(); ++s)
+    EXPECT_NEAR(run.losses[s], ref.losses[s], 1e-5 * std::abs(ref.losses[s]))
+        << what << ": step " << s;
+  expect_same_state(run.state, ref.state, 1e-5, what);
+}
+
+template <class F>
+void expect_error(F&& f, const std::vector<std::string>& needles) {
+  try {
+    f();
+  } catch (const Error& e) {
+    for (const auto& n : needles)
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
+          << "expected '" << n << "' in: " << e.what();
+    return;
+  }
+  ADD_FAILURE() << "expected an error containing '" << needles.front() << "'";
+}
+
+Tensor global_randn(const Shape& s, uint64_t seed) {
+  Generator g(seed);
+  return randn(s, g);
+}
+
+// This rank's chunk of `full` along `dim` (torch.chunk over the mesh).
+Tensor chunk_of(const Tensor& full, int64_t dim, const DeviceMesh& mesh) {
+  return distribute_tensor(full, mesh, {Shard(dim)}).to_local().clone();
+}
+
+}  // namespace
+
+// --- the styles on single layers ---
+
+TEST(TensorParallelStyles, ColwiseAndRowwiseLinearMatchPlain) {
+  DeviceMesh mesh = tp_mesh(world_size());
+  Generator g1(5), g2(5);
+  auto col = std::make_shared<Linear>(6, 12, true, g1);
+  auto row = std::make_shared<Linear>(12, 5, true, g1);
+  auto col_ref = std::make_shared<Linear>(6, 12, true, g2);
+  auto row_ref = std::make_shared<Linear>(12, 5, true, g2);
+  ColwiseParallel{}.apply(*col, mesh);
+  RowwiseParallel{}.apply(*row, mesh);
+  EXPECT_EQ(col->weight.dtensor().placements(), Placements{Shard(0)});
+  EXPECT_EQ(col->bias.dtensor().placements(), Placements{Shard(0)});
+  EXPECT_EQ(row->weight.dtensor().placements(), Placements{Shard(1)});
+  EXPECT_EQ(row->bias.dtensor().placements(), Placements{Replicate()});
+
+  Tensor x = global_randn({3, 4, 6}, 7);
+  Tensor h = (*col)(x);  // Shard(-1) output: this rank's feature slice
+  Tensor h_ref = (*col_ref)(x);
+  expect_close(h, chunk_of(h_ref, 2, mesh), 1e-6, "colwise local output");
+  Tensor y = (*row)(h);  // Shard(-1) input, partial sums all-reduced
+  Tensor y_ref = (*row_ref)(h_ref);
+  expect_close(y, y_ref, 1e-5, "rowwise output");
+
+  Tensor w = global_randn(y_ref.shape(), 8);
+  backward(sum(mul(y, w)));
+  backward(sum(mul(y_ref, w)));
+  expect_close(col->weight.grad_dtensor().full_tensor(), col_ref->weight.grad(), 1e-5,
+               "colwise dW");
+  expect_close(col->bias.grad_dtensor().full_tensor(), col_ref->bias.grad(), 1e-5, "colwise db");
+  expect_close(row->weight.grad_dtensor().full_tensor(), row_ref->weight.grad(), 1e-5,
+               "rowwise dW");
+  // A replicated bias is added once, and its gradient counted once.
+  expect_close(row->bias.grad_dtensor().full_tensor(), row_ref->bias.grad(), 1e-5, "rowwise db");
+}
+
+TEST(TensorParallelStyles, EmbeddingColwiseAndRowwiseMatchPlain) {
+  DeviceMesh mesh = tp_mesh(world_size());
+  Tensor ids = from_vector<int64_t>({0, 9, 3, 3, 7, 1, 8, 2}, {2, 4});
+  Tensor w = global_randn({2, 4, 8}, 11);
+  for (bool rowwise : {false, true}) {
+    Generator g1(9), g2(9);
+    auto emb = std::make_shared<Embedding>(10, 8, g1);
+    auto ref = std::make_shared<Embedding>(10, 8, g2);
+    if (rowwise) {
+      RowwiseParallel s;  // vocabulary parallel
+      s.input_layouts = {Replicate()};
+      s.apply(*emb, mesh);
+      EXPECT_EQ(emb->weight.dtensor().placements(), Placements{Shard(0)});
+    } else {
+      ColwiseParallel s;
+      s.output_layouts = {Replicate()};
+      s.apply(*emb, mesh);
+      EXPECT_EQ(emb->weight.dtensor().placements(), Placements{Shard(1)});
+    }
+    const std::string what = rowwise ? "rowwise embedding" : "colwise embedding";
+    Tensor y = (*emb)(ids), y_ref = (*ref)(ids);
+    expect_close(y, y_ref, 0, what);
+    backward(sum(mul(y, w)));
+    backward(sum(mul(y_ref, w)));
+    expect_close(emb->weight.grad_dtensor().full_tensor(), ref->weight.grad(), 1e-6, what + " dW");
+  }
+}
+
+TEST(TensorParallelStyles, SequenceParallelLayerNormSumsWeightGradients) {
+  DeviceMesh mesh = tp_mesh(world_size());
+  auto ln = std::make_shared<LayerNorm>(6), ref = std::make_shared<LayerNorm>(6);
+  SequenceParallel{}.apply(*ln, mesh);
+  EXPECT_EQ(ln->weight.dtensor().placements(), Placements{Replicate()});
+  Tensor x = global_randn({2, 8, 6}, 12), w = global_randn({2, 8, 6}, 13);
+  Tensor y = (*ln)(chunk_of(x, 1, mesh));
+  Tensor y_ref = (*ref)(x);
+  expect_close(y, chunk_of(y_ref, 1, mesh), 1e-6, "sequence-parallel LayerNorm");
+  backward(sum(mul(y, chunk_of(w, 1, mesh))));
+  backward(sum(mul(y_ref, w)));
+  // Each rank saw only its tokens: the replicated weights' gradients are summed over the ranks.
+  expect_close(ln->weight.grad_dtensor().full_tensor(), ref->weight.grad(), 1e-5, "dweight");
+  expect_close(ln->bias.grad_dtensor().full_tensor(), ref->bias.grad(), 1e-5, "dbias");
+}
+
+TEST(TensorParallelStyles, PrepareModuleInputGathersTheInput) {
+  DeviceMesh mesh = tp_mesh(world_size());
+  Generator g1(3), g2(3);
+  auto lin = std::make_shared<Linear>(5, 3, false, g1),
+       ref = std::make_shared<Linear>(5, 3, false, g2);
+  PrepareModuleInput s;
+  s.input_layouts = {Shard(0)};
+  s.desired_input_layouts = {Replicate()};
+  s.apply(*lin, mesh);
+  Tensor xg = global_randn({8, 5}, 14);
+  Tensor x = chunk_of(xg, 0, mesh).set_requires_grad(true);
+  Tensor y = (*lin)(x);  // the plain Linear receives the gathered [8, 5]
+  Tensor y_ref = (*ref)(xg);
+  expect_close(y, y_ref, 1e-6, "output on the gathered input");
+  backward(sum(y));
+  Tensor xr = xg.clone().set_requires_grad(true);
+  backward(sum((*ref)(xr)));
+  expect_close(x.grad(), chunk_of(xr.grad(), 0, mesh), 1e-6, "input gradient is this rank's chunk");
+}
+
+// --- the decoder plan ---
+
+TEST(TensorParallel, PlanShardsTheProjectionsAndKeepsNames) {
+  const DecoderConfig cfg = tiny_config();
+  const int64_t tp = world_size();
+  DeviceMesh mesh = tp_mesh(tp);
+  for (bool sp : {false, true}) {
+    Model m = build(cfg, &mesh, {sp, false});
+    Model ref = build(cfg, nullptr);
+    auto named = m.net->named_parameters(), ref_named = ref.net->named_parameters();
+    ASSERT_EQ(named.size(), ref_named.size());
+    for (size_t i = 0; i < named.size(); ++i) {
+      const auto& [name, p] = named[i];
+      EXPECT_EQ(name, ref_named[i].first);
+      EXPECT_EQ(p->global_shape(), ref_named[i].second->global_shape()) << name;
+      auto ends = [&](const std::string& s) {
+        return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+      };
+      Placements want;
+      if (ends("wq.weight") || ends("wk.weight") || ends("wv.weight") || ends("w1.weight") ||
+          ends("w3.weight") || name == "output.weight" || name == "tok_embeddings.weight")
+        want = {Shard(0)};
+      else if (ends("wo.weight") || ends("w2.weight"))
+        want = {Shard(1)};
+      else if (sp)
+        want = {Replicate()};  // norms under sequence parallelism
+      if (want.empty()) {
+        EXPECT_FALSE(p->is_dtensor()) << name << " " << p->str();
+        continue;
+      }
+      ASSERT_TRUE(p->is_dtensor()) << name;
+      EXPECT_EQ(p->dtensor().placements(), want) << name;
+      Shape local = p->global_shape();
+      if (want[0].is_shard()) local[size_t(want[0].dim())] /= tp;
+      EXPECT_EQ(p->local().shape(), local) << name;
+    }
+  }
+}
+
+TEST(TensorParallel, TrainingMatchesUnparallelizedDecoder) {
+  const DecoderConfig cfg = tiny_config();
+  DeviceMesh mesh = tp_mesh(world_size());
+  const TrainRun& ref = reference_run(false);
+  // The reference learns: otherwise matching it would prove little.
+  EXPECT_LT(ref.losses.back(), 0.7f * ref.losses.front());
+  for (const Variant& v : variants()) {
+    SCOPED_TRACE(v.name);
+    expect_same_training(train(build(cfg, &mesh, v.opts), kSteps), ref, v.name);
+  }
+}
+
+TEST(TensorParallel, UnevenShardsTrainLikeTheUnparallelizedDecoder) {
+  // Over 4 ranks: ffn 66 -> 17, 17, 17, 15 columns; vocabulary 50 -> 13, 13, 13, 11 rows;
+  // sequence 15 -> 4, 4, 4, 3 tokens under sequence parallelism (over 2: 33/33, 25/25, 8/7).
+  DecoderConfig cfg = tiny_config();
+  cfg.ffn_dim = 66;
+  cfg.vocab_size = 50;
+  constexpr int64_t kUnevenSeq = 15;
+  constexpr int kUnevenSteps = 10;
+  DeviceMesh mesh = tp_mesh(world_size());
+  const TrainRun ref = train(build(cfg, nullptr), kUnevenSteps, kUnevenSeq);
+  for (const Variant& v : variants())
+    expect_same_training(train(build(cfg, &mesh, v.opts), kUnevenSteps, kUnevenSeq), ref, v.name);
+}
+
+TEST(TensorParallel, TiedEmbeddingsTrainLikeTheUnparallelizedDecoder) {
+  const DecoderConfig cfg = tiny_config(/*tied=*/true);
+  DeviceMesh mesh = tp_mesh(world_size());
+  const TrainRun& ref = reference_run(true);
+  for (const Variant& v : variants()) {
+    SCOPED_TRACE(v.name);
+    Model m = build(cfg, &mesh, v.opts);
+    EXPECT_FALSE(m.net->tok_embeddings->weight.is_dtensor()) << "the tied weight stays replicated";
+    expect_same_training(train(m, kSteps), ref, v.name);
+  }
+}
+
+TEST(TensorParallel, RepeatedRunsAreBitIdentical) {
+  const DecoderConfig cfg = tiny_config();
+  DeviceMesh mesh = tp_mesh(world_size());
+  TrainRun a = train(build(cfg, &mesh, {true, true}), kSteps);
+  TrainRun b = train(build(cfg, &mesh, {true, true}), kSteps);
+  EXPECT_EQ(a.losses, b.losses);
+  expect_same_state(a.state, b.state, 0, "second run");
+}
+
+TEST(TensorParallel, GradientsMatchUnparallelizedDecoder) {
+  const DecoderConfig cfg = tiny_config();
+  DeviceMesh mesh = tp_mesh(world_size());
+  const Batch batch = make_batch(0, cfg.vocab_size);
+  Model ref = build(cfg, nullptr);
+  backward(loss_of(ref, batch));
+  auto ref_params = ref.net->named_parameters();
+  for (const Variant& v : variants()) {
+    SCOPED_TRACE(v.name);
+    Model m = build(cfg, &mesh, v.opts);
+    backward(loss_of(m, batch));
+    auto params = m.net->named_parameters();
+    ASSERT_EQ(params.size(), ref_params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& [name, p] = params[i];
+      ASSERT_TRUE(p->grad().defined()) << name;
+      Tensor full = p->grad();
+      if (p->is_dtensor()) {
+        DTensor g = p->grad_dtensor();
+        EXPECT_EQ(g.placements(), p->dtensor().placements()) << name;
+        full = g.full_tensor();
+      }
+      expect_close(full, ref_params[i].second->grad(), 1e-5, name, /*relative_to_max=*/true);
+    }
+  }
+}
+
+TEST(TensorParallel, StateDictIsTheUnparallelizedOne) {
+  const DecoderConfig cfg = tiny_config();
+  DeviceMesh mesh = tp_mesh(world_size());
+  for (const Variant& v : variants()) {
+    Model m = build(cfg, &mesh, v.opts);
+    expect_same_state(m.net->state_dict(), build(cfg, nullptr).net->state_dict(), 0, v.name);
+  }
+}
+
+TEST(TensorParallel, StateDictLoadsIntoEveryDegree) {
+  const DecoderConfig cfg = tiny_config();
+  const int64_t n = world_size();
+  DeviceMesh mesh = tp_mesh(n);
+  // Trained a little, so the weights are no longer what any seed draws.
+  Model src = build(cfg, &mesh);
+  train(src, 3);
+  const std::map<std::string, Tensor> state = src.net->state_dict();
+  const Batch batch = make_batch(100, cfg.vocab_size);
+  Tensor want;
+  {
+    NoGradGuard no_grad;
+    want = (*src.net)(batch.ids);  // Replicate output: the whole logits
+  }
+  DecoderConfig other = cfg;
+  other.seed = cfg.seed + 1;
+  std::vector<DeviceMesh> meshes;
+  for (int64_t tp = 1; tp <= n; ++tp)
+    if (n % tp == 0) meshes.push_back(tp_mesh(tp));
+  for (size_t i = 0; i <= meshes.size(); ++i) {
+    const bool plain = i == meshes.size();
+    const std::string what = plain ? "unparallelized" : "tp=" + std::to_string(meshes[i].size());
+    for (bool sp : plain ? std::vector<bool>{false} : std::vector<bool>{false, true}) {
+      Model dst = build(other, plain ? nullptr : &meshes[i], {sp, false});
+      ASSERT_NE(dst.net->state_dict().at("output.weight").to_vector<float>(),
+                state.at("output.weight").to_vector<float>());
+      dst.net->load_state_dict(state);
+      expect_same_state(dst.net->state_dict(), state, 0, what + " after load");
+      NoGradGuard no_grad;
+      expect_close((*dst.net)(batch.ids), want, 1e-5, what + " logits");
+    }
+  }
+}
+
+// --- errors ---
+
+TEST(TensorParallelErrors, HeadsNotDivisibleByTheDegree) {
+  const int64_t n = world_size();
+  if (n == 1) GTEST_SKIP() << "every head count divides by 1";
+  DecoderConfig cfg = tiny_config();
+  cfg.dim = 48;
+  cfg.n_heads = 6;
+  cfg.n_kv_heads = 3;  // odd: divides by neither 2 nor 4
+  expect_error([&] { decoder_tp_plan(cfg, tp_mesh(n)); },
+               {"heads not divisible by the tensor-parallel degree", "n_heads = 6",
+                "n_kv_heads = 3", "tensor-parallel degree = " + std::to_string(n)});
+}
+
+TEST(TensorParallelErrors, PatternMatchingNothingNamesItAndChangesNothing) {
+  const DecoderConfig cfg = tiny_config();
+  DeviceMesh mesh = tp_mesh(world_size());
+  auto net = std::make_shared<Decoder>(cfg);
+  auto col = std::make_shared<const ColwiseParallel>();
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"layers.*.attention.wz", col}});
+      },
+      {"'layers.*.attention.wz'", "matches no module", "wq, wk, wv, wo"});
+  // '*' stands for exactly one path component.
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"layers.*.attention.wq", col}, {"layers.*.wq", col}});
+      },
+      {"'layers.*.wq'", "attention_norm"});
+  // The first pattern was fine, but nothing is applied before every pattern has matched.
+  EXPECT_FALSE(net->layers[0]->attention->wq->weight.is_dtensor());
+  EXPECT_FALSE(net->layers[0]->attention->wq->dtensor_io().has_value());
+  // Within a component '*' matches any run of characters, as fnmatch does.
+  parallelize_module(net, mesh, {{"layers.*.feed_forward.w*", col}});
+  for (const auto& layer : net->layers) {
+    EXPECT_TRUE(layer->feed_forward->w1->weight.is_dtensor());
+    EXPECT_TRUE(layer->feed_forward->w2->weight.is_dtensor());
+    EXPECT_TRUE(layer->feed_forward->w3->weight.is_dtensor());
+    EXPECT_FALSE(layer->attention->wq->weight.is_dtensor());
+  }
+}
+
+TEST(TensorParallelErrors, StyleOnTheWrongModuleType) {
+  const DecoderConfig cfg = tiny_config();
+  DeviceMesh mesh = tp_mesh(world_size());
+  auto net = std::make_shared<Decoder>(cfg);
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"norm", std::make_shared<ColwiseParallel>()}});
+      },
+      {"ColwiseParallel", "Linear or Embedding", "RMSNorm"});
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh,
+                           {{"layers.0.attention", std::make_shared<RowwiseParallel>()}});
+      },
+      {"RowwiseParallel", "Attention"});
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"output", std::make_shared<SequenceParallel>()}});
+      },
+      {"SequenceParallel", "RMSNorm or LayerNorm", "Linear"});
+  // A second style on an already sharded layer would cut its shards again.
+  parallelize_module(net, mesh, {{"output", std::make_shared<ColwiseParallel>()}});
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"output", std::make_shared<RowwiseParallel>()}});
+      },
+      {"RowwiseParallel", "already tensor-parallel"});
+}
+
+TEST(TensorParallelErrors, MeshMustBeOneDimensional) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  DeviceMesh mesh({2, 2}, {"dp", "tp"});
+  auto net = std::make_shared<Decoder>(tiny_config());
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"output", std::make_shared<ColwiseParallel>()}});
+      },
+      {"1-D mesh", "DeviceMesh(dp=2, tp=2)"});
+  expect_error([&] { decoder_tp_plan(tiny_config(), mesh); }, {"must be 1-D"});
+}
