@@ -1,0 +1,310 @@
+// Misuse of the DTensor API fails on every rank with a message that says what was wrong, and
+// never leaves a rank waiting in a collective. The cases that could hang run in a child job of
+// four ranks with a short collective timeout, so a hang fails one test instead of the whole job.
+// Also: the text of visualize_sharding.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+
+#include "tessera/tessera.h"
+#include "test_redistribute_reference.h"
+
+using namespace tessera;
+using namespace tessera::test_ref;
+
+namespace {
+
+DeviceMesh line_mesh() {
+  return DeviceMesh({world_size()}, {"x"});
+}
+
+}  // namespace
+
+TEST(DTensorMisuse, LocalShardPassedAsTheGlobalTensor) {
+  DeviceMesh mesh = line_mesh();
+  const Shape shape = {2 * world_size() + 1, 5};  // uneven: the last rank's piece is shorter
+  const Tensor global = dyadic(shape, 1);
+  Tensor piece =
+      cut(global, window(shape, mesh.shape(), unravel(world_rank(), mesh.shape()), {Shard(0)}));
+  const std::string msg = error_of([&] { distribute_tensor(piece, mesh, {Shard(0)}); });
+  TESSERA_EXPECT_CONTAINS(msg, "pass tensors of different shapes");
+  TESSERA_EXPECT_CONTAINS(msg, shape_str(piece.shape()));
+  TESSERA_EXPECT_CONTAINS(msg, "every rank must pass the same global tensor");
+
+  DTensor d = distribute_tensor(global, mesh, {Shard(0)});
+  const std::string copy = error_of([&] { d.copy_from_full(d.to_local()); });
+  TESSERA_EXPECT_CONTAINS(copy, "copy_from_full");
+  TESSERA_EXPECT_CONTAINS(copy, shape_str(d.to_local().shape()));
+  TESSERA_EXPECT_CONTAINS(copy, shape_str(shape));
+}
+
+TEST(DTensorMisuse, MeshLargerThanTheWorld) {
+  const int n = world_size();
+  const std::string msg = error_of([&] { DeviceMesh({n, 2}, {"dp", "tp"}); });
+  TESSERA_EXPECT_CONTAINS(msg, shape_str({n, 2}));
+  TESSERA_EXPECT_CONTAINS(
+      msg, "has " + std::to_string(2 * n) + " ranks but the world has " + std::to_string(n));
+  // Nothing was split: the world still works.
+  Tensor t = ones({1}, DType::Float64);
+  world_group()->all_reduce(t, ReduceOp::Sum)->wait();
+  EXPECT_EQ(t.item<double>(), double(n));
+}
+
+TEST(DTensorMisuse, ShardDimOutOfRange) {
+  DeviceMesh mesh = line_mesh();
+  const Tensor global = dyadic({4, 6}, 2);
+  std::string msg = error_of([&] { distribute_tensor(global, mesh, {Shard(5)}); });
+  TESSERA_EXPECT_CONTAINS(msg, "S(5)");
+  TESSERA_EXPECT_CONTAINS(msg, "[4, 6]");
+  DTensor d = distribute_tensor(global, mesh, {Replicate()});
+  msg = error_of([&] { d.redistribute({Shard(5)}); });
+  TESSERA_EXPECT_CONTAINS(msg, "S(5)");
+  msg = error_of([&] { DTensor::from_local(global, mesh, {Shard(-3)}); });
+  TESSERA_EXPECT_CONTAINS(msg, "-3");
+  // A negative dim that is in range means the same as its positive form.
+  EXPECT_EQ(distribute_tensor(global, mesh, {Shard(-1)}).placements(), (Placements{Shard(1)}));
+}
+
+TEST(DTensorMisuse, PlacementCountDiffersFromMeshDims) {
+  DeviceMesh mesh = line_mesh();
+  const Tensor global = dyadic({4, 6}, 3);
+  std::string msg = error_of([&] { distribute_tensor(global, mesh, {Shard(0), Replicate()}); });
+  TESSERA_EXPECT_CONTAINS(msg, "[S(0), R]");
+  TESSERA_EXPECT_CONTAINS(msg, "2 entries");
+  TESSERA_EXPECT_CONTAINS(msg, mesh.str());
+  DTensor d = distribute_tensor(global, mesh, {Shard(0)});
+  msg = error_of([&] { d.redistribute({}); });
+  TESSERA_EXPECT_CONTAINS(msg, "0 entries");
+  msg = error_of([&] { DTensor::from_local(global, mesh, {Replicate(), Replicate()}); });
+  TESSERA_EXPECT_CONTAINS(msg, "2 entries");
+}
+
+TEST(DTensorMisuse, LocalShapeInconsistentWithGlobalShape) {
+  DeviceMesh mesh = line_mesh();
+  // 7 rows over 2 or 4 ranks: no rank's piece has 5 rows.
+  const Tensor local = zeros({5, 3}, DType::Float64);
+  const std::string msg = error_of([&] {
+    DTensor::from_local(local, mesh, {Shard(0)}, Shape{7, 3});
+  });
+  TESSERA_EXPECT_CONTAINS(msg, "from_local");
+  TESSERA_EXPECT_CONTAINS(msg, "[5, 3]");
+  TESSERA_EXPECT_CONTAINS(msg, "[7, 3]");
+  const Window w = window({7, 3}, mesh.shape(), unravel(world_rank(), mesh.shape()), {Shard(0)});
+  TESSERA_EXPECT_CONTAINS(msg, shape_str(w.shape));
+}
+
+TEST(DTensorMisuse, UnknownSubMeshName) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  DeviceMesh mesh({2, 2}, {"dp", "tp"});
+  std::string msg = error_of([&] { mesh["pp"]; });
+  TESSERA_EXPECT_CONTAINS(msg, "'pp'");
+  TESSERA_EXPECT_CONTAINS(msg, "dp, tp");
+  msg = error_of([&] { mesh.group("pp"); });
+  TESSERA_EXPECT_CONTAINS(msg, "'pp'");
+  msg = error_of([&] { mesh[std::vector<std::string>{"tp", "dp"}]; });
+  TESSERA_EXPECT_CONTAINS(msg, "in mesh order");
+  EXPECT_EQ(mesh["tp"].size(), 2);
+}
+
+// ---- visualize_sharding ----
+
+namespace {
+
+// The line of `table` that starts with `prefix`, or "".
+std::string line_starting(const std::string& table, const std::string& prefix) {
+  size_t pos = 0;
+  while (pos < table.size()) {
+    size_t end = table.find('\n', pos);
+    if (end == std::string::npos) end = table.size();
+    std::string line = table.substr(pos, end - pos);
+    if (line.rfind(prefix, 0) == 0) return line;
+    pos = end + 1;
+  }
+  return "";
+}
+
+std::string block_str(const Window& w) {
+  std::string s = "[";
+  for (size_t d = 0; d < w.shape.size(); ++d)
+    s += (d ? ", " : "") + std::to_string(w.offset[d]) + ":" +
+         std::to_string(w.offset[d] + w.shape[d]);
+  return s + "]";
+}
+
+void check_table(const DTensor& d, const std::string& partial_note) {
+  const std::string table = visualize_sharding(d);
+  const DeviceMesh& mesh = d.mesh();
+  TESSERA_EXPECT_CONTAINS(table, shape_str(d.shape()));
+  TESSERA_EXPECT_CONTAINS(table, placements_str(d.placements()));
+  for (int r = 0; r < world_size(); ++r) {
+    const std::vector<int64_t> c = unravel(r, mesh.shape());
+    const std::string line = line_starting(table, coord_str(c));
+    ASSERT_FALSE(line.empty()) << "no row for " << coord_str(c) << " in\n" << table;
+    const Window w = window(d.shape(), mesh.shape(), c, d.placements());
+    // Built piecewise: GCC 12 warns (-Wrestrict) on " " + std::to_string(r).
+    std::string rank_cell = " ";
+    rank_cell += std::to_string(r);
+    rank_cell += " ";
+    TESSERA_EXPECT_CONTAINS(line, rank_cell);
+    TESSERA_EXPECT_CONTAINS(line, block_str(w));
+    const bool empty = shape_numel(w.shape) == 0;
+    EXPECT_EQ(line.find("empty") != std::string::npos, empty) << line;
+    if (!partial_note.empty()) {
+      TESSERA_EXPECT_CONTAINS(line, partial_note);
+    }
+  }
+}
+
+}  // namespace
+
+TEST(VisualizeSharding, NamesEachCoordinatesBlockAndEmptyShards) {
+  DeviceMesh mesh = line_mesh();
+  // One row more than half the ranks: the last ranks hold nothing.
+  const Shape shape = {world_size() / 2 + 1, 4};
+  check_table(distribute_tensor(dyadic(shape, 4), mesh, {Shard(0)}), "");
+  check_table(distribute_tensor(dyadic(shape, 4), mesh, {Shard(1)}), "");
+  if (world_size() == 4) {
+    DeviceMesh two({2, 2}, {"dp", "tp"});
+    check_table(distribute_tensor(dyadic({3, 5}, 5), two, {Shard(0), Shard(0)}), "");
+    check_table(distribute_tensor(dyadic({3, 5}, 5), two, {Shard(1), Partial()}), "partial(tp)");
+  }
+}
+
+// ---- cases that hang when one rank fails before a collective the others enter ----
+
+namespace {
+
+struct ChildResult {
+  int exit_code = -1;
+  double seconds = 0;
+  std::string output;
+};
+
+// Runs this binary's `MisuseChild.DISABLED_<name>` on four ranks with a 5 s collective timeout.
+// The child gets a clean environment: an inherited one would make its ranks join this job.
+ChildResult run_child(const std::string& name) {
+  std::array<char, 4096> self{};
+  const ssize_t len = readlink("/proc/self/exe", self.data(), self.size() - 1);
+  ChildResult result;
+  if (len <= 0) {
+    result.output = "cannot find this executable";
+    return result;
+  }
+  std::string env = "env -i PATH='" + std::string(std::getenv("PATH") ? std::getenv("PATH") : "") +
+                    "' OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
+                    "OMP_NUM_THREADS=1 TESSERA_COLLECTIVE_TIMEOUT=5";
+  for (const char* var : {"HOME", "LD_LIBRARY_PATH", "TMPDIR"})
+    if (const char* v = std::getenv(var)) env += std::string(" ") + var + "='" + v + "'";
+  const std::string cmd = env + " timeout -k 5 120 " + TESSERA_MPIEXEC + " " +
+                          TESSERA_MPIEXEC_NUMPROC_FLAG + " 4 " + TESSERA_MPIEXEC_FLAGS + " " +
+                          std::string(self.data(), size_t(len)) +
+                          " --gtest_also_run_disabled_tests --gtest_color=no"
+                          " --gtest_filter=MisuseChild.DISABLED_" +
+                          name + " 2>&1";
+  const auto start = std::chrono::steady_clock::now();
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) {
+    result.output = "popen failed for: " + cmd;
+    return result;
+  }
+  std::array<char, 4096> buf{};
+  size_t got = 0;
+  while ((got = std::fread(buf.data(), 1, buf.size(), pipe)) > 0)
+    result.output.append(buf.data(), got);
+  const int status = pclose(pipe);
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return result;
+}
+
+// Only rank 0 of the two-rank job starts the child (fewer idle ranks competing with it for the
+// cores); the others wait at the barrier.
+class NeverHangs : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (world_size() != 2) GTEST_SKIP() << "the four-rank child job is started from the 2-rank run";
+  }
+  void TearDown() override { world_group()->barrier()->wait(); }
+  void expect_child_passes(const std::string& name) {
+    if (world_rank() != 0) return;
+    ChildResult r = run_child(name);
+    const bool passed = r.exit_code == 0 &&
+                        r.output.find("collective timeout") == std::string::npos &&
+                        r.output.find("[  PASSED  ] 1 test") != std::string::npos;
+    EXPECT_TRUE(passed) << "child job exit code " << r.exit_code << " after " << r.seconds
+                        << " s:\n"
+                        << r.output;
+  }
+};
+
+// The pieces of [3, 2] under [S(0), S(0)] on (2, 2): rows 1, 1, 1, 0. The mesh-dim-0 groups of
+// column 0 agree on the shape, those of column 1 do not.
+Tensor nested_piece() {
+  const Window w = window({3, 2}, {2, 2}, unravel(world_rank(), {2, 2}), {Shard(0), Shard(0)});
+  return cut(dyadic({3, 2}, 6), w);
+}
+
+}  // namespace
+
+TEST(MisuseChild, DISABLED_DistributeNestedLocalPieces) {
+  DeviceMesh mesh({2, 2}, {"dp", "tp"});
+  Tensor piece = nested_piece();
+  const std::string msg = error_of([&] { distribute_tensor(piece, mesh, {Shard(0), Shard(0)}); });
+  TESSERA_EXPECT_CONTAINS(msg, "pass tensors of different shapes");
+}
+
+// The control: pieces that differ along mesh dim 0 in every column fail on every rank at once.
+TEST(MisuseChild, DISABLED_DistributeLocalPiecesDifferingInEveryColumn) {
+  DeviceMesh mesh({2, 2}, {"dp", "tp"});
+  const Window w = window({3, 2}, {2, 2}, unravel(world_rank(), {2, 2}), {Shard(0), Replicate()});
+  Tensor piece = cut(dyadic({3, 2}, 6), w);
+  const std::string msg = error_of([&] {
+    distribute_tensor(piece, mesh, {Shard(0), Replicate()});
+  });
+  TESSERA_EXPECT_CONTAINS(msg, "pass tensors of different shapes");
+}
+
+TEST(MisuseChild, DISABLED_RunCheckOneReplicaDiffers) {
+  DeviceMesh mesh({2, 2}, {"dp", "tp"});
+  Tensor local = dyadic({2, 3}, 7);
+  if (world_rank() == 3) local.data<double>()[0] += 1;
+  const std::string msg = error_of([&] {
+    DTensor::from_local(local, mesh, {Replicate(), Replicate()}, std::nullopt, true);
+  });
+  TESSERA_EXPECT_CONTAINS(msg, "values differ across ranks");
+}
+
+TEST(MisuseChild, DISABLED_RunCheckOneRankHasTheWrongPiece) {
+  DeviceMesh mesh({4}, {"x"});
+  // [7, 3] over 4 ranks: pieces of 2, 2, 2, 1 rows; the last rank passes 2.
+  Tensor local = zeros({2, 3}, DType::Float64);
+  const std::string msg = error_of([&] {
+    DTensor::from_local(local, mesh, {Shard(0)}, Shape{7, 3}, /*run_check=*/true);
+  });
+  EXPECT_FALSE(msg.empty()) << "every rank must learn that the DTensor is inconsistent";
+  if (world_rank() == 3) {
+    TESSERA_EXPECT_CONTAINS(msg, "[2, 3]");
+  }
+}
+
+TEST_F(NeverHangs, ControlDistributeTensorFailingAtTheFirstMeshDim) {
+  expect_child_passes("DistributeLocalPiecesDifferingInEveryColumn");
+}
+
+TEST_F(NeverHangs, DistributeTensorWithNestedLocalPieces) {
+  expect_child_passes("DistributeNestedLocalPieces");
+}
+
+TEST_F(NeverHangs, RunCheckWithOneDifferentReplicaOnATwoDimMesh) {
+  expect_child_passes("RunCheckOneReplicaDiffers");
+}
+
+TEST_F(NeverHangs, RunCheckWithOneRankHoldingTheWrongPiece) {
+  expect_child_passes("RunCheckOneRankHasTheWrongPiece");
+}
