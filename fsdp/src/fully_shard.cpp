@@ -1,0 +1,175 @@
+#include "tessera/fsdp/fully_shard.h"
+
+#include <map>
+
+#include "tessera/autograd/grad_mode.h"
+#include "tessera/comm/runtime.h"
+#include "tessera/core/factory.h"
+#include "tessera/core/kernels/views.h"
+#include "tessera/dtensor/layout.h"
+
+namespace tessera {
+
+namespace {
+
+// Which state owns each module and parameter. Weak, so a destroyed model frees its entries
+// (its hooks own the states).
+std::map<const Module*, std::weak_ptr<FSDPState>>& module_registry() {
+  static std::map<const Module*, std::weak_ptr<FSDPState>> r;
+  return r;
+}
+std::map<const Parameter*, std::weak_ptr<FSDPState>>& param_registry() {
+  static std::map<const Parameter*, std::weak_ptr<FSDPState>> r;
+  return r;
+}
+
+bool claimed(const Parameter* p) {
+  auto it = param_registry().find(p);
+  return it != param_registry().end() && !it->second.expired();
+}
+
+// FSDP x TP: the (dp, tp) mesh whose rows are `dp` and columns `tp`, checked against both.
+DeviceMesh combined_mesh(const DeviceMesh& dp, const DeviceMesh& tp, const std::string& what) {
+  TESSERA_CHECK(dp.ndim() == 1 && tp.ndim() == 1, "fully_shard: ", what, " is a DTensor on ",
+                tp.str(),
+                "; FSDP x TP needs a 1-D FSDP mesh and a 1-D TP "
+                "mesh, got FSDP mesh ",
+                dp.str());
+  TESSERA_CHECK(dp.size() * tp.size() == world_size(), "fully_shard: ", what, " on TP mesh ",
+                tp.str(), " with FSDP mesh ", dp.str(), ": the two must tile the ", world_size(),
+                " world ranks");
+  const std::string dp_name = dp.dim_names()[0], tp_name = tp.dim_names()[0];
+  TESSERA_CHECK(dp_name != tp_name, "fully_shard: FSDP mesh ", dp.str(), " and TP mesh ", tp.str(),
+                " of ", what, " share the dim name '", dp_name, "'");
+  DeviceMesh m(Shape{dp.size(), tp.size()}, {dp_name, tp_name});
+  TESSERA_CHECK(
+      m[dp_name].world_ranks() == dp.world_ranks() && m[tp_name].world_ranks() == tp.world_ranks(),
+      "fully_shard: FSDP mesh ", dp.str(), " and TP mesh ", tp.str(), " of ", what,
+      " are not the rows and columns of a row-major (", dp_name, ", ", tp_name, ") world mesh");
+  return m;
+}
+
+}  // namespace
+
+std::shared_ptr<FSDPState> fully_shard(const ModulePtr& module, const DeviceMesh& mesh,
+                                       FSDPOptions opts) {
+  TESSERA_CHECK(module != nullptr, "fully_shard: null module");
+  {
+    auto it = module_registry().find(module.get());
+    TESSERA_CHECK(it == module_registry().end() || it->second.expired(),
+                  "fully_shard: ", module->type_name(),
+                  " is already fully_shard'ed; call it once per module");
+  }
+  TESSERA_CHECK(mesh.ndim() == 1 || mesh.ndim() == 2, "fully_shard(", module->type_name(),
+                "): mesh ", mesh.str(),
+                " must be 1-D (FSDP) or 2-D (HSDP: replicate dim 0, shard dim 1)");
+  std::shared_ptr<FSDPState> state(new FSDPState());
+  state->module_ = module;
+  state->opts_ = opts;
+  const bool hsdp = mesh.ndim() == 2;
+  state->shard_pg_ = mesh.group(hsdp ? 1 : 0);
+  if (hsdp) state->replicate_pg_ = mesh.group(0);
+  const int64_t k = state->shard_pg_->size();
+  const int64_t my = mesh.local_rank(hsdp ? 1 : 0);
+
+  // Lay out the group: each parameter's dim-0 piece padded to ceil(rows / k) rows.
+  std::optional<DType> dtype;
+  std::optional<DeviceMesh> tp_mesh, dp_tp_mesh;
+  std::vector<Tensor> sources;
+  for (auto& [name, p] : module->named_parameters()) {
+    if (!p->defined() || claimed(p)) continue;
+    FSDPState::ParamInfo i;
+    i.param = p;
+    i.name = name;
+    Tensor src = p->stored().detach();
+    if (p->is_dtensor()) {
+      const DTensor& d = p->stored_dtensor();
+      TESSERA_CHECK(!hsdp, "fully_shard(", module->type_name(), "): parameter '", name,
+                    "' is already a DTensor ", d.str(),
+                    "; HSDP of tensor-parallel parameters "
+                    "is not supported");
+      TESSERA_CHECK(d.mesh() != mesh, "fully_shard(", module->type_name(), "): parameter '", name,
+                    "' is already sharded on ", mesh.str(), " (", d.str(), ")");
+      if (!tp_mesh) {
+        tp_mesh = d.mesh();
+        dp_tp_mesh = combined_mesh(mesh, d.mesh(), "parameter '" + name + "'");
+      }
+      TESSERA_CHECK(d.mesh() == *tp_mesh, "fully_shard(", module->type_name(),
+                    "): parameters on different TP meshes (", tp_mesh->str(), " and ",
+                    d.mesh().str(), " for '", name, "')");
+      i.tp_mesh = d.mesh();
+      i.tp_placements = d.placements();
+      i.tp_global_shape = d.shape();
+      for (const Placement& pl : d.placements())
+        TESSERA_CHECK(!pl.is_partial(), "fully_shard: parameter '", name, "' is ", d.str(),
+                      "; a Partial parameter cannot be sharded");
+    }
+    i.unsharded_shape = src.shape();
+    TESSERA_CHECK(src.dim() >= 1, "fully_shard(", module->type_name(), "): parameter '", name,
+                  "' is 0-dimensional; FSDP shards dim 0");
+    TESSERA_CHECK(!dtype || *dtype == src.dtype(), "fully_shard(", module->type_name(),
+                  "): parameter '", name, "' is ", dtype_name(src.dtype()),
+                  " but the group's other parameters are ", dtype_name(*dtype));
+    dtype = src.dtype();
+    i.rows = src.size(0);
+    i.row_numel = i.rows == 0 ? 0 : src.numel() / i.rows;
+    if (i.rows == 0) i.row_numel = shape_numel(Shape(src.shape().begin() + 1, src.shape().end()));
+    i.chunk_rows = (i.rows + k - 1) / k;
+    i.offset = state->padded_size_;
+    state->padded_size_ += i.chunk_rows * i.row_numel;
+    state->params_.push_back(std::move(i));
+    sources.push_back(src);
+  }
+
+  NoGradGuard no_grad;
+  state->flat_ = zeros(Shape{state->padded_size_}, dtype.value_or(DType::Float32));
+  for (size_t n = 0; n < state->params_.size(); ++n) {
+    FSDPState::ParamInfo& i = state->params_[n];
+    Parameter& p = *i.param;
+    const Chunk c = chunk_of(i.rows, k, my);
+    Shape local_shape = i.unsharded_shape;
+    local_shape[0] = c.length;
+    Tensor view = kernels::view(kernels::narrow(state->flat_, 0, i.offset, c.length * i.row_numel),
+                                local_shape);
+    view.copy_(kernels::narrow(sources[n], 0, c.start, c.length));
+    DTensor dt;
+    if (i.tp_mesh) {
+      // TP split dim 0 first, so FSDP's shard nests inside it: StridedShard.
+      const Placement& tp = i.tp_placements[0];
+      Placement dp_pl = tp.is_shard(0) ? StridedShard(0, i.tp_mesh->size()) : Shard(0);
+      dt = DTensor::from_local(view, *dp_tp_mesh, {dp_pl, tp}, i.tp_global_shape);
+    } else if (dp_tp_mesh) {
+      // A parameter TP left whole, in a group with TP parameters: replicated over tp, like
+      // PyTorch, so the whole group lives on the (dp, tp) mesh.
+      dt = DTensor::from_local(view, *dp_tp_mesh, {Shard(0), Replicate()}, i.unsharded_shape);
+    } else if (hsdp) {
+      dt = DTensor::from_local(view, mesh, {Replicate(), Shard(0)}, i.unsharded_shape);
+    } else {
+      dt = DTensor::from_local(view, mesh, {Shard(0)}, i.unsharded_shape);
+    }
+    const bool rg = p.requires_grad();
+    p = Parameter(dt, rg);
+    TESSERA_CHECK(p.stored().storage().is_same(state->flat_.storage()),
+                  "fully_shard: the stored shard of '", i.name,
+                  "' is not a view of the flat "
+                  "buffer");
+    param_registry()[&p] = state;
+  }
+
+  // Every fully_shard'ed module inside this one now has an outer root.
+  for (auto& [name, m] : module->named_modules()) {
+    if (m.get() == module.get()) continue;
+    auto it = module_registry().find(m.get());
+    if (it == module_registry().end()) continue;
+    if (auto s = it->second.lock()) s->is_root_ = false;
+  }
+  module_registry()[module.get()] = state;
+
+  module->register_forward_pre_hook(
+      [state](Module&, const Tensor& x) { return state->pre_forward(x); });
+  module->register_forward_hook(
+      [state](Module&, const Tensor&, const Tensor& y) { return state->post_forward(y); });
+  return state;
+}
+
+}  // namespace tessera

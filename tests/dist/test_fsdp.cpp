@@ -1,0 +1,317 @@
+// fully_shard against the plain model trained in the same process on the whole global batch:
+// every FSDP variant (plain, HSDP, FSDP x TP, gradient accumulation, frozen parameters) must give
+// the same losses and the same final weights as single-rank training with the mean loss.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <map>
+#include <string>
+
+#include "tessera/fsdp/fully_shard.h"
+#include "tessera/tessera.h"
+
+using namespace tessera;
+
+namespace {
+
+constexpr int64_t kBatch = 8;
+constexpr int64_t kSeq = 8;
+
+DecoderConfig tiny_config() {
+  DecoderConfig cfg;
+  cfg.vocab_size = 32;
+  cfg.dim = 32;
+  cfg.n_layers = 2;
+  cfg.n_heads = 4;
+  cfg.n_kv_heads = 2;
+  cfg.ffn_dim = 64;
+  cfg.max_seq_len = kSeq;
+  cfg.seed = 7;
+  return cfg;
+}
+
+uint64_t splitmix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+struct Batch {
+  Tensor ids, targets;
+};
+
+// Rows follow x' = (5x + 3) mod V from a start that depends only on (step, row): every rank
+// builds the same global batch.
+Batch make_batch(int step, int64_t rows = kBatch) {
+  const int64_t vocab = tiny_config().vocab_size;
+  std::vector<int64_t> ids, targets;
+  for (int64_t b = 0; b < rows; ++b) {
+    int64_t x = int64_t(splitmix(uint64_t(step) * 1009 + uint64_t(b)) % uint64_t(vocab));
+    for (int64_t t = 0; t < kSeq; ++t) {
+      ids.push_back(x);
+      x = (5 * x + 3) % vocab;
+      targets.push_back(x);
+    }
+  }
+  return {from_vector<int64_t>(ids, {rows, kSeq}), from_vector<int64_t>(targets, {rows, kSeq})};
+}
+
+Batch rows_of(const Batch& b, int64_t dp_rank, int64_t dp_size) {
+  const int64_t n = b.ids.size(0) / dp_size;
+  return {kernels::narrow(b.ids, 0, dp_rank * n, n).contiguous(),
+          kernels::narrow(b.targets, 0, dp_rank * n, n).contiguous()};
+}
+
+double world_mean(double v) {
+  Tensor t = from_vector<double>({v});
+  world_group()->all_reduce(t, ReduceOp::Sum)->wait();
+  return t.item<double>() / double(world_size());
+}
+
+// How a test shards the model; returns the groups, root last.
+using Apply = std::function<std::vector<std::shared_ptr<FSDPState>>(std::shared_ptr<Decoder>)>;
+
+std::vector<std::shared_ptr<FSDPState>> shard_blocks_and_root(const std::shared_ptr<Decoder>& net,
+                                                              const DeviceMesh& mesh,
+                                                              FSDPOptions opts = {}) {
+  std::vector<std::shared_ptr<FSDPState>> states;
+  for (auto& layer : net->layers)
+    states.push_back(fully_shard(layer, mesh, opts));
+  states.push_back(fully_shard(net, mesh, opts));
+  return states;
+}
+
+struct TrainRun {
+  std::vector<double> losses;
+  std::map<std::string, Tensor> state;
+};
+
+TrainRun train(const std::shared_ptr<Decoder>& net, int steps, int64_t dp_rank, int64_t dp_size,
+               const std::function<void(Decoder&)>& check_step = {}) {
+  AdamW opt(net->parameters(), AdamWOptions{.lr = 3e-3});
+  TrainRun run;
+  for (int s = 0; s < steps; ++s) {
+    Batch b = rows_of(make_batch(s), dp_rank, dp_size);
+    opt.zero_grad();
+    Tensor loss = cross_entropy((*net)(b.ids), b.targets);
+    backward(loss);
+    if (check_step) check_step(*net);
+    opt.step();
+    run.losses.push_back(world_mean(loss.item<float>()));
+  }
+  run.state = net->state_dict();
+  return run;
+}
+
+void expect_close(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
+  ASSERT_TRUE(got.defined()) << what << ": undefined";
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  auto g = got.to_vector<double>(), w = want.to_vector<double>();
+  for (size_t i = 0; i < g.size(); ++i)
+    ASSERT_NEAR(g[i], w[i], tol * (1.0 + std::abs(w[i])))
+        << what << " element " << i << " of " << shape_str(got.shape());
+}
+
+void expect_same_run(const TrainRun& got, const TrainRun& want, double tol) {
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  for (size_t s = 0; s < got.losses.size(); ++s)
+    EXPECT_NEAR(got.losses[s], want.losses[s], tol * std::abs(want.losses[s])) << "step " << s;
+  ASSERT_EQ(got.state.size(), want.state.size());
+  for (const auto& [name, t] : want.state) {
+    auto it = got.state.find(name);
+    ASSERT_NE(it, got.state.end()) << name;
+    expect_close(it->second, t, tol, name);
+  }
+}
+
+template <class F>
+void expect_error(F&& f, const std::vector<std::string>& needles) {
+  try {
+    f();
+  } catch (const Error& e) {
+    for (const std::string& n : needles)
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
+          << "missing '" << n << "' in: " << e.what();
+    return;
+  }
+  ADD_FAILURE() << "expected an error containing '" << needles.front() << "'";
+}
+
+const TrainRun& reference_run() {
+  static const TrainRun r = train(std::make_shared<Decoder>(tiny_config()), 30, 0, 1);
+  return r;
+}
+
+DeviceMesh dp_mesh() {
+  return DeviceMesh(Shape{world_size()}, {"dp"});
+}
+
+TEST(FullyShard, TrainingMatchesSingleRank) {
+  DeviceMesh mesh = dp_mesh();
+  auto net = std::make_shared<Decoder>(tiny_config());
+  auto states = shard_blocks_and_root(net, mesh);
+  EXPECT_TRUE(states.back()->is_root());
+  EXPECT_FALSE(states.front()->is_root());
+  int unsharded_during_forward = 0;
+  // Between backward and step every group is resharded and has its gradient on the stored leaf.
+  auto check = [&](Decoder& d) {
+    for (auto& s : states) {
+      EXPECT_FALSE(s->is_unsharded());
+      for (Parameter* p : s->parameters()) {
+        EXPECT_FALSE(p->is_unsharded());
+        ASSERT_TRUE(p->grad().defined());
+        EXPECT_EQ(p->grad().shape(), p->stored().shape());
+      }
+    }
+    (void)d;
+  };
+  net->layers[1]->register_forward_hook([&](Module&, const Tensor&, const Tensor&) {
+    // Resharded right after its forward unless it is the root.
+    unsharded_during_forward += states[1]->is_unsharded() ? 1 : 0;
+    return Tensor();
+  });
+  TrainRun run = train(net, 30, mesh.local_rank(0), world_size(), check);
+  expect_same_run(run, reference_run(), 1e-5);
+  // The hook registered after fully_shard's runs after its reshard.
+  EXPECT_EQ(unsharded_during_forward, 0);
+}
+
+TEST(FullyShard, StoredShardsAreOneFlatBufferPerGroup) {
+  DeviceMesh mesh = dp_mesh();
+  auto net = std::make_shared<Decoder>(tiny_config());
+  int64_t total = 0;
+  for (Parameter* p : net->parameters())
+    total += shape_numel(p->global_shape());
+  auto before = net->state_dict();
+  auto states = shard_blocks_and_root(net, mesh);
+  const int64_t n = world_size();
+  int64_t stored = 0, padded = 0, claimed = 0;
+  for (auto& s : states) {
+    padded += s->flat_buffer().numel();
+    claimed += int64_t(s->parameters().size());
+    for (Parameter* p : s->parameters()) {
+      stored += p->stored().numel();
+      EXPECT_TRUE(p->stored().storage().is_same(s->flat_buffer().storage()));
+      ASSERT_TRUE(p->is_dtensor());
+      EXPECT_EQ(p->stored_dtensor().placements(), Placements{Shard(0)});
+    }
+  }
+  EXPECT_EQ(claimed, int64_t(net->parameters().size()));
+  // ceil(rows / n) padding per parameter at most.
+  EXPECT_LE(stored, padded);
+  EXPECT_LE(padded, total / n + 64 * int64_t(net->parameters().size()));
+  EXPECT_GE(padded * n, total);
+  Tensor count = from_vector<int64_t>({stored});
+  world_group()->all_reduce(count, ReduceOp::Sum)->wait();
+  EXPECT_EQ(count.item<int64_t>(), total);
+  // The global values are unchanged.
+  for (const auto& [name, t] : net->state_dict())
+    expect_close(t, before.at(name), 0, name);
+}
+
+TEST(FullyShard, GradientAccumulationEqualsOneLargeBatch) {
+  DeviceMesh mesh = dp_mesh();
+  constexpr int kMicro = 4;
+  // Reference: one batch of 4 x kBatch rows, mean loss.
+  auto ref = std::make_shared<Decoder>(tiny_config());
+  Batch big = make_batch(3, kMicro * kBatch);
+  backward(cross_entropy((*ref)(big.ids), big.targets));
+
+  auto net = std::make_shared<Decoder>(tiny_config());
+  auto states = shard_blocks_and_root(net, mesh);
+  for (int m = 0; m < kMicro; ++m) {
+    const bool last = m == kMicro - 1;
+    for (auto& s : states)
+      s->set_requires_gradient_sync(last);
+    Batch micro = {kernels::narrow(big.ids, 0, m * kBatch, kBatch).contiguous(),
+                   kernels::narrow(big.targets, 0, m * kBatch, kBatch).contiguous()};
+    Batch mine = rows_of(micro, mesh.local_rank(0), world_size());
+    backward(mul(cross_entropy((*net)(mine.ids), mine.targets), 1.0 / kMicro));
+    if (!last) {
+      for (Parameter* p : net->parameters())
+        EXPECT_FALSE(p->grad().defined()) << "no reduce-scatter while sync is off";
+    }
+  }
+  auto ref_params = ref->named_parameters();
+  auto params = net->named_parameters();
+  ASSERT_EQ(ref_params.size(), params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    ASSERT_EQ(params[i].first, ref_params[i].first);
+    expect_close(params[i].second->grad_dtensor().full_tensor(), ref_params[i].second->grad(), 1e-5,
+                 params[i].first);
+  }
+}
+
+TEST(FullyShard, FrozenParameterGetsNoGradientAndStaysUnchanged) {
+  const std::string frozen = "layers.0.attention.wq.weight";
+  auto freeze = [&](Decoder& d) {
+    for (auto& [name, p] : d.named_parameters())
+      if (name == frozen) p->set_requires_grad(false);
+  };
+  auto ref = std::make_shared<Decoder>(tiny_config());
+  freeze(*ref);
+  TrainRun want = train(ref, 5, 0, 1);
+
+  DeviceMesh mesh = dp_mesh();
+  auto net = std::make_shared<Decoder>(tiny_config());
+  const Tensor initial = net->state_dict().at(frozen);
+  freeze(*net);
+  shard_blocks_and_root(net, mesh);
+  TrainRun got = train(net, 5, mesh.local_rank(0), world_size(), [&](Decoder& d) {
+    for (auto& [name, p] : d.named_parameters())
+      if (name == frozen) {
+        EXPECT_FALSE(p->grad().defined());
+      }
+  });
+  expect_same_run(got, want, 1e-5);
+  expect_close(got.state.at(frozen), initial, 0, frozen);
+}
+
+TEST(FullyShard, HybridShardingMatchesSingleRank) {
+  if (world_size() != 4) GTEST_SKIP() << "HSDP runs on a (2, 2) mesh";
+  DeviceMesh mesh(Shape{2, 2}, {"replicate", "shard"});
+  auto net = std::make_shared<Decoder>(tiny_config());
+  shard_blocks_and_root(net, mesh);
+  Parameter* w = net->parameters().front();
+  EXPECT_EQ(w->stored_dtensor().placements(), (Placements{Replicate(), Shard(0)}));
+  TrainRun run = train(net, 30, world_rank(), world_size());
+  expect_same_run(run, reference_run(), 1e-5);
+}
+
+TEST(FullyShard, WithTensorParallelMatchesSingleRank) {
+  if (world_size() != 4) GTEST_SKIP() << "FSDP x TP runs on a (2, 2) mesh";
+  DeviceMesh mesh(Shape{2, 2}, {"dp", "tp"});
+  const DecoderConfig cfg = tiny_config();
+  auto net = std::make_shared<Decoder>(cfg);
+  parallelize_module(net, mesh["tp"], decoder_tp_plan(cfg, mesh["tp"]));
+  shard_blocks_and_root(net, mesh["dp"]);
+  for (auto& [name, p] : net->named_parameters()) {
+    ASSERT_TRUE(p->is_dtensor()) << name;
+    EXPECT_EQ(p->stored_dtensor().mesh().ndim(), 2) << name << " " << p->str();
+    if (name == "layers.0.attention.wq.weight") {
+      EXPECT_EQ(p->stored_dtensor().placements(), (Placements{StridedShard(0, 2), Shard(0)}));
+    }
+    if (name == "layers.0.attention.wo.weight") {
+      EXPECT_EQ(p->stored_dtensor().placements(), (Placements{Shard(0), Shard(1)}));
+    }
+  }
+  // full_tensor of every parameter is the original logical weight.
+  auto original = std::make_shared<Decoder>(cfg)->state_dict();
+  for (const auto& [name, t] : net->state_dict())
+    expect_close(t, original.at(name), 0, name);
+  TrainRun run = train(net, 30, mesh.local_rank(0), 2);
+  expect_same_run(run, reference_run(), 1e-5);
+}
+
+TEST(FullyShard, MisuseErrors) {
+  DeviceMesh mesh = dp_mesh();
+  auto net = std::make_shared<Decoder>(tiny_config());
+  fully_shard(net->layers[0], mesh);
+  expect_error([&] { fully_shard(net->layers[0], mesh); },
+               {"fully_shard", "DecoderBlock", "already fully_shard'ed"});
+  expect_error([&] { fully_shard(net, mesh["nope"]); }, {"no mesh dim named 'nope'"});
+}
+
+}  // namespace
