@@ -405,14 +405,19 @@ TEST(FullyShard, MixedPrecisionComputesInParamDtypeAndKeepsFloat32Masters) {
 
 TEST(FullyShard, MlpWithoutMixedPrecisionMatchesExactly) {
   DeviceMesh mesh = dp_mesh();
-  const std::vector<double> want = train_mlp(std::make_shared<Mlp>(), 10, 0, 1);
+  auto ref = std::make_shared<Mlp>();
+  const std::vector<double> want = train_mlp(ref, 10, 0, 1);
   auto net = std::make_shared<Mlp>();
+  // head.weight has 5 rows: over 4 ranks 2, 2, 1 and an empty shard.
   fully_shard(net->b0, mesh);
   fully_shard(net->b1, mesh);
   fully_shard(net, mesh);
   std::vector<double> got = train_mlp(net, 10, mesh.local_rank(0), world_size());
   for (size_t s = 0; s < want.size(); ++s)
     EXPECT_NEAR(got[s], want[s], 1e-5 * want[s]) << "step " << s;
+  auto want_state = ref->state_dict();
+  for (const auto& [name, t] : net->state_dict())
+    expect_close(t, want_state.at(name), 1e-5, name);
 }
 
 TEST(FullyShard, RootKeepsParametersUnshardedThroughBackward) {
