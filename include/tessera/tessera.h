@@ -11,3 +11,4 @@
 #include "tessera/dtensor/redistribute.h"
 #include "tessera/nn/nn.h"
 #include "tessera/nn/parallel/parallelize.h"
+#include "tessera/fsdp/fully_shard.h"
