@@ -9,7 +9,8 @@
 namespace lm {
 
 std::string usage() {
-  return "usage: train_lm [--tp N] [--dp N] [--sequence-parallel] [--loss-parallel] [--steps N]\n"
+  return "usage: train_lm [--tp N] [--dp N] [--sequence-parallel] [--loss-parallel] [--fsdp]\n"
+         "                [--steps N]\n"
          "                [--batch N] [--seq N] [--lr X] [--weight-decay X] [--clip X] [--seed N]\n"
          "                [--dim N] [--layers N] [--heads N] [--kv-heads N] [--ffn N]\n"
          "                [--corpus-chars N] [--log-every N] [--csv PATH]\n"
@@ -51,6 +52,10 @@ Options parse_options(int argc, char** argv) {
     }
     if (a == "--loss-parallel") {
       o.loss_parallel = true;
+      continue;
+    }
+    if (a == "--fsdp") {
+      o.fsdp = true;
       continue;
     }
     auto it = with_value.find(a);

@@ -9,6 +9,7 @@ struct Options {
   int64_t dp = 0;  // data-parallel degree (0: world size / tp)
   bool sequence_parallel = false;
   bool loss_parallel = false;
+  bool fsdp = false;  // shard parameters over dp (fully_shard per block and the root)
   int64_t steps = 200;
   int64_t batch = 16;  // global batch (rows)
   int64_t seq = 64;

@@ -55,6 +55,14 @@ int run(int argc, char** argv) {
   if (o.tp > 1)
     parallelize_module(model, tp_mesh,
                        decoder_tp_plan(cfg, tp_mesh, {o.sequence_parallel, loss_parallel}));
+  // FSDP over dp after TP over tp (FSDP x TP on the 2-D mesh): one group per block, then the
+  // root; gradients are then reduce-scattered and averaged by FSDP itself.
+  const bool fsdp = o.fsdp && o.dp > 1;
+  if (fsdp) {
+    for (auto& block : model->layers)
+      fully_shard(block, mesh["dp"]);
+    fully_shard(model, mesh["dp"]);
+  }
   int64_t n_params = 0;
   for (auto& [name, p] : model->named_parameters())
     n_params += shape_numel(p->global_shape());
@@ -84,7 +92,7 @@ int run(int argc, char** argv) {
                                       .to_local()
                                 : cross_entropy(logits, b.targets);
     backward(loss);
-    average_gradients(model->parameters(), mesh.group("dp"));
+    if (!fsdp) average_gradients(model->parameters(), mesh.group("dp"));
     if (o.clip > 0) clip_grad_norm_(model->parameters(), o.clip);
     opt.step();
     opt.zero_grad();
