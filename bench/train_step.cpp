@@ -66,8 +66,8 @@ int main(int argc, char** argv) {
   const DecoderConfig cfg = bench_config();
   double t1 = 0;
   if (world_rank() == 0) {
-    Decoder model(cfg);
-    t1 = time_steps(model, 2, steps, batch, seq, nullptr);
+    auto model = std::make_shared<Decoder>(cfg);
+    t1 = time_steps(*model, 2, steps, batch, seq, nullptr);
   }
   world_group()->barrier()->wait();
   DeviceMesh mesh({2}, {"tp"});
