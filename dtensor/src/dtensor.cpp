@@ -23,6 +23,27 @@ Tensor window_of(const Tensor& global, const LocalLayout& l) {
   return w;
 }
 
+// True on every rank of the mesh when `flag` is true on any of them, so that a check failing on
+// some ranks makes all of them throw instead of leaving the others in the next collective.
+bool any_rank(const DeviceMesh& mesh, bool flag) {
+  Tensor f = from_vector<int64_t>({flag ? 1 : 0});
+  for (int64_t m = 0; m < mesh.ndim(); ++m)
+    mesh.group(m)->all_reduce(f, ReduceOp::Max)->wait();
+  return f.item<int64_t>() != 0;
+}
+
+// Whether every rank of the mesh holds the same `desc` (compared through max and min).
+bool same_on_every_rank(const DeviceMesh& mesh, const std::vector<int64_t>& desc) {
+  bool same = true;
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    Tensor mx = from_vector<int64_t>(desc), mn = mx.clone();
+    mesh.group(m)->all_reduce(mx, ReduceOp::Max)->wait();
+    mesh.group(m)->all_reduce(mn, ReduceOp::Min)->wait();
+    same = same && mx.to_vector<int64_t>() == desc && mn.to_vector<int64_t>() == desc;
+  }
+  return !any_rank(mesh, !same);
+}
+
 // Sum-partial dims keep the value on coordinate 0 only.
 bool zero_for_partial(const DTensorSpec& spec) {
   for (int64_t m = 0; m < spec.mesh.ndim(); ++m) {
@@ -73,32 +94,38 @@ DTensor DTensor::from_local(const Tensor& local, const DeviceMesh& mesh,
   }
   auto spec = std::make_shared<const DTensorSpec>(mesh, placements, gs, local.dtype());
   Shape expect = spec->local_layout().local_shape;
-  TESSERA_CHECK(local.shape() == expect, "from_local: local tensor of shape ",
-                shape_str(local.shape()), " on mesh coordinate ", coord_str(mesh.coordinate()),
-                " but global shape ", shape_str(gs), " under ", placements_str(spec->placements),
-                " gives this rank a piece of shape ", shape_str(expect));
-  if (run_check) {
-    // Every rank must agree on the global shape; replicated dims must hold equal values.
-    for (int64_t m = 0; m < mesh.ndim(); ++m) {
-      const ProcessGroupPtr& g = mesh.group(m);
-      std::vector<int64_t> desc = {int64_t(gs.size())};
-      desc.insert(desc.end(), gs.begin(), gs.end());
-      Tensor mx = from_vector<int64_t>(desc), mn = mx.clone();
-      g->all_reduce(mx, ReduceOp::Max)->wait();
-      g->all_reduce(mn, ReduceOp::Min)->wait();
-      TESSERA_CHECK(mx.to_vector<int64_t>() == desc && mn.to_vector<int64_t>() == desc,
-                    "from_local(run_check): ranks of mesh dim ", m,
-                    " disagree on the global shape (this rank: ", shape_str(gs), ")");
-      if (placements[size_t(m)].is_replicate() && local.numel() > 0) {
-        Tensor hi = local.to(DType::Float64).clone(), lo = hi.clone();
-        g->all_reduce(hi, ReduceOp::Max)->wait();
-        g->all_reduce(lo, ReduceOp::Min)->wait();
-        TESSERA_CHECK(hi.to_vector<double>() == lo.to_vector<double>(),
-                      "from_local(run_check): values differ across ranks of mesh dim ", m,
-                      " although it is Replicate");
-      }
-    }
+  const bool shape_ok = local.shape() == expect;
+  auto shape_error = [&] {
+    return detail::concat(
+        "from_local: local tensor of shape ", shape_str(local.shape()), " on mesh coordinate ",
+        coord_str(mesh.coordinate()), " but global shape ", shape_str(gs), " under ",
+        placements_str(spec->placements), " gives this rank a piece of shape ", shape_str(expect));
+  };
+  if (!run_check) {
+    TESSERA_CHECK(shape_ok, shape_error());
+    return DTensor(std::move(spec), local);
   }
+  // With run_check every rank takes part in every check before any of them throws.
+  if (any_rank(mesh, !shape_ok)) {
+    TESSERA_CHECK(shape_ok, shape_error());
+    TESSERA_FAIL("from_local(run_check): another rank's local piece does not fit global shape ",
+                 shape_str(gs), " under ", placements_str(spec->placements));
+  }
+  std::vector<int64_t> desc = {int64_t(gs.size())};
+  desc.insert(desc.end(), gs.begin(), gs.end());
+  TESSERA_CHECK(same_on_every_rank(mesh, desc), "from_local(run_check): ranks of ", mesh.str(),
+                " disagree on the global shape (this rank: ", shape_str(gs), ")");
+  bool values_differ = false;
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    if (!placements[size_t(m)].is_replicate()) continue;
+    Tensor hi = local.to(DType::Float64).clone(), lo = hi.clone();
+    mesh.group(m)->all_reduce(hi, ReduceOp::Max)->wait();
+    mesh.group(m)->all_reduce(lo, ReduceOp::Min)->wait();
+    values_differ = values_differ || hi.to_vector<double>() != lo.to_vector<double>();
+  }
+  TESSERA_CHECK(!any_rank(mesh, values_differ), "from_local(run_check): values differ across ",
+                "ranks of a Replicate mesh dim of ", mesh.str(), " (placements ",
+                placements_str(spec->placements), ")");
   return DTensor(std::move(spec), local);
 }
 
@@ -145,15 +172,9 @@ DTensor distribute_tensor(const Tensor& global, const DeviceMesh& mesh,
     std::vector<int64_t> desc = {int64_t(global.dim()), int64_t(global.dtype())};
     desc.insert(desc.end(), global.shape().begin(), global.shape().end());
     desc.resize(12, -1);
-    for (int64_t m = 0; m < mesh.ndim(); ++m) {
-      Tensor mx = from_vector<int64_t>(desc), mn = mx.clone();
-      mesh.group(m)->all_reduce(mx, ReduceOp::Max)->wait();
-      mesh.group(m)->all_reduce(mn, ReduceOp::Min)->wait();
-      TESSERA_CHECK(mx.to_vector<int64_t>() == desc && mn.to_vector<int64_t>() == desc,
-                    "distribute_tensor: ranks of mesh dim ", m, " (", mesh.str(),
-                    ") pass tensors of different shapes or dtypes (this rank: ", global.str(),
-                    "); with src_rank = -1 every rank must pass the same global tensor");
-    }
+    TESSERA_CHECK(same_on_every_rank(mesh, desc), "distribute_tensor: ranks of ", mesh.str(),
+                  " pass tensors of different shapes or dtypes (this rank: ", global.str(),
+                  "); with src_rank = -1 every rank must pass the same global tensor");
     auto spec =
         std::make_shared<const DTensorSpec>(mesh, placements, global.shape(), global.dtype());
     Tensor local = window_of(global, spec->local_layout()).clone();

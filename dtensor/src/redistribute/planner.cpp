@@ -63,9 +63,12 @@ class Planner {
         const Placement& t = dst_[size_t(m)];
         Placements swapped = cur_;
         swapped[size_t(m)] = t;
+        // One all-to-all only when mesh dim m ends up the innermost cut of the target dim;
+        // otherwise the pieces it would need sit on ranks of other coordinates.
         bool all_to_all = cur_[size_t(m)].kind() == Placement::Kind::Shard &&
                           t.kind() == Placement::Kind::Shard && t.dim() != d &&
-                          valid(src_, swapped) && is_prefix_for_dim(src_, swapped, dst_, t.dim());
+                          valid(src_, swapped) && is_prefix_for_dim(src_, swapped, dst_, t.dim()) &&
+                          nesting(src_, swapped, t.dim()).back().first == m;
         step(m, all_to_all ? t : Replicate());
       }
     }

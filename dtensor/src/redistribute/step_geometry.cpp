@@ -48,7 +48,10 @@ Tensor gather_pieces(const Tensor& local, const StepGeometry& g, const ProcessGr
     stacked[0] *= g.parts;
     Tensor buf = empty(stacked, TensorOptions(in.dtype(), in.device()));
     group->all_gather_into_tensor(buf, in)->wait();
-    std::vector<Tensor> pieces = kernels::chunk(buf, g.parts, 0);
+    // narrow, not chunk: chunk of a buffer with no rows gives one piece, not `parts`.
+    std::vector<Tensor> pieces;
+    for (int64_t r = 0; r < g.parts; ++r)
+      pieces.push_back(kernels::narrow(buf, 0, r * in.size(0), in.size(0)));
     return kernels::cat(pieces, g.dim);
   }
   std::vector<Tensor> pieces;
