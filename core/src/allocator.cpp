@@ -125,4 +125,13 @@ StorageImpl::~StorageImpl() {
   allocator_->deallocate(data_, nbytes_);
 }
 
+void StorageImpl::release() {
+  allocator_->deallocate(data_, nbytes_);
+  data_ = nullptr;
+}
+
+void StorageImpl::reallocate() {
+  if (data_ == nullptr && nbytes_ > 0) data_ = allocator_->allocate(nbytes_);
+}
+
 }  // namespace tessera

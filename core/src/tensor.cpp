@@ -19,8 +19,10 @@ Tensor Tensor::make(Storage storage, Shape sizes, Shape strides, int64_t offset,
   for (size_t i = 0; i < sizes.size(); ++i) {
     TESSERA_CHECK(sizes[i] >= 0, "tensor view: negative size in ", shape_str(sizes));
     TESSERA_CHECK(strides[i] >= 0, "tensor view: negative stride in ", shape_str(strides));
-    if (sizes[i] == 0) empty = true;
-    else max_index += (sizes[i] - 1) * strides[i];
+    if (sizes[i] == 0)
+      empty = true;
+    else
+      max_index += (sizes[i] - 1) * strides[i];
   }
   if (!empty) {
     size_t need = size_t(max_index + 1) * tessera::element_size(dtype);
@@ -42,8 +44,12 @@ const TensorImpl& Tensor::checked() const {
   return *impl_;
 }
 
-int64_t Tensor::size(int64_t d) const { return sizes()[wrap_dim(d, dim(), "size")]; }
-int64_t Tensor::stride(int64_t d) const { return strides()[wrap_dim(d, dim(), "stride")]; }
+int64_t Tensor::size(int64_t d) const {
+  return sizes()[wrap_dim(d, dim(), "size")];
+}
+int64_t Tensor::stride(int64_t d) const {
+  return strides()[wrap_dim(d, dim(), "stride")];
+}
 
 bool Tensor::is_contiguous() const {
   const TensorImpl& t = checked();
@@ -59,7 +65,12 @@ bool Tensor::is_contiguous() const {
 
 void* Tensor::raw_data() const {
   const TensorImpl& t = checked();
-  if (!t.storage.data()) return nullptr;
+  if (!t.storage.data()) {
+    TESSERA_CHECK(t.storage.nbytes() == 0, "data of ", str(),
+                  " whose storage was released (a resharded FSDP parameter used before it was "
+                  "gathered again?)");
+    return nullptr;
+  }
   return static_cast<char*>(t.storage.data()) + t.offset * int64_t(tessera::element_size(t.dtype));
 }
 
@@ -78,7 +89,7 @@ T Tensor::item() const {
   return to_vector<T>()[0];
 }
 
-#define TESSERA_INSTANTIATE(T)                        \
+#define TESSERA_INSTANTIATE(T)                          \
   template std::vector<T> Tensor::to_vector<T>() const; \
   template T Tensor::item<T>() const;
 TESSERA_INSTANTIATE(float)
@@ -138,7 +149,8 @@ void copy_runs(const Tensor& dst, const Tensor& src) {
                               if constexpr (std::is_same_v<D, S>) {
                                 std::memcpy(dp, sp, size_t(r.length) * sizeof(D));
                               } else {
-                                for (int64_t i = 0; i < r.length; ++i) dp[i] = D(to_compute(sp[i]));
+                                for (int64_t i = 0; i < r.length; ++i)
+                                  dp[i] = D(to_compute(sp[i]));
                               }
                               return;
                             }
@@ -176,7 +188,8 @@ Tensor& Tensor::fill_(double value) {
     T v = T(static_cast<compute_t<T>>(value));
     T* p = static_cast<T*>(raw_data());
     detail::for_each_run<1>(shape(), {&strides()}, [&](const detail::Run<1>& r) {
-      for (int64_t i = 0; i < r.length; ++i) p[r.offset[0] + i * r.stride[0]] = v;
+      for (int64_t i = 0; i < r.length; ++i)
+        p[r.offset[0] + i * r.stride[0]] = v;
     });
   });
   return *this;
@@ -189,7 +202,9 @@ AutogradMeta& Tensor::autograd_meta() {
   if (!t.autograd) t.autograd = std::make_shared<AutogradMeta>();
   return *t.autograd;
 }
-AutogradMeta* Tensor::autograd_meta_if_exists() const { return checked().autograd.get(); }
+AutogradMeta* Tensor::autograd_meta_if_exists() const {
+  return checked().autograd.get();
+}
 
 bool Tensor::requires_grad() const {
   auto* m = autograd_meta_if_exists();
@@ -245,7 +260,8 @@ std::ostream& operator<<(std::ostream& os, const Tensor& t) {
   if (t.defined() && t.device().is_cpu() && t.numel() <= 64) {
     os << " {";
     auto v = t.to_vector<double>();
-    for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
+    for (size_t i = 0; i < v.size(); ++i)
+      os << (i ? ", " : "") << v[i];
     os << "}";
   }
   return os;

@@ -45,6 +45,12 @@ void FSDPState::set_unsharded_params() {
 void FSDPState::unshard() {
   if (unsharded_) return;
   drop_leaves();
+  gather(/*fresh=*/true);
+  grads_ready_ = 0;
+  set_unsharded_params();
+}
+
+void FSDPState::gather(bool fresh) {
   NoGradGuard no_grad;
   const int64_t k = shard_pg_->size();
   const DType gather_dtype = opts_.mp_policy.param_dtype.value_or(flat_.dtype());
@@ -52,14 +58,15 @@ void FSDPState::unshard() {
   Tensor gathered = empty(Shape{k * padded_size_}, gather_dtype);
   shard_pg_->all_gather_into_tensor(gathered, send)->wait();
   for (ParamInfo& i : params_) {
-    Tensor leaf = empty(i.unsharded_shape, gather_dtype);
+    Tensor leaf = fresh ? empty(i.unsharded_shape, gather_dtype) : i.leaf;
+    if (!fresh) leaf.storage().impl()->reallocate();
     for (int64_t r = 0; r < k; ++r) {
       const Chunk c = chunk_of(i.rows, k, r);
       if (c.length == 0) continue;
-      flat_window(leaf, c.start * i.row_numel, c.length * i.row_numel)
+      flat_window(leaf.detach(), c.start * i.row_numel, c.length * i.row_numel)
           .copy_(flat_window(gathered, r * padded_size_ + i.offset, c.length * i.row_numel));
     }
-    if (i.param->requires_grad()) {
+    if (fresh && i.param->requires_grad()) {
       leaf.set_requires_grad(true);
       std::weak_ptr<FSDPState> weak = weak_from_this();
       register_post_accumulate_grad_hook(leaf, [weak](Tensor&) {
@@ -68,20 +75,28 @@ void FSDPState::unshard() {
     }
     i.leaf = leaf;
   }
-  grads_ready_ = 0;
-  set_unsharded_params();
+  leaves_released_ = false;
 }
 
 void FSDPState::reshard() {
   for (ParamInfo& i : params_)
     i.param->clear_unsharded();
   unsharded_ = false;
-  if (!backward_pending_) drop_leaves();
+  if (!backward_pending_) {
+    drop_leaves();
+  } else if (!leaves_released_) {
+    // The autograd graph holds the gathered leaves until backward; free their bytes now and
+    // gather into them again just before this group's backward (pre_backward).
+    for (ParamInfo& i : params_)
+      if (i.leaf.defined()) i.leaf.storage().impl()->release();
+    leaves_released_ = true;
+  }
 }
 
 void FSDPState::drop_leaves() {
   for (ParamInfo& i : params_)
     i.leaf = Tensor();
+  leaves_released_ = false;
 }
 
 Tensor FSDPState::pre_forward(const Tensor& x) {
@@ -118,14 +133,14 @@ void FSDPState::queue_finalize() {
 void FSDPState::pre_backward() {
   queue_finalize();
   if (unsharded_) return;
-  // The leaves from this step's forward hold exactly the values the autograd graph saved (the
-  // graph keeps them alive, as there is no way to free a Storage under a live tensor);
-  // re-pointing the parameters at them is the pre-backward unshard, and their gradients are
-  // the ones backward accumulates.
-  if (!params_.empty() && params_.front().leaf.defined())
+  // The leaves from this step's forward are what the autograd graph saved and where backward
+  // accumulates gradients; when resharding released their bytes, gather into them again.
+  if (!params_.empty() && params_.front().leaf.defined()) {
+    if (leaves_released_) gather(/*fresh=*/false);
     set_unsharded_params();
-  else
+  } else {
     unshard();
+  }
 }
 
 void FSDPState::on_grad_ready() {

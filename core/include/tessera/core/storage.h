@@ -20,6 +20,13 @@ class StorageImpl {
   void* data() const { return data_; }
   size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
+  // Frees the bytes while tensors keep referring to the storage (PyTorch's resize_(0) of an
+  // untyped storage): FSDP frees gathered parameters that the autograd graph still holds, and
+  // refills them before backward. Touching a released storage's data is an error.
+  void release();
+  // Allocates the bytes again (contents undefined) after release(); no-op when allocated.
+  void reallocate();
+  bool is_released() const { return data_ == nullptr && nbytes_ > 0; }
 
  private:
   void* data_ = nullptr;
@@ -38,6 +45,7 @@ class Storage {
   size_t nbytes() const { return impl_ ? impl_->nbytes() : 0; }
   Device device() const { return impl_ ? impl_->device() : Device::cpu(); }
   long use_count() const { return impl_.use_count(); }
+  StorageImpl* impl() const { return impl_.get(); }
   bool is_same(const Storage& o) const { return impl_ == o.impl_; }
 
  private:

@@ -84,6 +84,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void set_unsharded_params();
   void post_backward();
   void drop_leaves();
+  // All-gathers the shards into fresh leaves, or into the existing ones whose storage
+  // reshard() released.
+  void gather(bool fresh);
   void queue_finalize();
 
   std::weak_ptr<Module> module_;
@@ -97,6 +100,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool is_root_ = true;
   bool requires_gradient_sync_ = true;
   bool backward_pending_ = false;
+  bool leaves_released_ = false;  // resharded after forward: the graph holds empty storage
   bool finalize_queued_ = false;
   int64_t grads_ready_ = 0;
 };
