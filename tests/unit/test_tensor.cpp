@@ -155,3 +155,17 @@ TEST(Tensor, CudaWithoutBuildIsAClearError) {
                 .find("no CUDA support"),
             std::string::npos);
 }
+
+TEST(Tensor, StorageReleaseFreesBytesUnderLiveTensors) {
+  Tensor a = full({256, 256}, 2.0);
+  Tensor view = kernels::narrow(a, 0, 1, 3);
+  const int64_t before = memory_stats().current_bytes;
+  a.storage().impl()->release();
+  EXPECT_TRUE(a.storage().impl()->is_released());
+  EXPECT_EQ(memory_stats().current_bytes, before - 256 * 256 * 4);
+  EXPECT_NE(error_of([&] { view.to_vector<float>(); }).find("released"), std::string::npos);
+  a.storage().impl()->reallocate();
+  EXPECT_EQ(memory_stats().current_bytes, before);
+  view.fill_(5.0);
+  EXPECT_EQ(a.to_vector<float>()[256], 5.0f);
+}
