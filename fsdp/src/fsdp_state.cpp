@@ -99,6 +99,18 @@ void FSDPState::drop_leaves() {
   leaves_released_ = false;
 }
 
+void FSDPState::free_leaves_after_backward() {
+  // The graph (its AccumulateGrad nodes) still refers to the leaves until the whole backward
+  // ends; free their bytes and their unsharded gradients now, so that only the groups whose
+  // backward is running hold gathered memory.
+  for (ParamInfo& i : params_) {
+    if (!i.leaf.defined()) continue;
+    i.leaf.set_grad(Tensor());
+    if (!i.leaf.storage().impl()->is_released()) i.leaf.storage().impl()->release();
+  }
+  drop_leaves();
+}
+
 Tensor FSDPState::pre_forward(const Tensor& x) {
   unshard();
   const auto& pd = opts_.mp_policy.param_dtype;
@@ -178,6 +190,7 @@ void FSDPState::post_backward() {
       Tensor g = i.leaf.grad();
       i.accum_grad = i.accum_grad.defined() ? add(i.accum_grad, g) : g.contiguous().clone();
     }
+    free_leaves_after_backward();
     reshard();
     return;
   }
@@ -223,6 +236,7 @@ void FSDPState::post_backward() {
     Tensor old = stored.grad();
     Tensor(stored).set_grad(old.defined() ? add(old, g) : g);
   }
+  free_leaves_after_backward();
   reshard();
 }
 

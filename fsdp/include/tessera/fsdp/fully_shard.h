@@ -84,6 +84,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void set_unsharded_params();
   void post_backward();
   void drop_leaves();
+  void free_leaves_after_backward();
   // All-gathers the shards into fresh leaves, or into the existing ones whose storage
   // reshard() released.
   void gather(bool fresh);
