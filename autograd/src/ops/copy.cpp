@@ -26,7 +26,9 @@ class CastFn final : public autograd::Function {
 
 }  // namespace
 
-Tensor clone(const Tensor& x) { return autograd::Function::apply<CloneFn>({x})[0]; }
+Tensor clone(const Tensor& x) {
+  return autograd::Function::apply<CloneFn>({x})[0];
+}
 Tensor cast(const Tensor& x, DType dtype) {
   if (x.dtype() == dtype) return x;
   return autograd::Function::apply<CastFn>({x}, dtype)[0];
