@@ -52,14 +52,14 @@ int main(int argc, char** argv) {
   Tensor x, y;
   make_spirals(200, classes, gen, x, y);
 
-  std::vector<Tensor> params = {parameter({hidden, 2}, gen, false), parameter({hidden}, gen, true),
-                                parameter({hidden, hidden}, gen, false),
-                                parameter({hidden}, gen, true),
-                                parameter({classes, hidden}, gen, false),
-                                parameter({classes}, gen, true)};
+  std::vector<Tensor> params = {
+      parameter({hidden, 2}, gen, false),       parameter({hidden}, gen, true),
+      parameter({hidden, hidden}, gen, false),  parameter({hidden}, gen, true),
+      parameter({classes, hidden}, gen, false), parameter({classes}, gen, true)};
   const double lr = 0.5, momentum = 0.9;
   std::vector<Tensor> velocity;
-  for (const Tensor& p : params) velocity.push_back(zeros_like(p));
+  for (const Tensor& p : params)
+    velocity.push_back(zeros_like(p));
 
   double first = 0, last = 0;
   for (int step = 0; step <= steps; ++step) {

@@ -38,8 +38,9 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
               bool retain_graph) {
   using autograd::Edge;
   using autograd::Node;
-  TESSERA_CHECK(grad_outputs.empty() || grad_outputs.size() == outputs.size(), "backward: ",
-                grad_outputs.size(), " gradients given for ", outputs.size(), " outputs");
+  TESSERA_CHECK(grad_outputs.empty() || grad_outputs.size() == outputs.size(),
+                "backward: ", grad_outputs.size(), " gradients given for ", outputs.size(),
+                " outputs");
   TESSERA_CHECK(t_task == nullptr, "backward: called re-entrantly from inside a backward pass");
 
   std::unordered_map<Node*, std::vector<Tensor>> buffers;
@@ -51,8 +52,8 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
                   ") does not require grad and has no grad_fn");
     Tensor g;
     if (grad_outputs.empty() || !grad_outputs[i].defined()) {
-      TESSERA_CHECK(out.numel() == 1, "backward: output ", i, " has shape ",
-                    shape_str(out.shape()), "; a gradient is needed for non-scalar outputs");
+      TESSERA_CHECK(out.numel() == 1, "backward: output ", i, " has shape ", shape_str(out.shape()),
+                    "; a gradient is needed for non-scalar outputs");
       g = ones_like(out);
     } else {
       g = grad_outputs[i];
@@ -163,7 +164,9 @@ void queue_callback(std::function<void()> cb) {
   TESSERA_CHECK(t_task != nullptr, "queue_callback outside a backward pass");
   t_task->callbacks.push_back(std::move(cb));
 }
-bool in_backward() { return t_task != nullptr; }
+bool in_backward() {
+  return t_task != nullptr;
+}
 }  // namespace autograd
 
 }  // namespace tessera

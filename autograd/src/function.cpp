@@ -78,7 +78,9 @@ std::vector<Tensor> Function::apply(std::vector<Tensor>&& grad_outputs) {
   return grads;
 }
 
-void Function::save_for_backward(std::vector<Tensor> tensors) { saved_ = std::move(tensors); }
+void Function::save_for_backward(std::vector<Tensor> tensors) {
+  saved_ = std::move(tensors);
+}
 
 const std::vector<Tensor>& Function::saved_tensors() const {
   TESSERA_CHECK(!saved_released_, name(),

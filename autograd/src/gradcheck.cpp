@@ -13,7 +13,8 @@ namespace {
 double weighted_sum(const Tensor& out, const std::vector<double>& w) {
   std::vector<double> v = out.to_vector<double>();
   double s = 0;
-  for (size_t i = 0; i < v.size(); ++i) s += v[i] * w[i];
+  for (size_t i = 0; i < v.size(); ++i)
+    s += v[i] * w[i];
   return s;
 }
 }  // namespace

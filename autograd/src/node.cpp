@@ -44,7 +44,8 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
   } else {
     kernels::add_(meta.grad, g);
   }
-  for (auto& hook : meta.post_accumulate_grad_hooks) hook(leaf_);
+  for (auto& hook : meta.post_accumulate_grad_hooks)
+    hook(leaf_);
   return {};
 }
 

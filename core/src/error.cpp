@@ -10,8 +10,12 @@ std::atomic<int> g_rank{-1};
 
 Error::Error(const std::string& what) : std::runtime_error(what) {}
 
-void set_error_rank(int rank) { g_rank.store(rank); }
-int error_rank() { return g_rank.load(); }
+void set_error_rank(int rank) {
+  g_rank.store(rank);
+}
+int error_rank() {
+  return g_rank.load();
+}
 
 namespace detail {
 void throw_error(const char* file, int line, const std::string& msg) {

@@ -6,7 +6,8 @@
 namespace tessera {
 
 Tensor empty(const Shape& shape, TensorOptions opts) {
-  for (int64_t d : shape) TESSERA_CHECK(d >= 0, "empty: negative dimension in ", shape_str(shape));
+  for (int64_t d : shape)
+    TESSERA_CHECK(d >= 0, "empty: negative dimension in ", shape_str(shape));
   Storage storage(size_t(shape_numel(shape)) * element_size(opts.dtype), opts.device);
   return Tensor::make(std::move(storage), shape, contiguous_strides(shape), 0, opts.dtype);
 }
@@ -21,7 +22,9 @@ Tensor zeros(const Shape& shape, TensorOptions opts) {
   return t;
 }
 
-Tensor ones(const Shape& shape, TensorOptions opts) { return full(shape, 1.0, opts); }
+Tensor ones(const Shape& shape, TensorOptions opts) {
+  return full(shape, 1.0, opts);
+}
 
 Tensor full(const Shape& shape, double value, TensorOptions opts) {
   Tensor t = empty(shape, opts);
@@ -29,14 +32,22 @@ Tensor full(const Shape& shape, double value, TensorOptions opts) {
   return t;
 }
 
-Tensor empty_like(const Tensor& t) { return empty(t.shape(), TensorOptions(t.dtype(), t.device())); }
-Tensor zeros_like(const Tensor& t) { return zeros(t.shape(), TensorOptions(t.dtype(), t.device())); }
-Tensor ones_like(const Tensor& t) { return ones(t.shape(), TensorOptions(t.dtype(), t.device())); }
+Tensor empty_like(const Tensor& t) {
+  return empty(t.shape(), TensorOptions(t.dtype(), t.device()));
+}
+Tensor zeros_like(const Tensor& t) {
+  return zeros(t.shape(), TensorOptions(t.dtype(), t.device()));
+}
+Tensor ones_like(const Tensor& t) {
+  return ones(t.shape(), TensorOptions(t.dtype(), t.device()));
+}
 Tensor full_like(const Tensor& t, double value) {
   return full(t.shape(), value, TensorOptions(t.dtype(), t.device()));
 }
 
-Tensor arange(int64_t end, TensorOptions opts) { return arange(0, double(end), 1, opts); }
+Tensor arange(int64_t end, TensorOptions opts) {
+  return arange(0, double(end), 1, opts);
+}
 
 Tensor arange(double start, double end, double step, TensorOptions opts) {
   TESSERA_CHECK(step != 0, "arange: step must be non-zero");
@@ -44,7 +55,8 @@ Tensor arange(double start, double end, double step, TensorOptions opts) {
   Tensor host = empty({n}, TensorOptions(opts.dtype, Device::cpu()));
   dispatch_dtype(opts.dtype, [&]<class T>() {
     T* p = host.data<T>();
-    for (int64_t i = 0; i < n; ++i) p[i] = T(compute_t<T>(start + double(i) * step));
+    for (int64_t i = 0; i < n; ++i)
+      p[i] = T(compute_t<T>(start + double(i) * step));
   });
   return host.to(opts.device);
 }
@@ -56,7 +68,8 @@ Tensor from_vector(const std::vector<T>& values, const Shape& shape) {
                 " values do not fill shape ", shape_str(s));
   Tensor t = empty(s, DTypeOf<T>::value);
   T* p = t.data<T>();
-  for (size_t i = 0; i < values.size(); ++i) p[i] = values[i];
+  for (size_t i = 0; i < values.size(); ++i)
+    p[i] = values[i];
   return t;
 }
 template Tensor from_vector<float>(const std::vector<float>&, const Shape&);
@@ -72,10 +85,13 @@ Tensor from_vector<bool>(const std::vector<bool>& values, const Shape& shape) {
                 " values do not fill shape ", shape_str(s));
   Tensor t = empty(s, DType::Bool);
   bool* p = t.data<bool>();
-  for (size_t i = 0; i < values.size(); ++i) p[i] = values[i];
+  for (size_t i = 0; i < values.size(); ++i)
+    p[i] = values[i];
   return t;
 }
 
-Tensor scalar_tensor(double value, TensorOptions opts) { return full({}, value, opts); }
+Tensor scalar_tensor(double value, TensorOptions opts) {
+  return full({}, value, opts);
+}
 
 }  // namespace tessera

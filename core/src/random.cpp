@@ -1,7 +1,7 @@
 #include "tessera/core/random.h"
 
-#include <Random123/boxmuller.hpp>
 #include <Random123/philox.h>
+#include <Random123/boxmuller.hpp>
 #include <Random123/uniform.hpp>
 #include <cmath>
 
@@ -14,7 +14,9 @@ Generator& default_generator() {
   static Generator gen(0);
   return gen;
 }
-void manual_seed(uint64_t seed) { default_generator().manual_seed(seed); }
+void manual_seed(uint64_t seed) {
+  default_generator().manual_seed(seed);
+}
 
 namespace {
 
@@ -59,10 +61,10 @@ void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed
                 " tensor: needs a floating dtype");
   TESSERA_CHECK(out.device().is_cpu(), "random fill on ", out.device().str(),
                 " is not supported by this build");
-  TESSERA_CHECK(window.global_shape.size() == local.size() &&
-                    window.global_offset.size() == local.size(),
-                "random window: global shape ", shape_str(window.global_shape), " / offset ",
-                shape_str(window.global_offset), " do not match local shape ", shape_str(local));
+  TESSERA_CHECK(
+      window.global_shape.size() == local.size() && window.global_offset.size() == local.size(),
+      "random window: global shape ", shape_str(window.global_shape), " / offset ",
+      shape_str(window.global_offset), " do not match local shape ", shape_str(local));
   for (size_t d = 0; d < local.size(); ++d) {
     TESSERA_CHECK(window.global_offset[d] >= 0 &&
                       window.global_offset[d] + local[d] <= window.global_shape[d],
@@ -75,7 +77,8 @@ void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed
   // sum_d (offset_d + idx_d) * gstride_d; iterate runs over the local tensor.
   Shape gstrides = contiguous_strides(window.global_shape);
   int64_t gbase = 0;
-  for (size_t d = 0; d < local.size(); ++d) gbase += window.global_offset[d] * gstrides[d];
+  for (size_t d = 0; d < local.size(); ++d)
+    gbase += window.global_offset[d] * gstrides[d];
   dispatch_dtype(out.dtype(), [&]<class T>() {
     if constexpr (std::is_floating_point_v<compute_t<T>>) {
       T* p = static_cast<T*>(out.raw_data());
@@ -119,7 +122,8 @@ Tensor& normal_(Tensor& t, double mean, double std, Generator& gen) {
 Fans compute_fans(const Shape& s) {
   TESSERA_CHECK(s.size() >= 2, "fan in/out need at least 2 dims, got shape ", shape_str(s));
   int64_t receptive = 1;
-  for (size_t d = 2; d < s.size(); ++d) receptive *= s[d];
+  for (size_t d = 2; d < s.size(); ++d)
+    receptive *= s[d];
   return {s[1] * receptive, s[0] * receptive};
 }
 

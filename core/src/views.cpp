@@ -42,7 +42,8 @@ bool view_strides(const Shape& old_sizes, const Shape& old_strides, const Shape&
   int64_t tensor_numel = 1, view_numel = 1;
   for (int64_t d = int64_t(old_sizes.size()) - 1; d >= 0; --d) {
     tensor_numel *= old_sizes[d];
-    if (d == 0 || (old_sizes[d - 1] != 1 && old_strides[d - 1] != tensor_numel * chunk_base_stride)) {
+    if (d == 0 ||
+        (old_sizes[d - 1] != 1 && old_strides[d - 1] != tensor_numel * chunk_base_stride)) {
       while (view_d >= 0 && (view_numel < tensor_numel || shape[view_d] == 1)) {
         out[view_d] = view_numel * chunk_base_stride;
         view_numel *= shape[view_d];
@@ -82,8 +83,7 @@ Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
   int64_t n = x.size(dim);
   if (start < 0) start += n;
   TESSERA_CHECK(start >= 0 && length >= 0 && start + length <= n, "narrow: [", start, ", ",
-                start + length, ") is out of range for dim ", dim, " of size ", n, " in ",
-                x.str());
+                start + length, ") is out of range for dim ", dim, " of size ", n, " in ", x.str());
   Shape sizes = x.shape();
   sizes[dim] = length;
   int64_t off = x.storage_offset() + (length > 0 ? start * x.stride(dim) : 0);
@@ -198,7 +198,8 @@ Tensor flatten(const Tensor& x, int64_t start_dim, int64_t end_dim) {
   TESSERA_CHECK(start_dim <= end_dim, "flatten: start_dim ", start_dim, " > end_dim ", end_dim);
   Shape s(x.shape().begin(), x.shape().begin() + start_dim);
   int64_t m = 1;
-  for (int64_t d = start_dim; d <= end_dim; ++d) m *= x.size(d);
+  for (int64_t d = start_dim; d <= end_dim; ++d)
+    m *= x.size(d);
   s.push_back(m);
   s.insert(s.end(), x.shape().begin() + end_dim + 1, x.shape().end());
   return reshape(x, s);
@@ -222,7 +223,8 @@ std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
 std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim) {
   dim = wrap_dim(dim, x.dim(), "split");
   int64_t total = 0;
-  for (int64_t s : sizes) total += s;
+  for (int64_t s : sizes)
+    total += s;
   TESSERA_CHECK(total == x.size(dim), "split: sizes ", shape_str(sizes), " sum to ", total,
                 " but dim ", dim, " has size ", x.size(dim));
   std::vector<Tensor> out;

@@ -9,6 +9,6 @@
 #include "tessera/dtensor/ops.h"
 #include "tessera/dtensor/random.h"
 #include "tessera/dtensor/redistribute.h"
+#include "tessera/fsdp/fully_shard.h"
 #include "tessera/nn/nn.h"
 #include "tessera/nn/parallel/parallelize.h"
-#include "tessera/fsdp/fully_shard.h"

@@ -21,7 +21,8 @@ class Square final : public autograd::Function {
     save_for_backward({in[0]});
     Tensor y = in[0].clone();
     double* p = y.data<double>();
-    for (int64_t i = 0; i < y.numel(); ++i) p[i] *= p[i];
+    for (int64_t i = 0; i < y.numel(); ++i)
+      p[i] *= p[i];
     return {y};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& g) override {
@@ -29,7 +30,8 @@ class Square final : public autograd::Function {
     Tensor gx = g[0].clone();
     double* p = gx.data<double>();
     const double* xp = x.data<double>();
-    for (int64_t i = 0; i < gx.numel(); ++i) p[i] *= 2 * xp[i];
+    for (int64_t i = 0; i < gx.numel(); ++i)
+      p[i] *= 2 * xp[i];
     ++calls;
     return {gx};
   }
@@ -58,7 +60,9 @@ class SumDiff final : public autograd::Function {
   }
 };
 
-Tensor loop_square(const Tensor& x) { return autograd::Function::apply<Square>({x})[0]; }
+Tensor loop_square(const Tensor& x) {
+  return autograd::Function::apply<Square>({x})[0];
+}
 
 }  // namespace
 
@@ -171,9 +175,9 @@ TEST(AutogradEngine, NonScalarNeedsGradientAndShapesAreChecked) {
 
 TEST(AutogradEngine, ViewsAreDifferentiable) {
   Tensor x = leaf({0, 1, 2, 3, 4, 5}, {2, 3});
-  Tensor t = transpose(x, 0, 1);           // [3, 2]
-  Tensor n = narrow(t, 0, 1, 2);           // rows 1..2 of x^T
-  Tensor r = reshape(loop_square(n), {4});      // non-contiguous -> copy
+  Tensor t = transpose(x, 0, 1);            // [3, 2]
+  Tensor n = narrow(t, 0, 1, 2);            // rows 1..2 of x^T
+  Tensor r = reshape(loop_square(n), {4});  // non-contiguous -> copy
   Tensor e = expand(unsqueeze(r, 0), {3, 4});
   backward(e, ones({3, 4}, DType::Float64));
   // grad = 3 * 2x on x[:, 1:3], 0 on column 0
@@ -192,7 +196,9 @@ TEST(AutogradEngine, GradcheckOnViews) {
   EXPECT_TRUE(r.ok) << r.message;
   Tensor y = leaf({1, 2, 3}, {3, 1});
   auto r2 = gradcheck(
-      [](const std::vector<Tensor>& in) { return loop_square(contiguous(expand(in[0], {2, 3, 4}))); },
+      [](const std::vector<Tensor>& in) {
+        return loop_square(contiguous(expand(in[0], {2, 3, 4})));
+      },
       {y});
   EXPECT_TRUE(r2.ok) << r2.message;
 }

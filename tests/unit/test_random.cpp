@@ -11,7 +11,8 @@ namespace {
 std::vector<float> window_of(const std::vector<float>& full, const Shape& g, const Shape& offset,
                              const Shape& local) {
   Tensor t = from_vector<float>(full, g);
-  for (size_t d = 0; d < g.size(); ++d) t = kernels::narrow(t, int64_t(d), offset[d], local[d]);
+  for (size_t d = 0; d < g.size(); ++d)
+    t = kernels::narrow(t, int64_t(d), offset[d], local[d]);
   return t.contiguous().to_vector<float>();
 }
 }  // namespace
@@ -48,7 +49,8 @@ TEST(Random, GeneratorAdvancesAndSplitsDrawsConsistently) {
   Tensor b = rand({6}, g1);
   Tensor whole = rand({16}, g2);
   std::vector<float> ab = a.to_vector<float>();
-  for (float v : b.to_vector<float>()) ab.push_back(v);
+  for (float v : b.to_vector<float>())
+    ab.push_back(v);
   EXPECT_EQ(ab, whole.to_vector<float>());
   EXPECT_EQ(g1.offset(), 16u);
   Generator g3(8);
@@ -83,7 +85,8 @@ TEST(Random, KaimingUsesFansOfTheGlobalShape) {
   double bound = 1.0 / std::sqrt(128.0);  // a = sqrt(5): gain * sqrt(3 / fan_in)
   EXPECT_NEAR(kaiming_uniform_bound({64, 128}, std::sqrt(5.0), FanMode::FanIn), bound, 1e-12);
   double mx = 0;
-  for (float v : w.to_vector<float>()) mx = std::max(mx, double(std::abs(v)));
+  for (float v : w.to_vector<float>())
+    mx = std::max(mx, double(std::abs(v)));
   EXPECT_LE(mx, bound);
   EXPECT_GT(mx, 0.9 * bound);
   EXPECT_NEAR(xavier_uniform_bound({64, 128}, 1.0), std::sqrt(6.0 / 192), 1e-12);

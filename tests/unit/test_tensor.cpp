@@ -95,7 +95,7 @@ TEST(Tensor, DtypeConversionRoundsToNearestEven) {
   Tensor h = f.to(DType::Float16);
   std::vector<float> hb = h.to_vector<float>();
   EXPECT_EQ(hb[0], 1.0f + 1.0f / 256);  // exact in float16's 10-bit mantissa
-  EXPECT_TRUE(std::isinf(hb[2]));  // 65520 rounds up past fp16's max 65504
+  EXPECT_TRUE(std::isinf(hb[2]));       // 65520 rounds up past fp16's max 65504
   EXPECT_NEAR(hb[3], 0.0f, 1e-7f);
   EXPECT_EQ(hb[4], -2.5f);
   EXPECT_EQ(Float16::to_float(Float16::from_float(65504.0f)), 65504.0f);
@@ -151,8 +151,9 @@ TEST(Tensor, FactoriesAndItem) {
 
 TEST(Tensor, CudaWithoutBuildIsAClearError) {
   if (cuda_compiled()) GTEST_SKIP() << "CUDA build";
-  EXPECT_NE(error_of([] { empty({2}, TensorOptions(DType::Float32, Device::cuda())); })
-                .find("no CUDA support"),
+  EXPECT_NE(error_of([] {
+              empty({2}, TensorOptions(DType::Float32, Device::cuda()));
+            }).find("no CUDA support"),
             std::string::npos);
 }
 

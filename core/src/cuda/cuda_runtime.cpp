@@ -50,8 +50,7 @@ Allocator* cuda_default_allocator(int index) {
 }
 
 namespace detail {
-void cuda_memcpy(void* dst, Device dst_device, const void* src, Device src_device,
-                 size_t nbytes) {
+void cuda_memcpy(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes) {
   cudaMemcpyKind kind = dst_device.is_cpu()   ? cudaMemcpyDeviceToHost
                         : src_device.is_cpu() ? cudaMemcpyHostToDevice
                                               : cudaMemcpyDeviceToDevice;

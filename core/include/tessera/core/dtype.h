@@ -15,9 +15,13 @@ inline bool is_floating(DType dt) {
   return dt == DType::Float32 || dt == DType::Float64 || dt == DType::BFloat16 ||
          dt == DType::Float16;
 }
-inline bool is_half(DType dt) { return dt == DType::BFloat16 || dt == DType::Float16; }
+inline bool is_half(DType dt) {
+  return dt == DType::BFloat16 || dt == DType::Float16;
+}
 // The type arithmetic on `dt` is carried out in: 16-bit floats compute in float32.
-inline DType compute_dtype(DType dt) { return is_half(dt) ? DType::Float32 : dt; }
+inline DType compute_dtype(DType dt) {
+  return is_half(dt) ? DType::Float32 : dt;
+}
 // The common type of a binary op's operands (float64 > float32 > half > int64 > int32 > bool).
 DType promote_types(DType a, DType b);
 

@@ -28,11 +28,11 @@ std::string concat(const Args&... args) {
 
 }  // namespace tessera
 
-#define TESSERA_CHECK(cond, ...)                                                           \
-  do {                                                                                     \
-    if (!(cond)) {                                                                         \
+#define TESSERA_CHECK(cond, ...)                                                                  \
+  do {                                                                                            \
+    if (!(cond)) {                                                                                \
       ::tessera::detail::throw_error(__FILE__, __LINE__, ::tessera::detail::concat(__VA_ARGS__)); \
-    }                                                                                      \
+    }                                                                                             \
   } while (0)
 
 #define TESSERA_FAIL(...) \

@@ -40,7 +40,7 @@ struct Float16 {
     uint32_t x = float_bits(f);
     uint32_t sign = (x >> 16) & 0x8000u;
     uint32_t ax = x & 0x7fffffffu;
-    if (ax > 0x7f800000u) return uint16_t(sign | 0x7e00u);  // NaN
+    if (ax > 0x7f800000u) return uint16_t(sign | 0x7e00u);   // NaN
     if (ax >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // overflow to inf (incl. rounding)
     if (ax < 0x38800000u) {
       // Subnormal or zero in half: shift the mantissa (with implicit 1) and round to nearest even.

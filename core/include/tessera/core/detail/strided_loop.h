@@ -27,13 +27,16 @@ void for_each_run(const Shape& shape, const std::array<const Shape*, N>& strides
     if (shape[d] == 0) return;
     if (shape[d] == 1) continue;
     bool merge = !sz.empty();
-    for (size_t k = 0; k < N && merge; ++k) merge = st[k].back() == (*strides[k])[d] * shape[d];
+    for (size_t k = 0; k < N && merge; ++k)
+      merge = st[k].back() == (*strides[k])[d] * shape[d];
     if (merge) {
       sz.back() *= shape[d];
-      for (size_t k = 0; k < N; ++k) st[k].back() = (*strides[k])[d];
+      for (size_t k = 0; k < N; ++k)
+        st[k].back() = (*strides[k])[d];
     } else {
       sz.push_back(shape[d]);
-      for (size_t k = 0; k < N; ++k) st[k].push_back((*strides[k])[d]);
+      for (size_t k = 0; k < N; ++k)
+        st[k].push_back((*strides[k])[d]);
     }
   }
   Run<N> run{};
@@ -44,7 +47,8 @@ void for_each_run(const Shape& shape, const std::array<const Shape*, N>& strides
   }
   const size_t nd = sz.size();
   run.length = sz[nd - 1];
-  for (size_t k = 0; k < N; ++k) run.stride[k] = st[k][nd - 1];
+  for (size_t k = 0; k < N; ++k)
+    run.stride[k] = st[k][nd - 1];
   std::vector<int64_t> idx(nd, 0);
   while (true) {
     body(run);
@@ -52,9 +56,11 @@ void for_each_run(const Shape& shape, const std::array<const Shape*, N>& strides
     int64_t d = int64_t(nd) - 2;
     for (; d >= 0; --d) {
       ++idx[d];
-      for (size_t k = 0; k < N; ++k) run.offset[k] += st[k][d];
+      for (size_t k = 0; k < N; ++k)
+        run.offset[k] += st[k][d];
       if (idx[d] < sz[d]) break;
-      for (size_t k = 0; k < N; ++k) run.offset[k] -= st[k][d] * sz[d];
+      for (size_t k = 0; k < N; ++k)
+        run.offset[k] -= st[k][d] * sz[d];
       idx[d] = 0;
     }
     if (d < 0) return;

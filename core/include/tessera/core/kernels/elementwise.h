@@ -6,7 +6,21 @@
 namespace tessera::kernels {
 
 enum class UnaryOp : uint8_t {
-  Neg, Exp, Log, Sqrt, Rsqrt, Tanh, Sigmoid, Relu, Gelu, GeluTanh, Silu, Abs, Sin, Cos, Square,
+  Neg,
+  Exp,
+  Log,
+  Sqrt,
+  Rsqrt,
+  Tanh,
+  Sigmoid,
+  Relu,
+  Gelu,
+  GeluTanh,
+  Silu,
+  Abs,
+  Sin,
+  Cos,
+  Square,
   Reciprocal
 };
 enum class BinaryOp : uint8_t { Add, Sub, Mul, Div, Pow, Maximum, Minimum };
@@ -15,8 +29,8 @@ enum class CompareOp : uint8_t { Eq, Ne, Lt, Le, Gt, Ge };
 Tensor unary(UnaryOp op, const Tensor& x);
 // Result dtype: promote_types(a, b).
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b);
-Tensor binary_scalar(BinaryOp op, const Tensor& a, double s);  // a op s
-Tensor rbinary_scalar(BinaryOp op, double s, const Tensor& a);  // s op a
+Tensor binary_scalar(BinaryOp op, const Tensor& a, double s);    // a op s
+Tensor rbinary_scalar(BinaryOp op, double s, const Tensor& a);   // s op a
 Tensor compare(CompareOp op, const Tensor& a, const Tensor& b);  // Bool
 Tensor compare_scalar(CompareOp op, const Tensor& a, double s);  // Bool
 
