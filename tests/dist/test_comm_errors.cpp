@@ -12,6 +12,7 @@
 #include <functional>
 #include <string>
 
+#include "child_job.h"
 #include "tessera/comm/comm.h"
 #include "tessera/core/core.h"
 
@@ -185,41 +186,14 @@ TEST(CommErrors, InvalidArgumentsNameTheProblem) {
 
 namespace {
 
-struct ChildResult {
-  int exit_code = -1;
-  double seconds = 0;
-  std::string output;  // stdout and stderr
-};
+using test::ChildResult;
 
 // Runs `comm_timeout_child <mode> <timeout>` on two ranks, with `settings` (VAR=value ...) in
-// its environment. The child mpirun gets a clean environment: an inherited one would make it join
-// this job instead of starting its own.
+// its environment; `timeout` (the command) bounds the test even if the abort never happens.
 ChildResult run_child(const std::string& mode, const std::string& timeout,
                       const std::string& settings = "") {
-  std::string env = "env -i PATH='" + std::string(std::getenv("PATH") ? std::getenv("PATH") : "") +
-                    "' OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " + settings;
-  for (const char* var : {"HOME", "LD_LIBRARY_PATH", "TMPDIR"}) {
-    if (const char* v = std::getenv(var)) env += std::string(" ") + var + "='" + v + "'";
-  }
-  // `timeout` bounds the test even if the abort we test for never happens.
-  const std::string cmd = env + " timeout -k 5 90 " + TESSERA_MPIEXEC + " " +
-                          TESSERA_MPIEXEC_NUMPROC_FLAG + " 2 " + TESSERA_MPIEXEC_FLAGS + " " +
-                          TESSERA_CHILD_EXE + " " + mode + " " + timeout + " 2>&1";
-  ChildResult result;
-  const auto start = std::chrono::steady_clock::now();
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (pipe == nullptr) {
-    result.output = "popen failed for: " + cmd;
-    return result;
-  }
-  std::array<char, 4096> buf{};
-  size_t got = 0;
-  while ((got = std::fread(buf.data(), 1, buf.size(), pipe)) > 0)
-    result.output.append(buf.data(), got);
-  const int status = pclose(pipe);
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return result;
+  return test::run_child_job(2, std::string(TESSERA_CHILD_EXE) + " " + mode + " " + timeout,
+                             settings, 90);
 }
 
 // Only rank 0 starts the child job, the others wait for it at the barrier.

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "child_job.h"
 #include "tessera/tessera.h"
 #include "test_redistribute_reference.h"
 
@@ -180,47 +181,23 @@ TEST(VisualizeSharding, NamesEachCoordinatesBlockAndEmptyShards) {
 
 namespace {
 
-struct ChildResult {
-  int exit_code = -1;
-  double seconds = 0;
-  std::string output;
-};
+using test::ChildResult;
 
 // Runs this binary's `MisuseChild.DISABLED_<name>` on four ranks with a 5 s collective timeout.
-// The child gets a clean environment: an inherited one would make its ranks join this job.
 ChildResult run_child(const std::string& name) {
   std::array<char, 4096> self{};
   const ssize_t len = readlink("/proc/self/exe", self.data(), self.size() - 1);
-  ChildResult result;
   if (len <= 0) {
+    ChildResult result;
     result.output = "cannot find this executable";
     return result;
   }
-  std::string env = "env -i PATH='" + std::string(std::getenv("PATH") ? std::getenv("PATH") : "") +
-                    "' OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
-                    "OMP_NUM_THREADS=1 TESSERA_COLLECTIVE_TIMEOUT=5";
-  for (const char* var : {"HOME", "LD_LIBRARY_PATH", "TMPDIR"})
-    if (const char* v = std::getenv(var)) env += std::string(" ") + var + "='" + v + "'";
-  const std::string cmd = env + " timeout -k 5 120 " + TESSERA_MPIEXEC + " " +
-                          TESSERA_MPIEXEC_NUMPROC_FLAG + " 4 " + TESSERA_MPIEXEC_FLAGS + " " +
-                          std::string(self.data(), size_t(len)) +
-                          " --gtest_also_run_disabled_tests --gtest_color=no"
-                          " --gtest_filter=MisuseChild.DISABLED_" +
-                          name + " 2>&1";
-  const auto start = std::chrono::steady_clock::now();
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (pipe == nullptr) {
-    result.output = "popen failed for: " + cmd;
-    return result;
-  }
-  std::array<char, 4096> buf{};
-  size_t got = 0;
-  while ((got = std::fread(buf.data(), 1, buf.size(), pipe)) > 0)
-    result.output.append(buf.data(), got);
-  const int status = pclose(pipe);
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return result;
+  return test::run_child_job(4,
+                             std::string(self.data(), size_t(len)) +
+                                 " --gtest_also_run_disabled_tests --gtest_color=no"
+                                 " --gtest_filter=MisuseChild.DISABLED_" +
+                                 name,
+                             "OMP_NUM_THREADS=1 TESSERA_COLLECTIVE_TIMEOUT=5", 120);
 }
 
 // Only rank 0 of the two-rank job starts the child (fewer idle ranks competing with it for the
