@@ -16,6 +16,7 @@
 #include "mpi/mpi_process_group.h"
 #include "mpi/mpi_state.h"
 #include "mpi/mpi_types.h"
+#include "mpi/progress.h"
 #include "tessera/core/error.h"
 
 namespace tessera {
@@ -98,6 +99,10 @@ bool active() {
 
 std::unique_lock<std::mutex> lock() {
   return std::unique_lock<std::mutex>(state().call_mutex);
+}
+
+bool threads_may_communicate() {
+  return g_thread_level.load() >= MPI_THREAD_SERIALIZED;
 }
 
 void require_usable(const char* op) {
@@ -193,6 +198,7 @@ void finalize() {
   RuntimeState& s = state();
   std::lock_guard<std::mutex> guard(s.init_mutex);
   if (!g_initialized.load() || g_finalized.load()) return;
+  mpi::stop_progress();
   // Groups still held by the user free their communicators only while MPI is active; release
   // ours now so the world communicator is freed properly.
   s.world.reset();

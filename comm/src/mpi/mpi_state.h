@@ -15,6 +15,8 @@ std::unique_lock<std::mutex> lock();
 // Checks that this thread may call MPI now: initialised, not finalised, and on the initialising
 // thread when MPI granted less than MPI_THREAD_SERIALIZED. `op` names the caller in the error.
 void require_usable(const char* op);
+// True when any thread may call MPI (under lock()): MPI granted at least MPI_THREAD_SERIALIZED.
+bool threads_may_communicate();
 // Throws a tessera::Error naming `call`, `context` and MPI's own text when rc != MPI_SUCCESS.
 void check(int rc, const char* call, const std::string& context);
 std::string error_string(int rc);

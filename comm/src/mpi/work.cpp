@@ -102,7 +102,8 @@ MpiWork::~MpiWork() {
   // Freeing the buffers now would let MPI write into released memory; and a caller that drops
   // the work without waiting still gets its staged outputs copied back.
   try {
-    wait_all(requests_, statuses_, [this] { return what(); });
+    if (poll_error_) std::rethrow_exception(poll_error_);
+    finish_requests();
     complete();
   } catch (const std::exception& e) {
     // A destructor cannot report the failure to anyone.
@@ -127,11 +128,18 @@ void MpiWork::complete() {
   keep_alive_.clear();
 }
 
+void MpiWork::finish_requests() {
+  if (requests_done_) return;
+  wait_all(requests_, statuses_, [this] { return what(); });
+  requests_done_ = true;
+}
+
 void MpiWork::wait() {
   std::lock_guard<std::mutex> guard(mutex_);
   if (done_) return;
   require_usable(op_kind_name(call_.op));
-  wait_all(requests_, statuses_, [this] { return what(); });
+  if (poll_error_) std::rethrow_exception(poll_error_);
+  finish_requests();
   complete();
 }
 
@@ -139,9 +147,33 @@ bool MpiWork::is_completed() {
   std::lock_guard<std::mutex> guard(mutex_);
   if (done_) return true;
   require_usable(op_kind_name(call_.op));
-  if (!test_all(requests_, statuses_, [this] { return what(); })) return false;
+  if (poll_error_) std::rethrow_exception(poll_error_);
+  if (!requests_done_) {
+    if (!test_all(requests_, statuses_, [this] { return what(); })) return false;
+    requests_done_ = true;
+  }
   complete();
   return true;
+}
+
+bool MpiWork::poll() {
+  std::unique_lock<std::mutex> guard(mutex_, std::try_to_lock);
+  // A waiter holds the lock and polls the requests itself; look again next round.
+  if (!guard.owns_lock()) return false;
+  if (done_ || requests_done_ || poll_error_) return true;
+  if (!active()) return true;
+  try {
+    requests_done_ = test_all(requests_, statuses_, [this] { return what(); });
+  } catch (...) {
+    poll_error_ = std::current_exception();
+    return true;
+  }
+  return requests_done_;
+}
+
+bool MpiWork::transfers_done() {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return done_ || requests_done_;
 }
 
 }  // namespace tessera::mpi

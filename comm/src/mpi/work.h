@@ -5,6 +5,7 @@
 // instead of hanging.
 #include <mpi.h>
 
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -60,7 +61,15 @@ class MpiWork final : public Work {
   void wait() override;
   bool is_completed() override;
 
+  // One poll from the progress thread: tests the requests unless another thread is already
+  // waiting on this work. True once they completed (or failed: wait() reports the error). The
+  // completion step stays with wait(), on the caller's thread.
+  bool poll();
+  bool transfers_done();
+
  private:
+  // Completes the requests, unless the progress thread already did (its statuses are kept).
+  void finish_requests();
   void complete();
   std::string what() const;
 
@@ -71,6 +80,8 @@ class MpiWork final : public Work {
   std::vector<Tensor> keep_alive_;
   Completion completion_;
   std::mutex mutex_;
+  bool requests_done_ = false;
+  std::exception_ptr poll_error_;  // from the progress thread, rethrown by wait()
   bool done_ = false;
 };
 

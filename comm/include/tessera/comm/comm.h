@@ -1,3 +1,4 @@
 #pragma once
 #include "tessera/comm/process_group.h"
+#include "tessera/comm/progress.h"
 #include "tessera/comm/runtime.h"

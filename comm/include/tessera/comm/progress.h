@@ -1,0 +1,18 @@
+#pragma once
+// Background progress for communication issued ahead of time. MPI moves a non-blocking operation
+// forward only while some thread of the process is inside an MPI call, so a Work issued early (a
+// prefetching all-gather, a reduce-scatter left running during backward) would otherwise sit
+// idle until wait() and hide nothing. c10d's MPI backend answers this with a worker thread that
+// runs blocking collectives; here the collectives stay non-blocking and one thread polls them.
+#include "tessera/comm/process_group.h"
+
+namespace tessera {
+
+// Hands `work` to the progress thread (started on first use), which polls it about every
+// 100 microseconds until its transfers complete. wait() is still needed: it finishes the work
+// on the caller's thread (copying staged results, dividing for Avg) and reports errors. A no-op
+// for a completed work, and when MPI granted less than MPI_THREAD_SERIALIZED (then only the
+// initialising thread may call MPI, and the work progresses inside wait()).
+void progress_in_background(const WorkPtr& work);
+
+}  // namespace tessera

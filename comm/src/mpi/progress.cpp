@@ -1,0 +1,102 @@
+#include "progress.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "mpi_state.h"
+#include "tessera/comm/progress.h"
+#include "work.h"
+
+namespace tessera::mpi {
+
+namespace {
+
+// Long enough that polling costs the computing thread next to nothing (one MPI_Testall per poll
+// when nothing is ready), short against the milliseconds a prefetched all-gather has to hide in.
+constexpr std::chrono::microseconds kPollInterval{100};
+
+class ProgressThread {
+ public:
+  void add(std::weak_ptr<MpiWork> work) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    if (stopped_) return;
+    works_.push_back(std::move(work));
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+    wake_.notify_one();
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      stopped_ = true;
+      wake_.notify_one();
+    }
+    if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+    std::lock_guard<std::mutex> guard(mutex_);
+    works_.clear();
+  }
+
+ private:
+  void run() {
+    std::vector<std::weak_ptr<MpiWork>> batch;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> guard(mutex_);
+        wake_.wait(guard, [this] { return stopped_ || !works_.empty(); });
+        if (stopped_) return;
+        batch.swap(works_);
+      }
+      // A work may be dropped by its owner meanwhile: then the last reference taken here runs
+      // its destructor on this thread, which waits for it like any other owner would.
+      std::vector<std::weak_ptr<MpiWork>> pending;
+      for (std::weak_ptr<MpiWork>& weak : batch) {
+        std::shared_ptr<MpiWork> work = weak.lock();
+        if (work && !work->poll()) pending.push_back(std::move(weak));
+      }
+      batch.clear();
+      if (pending.empty()) continue;
+      {
+        std::lock_guard<std::mutex> guard(mutex_);
+        for (std::weak_ptr<MpiWork>& w : pending)
+          works_.push_back(std::move(w));
+      }
+      std::this_thread::sleep_for(kPollInterval);
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::vector<std::weak_ptr<MpiWork>> works_;
+  std::thread thread_;
+  bool stopped_ = false;
+};
+
+// Never destroyed: the thread is joined by finalize() (always run, at exit if not before), and
+// a static destructor running first would terminate on a joinable std::thread.
+ProgressThread& progress_thread() {
+  static ProgressThread* t = new ProgressThread();
+  return *t;
+}
+
+}  // namespace
+
+void stop_progress() {
+  progress_thread().stop();
+}
+
+}  // namespace tessera::mpi
+
+namespace tessera {
+
+void progress_in_background(const WorkPtr& work) {
+  auto mpi_work = std::dynamic_pointer_cast<mpi::MpiWork>(work);
+  if (!mpi_work || !mpi::active() || !mpi::threads_may_communicate()) return;
+  if (mpi_work->transfers_done()) return;
+  mpi::progress_thread().add(mpi_work);
+}
+
+}  // namespace tessera
