@@ -3,7 +3,9 @@
 // the same losses and the same final weights as single-rank training with the mean loss.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <string>
@@ -114,16 +116,30 @@ void expect_close(const Tensor& got, const Tensor& want, double tol, const std::
         << what << " element " << i << " of " << shape_str(got.shape());
 }
 
-void expect_same_run(const TrainRun& got, const TrainRun& want, double tol) {
+// Prints the worst differences on rank 0 so that a run shows how much margin the tolerance has.
+void expect_same_run(const TrainRun& got, const TrainRun& want, double tol,
+                     const std::string& label = {}) {
   ASSERT_EQ(got.losses.size(), want.losses.size());
-  for (size_t s = 0; s < got.losses.size(); ++s)
+  double worst_loss = 0, worst_param = 0;
+  for (size_t s = 0; s < got.losses.size(); ++s) {
     EXPECT_NEAR(got.losses[s], want.losses[s], tol * std::abs(want.losses[s])) << "step " << s;
+    worst_loss =
+        std::max(worst_loss, std::abs(got.losses[s] - want.losses[s]) / std::abs(want.losses[s]));
+  }
   ASSERT_EQ(got.state.size(), want.state.size());
   for (const auto& [name, t] : want.state) {
     auto it = got.state.find(name);
     ASSERT_NE(it, got.state.end()) << name;
     expect_close(it->second, t, tol, name);
+    auto g = it->second.to_vector<double>(), w = t.to_vector<double>();
+    for (size_t i = 0; i < g.size(); ++i)
+      worst_param = std::max(worst_param, std::abs(g[i] - w[i]) / (1.0 + std::abs(w[i])));
   }
+  if (!label.empty() && world_rank() == 0)
+    std::printf(
+        "[parity] %s, %zu steps: worst loss |d|/|ref| %.2e, worst parameter "
+        "|d|/(1+|ref|) %.2e (tolerance %.0e)\n",
+        label.c_str(), got.losses.size(), worst_loss, worst_param, tol);
 }
 
 template <class F>
@@ -139,6 +155,7 @@ void expect_error(F&& f, const std::vector<std::string>& needles) {
   ADD_FAILURE() << "expected an error containing '" << needles.front() << "'";
 }
 
+// Plain Decoder, whole batch, no DTensor: shares nothing with the sharded runs but the seed.
 const TrainRun& reference_run() {
   static const TrainRun r = train(std::make_shared<Decoder>(tiny_config()), 30, 0, 1);
   return r;
@@ -173,7 +190,7 @@ TEST(FullyShard, TrainingMatchesSingleRank) {
     return Tensor();
   });
   TrainRun run = train(net, 30, mesh.local_rank(0), world_size(), check);
-  expect_same_run(run, reference_run(), 1e-5);
+  expect_same_run(run, reference_run(), 1e-5, "FSDP dp=" + std::to_string(world_size()));
   // The hook registered after fully_shard's runs after its reshard.
   EXPECT_EQ(unsharded_during_forward, 0);
 }
@@ -269,20 +286,39 @@ TEST(FullyShard, FrozenParameterGetsNoGradientAndStaysUnchanged) {
   expect_close(got.state.at(frozen), initial, 0, frozen);
 }
 
+// The reference run trains until the parameters move far beyond the tolerance, so a sharded run
+// that dropped or mis-averaged a gradient could not pass.
+TEST(FullyShard, ReferenceRunMovesParametersBeyondTheTolerance) {
+  auto initial = std::make_shared<Decoder>(tiny_config())->state_dict();
+  const TrainRun& ref = reference_run();
+  EXPECT_LT(ref.losses.back(), 0.5 * ref.losses.front());
+  for (const auto& [name, t] : ref.state) {
+    auto a = t.to_vector<double>(), b = initial.at(name).to_vector<double>();
+    double moved = 0;
+    for (size_t i = 0; i < a.size(); ++i)
+      moved = std::max(moved, std::abs(a[i] - b[i]) / (1.0 + std::abs(b[i])));
+    EXPECT_GT(moved, 1e-3) << name;
+  }
+}
+
+// (replicate, shard): 2 x 2 on 4 ranks, 2 x 4 on 8.
 TEST(FullyShard, HybridShardingMatchesSingleRank) {
-  if (world_size() != 4) GTEST_SKIP() << "HSDP runs on a (2, 2) mesh";
-  DeviceMesh mesh(Shape{2, 2}, {"replicate", "shard"});
+  if (world_size() != 4 && world_size() != 8) GTEST_SKIP() << "HSDP runs on 4 or 8 ranks";
+  DeviceMesh mesh(Shape{2, world_size() / 2}, {"replicate", "shard"});
   auto net = std::make_shared<Decoder>(tiny_config());
   shard_blocks_and_root(net, mesh);
   Parameter* w = net->parameters().front();
   EXPECT_EQ(w->stored_dtensor().placements(), (Placements{Replicate(), Shard(0)}));
   TrainRun run = train(net, 30, world_rank(), world_size());
-  expect_same_run(run, reference_run(), 1e-5);
+  expect_same_run(run, reference_run(), 1e-5,
+                  "HSDP " + std::to_string(mesh.size(0)) + "x" + std::to_string(mesh.size(1)));
 }
 
+// (dp, tp): 2 x 2 on 4 ranks, 4 x 2 on 8.
 TEST(FullyShard, WithTensorParallelMatchesSingleRank) {
-  if (world_size() != 4) GTEST_SKIP() << "FSDP x TP runs on a (2, 2) mesh";
-  DeviceMesh mesh(Shape{2, 2}, {"dp", "tp"});
+  if (world_size() != 4 && world_size() != 8) GTEST_SKIP() << "FSDP x TP runs on 4 or 8 ranks";
+  const int64_t tp = 2, dp = world_size() / tp;
+  DeviceMesh mesh(Shape{dp, tp}, {"dp", "tp"});
   const DecoderConfig cfg = tiny_config();
   auto net = std::make_shared<Decoder>(cfg);
   parallelize_module(net, mesh["tp"], decoder_tp_plan(cfg, mesh["tp"]));
@@ -291,7 +327,7 @@ TEST(FullyShard, WithTensorParallelMatchesSingleRank) {
     ASSERT_TRUE(p->is_dtensor()) << name;
     EXPECT_EQ(p->stored_dtensor().mesh().ndim(), 2) << name << " " << p->str();
     if (name == "layers.0.attention.wq.weight") {
-      EXPECT_EQ(p->stored_dtensor().placements(), (Placements{StridedShard(0, 2), Shard(0)}));
+      EXPECT_EQ(p->stored_dtensor().placements(), (Placements{StridedShard(0, tp), Shard(0)}));
     }
     if (name == "layers.0.attention.wo.weight") {
       EXPECT_EQ(p->stored_dtensor().placements(), (Placements{Shard(0), Shard(1)}));
@@ -301,8 +337,9 @@ TEST(FullyShard, WithTensorParallelMatchesSingleRank) {
   auto original = std::make_shared<Decoder>(cfg)->state_dict();
   for (const auto& [name, t] : net->state_dict())
     expect_close(t, original.at(name), 0, name);
-  TrainRun run = train(net, 30, mesh.local_rank(0), 2);
-  expect_same_run(run, reference_run(), 1e-5);
+  TrainRun run = train(net, 30, mesh.local_rank(0), dp);
+  expect_same_run(run, reference_run(), 1e-5,
+                  "FSDP x TP " + std::to_string(dp) + "x" + std::to_string(tp));
 }
 
 // Linear layers in custom modules: every op here runs in bfloat16 (the Decoder does not yet, see
