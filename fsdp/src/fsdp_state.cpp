@@ -1,8 +1,12 @@
+#include <chrono>
 #include <cmath>
+#include <thread>
 
+#include "schedule.h"
 #include "tessera/autograd/engine.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/autograd/ops.h"
+#include "tessera/comm/progress.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/views.h"
 #include "tessera/dtensor/layout.h"
@@ -15,6 +19,45 @@ namespace {
 // The flat window [start, start + length) of a contiguous tensor, as a view.
 Tensor flat_window(const Tensor& t, int64_t start, int64_t length) {
   return kernels::narrow(kernels::view(t, Shape{t.numel()}), 0, start, length);
+}
+
+double wait_seconds(const WorkPtr& work) {
+  const auto start = std::chrono::steady_clock::now();
+  work->wait();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Waits for `work` up to `seconds` (infinity: until it completes; 0: only tests it) and adds
+// the time waited to `waited`; true when it completed.
+bool wait_at_most(const WorkPtr& work, double seconds, double& waited) {
+  if (std::isinf(seconds)) {
+    waited += wait_seconds(work);
+    return true;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    if (work->is_completed()) break;
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (elapsed >= seconds) {
+      waited += elapsed;
+      return false;
+    }
+    std::this_thread::yield();
+  }
+  waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  work->wait();  // runs its completion step
+  return true;
+}
+
+std::vector<std::weak_ptr<FSDPState>> weak_list(
+    const std::vector<std::shared_ptr<FSDPState>>& groups) {
+  std::vector<std::weak_ptr<FSDPState>> out;
+  for (const auto& g : groups) {
+    TESSERA_CHECK(g != nullptr, "FSDPState: a prefetch target is null");
+    out.push_back(g);
+  }
+  return out;
 }
 
 }  // namespace
@@ -33,6 +76,16 @@ std::vector<std::string> FSDPState::parameter_names() const {
   return out;
 }
 
+void FSDPState::set_modules_to_forward_prefetch(
+    const std::vector<std::shared_ptr<FSDPState>>& groups) {
+  forward_prefetch_ = weak_list(groups);
+}
+
+void FSDPState::set_modules_to_backward_prefetch(
+    const std::vector<std::shared_ptr<FSDPState>>& groups) {
+  backward_prefetch_ = weak_list(groups);
+}
+
 void FSDPState::set_unsharded_params() {
   for (ParamInfo& i : params_) {
     DTensor dt;
@@ -42,29 +95,53 @@ void FSDPState::set_unsharded_params() {
   unsharded_ = true;
 }
 
-void FSDPState::unshard() {
+void FSDPState::unshard(bool async_op) {
   if (unsharded_) return;
+  if (async_op) {
+    start_gather();
+    return;
+  }
   drop_leaves();
-  gather(/*fresh=*/true);
+  finish_gather(/*fresh=*/true);
   grads_ready_ = 0;
   set_unsharded_params();
 }
 
-void FSDPState::gather(bool fresh) {
+void FSDPState::start_gather() {
+  if (pending_gather_) return;
   NoGradGuard no_grad;
-  const int64_t k = shard_pg_->size();
+  const int64_t k = gather_pg_->size();
   const DType gather_dtype = opts_.mp_policy.param_dtype.value_or(flat_.dtype());
-  Tensor send = gather_dtype == flat_.dtype() ? flat_ : flat_.to(gather_dtype);
-  Tensor gathered = empty(Shape{k * padded_size_}, gather_dtype);
-  shard_pg_->all_gather_into_tensor(gathered, send)->wait();
+  PendingGather g;
+  g.send = gather_dtype == flat_.dtype() ? flat_ : flat_.to(gather_dtype);
+  g.gathered = empty(Shape{k * padded_size_}, gather_dtype);
+  g.work = gather_pg_->all_gather_into_tensor(g.gathered, g.send);
+  progress_in_background(g.work);
+  pending_gather_ = std::move(g);
+}
+
+void FSDPState::drop_pending_gather() {
+  if (!pending_gather_) return;
+  pending_gather_->work->wait();  // MPI may still be writing into the buffer
+  pending_gather_.reset();
+}
+
+void FSDPState::finish_gather(bool fresh) {
+  start_gather();
+  NoGradGuard no_grad;
+  PendingGather g = std::move(*pending_gather_);
+  pending_gather_.reset();
+  ++stats_.all_gathers;
+  stats_.all_gather_wait_seconds += wait_seconds(g.work);
+  const int64_t k = gather_pg_->size();
   for (ParamInfo& i : params_) {
-    Tensor leaf = fresh ? empty(i.unsharded_shape, gather_dtype) : i.leaf;
+    Tensor leaf = fresh ? empty(i.unsharded_shape, g.gathered.dtype()) : i.leaf;
     if (!fresh) leaf.storage().impl()->reallocate();
     for (int64_t r = 0; r < k; ++r) {
       const Chunk c = chunk_of(i.rows, k, r);
       if (c.length == 0) continue;
       flat_window(leaf.detach(), c.start * i.row_numel, c.length * i.row_numel)
-          .copy_(flat_window(gathered, r * padded_size_ + i.offset, c.length * i.row_numel));
+          .copy_(flat_window(g.gathered, r * padded_size_ + i.offset, c.length * i.row_numel));
     }
     if (fresh && i.param->requires_grad()) {
       leaf.set_requires_grad(true);
@@ -76,6 +153,29 @@ void FSDPState::gather(bool fresh) {
     i.leaf = leaf;
   }
   leaves_released_ = false;
+}
+
+void FSDPState::prefetch(bool forward) {
+  std::vector<std::shared_ptr<FSDPState>> targets;
+  const auto& explicit_targets = forward ? forward_prefetch_ : backward_prefetch_;
+  if (explicit_targets) {
+    for (const auto& w : *explicit_targets)
+      if (auto s = w.lock()) targets.push_back(s);
+  } else if (forward ? opts_.forward_prefetch : opts_.backward_prefetch) {
+    auto next = forward ? schedule_->next_in_forward(this) : schedule_->next_in_backward(this);
+    if (next) targets.push_back(next);
+  }
+  for (const auto& t : targets) {
+    if (t.get() == this || t->unsharded_) continue;
+    if (forward)
+      t->start_gather();
+    else
+      schedule_->gather_through(t.get());  // in backward order, like every rank
+  }
+}
+
+bool FSDPState::needs_backward_gather() const {
+  return !unsharded_ && leaves_released_ && !pending_gather_;
 }
 
 void FSDPState::reshard() {
@@ -112,7 +212,9 @@ void FSDPState::free_leaves_after_backward() {
 }
 
 Tensor FSDPState::pre_forward(const Tensor& x) {
+  schedule_->record_forward(shared_from_this());
   unshard();
+  prefetch(/*forward=*/true);
   const auto& pd = opts_.mp_policy.param_dtype;
   if (pd && x.defined() && is_floating(x.dtype()) && x.dtype() != *pd) return cast(x, *pd);
   return Tensor();
@@ -133,56 +235,47 @@ Tensor FSDPState::post_forward(const Tensor& y) {
   return Tensor();
 }
 
-void FSDPState::queue_finalize() {
-  if (finalize_queued_) return;
-  finalize_queued_ = true;
-  std::weak_ptr<FSDPState> weak = weak_from_this();
-  autograd::queue_callback([weak] {
-    if (auto s = weak.lock()) s->finalize_backward();
-  });
+void FSDPState::begin_backward() {
+  schedule_->begin_backward(shared_from_this());
 }
 
 void FSDPState::pre_backward() {
-  queue_finalize();
-  if (unsharded_) return;
-  // The leaves from this step's forward are what the autograd graph saved and where backward
-  // accumulates gradients; when resharding released their bytes, gather into them again.
-  if (!params_.empty() && params_.front().leaf.defined()) {
-    if (leaves_released_) gather(/*fresh=*/false);
-    set_unsharded_params();
-  } else {
-    unshard();
+  begin_backward();
+  if (!unsharded_) {
+    // The leaves from this step's forward are what the autograd graph saved and where backward
+    // accumulates gradients; when resharding released their bytes, gather into them again.
+    if (!params_.empty() && params_.front().leaf.defined()) {
+      schedule_->gather_through(this);
+      if (leaves_released_) finish_gather(/*fresh=*/false);
+      set_unsharded_params();
+    } else {
+      unshard();
+    }
   }
+  prefetch(/*forward=*/false);
 }
 
 void FSDPState::on_grad_ready() {
-  queue_finalize();
+  begin_backward();
   ++grads_ready_;
   int64_t expected = 0;
   for (const ParamInfo& i : params_)
     expected += i.leaf.defined() && i.leaf.requires_grad();
-  if (grads_ready_ == expected) post_backward();
+  if (grads_ready_ < expected) return;
+  grads_ready_for_reduce_ = true;
+  schedule_->issue_ready_reduces();
 }
 
-void FSDPState::finalize_backward() {
-  finalize_queued_ = false;
-  // Parameters that got no gradient this backward (unused in forward) still take part in the
-  // reduce-scatter with zeros, so every rank issues the same collectives.
-  if (backward_pending_) {
-    bool any = false;
-    for (const ParamInfo& i : params_)
-      any |= i.leaf.defined() && i.leaf.grad().defined();
-    if (any)
-      post_backward();
-    else
-      backward_pending_ = false;
-  }
-  reshard();
+void FSDPState::mark_grads_pending(bool pending) {
+  if (pending && !requires_gradient_sync_) return;  // the stored gradients are not touched
+  for (ParamInfo& i : params_)
+    i.param->set_grad_pending(pending && i.param->requires_grad());
 }
 
-void FSDPState::post_backward() {
+void FSDPState::start_reduce() {
   NoGradGuard no_grad;
   backward_pending_ = false;
+  grads_ready_for_reduce_ = false;
   grads_ready_ = 0;
   if (!requires_gradient_sync_) {
     for (ParamInfo& i : params_) {
@@ -194,12 +287,27 @@ void FSDPState::post_backward() {
     reshard();
     return;
   }
-  const int64_t k = shard_pg_->size();
-  const DType stored_dtype = flat_.dtype();
+  bool trainable = false;
+  for (const ParamInfo& i : params_)
+    trainable |= i.param->requires_grad();
+  if (!trainable) {  // the same on every rank: nothing to reduce
+    free_leaves_after_backward();
+    reshard();
+    return;
+  }
+  // Each rank's block holds its rows of every gradient, padded, then one flag per parameter
+  // (1 where this rank has a gradient for it): the reduce-scatter sums the flags too, so every
+  // rank learns which parameters got a gradient anywhere without another collective.
+  // Packing needs only the gradients: free the gathered weights first.
+  for (ParamInfo& i : params_)
+    if (i.leaf.defined() && !i.leaf.storage().impl()->is_released())
+      i.leaf.storage().impl()->release();
+  const int64_t k = reduce_pg_->size();
+  const int64_t block = padded_size_ + int64_t(params_.size());
   const DType reduce_dtype =
-      opts_.mp_policy.reduce_dtype.value_or(opts_.mp_policy.param_dtype.value_or(stored_dtype));
-  Tensor send = zeros(Shape{k * padded_size_}, reduce_dtype);
-  std::vector<bool> has_grad(params_.size(), false);
+      opts_.mp_policy.reduce_dtype.value_or(opts_.mp_policy.param_dtype.value_or(flat_.dtype()));
+  PendingReduce pr;
+  pr.send = zeros(Shape{k * block}, reduce_dtype);
   for (size_t p = 0; p < params_.size(); ++p) {
     ParamInfo& i = params_[p];
     if (!i.param->requires_grad()) continue;
@@ -207,37 +315,61 @@ void FSDPState::post_backward() {
     if (i.accum_grad.defined()) g = g.defined() ? add(i.accum_grad, g) : i.accum_grad;
     i.accum_grad = Tensor();
     if (!g.defined()) continue;
-    has_grad[p] = true;
     TESSERA_CHECK(g.shape() == i.unsharded_shape, "fully_shard: gradient of '", i.name, "' is ",
                   g.str(), "; expected the unsharded shape ", shape_str(i.unsharded_shape));
     g = g.contiguous();
     for (int64_t r = 0; r < k; ++r) {
       const Chunk c = chunk_of(i.rows, k, r);
+      flat_window(pr.send, r * block + padded_size_ + int64_t(p), 1).fill_(1.0);
       if (c.length == 0) continue;
-      flat_window(send, r * padded_size_ + i.offset, c.length * i.row_numel)
+      flat_window(pr.send, r * block + i.offset, c.length * i.row_numel)
           .copy_(flat_window(g, c.start * i.row_numel, c.length * i.row_numel));
     }
   }
-  Tensor reduced = empty(Shape{padded_size_}, reduce_dtype);
-  shard_pg_->reduce_scatter_tensor(reduced, send, ReduceOp::Sum)->wait();
-  int64_t dp = k;
-  if (replicate_pg_) {
-    replicate_pg_->all_reduce(reduced, ReduceOp::Sum)->wait();
-    dp *= replicate_pg_->size();
+  // The unsharded gradients are packed: free them before the transfer.
+  free_leaves_after_backward();
+  reshard();
+  pr.reduced = empty(Shape{block}, reduce_dtype);
+  pr.work = reduce_pg_->reduce_scatter_tensor(pr.reduced, pr.send, ReduceOp::Sum);
+  progress_in_background(pr.work);
+  pending_reduce_ = std::move(pr);
+}
+
+bool FSDPState::advance_reduce(double max_wait_seconds) {
+  if (!pending_reduce_) return true;
+  NoGradGuard no_grad;
+  PendingReduce& pr = *pending_reduce_;
+  if (!wait_at_most(pr.work, max_wait_seconds, stats_.reduce_scatter_wait_seconds)) return false;
+  if (!pr.across_replicas) {
+    ++stats_.reduce_scatters;
+    pr.send = Tensor();
+    if (replicate_pg_) {
+      pr.work = replicate_pg_->all_reduce(pr.reduced, ReduceOp::Sum);
+      progress_in_background(pr.work);
+      pr.across_replicas = true;
+      return advance_reduce(max_wait_seconds);
+    }
   }
+  int64_t dp = reduce_pg_->size() * (replicate_pg_ ? replicate_pg_->size() : 1);
+  const std::vector<double> flags =
+      flat_window(pr.reduced, padded_size_, int64_t(params_.size())).to_vector<double>();
   // Each rank's loss is the mean over its own rows: averaging over the data-parallel ranks
   // gives the gradient of the mean loss over the global batch.
-  Tensor averaged = mul(reduced.to(stored_dtype), 1.0 / double(dp));
+  const DType stored_dtype = flat_.dtype();
+  Tensor averaged =
+      mul(flat_window(pr.reduced, 0, padded_size_).to(stored_dtype), 1.0 / double(dp));
+  pending_reduce_.reset();
   for (size_t p = 0; p < params_.size(); ++p) {
-    if (!has_grad[p]) continue;
     ParamInfo& i = params_[p];
+    if (!i.param->requires_grad()) continue;
+    i.param->set_grad_pending(false);
+    if (flags[p] == 0) continue;  // no rank had a gradient: leave it undefined, as unsharded
     const Tensor& stored = i.param->stored();
     Tensor g = kernels::view(flat_window(averaged, i.offset, stored.numel()), stored.shape());
     Tensor old = stored.grad();
     Tensor(stored).set_grad(old.defined() ? add(old, g) : g);
   }
-  free_leaves_after_backward();
-  reshard();
+  return true;
 }
 
 }  // namespace tessera

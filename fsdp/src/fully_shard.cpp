@@ -1,5 +1,7 @@
 #include "tessera/fsdp/fully_shard.h"
 
+#include "schedule.h"
+
 #include <map>
 
 #include "tessera/autograd/grad_mode.h"
@@ -26,6 +28,23 @@ std::map<const Parameter*, std::weak_ptr<FSDPState>>& param_registry() {
 bool claimed(const Parameter* p) {
   auto it = param_registry().find(p);
   return it != param_registry().end() && !it->second.expired();
+}
+
+// A duplicate of `pg` for one kind of FSDP collective, shared by every group on `pg` while any
+// holds it. Creating one is collective over `pg`; every rank shards the same modules in the same
+// order, so every rank finds or creates the same duplicates.
+ProcessGroupPtr dedicated_group(const ProcessGroupPtr& pg, const std::string& role) {
+  struct Entry {
+    std::weak_ptr<ProcessGroup> source, dup;
+    std::string role;
+  };
+  static std::vector<Entry> cache;
+  std::erase_if(cache, [](const Entry& e) { return e.source.expired() || e.dup.expired(); });
+  for (const Entry& e : cache)
+    if (e.role == role && e.source.lock() == pg) return e.dup.lock();
+  ProcessGroupPtr dup = pg->split(0, pg->rank(), pg->name() + "." + role);
+  cache.push_back({pg, dup, role});
+  return dup;
 }
 
 // FSDP x TP: the (dp, tp) mesh whose rows are `dp` and columns `tp`, checked against both.
@@ -66,10 +85,13 @@ std::shared_ptr<FSDPState> fully_shard(const ModulePtr& module, const DeviceMesh
   std::shared_ptr<FSDPState> state(new FSDPState());
   state->module_ = module;
   state->opts_ = opts;
+  state->schedule_ = std::make_shared<detail::FSDPSchedule>();
   const bool hsdp = mesh.ndim() == 2;
-  state->shard_pg_ = mesh.group(hsdp ? 1 : 0);
-  if (hsdp) state->replicate_pg_ = mesh.group(0);
-  const int64_t k = state->shard_pg_->size();
+  const ProcessGroupPtr& shard_pg = mesh.group(hsdp ? 1 : 0);
+  state->gather_pg_ = dedicated_group(shard_pg, "fsdp_all_gather");
+  state->reduce_pg_ = dedicated_group(shard_pg, "fsdp_reduce_scatter");
+  if (hsdp) state->replicate_pg_ = dedicated_group(mesh.group(0), "fsdp_replicate");
+  const int64_t k = shard_pg->size();
   const int64_t my = mesh.local_rank(hsdp ? 1 : 0);
 
   // Lay out the group: each parameter's dim-0 piece padded to ceil(rows / k) rows.
@@ -104,6 +126,10 @@ std::shared_ptr<FSDPState> fully_shard(const ModulePtr& module, const DeviceMesh
         TESSERA_CHECK(!pl.is_partial(), "fully_shard: parameter '", name, "' is ", d.str(),
                       "; a Partial parameter cannot be sharded");
     }
+    // The mesh's process groups run over MPI on host memory.
+    TESSERA_CHECK(src.device().type == DeviceType::CPU, "fully_shard(", module->type_name(),
+                  "): parameter '", name, "' is on ", src.device().str(), " but mesh ", mesh.str(),
+                  " communicates CPU tensors (MPI); move the module to the CPU first");
     i.unsharded_shape = src.shape();
     TESSERA_CHECK(src.dim() >= 1, "fully_shard(", module->type_name(), "): parameter '", name,
                   "' is 0-dimensional; FSDP shards dim 0");
@@ -161,7 +187,10 @@ std::shared_ptr<FSDPState> fully_shard(const ModulePtr& module, const DeviceMesh
     if (m.get() == module.get()) continue;
     auto it = module_registry().find(m.get());
     if (it == module_registry().end()) continue;
-    if (auto s = it->second.lock()) s->is_root_ = false;
+    if (auto s = it->second.lock()) {
+      s->is_root_ = false;
+      s->schedule_ = state->schedule_;
+    }
   }
   module_registry()[module.get()] = state;
 

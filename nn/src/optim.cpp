@@ -19,6 +19,16 @@ void check_params(const char* opt, const std::vector<Parameter*>& params) {
                   params.size(), " is null or undefined");
 }
 
+// FSDP writes a parameter's gradient when its reduce-scatter completes, at the latest when
+// backward() returns: reading it earlier (from a hook, say) would see a stale or missing value.
+void check_grads_ready(const char* op, const std::vector<Parameter*>& params) {
+  for (size_t i = 0; i < params.size(); ++i)
+    TESSERA_CHECK(params[i] == nullptr || !params[i]->grad_pending(), op, ": parameter ", i, " of ",
+                  params.size(), " ", params[i]->str(),
+                  " is still waiting for FSDP's reduce-scatter of its gradient; call it after "
+                  "backward() has returned");
+}
+
 // float32 and float64 are updated in place; 16-bit parameters through a float32 copy, with
 // float32 optimizer state (the usual master-precision arrangement).
 DType compute_dtype_of(DType dt) {
@@ -73,6 +83,7 @@ SGD::SGD(std::vector<Parameter*> params, SGDOptions opts)
 
 void SGD::step() {
   NoGradGuard no_grad;
+  check_grads_ready("SGD.step", params_);
   const double lr = lr_, mom = opts_.momentum, wd = opts_.weight_decay;
   for (size_t i = 0; i < params_.size(); ++i) {
     Parameter& p = *params_[i];
@@ -118,6 +129,7 @@ AdamW::AdamW(std::vector<Parameter*> params, AdamWOptions opts)
 
 void AdamW::step() {
   NoGradGuard no_grad;
+  check_grads_ready("AdamW.step", params_);
   ++step_;
   const double lr = lr_, b1 = opts_.beta1, b2 = opts_.beta2, eps = opts_.eps;
   const double decay = 1.0 - lr * opts_.weight_decay;
@@ -180,6 +192,7 @@ struct NormGroup {
 
 double clip_grad_norm_(const std::vector<Parameter*>& params, double max_norm) {
   NoGradGuard no_grad;
+  check_grads_ready("clip_grad_norm_", params);
   double total = 0;  // plain parameters: every rank holds the same gradient
   std::vector<NormGroup> groups;
   for (Parameter* p : params) {

@@ -8,9 +8,14 @@
 #include <string>
 #include <vector>
 
+#include "tessera/comm/process_group.h"
 #include "tessera/nn/module.h"
 
 namespace tessera {
+
+namespace detail {
+struct FSDPSchedule;
+}
 
 struct MixedPrecisionPolicy {
   // Dtype of the gathered parameters that forward and backward compute with; the stored
@@ -30,21 +35,42 @@ struct OffloadPolicy {
 
 struct FSDPOptions {
   bool reshard_after_forward = true;
+  // Issue the next group's all-gather while this group computes: in forward the group after it
+  // in the previous step's forward order, in backward the group before it in this step's.
+  // set_modules_to_forward_prefetch / _backward_prefetch choose the groups instead.
+  bool forward_prefetch = true;
+  bool backward_prefetch = true;
   MixedPrecisionPolicy mp_policy;
   OffloadPolicy offload_policy;
+};
+
+// Where a group's communication kept its computing thread waiting: the time inside wait() for
+// its all-gathers and reduce-scatters. A prefetched all-gather that finished in the background
+// costs (almost) nothing here; without prefetch every all-gather is waited for in full.
+struct FSDPCommStats {
+  int64_t all_gathers = 0;
+  double all_gather_wait_seconds = 0;
+  int64_t reduce_scatters = 0;
+  double reduce_scatter_wait_seconds = 0;
 };
 
 class FSDPState : public std::enable_shared_from_this<FSDPState> {
  public:
   // All-gathers the group (no-op when already unsharded) and points each Parameter at its
-  // gathered value.
-  void unshard();
+  // gathered value. async_op only issues the all-gather, which then runs in the background;
+  // the next unshard() or forward of the group finishes it.
+  void unshard(bool async_op = false);
   // Points each Parameter back at its stored shard.
   void reshard();
   // Off: backward keeps summing the unsharded gradients across micro-batches; the next
   // synced backward reduce-scatters the sum.
   void set_requires_gradient_sync(bool sync) { requires_gradient_sync_ = sync; }
   void set_reshard_after_forward(bool r) { opts_.reshard_after_forward = r; }
+  // Explicit prefetch targets (PyTorch's FSDPModule methods of these names): the groups whose
+  // all-gather this group issues when its forward (backward) starts. Replaces the implicit
+  // choice; an empty list turns prefetch off for this group.
+  void set_modules_to_forward_prefetch(const std::vector<std::shared_ptr<FSDPState>>& groups);
+  void set_modules_to_backward_prefetch(const std::vector<std::shared_ptr<FSDPState>>& groups);
 
   std::vector<Parameter*> parameters() const;
   std::vector<std::string> parameter_names() const;  // relative to the module
@@ -53,13 +79,14 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // The outermost fully_shard'ed module: it stays unsharded from forward through backward.
   bool is_root() const { return is_root_; }
   const FSDPOptions& options() const { return opts_; }
+  const FSDPCommStats& comm_stats() const { return stats_; }
+  void reset_comm_stats() { stats_ = {}; }
 
   // Called by fully_shard's module hooks and autograd hooks.
   Tensor pre_forward(const Tensor& x);
   Tensor post_forward(const Tensor& y);
   void pre_backward();
   void on_grad_ready();
-  void finalize_backward();
 
   struct ParamInfo {
     Parameter* param = nullptr;
@@ -79,19 +106,45 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
  private:
   friend std::shared_ptr<FSDPState> fully_shard(const ModulePtr&, const DeviceMesh&, FSDPOptions);
+  friend struct detail::FSDPSchedule;
   FSDPState() = default;
 
   void set_unsharded_params();
-  void post_backward();
   void drop_leaves();
   void free_leaves_after_backward();
-  // All-gathers the shards into fresh leaves, or into the existing ones whose storage
-  // reshard() released.
-  void gather(bool fresh);
-  void queue_finalize();
+  // Issues the all-gather of the stored shards (no-op when one is in flight).
+  void start_gather();
+  // Finishes it into fresh leaves, or into the existing ones whose storage reshard() released.
+  void finish_gather(bool fresh);
+  void drop_pending_gather();
+  void prefetch(bool forward);
+  bool needs_backward_gather() const;
+  // Packs this backward's gradients and issues their reduce-scatter. advance_reduce moves it on
+  // (reduce-scatter, then for HSDP the all-reduce across replicas, then the averaged shards into
+  // the stored parameters' gradients), waiting at most `max_wait_seconds` (0: only tests,
+  // infinity: until done); false when it is still in flight.
+  void start_reduce();
+  bool advance_reduce(double max_wait_seconds);
+  void mark_grads_pending(bool pending);
+  void begin_backward();
+
+  // Both in flight between issue and use.
+  struct PendingGather {
+    WorkPtr work;
+    Tensor send, gathered;
+  };
+  struct PendingReduce {
+    WorkPtr work;
+    Tensor send, reduced;
+    bool across_replicas = false;  // HSDP: `work` is the all-reduce that follows
+  };
 
   std::weak_ptr<Module> module_;
-  ProcessGroupPtr shard_pg_;
+  // The data-parallel groups, each duplicated for FSDP's own use: all-gathers, reduce-scatters
+  // and (HSDP) the all-reduce across replicas each keep their own order (see schedule.h), and no
+  // collective of the application on the mesh can come between them.
+  ProcessGroupPtr gather_pg_;
+  ProcessGroupPtr reduce_pg_;
   ProcessGroupPtr replicate_pg_;  // HSDP only
   FSDPOptions opts_;
   std::vector<ParamInfo> params_;
@@ -102,8 +155,14 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool requires_gradient_sync_ = true;
   bool backward_pending_ = false;
   bool leaves_released_ = false;  // resharded after forward: the graph holds empty storage
-  bool finalize_queued_ = false;
+  bool grads_ready_for_reduce_ = false;
   int64_t grads_ready_ = 0;
+  FSDPCommStats stats_;
+  std::optional<PendingGather> pending_gather_;
+  std::optional<PendingReduce> pending_reduce_;
+  // Shared by every group under one root: forward order, prefetch, reduce-scatter order.
+  std::shared_ptr<detail::FSDPSchedule> schedule_;
+  std::optional<std::vector<std::weak_ptr<FSDPState>>> forward_prefetch_, backward_prefetch_;
 };
 
 // Shards `module`'s unclaimed parameters over `mesh`: 1-D is FSDP on that dim, 2-D is HSDP

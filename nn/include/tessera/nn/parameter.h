@@ -48,6 +48,10 @@ class Parameter {
   Tensor grad() const { return local_.grad(); }
   DTensor grad_dtensor() const;
   void zero_grad() { local_.set_grad(Tensor()); }
+  // FSDP sets this from the start of a backward until the parameter's reduce-scattered gradient
+  // is written; optimizers and clip_grad_norm_ refuse to read the gradient meanwhile.
+  void set_grad_pending(bool pending) { grad_pending_ = pending; }
+  bool grad_pending() const { return grad_pending_; }
 
   std::string str() const;
 
@@ -57,6 +61,7 @@ class Parameter {
   Shape shape_;
   Tensor unsharded_local_;
   DTensor unsharded_dtensor_;
+  bool grad_pending_ = false;
 };
 
 }  // namespace tessera

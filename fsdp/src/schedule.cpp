@@ -1,0 +1,129 @@
+#include "schedule.h"
+
+#include <limits>
+
+#include "tessera/autograd/engine.h"
+
+namespace tessera::detail {
+
+namespace {
+
+constexpr double kReduceWait = 2.0;  // seconds; see schedule.h
+constexpr double kInfinity = std::numeric_limits<double>::infinity();
+
+using Groups = std::vector<std::weak_ptr<FSDPState>>;
+
+ptrdiff_t index_of(const Groups& groups, const FSDPState* g) {
+  for (size_t i = 0; i < groups.size(); ++i)
+    if (groups[i].lock().get() == g) return ptrdiff_t(i);
+  return -1;
+}
+
+template <class F>
+void for_each_live(const Groups& groups, F&& f) {
+  for (const auto& w : groups)
+    if (auto s = w.lock()) f(s);
+}
+
+}  // namespace
+
+void FSDPSchedule::record_forward(const Group& group) {
+  if (group->is_root_) {
+    if (!order.empty()) last_order = std::move(order);
+    order.clear();
+    // A prefetch the last step issued for a group that then did not run would hold the shards
+    // from before the optimizer step.
+    for_each_live(last_order, [&](const Group& s) {
+      if (s != group) s->drop_pending_gather();
+    });
+  }
+  if (index_of(order, group.get()) < 0) order.push_back(group);
+}
+
+FSDPSchedule::Group FSDPSchedule::next_in_forward(const FSDPState* g) const {
+  const ptrdiff_t i = index_of(last_order, g);
+  if (i < 0 || size_t(i + 1) >= last_order.size()) return nullptr;
+  return last_order[size_t(i + 1)].lock();
+}
+
+FSDPSchedule::Group FSDPSchedule::next_in_backward(const FSDPState* g) const {
+  const ptrdiff_t i = index_of(backward_order, g);
+  if (i < 0 || size_t(i + 1) >= backward_order.size()) return nullptr;
+  return backward_order[size_t(i + 1)].lock();
+}
+
+void FSDPSchedule::begin_backward(const Group& caller) {
+  if (backward_running) return;
+  backward_running = true;
+  backward_order.clear();
+  next_gather = next_reduce = 0;
+  bounded_waits = true;
+  for (auto it = order.rbegin(); it != order.rend(); ++it)
+    if (auto s = it->lock(); s && s->backward_pending_) backward_order.push_back(s);
+  if (index_of(backward_order, caller.get()) < 0 && caller->backward_pending_)
+    backward_order.push_back(caller);
+  for_each_live(backward_order, [](const Group& s) { s->mark_grads_pending(true); });
+  std::weak_ptr<FSDPSchedule> weak = weak_from_this();
+  autograd::queue_callback([weak] {
+    if (auto s = weak.lock()) s->finalize();
+  });
+}
+
+void FSDPSchedule::gather_through(const FSDPState* g) {
+  const ptrdiff_t last = index_of(backward_order, g);
+  for (ptrdiff_t i = ptrdiff_t(next_gather); i <= last; ++i)
+    if (auto s = backward_order[size_t(i)].lock(); s && s->needs_backward_gather())
+      s->start_gather();
+  if (last >= ptrdiff_t(next_gather)) next_gather = size_t(last + 1);
+}
+
+void FSDPSchedule::issue_ready_reduces() {
+  while (next_reduce < backward_order.size()) {
+    Group s = backward_order[next_reduce].lock();
+    if (s && !s->grads_ready_for_reduce_) break;
+    ++next_reduce;
+    if (!s) continue;
+    retire(bounded_waits ? kReduceWait : 0.0);
+    s->start_reduce();
+    if (s->pending_reduce_) in_flight.push_back(s);
+  }
+  retire(0.0);
+}
+
+void FSDPSchedule::retire(double max_wait_seconds) {
+  while (!in_flight.empty()) {
+    Group s = in_flight.front().lock();
+    if (s && !s->advance_reduce(max_wait_seconds)) {
+      if (max_wait_seconds > 0) bounded_waits = false;
+      return;
+    }
+    in_flight.pop_front();
+  }
+}
+
+void FSDPSchedule::finalize() {
+  // Groups whose backward did not run here still take part in the collectives of this
+  // backward: their all-gather (then dropped) and their reduce-scatter, with zeros where no
+  // gradient came.
+  if (!backward_order.empty()) gather_through(backward_order.back().lock().get());
+  for (size_t i = next_reduce; i < backward_order.size(); ++i)
+    if (auto s = backward_order[i].lock()) s->grads_ready_for_reduce_ = true;
+  bounded_waits = false;  // everything is issued now: wait without a bound below
+  issue_ready_reduces();
+  retire(kInfinity);
+  auto settle = [](const Group& s) {
+    s->drop_pending_gather();
+    s->backward_pending_ = false;
+    s->grads_ready_for_reduce_ = false;
+    s->grads_ready_ = 0;
+    s->mark_grads_pending(false);
+    s->reshard();
+  };
+  for_each_live(order, settle);
+  for_each_live(backward_order, settle);
+  backward_order.clear();
+  next_gather = next_reduce = 0;
+  backward_running = false;
+}
+
+}  // namespace tessera::detail

@@ -1,0 +1,60 @@
+#pragma once
+// What the parameter groups under one root share (internal to fsdp/): the order their forwards
+// ran, which prefetch follows, and the order their backward collectives go out in.
+//
+// Every rank must issue the same collectives in the same order on each communicator, even when
+// a group's backward runs on some ranks and not on others (its output unused in that rank's
+// loss). So the backward all-gathers and the reduce-scatters each follow one fixed order, the
+// reverse of the forward order, on a communicator of their own: a group whose turn comes before
+// it is ready holds the later ones back (gathers are issued ahead for it; reduce-scatters wait),
+// and at the end of backward every group still owing a collective issues it.
+//
+// Before issuing a reduce-scatter, the previous one is waited for, like PyTorch, so that one
+// send buffer is alive at a time. But on a rank where an earlier group got no gradient, that
+// previous reduce-scatter is issued only at the end of backward, and that rank may meanwhile
+// wait for an all-gather this rank has not issued yet. So the wait is bounded (kReduceWait);
+// after one wait runs out, the rest of this backward only retires reduce-scatters that have
+// completed. Memory then grows by the send buffers in flight, never into a deadlock.
+#include <deque>
+#include <memory>
+#include <vector>
+
+#include "tessera/fsdp/fully_shard.h"
+
+namespace tessera::detail {
+
+struct FSDPSchedule : std::enable_shared_from_this<FSDPSchedule> {
+  using Group = std::shared_ptr<FSDPState>;
+
+  // Each group once, in the order its forward started in this step, and in the previous step.
+  std::vector<std::weak_ptr<FSDPState>> order, last_order;
+  // The groups whose backward is expected, in reverse forward order; the next to all-gather for
+  // backward and the next to reduce-scatter.
+  std::vector<std::weak_ptr<FSDPState>> backward_order;
+  size_t next_gather = 0, next_reduce = 0;
+  // Issued reduce-scatters, oldest first; retired in this order.
+  std::deque<std::weak_ptr<FSDPState>> in_flight;
+  bool backward_running = false;
+  bool bounded_waits = true;  // until one runs out in this backward
+
+  // From each group's pre-forward; the root's starts a new step.
+  void record_forward(const Group& group);
+  // The group after `g` in the previous step's forward order, and the one after it in this
+  // step's backward order; null when none.
+  Group next_in_forward(const FSDPState* g) const;
+  Group next_in_backward(const FSDPState* g) const;
+  // The first backward hook of any group: fixes the backward order and queues finalize().
+  void begin_backward(const Group& caller);
+  // Issues the backward all-gathers of every group up to and including `g` in backward order.
+  void gather_through(const FSDPState* g);
+  // Issues the reduce-scatters of the ready groups at the front of the backward order, and
+  // retires those that completed.
+  void issue_ready_reduces();
+  // Retires issued reduce-scatters in issue order, waiting for each at most this long.
+  void retire(double max_wait_seconds);
+  // End of backward: the groups left reduce (with zeros where no gradient came), the
+  // collectives are waited for, and every group is resharded.
+  void finalize();
+};
+
+}  // namespace tessera::detail

@@ -1,0 +1,263 @@
+// FSDP's scheduling: prefetching all-gathers must not change a single bit of training, groups
+// whose gradients exist on some ranks only must still reduce-scatter in the same order on every
+// rank, and nothing may read a gradient while its reduce-scatter is in flight.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <map>
+#include <string>
+
+#include "tessera/fsdp/fully_shard.h"
+#include "tessera/tessera.h"
+
+using namespace tessera;
+
+namespace {
+
+DeviceMesh dp_mesh() {
+  return DeviceMesh(Shape{world_size()}, {"dp"});
+}
+
+template <class F>
+void expect_error(F&& f, const std::vector<std::string>& needles) {
+  try {
+    f();
+  } catch (const Error& e) {
+    for (const std::string& n : needles)
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
+          << "missing '" << n << "' in: " << e.what();
+    return;
+  }
+  ADD_FAILURE() << "expected an error containing '" << needles.front() << "'";
+}
+
+DecoderConfig tiny_config() {
+  DecoderConfig cfg;
+  cfg.vocab_size = 32;
+  cfg.dim = 32;
+  cfg.n_layers = 3;
+  cfg.n_heads = 4;
+  cfg.n_kv_heads = 2;
+  cfg.ffn_dim = 48;
+  cfg.max_seq_len = 8;
+  cfg.seed = 5;
+  return cfg;
+}
+
+// This rank's rows of step `step`'s batch.
+std::pair<Tensor, Tensor> tokens(int step) {
+  Generator gen(uint64_t(1000 + 31 * step + world_rank()));
+  Tensor u = rand({2, 9}, gen, DType::Float64);
+  Tensor ids = empty({2, 9}, DType::Int64);
+  for (int64_t i = 0; i < ids.numel(); ++i)
+    ids.data<int64_t>()[i] = int64_t(u.data<double>()[i] * 32);
+  return {kernels::narrow(ids, 1, 0, 8).contiguous(), kernels::narrow(ids, 1, 1, 8).contiguous()};
+}
+
+struct TrainRun {
+  std::vector<float> losses;
+  std::map<std::string, Tensor> state;
+  int64_t all_gathers = 0;
+};
+
+// `configure` sets prefetch on the groups (blocks first, root last) before training.
+TrainRun train_decoder(
+    FSDPOptions opts,
+    const std::function<void(std::vector<std::shared_ptr<FSDPState>>&)>& configure,
+    bool async_unshard_root = false) {
+  auto net = std::make_shared<Decoder>(tiny_config());
+  std::vector<std::shared_ptr<FSDPState>> states;
+  for (auto& block : net->layers)
+    states.push_back(fully_shard(block, dp_mesh(), opts));
+  states.push_back(fully_shard(net, dp_mesh(), opts));
+  if (configure) configure(states);
+  AdamW opt(net->parameters(), AdamWOptions{.lr = 1e-2});
+  TrainRun run;
+  for (int s = 0; s < 4; ++s) {
+    auto [ids, targets] = tokens(s);
+    if (async_unshard_root) states.back()->unshard(/*async_op=*/true);
+    Tensor loss = cross_entropy((*net)(ids), targets);
+    backward(loss);
+    opt.step();
+    opt.zero_grad();
+    run.losses.push_back(loss.item<float>());
+  }
+  for (auto& st : states)
+    run.all_gathers += st->comm_stats().all_gathers;
+  run.state = net->state_dict();
+  return run;
+}
+
+void expect_identical(const TrainRun& got, const TrainRun& want, const std::string& what) {
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  for (size_t s = 0; s < got.losses.size(); ++s)
+    EXPECT_EQ(got.losses[s], want.losses[s]) << what << ", step " << s;
+  for (const auto& [name, t] : want.state) {
+    auto g = got.state.at(name).to_vector<float>(), w = t.to_vector<float>();
+    ASSERT_EQ(g, w) << what << ": " << name;
+  }
+}
+
+TEST(FSDPSchedule, PrefetchChangesNoBitAndGathersNothingTwice) {
+  FSDPOptions off;
+  off.forward_prefetch = off.backward_prefetch = false;
+  const TrainRun reference = train_decoder(off, {});
+  const TrainRun implicit = train_decoder(FSDPOptions{}, {});
+  expect_identical(implicit, reference, "implicit prefetch");
+  // Explicit targets: each block prefetches the next in forward and the previous in backward;
+  // the root prefetches the first block.
+  const TrainRun explicit_targets = train_decoder(off, [](auto& st) {
+    const size_t blocks = st.size() - 1;
+    st.back()->set_modules_to_forward_prefetch({st[0]});
+    st.back()->set_modules_to_backward_prefetch({st[blocks - 1]});
+    for (size_t b = 0; b < blocks; ++b) {
+      if (b + 1 < blocks) st[b]->set_modules_to_forward_prefetch({st[b + 1]});
+      if (b > 0) st[b]->set_modules_to_backward_prefetch({st[b - 1]});
+    }
+  });
+  expect_identical(explicit_targets, reference, "explicit prefetch");
+  const TrainRun async_root = train_decoder(FSDPOptions{}, {}, /*async_unshard_root=*/true);
+  expect_identical(async_root, reference, "unshard(async_op) before forward");
+  // Per step: each group once before forward, each block again before its backward.
+  const int64_t per_step = 3 + 1 + 3;
+  EXPECT_EQ(reference.all_gathers, 4 * per_step);
+  EXPECT_EQ(implicit.all_gathers, 4 * per_step);
+  EXPECT_EQ(explicit_targets.all_gathers, 4 * per_step);
+  EXPECT_EQ(async_root.all_gathers, 4 * per_step);
+}
+
+// A trunk of three groups and two heads, each its own group under the root. Odd ranks put both
+// heads in their loss, even ranks only head_a: head_b's gradients exist on some ranks only, and it
+// is the first group in reduce-scatter order. An odd rank then waits for head_b's reduce-scatter
+// (issued by even ranks only at the end of backward) while even ranks wait for the trunk's
+// all-gathers: only the bounded wait (schedule.h) gets both through.
+class Branches : public Module {
+ public:
+  Branches() : Module("Branches") {
+    Generator gen(21);
+    stem = std::make_shared<Linear>(6, 6, true, gen);
+    t1 = std::make_shared<Linear>(6, 8, true, gen);
+    t2 = std::make_shared<Linear>(8, 8, true, gen);
+    t3 = std::make_shared<Linear>(8, 8, true, gen);
+    head_a = std::make_shared<Linear>(8, 3, true, gen);
+    head_b = std::make_shared<Linear>(8, 5, false, gen);
+    register_module("stem", stem);
+    register_module("t1", t1);
+    register_module("t2", t2);
+    register_module("t3", t3);
+    register_module("head_a", head_a);
+    register_module("head_b", head_b);
+  }
+  Tensor forward(const Tensor& x) override {
+    return silu((*t3)(silu((*t2)(silu((*t1)((*stem)(x)))))));
+  }
+  std::shared_ptr<Linear> stem, t1, t2, t3, head_a, head_b;
+};
+
+Tensor branch_loss(Branches& net, int rank, int step) {
+  Generator gen(uint64_t(500 + 7 * step + rank));
+  Tensor x = randn({3, 6}, gen);
+  Tensor h = net(x);
+  Tensor loss = mean(square((*net.head_a)(h)));
+  Tensor b = mean(square((*net.head_b)(h)));  // runs forward on every rank
+  if (rank % 2 == 1) loss = add(loss, b);
+  return loss;
+}
+
+TEST(FSDPSchedule, GroupWithGradientsOnSomeRanksOnlyStaysInStep) {
+  // Reference: one process, the mean of every rank's loss.
+  auto ref = std::make_shared<Branches>();
+  AdamW ref_opt(ref->parameters(), AdamWOptions{.lr = 1e-2});
+  auto net = std::make_shared<Branches>();
+  for (auto& m : {net->t1, net->t2, net->t3, net->head_a})
+    fully_shard(m, dp_mesh());
+  fully_shard(net->head_b, dp_mesh());
+  fully_shard(net, dp_mesh());
+  AdamW opt(net->parameters(), AdamWOptions{.lr = 1e-2});
+  for (int s = 0; s < 2; ++s) {
+    Tensor total;
+    for (int r = 0; r < world_size(); ++r) {
+      Tensor l = branch_loss(*ref, r, s);
+      total = total.defined() ? add(total, l) : l;
+    }
+    backward(mul(total, 1.0 / world_size()));
+    ref_opt.step();
+    ref_opt.zero_grad();
+
+    backward(branch_loss(*net, world_rank(), s));
+    opt.step();
+    opt.zero_grad();
+  }
+  const auto got = net->state_dict(), want = ref->state_dict();
+  for (const auto& [name, t] : want) {
+    auto g = got.at(name).to_vector<double>(), w = t.to_vector<double>();
+    ASSERT_EQ(g.size(), w.size()) << name;
+    for (size_t i = 0; i < g.size(); ++i)
+      EXPECT_NEAR(g[i], w[i], 1e-5) << name << " element " << i;
+  }
+  // One rank alone never uses head_b: it gets no gradient and AdamW leaves it untouched.
+  if (world_size() == 1) {
+    auto fresh = std::make_shared<Branches>();
+    EXPECT_EQ(got.at("head_b.weight").to_vector<float>(),
+              fresh->state_dict().at("head_b.weight").to_vector<float>());
+  }
+}
+
+TEST(FSDPSchedule, OptimizerDuringBackwardIsAnError) {
+  auto net = std::make_shared<Decoder>(tiny_config());
+  for (auto& block : net->layers)
+    fully_shard(block, dp_mesh());
+  fully_shard(net, dp_mesh());
+  AdamW opt(net->parameters(), {});
+  auto [ids, targets] = tokens(0);
+  Tensor logits = (*net)(ids);
+  // Runs when backward reaches the logits: before any group's reduce-scatter.
+  register_hook(logits, [&](const Tensor&) {
+    opt.step();
+    return Tensor();
+  });
+  expect_error([&] { backward(cross_entropy(logits, targets)); },
+               {"AdamW.step", "still waiting for FSDP's reduce-scatter", "after backward()"});
+
+  auto net2 = std::make_shared<Decoder>(tiny_config());
+  fully_shard(net2, dp_mesh());
+  std::vector<Parameter*> params = net2->parameters();
+  Tensor logits2 = (*net2)(ids);
+  register_hook(logits2, [&](const Tensor&) {
+    clip_grad_norm_(params, 1.0);
+    return Tensor();
+  });
+  expect_error([&] { backward(cross_entropy(logits2, targets)); },
+               {"clip_grad_norm_", "still waiting"});
+}
+
+// Host memory that claims to be a GPU's: enough to build a tensor on another device here.
+class FakeCudaAllocator final : public Allocator {
+ public:
+  void* allocate(size_t n) override { return std::malloc(n == 0 ? 1 : n); }
+  void deallocate(void* p, size_t) override { std::free(p); }
+  Device device() const override { return Device::cuda(0); }
+};
+
+class OnDevice : public Module {
+ public:
+  OnDevice() : Module("OnDevice") {
+    w = Parameter(empty({4, 4}, TensorOptions(DType::Float32, Device::cuda(0))));
+    register_parameter("w", &w);
+  }
+  Tensor forward(const Tensor& x) override { return x; }
+  Parameter w;
+};
+
+TEST(FSDPSchedule, ParameterOnAnotherDeviceIsAnError) {
+  FakeCudaAllocator fake;
+  Allocator* previous = set_allocator(DeviceType::CUDA, &fake);
+  {
+    auto m = std::make_shared<OnDevice>();
+    expect_error([&] { fully_shard(m, dp_mesh()); },
+                 {"fully_shard(OnDevice)", "parameter 'w'", "cuda:0", "CPU"});
+  }
+  set_allocator(DeviceType::CUDA, previous);
+}
+
+}  // namespace
