@@ -47,24 +47,29 @@ ProcessGroupPtr dedicated_group(const ProcessGroupPtr& pg, const std::string& ro
   return dup;
 }
 
-// FSDP x TP: the (dp, tp) mesh whose rows are `dp` and columns `tp`, checked against both.
+// FSDP x TP: the mesh whose leading dims are the FSDP mesh (dp, or replicate and shard for
+// HSDP) and whose last dim is `tp`, checked against both.
 DeviceMesh combined_mesh(const DeviceMesh& dp, const DeviceMesh& tp, const std::string& what) {
-  TESSERA_CHECK(dp.ndim() == 1 && tp.ndim() == 1, "fully_shard: ", what, " is a DTensor on ",
-                tp.str(),
-                "; FSDP x TP needs a 1-D FSDP mesh and a 1-D TP "
-                "mesh, got FSDP mesh ",
-                dp.str());
+  TESSERA_CHECK(tp.ndim() == 1, "fully_shard: ", what, " is a DTensor on ", tp.str(),
+                "; FSDP x TP needs a 1-D TP mesh");
   TESSERA_CHECK(dp.size() * tp.size() == world_size(), "fully_shard: ", what, " on TP mesh ",
                 tp.str(), " with FSDP mesh ", dp.str(), ": the two must tile the ", world_size(),
                 " world ranks");
-  const std::string dp_name = dp.dim_names()[0], tp_name = tp.dim_names()[0];
-  TESSERA_CHECK(dp_name != tp_name, "fully_shard: FSDP mesh ", dp.str(), " and TP mesh ", tp.str(),
-                " of ", what, " share the dim name '", dp_name, "'");
-  DeviceMesh m(Shape{dp.size(), tp.size()}, {dp_name, tp_name});
+  const std::string tp_name = tp.dim_names()[0];
+  Shape shape = dp.shape();
+  std::vector<std::string> names = dp.dim_names();
+  for (const std::string& n : names)
+    TESSERA_CHECK(n != tp_name, "fully_shard: FSDP mesh ", dp.str(), " and TP mesh ", tp.str(),
+                  " of ", what, " share the dim name '", n, "'");
+  shape.push_back(tp.size());
+  names.push_back(tp_name);
+  DeviceMesh m(shape, names);
+  std::vector<std::string> dp_names(names.begin(), names.end() - 1);
+  const DeviceMesh dp_part = dp_names.size() == 1 ? m[dp_names[0]] : m[dp_names];
   TESSERA_CHECK(
-      m[dp_name].world_ranks() == dp.world_ranks() && m[tp_name].world_ranks() == tp.world_ranks(),
+      dp_part.world_ranks() == dp.world_ranks() && m[tp_name].world_ranks() == tp.world_ranks(),
       "fully_shard: FSDP mesh ", dp.str(), " and TP mesh ", tp.str(), " of ", what,
-      " are not the rows and columns of a row-major (", dp_name, ", ", tp_name, ") world mesh");
+      " are not the leading dims and the last dim of one row-major world mesh ", m.str());
   return m;
 }
 
@@ -106,10 +111,6 @@ std::shared_ptr<FSDPState> fully_shard(const ModulePtr& module, const DeviceMesh
     Tensor src = p->stored().detach();
     if (p->is_dtensor()) {
       const DTensor& d = p->stored_dtensor();
-      TESSERA_CHECK(!hsdp, "fully_shard(", module->type_name(), "): parameter '", name,
-                    "' is already a DTensor ", d.str(),
-                    "; HSDP of tensor-parallel parameters "
-                    "is not supported");
       TESSERA_CHECK(d.mesh() != mesh, "fully_shard(", module->type_name(), "): parameter '", name,
                     "' is already sharded on ", mesh.str(), " (", d.str(), ")");
       if (!tp_mesh) {
@@ -158,21 +159,22 @@ std::shared_ptr<FSDPState> fully_shard(const ModulePtr& module, const DeviceMesh
     Tensor view = kernels::view(kernels::narrow(state->flat_, 0, i.offset, c.length * i.row_numel),
                                 local_shape);
     view.copy_(kernels::narrow(sources[n], 0, c.start, c.length));
-    DTensor dt;
+    // HSDP replicates over the leading mesh dim; FSDP x TP adds the TP placement last.
+    Placements placements;
+    if (hsdp) placements.push_back(Replicate());
     if (i.tp_mesh) {
       // TP split dim 0 first, so FSDP's shard nests inside it: StridedShard.
       const Placement& tp = i.tp_placements[0];
-      Placement dp_pl = tp.is_shard(0) ? StridedShard(0, i.tp_mesh->size()) : Shard(0);
-      dt = DTensor::from_local(view, *dp_tp_mesh, {dp_pl, tp}, i.tp_global_shape);
-    } else if (dp_tp_mesh) {
-      // A parameter TP left whole, in a group with TP parameters: replicated over tp, like
-      // PyTorch, so the whole group lives on the (dp, tp) mesh.
-      dt = DTensor::from_local(view, *dp_tp_mesh, {Shard(0), Replicate()}, i.unsharded_shape);
-    } else if (hsdp) {
-      dt = DTensor::from_local(view, mesh, {Replicate(), Shard(0)}, i.unsharded_shape);
+      placements.push_back(tp.is_shard(0) ? StridedShard(0, i.tp_mesh->size()) : Shard(0));
+      placements.push_back(tp);
     } else {
-      dt = DTensor::from_local(view, mesh, {Shard(0)}, i.unsharded_shape);
+      placements.push_back(Shard(0));
+      // A parameter TP left whole, in a group with TP parameters: replicated over tp, like
+      // PyTorch, so the whole group lives on one mesh.
+      if (dp_tp_mesh) placements.push_back(Replicate());
     }
+    const DTensor dt = DTensor::from_local(view, dp_tp_mesh ? *dp_tp_mesh : mesh, placements,
+                                           i.tp_mesh ? i.tp_global_shape : i.unsharded_shape);
     const bool rg = p.requires_grad();
     p = Parameter(dt, rg);
     TESSERA_CHECK(p.stored().storage().is_same(state->flat_.storage()),

@@ -342,6 +342,32 @@ TEST(FullyShard, WithTensorParallelMatchesSingleRank) {
                   "FSDP x TP " + std::to_string(dp) + "x" + std::to_string(tp));
 }
 
+// HSDP x TP on a (replicate, shard, tp) = (2, 2, 2) mesh: TP inside each (shard, tp) plane, the
+// shard dim split by FSDP and the planes replicated.
+TEST(FullyShard, HybridShardingWithTensorParallelMatchesSingleRank) {
+  if (world_size() != 8) GTEST_SKIP() << "HSDP x TP runs on a (2, 2, 2) mesh";
+  DeviceMesh mesh(Shape{2, 2, 2}, {"replicate", "shard", "tp"});
+  const DecoderConfig cfg = tiny_config();
+  auto net = std::make_shared<Decoder>(cfg);
+  parallelize_module(net, mesh["tp"], decoder_tp_plan(cfg, mesh["tp"]));
+  shard_blocks_and_root(net, mesh[std::vector<std::string>{"replicate", "shard"}]);
+  for (auto& [name, p] : net->named_parameters()) {
+    ASSERT_TRUE(p->is_dtensor()) << name;
+    EXPECT_EQ(p->stored_dtensor().mesh().ndim(), 3) << name << " " << p->str();
+    if (name == "layers.0.attention.wq.weight") {
+      EXPECT_EQ(p->stored_dtensor().placements(),
+                (Placements{Replicate(), StridedShard(0, 2), Shard(0)}));
+    }
+  }
+  auto original = std::make_shared<Decoder>(cfg)->state_dict();
+  for (const auto& [name, t] : net->state_dict())
+    expect_close(t, original.at(name), 0, name);
+  // Data parallel over replicate x shard: 4 ways.
+  const int64_t dp_rank = mesh.local_rank(0) * 2 + mesh.local_rank(1);
+  TrainRun run = train(net, 30, dp_rank, 4);
+  expect_same_run(run, reference_run(), 1e-5, "HSDP x TP 2x2x2");
+}
+
 // Linear layers in custom modules: every op here runs in bfloat16 (the Decoder does not yet, see
 // the FSDP notes in the report).
 class MlpBlock : public Module {
