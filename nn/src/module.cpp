@@ -189,64 +189,6 @@ void Module::register_forward_hook(ForwardHook hook) {
   hooks_.push_back(std::move(hook));
 }
 
-std::map<std::string, Tensor> Module::state_dict() {
-  std::map<std::string, Tensor> out;
-  for (auto& [name, p] : named_parameters())
-    out[name] = p->full();
-  for (auto& [name, b] : named_buffers())
-    out[name] = b->detach();
-  return out;
-}
-
-void Module::load_state_dict(const std::map<std::string, Tensor>& state, bool strict) {
-  std::vector<std::string> missing, unexpected, mismatched;
-  std::set<std::string> known;
-  auto params = named_parameters();
-  auto buffers = named_buffers();
-  for (auto& [name, p] : params) {
-    known.insert(name);
-    auto it = state.find(name);
-    if (it == state.end()) {
-      missing.push_back(name);
-    } else if (it->second.shape() != p->global_shape()) {
-      mismatched.push_back(name + " (expected " + shape_str(p->global_shape()) + ", got " +
-                           shape_str(it->second.shape()) + ")");
-    }
-  }
-  for (auto& [name, b] : buffers) {
-    known.insert(name);
-    auto it = state.find(name);
-    if (it == state.end()) {
-      missing.push_back(name);
-    } else if (it->second.shape() != b->shape()) {
-      mismatched.push_back(name + " (expected " + shape_str(b->shape()) + ", got " +
-                           shape_str(it->second.shape()) + ")");
-    }
-  }
-  for (auto& [name, t] : state)
-    if (!known.count(name)) unexpected.push_back(name);
-  auto join = [](const std::vector<std::string>& v) {
-    std::string s;
-    for (const auto& x : v)
-      s += (s.empty() ? "" : ", ") + x;
-    return s;
-  };
-  bool bad = !mismatched.empty() || (strict && (!missing.empty() || !unexpected.empty()));
-  TESSERA_CHECK(!bad, "load_state_dict into ", type_name_, ": ",
-                missing.empty() ? "" : "missing keys: " + join(missing) + "; ",
-                unexpected.empty() ? "" : "unexpected keys: " + join(unexpected) + "; ",
-                mismatched.empty() ? "" : "mis-shaped keys: " + join(mismatched));
-  // Nothing is written before every key has been checked, so a failed load loses nothing.
-  for (auto& [name, p] : params) {
-    auto it = state.find(name);
-    if (it != state.end()) p->copy_from_full(it->second.to(p->dtype()));
-  }
-  for (auto& [name, b] : buffers) {
-    auto it = state.find(name);
-    if (it != state.end()) b->copy_(it->second);
-  }
-}
-
 void Module::zero_grad() {
   for (Parameter* p : parameters())
     p->zero_grad();

@@ -368,6 +368,57 @@ TEST(FullyShard, HybridShardingWithTensorParallelMatchesSingleRank) {
   expect_same_run(run, reference_run(), 1e-5, "HSDP x TP 2x2x2");
 }
 
+// The sharded state dict holds the stored shards themselves (no gather), and loads into a model
+// sharded any other way: FSDP on an equal mesh (redistributed in place), tensor parallel or plain
+// (gathered and cut).
+TEST(FullyShard, ShardedStateDictHoldsShardsAndLoadsIntoOtherLayouts) {
+  DeviceMesh mesh = dp_mesh();
+  const DecoderConfig cfg = tiny_config();
+  auto net = std::make_shared<Decoder>(cfg);
+  shard_blocks_and_root(net, mesh);
+  train(net, 2, world_rank(), world_size());  // move away from the initial weights
+  const auto full = net->state_dict();
+  const auto sharded = net->sharded_state_dict();
+  ASSERT_EQ(sharded.size(), full.size());
+  for (auto& [name, p] : net->named_parameters()) {
+    const DTensor& d = sharded.at(name);
+    EXPECT_EQ(d.placements(), (Placements{Shard(0)})) << name;
+    EXPECT_TRUE(d.to_local().storage().is_same(p->stored().storage())) << name << ": copied";
+    expect_close(d.full_tensor(), full.at(name), 0, name);
+  }
+
+  auto check_loaded = [&](Decoder& m, const std::string& what) {
+    for (const auto& [name, t] : m.state_dict())
+      expect_close(t, full.at(name), 0, what + ": " + name);
+  };
+  auto fsdp = std::make_shared<Decoder>(cfg);  // another FSDP model, its own equal mesh
+  shard_blocks_and_root(fsdp, dp_mesh());
+  fsdp->load_sharded_state_dict(sharded);
+  check_loaded(*fsdp, "FSDP");
+  auto tp = std::make_shared<Decoder>(cfg);
+  DeviceMesh tp_mesh(Shape{world_size()}, {"tp"});
+  if (cfg.n_kv_heads % world_size() == 0)
+    parallelize_module(tp, tp_mesh, decoder_tp_plan(cfg, tp_mesh));
+  tp->load_sharded_state_dict(sharded);
+  check_loaded(*tp, "TP");
+  auto plain = std::make_shared<Decoder>(cfg);
+  plain->load_sharded_state_dict(sharded);
+  check_loaded(*plain, "plain");
+  // ... and back: a plain model's sharded state dict loads into the FSDP one.
+  auto fresh = std::make_shared<Decoder>(cfg);
+  net->load_sharded_state_dict(fresh->sharded_state_dict());
+  const auto fresh_full = fresh->state_dict();
+  for (const auto& [name, t] : net->state_dict())
+    expect_close(t, fresh_full.at(name), 0, "back: " + name);
+
+  // A wrong shape names the key, and nothing is written.
+  auto bad = sharded;
+  bad["norm.weight"] = sharded.at("output.weight");
+  expect_error([&] { plain->load_sharded_state_dict(bad); },
+               {"load_sharded_state_dict into Decoder", "mis-shaped keys: norm.weight"});
+  check_loaded(*plain, "after a failed load");
+}
+
 // Linear layers in custom modules: every op here runs in bfloat16 (the Decoder does not yet, see
 // the FSDP notes in the report).
 class MlpBlock : public Module {

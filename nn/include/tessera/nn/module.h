@@ -71,6 +71,14 @@ class Module : public std::enable_shared_from_this<Module> {
   // Strict by default: missing, unexpected and mis-shaped keys are all listed in the error.
   // Each rank copies its own window of every global tensor.
   void load_state_dict(const std::map<std::string, Tensor>& state, bool strict = true);
+  // The same names without gathering anything: each distributed parameter as its DTensor (the
+  // stored shard, sharing its storage, as for checkpointing a sharded model), and each plain
+  // parameter or buffer as a DTensor replicated on a 1-D mesh over the world. Collective.
+  std::map<std::string, DTensor> sharded_state_dict();
+  // Loads DTensors of the right global shapes in any placements and on any mesh: each parameter
+  // takes its own piece (redistributed when the mesh is its own, else gathered and cut). Checked
+  // like load_state_dict before anything is written. Collective.
+  void load_sharded_state_dict(const std::map<std::string, DTensor>& state, bool strict = true);
 
   void zero_grad();
 

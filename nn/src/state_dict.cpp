@@ -1,0 +1,122 @@
+// Full and sharded state dicts of a Module. Both check every key before writing anything, so a
+// failed load leaves the model as it was.
+#include <set>
+
+#include "tessera/autograd/grad_mode.h"
+#include "tessera/comm/runtime.h"
+#include "tessera/nn/module.h"
+
+namespace tessera {
+
+namespace {
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v)
+    s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+// Lists every missing, unexpected and mis-shaped key of `state` (a map whose values have
+// shape()) against the module's parameters and buffers, and throws when the load must not go on.
+template <class Map>
+void check_keys(const char* op, const std::string& module, const Map& state,
+                const std::vector<std::pair<std::string, Shape>>& expected, bool strict) {
+  std::vector<std::string> missing, unexpected, mismatched;
+  std::set<std::string> known;
+  for (const auto& [name, shape] : expected) {
+    known.insert(name);
+    auto it = state.find(name);
+    if (it == state.end()) {
+      missing.push_back(name);
+    } else if (it->second.shape() != shape) {
+      mismatched.push_back(name + " (expected " + shape_str(shape) + ", got " +
+                           shape_str(it->second.shape()) + ")");
+    }
+  }
+  for (const auto& [name, t] : state)
+    if (!known.count(name)) unexpected.push_back(name);
+  const bool bad = !mismatched.empty() || (strict && (!missing.empty() || !unexpected.empty()));
+  TESSERA_CHECK(!bad, op, " into ", module, ": ",
+                missing.empty() ? "" : "missing keys: " + join(missing) + "; ",
+                unexpected.empty() ? "" : "unexpected keys: " + join(unexpected) + "; ",
+                mismatched.empty() ? "" : "mis-shaped keys: " + join(mismatched));
+}
+
+std::vector<std::pair<std::string, Shape>> expected_shapes(
+    const std::vector<std::pair<std::string, Parameter*>>& params,
+    const std::vector<std::pair<std::string, Tensor*>>& buffers) {
+  std::vector<std::pair<std::string, Shape>> out;
+  for (const auto& [name, p] : params)
+    out.emplace_back(name, p->global_shape());
+  for (const auto& [name, b] : buffers)
+    out.emplace_back(name, b->shape());
+  return out;
+}
+
+}  // namespace
+
+std::map<std::string, Tensor> Module::state_dict() {
+  std::map<std::string, Tensor> out;
+  for (auto& [name, p] : named_parameters())
+    out[name] = p->full();
+  for (auto& [name, b] : named_buffers())
+    out[name] = b->detach();
+  return out;
+}
+
+void Module::load_state_dict(const std::map<std::string, Tensor>& state, bool strict) {
+  auto params = named_parameters();
+  auto buffers = named_buffers();
+  check_keys("load_state_dict", type_name_, state, expected_shapes(params, buffers), strict);
+  for (auto& [name, p] : params) {
+    auto it = state.find(name);
+    if (it != state.end()) p->copy_from_full(it->second.to(p->dtype()));
+  }
+  for (auto& [name, b] : buffers) {
+    auto it = state.find(name);
+    if (it != state.end()) b->copy_(it->second);
+  }
+}
+
+std::map<std::string, DTensor> Module::sharded_state_dict() {
+  NoGradGuard no_grad;
+  std::map<std::string, DTensor> out;
+  auto params = named_parameters();
+  auto buffers = named_buffers();
+  std::optional<DeviceMesh> world;
+  auto replicated = [&](const Tensor& t) {
+    if (!world) world.emplace(Shape{world_size()}, std::vector<std::string>{"world"});
+    return DTensor::from_local(t.detach(), *world, {Replicate()}, t.shape());
+  };
+  for (auto& [name, p] : params)
+    out[name] = p->is_dtensor() ? p->stored_dtensor().detach() : replicated(p->stored());
+  for (auto& [name, b] : buffers)
+    out[name] = replicated(*b);
+  return out;
+}
+
+void Module::load_sharded_state_dict(const std::map<std::string, DTensor>& state, bool strict) {
+  NoGradGuard no_grad;
+  auto params = named_parameters();
+  auto buffers = named_buffers();
+  check_keys("load_sharded_state_dict", type_name_, state, expected_shapes(params, buffers),
+             strict);
+  for (auto& [name, p] : params) {
+    auto it = state.find(name);
+    if (it == state.end()) continue;
+    const DTensor& src = it->second;
+    if (p->is_dtensor() && src.mesh() == p->stored_dtensor().mesh()) {
+      const Tensor local = src.redistribute(p->stored_dtensor().placements()).to_local();
+      p->stored().detach().copy_(local.to(p->dtype()));
+    } else {
+      p->copy_from_full(src.full_tensor().to(p->dtype()));
+    }
+  }
+  for (auto& [name, b] : buffers) {
+    auto it = state.find(name);
+    if (it != state.end()) b->copy_(it->second.full_tensor());
+  }
+}
+
+}  // namespace tessera
