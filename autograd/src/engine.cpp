@@ -1,5 +1,6 @@
 #include "tessera/autograd/engine.h"
 
+#include <atomic>
 #include <queue>
 #include <unordered_map>
 
@@ -13,6 +14,7 @@ namespace {
 
 struct GraphTask {
   std::vector<std::function<void()>> callbacks;
+  uint64_t id = 0;
 };
 thread_local GraphTask* t_task = nullptr;
 
@@ -89,6 +91,8 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
   }
 
   GraphTask task;
+  static std::atomic<uint64_t> next_id{1};
+  task.id = next_id++;
   t_task = &task;
   struct Reset {
     ~Reset() { t_task = nullptr; }
@@ -166,6 +170,9 @@ void queue_callback(std::function<void()> cb) {
 }
 bool in_backward() {
   return t_task != nullptr;
+}
+uint64_t backward_id() {
+  return t_task != nullptr ? t_task->id : 0;
 }
 }  // namespace autograd
 

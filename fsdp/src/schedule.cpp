@@ -29,6 +29,7 @@ void for_each_live(const Groups& groups, F&& f) {
 
 void FSDPSchedule::record_forward(const Group& group) {
   if (group->is_root_) {
+    if (backward_running) abandon();
     if (!order.empty()) last_order = std::move(order);
     order.clear();
     // A prefetch the last step issued for a group that then did not run would hold the shards
@@ -53,8 +54,10 @@ FSDPSchedule::Group FSDPSchedule::next_in_backward(const FSDPState* g) const {
 }
 
 void FSDPSchedule::begin_backward(const Group& caller) {
-  if (backward_running) return;
+  if (backward_running && backward_id == autograd::backward_id()) return;
+  if (backward_running) abandon();
   backward_running = true;
+  backward_id = autograd::backward_id();
   backward_order.clear();
   next_gather = next_reduce = 0;
   bounded_waits = true;
@@ -121,6 +124,28 @@ void FSDPSchedule::finalize() {
   };
   for_each_live(order, settle);
   for_each_live(backward_order, settle);
+  backward_order.clear();
+  next_gather = next_reduce = 0;
+  backward_running = false;
+}
+
+void FSDPSchedule::abandon() {
+  auto drop = [](const Group& s) {
+    s->drop_pending_gather();
+    if (s->pending_reduce_) {
+      s->pending_reduce_->work->wait();
+      s->pending_reduce_.reset();
+    }
+    s->backward_pending_ = false;
+    s->grads_ready_for_reduce_ = false;
+    s->grads_ready_ = 0;
+    s->mark_grads_pending(false);
+    s->free_leaves_after_backward();
+    s->reshard();
+  };
+  for_each_live(order, drop);
+  for_each_live(backward_order, drop);
+  in_flight.clear();
   backward_order.clear();
   next_gather = next_reduce = 0;
   backward_running = false;

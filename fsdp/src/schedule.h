@@ -35,6 +35,7 @@ struct FSDPSchedule : std::enable_shared_from_this<FSDPSchedule> {
   // Issued reduce-scatters, oldest first; retired in this order.
   std::deque<std::weak_ptr<FSDPState>> in_flight;
   bool backward_running = false;
+  uint64_t backward_id = 0;   // of the pass that queued finalize()
   bool bounded_waits = true;  // until one runs out in this backward
 
   // From each group's pre-forward; the root's starts a new step.
@@ -55,6 +56,9 @@ struct FSDPSchedule : std::enable_shared_from_this<FSDPSchedule> {
   // End of backward: the groups left reduce (with zeros where no gradient came), the
   // collectives are waited for, and every group is resharded.
   void finalize();
+  // A backward that threw never ran finalize(): wait for what it left in flight, discard it
+  // and reshard, so that the next backward starts clean.
+  void abandon();
 };
 
 }  // namespace tessera::detail

@@ -210,14 +210,33 @@ TEST(FSDPSchedule, OptimizerDuringBackwardIsAnError) {
   fully_shard(net, dp_mesh());
   AdamW opt(net->parameters(), {});
   auto [ids, targets] = tokens(0);
-  Tensor logits = (*net)(ids);
-  // Runs when backward reaches the logits: before any group's reduce-scatter.
-  register_hook(logits, [&](const Tensor&) {
-    opt.step();
+  // Runs when backward reaches the first block's output: the later blocks' reduce-scatters are
+  // in flight, the first block's and the root's are not issued yet.
+  bool armed = true;
+  net->layers[0]->register_forward_hook([&](Module&, const Tensor&, const Tensor& y) {
+    if (armed)
+      register_hook(y, [&](const Tensor&) {
+        opt.step();
+        return Tensor();
+      });
     return Tensor();
   });
+  Tensor logits = (*net)(ids);
+  armed = false;
   expect_error([&] { backward(cross_entropy(logits, targets)); },
                {"AdamW.step", "still waiting for FSDP's reduce-scatter", "after backward()"});
+  // The failed backward left collectives and unsharded groups behind; the next step cleans up
+  // and trains normally.
+  for (int again = 0; again < 2; ++again) {
+    backward(cross_entropy((*net)(ids), targets));
+    for (Parameter* p : net->parameters()) {
+      EXPECT_FALSE(p->grad_pending());
+      EXPECT_TRUE(p->grad().defined());
+      EXPECT_FALSE(p->is_unsharded());
+    }
+    opt.step();
+    opt.zero_grad();
+  }
 
   auto net2 = std::make_shared<Decoder>(tiny_config());
   fully_shard(net2, dp_mesh());

@@ -1,4 +1,5 @@
 #pragma once
+#include <cstdint>
 #include <functional>
 #include <vector>
 
@@ -31,6 +32,9 @@ namespace autograd {
 // queued by callbacks also run. Outside a backward pass this is an error.
 void queue_callback(std::function<void()> cb);
 bool in_backward();
+// A number that identifies the backward pass currently executing (0 outside one). A callback
+// queued by a pass that threw never runs; comparing ids lets its owner notice.
+uint64_t backward_id();
 }  // namespace autograd
 
 }  // namespace tessera
