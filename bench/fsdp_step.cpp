@@ -1,6 +1,8 @@
 // Step time of the decoder under FSDP on 2 ranks against the same model, ranks and global batch
-// with parameters replicated (HSDP with a shard group of one: gradients all-reduced), in one run.
+// with parameters replicated (HSDP with a shard group of one: gradients all-reduced), in one run;
+// and how much of the all-gather time prefetch hides (FSDP with prefetch on against off).
 // Run under mpirun -np 2.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -10,13 +12,49 @@ using namespace tessera;
 
 namespace {
 
-// Each rank trains on its half of the global batch.
-double time_fsdp(const DeviceMesh& mesh, int steps, const bench::TokenBatch& tokens) {
+struct Run {
+  double step_seconds = 0;     // median
+  double ag_wait_seconds = 0;  // per step: the computing thread waiting for all-gathers
+  double all_gathers = 0;      // per step
+};
+
+Run time_fsdp(const DeviceMesh& mesh, bool prefetch, int steps, const bench::TokenBatch& tokens) {
   auto model = std::make_shared<Decoder>(bench::decoder_config());
+  FSDPOptions opts;
+  opts.forward_prefetch = opts.backward_prefetch = prefetch;
+  std::vector<std::shared_ptr<FSDPState>> states;
   for (auto& block : model->layers)
-    fully_shard(block, mesh);
-  fully_shard(model, mesh);
-  return bench::median_step_seconds(*model, tokens, 2, steps, world_group());
+    states.push_back(fully_shard(block, mesh, opts));
+  states.push_back(fully_shard(model, mesh, opts));
+  AdamW opt(model->parameters(), {});
+  ProcessGroupPtr sync = world_group();
+  std::vector<double> t;
+  const int warmup = 2;
+  for (int s = 0; s < warmup + steps; ++s) {
+    if (s == warmup)
+      for (auto& st : states)
+        st->reset_comm_stats();
+    sync->barrier()->wait();
+    const double t0 = bench::now_seconds();
+    backward(cross_entropy((*model)(tokens.inputs), tokens.targets));
+    opt.step();
+    opt.zero_grad();
+    sync->barrier()->wait();
+    if (s >= warmup) t.push_back(bench::now_seconds() - t0);
+  }
+  std::sort(t.begin(), t.end());
+  Run r;
+  r.step_seconds = t[t.size() / 2];
+  for (auto& st : states) {
+    r.ag_wait_seconds += st->comm_stats().all_gather_wait_seconds / steps;
+    r.all_gathers += double(st->comm_stats().all_gathers) / steps;
+  }
+  return r;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
 }
 
 }  // namespace
@@ -25,19 +63,38 @@ int main(int argc, char** argv) {
   Runtime runtime(argc, argv);
   TESSERA_CHECK(world_size() == 2, "bench/fsdp_step runs on 2 ranks (mpirun -np 2)");
   const int steps = argc > 1 ? std::atoi(argv[1]) : 10;
+  const int rounds = argc > 2 ? std::atoi(argv[2]) : 3;
   const int64_t rows = 4, seq = 128;  // global batch 8 x 128
   const bench::TokenBatch tokens = bench::random_tokens(
       rows, seq, bench::decoder_config().vocab_size, 11 + uint64_t(world_rank()));
   DeviceMesh fsdp_mesh({2}, {"dp"});
   DeviceMesh replicated_mesh({2, 1}, {"replicate", "shard"});
-  const double t_rep = time_fsdp(replicated_mesh, steps, tokens);
-  const double t_fsdp = time_fsdp(fsdp_mesh, steps, tokens);
+  // Interleaved rounds, so a noisy moment of the machine hits every configuration alike.
+  std::vector<double> rep, on, off, wait_on, wait_off;
+  double gathers = 0;
+  for (int r = 0; r < rounds; ++r) {
+    rep.push_back(time_fsdp(replicated_mesh, true, steps, tokens).step_seconds);
+    const Run a = time_fsdp(fsdp_mesh, false, steps, tokens);
+    const Run b = time_fsdp(fsdp_mesh, true, steps, tokens);
+    off.push_back(a.step_seconds);
+    wait_off.push_back(a.ag_wait_seconds);
+    on.push_back(b.step_seconds);
+    wait_on.push_back(b.ag_wait_seconds);
+    gathers = b.all_gathers;
+  }
+  const double t_rep = median(rep), t_on = median(on), t_off = median(off);
+  const double w_on = median(wait_on), w_off = median(wait_off);
   if (world_rank() == 0) {
     std::printf(
         "{\"benchmark\": \"fsdp_step\", \"ranks\": 2, \"global_batch\": %lld, \"seq\": %lld, "
-        "\"replicated_ms\": %.2f, \"fsdp_ms\": %.2f, \"fsdp_over_replicated\": %.3f, "
-        "\"overlap\": \"not measured: no prefetch yet\"}\n",
-        (long long)(2 * rows), (long long)seq, t_rep * 1e3, t_fsdp * 1e3, t_fsdp / t_rep);
+        "\"rounds\": %d, \"replicated_ms\": %.2f, \"fsdp_ms\": %.2f, "
+        "\"fsdp_over_replicated\": %.3f, \"fsdp_no_prefetch_ms\": %.2f, "
+        "\"all_gathers_per_step\": %.0f, \"all_gather_wait_ms_prefetch_off\": %.3f, "
+        "\"all_gather_wait_ms_prefetch_on\": %.3f, \"all_gather_hidden_share\": %.3f, "
+        "\"step_prefetch_on_over_off\": %.3f}\n",
+        (long long)(2 * rows), (long long)seq, rounds, t_rep * 1e3, t_on * 1e3, t_on / t_rep,
+        t_off * 1e3, gathers, w_off * 1e3, w_on * 1e3, w_off > 0 ? 1.0 - w_on / w_off : 0.0,
+        t_on / t_off);
   }
   return 0;
 }
