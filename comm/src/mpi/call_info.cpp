@@ -30,6 +30,8 @@ const char* op_kind_name(OpKind op) {
       return "barrier";
     case OpKind::Split:
       return "split";
+    case OpKind::AllGatherRuns:
+      return "all_gather_runs";
   }
   return "unknown op";
 }

@@ -23,6 +23,7 @@ enum class OpKind : uint8_t {
   Recv,
   Barrier,
   Split,
+  AllGatherRuns,
 };
 const char* op_kind_name(OpKind op);
 // Operations whose tensors must have the same shape on every rank.

@@ -21,6 +21,8 @@ class MpiProcessGroup final : public ProcessGroup {
   WorkPtr all_reduce(Tensor& t, ReduceOp op) override;
   WorkPtr all_gather_into_tensor(Tensor& out, const Tensor& in) override;
   WorkPtr all_gather(std::vector<Tensor>& outputs, const Tensor& in) override;
+  WorkPtr all_gather_runs(Tensor& out, const Tensor& in,
+                          const std::vector<std::vector<GatherRun>>& runs) override;
   WorkPtr reduce_scatter_tensor(Tensor& out, const Tensor& in, ReduceOp op) override;
   WorkPtr reduce_scatter(Tensor& out, const std::vector<Tensor>& inputs, ReduceOp op) override;
   WorkPtr all_to_all(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs) override;

@@ -12,6 +12,14 @@
 namespace tessera {
 
 enum class ReduceOp : uint8_t { Sum, Avg, Max, Min, Product };
+
+// A run of `length` elements at element offset `src` of the sender's input that lands at element
+// offset `dst` of every rank's output (all_gather_runs).
+struct GatherRun {
+  int64_t src = 0;
+  int64_t dst = 0;
+  int64_t length = 0;
+};
 const char* reduce_op_name(ReduceOp op);
 
 class Work {
@@ -46,6 +54,12 @@ class ProcessGroup {
   virtual WorkPtr all_gather_into_tensor(Tensor& out, const Tensor& in) = 0;
   // outputs[r] receives rank r's `in`; shapes may differ across ranks (outputs pre-sized).
   virtual WorkPtr all_gather(std::vector<Tensor>& outputs, const Tensor& in) = 0;
+  // All-gather of scattered pieces: runs[r] says which elements of rank r's `in` go where in
+  // every rank's `out` (both contiguous, one dtype; runs given alike on every rank). FSDP gathers
+  // a group straight into its parameters with it: each rank's shard holds a padded piece of
+  // every parameter, and each piece has its own place in the unsharded parameters.
+  virtual WorkPtr all_gather_runs(Tensor& out, const Tensor& in,
+                                  const std::vector<std::vector<GatherRun>>& runs) = 0;
   // `in` is size() blocks of `out`'s shape on dim 0; rank r gets the reduction of block r.
   virtual WorkPtr reduce_scatter_tensor(Tensor& out, const Tensor& in, ReduceOp op) = 0;
   // inputs[r] (shapes may differ per r, same on every rank) reduced into rank r's `out`.

@@ -1,0 +1,135 @@
+// all_gather_runs: every rank's pieces go straight to their places in every output, described
+// by MPI datatypes (one per rank) in one MPI_Ialltoallw, so nothing is staged or copied by us.
+#include <climits>
+#include <memory>
+
+#include "buffers.h"
+#include "mpi_process_group.h"
+#include "mpi_state.h"
+#include "mpi_types.h"
+#include "tessera/core/error.h"
+
+namespace tessera::mpi {
+
+namespace {
+
+// The arguments of one MPI_Ialltoallw and the datatypes it uses, kept until it completes: Open
+// MPI reads the type arrays again when the collective completes.
+struct RunsCall {
+  explicit RunsCall(size_t n)
+      : send_counts(n, 0),
+        recv_counts(n, 0),
+        displs(n, 0),
+        send_types(n, MPI_BYTE),
+        recv_types(n, MPI_BYTE) {}
+  RunsCall(const RunsCall&) = delete;
+  RunsCall& operator=(const RunsCall&) = delete;
+  ~RunsCall() {
+    if (owned.empty() || !active()) return;
+    auto guard = lock();
+    for (MPI_Datatype& t : owned)
+      MPI_Type_free(&t);
+  }
+  std::vector<int> send_counts, recv_counts, displs;
+  std::vector<MPI_Datatype> send_types, recv_types;
+  std::vector<MPI_Datatype> owned;
+};
+
+int64_t run_total(const std::vector<GatherRun>& runs) {
+  int64_t n = 0;
+  for (const GatherRun& r : runs)
+    n += r.length;
+  return n;
+}
+
+// The elements of `runs` at their `src` (or `dst`) offsets, in units of `element`. Call under
+// lock(); null (count 0) when the runs are empty.
+MPI_Datatype runs_type(const std::vector<GatherRun>& runs, bool source, MPI_Datatype element,
+                       int64_t element_size, std::vector<MPI_Datatype>& owned) {
+  std::vector<int> lengths;
+  std::vector<MPI_Aint> displacements;
+  for (const GatherRun& r : runs) {
+    if (r.length == 0) continue;
+    lengths.push_back(int(r.length));
+    displacements.push_back(MPI_Aint((source ? r.src : r.dst) * element_size));
+  }
+  if (lengths.empty()) return MPI_DATATYPE_NULL;
+  MPI_Datatype t = MPI_DATATYPE_NULL;
+  check(MPI_Type_create_hindexed(int(lengths.size()), lengths.data(), displacements.data(), element,
+                                 &t),
+        "MPI_Type_create_hindexed", "all_gather_runs");
+  check(MPI_Type_commit(&t), "MPI_Type_commit", "all_gather_runs");
+  owned.push_back(t);
+  return t;
+}
+
+}  // namespace
+
+WorkPtr MpiProcessGroup::all_gather_runs(Tensor& out, const Tensor& in,
+                                         const std::vector<std::vector<GatherRun>>& runs) {
+  constexpr const char* kOp = "all_gather_runs";
+  enter(kOp);
+  check_tensor(out, kOp, "the output");
+  check_tensor(in, kOp, "the input");
+  TESSERA_CHECK(out.dtype() == in.dtype(), where(kOp), ": output dtype ", dtype_name(out.dtype()),
+                " differs from input dtype ", dtype_name(in.dtype()));
+  TESSERA_CHECK(out.is_contiguous() && in.is_contiguous(), where(kOp), ": the output ", out.str(),
+                " and the input ", in.str(), " must be contiguous");
+  TESSERA_CHECK(!out.storage().is_same(in.storage()), where(kOp),
+                ": the output and the input share storage");
+  TESSERA_CHECK(int64_t(runs.size()) == size(), where(kOp), ": runs for ", runs.size(),
+                " ranks but the group has ", size());
+  for (int r = 0; r < size(); ++r) {
+    for (const GatherRun& g : runs[size_t(r)]) {
+      const std::string run = "run {src " + std::to_string(g.src) + ", dst " +
+                              std::to_string(g.dst) + ", length " + std::to_string(g.length) +
+                              "} of rank " + std::to_string(r);
+      TESSERA_CHECK(
+          g.length >= 0 && g.length <= INT_MAX && g.dst >= 0 && g.dst + g.length <= out.numel(),
+          where(kOp), ": ", run, " does not fit the output of ", out.numel(), " elements");
+      TESSERA_CHECK(r != rank() || (g.src >= 0 && g.src + g.length <= in.numel()), where(kOp), ": ",
+                    run, " does not fit this rank's input of ", in.numel(), " elements");
+    }
+  }
+  CallInfo call = tensor_call(OpKind::AllGatherRuns, in.dtype(), in.shape());
+  call.out_shape = out.shape();
+  const int64_t mine = run_total(runs[size_t(rank())]);
+  std::vector<int64_t> send_counts(size_t(size()), mine), recv_counts;
+  for (const auto& r : runs)
+    recv_counts.push_back(run_total(r));
+  debug_check({call, send_counts, recv_counts, in.numel()});
+
+  auto args = std::make_shared<RunsCall>(size_t(size()));
+  auto work = make_work(std::move(call));
+  {
+    auto guard = lock();
+    const MPI_Datatype element = datatype(in.dtype());
+    const int64_t element_size = int64_t(in.element_size());
+    const MPI_Datatype send =
+        runs_type(runs[size_t(rank())], /*source=*/true, element, element_size, args->owned);
+    for (int r = 0; r < size(); ++r) {
+      if (send != MPI_DATATYPE_NULL) {
+        args->send_types[size_t(r)] = send;
+        args->send_counts[size_t(r)] = 1;
+      }
+      const MPI_Datatype recv =
+          runs_type(runs[size_t(r)], /*source=*/false, element, element_size, args->owned);
+      if (recv != MPI_DATATYPE_NULL) {
+        args->recv_types[size_t(r)] = recv;
+        args->recv_counts[size_t(r)] = 1;
+      }
+    }
+    check(MPI_Ialltoallw(in.raw_data(), args->send_counts.data(), args->displs.data(),
+                         args->send_types.data(), out.raw_data(), args->recv_counts.data(),
+                         args->displs.data(), args->recv_types.data(), comm_->comm,
+                         work->new_request()),
+          "MPI_Ialltoallw", where(kOp));
+  }
+  work->keep_alive(in);
+  work->keep_alive(out);
+  // Released with the completion step, after MPI is done with the types and their arrays.
+  work->then([args](const std::vector<MPI_Status>&) {});
+  return work;
+}
+
+}  // namespace tessera::mpi
