@@ -338,6 +338,100 @@ TEST(ProcessGroup, AllToAllUneven) {
   }
 }
 
+// The reshard of a matrix from row blocks to column blocks and back, with pieces that are views
+// of one tensor: column blocks (strided, sent where they lie), row blocks (received in place),
+// the column blocks of the output (interleaved in memory, sharing no element) and transposed
+// outputs. Rank r holds (r % 3) + 1 rows and gets (r + 1) % 3 columns, so some pieces are empty.
+TEST(ProcessGroup, AllToAllStridedViews) {
+  auto g = world();
+  const int n = g->size();
+  const int me = g->rank();
+  auto rows = [](int r) { return int64_t(r % 3 + 1); };
+  auto cols = [](int r) { return int64_t((r + 1) % 3); };
+  std::vector<int64_t> row0(1, 0), col0(1, 0);
+  for (int r = 0; r < n; ++r) {
+    row0.push_back(row0.back() + rows(r));
+    col0.push_back(col0.back() + cols(r));
+  }
+  const int64_t total_rows = row0.back(), total_cols = col0.back();
+  for (DType dt : kDTypes) {
+    SCOPED_TRACE(dtype_name(dt));
+    // Below 256: exact in every dtype; bool sees parity.
+    auto global = [&](int64_t i, int64_t j) {
+      const double v = double((i * 7 + j * 3) % 200);
+      return dt == DType::Bool ? double(int64_t(v) % 2) : v;
+    };
+    auto block = [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
+      return make(dt, {nr, nc}, [&](int64_t k) { return global(r0 + k / nc, c0 + k % nc); });
+    };
+    const Tensor my_rows = block(row0[size_t(me)], rows(me), 0, total_cols);
+    const Tensor my_cols = block(0, total_rows, col0[size_t(me)], cols(me));
+
+    // Row block -> column block: every input a column block of this rank's rows.
+    for (bool transposed_out : {false, true}) {
+      SCOPED_TRACE(transposed_out ? "into a transposed output" : "into row blocks");
+      Tensor backing = full({cols(me), total_rows}, -1, dt);
+      Tensor out =
+          transposed_out ? kernels::transpose(backing, 0, 1) : full({total_rows, cols(me)}, -1, dt);
+      std::vector<Tensor> inputs, outputs;
+      for (int s = 0; s < n; ++s) {
+        inputs.push_back(kernels::narrow(my_rows, 1, col0[size_t(s)], cols(s)));
+        outputs.push_back(kernels::narrow(out, 0, row0[size_t(s)], rows(s)));
+      }
+      g->all_to_all(outputs, inputs)->wait();
+      EXPECT_EQ(values(out), values(my_cols));
+    }
+
+    // Column block -> row block: contiguous inputs, outputs the interleaved column blocks of one
+    // tensor, which sits inside a wider one whose other columns must stay untouched.
+    Tensor wide = full({rows(me), total_cols + 2}, -1, dt);
+    Tensor out = kernels::narrow(wide, 1, 1, total_cols);
+    std::vector<Tensor> inputs, outputs;
+    for (int s = 0; s < n; ++s) {
+      inputs.push_back(kernels::narrow(my_cols, 0, row0[size_t(s)], rows(s)));
+      outputs.push_back(kernels::narrow(out, 1, col0[size_t(s)], cols(s)));
+    }
+    g->all_to_all(outputs, inputs)->wait();
+    EXPECT_EQ(values(out), values(my_rows));
+    const double untouched = dt == DType::Bool ? 1.0 : -1.0;
+    EXPECT_EQ(values(kernels::narrow(wide, 1, 0, 1)),
+              std::vector<double>(size_t(rows(me)), untouched));
+    EXPECT_EQ(values(kernels::narrow(wide, 1, total_cols + 1, 1)),
+              std::vector<double>(size_t(rows(me)), untouched));
+  }
+}
+
+// Pieces need only agree in element count (row-major order), also for this rank's own piece;
+// and an all-to-all may run in place, inputs and outputs being the same rows of one tensor.
+TEST(ProcessGroup, AllToAllReshapesAndInPlace) {
+  auto g = world();
+  const int n = g->size();
+  const int me = g->rank();
+  auto v = [](int src, int dst, int64_t k) { return 100.0 * src + 10.0 * dst + double(k); };
+  std::vector<Tensor> inputs, outputs;
+  for (int s = 0; s < n; ++s) {
+    // A [2, 3] view with strides [1, 2]: row-major values v(me, s, 0..5).
+    Tensor t = make(DType::Float32, {3, 2}, [&](int64_t k) { return v(me, s, k % 2 * 3 + k / 2); });
+    inputs.push_back(kernels::transpose(t, 0, 1));
+    outputs.push_back(full({6}, -1, DType::Float32));
+  }
+  g->all_to_all(outputs, inputs)->wait();
+  for (int s = 0; s < n; ++s) {
+    std::vector<double> expected;
+    for (int64_t k = 0; k < 6; ++k)
+      expected.push_back(v(s, me, k));
+    EXPECT_EQ(values(outputs[size_t(s)]), expected) << "from rank " << s;
+  }
+
+  Tensor buf = make(DType::Int64, {n, 4}, [&](int64_t k) { return v(me, int(k / 4), k % 4); });
+  std::vector<Tensor> rows;
+  for (int s = 0; s < n; ++s)
+    rows.push_back(kernels::select(buf, 0, s));
+  g->all_to_all(rows, rows)->wait();
+  EXPECT_EQ(values(buf), values(make(DType::Int64, {n, 4},
+                                     [&](int64_t k) { return v(int(k / 4), me, k % 4); })));
+}
+
 TEST(ProcessGroup, BroadcastFromEveryRoot) {
   auto g = world();
   for (int root = 0; root < g->size(); ++root) {

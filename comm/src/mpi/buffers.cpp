@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <utility>
 
 #include "tessera/core/error.h"
 #include "tessera/core/factory.h"
@@ -116,6 +117,8 @@ Tensor staged_piece(const FlatList& flat, size_t r, const Shape& shape) {
   return flat.staging.as_strided(shape, contiguous_strides(shape), flat.displs[r]);
 }
 
+}  // namespace
+
 bool pieces_overlap(const std::vector<ByteRange>& ranges) {
   std::vector<ByteRange> sorted;
   for (const ByteRange& r : ranges)
@@ -127,21 +130,79 @@ bool pieces_overlap(const std::vector<ByteRange>& ranges) {
   return false;
 }
 
+bool writable_in_place(const Tensor& t) {
+  // Sufficient, not necessary: ordered by stride, each dim must step over everything the
+  // smaller-strided dims span. Layouts that fail (broadcasts, exotic as_strided views) are
+  // received into a fresh tensor instead.
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) == 0) return true;
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 1;
+  for (const auto& [stride, size] : dims) {
+    if (stride < span) return false;
+    span = stride * size;
+  }
+  return true;
+}
+
+namespace {
+
+struct Dim {
+  int64_t stride, size_a, size_b;
+};
+
+// Whether a + i * s + x == b + j * s + y for in-range i, j and x, y in the lower dims, with
+// delta = b - a: only the few k = i - j that leave the remainder within the lower dims' reach
+// are tried, and each recurses on the lower dims.
+bool lattices_meet(const std::vector<Dim>& dims, size_t level, int64_t delta) {
+  if (level == dims.size()) return delta == 0;
+  const Dim& d = dims[level];
+  int64_t reach_a = 0, reach_b = 0;  // furthest element of the lower dims
+  for (size_t e = level + 1; e < dims.size(); ++e) {
+    reach_a += (dims[e].size_a - 1) * dims[e].stride;
+    reach_b += (dims[e].size_b - 1) * dims[e].stride;
+  }
+  // delta - k * stride must lie in [-reach_b, reach_a] (an element x of a minus one y of b).
+  auto floor_div = [](int64_t x, int64_t y) { return x / y - (x % y != 0 && (x < 0) != (y < 0)); };
+  const int64_t lo = std::max(-(d.size_b - 1), -floor_div(-(delta - reach_a), d.stride));
+  const int64_t hi = std::min(d.size_a - 1, floor_div(delta + reach_b, d.stride));
+  if (hi - lo > 2) return true;  // not nested dims: give up, conservatively
+  for (int64_t k = lo; k <= hi; ++k) {
+    if (lattices_meet(dims, level + 1, delta - k * d.stride)) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
-FlatList flat_copy(const std::vector<Tensor>& pieces, DType dtype, const char* op) {
-  FlatList flat = staged(pieces, dtype, op);
-  for (size_t r = 0; r < pieces.size(); ++r) {
-    if (pieces[r].numel() > 0) staged_piece(flat, r, pieces[r].shape()).copy_(pieces[r]);
+bool share_memory(const Tensor& a, const Tensor& b) {
+  if (!overlaps(byte_range(a), byte_range(b))) return false;
+  if (!a.storage().is_same(b.storage()) || a.dtype() != b.dtype() || a.dim() != b.dim() ||
+      a.strides() != b.strides()) {
+    return true;
   }
-  return flat;
+  std::vector<Dim> dims;
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.stride(d) <= 0) return true;
+    if (a.size(d) > 1 || b.size(d) > 1) dims.push_back({a.stride(d), a.size(d), b.size(d)});
+  }
+  std::sort(dims.begin(), dims.end(),
+            [](const Dim& x, const Dim& y) { return x.stride > y.stride; });
+  return lattices_meet(dims, 0, b.storage_offset() - a.storage_offset());
 }
 
 FlatList flat_send(const std::vector<Tensor>& pieces, DType dtype, bool consecutive,
                    const char* op) {
   FlatList flat;
   if (flat_in_place(pieces, consecutive, flat)) return flat;
-  return flat_copy(pieces, dtype, op);
+  flat = staged(pieces, dtype, op);
+  for (size_t r = 0; r < pieces.size(); ++r) {
+    if (pieces[r].numel() > 0) staged_piece(flat, r, pieces[r].shape()).copy_(pieces[r]);
+  }
+  return flat;
 }
 
 FlatList flat_recv(const std::vector<Tensor>& pieces, DType dtype, const char* op) {

@@ -7,6 +7,7 @@
 #include "mpi_types.h"
 #include "tessera/core/error.h"
 #include "tessera/core/factory.h"
+#include "tessera/core/kernels/views.h"
 
 namespace tessera::mpi {
 
@@ -25,6 +26,21 @@ MpiWork::Completion finish_reduction(Tensor buf, Tensor out, ReduceOp op, int si
     if (!buf.is_same(out)) out.copy_(buf);
   };
 }
+
+// MPI_Ialltoallw's arguments with pieces given as placed datatypes (buffers MPI_BOTTOM), kept
+// until the work completes: Open MPI 4.1 reads the datatype arrays again when the collective
+// completes, to release the types, so they must outlive the call, like the types themselves.
+struct AllToAllW {
+  explicit AllToAllW(size_t n)
+      : send_counts(n, 0),
+        recv_counts(n, 0),
+        displs(n, 0),
+        send_types(n, MPI_BYTE),
+        recv_types(n, MPI_BYTE) {}
+  std::vector<int> send_counts, recv_counts, displs;
+  std::vector<MPI_Datatype> send_types, recv_types;
+  PlacedTypes types;
+};
 
 Shape scale_dim0(Shape s, int64_t factor) {
   s[0] *= factor;
@@ -236,21 +252,74 @@ WorkPtr MpiProcessGroup::all_to_all(std::vector<Tensor>& outputs,
   }
   debug_check(sig);
 
-  auto recv = std::make_shared<FlatList>(flat_recv(outputs, dt, kOp));
-  auto send = std::make_shared<FlatList>(flat_send(inputs, dt, false, kOp));
-  if (!send->staging.defined() && any_overlap(send->ranges, recv->ranges)) {
-    *send = flat_copy(inputs, dt, kOp);
+  // Pieces go to MPI where they lie, described by datatypes, rather than packed into one
+  // buffer: the strided pieces of a reshard (a column block of each row) would otherwise cost a
+  // full extra copy. Inputs that overlap an output, or that datatypes cannot describe, are
+  // copied first; outputs MPI must not write in place are received into fresh tensors.
+  std::vector<ByteRange> in_ranges, out_ranges;
+  for (size_t r = 0; r < inputs.size(); ++r) {
+    in_ranges.push_back(byte_range(inputs[r]));
+    out_ranges.push_back(byte_range(outputs[r]));
+    to_count(inputs[r].numel(), kOp);
+    to_count(outputs[r].numel(), kOp);
   }
+  // Byte ranges first (cheap); interleaved views of one tensor (its column blocks) overlap there
+  // without sharing elements, which the exact pairwise test tells apart.
+  auto any_shared = [](const std::vector<Tensor>& x, const std::vector<Tensor>& y, bool same) {
+    for (size_t i = 0; i < x.size(); ++i) {
+      for (size_t j = same ? i + 1 : 0; j < y.size(); ++j) {
+        if (share_memory(x[i], y[j])) return true;
+      }
+    }
+    return false;
+  };
+  const bool copy_inputs = any_overlap(in_ranges, out_ranges) && any_shared(inputs, outputs, false);
+  // Outputs that share memory are written in rank order, the last piece winning, which MPI
+  // cannot promise.
+  const bool stage_outputs = pieces_overlap(out_ranges) && any_shared(outputs, outputs, true);
+  std::vector<Tensor> sends = inputs, recvs = outputs;
+  for (size_t r = 0; r < inputs.size(); ++r) {
+    bool negative = false;
+    for (int64_t d = 0; d < inputs[r].dim(); ++d)
+      negative = negative || (inputs[r].stride(d) < 0 && inputs[r].size(d) > 1);
+    if (copy_inputs || negative) sends[r] = inputs[r].clone();
+    if (stage_outputs || !writable_in_place(outputs[r])) recvs[r] = empty(outputs[r].shape(), dt);
+  }
+
+  const size_t n = size_t(size());
+  auto args = std::make_shared<AllToAllW>(n);
   auto work = make_work(sig.call);
   {
     auto guard = lock();
-    const MPI_Datatype type = datatype(dt);
-    check(MPI_Ialltoallv(send->base, send->counts.data(), send->displs.data(), type, recv->base,
-                         recv->counts.data(), recv->displs.data(), type, comm_->comm,
+    for (size_t r = 0; r < n; ++r) {
+      // This rank's own piece is copied below, straight from input to output, while the
+      // others travel; through MPI it would be packed and unpacked.
+      if (r == me) continue;
+      if (sends[r].numel() > 0) {
+        args->send_types[r] = args->types.add(sends[r]);
+        args->send_counts[r] = 1;
+      }
+      if (recvs[r].numel() > 0) {
+        args->recv_types[r] = args->types.add(recvs[r]);
+        args->recv_counts[r] = 1;
+      }
+    }
+    check(MPI_Ialltoallw(MPI_BOTTOM, args->send_counts.data(), args->displs.data(),
+                         args->send_types.data(), MPI_BOTTOM, args->recv_counts.data(),
+                         args->displs.data(), args->recv_types.data(), comm_->comm,
                          work->new_request()),
-          "MPI_Ialltoallv", where(kOp));
+          "MPI_Ialltoallw", where(kOp));
   }
-  work->then([send, recv, outs = outputs](const std::vector<MPI_Status>&) { unpack(*recv, outs); });
+  // Only the element counts of the two must agree, as for the pieces that travel.
+  recvs[me].copy_(sends[me].shape() == recvs[me].shape()
+                      ? sends[me]
+                      : kernels::reshape(sends[me], recvs[me].shape()));
+  // The lambda keeps the copied inputs, staged outputs and MPI's arguments until MPI is done.
+  work->then([args, sends, recvs, outs = outputs](const std::vector<MPI_Status>&) mutable {
+    for (size_t r = 0; r < outs.size(); ++r) {
+      if (!recvs[r].is_same(outs[r])) outs[r].copy_(recvs[r]);
+    }
+  });
   return work;
 }
 

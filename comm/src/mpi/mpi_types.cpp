@@ -1,7 +1,10 @@
 #include "mpi_types.h"
 
 #include <type_traits>
+#include <utility>
+#include <vector>
 
+#include "buffers.h"
 #include "mpi_state.h"
 #include "tessera/core/error.h"
 #include "tessera/core/half.h"
@@ -142,6 +145,61 @@ void divide(void* data, int64_t n, DType dt, int64_t divisor) {
         p[i] = T(C(p[i]) / d);
     }
   });
+}
+
+MPI_Datatype placed_type(const Tensor& t) {
+  constexpr const char* kWhat = "tensor datatype";
+  // (size, stride) from outer to inner. Dims of one element say nothing and a dim whose stride
+  // spans the whole next dim continues its run: merging them lets a contiguous tensor be one
+  // block and a column slice of a matrix a vector of row pieces, which MPI copies fastest.
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t size = t.size(d), stride = t.stride(d);
+    TESSERA_CHECK(stride >= 0 || size <= 1, "placed_type: negative stride in ", t.str());
+    if (size == 1) continue;
+    if (!dims.empty() && dims.back().second == size * stride) {
+      dims.back() = {dims.back().first * size, stride};
+    } else {
+      dims.emplace_back(size, stride);
+    }
+  }
+  const MPI_Datatype element = datatype(t.dtype());
+  const MPI_Aint element_bytes = MPI_Aint(t.element_size());
+  MPI_Datatype layout = element;
+  for (auto it = dims.rbegin(); it != dims.rend(); ++it) {
+    const int count = to_count(it->first, kWhat);
+    MPI_Datatype outer = MPI_DATATYPE_NULL;
+    if (layout == element && it->second == 1) {
+      check(MPI_Type_contiguous(count, element, &outer), "MPI_Type_contiguous", kWhat);
+    } else {
+      check(MPI_Type_create_hvector(count, 1, it->second * element_bytes, layout, &outer),
+            "MPI_Type_create_hvector", kWhat);
+    }
+    if (layout != element) MPI_Type_free(&layout);
+    layout = outer;
+  }
+  MPI_Aint address = 0;
+  check(MPI_Get_address(t.raw_data(), &address), "MPI_Get_address", kWhat);
+  int one = 1;
+  MPI_Datatype placed = MPI_DATATYPE_NULL;
+  const int rc = MPI_Type_create_struct(1, &one, &address, &layout, &placed);
+  if (layout != element) MPI_Type_free(&layout);
+  check(rc, "MPI_Type_create_struct", kWhat);
+  check(MPI_Type_commit(&placed), "MPI_Type_commit", kWhat);
+  return placed;
+}
+
+PlacedTypes::~PlacedTypes() {
+  if (types_.empty() || !active()) return;
+  auto guard = lock();
+  for (MPI_Datatype& t : types_)
+    MPI_Type_free(&t);
+}
+
+MPI_Datatype PlacedTypes::add(const Tensor& t) {
+  types_.reserve(types_.size() + 1);  // so that a type made is never lost to a failed push_back
+  types_.push_back(placed_type(t));
+  return types_.back();
 }
 
 }  // namespace tessera::mpi

@@ -5,8 +5,10 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "tessera/comm/process_group.h"
+#include "tessera/core/tensor.h"
 
 namespace tessera::mpi {
 
@@ -21,5 +23,27 @@ MPI_Op reduce_op(ReduceOp op, DType dt);
 // data[i] /= divisor for n contiguous elements of dtype dt: Avg's second half. Integers divide
 // with truncation toward zero, as C++ does, so an int Avg is the truncated mean.
 void divide(void* data, int64_t n, DType dt, int64_t divisor);
+
+// The elements of `t` (non-negative strides) where they lie, as one committed datatype holding
+// their absolute address: passed with the buffer MPI_BOTTOM, pieces of any storages, offsets and
+// strides travel in one call without being packed by us first. Call under lock(); the caller
+// frees it (PlacedTypes does).
+MPI_Datatype placed_type(const Tensor& t);
+
+// The datatypes one operation made, freed when it is destroyed: after the operation completed,
+// since a non-blocking collective may read a datatype until then.
+class PlacedTypes {
+ public:
+  PlacedTypes() = default;
+  PlacedTypes(const PlacedTypes&) = delete;
+  PlacedTypes& operator=(const PlacedTypes&) = delete;
+  // Takes the lock itself: never destroy one while holding it.
+  ~PlacedTypes();
+  // placed_type(t), kept until destruction. Call under lock().
+  MPI_Datatype add(const Tensor& t);
+
+ private:
+  std::vector<MPI_Datatype> types_;
+};
 
 }  // namespace tessera::mpi
