@@ -3,7 +3,6 @@
 // all-to-all the other way.
 #include "step_geometry.h"
 #include "tessera/core/factory.h"
-#include "tessera/core/kernels/shape_ops.h"
 #include "tessera/core/kernels/views.h"
 #include "transitions.h"
 
@@ -11,38 +10,25 @@ namespace tessera::redistribute_detail {
 
 namespace {
 
-// Pieces for and from every peer live in one buffer each, so the MPI layer hands them to
-// MPI in place; received pieces cut on dim 0 are rows of the result itself (no join).
+// Every piece is a view: the a-chunk's slice of each peer's b-chunk is sent from where it lies
+// in `local`, and what each peer sends lands in its slice of the result, so nothing is packed,
+// unpacked or joined here (the MPI layer hands strided views to MPI as datatypes).
 Tensor all_to_all_reshard(const Tensor& local, const DTensorSpec& spec, int64_t mesh_dim,
                           const Placements& from, const Placements& to) {
   const int64_t a = from[size_t(mesh_dim)].dim(), b = to[size_t(mesh_dim)].dim();
   StepGeometry ga = step_geometry(spec, from, mesh_dim, a);
   StepGeometry gb = step_geometry(spec, to, mesh_dim, b);
-  const TensorOptions opts(local.dtype(), local.device());
-  auto piece = [](const Tensor& buf, const Shape& s, int64_t& offset) {
-    Tensor t = buf.as_strided(s, contiguous_strides(s), offset);
-    offset += shape_numel(s);
-    return t;
-  };
   Shape out_shape = local.shape();
   out_shape[size_t(a)] = ga.parent;
   out_shape[size_t(b)] = gb.lengths[size_t(gb.index)];
-  Tensor send = empty({local.numel()}, opts);
-  Tensor out = empty(out_shape, opts);
-  Tensor recv = a == 0 ? out : empty({shape_numel(out_shape)}, opts);
+  Tensor out = empty(out_shape, TensorOptions(local.dtype(), local.device()));
   std::vector<Tensor> inputs, outputs;
-  int64_t send_off = 0, recv_off = 0;
   for (int64_t r = 0; r < ga.parts; ++r) {
-    Tensor src = kernels::narrow(local, b, gb.starts[size_t(r)], gb.lengths[size_t(r)]);
-    inputs.push_back(piece(send, src.shape(), send_off));
-    inputs.back().copy_(src);
-    Shape s = out_shape;
-    s[size_t(a)] = ga.lengths[size_t(r)];
-    outputs.push_back(a == 0 ? kernels::narrow(out, 0, ga.starts[size_t(r)], s[0])
-                             : piece(recv, s, recv_off));
+    inputs.push_back(kernels::narrow(local, b, gb.starts[size_t(r)], gb.lengths[size_t(r)]));
+    outputs.push_back(kernels::narrow(out, a, ga.starts[size_t(r)], ga.lengths[size_t(r)]));
   }
   spec.mesh.group(mesh_dim)->all_to_all(outputs, inputs)->wait();
-  return a == 0 ? out : kernels::cat(outputs, a);
+  return out;
 }
 
 class ShardToShard final : public Transition {
