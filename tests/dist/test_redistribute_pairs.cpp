@@ -5,6 +5,8 @@
 // (see Partition in test_redistribute_sweep.h), after every other result is in.
 #include <gtest/gtest.h>
 
+#include <tuple>
+
 #include "tessera/tessera.h"
 #include "test_redistribute_reference.h"
 #include "test_redistribute_sweep.h"
@@ -57,6 +59,21 @@ TEST(RedistributeTargeted, GatherColumnsOfAnEmptyRowShard) {
   EXPECT_EQ(single_step_problem(mesh, global, {Shard(0), Shard(1)}, {Shard(0), Replicate()}), "")
       << mesh.str() << " [S(0), S(1)] -> [S(0), R] at "
       << coord_str(unravel(world_rank(), mesh.shape()));
+}
+
+// Pieces above a MiB travel as several all-to-alls of row ranges of the source dim; uneven
+// shapes so that the ranges differ between ranks, and a source dim other than 0.
+TEST(RedistributeTargeted, ShardToShardOfLargePiecesInRowRanges) {
+  if (world_size() < 2 || world_size() > 4) GTEST_SKIP() << "needs 2 to 4 ranks";
+  DeviceMesh mesh({world_size()}, {"x"});
+  const Tensor matrix = dyadic({2101, 1299}, 13);
+  const Tensor cube = dyadic({3, 701, 650}, 14);
+  for (const auto& [global, src, dst] :
+       {std::tuple{matrix, Shard(0), Shard(1)}, std::tuple{matrix, Shard(1), Shard(0)},
+        std::tuple{cube, Shard(2), Shard(1)}}) {
+    EXPECT_EQ(single_step_problem(mesh, global, {src}, {dst}), "")
+        << shape_str(global.shape()) << " " << src.str() << " -> " << dst.str();
+  }
 }
 
 TEST(RedistributePairs, OneDimMeshAllPairs) {
