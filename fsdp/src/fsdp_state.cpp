@@ -110,12 +110,20 @@ void FSDPState::unshard(bool async_op) {
 void FSDPState::start_gather() {
   if (pending_gather_) return;
   NoGradGuard no_grad;
-  const int64_t k = gather_pg_->size();
   const DType gather_dtype = opts_.mp_policy.param_dtype.value_or(flat_.dtype());
   PendingGather g;
   g.send = gather_dtype == flat_.dtype() ? flat_ : flat_.to(gather_dtype);
-  g.gathered = empty(Shape{k * padded_size_}, gather_dtype);
-  g.work = gather_pg_->all_gather_into_tensor(g.gathered, g.send);
+  // Before this group's backward the graph's saved leaves are views of the released buffer:
+  // gather into its bytes again. Otherwise into a fresh buffer for fresh leaves.
+  g.reuse = leaves_released_;
+  if (g.reuse) {
+    gathered_.storage().impl()->reallocate();
+    leaves_released_ = false;
+    g.target = gathered_;
+  } else {
+    g.target = empty(Shape{unsharded_numel_}, gather_dtype);
+  }
+  g.work = gather_pg_->all_gather_runs(g.target, g.send, gather_runs_);
   progress_in_background(g.work);
   pending_gather_ = std::move(g);
 }
@@ -123,7 +131,15 @@ void FSDPState::start_gather() {
 void FSDPState::drop_pending_gather() {
   if (!pending_gather_) return;
   pending_gather_->work->wait();  // MPI may still be writing into the buffer
+  if (pending_gather_->reuse) release_unsharded();
   pending_gather_.reset();
+}
+
+void FSDPState::release_unsharded() {
+  if (gathered_.defined() && !gathered_.storage().impl()->is_released()) {
+    gathered_.storage().impl()->release();
+    leaves_released_ = true;
+  }
 }
 
 void FSDPState::finish_gather(bool fresh) {
@@ -133,17 +149,13 @@ void FSDPState::finish_gather(bool fresh) {
   pending_gather_.reset();
   ++stats_.all_gathers;
   stats_.all_gather_wait_seconds += wait_seconds(g.work);
-  const int64_t k = gather_pg_->size();
+  if (g.reuse && !fresh) return;  // the leaves are views of the bytes just gathered
+  // Fresh leaves: views of the gathered buffer, one per parameter, each a new autograd leaf.
+  gathered_ = g.target;
   for (ParamInfo& i : params_) {
-    Tensor leaf = fresh ? empty(i.unsharded_shape, g.gathered.dtype()) : i.leaf;
-    if (!fresh) leaf.storage().impl()->reallocate();
-    for (int64_t r = 0; r < k; ++r) {
-      const Chunk c = chunk_of(i.rows, k, r);
-      if (c.length == 0) continue;
-      flat_window(leaf.detach(), c.start * i.row_numel, c.length * i.row_numel)
-          .copy_(flat_window(g.gathered, r * padded_size_ + i.offset, c.length * i.row_numel));
-    }
-    if (fresh && i.param->requires_grad()) {
+    Tensor leaf = kernels::view(flat_window(gathered_, i.base, shape_numel(i.unsharded_shape)),
+                                i.unsharded_shape);
+    if (i.param->requires_grad()) {
       leaf.set_requires_grad(true);
       std::weak_ptr<FSDPState> weak = weak_from_this();
       register_post_accumulate_grad_hook(leaf, [weak](Tensor&) {
@@ -183,19 +195,19 @@ void FSDPState::reshard() {
     i.param->clear_unsharded();
   unsharded_ = false;
   if (!backward_pending_) {
+    drop_pending_gather();
     drop_leaves();
-  } else if (!leaves_released_) {
+  } else if (!pending_gather_) {
     // The autograd graph holds the gathered leaves until backward; free their bytes now and
     // gather into them again just before this group's backward (pre_backward).
-    for (ParamInfo& i : params_)
-      if (i.leaf.defined()) i.leaf.storage().impl()->release();
-    leaves_released_ = true;
+    release_unsharded();
   }
 }
 
 void FSDPState::drop_leaves() {
   for (ParamInfo& i : params_)
     i.leaf = Tensor();
+  gathered_ = Tensor();
   leaves_released_ = false;
 }
 
@@ -203,11 +215,9 @@ void FSDPState::free_leaves_after_backward() {
   // The graph (its AccumulateGrad nodes) still refers to the leaves until the whole backward
   // ends; free their bytes and their unsharded gradients now, so that only the groups whose
   // backward is running hold gathered memory.
-  for (ParamInfo& i : params_) {
-    if (!i.leaf.defined()) continue;
-    i.leaf.set_grad(Tensor());
-    if (!i.leaf.storage().impl()->is_released()) i.leaf.storage().impl()->release();
-  }
+  for (ParamInfo& i : params_)
+    if (i.leaf.defined()) i.leaf.set_grad(Tensor());
+  release_unsharded();
   drop_leaves();
 }
 
@@ -246,7 +256,7 @@ void FSDPState::pre_backward() {
     // accumulates gradients; when resharding released their bytes, gather into them again.
     if (!params_.empty() && params_.front().leaf.defined()) {
       schedule_->gather_through(this);
-      if (leaves_released_) finish_gather(/*fresh=*/false);
+      if (pending_gather_ || leaves_released_) finish_gather(/*fresh=*/false);
       set_unsharded_params();
     } else {
       unshard();
@@ -299,9 +309,7 @@ void FSDPState::start_reduce() {
   // (1 where this rank has a gradient for it): the reduce-scatter sums the flags too, so every
   // rank learns which parameters got a gradient anywhere without another collective.
   // Packing needs only the gradients: free the gathered weights first.
-  for (ParamInfo& i : params_)
-    if (i.leaf.defined() && !i.leaf.storage().impl()->is_released())
-      i.leaf.storage().impl()->release();
+  release_unsharded();
   const int64_t k = reduce_pg_->size();
   const int64_t block = padded_size_ + int64_t(params_.size());
   const DType reduce_dtype =

@@ -148,6 +148,20 @@ std::shared_ptr<FSDPState> fully_shard(const ModulePtr& module, const DeviceMesh
     sources.push_back(src);
   }
 
+  // Where each rank's pieces land when the group is gathered: the parameters one after
+  // another, each whole, so that every leaf is a view of the gathered buffer.
+  state->gather_runs_.assign(size_t(k), {});
+  for (FSDPState::ParamInfo& i : state->params_) {
+    i.base = state->unsharded_numel_;
+    state->unsharded_numel_ += shape_numel(i.unsharded_shape);
+    for (int64_t r = 0; r < k; ++r) {
+      const Chunk c = chunk_of(i.rows, k, r);
+      if (c.length > 0)
+        state->gather_runs_[size_t(r)].push_back(
+            {i.offset, i.base + c.start * i.row_numel, c.length * i.row_numel});
+    }
+  }
+
   NoGradGuard no_grad;
   state->flat_ = zeros(Shape{state->padded_size_}, dtype.value_or(DType::Float32));
   for (size_t n = 0; n < state->params_.size(); ++n) {

@@ -96,6 +96,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
     int64_t row_numel = 1;
     int64_t chunk_rows = 0;  // ceil(rows / shard size): every rank's padded piece
     int64_t offset = 0;      // of this parameter's padded piece in the per-rank flat buffer
+    int64_t base = 0;        // of the unsharded parameter in the gathered buffer
     // FSDP x TP: the TP DTensor's mesh, placements and global shape.
     std::optional<DeviceMesh> tp_mesh;
     Placements tp_placements;
@@ -117,6 +118,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // Finishes it into fresh leaves, or into the existing ones whose storage reshard() released.
   void finish_gather(bool fresh);
   void drop_pending_gather();
+  // Frees the gathered buffer's bytes while its leaves stay referenced (by the autograd graph).
+  void release_unsharded();
   void prefetch(bool forward);
   bool needs_backward_gather() const;
   // Packs this backward's gradients and issues their reduce-scatter. advance_reduce moves it on
@@ -131,7 +134,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // Both in flight between issue and use.
   struct PendingGather {
     WorkPtr work;
-    Tensor send, gathered;
+    Tensor send, target;
+    bool reuse = false;  // target is the released buffer the saved leaves view
   };
   struct PendingReduce {
     WorkPtr work;
@@ -150,6 +154,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<ParamInfo> params_;
   Tensor flat_;
   int64_t padded_size_ = 0;  // per rank
+  // The gathered parameters, one after another (the leaves are views of it), and where each
+  // rank's pieces go in it.
+  Tensor gathered_;
+  int64_t unsharded_numel_ = 0;
+  std::vector<std::vector<GatherRun>> gather_runs_;
   bool unsharded_ = false;
   bool is_root_ = true;
   bool requires_gradient_sync_ = true;
