@@ -10,10 +10,12 @@
 #include <map>
 #include <string>
 
+#include "common/expect_error.h"
 #include "tessera/fsdp/fully_shard.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::expect_error;
 
 namespace {
 
@@ -140,19 +142,6 @@ void expect_same_run(const TrainRun& got, const TrainRun& want, double tol,
         "[parity] %s, %zu steps: worst loss |d|/|ref| %.2e, worst parameter "
         "|d|/(1+|ref|) %.2e (tolerance %.0e)\n",
         label.c_str(), got.losses.size(), worst_loss, worst_param, tol);
-}
-
-template <class F>
-void expect_error(F&& f, const std::vector<std::string>& needles) {
-  try {
-    f();
-  } catch (const Error& e) {
-    for (const std::string& n : needles)
-      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
-          << "missing '" << n << "' in: " << e.what();
-    return;
-  }
-  ADD_FAILURE() << "expected an error containing '" << needles.front() << "'";
 }
 
 // Plain Decoder, whole batch, no DTensor: shares nothing with the sharded runs but the seed.

@@ -7,28 +7,17 @@
 #include <map>
 #include <string>
 
+#include "common/expect_error.h"
 #include "tessera/fsdp/fully_shard.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::expect_error;
 
 namespace {
 
 DeviceMesh dp_mesh() {
   return DeviceMesh(Shape{world_size()}, {"dp"});
-}
-
-template <class F>
-void expect_error(F&& f, const std::vector<std::string>& needles) {
-  try {
-    f();
-  } catch (const Error& e) {
-    for (const std::string& n : needles)
-      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
-          << "missing '" << n << "' in: " << e.what();
-    return;
-  }
-  ADD_FAILURE() << "expected an error containing '" << needles.front() << "'";
 }
 
 DecoderConfig tiny_config() {

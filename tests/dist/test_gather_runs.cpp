@@ -2,25 +2,14 @@
 // with empty runs and ranks, against values computed here from the rank numbers.
 #include <gtest/gtest.h>
 
+#include "common/expect_error.h"
 #include "tessera/comm/comm.h"
 #include "tessera/core/core.h"
 
 using namespace tessera;
+using tessera::testing::expect_error;
 
 namespace {
-
-template <class F>
-void expect_error(F&& f, const std::vector<std::string>& needles) {
-  try {
-    f();
-  } catch (const Error& e) {
-    for (const std::string& n : needles)
-      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
-          << "missing '" << n << "' in: " << e.what();
-    return;
-  }
-  ADD_FAILURE() << "expected an error containing '" << needles.front() << "'";
-}
 
 // FSDP's pattern: 3 "parameters" of rows x 4 sharded on rows over the group, each rank's input
 // padded to ceil(rows / k) rows per parameter, the output the unsharded parameters one after

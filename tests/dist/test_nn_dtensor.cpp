@@ -7,10 +7,12 @@
 #include <limits>
 #include <string>
 
+#include "common/expect_error.h"
 #include "tessera/dtensor/nn_ops.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::expect_error;
 
 namespace {
 
@@ -26,19 +28,6 @@ void expect_close(const Tensor& got, const Tensor& want, double tol, const std::
   for (size_t i = 0; i < g.size(); ++i)
     ASSERT_NEAR(g[i], w[i], tol * (1.0 + std::abs(w[i])))
         << what << " element " << i << " of " << shape_str(got.shape());
-}
-
-template <class F>
-void expect_error(F&& f, const std::vector<std::string>& needles) {
-  try {
-    f();
-  } catch (const Error& e) {
-    for (const std::string& n : needles)
-      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
-          << "missing '" << n << "' in: " << e.what();
-    return;
-  }
-  ADD_FAILURE() << "expected an error containing '" << needles.front() << "'";
 }
 
 DeviceMesh world_mesh() {

@@ -9,9 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "common/expect_error.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::expect_error;
 
 namespace {
 
@@ -177,19 +179,6 @@ void expect_same_training(const TrainRun& run, const TrainRun& ref, const std::s
     EXPECT_NEAR(run.losses[s], ref.losses[s], 1e-5 * std::abs(ref.losses[s]))
         << what << ": step " << s;
   expect_same_state(run.state, ref.state, 1e-5, what);
-}
-
-template <class F>
-void expect_error(F&& f, const std::vector<std::string>& needles) {
-  try {
-    f();
-  } catch (const Error& e) {
-    for (const auto& n : needles)
-      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
-          << "expected '" << n << "' in: " << e.what();
-    return;
-  }
-  ADD_FAILURE() << "expected an error containing '" << needles.front() << "'";
 }
 
 Tensor global_randn(const Shape& s, uint64_t seed) {

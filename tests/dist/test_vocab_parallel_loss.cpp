@@ -8,9 +8,11 @@
 #include <string>
 #include <vector>
 
+#include "common/expect_error.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::expect_error;
 
 namespace {
 
@@ -35,17 +37,6 @@ void expect_close(const Tensor& got, const Tensor& want, double tol, const std::
   auto g = got.to_vector<double>(), w = want.to_vector<double>();
   for (size_t i = 0; i < g.size(); ++i)
     ASSERT_NEAR(g[i], w[i], tol * (1.0 + std::abs(w[i]))) << what << " element " << i;
-}
-
-template <class F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message was: " << e.what();
-    return;
-  }
-  ADD_FAILURE() << "expected an error containing '" << needle << "'";
 }
 
 struct MeshCase {

@@ -6,9 +6,11 @@
 #include <limits>
 #include <string>
 
+#include "common/expect_error.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::expect_error;
 
 namespace {
 
@@ -26,17 +28,6 @@ void expect_near_all(const std::vector<double>& got, const std::vector<double>& 
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t i = 0; i < got.size(); ++i)
     ASSERT_NEAR(got[i], want[i], tol * (1.0 + std::abs(want[i]))) << what << " element " << i;
-}
-
-template <class F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message was: " << e.what();
-    return;
-  }
-  ADD_FAILURE() << "expected an error containing '" << needle << "'";
 }
 
 // Direct formula: pair (2i, 2i+1) at position t rotated by t * theta^(-2i/D).

@@ -9,9 +9,11 @@
 #include <utility>
 #include <vector>
 
+#include "common/expect_error.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::expect_error;
 
 namespace {
 
@@ -26,17 +28,6 @@ DecoderConfig tiny_config() {
   c.max_seq_len = 16;
   c.seed = 7;
   return c;
-}
-
-template <class F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message was: " << e.what();
-    return;
-  }
-  ADD_FAILURE() << "expected an error containing '" << needle << "'";
 }
 
 // Parameters are float32 by construction; gradchecks need float64 leaves. The registered slots

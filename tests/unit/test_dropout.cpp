@@ -5,9 +5,11 @@
 #include <limits>
 #include <string>
 
+#include "common/expect_error.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::expect_error;
 
 namespace {
 
@@ -18,17 +20,6 @@ Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype = DType::Flo
 
 std::vector<double> values(const Tensor& t) {
   return t.to_vector<double>();
-}
-
-template <class F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message was: " << e.what();
-    return;
-  }
-  ADD_FAILURE() << "expected an error containing '" << needle << "'";
 }
 
 }  // namespace

@@ -6,9 +6,11 @@
 #include <cmath>
 #include <string>
 
+#include "common/expect_error.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::expect_error;
 
 namespace {
 
@@ -28,19 +30,6 @@ void expect_near_all(const Tensor& got, const std::vector<double>& want, double 
 void expect_equal(const Tensor& got, const Tensor& want, const std::string& what) {
   ASSERT_EQ(got.shape(), want.shape()) << what;
   EXPECT_EQ(got.to_vector<double>(), want.to_vector<double>()) << what;
-}
-
-template <class F>
-void expect_error(F&& f, const std::vector<std::string>& needles) {
-  try {
-    f();
-  } catch (const Error& e) {
-    for (const std::string& n : needles)
-      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
-          << "missing '" << n << "' in: " << e.what();
-    return;
-  }
-  ADD_FAILURE() << "expected an error containing '" << needles.front() << "'";
 }
 
 // Makes a layer's parameter a float64 leaf holding `value`.

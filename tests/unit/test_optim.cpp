@@ -6,9 +6,11 @@
 #include <string>
 #include <vector>
 
+#include "common/expect_error.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::expect_error;
 
 namespace {
 
@@ -76,17 +78,6 @@ struct RefAdamW {
     }
   }
 };
-
-template <class F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    return;
-  }
-  ADD_FAILURE() << "expected an error containing '" << needle << "'";
-}
 
 }  // namespace
 

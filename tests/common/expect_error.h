@@ -1,0 +1,39 @@
+#pragma once
+// The one way tests check an error: `f` must throw a tessera::Error whose message contains every
+// needle (what the user is told is part of the behaviour under test).
+#include <gtest/gtest.h>
+
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tessera/core/error.h"
+
+namespace tessera::testing {
+
+template <class F>
+void expect_error(F&& f, const std::vector<std::string>& needles) {
+  try {
+    f();
+  } catch (const Error& e) {
+    for (const std::string& n : needles)
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
+          << "missing '" << n << "' in: " << e.what();
+    return;
+  }
+  ADD_FAILURE() << "expected an error containing '" << needles.front() << "'";
+}
+
+// A braced list of needles picks this one (a one-element list would be ambiguous otherwise).
+template <class F>
+void expect_error(F&& f, std::initializer_list<std::string> needles) {
+  expect_error(std::forward<F>(f), std::vector<std::string>(needles));
+}
+
+template <class F>
+void expect_error(F&& f, const std::string& needle) {
+  expect_error(std::forward<F>(f), std::vector<std::string>{needle});
+}
+
+}  // namespace tessera::testing
