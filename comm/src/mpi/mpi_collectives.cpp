@@ -27,21 +27,6 @@ MpiWork::Completion finish_reduction(Tensor buf, Tensor out, ReduceOp op, int si
   };
 }
 
-// MPI_Ialltoallw's arguments with pieces given as placed datatypes (buffers MPI_BOTTOM), kept
-// until the work completes: Open MPI 4.1 reads the datatype arrays again when the collective
-// completes, to release the types, so they must outlive the call, like the types themselves.
-struct AllToAllW {
-  explicit AllToAllW(size_t n)
-      : send_counts(n, 0),
-        recv_counts(n, 0),
-        displs(n, 0),
-        send_types(n, MPI_BYTE),
-        recv_types(n, MPI_BYTE) {}
-  std::vector<int> send_counts, recv_counts, displs;
-  std::vector<MPI_Datatype> send_types, recv_types;
-  PlacedTypes types;
-};
-
 Shape scale_dim0(Shape s, int64_t factor) {
   s[0] *= factor;
   return s;

@@ -13,28 +13,6 @@ namespace tessera::mpi {
 
 namespace {
 
-// The arguments of one MPI_Ialltoallw and the datatypes it uses, kept until it completes: Open
-// MPI reads the type arrays again when the collective completes.
-struct RunsCall {
-  explicit RunsCall(size_t n)
-      : send_counts(n, 0),
-        recv_counts(n, 0),
-        displs(n, 0),
-        send_types(n, MPI_BYTE),
-        recv_types(n, MPI_BYTE) {}
-  RunsCall(const RunsCall&) = delete;
-  RunsCall& operator=(const RunsCall&) = delete;
-  ~RunsCall() {
-    if (owned.empty() || !active()) return;
-    auto guard = lock();
-    for (MPI_Datatype& t : owned)
-      MPI_Type_free(&t);
-  }
-  std::vector<int> send_counts, recv_counts, displs;
-  std::vector<MPI_Datatype> send_types, recv_types;
-  std::vector<MPI_Datatype> owned;
-};
-
 int64_t run_total(const std::vector<GatherRun>& runs) {
   int64_t n = 0;
   for (const GatherRun& r : runs)
@@ -45,7 +23,7 @@ int64_t run_total(const std::vector<GatherRun>& runs) {
 // The elements of `runs` at their `src` (or `dst`) offsets, in units of `element`. Call under
 // lock(); null (count 0) when the runs are empty.
 MPI_Datatype runs_type(const std::vector<GatherRun>& runs, bool source, MPI_Datatype element,
-                       int64_t element_size, std::vector<MPI_Datatype>& owned) {
+                       int64_t element_size, PlacedTypes& owned) {
   std::vector<int> lengths;
   std::vector<MPI_Aint> displacements;
   for (const GatherRun& r : runs) {
@@ -59,8 +37,7 @@ MPI_Datatype runs_type(const std::vector<GatherRun>& runs, bool source, MPI_Data
                                  &t),
         "MPI_Type_create_hindexed", "all_gather_runs");
   check(MPI_Type_commit(&t), "MPI_Type_commit", "all_gather_runs");
-  owned.push_back(t);
-  return t;
+  return owned.adopt(t);
 }
 
 }  // namespace
@@ -99,21 +76,21 @@ WorkPtr MpiProcessGroup::all_gather_runs(Tensor& out, const Tensor& in,
     recv_counts.push_back(run_total(r));
   debug_check({call, send_counts, recv_counts, in.numel()});
 
-  auto args = std::make_shared<RunsCall>(size_t(size()));
+  auto args = std::make_shared<AllToAllW>(size_t(size()));
   auto work = make_work(std::move(call));
   {
     auto guard = lock();
     const MPI_Datatype element = datatype(in.dtype());
     const int64_t element_size = int64_t(in.element_size());
     const MPI_Datatype send =
-        runs_type(runs[size_t(rank())], /*source=*/true, element, element_size, args->owned);
+        runs_type(runs[size_t(rank())], /*source=*/true, element, element_size, args->types);
     for (int r = 0; r < size(); ++r) {
       if (send != MPI_DATATYPE_NULL) {
         args->send_types[size_t(r)] = send;
         args->send_counts[size_t(r)] = 1;
       }
       const MPI_Datatype recv =
-          runs_type(runs[size_t(r)], /*source=*/false, element, element_size, args->owned);
+          runs_type(runs[size_t(r)], /*source=*/false, element, element_size, args->types);
       if (recv != MPI_DATATYPE_NULL) {
         args->recv_types[size_t(r)] = recv;
         args->recv_counts[size_t(r)] = 1;

@@ -202,4 +202,10 @@ MPI_Datatype PlacedTypes::add(const Tensor& t) {
   return types_.back();
 }
 
+MPI_Datatype PlacedTypes::adopt(MPI_Datatype t) {
+  types_.reserve(types_.size() + 1);
+  types_.push_back(t);
+  return t;
+}
+
 }  // namespace tessera::mpi

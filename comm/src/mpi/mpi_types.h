@@ -41,9 +41,27 @@ class PlacedTypes {
   ~PlacedTypes();
   // placed_type(t), kept until destruction. Call under lock().
   MPI_Datatype add(const Tensor& t);
+  // A committed type made elsewhere, freed with the others.
+  MPI_Datatype adopt(MPI_Datatype t);
 
  private:
   std::vector<MPI_Datatype> types_;
+};
+
+// The arguments of one MPI_Ialltoallw and the datatypes they name, kept until the operation
+// completes: Open MPI 4.1 reads the datatype arrays again when the collective completes, to
+// release the types, so they must outlive the call, like the types themselves. A count of 0 with
+// MPI_BYTE is a rank nothing goes to or comes from.
+struct AllToAllW {
+  explicit AllToAllW(size_t n)
+      : send_counts(n, 0),
+        recv_counts(n, 0),
+        displs(n, 0),
+        send_types(n, MPI_BYTE),
+        recv_types(n, MPI_BYTE) {}
+  std::vector<int> send_counts, recv_counts, displs;
+  std::vector<MPI_Datatype> send_types, recv_types;
+  PlacedTypes types;
 };
 
 }  // namespace tessera::mpi
