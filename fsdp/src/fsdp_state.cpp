@@ -223,8 +223,11 @@ void FSDPState::free_leaves_after_backward() {
 
 Tensor FSDPState::pre_forward(const Tensor& x) {
   schedule_->record_forward(shared_from_this());
-  unshard();
+  // This group's all-gather first, then the next group's, then the wait: both transfers run
+  // during it and during this group's compute.
+  if (!unsharded_) start_gather();
   prefetch(/*forward=*/true);
+  unshard();
   const auto& pd = opts_.mp_policy.param_dtype;
   if (pd && x.defined() && is_floating(x.dtype()) && x.dtype() != *pd) return cast(x, *pd);
   return Tensor();
@@ -251,18 +254,21 @@ void FSDPState::begin_backward() {
 
 void FSDPState::pre_backward() {
   begin_backward();
-  if (!unsharded_) {
-    // The leaves from this step's forward are what the autograd graph saved and where backward
-    // accumulates gradients; when resharding released their bytes, gather into them again.
-    if (!params_.empty() && params_.front().leaf.defined()) {
-      schedule_->gather_through(this);
-      if (pending_gather_ || leaves_released_) finish_gather(/*fresh=*/false);
-      set_unsharded_params();
-    } else {
-      unshard();
-    }
+  if (unsharded_) {
+    prefetch(/*forward=*/false);
+    return;
   }
-  prefetch(/*forward=*/false);
+  // The leaves from this step's forward are what the autograd graph saved and where backward
+  // accumulates gradients; when resharding released their bytes, gather into them again.
+  if (!params_.empty() && params_.front().leaf.defined()) {
+    schedule_->gather_through(this);
+    prefetch(/*forward=*/false);  // before waiting for this group's own, as in pre_forward
+    if (pending_gather_ || leaves_released_) finish_gather(/*fresh=*/false);
+    set_unsharded_params();
+  } else {
+    unshard();
+    prefetch(/*forward=*/false);
+  }
 }
 
 void FSDPState::on_grad_ready() {
