@@ -311,11 +311,11 @@ void FSDPState::start_reduce() {
     reshard();
     return;
   }
+  // Packing needs only the gradients: free the gathered weights first.
+  release_unsharded();
   // Each rank's block holds its rows of every gradient, padded, then one flag per parameter
   // (1 where this rank has a gradient for it): the reduce-scatter sums the flags too, so every
   // rank learns which parameters got a gradient anywhere without another collective.
-  // Packing needs only the gradients: free the gathered weights first.
-  release_unsharded();
   const int64_t k = reduce_pg_->size();
   const int64_t block = padded_size_ + int64_t(params_.size());
   const DType reduce_dtype =
