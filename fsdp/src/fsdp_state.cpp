@@ -253,6 +253,11 @@ void FSDPState::begin_backward() {
 }
 
 void FSDPState::pre_backward() {
+  // The end of the first backward freed the gathered weights this graph saved.
+  auto m = module_.lock();
+  TESSERA_CHECK(backward_pending_, "fully_shard(", m ? m->type_name() : std::string("module"),
+                "): a second backward through the same forward (retain_graph) is not supported; "
+                "run the forward again");
   begin_backward();
   if (unsharded_) {
     prefetch(/*forward=*/false);

@@ -239,6 +239,22 @@ TEST(FSDPSchedule, OptimizerDuringBackwardIsAnError) {
                {"clip_grad_norm_", "still waiting"});
 }
 
+TEST(FSDPSchedule, SecondBackwardThroughOneForwardIsAnError) {
+  auto net = std::make_shared<Decoder>(tiny_config());
+  for (auto& block : net->layers)
+    fully_shard(block, dp_mesh());
+  fully_shard(net, dp_mesh());
+  auto [ids, targets] = tokens(0);
+  Tensor loss = cross_entropy((*net)(ids), targets);
+  backward(loss, {}, /*retain_graph=*/true);
+  expect_error([&] { backward(loss); },
+               {"fully_shard(Decoder)", "second backward through the same forward"});
+  // The model is still usable.
+  backward(cross_entropy((*net)(ids), targets));
+  for (Parameter* p : net->parameters())
+    EXPECT_TRUE(p->grad().defined());
+}
+
 // Host memory that claims to be a GPU's: enough to build a tensor on another device here.
 class FakeCudaAllocator final : public Allocator {
  public:
