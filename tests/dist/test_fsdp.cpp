@@ -10,11 +10,13 @@
 #include <map>
 #include <string>
 
+#include "common/expect_close.h"
 #include "common/expect_error.h"
 #include "tessera/fsdp/fully_shard.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::expect_close;
 using tessera::testing::expect_error;
 
 namespace {
@@ -107,15 +109,6 @@ TrainRun train(const std::shared_ptr<Decoder>& net, int steps, int64_t dp_rank, 
   }
   run.state = net->state_dict();
   return run;
-}
-
-void expect_close(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
-  ASSERT_TRUE(got.defined()) << what << ": undefined";
-  ASSERT_EQ(got.shape(), want.shape()) << what;
-  auto g = got.to_vector<double>(), w = want.to_vector<double>();
-  for (size_t i = 0; i < g.size(); ++i)
-    ASSERT_NEAR(g[i], w[i], tol * (1.0 + std::abs(w[i])))
-        << what << " element " << i << " of " << shape_str(got.shape());
 }
 
 // Prints the worst differences on rank 0 so that a run shows how much margin the tolerance has.

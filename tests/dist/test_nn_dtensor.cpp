@@ -7,11 +7,13 @@
 #include <limits>
 #include <string>
 
+#include "common/expect_close.h"
 #include "common/expect_error.h"
 #include "tessera/dtensor/nn_ops.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::expect_close;
 using tessera::testing::expect_error;
 
 namespace {
@@ -19,15 +21,6 @@ namespace {
 Tensor global_randn(const Shape& s, uint64_t seed, DType dtype = DType::Float64) {
   Generator g(seed);
   return randn(s, g, dtype);
-}
-
-void expect_close(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
-  ASSERT_TRUE(got.defined()) << what << ": undefined";
-  ASSERT_EQ(got.shape(), want.shape()) << what;
-  auto g = got.to_vector<double>(), w = want.to_vector<double>();
-  for (size_t i = 0; i < g.size(); ++i)
-    ASSERT_NEAR(g[i], w[i], tol * (1.0 + std::abs(w[i])))
-        << what << " element " << i << " of " << shape_str(got.shape());
 }
 
 DeviceMesh world_mesh() {

@@ -8,10 +8,12 @@
 #include <string>
 #include <vector>
 
+#include "common/expect_close.h"
 #include "common/expect_error.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::expect_close;
 using tessera::testing::expect_error;
 
 namespace {
@@ -30,13 +32,6 @@ Tensor targets(const Shape& s, int64_t vocab, int64_t ignore_index, uint64_t see
     t.push_back(i % 3 == 1 ? ignore_index
                            : std::min<int64_t>(vocab - 1, int64_t(u[i] * double(vocab))));
   return from_vector<int64_t>(t, s);
-}
-
-void expect_close(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
-  ASSERT_EQ(got.shape(), want.shape()) << what;
-  auto g = got.to_vector<double>(), w = want.to_vector<double>();
-  for (size_t i = 0; i < g.size(); ++i)
-    ASSERT_NEAR(g[i], w[i], tol * (1.0 + std::abs(w[i]))) << what << " element " << i;
 }
 
 struct MeshCase {

@@ -9,10 +9,12 @@
 #include <utility>
 #include <vector>
 
+#include "common/expect_close.h"
 #include "common/expect_error.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::expect_close;
 using tessera::testing::expect_error;
 
 namespace {
@@ -56,13 +58,6 @@ Tensor random_ids(const Shape& shape, int64_t vocab, uint64_t seed) {
   for (double v : u)
     ids.push_back(std::min<int64_t>(vocab - 1, int64_t(v * double(vocab))));
   return from_vector<int64_t>(ids, shape);
-}
-
-void expect_close(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
-  ASSERT_EQ(got.shape(), want.shape()) << what;
-  auto g = got.to_vector<double>(), w = want.to_vector<double>();
-  for (size_t i = 0; i < g.size(); ++i)
-    ASSERT_NEAR(g[i], w[i], tol * (1.0 + std::abs(w[i]))) << what << " element " << i;
 }
 
 void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f,
