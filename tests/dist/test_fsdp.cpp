@@ -10,12 +10,15 @@
 #include <map>
 #include <string>
 
+#include "common/affine_batch.h"
 #include "common/expect_close.h"
 #include "common/expect_error.h"
 #include "tessera/fsdp/fully_shard.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::affine_batch;
+using tessera::testing::Batch;
 using tessera::testing::expect_close;
 using tessera::testing::expect_error;
 
@@ -37,31 +40,8 @@ DecoderConfig tiny_config() {
   return cfg;
 }
 
-uint64_t splitmix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-struct Batch {
-  Tensor ids, targets;
-};
-
-// Rows follow x' = (5x + 3) mod V from a start that depends only on (step, row): every rank
-// builds the same global batch.
 Batch make_batch(int step, int64_t rows = kBatch) {
-  const int64_t vocab = tiny_config().vocab_size;
-  std::vector<int64_t> ids, targets;
-  for (int64_t b = 0; b < rows; ++b) {
-    int64_t x = int64_t(splitmix(uint64_t(step) * 1009 + uint64_t(b)) % uint64_t(vocab));
-    for (int64_t t = 0; t < kSeq; ++t) {
-      ids.push_back(x);
-      x = (5 * x + 3) % vocab;
-      targets.push_back(x);
-    }
-  }
-  return {from_vector<int64_t>(ids, {rows, kSeq}), from_vector<int64_t>(targets, {rows, kSeq})};
+  return affine_batch(step, rows, kSeq, tiny_config().vocab_size);
 }
 
 Batch rows_of(const Batch& b, int64_t dp_rank, int64_t dp_size) {

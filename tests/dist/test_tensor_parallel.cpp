@@ -9,10 +9,13 @@
 #include <string>
 #include <vector>
 
+#include "common/affine_batch.h"
 #include "common/expect_error.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::affine_batch;
+using tessera::testing::Batch;
 using tessera::testing::expect_error;
 
 namespace {
@@ -41,30 +44,8 @@ DeviceMesh tp_mesh(int64_t tp) {
   return DeviceMesh(Shape{n / tp, tp}, {"dp", "tp"})["tp"];
 }
 
-uint64_t splitmix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-struct Batch {
-  Tensor ids, targets;
-};
-
-// Each row follows x' = (5x + 3) mod V from a start that depends only on (step, row), so every
-// rank builds the same batch and the model has something to learn.
 Batch make_batch(int step, int64_t vocab, int64_t seq = kSeq) {
-  std::vector<int64_t> ids, targets;
-  for (int64_t b = 0; b < kBatch; ++b) {
-    int64_t x = int64_t(splitmix(uint64_t(step) * 1009 + uint64_t(b)) % uint64_t(vocab));
-    for (int64_t t = 0; t < seq; ++t) {
-      ids.push_back(x);
-      x = (5 * x + 3) % vocab;
-      targets.push_back(x);
-    }
-  }
-  return {from_vector<int64_t>(ids, {kBatch, seq}), from_vector<int64_t>(targets, {kBatch, seq})};
+  return affine_batch(step, kBatch, seq, vocab);
 }
 
 struct Variant {
