@@ -9,10 +9,10 @@
 #include <string>
 
 #include "tessera/tessera.h"
-#include "unit/elementwise_util.h"
+#include "unit/kernel_test_util.h"
 
 using namespace tessera;
-using namespace tessera::elementwise_test;
+using namespace tessera::kernel_test;
 using kernels::BinaryOp;
 using kernels::CompareOp;
 using kernels::UnaryOp;

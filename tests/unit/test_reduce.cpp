@@ -8,42 +8,12 @@
 #include <string>
 
 #include "tessera/tessera.h"
+#include "unit/kernel_test_util.h"
 
 using namespace tessera;
+using namespace tessera::kernel_test;
 
 namespace {
-
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-std::vector<double> wavy(int64_t n, double lo, double hi, double phase = 0.0) {
-  std::vector<double> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    const double u = 0.5 + 0.5 * std::sin(1.7 * double(i) + 0.3 + phase);
-    v[size_t(i)] = lo + (hi - lo) * (0.02 + 0.96 * u);
-  }
-  return v;
-}
-
-Tensor tensor_of(const std::vector<double>& v, const Shape& shape, DType dt) {
-  return from_vector<double>(v, shape).to(dt);
-}
-
-std::vector<double> rounded(const std::vector<double>& v, DType dt) {
-  return from_vector<double>(v).to(dt).to_vector<double>();
-}
-
-void expect_close(const Tensor& t, const std::vector<double>& want, double rtol, double atol,
-                  const std::string& what = "") {
-  const std::vector<double> got = t.to_vector<double>();
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::isnan(want[i])) {
-      EXPECT_TRUE(std::isnan(got[i])) << what << " element " << i << " got " << got[i];
-      continue;
-    }
-    EXPECT_NEAR(got[i], want[i], atol + rtol * std::abs(want[i])) << what << " element " << i;
-  }
-}
 
 // Folds the row-major values `v` of `shape` over `dims` (empty = all) with `f`, starting from
 // `init`; returns the keepdim-shaped result in row-major order.
@@ -102,22 +72,6 @@ Shape keep_dims(const Shape& shape, const std::vector<int64_t>& dims) {
     if (red) out[d] = 1;
   }
   return out;
-}
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
-
-Tensor leaf(const std::vector<double>& v, const Shape& s) {
-  Tensor t = from_vector<double>(v, s);
-  t.set_requires_grad(true);
-  return t;
 }
 
 const Shape kShape = {3, 4, 5};

@@ -1,6 +1,6 @@
 #pragma once
-// Reference helpers shared by the elementwise kernel tests: deterministic inputs, values as a
-// dtype holds them, broadcasting by hand, tolerance checks and gradchecks.
+// Reference helpers shared by the kernel tests (elementwise, reduce): deterministic inputs, values
+// as a dtype holds them, broadcasting by hand, tolerance checks and gradchecks.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,7 +11,7 @@
 
 #include "tessera/tessera.h"
 
-namespace tessera::elementwise_test {
+namespace tessera::kernel_test {
 
 inline constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
@@ -109,4 +109,4 @@ inline std::string error_of(F&& f) {
   return "<no error>";
 }
 
-}  // namespace tessera::elementwise_test
+}  // namespace tessera::kernel_test
