@@ -68,6 +68,16 @@ void distribute_parameter(Parameter& p, const char* name, const DeviceMesh& mesh
   p = Parameter(distribute_tensor(p.full(), mesh, placements), p.requires_grad());
 }
 
+// What Colwise and Rowwise both check before touching the module.
+void check_linear_style(const DeviceMesh& mesh, const Placements& input_layouts,
+                        const Placements& output_layouts, const std::string& style,
+                        const Module& m) {
+  check_mesh(mesh, style, m);
+  check_layouts(input_layouts, "input_layouts", style, m);
+  check_layouts(output_layouts, "output_layouts", style, m);
+  check_not_parallel(m, style);
+}
+
 [[noreturn]] void wrong_module(const std::string& style, const char* accepted, const Module& m) {
   TESSERA_FAIL(style, " applies to ", accepted, " modules; got a ", m.type_name());
 }
@@ -76,10 +86,7 @@ void distribute_parameter(Parameter& p, const char* name, const DeviceMesh& mesh
 
 void ColwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
   const std::string style = name();
-  check_mesh(mesh, style, module);
-  check_layouts(input_layouts, "input_layouts", style, module);
-  check_layouts(output_layouts, "output_layouts", style, module);
-  check_not_parallel(module, style);
+  check_linear_style(mesh, input_layouts, output_layouts, style, module);
   if (auto* linear = dynamic_cast<Linear*>(&module)) {
     // Output features split: each rank's slice of y needs its rows of W and of b.
     distribute_parameter(linear->weight, "weight", mesh, {Shard(0)}, style, module);
@@ -96,10 +103,7 @@ void ColwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
 
 void RowwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
   const std::string style = name();
-  check_mesh(mesh, style, module);
-  check_layouts(input_layouts, "input_layouts", style, module);
-  check_layouts(output_layouts, "output_layouts", style, module);
-  check_not_parallel(module, style);
+  check_linear_style(mesh, input_layouts, output_layouts, style, module);
   if (auto* linear = dynamic_cast<Linear*>(&module)) {
     // Input features split: each rank's product is a partial sum; the bias must be added once,
     // which the DTensor linear does for a Replicate bias against a Partial product.
