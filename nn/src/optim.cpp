@@ -4,6 +4,7 @@
 #include "tessera/nn/optim.h"
 
 #include <cmath>
+#include <functional>
 
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/core/factory.h"
@@ -69,6 +70,57 @@ void Optimizer::zero_grad() {
     p->zero_grad();
 }
 
+void Optimizer::check_index(size_t i, const char* op) const {
+  TESSERA_CHECK(i < params_.size(), op, ": parameter index ", i,
+                " out of range (the optimizer has ", params_.size(), " parameters)");
+}
+
+int64_t Optimizer::param_step(size_t i) const {
+  check_index(i, "Optimizer::param_step");
+  return param_steps_[i];
+}
+
+void Optimizer::set_param_step(size_t i, int64_t step) {
+  check_index(i, "Optimizer::set_param_step");
+  TESSERA_CHECK(step >= 0, "Optimizer::set_param_step: step ", step, " of parameter ", i,
+                " is negative");
+  param_steps_[i] = step;
+}
+
+namespace {
+
+// A state tensor as the first update creates it: zeros of the parameter's local shape in the
+// dtype the update computes in.
+Tensor& state_slot(std::vector<Tensor>& slots, size_t i, const Parameter& p, bool allocate) {
+  Tensor& t = slots[i];
+  if (!t.defined() && allocate) t = zeros(p.stored().shape(), compute_dtype_of(p.dtype()));
+  return t;
+}
+
+// Applies `values` to the named fields after checking them all: an unknown name lists the
+// known ones, and a value outside its range names it, before anything changes.
+void set_fields(const char* opt, const std::map<std::string, double>& values,
+                const std::map<std::string, double*>& fields,
+                const std::function<void(const std::map<std::string, double>&)>& validate) {
+  std::map<std::string, double> next;
+  for (const auto& [name, ptr] : fields)
+    next[name] = *ptr;
+  for (const auto& [name, v] : values) {
+    if (!fields.count(name)) {
+      std::string known;
+      for (const auto& [k, ptr] : fields)
+        known += (known.empty() ? "" : ", ") + k;
+      TESSERA_FAIL(opt, ": unknown hyperparameter '", name, "' (it has ", known, ")");
+    }
+    next[name] = v;
+  }
+  validate(next);
+  for (const auto& [name, v] : next)
+    *fields.at(name) = v;
+}
+
+}  // namespace
+
 // --- SGD ---
 
 SGD::SGD(std::vector<Parameter*> params, SGDOptions opts)
@@ -81,6 +133,33 @@ SGD::SGD(std::vector<Parameter*> params, SGDOptions opts)
   momentum_.resize(params_.size());
 }
 
+std::vector<std::string> SGD::state_names() const {
+  // Without momentum SGD keeps no state (PyTorch's momentum_buffer stays None).
+  if (opts_.momentum == 0) return {};
+  return {"momentum_buffer"};
+}
+
+Tensor SGD::state_tensor(size_t i, const std::string& name, bool allocate) {
+  check_index(i, "SGD::state_tensor");
+  TESSERA_CHECK(name == "momentum_buffer", "SGD::state_tensor: unknown state '", name,
+                "' (SGD has momentum_buffer)");
+  return state_slot(momentum_, i, *params_[i], allocate);
+}
+
+std::map<std::string, double> SGD::hyperparameters() const {
+  return {{"lr", lr_}, {"momentum", opts_.momentum}, {"weight_decay", opts_.weight_decay}};
+}
+
+void SGD::set_hyperparameters(const std::map<std::string, double>& values) {
+  set_fields("SGD", values,
+             {{"lr", &lr_}, {"momentum", &opts_.momentum}, {"weight_decay", &opts_.weight_decay}},
+             [](const std::map<std::string, double>& v) {
+               for (const auto& [name, x] : v)
+                 TESSERA_CHECK(x >= 0, "SGD: ", name, " (", x, ") must be non-negative");
+             });
+  opts_.lr = lr_;
+}
+
 void SGD::step() {
   NoGradGuard no_grad;
   check_grads_ready("SGD.step", params_);
@@ -89,9 +168,10 @@ void SGD::step() {
     Parameter& p = *params_[i];
     if (!p.grad().defined()) continue;
     update_local("SGD", i, p, [&](Tensor& w, const Tensor& g) {
-      // PyTorch's first momentum step copies the gradient into the buffer.
-      const bool fresh = mom != 0 && !momentum_[i].defined();
-      if (fresh) momentum_[i] = zeros(w.shape(), w.dtype());
+      // PyTorch's first momentum step copies the gradient into the buffer. A buffer allocated
+      // for loading a checkpoint is fresh too until its parameter has been updated once.
+      const bool fresh = mom != 0 && param_steps_[i] == 0;
+      if (mom != 0) state_slot(momentum_, i, p, /*allocate=*/true);
       dispatch_compute(w.dtype(), [&]<class T>() {
         T* pw = w.data<T>();
         const T* pg = g.data<T>();
@@ -108,6 +188,7 @@ void SGD::step() {
         }
       });
     });
+    ++param_steps_[i];
   }
 }
 
@@ -124,7 +205,42 @@ AdamW::AdamW(std::vector<Parameter*> params, AdamWOptions opts)
   lr_ = opts.lr;
   m_.resize(params_.size());
   v_.resize(params_.size());
-  param_steps_.assign(params_.size(), 0);
+}
+
+std::vector<std::string> AdamW::state_names() const {
+  return {"exp_avg", "exp_avg_sq"};
+}
+
+Tensor AdamW::state_tensor(size_t i, const std::string& name, bool allocate) {
+  check_index(i, "AdamW::state_tensor");
+  TESSERA_CHECK(name == "exp_avg" || name == "exp_avg_sq", "AdamW::state_tensor: unknown state '",
+                name, "' (AdamW has exp_avg and exp_avg_sq)");
+  return state_slot(name == "exp_avg" ? m_ : v_, i, *params_[i], allocate);
+}
+
+std::map<std::string, double> AdamW::hyperparameters() const {
+  return {{"lr", lr_},
+          {"beta1", opts_.beta1},
+          {"beta2", opts_.beta2},
+          {"eps", opts_.eps},
+          {"weight_decay", opts_.weight_decay}};
+}
+
+void AdamW::set_hyperparameters(const std::map<std::string, double>& values) {
+  set_fields("AdamW", values,
+             {{"lr", &lr_},
+              {"beta1", &opts_.beta1},
+              {"beta2", &opts_.beta2},
+              {"eps", &opts_.eps},
+              {"weight_decay", &opts_.weight_decay}},
+             [](const std::map<std::string, double>& v) {
+               for (const char* k : {"lr", "eps", "weight_decay"})
+                 TESSERA_CHECK(v.at(k) >= 0, "AdamW: ", k, " (", v.at(k), ") must be non-negative");
+               for (const char* k : {"beta1", "beta2"})
+                 TESSERA_CHECK(v.at(k) >= 0 && v.at(k) < 1, "AdamW: ", k, " (", v.at(k),
+                               ") must be in [0, 1)");
+             });
+  opts_.lr = lr_;
 }
 
 void AdamW::step() {
@@ -141,10 +257,8 @@ void AdamW::step() {
     const double step_size = lr / (1.0 - std::pow(b1, double(t)));
     const double bc2_sqrt = std::sqrt(1.0 - std::pow(b2, double(t)));
     update_local("AdamW", i, p, [&](Tensor& w, const Tensor& g) {
-      if (!m_[i].defined()) {
-        m_[i] = zeros(w.shape(), w.dtype());
-        v_[i] = zeros(w.shape(), w.dtype());
-      }
+      state_slot(m_, i, p, /*allocate=*/true);
+      state_slot(v_, i, p, /*allocate=*/true);
       dispatch_compute(w.dtype(), [&]<class T>() {
         T* pw = w.data<T>();
         const T* pg = g.data<T>();

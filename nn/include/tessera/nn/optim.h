@@ -2,6 +2,8 @@
 // Optimizers update each parameter's local piece in place. Their state tensors have the
 // parameters' local shapes (for DTensor parameters: the same placements), so sharded parameters
 // have sharded state.
+#include <map>
+#include <string>
 #include <vector>
 
 #include "tessera/nn/module.h"
@@ -10,7 +12,8 @@ namespace tessera {
 
 class Optimizer {
  public:
-  explicit Optimizer(std::vector<Parameter*> params) : params_(std::move(params)) {}
+  explicit Optimizer(std::vector<Parameter*> params)
+      : params_(std::move(params)), param_steps_(params_.size(), 0) {}
   virtual ~Optimizer() = default;
   virtual void step() = 0;
   void zero_grad();
@@ -18,8 +21,26 @@ class Optimizer {
   double lr() const { return lr_; }
   void set_lr(double lr) { lr_ = lr; }
 
+  // --- state, as PyTorch's optimizer.state[p] and param_groups (for state dicts) ---
+  // The names of the per-parameter state tensors ("exp_avg", "exp_avg_sq"; "momentum_buffer").
+  virtual std::vector<std::string> state_names() const = 0;
+  // State tensor `name` of parameter i: the optimizer's own tensor (shared, not copied), with
+  // the parameter's local shape in the dtype updates are computed in. Undefined while parameter
+  // i has no such state yet, unless `allocate`, which creates it as zeros (so that a checkpoint
+  // can be loaded into it). An unknown name or index is an error.
+  virtual Tensor state_tensor(size_t i, const std::string& name, bool allocate) = 0;
+  // How many updates parameter i has had (PyTorch's per-parameter "step"); 0 before its first.
+  int64_t param_step(size_t i) const;
+  void set_param_step(size_t i, int64_t step);
+  // The hyperparameters by name ("lr", "weight_decay", ...); setting checks every name and value
+  // before changing anything.
+  virtual std::map<std::string, double> hyperparameters() const = 0;
+  virtual void set_hyperparameters(const std::map<std::string, double>& values) = 0;
+
  protected:
+  void check_index(size_t i, const char* op) const;
   std::vector<Parameter*> params_;
+  std::vector<int64_t> param_steps_;
   double lr_ = 1e-3;
 };
 
@@ -33,6 +54,10 @@ class SGD : public Optimizer {
  public:
   SGD(std::vector<Parameter*> params, SGDOptions opts);
   void step() override;
+  std::vector<std::string> state_names() const override;
+  Tensor state_tensor(size_t i, const std::string& name, bool allocate) override;
+  std::map<std::string, double> hyperparameters() const override;
+  void set_hyperparameters(const std::map<std::string, double>& values) override;
 
  private:
   SGDOptions opts_;
@@ -51,6 +76,11 @@ class AdamW : public Optimizer {
  public:
   AdamW(std::vector<Parameter*> params, AdamWOptions opts);
   void step() override;
+  std::vector<std::string> state_names() const override;
+  Tensor state_tensor(size_t i, const std::string& name, bool allocate) override;
+  std::map<std::string, double> hyperparameters() const override;
+  void set_hyperparameters(const std::map<std::string, double>& values) override;
+  // Calls of step() on this object (not part of its state: param_step() is).
   int64_t step_count() const { return step_; }
   // State as DTensors (or plain tensors) with the parameters' placements, for checkpoints.
   const std::vector<Tensor>& exp_avg() const { return m_; }
@@ -59,7 +89,6 @@ class AdamW : public Optimizer {
  private:
   AdamWOptions opts_;
   int64_t step_ = 0;
-  std::vector<int64_t> param_steps_;  // per parameter, for bias correction
   std::vector<Tensor> m_, v_;
 };
 
