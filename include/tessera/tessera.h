@@ -1,6 +1,8 @@
 #pragma once
 // The one header a user includes.
 #include "tessera/autograd/autograd.h"
+#include "tessera/checkpoint/checkpoint.h"
+#include "tessera/checkpoint/safetensors.h"
 #include "tessera/comm/comm.h"
 #include "tessera/core/core.h"
 #include "tessera/dtensor/device_mesh.h"

@@ -1,0 +1,84 @@
+#pragma once
+// State dicts of models and optimizers with the names and meaning of PyTorch's
+// torch.distributed.checkpoint.state_dict, for any module: plain, tensor-parallel, FSDP, HSDP,
+// FSDP x TP.
+//
+// A sharded state dict holds each distributed parameter as its DTensor with its real placements
+// (the stored shard itself, no copy) and each plain parameter as its tensor. A full state dict
+// holds every parameter as the GLOBAL tensor in logical order (full_tensor()), never a local
+// shard under a global name. Setting a full state dict copies each rank's window of each global
+// tensor; a tensor with a shard's shape instead of the global one is refused with the key, the
+// global shape expected and the shape given.
+#include <cstdint>
+#include <map>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "tessera/dtensor/dtensor.h"
+#include "tessera/nn/module.h"
+#include "tessera/nn/optim.h"
+
+namespace tessera {
+
+// One value: a tensor (a DTensor in sharded dicts, a Tensor in full ones or for plain
+// parameters), or a scalar or string (an optimizer's steps and hyperparameters, a user's extras:
+// the step, a data position, a configuration).
+using StateValue = std::variant<Tensor, DTensor, int64_t, double, std::string>;
+// Keys are '/'-separated paths. A model's keys are its parameters' and buffers' fully qualified
+// names ("layers.0.attention.wq.weight"); an optimizer's are "state/<fqn>/<name>" (tensors and
+// the int64 "step") and "param_groups/<hyperparameter>" (doubles).
+using StateDict = std::map<std::string, StateValue>;
+
+struct StateDictOptions {
+  // Global tensors (gathered, in logical order) instead of DTensors with their placements.
+  bool full_state_dict = false;
+  // With full_state_dict, get_*: only rank 0 keeps the tensors; the other ranks get an empty
+  // dict (each tensor is gathered, kept or dropped, one at a time).
+  bool cpu_offload = false;
+  // With full_state_dict, set_*: only rank 0's dict is read (the others pass an empty one) and
+  // each rank receives just its window of one tensor at a time, so no rank holds two full tensors.
+  bool broadcast_from_rank0 = false;
+  // Leave out parameters that do not require gradients (get_*), and do not expect them (set_*).
+  bool ignore_frozen_params = false;
+  // set_*: missing, unexpected and wrong-shape keys are one error listing them all. With false
+  // they are returned, and the keys that fit are still loaded.
+  bool strict = true;
+};
+
+// What a set_* or load did not take (PyTorch's _IncompatibleKeys, plus wrong shapes), each list
+// sorted. A wrong shape reads "key (expected [8, 4], got [4, 4])".
+struct IncompatibleKeys {
+  std::vector<std::string> missing_keys;
+  std::vector<std::string> unexpected_keys;
+  std::vector<std::string> mismatched_keys;
+  bool empty() const {
+    return missing_keys.empty() && unexpected_keys.empty() && mismatched_keys.empty();
+  }
+  std::string str() const;  // "missing keys: a, b; unexpected keys: c"
+};
+
+// Collective over the ranks that hold the model's DTensors (every rank for a full dict).
+StateDict get_model_state_dict(Module& model, const StateDictOptions& options = {});
+IncompatibleKeys set_model_state_dict(Module& model, const StateDict& state,
+                                      const StateDictOptions& options = {});
+
+// The optimizer's parameters must be parameters of `model` (their names come from it, never from
+// their position). The state tensors of parameters that have had no update yet are created as
+// zeros first (as PyTorch does before saving), so a checkpoint can be loaded into them; frozen
+// parameters get none. Tensors carry their parameter's placements.
+StateDict get_optimizer_state_dict(Module& model, Optimizer& optimizer,
+                                   const StateDictOptions& options = {});
+IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
+                                          const StateDict& state,
+                                          const StateDictOptions& options = {});
+
+// Nesting by key prefix: {"model": m, "optim": o} as one dict with keys "model/...", "optim/...".
+void insert_state_dict(StateDict& into, const std::string& prefix, const StateDict& part);
+// The entries under "prefix/", with the prefix removed.
+StateDict sub_state_dict(const StateDict& state, const std::string& prefix);
+
+// Describes a value: "DTensor([8, 4] float32 ...)", "Tensor[8, 4] float32 cpu", "int64 3", ...
+std::string state_value_str(const StateValue& v);
+
+}  // namespace tessera

@@ -1,0 +1,80 @@
+#include "context.h"
+
+#include <cstdlib>
+
+#include "tessera/comm/mpi_interop.h"
+#include "tessera/comm/runtime.h"
+
+namespace tessera {
+
+bool AsyncSave::State::join() {
+  std::lock_guard<std::mutex> g(mutex);
+  if (!joined && thread.joinable()) thread.join();
+  joined = true;
+  return error != nullptr;
+}
+
+}  // namespace tessera
+
+namespace tessera::ckpt {
+
+namespace {
+
+std::mutex& pending_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::shared_ptr<AsyncSave::State>& pending() {
+  static auto* p = new std::shared_ptr<AsyncSave::State>();
+  return *p;
+}
+
+}  // namespace
+
+const Context& context() {
+  static const Context* c = [] {
+    auto* ctx = new Context;
+    ProcessGroupPtr world = world_group();
+    ctx->group = world->split(0, world->rank(), "checkpoint");
+    ctx->async_group = world->split(0, world->rank(), "checkpoint_async");
+    ctx->file_comm = duplicate_world_communicator();
+    // A writer still running when the program ends would meet a finalized MPI: wait for it
+    // first (handlers run in reverse order, so this runs before the runtime's finalize).
+    std::atexit([] {
+      std::shared_ptr<AsyncSave::State> p;
+      {
+        std::lock_guard<std::mutex> g(pending_mutex());
+        p = pending();
+      }
+      if (p) p->join();
+    });
+    return ctx;
+  }();
+  return *c;
+}
+
+void wait_for_pending_save() {
+  std::shared_ptr<AsyncSave::State> p;
+  {
+    std::lock_guard<std::mutex> g(pending_mutex());
+    p = std::move(pending());
+    pending().reset();
+  }
+  if (!p || !p->join()) return;
+  std::lock_guard<std::mutex> g(p->mutex);
+  if (p->error_reported) return;
+  p->error_reported = true;
+  try {
+    std::rethrow_exception(p->error);
+  } catch (const std::exception& e) {
+    throw Error(std::string("an earlier async_save to '") + p->path +
+                "' failed and nobody waited for it: " + e.what());
+  }
+}
+
+void set_pending_save(std::shared_ptr<AsyncSave::State> s) {
+  std::lock_guard<std::mutex> g(pending_mutex());
+  pending() = std::move(s);
+}
+
+}  // namespace tessera::ckpt

@@ -1,0 +1,88 @@
+#include "file_format.h"
+
+#include "checksum.h"
+#include "tessera/checkpoint/checkpoint.h"
+#include "tessera/core/error.h"
+
+namespace tessera::ckpt {
+
+std::string temp_path(const std::string& path) {
+  return path + kTempSuffix;
+}
+
+DType parse_dtype(const std::string& name, const std::string& what) {
+  for (DType d : {DType::Float32, DType::Float64, DType::BFloat16, DType::Float16, DType::Int64,
+                  DType::Int32, DType::Bool})
+    if (name == dtype_name(d)) return d;
+  TESSERA_FAIL(what, ": unknown dtype '", name, "'");
+}
+
+void check_header(const h5::Id& file, const std::string& path) {
+  const std::string suffix = kTempSuffix;
+  TESSERA_CHECK(path.size() < suffix.size() ||
+                    path.compare(path.size() - suffix.size(), suffix.size(), suffix) != 0,
+                "'", path, "' is the temporary file of a checkpoint save that never committed; ",
+                "load the checkpoint '", path.substr(0, path.size() - suffix.size()),
+                "' instead (or delete this file)");
+  TESSERA_CHECK(h5::attr_exists(file, kAttrFormatVersion), "'", path,
+                "' is an HDF5 file but not a Tessera checkpoint (no ", kAttrFormatVersion,
+                " attribute)");
+  TESSERA_CHECK(h5::attr_kind(file, kAttrFormatVersion) == h5::AttrKind::Int, "checkpoint '", path,
+                "': ", kAttrFormatVersion, " is not an integer");
+  const int64_t v = h5::read_attr_int(file, kAttrFormatVersion);
+  TESSERA_CHECK(v == kCheckpointFormatVersion, "checkpoint '", path, "' has format version ", v,
+                "; this Tessera reads version ", kCheckpointFormatVersion);
+  TESSERA_CHECK(h5::attr_exists(file, kAttrComplete), "checkpoint '", path,
+                "' is incomplete: its save did not finish (no ", kAttrComplete, " attribute)");
+}
+
+std::vector<uint64_t> read_table(const h5::Id& file, const std::string& path) {
+  TESSERA_CHECK(h5::is_dataset(file, kTableDataset), "checkpoint '", path,
+                "' has no checksum table ", kTableDataset);
+  h5::Id ds = h5::open_dataset(file, kTableDataset);
+  std::vector<uint64_t> table = h5::read_u64(ds);
+  TESSERA_CHECK(h5::attr_exists(file, kAttrTable), "checkpoint '", path, "' lacks ", kAttrTable);
+  const uint64_t want = h5::read_attr_u64(file, kAttrTable);
+  TESSERA_CHECK(table_checksum(table) == want, "checkpoint '", path, "': the checksum table ",
+                kTableDataset, " is damaged (its own checksum does not match)");
+  return table;
+}
+
+DatasetMeta dataset_meta(const h5::Id& file, const std::string& path, const std::string& key,
+                         size_t table_size) {
+  const std::string where = "checkpoint '" + path + "', dataset '" + key + "'";
+  h5::Id ds = h5::open_dataset(file, "/" + key);
+  DatasetMeta m;
+  m.shape = h5::dataset_shape(ds);
+  for (const char* a : {kAttrDtype, kAttrFirst, kAttrTile})
+    TESSERA_CHECK(h5::attr_exists(ds, a), where, ": attribute ", a, " is missing");
+  m.dtype = parse_dtype(h5::read_attr_string(ds, kAttrDtype), where);
+  m.first = h5::read_attr_int(ds, kAttrFirst);
+  m.tile = h5::read_attr_int(ds, kAttrTile);
+  TESSERA_CHECK(m.tile > 0 && m.first >= 0, where, ": invalid checksum attributes (first ", m.first,
+                ", tile ", m.tile, ")");
+  m.tiles = tile_count(shape_numel(m.shape), m.tile);
+  TESSERA_CHECK(m.first + m.tiles <= int64_t(table_size), where, ": its ", m.tiles,
+                " checksums from index ", m.first, " lie outside the table of ", table_size);
+  if (h5::attr_exists(ds, kAttrMesh)) m.mesh = h5::read_attr_string(ds, kAttrMesh);
+  if (h5::attr_exists(ds, kAttrPlacements))
+    m.placements = h5::read_attr_string(ds, kAttrPlacements);
+  return m;
+}
+
+std::vector<std::string> compare_tiles(const std::string& key, const DatasetMeta& meta,
+                                       const uint64_t* sums, const std::vector<uint64_t>& table) {
+  std::vector<std::string> bad;
+  const int64_t n = shape_numel(meta.shape);
+  for (int64_t t = 0; t < meta.tiles; ++t) {
+    if (sums[t] == table[size_t(meta.first + t)]) continue;
+    const int64_t lo = t * meta.tile, hi = std::min(n, lo + meta.tile) - 1;
+    bad.push_back("dataset '" + key + "' block " + std::to_string(t) + " of " +
+                  std::to_string(meta.tiles) + " (elements " + std::to_string(lo) + " to " +
+                  std::to_string(hi) + " of " + shape_str(meta.shape) +
+                  "): checksum mismatch, the data is damaged");
+  }
+  return bad;
+}
+
+}  // namespace tessera::ckpt

@@ -1,0 +1,316 @@
+#include "plan.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <set>
+
+#include "tessera/core/factory.h"
+
+namespace tessera::ckpt {
+
+const char* kind_name(ValueKind k) {
+  switch (k) {
+    case ValueKind::Tensor:
+      return "tensor";
+    case ValueKind::Int:
+      return "int64";
+    case ValueKind::Double:
+      return "double";
+    case ValueKind::String:
+      return "string";
+  }
+  return "?";
+}
+
+ValueKind kind_of(const StateValue& v) {
+  switch (v.index()) {
+    case 0:
+    case 1:
+      return ValueKind::Tensor;
+    case 2:
+      return ValueKind::Int;
+    case 3:
+      return ValueKind::Double;
+    default:
+      return ValueKind::String;
+  }
+}
+
+std::string dataset_path(const std::string& key) {
+  std::string p(1, '/');
+  p += key;
+  return p;
+}
+
+std::string group_of(const std::string& key) {
+  const size_t slash = key.rfind('/');
+  std::string g(1, '/');
+  if (slash != std::string::npos) g.append(key, 0, slash);
+  return g;
+}
+
+std::string attribute_of(const std::string& key) {
+  const size_t slash = key.rfind('/');
+  return slash == std::string::npos ? key : key.substr(slash + 1);
+}
+
+namespace {
+
+void check_key(const std::string& key, const std::string& context) {
+  TESSERA_CHECK(!key.empty(), context, ": an empty key");
+  size_t start = 0;
+  while (true) {
+    const size_t slash = key.find('/', start);
+    const std::string part =
+        key.substr(start, slash == std::string::npos ? key.npos : slash - start);
+    TESSERA_CHECK(!part.empty() && part != "." && part != "..", context, ": key '", key,
+                  "' has an empty, '.' or '..' part (keys are '/'-separated paths)");
+    TESSERA_CHECK(part.find('\0') == std::string::npos, context, ": key '", key,
+                  "' holds a NUL byte");
+    if (slash == std::string::npos) break;
+    start = slash + 1;
+  }
+  TESSERA_CHECK(key.rfind("_tessera", 0) != 0, context, ": key '", key,
+                "' starts with _tessera, which the file format reserves");
+  TESSERA_CHECK(attribute_of(key).rfind("tessera.", 0) != 0, context, ": key '", key,
+                "' names an attribute tessera.*, which the file format reserves");
+}
+
+std::string double_bits(double v) {
+  uint64_t b = 0;
+  std::memcpy(&b, &v, sizeof b);
+  return std::to_string(b);
+}
+
+std::string scalar_repr(const StateValue& v) {
+  if (const auto* i = std::get_if<int64_t>(&v)) return std::to_string(*i);
+  if (const auto* d = std::get_if<double>(&v)) return double_bits(*d);
+  return std::get<std::string>(v);
+}
+
+Entry describe_tensor(const std::string& key, const StateValue& v, const std::string& context,
+                      bool for_load) {
+  Entry e;
+  e.key = key;
+  e.kind = ValueKind::Tensor;
+  if (const auto* d = std::get_if<DTensor>(&v)) {
+    TESSERA_CHECK(d->defined(), context, ": '", key, "' is an undefined DTensor");
+    const DTensorSpec& s = d->spec();
+    if (for_load)
+      TESSERA_CHECK(!s.has_partial(), context, ": '", key, "' is ", d->str(),
+                    "; a Partial DTensor cannot receive a loaded value (redistribute it first)");
+    e.dtype = s.dtype;
+    e.global_shape = s.global_shape;
+    const LocalLayout l = s.local_layout();
+    e.window = {l.global_offset, l.local_shape};
+    e.mesh = s.mesh.str();
+    e.placements = placements_str(s.placements);
+  } else {
+    const Tensor& t = std::get<Tensor>(v);
+    TESSERA_CHECK(t.defined(), context, ": '", key, "' is an undefined tensor");
+    TESSERA_CHECK(t.device().type == DeviceType::CPU, context, ": '", key, "' is on ",
+                  t.device().str(), "; checkpoints read and write CPU tensors");
+    e.dtype = t.dtype();
+    e.global_shape = t.shape();
+    e.window = {Shape(t.shape().size(), 0), t.shape()};
+  }
+  return e;
+}
+
+nlohmann::json to_json(const std::vector<Entry>& entries) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const Entry& e : entries) {
+    nlohmann::json x;
+    x["k"] = e.key;
+    x["t"] = int(e.kind);
+    if (e.kind == ValueKind::Tensor) {
+      x["d"] = int(e.dtype);
+      x["g"] = e.global_shape;
+      x["o"] = e.window.offset;
+      x["s"] = e.window.shape;
+      x["m"] = e.mesh;
+      x["p"] = e.placements;
+    } else {
+      x["v"] = scalar_repr(e.scalar);
+    }
+    j.push_back(std::move(x));
+  }
+  return j;
+}
+
+std::vector<std::string> gather_strings(const ProcessGroupPtr& pg, const std::string& mine) {
+  const int n = pg->size();
+  Tensor len = full({1}, double(mine.size()), DType::Int64);
+  Tensor lens = empty({n}, DType::Int64);
+  pg->all_gather_into_tensor(lens, len)->wait();
+  const std::vector<int64_t> l = lens.to_vector<int64_t>();
+  // Bytes travel packed four to an int32 (padded): the descriptions of a large model are
+  // megabytes, and there is no byte dtype.
+  auto words = [](int64_t bytes) { return (bytes + 3) / 4; };
+  Tensor in = zeros({words(int64_t(mine.size()))}, DType::Int32);
+  if (!mine.empty()) std::memcpy(in.raw_data(), mine.data(), mine.size());
+  std::vector<Tensor> out;
+  for (int r = 0; r < n; ++r)
+    out.push_back(empty({words(l[size_t(r)])}, DType::Int32));
+  pg->all_gather(out, in)->wait();
+  std::vector<std::string> result;
+  for (int r = 0; r < n; ++r)
+    result.emplace_back(static_cast<const char*>(out[size_t(r)].raw_data()), size_t(l[size_t(r)]));
+  return result;
+}
+
+std::string tensor_desc(const nlohmann::json& x) {
+  return shape_str(x["g"].get<Shape>()) + " " + dtype_name(DType(x["d"].get<int>())) + " tensor";
+}
+
+std::string entry_desc(const nlohmann::json& x) {
+  const auto kind = ValueKind(x["t"].get<int>());
+  if (kind == ValueKind::Tensor) return tensor_desc(x);
+  return std::string(kind_name(kind)) + " value";
+}
+
+// Rank r's entries against rank 0's; "" when they agree.
+std::string compare(const nlohmann::json& ref, const nlohmann::json& other, int r) {
+  std::map<std::string, const nlohmann::json*> a, b;
+  for (const auto& x : ref)
+    a[x["k"].get<std::string>()] = &x;
+  for (const auto& x : other)
+    b[x["k"].get<std::string>()] = &x;
+  for (const auto& [k, x] : b)
+    if (!a.count(k)) return "rank " + std::to_string(r) + " has key '" + k + "' that rank 0 lacks";
+  for (const auto& [k, x] : a) {
+    auto it = b.find(k);
+    if (it == b.end()) return "rank " + std::to_string(r) + " lacks key '" + k + "' of rank 0";
+    const nlohmann::json& y = *it->second;
+    const bool same_kind = (*x)["t"] == y["t"];
+    const bool tensor = (*x)["t"].get<int>() == int(ValueKind::Tensor);
+    const bool same =
+        same_kind && (tensor ? ((*x)["d"] == y["d"] && (*x)["g"] == y["g"]) : (*x)["v"] == y["v"]);
+    // The file records one mesh and placements per tensor: they must agree too.
+    if (same && tensor && ((*x)["m"] != y["m"] || (*x)["p"] != y["p"]))
+      return "'" + k + "' is laid out as " + (*x)["p"].get<std::string>() + " on " +
+             (*x)["m"].get<std::string>() + " on rank 0 but as " + y["p"].get<std::string>() +
+             " on " + y["m"].get<std::string>() + " on rank " + std::to_string(r);
+    if (!same) {
+      std::string what = "'" + k + "' is a " + entry_desc(*x) + " on rank 0 but a " +
+                         entry_desc(y) + " on rank " + std::to_string(r);
+      if (same_kind && !tensor)
+        what = "'" + k + "' has different values on rank 0 and rank " + std::to_string(r);
+      return what;
+    }
+  }
+  return "";
+}
+
+bool overlap(const Window& a, const Window& b) {
+  for (size_t d = 0; d < a.offset.size(); ++d) {
+    if (a.offset[d] + a.shape[d] <= b.offset[d] || b.offset[d] + b.shape[d] <= a.offset[d])
+      return false;
+  }
+  return true;
+}
+
+struct Holders {
+  Window window;
+  std::vector<int> ranks;
+};
+
+// The distinct non-empty windows of entry `i` over the ranks, each with the ranks holding it;
+// an error unless they tile the global tensor.
+std::vector<Holders> distinct_windows(const std::vector<nlohmann::json>& all, size_t i,
+                                      const std::string& key, const Shape& global,
+                                      const std::string& context) {
+  std::vector<Holders> out;
+  for (int r = 0; r < int(all.size()); ++r) {
+    const nlohmann::json& x = all[size_t(r)][i];
+    Window w{x["o"].get<Shape>(), x["s"].get<Shape>()};
+    TESSERA_CHECK(w.offset.size() == global.size() && w.shape.size() == global.size(), context,
+                  ": '", key, "': rank ", r, "'s piece does not match the tensor's rank");
+    for (size_t d = 0; d < global.size(); ++d)
+      TESSERA_CHECK(w.offset[d] >= 0 && w.shape[d] >= 0 && w.offset[d] + w.shape[d] <= global[d],
+                    context, ": '", key, "': rank ", r, "'s piece at ", shape_str(w.offset),
+                    " of shape ", shape_str(w.shape), " lies outside ", shape_str(global));
+    if (shape_numel(w.shape) == 0) continue;
+    auto it = std::find_if(out.begin(), out.end(), [&](const Holders& h) { return h.window == w; });
+    if (it == out.end())
+      out.push_back({w, {r}});
+    else
+      it->ranks.push_back(r);
+  }
+  int64_t covered = 0;
+  for (const Holders& h : out)
+    covered += shape_numel(h.window.shape);
+  constexpr size_t kMaxPairwise = 256;
+  if (out.size() <= kMaxPairwise) {
+    for (size_t a = 0; a < out.size(); ++a)
+      for (size_t b = a + 1; b < out.size(); ++b)
+        TESSERA_CHECK(!overlap(out[a].window, out[b].window), context, ": '", key,
+                      "': the pieces of rank ", out[a].ranks.front(), " (at ",
+                      shape_str(out[a].window.offset), ", ", shape_str(out[a].window.shape),
+                      ") and rank ", out[b].ranks.front(), " (at ", shape_str(out[b].window.offset),
+                      ", ", shape_str(out[b].window.shape),
+                      ") overlap without being the same block");
+  }
+  TESSERA_CHECK(covered == shape_numel(global), context, ": '", key, "': the ranks' pieces cover ",
+                covered, " of the ", shape_numel(global), " elements of ", shape_str(global),
+                " (a DTensor built from local pieces with a wrong global shape?)");
+  return out;
+}
+
+}  // namespace
+
+std::vector<Entry> describe(const StateDict& state, const std::string& context, bool for_load) {
+  std::set<std::string> tensor_keys;
+  for (const auto& [key, v] : state) {
+    check_key(key, context);
+    if (kind_of(v) == ValueKind::Tensor) tensor_keys.insert(key);
+  }
+  std::vector<Entry> out;
+  for (const auto& [key, v] : state) {
+    for (size_t slash = key.find('/'); slash != std::string::npos; slash = key.find('/', slash + 1))
+      TESSERA_CHECK(!tensor_keys.count(key.substr(0, slash)), context, ": key '", key,
+                    "' lies under the tensor key '", key.substr(0, slash),
+                    "' (a tensor cannot also be a group)");
+    if (kind_of(v) == ValueKind::Tensor) {
+      out.push_back(describe_tensor(key, v, context, for_load));
+    } else {
+      Entry e;
+      e.key = key;
+      e.kind = kind_of(v);
+      e.scalar = v;
+      out.push_back(std::move(e));
+    }
+  }
+  return out;
+}
+
+void agree_on_entries(std::vector<Entry>& entries, const ProcessGroupPtr& pg,
+                      const std::string& context) {
+  const std::vector<std::string> texts = gather_strings(pg, to_json(entries).dump());
+  std::vector<nlohmann::json> all;
+  for (const std::string& t : texts)
+    all.push_back(nlohmann::json::parse(t));
+  for (int r = 1; r < int(all.size()); ++r) {
+    const std::string diff = compare(all[0], all[size_t(r)], r);
+    TESSERA_CHECK(diff.empty(), context, ": every rank must pass the same state dict: ", diff);
+  }
+  std::vector<int64_t> load(all.size(), 0);  // bytes given to each rank so far
+  const int me = pg->rank();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    Entry& e = entries[i];
+    if (e.kind != ValueKind::Tensor) continue;
+    e.owner = false;
+    for (const Holders& h : distinct_windows(all, i, e.key, e.global_shape, context)) {
+      int best = h.ranks.front();
+      for (int r : h.ranks)
+        if (load[size_t(r)] < load[size_t(best)]) best = r;
+      load[size_t(best)] += shape_numel(h.window.shape) * int64_t(element_size(e.dtype));
+      if (best == me) e.owner = true;
+    }
+  }
+}
+
+}  // namespace tessera::ckpt

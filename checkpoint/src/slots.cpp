@@ -1,0 +1,334 @@
+#include "slots.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+
+#include "agree.h"
+#include "context.h"
+#include "plan.h"
+#include "tessera/autograd/grad_mode.h"
+#include "tessera/comm/runtime.h"
+#include "tessera/core/factory.h"
+#include "tessera/core/kernels/views.h"
+
+namespace tessera::ckpt {
+
+namespace {
+
+bool is_tensor(const StateValue& v) {
+  return std::holds_alternative<Tensor>(v) || std::holds_alternative<DTensor>(v);
+}
+
+Shape shape_of(const StateValue& v) {
+  if (const auto* d = std::get_if<DTensor>(&v)) return d->shape();
+  return std::get<Tensor>(v).shape();
+}
+
+std::string tensor_problem(const Slot& s, const StateValue& v, bool broadcast) {
+  if (!is_tensor(v))
+    return "expected a tensor of " + shape_str(s.global_shape) + ", got " + state_value_str(v);
+  if (const auto* d = std::get_if<DTensor>(&v)) {
+    if (!d->defined()) return "an undefined DTensor";
+    if (broadcast) return "broadcast_from_rank0 takes full tensors, got " + d->str();
+  } else if (!std::get<Tensor>(v).defined()) {
+    return "an undefined tensor";
+  }
+  const Shape got = shape_of(v);
+  if (got == s.global_shape) return "";
+  std::string p =
+      "expected the global shape " + shape_str(s.global_shape) + ", got " + shape_str(got);
+  if (s.sharded() && std::holds_alternative<Tensor>(v) && got == s.local.shape())
+    p += ", the shape of this rank's shard: a local piece cannot stand for the global tensor";
+  return p;
+}
+
+IncompatibleKeys check_keys(const std::vector<Slot>& slots, const std::vector<ScalarSlot>& scalars,
+                            const StateDict& state, bool broadcast) {
+  IncompatibleKeys k;
+  std::set<std::string> known;
+  for (const Slot& s : slots) {
+    known.insert(s.key);
+    auto it = state.find(s.key);
+    if (it == state.end()) {
+      k.missing_keys.push_back(s.key);
+      continue;
+    }
+    const std::string p = tensor_problem(s, it->second, broadcast);
+    if (!p.empty()) k.mismatched_keys.push_back(s.key + " (" + p + ")");
+  }
+  for (const ScalarSlot& s : scalars) {
+    known.insert(s.key);
+    auto it = state.find(s.key);
+    if (it == state.end()) {
+      k.missing_keys.push_back(s.key);
+      continue;
+    }
+    const bool ok = s.is_int ? std::holds_alternative<int64_t>(it->second)
+                             : std::holds_alternative<double>(it->second);
+    if (!ok)
+      k.mismatched_keys.push_back(s.key + " (expected " + (s.is_int ? "an int64" : "a double") +
+                                  ", got " + state_value_str(it->second) + ")");
+  }
+  for (const auto& [key, v] : state)
+    if (!known.count(key)) k.unexpected_keys.push_back(key);
+  std::sort(k.missing_keys.begin(), k.missing_keys.end());
+  std::sort(k.mismatched_keys.begin(), k.mismatched_keys.end());
+  return k;
+}
+
+bool fits(const IncompatibleKeys& k, const std::string& key) {
+  if (std::find(k.missing_keys.begin(), k.missing_keys.end(), key) != k.missing_keys.end())
+    return false;
+  for (const std::string& m : k.mismatched_keys)
+    if (m.compare(0, key.size() + 2, key + " (") == 0) return false;
+  return true;
+}
+
+void copy_local(const Tensor& dst, const Tensor& src) {
+  // A value that is the slot itself (a sharded state dict loaded in place) needs no copy.
+  if (src.storage().is_same(dst.storage()) && src.storage_offset() == dst.storage_offset() &&
+      src.shape() == dst.shape() && src.strides() == dst.strides() && src.dtype() == dst.dtype())
+    return;
+  Tensor(dst).copy_(src);
+}
+
+void copy_full(const Slot& s, const Tensor& full) {
+  if (s.sharded())
+    DTensor(s.spec, s.local).copy_from_full(full);
+  else
+    copy_local(s.local, full);
+}
+
+void copy_into(const Slot& s, const StateValue& v) {
+  if (const auto* d = std::get_if<DTensor>(&v)) {
+    if (s.sharded() && d->mesh() == s.spec->mesh)
+      copy_local(s.local, d->redistribute(s.spec->placements).to_local());
+    else
+      copy_full(s, d->full_tensor());
+  } else {
+    copy_full(s, std::get<Tensor>(v));
+  }
+}
+
+[[noreturn]] void fail_keys(const std::string& what, const IncompatibleKeys& k) {
+  TESSERA_FAIL(what, ": ", k.str());
+}
+
+// Rank 0's verdict (or its error) and the scalar values, as text every rank receives.
+std::string broadcast_text(const ProcessGroupPtr& pg, const std::string& text) {
+  Tensor len = full({1}, double(text.size()), DType::Int64);
+  pg->broadcast(len, 0)->wait();
+  const int64_t n = len.item<int64_t>();
+  Tensor bytes = zeros({(n + 3) / 4}, DType::Int32);
+  if (pg->rank() == 0 && n > 0) std::memcpy(bytes.raw_data(), text.data(), size_t(n));
+  pg->broadcast(bytes, 0)->wait();
+  return std::string(static_cast<const char*>(bytes.raw_data()), size_t(n));
+}
+
+Window slot_window(const Slot& s) {
+  if (!s.sharded()) return {Shape(s.global_shape.size(), 0), s.global_shape};
+  const LocalLayout l = s.spec->local_layout();
+  return {l.global_offset, l.local_shape};
+}
+
+// Every rank's window of every slot in `order`, gathered on every rank: [rank][slot].
+std::vector<std::vector<Window>> gather_windows(const ProcessGroupPtr& pg,
+                                                const std::vector<const Slot*>& order) {
+  std::vector<int64_t> mine;
+  for (const Slot* s : order) {
+    const Window w = slot_window(*s);
+    mine.insert(mine.end(), w.offset.begin(), w.offset.end());
+    mine.insert(mine.end(), w.shape.begin(), w.shape.end());
+  }
+  const int64_t n = int64_t(mine.size());
+  Tensor in = from_vector<int64_t>(mine, {n});
+  Tensor all = empty({int64_t(pg->size()) * n}, DType::Int64);
+  pg->all_gather_into_tensor(all, in)->wait();
+  const std::vector<int64_t> a = all.to_vector<int64_t>();
+  std::vector<std::vector<Window>> out(size_t(pg->size()));
+  for (int r = 0; r < pg->size(); ++r) {
+    size_t pos = size_t(r * n);
+    for (const Slot* s : order) {
+      const size_t nd = s->global_shape.size();
+      Window w{Shape(a.begin() + long(pos), a.begin() + long(pos + nd)),
+               Shape(a.begin() + long(pos + nd), a.begin() + long(pos + 2 * nd))};
+      pos += 2 * nd;
+      out[size_t(r)].push_back(std::move(w));
+    }
+  }
+  return out;
+}
+
+Tensor window_of(const Tensor& full, const Window& w) {
+  Tensor t = full;
+  for (size_t d = 0; d < w.shape.size(); ++d)
+    t = kernels::narrow(t, int64_t(d), w.offset[d], w.shape[d]);
+  return t;
+}
+
+nlohmann::json scalar_json(const StateValue& v) {
+  if (const auto* i = std::get_if<int64_t>(&v)) return *i;
+  return std::get<double>(v);
+}
+
+// broadcast_from_rank0: rank 0 checks its dict and says what it holds; then, one tensor at a
+// time, it sends every rank just its window (point to point on the checkpoint group).
+IncompatibleKeys set_from_rank0(const std::vector<Slot>& slots,
+                                const std::vector<ScalarSlot>& scalars, const StateDict& state,
+                                const StateDictOptions& options, const std::string& what) {
+  const ProcessGroupPtr& pg = context().group;
+  const int me = pg->rank();
+  std::string text;
+  if (me == 0) {
+    nlohmann::json v;
+    try {
+      const IncompatibleKeys k = check_keys(slots, scalars, state, /*broadcast=*/true);
+      v["missing"] = k.missing_keys;
+      v["unexpected"] = k.unexpected_keys;
+      v["mismatched"] = k.mismatched_keys;
+      for (const ScalarSlot& s : scalars)
+        if (fits(k, s.key)) v["scalars"][s.key] = scalar_json(state.at(s.key));
+    } catch (...) {
+      v["error"] = current_error_text();
+    }
+    text = v.dump();
+  }
+  const nlohmann::json v = nlohmann::json::parse(broadcast_text(pg, text));
+  if (v.contains("error")) throw Error(what + ": on rank 0: " + v["error"].get<std::string>());
+  IncompatibleKeys k;
+  k.missing_keys = v["missing"].get<std::vector<std::string>>();
+  k.unexpected_keys = v["unexpected"].get<std::vector<std::string>>();
+  k.mismatched_keys = v["mismatched"].get<std::vector<std::string>>();
+  if (options.strict && !k.empty()) throw Error(what + ": rank 0's state dict: " + k.str());
+
+  std::vector<const Slot*> order;
+  for (const Slot& s : slots)
+    if (fits(k, s.key)) order.push_back(&s);
+  const auto windows = gather_windows(pg, order);
+  constexpr int kTag = 0x5d1;
+  for (size_t i = 0; i < order.size(); ++i) {
+    const Slot& s = *order[i];
+    if (me == 0) {
+      const Tensor full = std::get<Tensor>(state.at(s.key));
+      std::vector<Tensor> keep;
+      std::vector<WorkPtr> sends;
+      for (int r = 1; r < pg->size(); ++r) {
+        const Window& w = windows[size_t(r)][i];
+        if (shape_numel(w.shape) == 0) continue;
+        keep.push_back(window_of(full, w).to(s.dtype).contiguous());
+        sends.push_back(pg->send(keep.back(), r, kTag));
+      }
+      copy_local(s.local, window_of(full, windows[0][i]));
+      for (const WorkPtr& w : sends)
+        w->wait();
+    } else if (s.local.numel() > 0) {
+      Tensor buf = empty(s.local.shape(), s.dtype);
+      pg->recv(buf, 0, kTag)->wait();
+      copy_local(s.local, buf);
+    }
+  }
+  if (v.contains("scalars"))
+    for (const ScalarSlot& s : scalars) {
+      if (!v["scalars"].contains(s.key)) continue;
+      const nlohmann::json& x = v["scalars"][s.key];
+      if (s.is_int)
+        s.apply(StateValue(x.get<int64_t>()));
+      else
+        s.apply(StateValue(x.get<double>()));
+    }
+  return k;
+}
+
+}  // namespace
+
+Slot parameter_slot(const std::string& key, const Parameter& p) {
+  Slot s;
+  s.key = key;
+  s.local = p.stored().detach();
+  s.global_shape = p.global_shape();
+  s.dtype = p.dtype();
+  if (p.is_dtensor()) s.spec = p.stored_dtensor().spec_ptr();
+  return s;
+}
+
+Slot slot_like(const std::string& key, const Tensor& local, const Parameter& p) {
+  Slot s;
+  s.key = key;
+  s.local = local.detach();
+  s.global_shape = p.global_shape();
+  s.dtype = local.dtype();
+  if (p.is_dtensor()) {
+    const DTensorSpec& ps = p.stored_dtensor().spec();
+    s.spec =
+        std::make_shared<const DTensorSpec>(ps.mesh, ps.placements, ps.global_shape, local.dtype());
+  }
+  return s;
+}
+
+Slot plain_slot(const std::string& key, const Tensor& t) {
+  Slot s;
+  s.key = key;
+  s.local = t.detach();
+  s.global_shape = t.shape();
+  s.dtype = t.dtype();
+  return s;
+}
+
+void get_slots(const std::vector<Slot>& slots, const StateDictOptions& options, StateDict& out) {
+  NoGradGuard no_grad;
+  const bool keep = !(options.full_state_dict && options.cpu_offload) || world_rank() == 0;
+  for (const Slot& s : slots) {
+    if (!options.full_state_dict) {
+      out[s.key] = s.sharded() ? StateValue(DTensor(s.spec, s.local)) : StateValue(s.local);
+      continue;
+    }
+    Tensor f = s.sharded() ? DTensor(s.spec, s.local).full_tensor() : s.local;
+    if (keep) out[s.key] = f;
+  }
+}
+
+IncompatibleKeys set_slots(const std::vector<Slot>& slots, const std::vector<ScalarSlot>& scalars,
+                           const StateDict& state, const StateDictOptions& options,
+                           const std::string& what) {
+  NoGradGuard no_grad;
+  if (options.broadcast_from_rank0) {
+    TESSERA_CHECK(options.full_state_dict, what, ": broadcast_from_rank0 needs full_state_dict");
+    return set_from_rank0(slots, scalars, state, options, what);
+  }
+  bool communicates = false;
+  for (const auto& [key, v] : state)
+    communicates |= std::holds_alternative<DTensor>(v);
+  IncompatibleKeys k;
+  auto check = [&] {
+    k = check_keys(slots, scalars, state, /*broadcast=*/false);
+    if (options.strict && !k.empty()) fail_keys(what, k);
+  };
+  if (!communicates) {
+    check();
+  } else {
+    // DTensor values are gathered or redistributed, collectively: every rank must go on, with
+    // the same keys, or none.
+    const ProcessGroupPtr& pg = context().group;
+    run_agreed(pg, what, check);
+    std::string loaded;
+    for (const Slot& s : slots)
+      if (fits(k, s.key)) loaded += s.key + "\n";
+    std::vector<int64_t> digest = {int64_t(std::hash<std::string>()(loaded))};
+    Tensor mine = from_vector<int64_t>(digest, {1});
+    Tensor all = empty({pg->size()}, DType::Int64);
+    pg->all_gather_into_tensor(all, mine)->wait();
+    for (int64_t d : all.to_vector<int64_t>())
+      TESSERA_CHECK(d == digest[0], what, ": the ranks' state dicts hold different keys (with ",
+                    "DTensor values every rank must pass the same keys)");
+  }
+  for (const Slot& s : slots)
+    if (fits(k, s.key)) copy_into(s, state.at(s.key));
+  for (const ScalarSlot& s : scalars)
+    if (fits(k, s.key)) s.apply(state.at(s.key));
+  return k;
+}
+
+}  // namespace tessera::ckpt

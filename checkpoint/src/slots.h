@@ -1,0 +1,49 @@
+#pragma once
+// The tensors a state dict gets and sets, whatever owns them (internal to checkpoint/): a
+// module's parameters and buffers, an optimizer's state. Each is a slot: where this rank's piece
+// lives and how it lies in the global tensor. get_* and set_* of models and optimizers are the
+// same two functions over different slots.
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessera/checkpoint/state_dict.h"
+
+namespace tessera::ckpt {
+
+struct Slot {
+  std::string key;
+  Tensor local;                             // this rank's piece (a view: writes land in place)
+  std::shared_ptr<const DTensorSpec> spec;  // null for a plain tensor (local is the whole)
+  Shape global_shape;
+  DType dtype = DType::Float32;
+  bool sharded() const { return spec != nullptr; }
+};
+
+// A slot over a parameter's stored piece (its stored DTensor, or its tensor).
+Slot parameter_slot(const std::string& key, const Parameter& p);
+// A slot over `local` laid out like parameter `p` (an optimizer's state of it), in local's dtype.
+Slot slot_like(const std::string& key, const Tensor& local, const Parameter& p);
+Slot plain_slot(const std::string& key, const Tensor& t);
+
+// The slots' values: DTensors (their pieces, no copy) and plain tensors, or with full_state_dict
+// the global tensors, kept on rank 0 only with cpu_offload.
+void get_slots(const std::vector<Slot>& slots, const StateDictOptions& options, StateDict& out);
+
+// A scalar a state dict may set (an optimizer's step or hyperparameter), and how to apply it.
+struct ScalarSlot {
+  std::string key;
+  bool is_int = true;  // int64, else double
+  std::function<void(const StateValue&)> apply;
+};
+
+// Checks `state` against the slots (missing, unexpected and mis-shaped keys, all at once), then
+// copies every value into its slot: each rank its window. Collective when any DTensor is involved
+// or with broadcast_from_rank0. `what` names the operation in errors ("set_model_state_dict into
+// Decoder").
+IncompatibleKeys set_slots(const std::vector<Slot>& slots, const std::vector<ScalarSlot>& scalars,
+                           const StateDict& state, const StateDictOptions& options,
+                           const std::string& what);
+
+}  // namespace tessera::ckpt

@@ -1,0 +1,159 @@
+// get/set of model and optimizer state dicts: each lists its slots (slots.h) and scalars.
+#include "tessera/checkpoint/state_dict.h"
+
+#include <cstdio>
+#include <map>
+
+#include "slots.h"
+#include "tessera/comm/runtime.h"
+
+namespace tessera {
+
+namespace {
+
+using ckpt::ScalarSlot;
+using ckpt::Slot;
+
+std::vector<Slot> model_slots(Module& model, const StateDictOptions& options) {
+  std::vector<Slot> slots;
+  for (auto& [name, p] : model.named_parameters()) {
+    if (options.ignore_frozen_params && !p->requires_grad()) continue;
+    slots.push_back(ckpt::parameter_slot(name, *p));
+  }
+  for (auto& [name, b] : model.named_buffers())
+    slots.push_back(ckpt::plain_slot(name, *b));
+  return slots;
+}
+
+// The optimizer's parameters by their names in `model`; frozen ones are left out (they get no
+// state). An optimizer parameter that is not the model's is an error naming its index.
+std::vector<std::pair<size_t, std::string>> optimizer_params(Module& model, Optimizer& opt,
+                                                             const char* op) {
+  std::map<const Parameter*, std::string> names;
+  for (auto& [name, p] : model.named_parameters())
+    names[p] = name;
+  std::vector<std::pair<size_t, std::string>> out;
+  for (size_t i = 0; i < opt.params().size(); ++i) {
+    const Parameter* p = opt.params()[i];
+    auto it = names.find(p);
+    TESSERA_CHECK(it != names.end(), op, ": optimizer parameter ", i, " ", p->str(),
+                  " is not a parameter of the ", model.type_name(),
+                  " (state is keyed by the model's parameter names)");
+    if (p->requires_grad()) out.emplace_back(i, it->second);
+  }
+  return out;
+}
+
+std::string state_key(const std::string& fqn, const std::string& name) {
+  return "state/" + fqn + "/" + name;
+}
+
+}  // namespace
+
+std::string IncompatibleKeys::str() const {
+  auto join = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (const auto& x : v)
+      s += (s.empty() ? "" : ", ") + x;
+    return s;
+  };
+  std::string s;
+  auto add = [&](const char* what, const std::vector<std::string>& v) {
+    if (v.empty()) return;
+    s += (s.empty() ? "" : "; ") + std::string(what) + ": " + join(v);
+  };
+  add("missing keys", missing_keys);
+  add("unexpected keys", unexpected_keys);
+  add("mis-shaped keys", mismatched_keys);
+  return s.empty() ? "no incompatible keys" : s;
+}
+
+std::string state_value_str(const StateValue& v) {
+  if (const auto* t = std::get_if<Tensor>(&v)) return t->defined() ? t->str() : "undefined Tensor";
+  if (const auto* d = std::get_if<DTensor>(&v)) return d->str();
+  if (const auto* i = std::get_if<int64_t>(&v)) return "int64 " + std::to_string(*i);
+  if (const auto* x = std::get_if<double>(&v)) {
+    char buf[48];
+    std::snprintf(buf, sizeof buf, "double %.17g", *x);
+    return buf;
+  }
+  return "string \"" + std::get<std::string>(v) + "\"";
+}
+
+void insert_state_dict(StateDict& into, const std::string& prefix, const StateDict& part) {
+  TESSERA_CHECK(!prefix.empty() && prefix.back() != '/', "insert_state_dict: prefix '", prefix,
+                "' must be non-empty and not end in '/'");
+  for (const auto& [key, v] : part) {
+    const std::string k = prefix + "/" + key;
+    TESSERA_CHECK(!into.count(k), "insert_state_dict: key '", k, "' is already present");
+    into[k] = v;
+  }
+}
+
+StateDict sub_state_dict(const StateDict& state, const std::string& prefix) {
+  StateDict out;
+  const std::string p = prefix + "/";
+  for (auto it = state.lower_bound(p); it != state.end() && it->first.compare(0, p.size(), p) == 0;
+       ++it)
+    out[it->first.substr(p.size())] = it->second;
+  return out;
+}
+
+StateDict get_model_state_dict(Module& model, const StateDictOptions& options) {
+  StateDict out;
+  ckpt::get_slots(model_slots(model, options), options, out);
+  return out;
+}
+
+IncompatibleKeys set_model_state_dict(Module& model, const StateDict& state,
+                                      const StateDictOptions& options) {
+  return ckpt::set_slots(model_slots(model, options), {}, state, options,
+                         "set_model_state_dict into " + model.type_name());
+}
+
+StateDict get_optimizer_state_dict(Module& model, Optimizer& optimizer,
+                                   const StateDictOptions& options) {
+  std::vector<Slot> slots;
+  StateDict scalars;
+  for (const auto& [i, fqn] : optimizer_params(model, optimizer, "get_optimizer_state_dict")) {
+    const Parameter& p = *optimizer.params()[i];
+    for (const std::string& name : optimizer.state_names())
+      slots.push_back(ckpt::slot_like(state_key(fqn, name),
+                                      optimizer.state_tensor(i, name, /*allocate=*/true), p));
+    scalars[state_key(fqn, "step")] = optimizer.param_step(i);
+  }
+  for (const auto& [name, v] : optimizer.hyperparameters())
+    scalars["param_groups/" + name] = v;
+  StateDict out;
+  ckpt::get_slots(slots, options, out);
+  const bool keep = !(options.full_state_dict && options.cpu_offload) || world_rank() == 0;
+  if (keep) out.insert(scalars.begin(), scalars.end());
+  return out;
+}
+
+IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
+                                          const StateDict& state, const StateDictOptions& options) {
+  std::vector<Slot> slots;
+  std::vector<ScalarSlot> scalars;
+  for (const auto& [i, fqn] : optimizer_params(model, optimizer, "set_optimizer_state_dict")) {
+    const Parameter& p = *optimizer.params()[i];
+    for (const std::string& name : optimizer.state_names())
+      slots.push_back(ckpt::slot_like(state_key(fqn, name),
+                                      optimizer.state_tensor(i, name, /*allocate=*/true), p));
+    scalars.push_back({state_key(fqn, "step"), true, [&optimizer, i = i](const StateValue& v) {
+                         optimizer.set_param_step(i, std::get<int64_t>(v));
+                       }});
+  }
+  // Hyperparameters are collected and set together, so that their checks see them all.
+  std::map<std::string, double> hyper;
+  for (const auto& [name, v] : optimizer.hyperparameters())
+    scalars.push_back({"param_groups/" + name, false, [&hyper, name = name](const StateValue& x) {
+                         hyper[name] = std::get<double>(x);
+                       }});
+  IncompatibleKeys k = ckpt::set_slots(slots, scalars, state, options,
+                                       "set_optimizer_state_dict into " + model.type_name());
+  if (!hyper.empty()) optimizer.set_hyperparameters(hyper);
+  return k;
+}
+
+}  // namespace tessera

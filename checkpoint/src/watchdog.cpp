@@ -1,0 +1,49 @@
+#include "watchdog.h"
+
+#include <chrono>
+#include <cstdio>
+
+#include "fault.h"
+#include "tessera/comm/runtime.h"
+
+namespace tessera::ckpt {
+
+Watchdog::Watchdog(std::string what) : what_(std::move(what)), step_("starting") {
+  thread_ = std::thread([this] { run(); });
+}
+
+Watchdog::~Watchdog() {
+  {
+    std::lock_guard<std::mutex> g(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void Watchdog::step(std::string name) {
+  fault_point(name);
+  {
+    std::lock_guard<std::mutex> g(mutex_);
+    step_ = std::move(name);
+    ++generation_;
+  }
+  cv_.notify_all();
+}
+
+void Watchdog::run() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stop_) {
+    const uint64_t seen = generation_;
+    const auto limit = std::chrono::duration<double>(collective_timeout_seconds());
+    const bool moved = cv_.wait_for(lock, limit, [&] { return stop_ || generation_ != seen; });
+    if (moved) continue;
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%g s", collective_timeout_seconds());
+    abort_job(what_ + ": step '" + step_ + "' did not finish within the collective timeout of " +
+              buf + " (a rank failed or died before joining it; TESSERA_COLLECTIVE_TIMEOUT sets " +
+              "the timeout)");
+  }
+}
+
+}  // namespace tessera::ckpt
