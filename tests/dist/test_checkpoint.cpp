@@ -1,0 +1,205 @@
+// Checkpoint files: every dtype round trips bit for bit through any placements and meshes of
+// this world size, with uneven and empty shards; a block held by several ranks is written once;
+// h5py reads every dataset as the global tensor; and bad use is a clear error on every rank.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "common/expect_error.h"
+#include "dist/checkpoint_util.h"
+#include "tessera/tessera.h"
+
+using namespace tessera;
+using tessera::testing::expect_error;
+using tessera::testing::expect_identical;
+using tessera::testing::index_tensor;
+using tessera::testing::scratch_dir;
+
+namespace {
+
+const std::vector<DType> kDTypes = {DType::Float32, DType::Float64, DType::BFloat16, DType::Float16,
+                                    DType::Int64,   DType::Int32,   DType::Bool};
+
+// Shapes with uneven and empty pieces at every world size used here, a scalar and an empty one.
+const std::vector<Shape> kShapes = {{7, 5}, {3, 11}, {1, 2}, {13}, {}, {0, 4}, {5, 3, 2}};
+
+std::string file_in(const std::string& dir, const std::string& name) {
+  return dir + "/" + name + ".h5";
+}
+
+// Every 1-D and 2-D layout of this world size that a tensor of `shape` admits.
+std::vector<std::pair<DeviceMesh, Placements>> layouts(const Shape& shape) {
+  std::vector<std::pair<DeviceMesh, Placements>> out;
+  const int64_t n = world_size();
+  DeviceMesh line(Shape{n}, {"x"});
+  out.push_back({line, {Replicate()}});
+  for (int64_t d = 0; d < int64_t(shape.size()); ++d)
+    out.push_back({line, {Shard(d)}});
+  if (n == 4 || n == 8) {
+    DeviceMesh grid(Shape{2, n / 2}, {"a", "b"});
+    out.push_back({grid, {Replicate(), Replicate()}});
+    if (!shape.empty()) {
+      out.push_back({grid, {Replicate(), Shard(0)}});
+      out.push_back({grid, {Shard(0), Shard(0)}});
+      out.push_back({grid, {StridedShard(0, n / 2), Shard(0)}});
+      if (shape.size() >= 2) out.push_back({grid, {Shard(1), Shard(0)}});
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+// Every dtype and shape in one state dict, saved from each layout and loaded into each layout
+// (a shape takes the layouts it admits in turn).
+TEST(Checkpoint, EveryDtypeRoundTripsThroughEveryLayout) {
+  const std::string path =
+      file_in(scratch_dir("checkpoint_roundtrip"), "np" + std::to_string(world_size()));
+  size_t rounds = 0;
+  for (const Shape& shape : kShapes)
+    rounds = std::max(rounds, layouts(shape).size());
+  auto state = [&](size_t layout, int salt) {
+    StateDict sd;
+    for (DType dt : kDTypes)
+      for (size_t s = 0; s < kShapes.size(); ++s) {
+        const auto ls = layouts(kShapes[s]);
+        const auto& [mesh, placements] = ls[layout % ls.size()];
+        sd[std::string(dtype_name(dt)) + "/shape" + std::to_string(s)] =
+            distribute_tensor(index_tensor(kShapes[s], dt, salt), mesh, placements);
+      }
+    return sd;
+  };
+  for (size_t a = 0; a < rounds; ++a) {
+    save(state(a, 1), path);
+    for (size_t b = 0; b < rounds; ++b) {
+      StateDict sd = state(b, 2);
+      const IncompatibleKeys k = load(sd, path);
+      EXPECT_TRUE(k.empty()) << k.str();
+      for (const auto& [key, v] : sd) {
+        const DTensor& d = std::get<DTensor>(v);
+        expect_identical(d.full_tensor(), index_tensor(d.shape(), d.dtype(), 1),
+                         key + " layout " + std::to_string(a) + " -> " + std::to_string(b) + " " +
+                             placements_str(d.placements()));
+      }
+    }
+  }
+  if (world_rank() == 0)
+    for (DType dt : kDTypes)
+      for (size_t s = 0; s < kShapes.size(); ++s) {
+        const std::string key = std::string(dtype_name(dt)) + "/shape" + std::to_string(s);
+        expect_identical(read_checkpoint_tensor(path, key), index_tensor(kShapes[s], dt, 1), key);
+      }
+}
+
+TEST(Checkpoint, ScalarsStringsAndPlainTensorsRoundTrip) {
+  const std::string path =
+      file_in(scratch_dir("checkpoint_scalars"), "np" + std::to_string(world_size()));
+  StateDict sd = {{"extras/step", int64_t(42)},
+                  {"extras/lr", 0.00125},
+                  {"extras/config", std::string("{\"dim\": 64}")},
+                  {"extras/empty", std::string()},
+                  {"top", int64_t(-7)},
+                  {"extras/rng", index_tensor({4}, DType::Int64)},
+                  {"model/w", index_tensor({6, 2}, DType::Float32)}};
+  save(sd, path);
+  StateDict back = {{"extras/step", int64_t(0)},
+                    {"extras/lr", 0.0},
+                    {"extras/config", std::string()},
+                    {"extras/empty", std::string("x")},
+                    {"top", int64_t(0)},
+                    {"extras/rng", zeros({4}, DType::Int64)},
+                    {"model/w", zeros({6, 2}, DType::Float32)}};
+  const IncompatibleKeys k = load(back, path);
+  EXPECT_TRUE(k.empty()) << k.str();
+  EXPECT_EQ(std::get<int64_t>(back["extras/step"]), 42);
+  EXPECT_EQ(std::get<double>(back["extras/lr"]), 0.00125);
+  EXPECT_EQ(std::get<std::string>(back["extras/config"]), "{\"dim\": 64}");
+  EXPECT_EQ(std::get<std::string>(back["extras/empty"]), "");
+  EXPECT_EQ(std::get<int64_t>(back["top"]), -7);
+  expect_identical(std::get<Tensor>(back["extras/rng"]), index_tensor({4}, DType::Int64), "rng");
+  expect_identical(std::get<Tensor>(back["model/w"]), index_tensor({6, 2}, DType::Float32), "w");
+  if (world_rank() == 0) {
+    const CheckpointInfo info = read_checkpoint_info(path);
+    EXPECT_EQ(info.world_size, world_size());
+    ASSERT_EQ(info.tensors.size(), 2u);
+    EXPECT_EQ(info.tensors[0].key, "extras/rng");
+    EXPECT_EQ(info.tensors[1].bytes, 48);
+    EXPECT_EQ(std::get<int64_t>(info.scalars.at("extras/step")), 42);
+    EXPECT_TRUE(verify_checkpoint(path).empty());
+  }
+}
+
+// Loading converts between floating dtypes (a float32 checkpoint into a bfloat16 model), and
+// non-strict loads report what the file lacks and load the rest.
+TEST(Checkpoint, FloatConversionAndNonStrictLoad) {
+  const std::string path =
+      file_in(scratch_dir("checkpoint_convert"), "np" + std::to_string(world_size()));
+  DeviceMesh mesh(Shape{world_size()}, {"x"});
+  const Tensor g = index_tensor({9, 3}, DType::Float32);
+  save({{"a", distribute_tensor(g, mesh, {Shard(0)})}}, path);
+  DTensor bf = distribute_tensor(zeros({9, 3}, DType::BFloat16), mesh, {Shard(1)});
+  StateDict sd = {{"a", bf}, {"b", zeros({2}, DType::Float32)}, {"c", int64_t(3)}};
+  expect_error([&] { load(sd, path); }, {"does not match the state dict", "missing keys: b, c"});
+  const IncompatibleKeys k = load(sd, path, {.strict = false});
+  EXPECT_EQ(k.missing_keys, (std::vector<std::string>{"b", "c"}));
+  expect_identical(bf.full_tensor(), g.to(DType::BFloat16), "float32 -> bfloat16");
+  EXPECT_EQ(std::get<int64_t>(sd["c"]), 3);
+}
+
+TEST(Checkpoint, BadUseIsAClearErrorOnEveryRank) {
+  const std::string dir = scratch_dir("checkpoint_bad_use");
+  const std::string path = file_in(dir, "np" + std::to_string(world_size()));
+  DeviceMesh mesh(Shape{world_size()}, {"x"});
+  DTensor d = distribute_tensor(index_tensor({8, 4}, DType::Float32), mesh, {Shard(0)});
+  save({{"model/w", d}}, path);
+
+  // A model of another shape.
+  StateDict other = {{"model/w", distribute_tensor(zeros({8, 5}), mesh, {Shard(0)})}};
+  expect_error([&] { load(other, path); },
+               {"model/w (expected [8, 5] float32, the file holds [8, 4] float32)"});
+  // A dtype that does not convert.
+  StateDict ints = {{"model/w", zeros({8, 4}, DType::Int64)}};
+  expect_error([&] { load(ints, path); }, {"model/w (expected [8, 4] int64"});
+  // A file that does not exist; the temporary file of a save.
+  StateDict sd = {{"model/w", distribute_tensor(zeros({8, 4}), mesh, {Shard(0)})}};
+  expect_error([&] { load(sd, dir + "/nothing.h5"); }, {"nothing.h5' does not exist"});
+  if (world_rank() == 0)
+    std::filesystem::copy_file(path, path + ".tessera-tmp",
+                               std::filesystem::copy_options::overwrite_existing);
+  world_group()->barrier()->wait();
+  expect_error([&] { load(sd, path + ".tessera-tmp"); },
+               {"is the temporary file of a checkpoint save that never committed"});
+  // Keys: empty parts, reserved names, a tensor under a tensor.
+  expect_error([&] { save({{"a//b", d}}, path); }, {"key 'a//b' has an empty"});
+  expect_error([&] { save({{"_tessera/x", d}}, path); }, {"reserves"});
+  expect_error(
+      [&] {
+        save({{"a", d}, {"a/b", int64_t(1)}}, path);
+      },
+      {"key 'a/b' lies under the tensor key 'a'"});
+  // A destination that cannot be written.
+  expect_error([&] { save({{"a", d}}, dir + "/no/such/dir/x.h5"); }, {"does not exist"});
+  expect_error([&] { save({{"a", d}}, dir); }, {"is not a regular file"});
+  // The failed saves left the checkpoint as it was.
+  StateDict back = {{"model/w", distribute_tensor(zeros({8, 4}), mesh, {Replicate()})}};
+  load(back, path);
+  expect_identical(std::get<DTensor>(back["model/w"]).full_tensor(),
+                   index_tensor({8, 4}, DType::Float32), "after failed saves");
+}
+
+// Ranks that pass different state dicts get one error, on every rank, naming the difference.
+TEST(Checkpoint, RanksWithDifferentStateDictsFailTogether) {
+  if (world_size() == 1) GTEST_SKIP() << "needs two ranks";
+  const std::string path =
+      file_in(scratch_dir("checkpoint_mismatch"), "np" + std::to_string(world_size()));
+  StateDict sd = {{"w", zeros({world_rank() == 1 ? 5 : 4})}};
+  expect_error([&] { save(sd, path); }, {"every rank must pass the same state dict",
+                                         "on rank 0 but a [5] float32 tensor on rank 1"});
+  StateDict extra = {{"w", zeros({4})}};
+  if (world_rank() == 1) extra["v"] = int64_t(1);
+  expect_error([&] { save(extra, path); }, {"rank 1 has key 'v' that rank 0 lacks"});
+  StateDict val = {{"n", int64_t(world_rank() == 1 ? 1 : 0)}};
+  expect_error([&] { save(val, path); }, {"'n' has different values on rank 0 and rank 1"});
+}
