@@ -1,8 +1,12 @@
-# tessera_add_mpi_test(<target> SOURCES <files...> RANKS <world sizes...> [TIMEOUT <seconds>])
+# tessera_add_mpi_test(<target> SOURCES <files...> RANKS <world sizes...> [TIMEOUT <seconds>]
+#                      [NAME <test name>] [ARGS <arguments...>]
+#                      [FIXTURES_SETUP <fixture>] [FIXTURES_REQUIRED <fixture>])
 #
 # Builds a gtest binary with the MPI-aware main (tests/dist/mpi_gtest_main.cpp: every rank runs
 # every test, rank 0 prints the summary, every rank exits non-zero when any rank failed) and
-# registers one ctest test per world size, `<target>.np<N>`, run under mpirun with label `dist`.
+# registers one ctest test per world size, `<name>.np<N>` (name defaults to the target), run under
+# mpirun with label `dist`. Without SOURCES it registers more tests of an existing target (other
+# ARGS, such as a --gtest_filter, and fixtures that order stages across world sizes).
 include_guard(GLOBAL)
 
 set(TESSERA_MPI_GTEST_MAIN ${CMAKE_CURRENT_LIST_DIR}/../tests/dist/mpi_gtest_main.cpp)
@@ -19,9 +23,13 @@ if(MPIEXEC_EXECUTABLE)
 endif()
 
 function(tessera_add_mpi_test target)
-  cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;RANKS" ${ARGN})
-  if(NOT ARG_SOURCES)
-    message(FATAL_ERROR "tessera_add_mpi_test(${target}): SOURCES is required")
+  cmake_parse_arguments(ARG "" "TIMEOUT;NAME;FIXTURES_SETUP;FIXTURES_REQUIRED" "SOURCES;RANKS;ARGS"
+                        ${ARGN})
+  if(NOT ARG_SOURCES AND NOT TARGET ${target})
+    message(FATAL_ERROR "tessera_add_mpi_test(${target}): SOURCES is required for a new target")
+  endif()
+  if(NOT ARG_NAME)
+    set(ARG_NAME ${target})
   endif()
   if(NOT ARG_RANKS)
     message(FATAL_ERROR "tessera_add_mpi_test(${target}): RANKS (world sizes) is required")
@@ -36,18 +44,26 @@ function(tessera_add_mpi_test target)
                           PRIVATE tessera_warnings tessera_arch)
   endif()
 
-  add_executable(${target} ${ARG_SOURCES})
-  target_link_libraries(${target} PRIVATE tessera_mpi_gtest_main tessera::tessera GTest::gtest
-                        tessera_warnings tessera_arch)
-  target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
+  if(ARG_SOURCES)
+    add_executable(${target} ${ARG_SOURCES})
+    target_link_libraries(${target} PRIVATE tessera_mpi_gtest_main tessera::tessera GTest::gtest
+                          tessera_warnings tessera_arch)
+    target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
+  endif()
 
   foreach(n IN LISTS ARG_RANKS)
-    set(test_name ${target}.np${n})
+    set(test_name ${ARG_NAME}.np${n})
     add_test(NAME ${test_name}
              COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${n} ${TESSERA_MPIEXEC_EXTRA_FLAGS}
-                     ${MPIEXEC_PREFLAGS} $<TARGET_FILE:${target}> ${MPIEXEC_POSTFLAGS})
+                     ${MPIEXEC_PREFLAGS} $<TARGET_FILE:${target}> ${MPIEXEC_POSTFLAGS} ${ARG_ARGS})
     # Ranks are the parallelism: keep each rank single-threaded.
     set_tests_properties(${test_name} PROPERTIES TIMEOUT ${ARG_TIMEOUT} LABELS dist
                          PROCESSORS ${n} ENVIRONMENT "OMP_NUM_THREADS=1")
+    if(ARG_FIXTURES_SETUP)
+      set_tests_properties(${test_name} PROPERTIES FIXTURES_SETUP ${ARG_FIXTURES_SETUP})
+    endif()
+    if(ARG_FIXTURES_REQUIRED)
+      set_tests_properties(${test_name} PROPERTIES FIXTURES_REQUIRED ${ARG_FIXTURES_REQUIRED})
+    endif()
   endforeach()
 endfunction()

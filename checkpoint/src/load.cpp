@@ -120,20 +120,13 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
   agree_on_entries(entries, pg, ctx);
 
   auto session = h5::h5_session();
+  Steps steps(pg, ctx);
   h5::Id file;
   std::vector<uint64_t> table;
   std::vector<Found> found;
   IncompatibleKeys keys;
-  {
-    std::string error;
-    try {
-      file = h5::open_file(path, h5::Driver::MpiIo, c.file_comm);
-    } catch (...) {
-      error = current_error_text();
-    }
-    agree(pg, ctx, error);
-  }
-  run_agreed(pg, ctx, [&] {
+  steps.run("opening", [&] { file = h5::open_file(path, h5::Driver::MpiIo, c.file_comm); });
+  steps.run("reading the metadata", [&] {
     check_header(file, path);
     table = read_table(file, path);
     found = look_up(file, path, entries, table.size(), keys);
@@ -153,31 +146,22 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
   }
   Tensor sums = zeros({tiles}, DType::Int64);
   auto* sum = static_cast<uint64_t*>(sums.raw_data());
-  std::string error;
-  {
-    Watchdog dog(ctx);
-    try {
-      for (size_t i = 0; i < entries.size(); ++i) {
-        const Entry& e = entries[i];
-        const Found& f = found[i];
-        if (!f.present || e.kind != ValueKind::Tensor || shape_numel(e.global_shape) == 0) continue;
-        dog.step("reading '" + e.key + "'");
-        staged[i] = empty(e.window.shape, f.meta.dtype);
-        const bool active = shape_numel(e.window.shape) > 0;
-        h5::Id ds = h5::open_dataset(file, dataset_path(e.key));
-        h5::read_block(ds, f.meta.dtype, e.window.offset, e.window.shape, staged[i].raw_data(),
-                       active, h5::Transfer::Collective);
-        if (options.verify && e.owner && active)
-          add_block_checksums(staged[i].raw_data(), element_size(f.meta.dtype), e.global_shape,
-                              e.window.offset, e.window.shape, f.meta.tile, sum + first[i]);
-      }
-      dog.step("closing");
-      file.close("closing '" + path + "'");
-    } catch (...) {
-      error = current_error_text();
-    }
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Entry& e = entries[i];
+    const Found& f = found[i];
+    if (!f.present || e.kind != ValueKind::Tensor || shape_numel(e.global_shape) == 0) continue;
+    steps.run("reading '" + e.key + "'", [&] {
+      staged[i] = empty(e.window.shape, f.meta.dtype);
+      const bool active = shape_numel(e.window.shape) > 0;
+      h5::Id ds = h5::open_dataset(file, dataset_path(e.key));
+      h5::read_block(ds, f.meta.dtype, e.window.offset, e.window.shape, staged[i].raw_data(),
+                     active, h5::Transfer::Collective);
+      if (options.verify && e.owner && active)
+        add_block_checksums(staged[i].raw_data(), element_size(f.meta.dtype), e.global_shape,
+                            e.window.offset, e.window.shape, f.meta.tile, sum + first[i]);
+    });
   }
-  agree(pg, ctx, error);
+  steps.run("closing", [&] { file.close("closing '" + path + "'"); });
 
   if (options.verify) {
     Tensor all = empty({int64_t(pg->size()) * tiles}, DType::Int64);

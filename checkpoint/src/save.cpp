@@ -94,57 +94,60 @@ void write_scalar(const h5::Id& file, const Entry& e) {
     h5::write_attr(g, name, std::get<std::string>(e.scalar));
 }
 
-// The file under its temporary name, every step a collective HDF5 call in the same order on
-// every rank. Throws on this rank's first failure.
+// The file under its temporary name: every step is the same collective HDF5 calls in the same
+// order on every rank, and every rank learns after each step whether any failed.
 void write_file(const SaveJob& job, const std::string& tmp, const std::vector<uint64_t>& table,
-                const std::vector<int64_t>& first, bool writes_table, MPI_Comm comm,
-                Watchdog& dog) {
-  dog.step("creating");
-  h5::Id file = h5::create_file(tmp, comm);
-  h5::write_attr(file, kAttrFormatVersion, kCheckpointFormatVersion);
-  h5::write_attr(file, kAttrWorldSize, job.world_size);
-  h5::write_attr(file, kAttrWriter, std::string("tessera"));
+                const std::vector<int64_t>& first, const ProcessGroupPtr& pg, MPI_Comm comm,
+                const std::string& ctx) {
+  Steps steps(pg, ctx);
+  h5::Id file;
   std::vector<h5::Id> datasets(job.entries.size());
-  dog.step("creating datasets");
-  for (size_t i = 0; i < job.entries.size(); ++i) {
-    const Entry& e = job.entries[i];
-    if (e.kind != ValueKind::Tensor) {
-      write_scalar(file, e);
-      continue;
+  steps.run("creating", [&] {
+    file = h5::create_file(tmp, comm);
+    h5::write_attr(file, kAttrFormatVersion, kCheckpointFormatVersion);
+    h5::write_attr(file, kAttrWorldSize, job.world_size);
+    h5::write_attr(file, kAttrWriter, std::string("tessera"));
+  });
+  steps.run("creating datasets", [&] {
+    for (size_t i = 0; i < job.entries.size(); ++i) {
+      const Entry& e = job.entries[i];
+      if (e.kind != ValueKind::Tensor) {
+        write_scalar(file, e);
+        continue;
+      }
+      datasets[i] = h5::create_dataset(file, dataset_path(e.key), e.dtype, e.global_shape);
+      h5::write_attr(datasets[i], kAttrDtype, std::string(dtype_name(e.dtype)));
+      if (!e.mesh.empty()) {
+        h5::write_attr(datasets[i], kAttrMesh, e.mesh);
+        h5::write_attr(datasets[i], kAttrPlacements, e.placements);
+      }
+      h5::write_attr(datasets[i], kAttrFirst, first[i]);
+      h5::write_attr(datasets[i], kAttrTile, tile_elements(element_size(e.dtype)));
     }
-    datasets[i] = h5::create_dataset(file, dataset_path(e.key), e.dtype, e.global_shape);
-    h5::write_attr(datasets[i], kAttrDtype, std::string(dtype_name(e.dtype)));
-    if (!e.mesh.empty()) {
-      h5::write_attr(datasets[i], kAttrMesh, e.mesh);
-      h5::write_attr(datasets[i], kAttrPlacements, e.placements);
-    }
-    h5::write_attr(datasets[i], kAttrFirst, first[i]);
-    h5::write_attr(datasets[i], kAttrTile, tile_elements(element_size(e.dtype)));
-  }
+  });
   for (size_t i = 0; i < job.entries.size(); ++i) {
     const Entry& e = job.entries[i];
     if (e.kind != ValueKind::Tensor || shape_numel(e.global_shape) == 0) continue;
-    dog.step("writing '" + e.key + "'");
-    const Tensor& b = job.blocks[i];
-    h5::write_block(datasets[i], e.dtype, e.window.offset, e.window.shape,
-                    b.defined() ? b.raw_data() : nullptr, b.defined(), h5::Transfer::Collective);
+    steps.run("writing '" + e.key + "'", [&] {
+      const Tensor& b = job.blocks[i];
+      h5::write_block(datasets[i], e.dtype, e.window.offset, e.window.shape,
+                      b.defined() ? b.raw_data() : nullptr, b.defined(), h5::Transfer::Collective);
+    });
   }
-  // An MPI-IO file closes only once nothing in it is open.
-  for (size_t i = 0; i < datasets.size(); ++i)
-    datasets[i].close("closing dataset '" + job.entries[i].key + "'");
-  dog.step("writing the checksum table");
-  h5::Id t = h5::create_u64_dataset(file, kTableDataset, int64_t(table.size()));
-  h5::write_u64(t, table, writes_table);
-  t.close("closing the checksum table");
-  h5::write_attr_u64(file, kAttrTable, table_checksum(table));
-  // Last: a file without it was never finished.
-  h5::write_attr(file, kAttrComplete, int64_t(1));
-  if (job.options.fsync) {
-    dog.step("flushing");
-    h5::flush_file(file, "flushing '" + tmp + "'");
-  }
-  dog.step("closing");
-  file.close("closing '" + tmp + "'");
+  steps.run("writing the checksum table", [&] {
+    // An MPI-IO file closes only once nothing in it is open.
+    for (size_t i = 0; i < datasets.size(); ++i)
+      datasets[i].close("closing dataset '" + job.entries[i].key + "'");
+    h5::Id t = h5::create_u64_dataset(file, kTableDataset, int64_t(table.size()));
+    h5::write_u64(t, table, pg->rank() == 0);
+    t.close("closing the checksum table");
+    h5::write_attr_u64(file, kAttrTable, table_checksum(table));
+    // Last: a file without it was never finished.
+    h5::write_attr(file, kAttrComplete, int64_t(1));
+  });
+  if (job.options.fsync)
+    steps.run("flushing", [&] { h5::flush_file(file, "flushing '" + tmp + "'"); });
+  steps.run("closing", [&] { file.close("closing '" + tmp + "'"); });
 }
 
 }  // namespace
@@ -193,18 +196,10 @@ void write_checkpoint(const SaveJob& job, const ProcessGroupPtr& pg, MPI_Comm fi
   std::vector<int64_t> first;
   const std::vector<uint64_t> table = checksum_table(job, pg, first);
   const std::string tmp = temp_path(job.path);
-  std::string error;
-  {
-    Watchdog dog(ctx);
-    try {
-      write_file(job, tmp, table, first, pg->rank() == 0, file_comm, dog);
-    } catch (...) {
-      error = current_error_text();
-    }
-  }
   try {
-    agree(pg, ctx, error);
+    write_file(job, tmp, table, first, pg, file_comm, ctx);
   } catch (...) {
+    // Every rank is here, after the same step, the file closed.
     if (pg->rank() == 0) std::remove(tmp.c_str());
     throw;
   }

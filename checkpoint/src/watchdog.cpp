@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "agree.h"
 #include "fault.h"
 #include "tessera/comm/runtime.h"
 
@@ -22,7 +23,6 @@ Watchdog::~Watchdog() {
 }
 
 void Watchdog::step(std::string name) {
-  fault_point(name);
   {
     std::lock_guard<std::mutex> g(mutex_);
     step_ = std::move(name);
@@ -44,6 +44,21 @@ void Watchdog::run() {
               buf + " (a rank failed or died before joining it; TESSERA_COLLECTIVE_TIMEOUT sets " +
               "the timeout)");
   }
+}
+
+Steps::Steps(ProcessGroupPtr pg, std::string context)
+    : pg_(std::move(pg)), context_(std::move(context)), dog_(context_) {}
+
+void Steps::run(const std::string& name, const std::function<void()>& f) {
+  dog_.step(name);
+  std::string error;
+  try {
+    fault_point(name);
+    f();
+  } catch (...) {
+    error = current_error_text();
+  }
+  agree(pg_, context_, error);
 }
 
 }  // namespace tessera::ckpt

@@ -5,9 +5,12 @@
 // forever. Each step of a file operation restarts the clock; one step that outlasts the
 // collective timeout aborts the job, naming the file, the step and the rank.
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
+
+#include "tessera/comm/process_group.h"
 
 namespace tessera::ckpt {
 
@@ -28,6 +31,20 @@ class Watchdog {
   uint64_t generation_ = 0;
   bool stop_ = false;
   std::thread thread_;
+};
+
+// The steps of a collective file operation. Each runs on every rank under the watchdog and is
+// followed by an agreement (agree.h), so a failure on one rank stops every rank after the same
+// step, with the same error, instead of leaving the others inside the next collective HDF5 call.
+class Steps {
+ public:
+  Steps(ProcessGroupPtr pg, std::string context);
+  void run(const std::string& name, const std::function<void()>& f);
+
+ private:
+  ProcessGroupPtr pg_;
+  std::string context_;
+  Watchdog dog_;
 };
 
 }  // namespace tessera::ckpt

@@ -1,0 +1,221 @@
+// State dicts of the decoder under every layout of this world size: sharded ones hold the stored
+// pieces with their real placements, full ones the global tensors in logical order; setting a
+// full one copies each rank's window and refuses a local shard; broadcast_from_rank0 needs only
+// rank 0's dict; strict and non-strict key checks; optimizer state keyed by parameter names.
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "common/expect_error.h"
+#include "dist/checkpoint_models.h"
+#include "dist/checkpoint_util.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+
+namespace {
+
+// The reference: a plain decoder built in this process, no DTensor anywhere.
+std::map<std::string, Tensor> plain_state(uint64_t seed) {
+  return std::make_shared<Decoder>(checkpoint_config(seed))->state_dict();
+}
+
+void expect_model_equals(Decoder& m, const std::map<std::string, Tensor>& want,
+                         const std::string& what) {
+  for (const auto& [name, t] : m.state_dict())
+    expect_identical(t, want.at(name), what + ": " + name);
+}
+
+}  // namespace
+
+TEST(StateDict, ShardedHoldsTheStoredPiecesWithTheirPlacements) {
+  for (const Layout& l : decoder_layouts()) {
+    Parallel p = l.build(7);
+    const StateDict sd = get_model_state_dict(*p.model);
+    const auto params = p.model->named_parameters();
+    ASSERT_EQ(sd.size(), params.size()) << l.name;
+    for (auto& [name, param] : params) {
+      const StateValue& v = sd.at(name);
+      if (param->is_dtensor()) {
+        ASSERT_TRUE(std::holds_alternative<DTensor>(v)) << l.name << " " << name;
+        const DTensor& d = std::get<DTensor>(v);
+        EXPECT_EQ(d.placements(), param->stored_dtensor().placements()) << l.name << " " << name;
+        EXPECT_TRUE(d.to_local().storage().is_same(param->stored().storage()))
+            << l.name << " " << name << ": copied instead of shared";
+      } else {
+        ASSERT_TRUE(std::holds_alternative<Tensor>(v)) << l.name << " " << name;
+      }
+    }
+  }
+}
+
+TEST(StateDict, FullIsGlobalInLogicalOrderAndOnRankZeroWithCpuOffload) {
+  const auto want = plain_state(7);
+  for (const Layout& l : decoder_layouts()) {
+    Parallel p = l.build(7);
+    const StateDict sd = get_model_state_dict(*p.model, {.full_state_dict = true});
+    ASSERT_EQ(sd.size(), want.size()) << l.name;
+    for (const auto& [name, t] : want)
+      expect_identical(std::get<Tensor>(sd.at(name)), t, l.name + " full " + name);
+    const StateDict off =
+        get_model_state_dict(*p.model, {.full_state_dict = true, .cpu_offload = true});
+    EXPECT_EQ(off.size(), world_rank() == 0 ? want.size() : 0u) << l.name;
+  }
+}
+
+TEST(StateDict, SettingAFullDictCopiesEachRanksWindow) {
+  const auto want = plain_state(11);
+  StateDict full;
+  for (const auto& [name, t] : want)
+    full[name] = t;
+  for (const Layout& l : decoder_layouts()) {
+    Parallel p = l.build(7);
+    const IncompatibleKeys k = set_model_state_dict(*p.model, full, {.full_state_dict = true});
+    EXPECT_TRUE(k.empty()) << k.str();
+    expect_model_equals(*p.model, want, l.name);
+  }
+}
+
+TEST(StateDict, SettingASharedDictLoadsAcrossLayouts) {
+  const auto want = plain_state(11);
+  for (const Layout& from : decoder_layouts()) {
+    Parallel src = from.build(11);
+    const StateDict sd = get_model_state_dict(*src.model);
+    for (const Layout& to : decoder_layouts()) {
+      Parallel dst = to.build(7);
+      set_model_state_dict(*dst.model, sd);
+      expect_model_equals(*dst.model, want, from.name + " -> " + to.name);
+    }
+  }
+}
+
+// The double-sharding bug: a local piece handed over where the global tensor belongs.
+TEST(StateDict, ALocalShardUnderAGlobalNameIsRefused) {
+  if (world_size() == 1) GTEST_SKIP() << "nothing is sharded on one rank";
+  Parallel p = decoder_layouts()[0].build(7);  // FSDP
+  const auto before = p.model->state_dict();
+  StateDict full;
+  for (const auto& [name, t] : before)
+    full[name] = t;
+  Parameter* w = nullptr;
+  for (auto& [name, q] : p.model->named_parameters())
+    if (name == "layers.0.attention.wq.weight") w = q;
+  ASSERT_NE(w, nullptr);
+  full["layers.0.attention.wq.weight"] = w->stored().clone();
+  const std::string expected = "expected the global shape " + shape_str(w->global_shape()) +
+                               ", got " + shape_str(w->stored().shape());
+  expect_error([&] { set_model_state_dict(*p.model, full, {.full_state_dict = true}); },
+               {"set_model_state_dict into Decoder", "layers.0.attention.wq.weight", expected,
+                "a local piece cannot stand for the global tensor"});
+  expect_model_equals(*p.model, before, "after the refused set");
+}
+
+TEST(StateDict, StrictReportsEveryKeyAtOnceAndNonStrictReturnsThem) {
+  for (const Layout& l : decoder_layouts()) {
+    Parallel p = l.build(7);
+    StateDict full;
+    for (const auto& [name, t] : plain_state(11))
+      full[name] = t;
+    full.erase("norm.weight");
+    full.erase("output.weight");
+    full["bogus"] = zeros({3});
+    full["layers.1.ffn_norm.weight"] = zeros({5});
+    expect_error([&] { set_model_state_dict(*p.model, full, {.full_state_dict = true}); },
+                 {"missing keys: norm.weight, output.weight", "unexpected keys: bogus",
+                  "layers.1.ffn_norm.weight (expected the global shape [32], got [5])"});
+    const IncompatibleKeys k =
+        set_model_state_dict(*p.model, full, {.full_state_dict = true, .strict = false});
+    EXPECT_EQ(k.missing_keys, (std::vector<std::string>{"norm.weight", "output.weight"}));
+    EXPECT_EQ(k.unexpected_keys, (std::vector<std::string>{"bogus"}));
+    ASSERT_EQ(k.mismatched_keys.size(), 1u);
+    // The keys that fit were loaded; the others kept their values.
+    const auto now = p.model->state_dict();
+    expect_identical(now.at("tok_embeddings.weight"), plain_state(11).at("tok_embeddings.weight"),
+                     l.name + " loaded");
+    expect_identical(now.at("norm.weight"), plain_state(7).at("norm.weight"), l.name + " kept");
+  }
+}
+
+TEST(StateDict, BroadcastFromRankZeroSendsEachRankItsWindow) {
+  const auto want = plain_state(11);
+  for (const Layout& l : decoder_layouts()) {
+    Parallel p = l.build(7);
+    StateDict full;
+    if (world_rank() == 0)
+      for (const auto& [name, t] : want)
+        full[name] = t;
+    const StateDictOptions o{.full_state_dict = true, .broadcast_from_rank0 = true};
+    const IncompatibleKeys k = set_model_state_dict(*p.model, full, o);
+    EXPECT_TRUE(k.empty()) << k.str();
+    expect_model_equals(*p.model, want, l.name + " broadcast");
+    // Rank 0's mistakes are every rank's error.
+    if (world_rank() == 0) full.erase("norm.weight");
+    expect_error([&] { set_model_state_dict(*p.model, full, o); },
+                 {"rank 0's state dict", "missing keys: norm.weight"});
+  }
+}
+
+TEST(StateDict, OptimizerStateIsKeyedByNameAndMovesBetweenLayouts) {
+  auto layouts = decoder_layouts();
+  Parallel a = layouts.front().build(7);
+  AdamW opt(a.model->parameters(), checkpoint_adamw());
+  for (int s = 0; s < 2; ++s)
+    train_step(a, opt, s);
+  const StateDict full = get_optimizer_state_dict(*a.model, opt, {.full_state_dict = true});
+  EXPECT_EQ(std::get<int64_t>(full.at("state/layers.0.attention.wq.weight/step")), 2);
+  EXPECT_EQ(std::get<double>(full.at("param_groups/lr")), 3e-3);
+  EXPECT_EQ(std::get<Tensor>(full.at("state/norm.weight/exp_avg")).shape(), (Shape{32}));
+  const StateDict sharded = get_optimizer_state_dict(*a.model, opt);
+  for (const Layout& to : layouts) {
+    Parallel b = to.build(11);
+    AdamW opt2(b.model->parameters(), AdamWOptions{.lr = 1.0});
+    for (const StateDict* sd : {&full, &sharded}) {
+      const IncompatibleKeys k =
+          set_optimizer_state_dict(*b.model, opt2, *sd, {.full_state_dict = sd == &full});
+      EXPECT_TRUE(k.empty()) << k.str();
+      EXPECT_EQ(opt2.lr(), 3e-3);
+      const StateDict back = get_optimizer_state_dict(*b.model, opt2, {.full_state_dict = true});
+      ASSERT_EQ(back.size(), full.size());
+      for (const auto& [key, v] : full) {
+        if (std::holds_alternative<Tensor>(v))
+          expect_identical(std::get<Tensor>(back.at(key)), std::get<Tensor>(v),
+                           to.name + " " + key);
+        else
+          EXPECT_EQ(state_value_str(back.at(key)), state_value_str(v)) << key;
+      }
+    }
+  }
+}
+
+TEST(StateDict, FrozenParametersAreLeftOutWhenAsked) {
+  Parallel p = decoder_layouts().front().build(7);
+  std::set<std::string> frozen;
+  for (auto& [name, q] : p.model->named_parameters())
+    if (name.find("attention") != std::string::npos) {
+      q->set_requires_grad(false);
+      frozen.insert(name);
+    }
+  const StateDict sd = get_model_state_dict(*p.model, {.ignore_frozen_params = true});
+  for (const auto& name : frozen)
+    EXPECT_EQ(sd.count(name), 0u) << name;
+  EXPECT_EQ(sd.size(), p.model->named_parameters().size() - frozen.size());
+  AdamW opt(p.model->parameters(), checkpoint_adamw());
+  const StateDict os = get_optimizer_state_dict(*p.model, opt);
+  for (const auto& [key, v] : os)
+    for (const auto& name : frozen)
+      EXPECT_EQ(key.find("state/" + name + "/"), std::string::npos) << key;
+  // Frozen parameters got no optimizer state.
+  for (size_t i = 0; i < opt.params().size(); ++i) {
+    if (!opt.params()[i]->requires_grad()) {
+      EXPECT_FALSE(opt.state_tensor(i, "exp_avg", false).defined());
+    }
+  }
+}
+
+TEST(StateDict, AnOptimizerParameterOutsideTheModelIsAnError) {
+  Parallel p = decoder_layouts().front().build(7);
+  Parameter stray(zeros({2}));
+  AdamW opt({&stray}, checkpoint_adamw());
+  expect_error([&] { get_optimizer_state_dict(*p.model, opt); },
+               {"optimizer parameter 0", "is not a parameter of the Decoder"});
+}
