@@ -51,9 +51,16 @@ Steps::Steps(ProcessGroupPtr pg, std::string context)
 
 void Steps::run(const std::string& name, const std::function<void()>& f) {
   dog_.step(name);
+  // Agreed twice: before the step, so that no rank enters its collective HDF5 calls while
+  // another has already failed (it would wait inside them forever), and after it.
   std::string error;
   try {
     fault_point(name);
+  } catch (...) {
+    error = current_error_text();
+  }
+  agree(pg_, context_, error);
+  try {
     f();
   } catch (...) {
     error = current_error_text();

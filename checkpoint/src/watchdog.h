@@ -33,9 +33,11 @@ class Watchdog {
   std::thread thread_;
 };
 
-// The steps of a collective file operation. Each runs on every rank under the watchdog and is
-// followed by an agreement (agree.h), so a failure on one rank stops every rank after the same
-// step, with the same error, instead of leaving the others inside the next collective HDF5 call.
+// The steps of a collective file operation. Each runs on every rank under the watchdog, between
+// two agreements (agree.h), so a failure on one rank stops every rank at the same step, with the
+// same error, instead of leaving the others inside a collective HDF5 call. (A step's body must
+// not fail on one rank before reaching its collective calls; the calls themselves return on
+// every rank.)
 class Steps {
  public:
   Steps(ProcessGroupPtr pg, std::string context);

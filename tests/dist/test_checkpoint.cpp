@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "common/expect_error.h"
+#include "dist/checkpoint_models.h"
 #include "dist/checkpoint_util.h"
 #include "tessera/tessera.h"
 
@@ -202,4 +203,105 @@ TEST(Checkpoint, RanksWithDifferentStateDictsFailTogether) {
   expect_error([&] { save(extra, path); }, {"rank 1 has key 'v' that rank 0 lacks"});
   StateDict val = {{"n", int64_t(world_rank() == 1 ? 1 : 0)}};
   expect_error([&] { save(val, path); }, {"'n' has different values on rank 0 and rank 1"});
+}
+
+// h5py, with no Tessera code, reads every dataset as the global tensor: every dtype (bfloat16 as
+// float32), uneven and empty pieces, and a sharded decoder with its optimizer state.
+TEST(Checkpoint, H5pyReadsEveryDatasetAsTheGlobalTensor) {
+  const std::string python = TESSERA_H5PY_PYTHON;
+  if (python.empty())
+    GTEST_SKIP() << "no python3 with h5py found at configure time (scripts/setup-deps installs "
+                    "python3-h5py)";
+  const std::string dir = scratch_dir("checkpoint_h5py_np" + std::to_string(world_size()));
+  StateDict sd;
+  for (DType dt : kDTypes)
+    for (size_t s = 0; s < kShapes.size(); ++s) {
+      const auto ls = layouts(kShapes[s]);
+      const auto& [mesh, placements] = ls[(s + 1) % ls.size()];
+      sd[std::string(dtype_name(dt)) + "/shape" + std::to_string(s)] =
+          distribute_tensor(index_tensor(kShapes[s], dt, 1), mesh, placements);
+    }
+  tessera::testing::Parallel p = tessera::testing::decoder_layouts().back().build(7);
+  AdamW opt(p.model->parameters(), tessera::testing::checkpoint_adamw());
+  tessera::testing::train_step(p, opt, 0);
+  insert_state_dict(sd, "model", get_model_state_dict(*p.model));
+  insert_state_dict(sd, "optim", get_optimizer_state_dict(*p.model, opt));
+  const std::string path = dir + "/checkpoint.h5";
+  save(sd, path);
+
+  std::ofstream manifest;
+  if (world_rank() == 0) manifest.open(dir + "/manifest.txt");
+  int n = 0;
+  for (const auto& [key, v] : sd) {
+    if (!std::holds_alternative<DTensor>(v) && !std::holds_alternative<Tensor>(v)) continue;
+    Tensor full = std::holds_alternative<DTensor>(v) ? std::get<DTensor>(v).full_tensor()
+                                                     : std::get<Tensor>(v);
+    if (world_rank() != 0) continue;
+    if (full.dtype() == DType::BFloat16) full = full.to(DType::Float32);
+    const char* np = full.dtype() == DType::Float32   ? "float32"
+                     : full.dtype() == DType::Float64 ? "float64"
+                     : full.dtype() == DType::Float16 ? "float16"
+                     : full.dtype() == DType::Int64   ? "int64"
+                     : full.dtype() == DType::Int32   ? "int32"
+                                                      : "bool";
+    std::string dims;
+    for (int64_t d : full.shape())
+      dims.append(dims.empty() ? "" : ",").append(std::to_string(d));
+    manifest << key << " " << np << " " << dims << "\n";
+    std::ofstream bin(dir + "/" + std::to_string(n++) + ".bin", std::ios::binary);
+    const Tensor c = full.contiguous();
+    bin.write(static_cast<const char*>(c.raw_data()), std::streamsize(c.nbytes()));
+  }
+  if (world_rank() == 0) {
+    manifest.close();
+    const std::string cmd =
+        python + " " + TESSERA_SOURCE_DIR + "/tests/python/check_h5py.py " + path + " " + dir;
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  }
+}
+
+// A block held by several ranks is written once, by one of them, and the owners are spread. Each
+// rank's replica holds its own rank number (from_local), so the file shows who wrote each block.
+TEST(Checkpoint, ReplicatedBlocksAreWrittenOnceByOwnersSpreadOverTheRanks) {
+  const int64_t n = world_size();
+  if (n == 1) GTEST_SKIP() << "needs replicas";
+  const std::string path = file_in(scratch_dir("checkpoint_owners"), "np" + std::to_string(n));
+  DeviceMesh line(Shape{n}, {"x"});
+  StateDict sd;
+  for (int64_t e = 0; e < n; ++e)
+    sd["replicated/" + std::to_string(e)] = DTensor::from_local(
+        full({16}, double(world_rank()), DType::Int64), line, {Replicate()}, Shape{16});
+  const bool grid = n % 2 == 0;
+  if (grid) {
+    DeviceMesh hsdp(Shape{2, n / 2}, {"replicate", "shard"});
+    for (int e = 0; e < 2; ++e)
+      sd["hsdp/" + std::to_string(e)] =
+          DTensor::from_local(full({4}, double(world_rank()), DType::Int64), hsdp,
+                              {Replicate(), Shard(0)}, Shape{4 * n / 2});
+  }
+  save(sd, path);
+  if (world_rank() != 0) return;
+  std::vector<int64_t> writes(size_t(n), 0);
+  for (int64_t e = 0; e < n; ++e) {
+    const auto v =
+        read_checkpoint_tensor(path, "replicated/" + std::to_string(e)).to_vector<int64_t>();
+    EXPECT_EQ(std::count(v.begin(), v.end(), v[0]), 16) << "one writer per block";
+    ++writes[size_t(v[0])];
+  }
+  // n whole tensors over n ranks: each rank wrote exactly one.
+  EXPECT_EQ(writes, std::vector<int64_t>(size_t(n), 1));
+  if (!grid) return;
+  std::fill(writes.begin(), writes.end(), 0);
+  for (int e = 0; e < 2; ++e) {
+    const auto v = read_checkpoint_tensor(path, "hsdp/" + std::to_string(e)).to_vector<int64_t>();
+    for (int64_t b = 0; b < n / 2; ++b) {
+      const int64_t writer = v[size_t(4 * b)];
+      for (int64_t i = 0; i < 4; ++i)
+        EXPECT_EQ(v[size_t(4 * b + i)], writer) << "one writer per block";
+      // The writer holds block b: shard coordinate b, either replica.
+      EXPECT_EQ(writer % (n / 2), b);
+      ++writes[size_t(writer)];
+    }
+  }
+  EXPECT_EQ(writes, std::vector<int64_t>(size_t(n), 1)) << "2 x n/2 blocks over n ranks";
 }

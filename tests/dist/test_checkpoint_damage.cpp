@@ -1,0 +1,241 @@
+// Damaged checkpoints and failing saves: flipped bytes in a dataset, a truncated file, a tampered
+// checksum table, a missing dataset, an unknown version, an unfinished file, a damaged header —
+// each a clear error naming what is wrong, never a crash or a wrong value, and the state dict
+// left as it was. A save that fails on one rank fails on every rank and leaves the previous
+// checkpoint in place; an asynchronous save snapshots its tensors and reports its failure.
+#include <gtest/gtest.h>
+#include <hdf5.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "common/expect_error.h"
+#include "dist/checkpoint_util.h"
+#include "fault.h"  // checkpoint/src: the hook the failure tests throw from
+
+using namespace tessera;
+using namespace tessera::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+const Shape kBig = {1024, 600};  // float32: 2.4 MB, three checksum tiles of 1 MiB
+
+StateDict make_state(int salt) {
+  DeviceMesh mesh(Shape{world_size()}, {"x"});
+  return {
+      {"model/big", distribute_tensor(index_tensor(kBig, DType::Float32, salt), mesh, {Shard(0)})},
+      {"model/small",
+       distribute_tensor(index_tensor({5, 3}, DType::BFloat16, salt), mesh, {Shard(1)})},
+      {"extras/step", int64_t(salt)}};
+}
+
+// A state dict of zeros with the same keys, to load into.
+StateDict zero_state() {
+  DeviceMesh mesh(Shape{world_size()}, {"x"});
+  return {{"model/big", distribute_tensor(zeros(kBig), mesh, {Replicate()})},
+          {"model/small", distribute_tensor(zeros({5, 3}, DType::BFloat16), mesh, {Shard(0)})},
+          {"extras/step", int64_t(0)}};
+}
+
+void expect_state(const StateDict& sd, int salt, const std::string& what) {
+  if (salt == 0) {
+    expect_identical(std::get<DTensor>(sd.at("model/big")).full_tensor(), zeros(kBig), what);
+    return;
+  }
+  expect_identical(std::get<DTensor>(sd.at("model/big")).full_tensor(),
+                   index_tensor(kBig, DType::Float32, salt), what + " big");
+  expect_identical(std::get<DTensor>(sd.at("model/small")).full_tensor(),
+                   index_tensor({5, 3}, DType::BFloat16, salt), what + " small");
+  EXPECT_EQ(std::get<int64_t>(sd.at("extras/step")), salt) << what;
+}
+
+// File surgery on rank 0 with plain (serial) HDF5, then every rank goes on.
+template <class F>
+void on_rank0(F&& f) {
+  if (world_rank() == 0) f();
+  world_group()->barrier()->wait();
+}
+
+void copy(const std::string& from, const std::string& to) {
+  fs::copy_file(from, to, fs::copy_options::overwrite_existing);
+}
+
+void flip_byte(const std::string& path, int64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(offset);
+  char c = 0;
+  f.read(&c, 1);
+  c = char(c ^ 0x5a);
+  f.seekp(offset);
+  f.write(&c, 1);
+}
+
+int64_t data_offset(const std::string& path, const std::string& dataset) {
+  hid_t file = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  hid_t ds = H5Dopen2(file, dataset.c_str(), H5P_DEFAULT);
+  const haddr_t at = H5Dget_offset(ds);
+  H5Dclose(ds);
+  H5Fclose(file);
+  return int64_t(at);
+}
+
+void edit(const std::string& path, const std::function<void(hid_t)>& f) {
+  hid_t file = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(file, 0) << path;
+  f(file);
+  H5Fclose(file);
+}
+
+std::string dir() {
+  return scratch_dir("checkpoint_damage_np" + std::to_string(world_size()));
+}
+
+}  // namespace
+
+TEST(CheckpointDamage, FlippedBytesInADatasetNameTheDatasetAndTheBlock) {
+  const std::string good = dir() + "/good.h5", bad = dir() + "/flipped.h5";
+  save(make_state(1), good);
+  on_rank0([&] {
+    copy(good, bad);
+    // A byte in the third tile (elements from 2 * 262144) of model/big.
+    flip_byte(bad, data_offset(bad, "/model/big") + 2 * (1 << 20) + 1000);
+  });
+  StateDict sd = zero_state();
+  expect_error([&] { load(sd, bad); },
+               {"flipped.h5", "dataset 'model/big' block 2 of 3", "checksum mismatch"});
+  expect_state(sd, 0, "nothing loaded");
+  if (world_rank() == 0) {
+    const auto problems = verify_checkpoint(bad);
+    ASSERT_EQ(problems.size(), 1u);
+    EXPECT_NE(problems[0].find("dataset 'model/big' block 2 of 3 (elements 524288 to 614399"),
+              std::string::npos)
+        << problems[0];
+    EXPECT_TRUE(verify_checkpoint(good).empty());
+  }
+  load(sd, good);
+  expect_state(sd, 1, "the intact file");
+}
+
+TEST(CheckpointDamage, TruncatedAndDamagedHeadersAreErrorsNamingTheFile) {
+  const std::string good = dir() + "/good.h5";
+  save(make_state(1), good);
+  const std::string cut = dir() + "/truncated.h5", head = dir() + "/header.h5";
+  on_rank0([&] {
+    copy(good, cut);
+    fs::resize_file(cut, fs::file_size(cut) * 6 / 10);
+    copy(good, head);
+    for (int64_t at = 40; at < 48; ++at)
+      flip_byte(head, at);  // inside the superblock, which carries a checksum
+  });
+  StateDict sd = zero_state();
+  expect_error([&] { load(sd, cut); }, {"truncated.h5"});
+  expect_error([&] { load(sd, head); }, {"header.h5", "cannot be opened"});
+  expect_state(sd, 0, "nothing loaded");
+  if (world_rank() == 0) {
+    EXPECT_FALSE(verify_checkpoint(cut).empty());
+    EXPECT_FALSE(verify_checkpoint(head).empty());
+  }
+}
+
+TEST(CheckpointDamage, TamperedTableMissingDatasetVersionAndCompletion) {
+  const std::string good = dir() + "/good.h5";
+  save(make_state(1), good);
+  const std::string table = dir() + "/table.h5", missing = dir() + "/missing.h5",
+                    version = dir() + "/version.h5", unfinished = dir() + "/unfinished.h5";
+  on_rank0([&] {
+    for (const auto& p : {table, missing, version, unfinished})
+      copy(good, p);
+    edit(table, [](hid_t f) {
+      hid_t ds = H5Dopen2(f, "/_tessera/checksums", H5P_DEFAULT);
+      uint64_t v[8] = {};
+      H5Dread(ds, H5T_NATIVE_UINT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, v);
+      v[1] ^= 1;
+      H5Dwrite(ds, H5T_NATIVE_UINT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, v);
+      H5Dclose(ds);
+    });
+    edit(missing, [](hid_t f) { H5Ldelete(f, "/model/small", H5P_DEFAULT); });
+    edit(version, [](hid_t f) {
+      hid_t a = H5Aopen(f, "tessera.format_version", H5P_DEFAULT);
+      const int64_t v = 99;
+      H5Awrite(a, H5T_NATIVE_INT64, &v);
+      H5Aclose(a);
+    });
+    edit(unfinished, [](hid_t f) { H5Adelete(f, "tessera.complete"); });
+  });
+  StateDict sd = zero_state();
+  expect_error([&] { load(sd, table); }, {"table.h5", "the checksum table", "is damaged"});
+  expect_error([&] { load(sd, missing); }, {"missing.h5", "missing keys: model/small"});
+  expect_error([&] { load(sd, version); }, {"has format version 99; this Tessera reads version 1"});
+  expect_error([&] { load(sd, unfinished); }, {"unfinished.h5' is incomplete"});
+  expect_state(sd, 0, "nothing loaded");
+  if (world_rank() == 0) {
+    EXPECT_FALSE(verify_checkpoint(table).empty());
+    expect_error([&] { read_checkpoint_info(version); }, {"format version 99"});
+  }
+}
+
+// A failure on one rank, in the middle of writing, is an error on every rank; the previous
+// checkpoint stays, and no temporary file is left.
+TEST(CheckpointDamage, ASaveFailingOnOneRankFailsOnEveryRankAndKeepsThePreviousFile) {
+  const std::string path = dir() + "/kept.h5";
+  save(make_state(1), path);
+  const int victim = world_size() - 1;
+  ckpt::set_fault_hook([victim](const std::string& step) {
+    if (step == "writing 'model/small'" && world_rank() == victim)
+      TESSERA_FAIL("injected disk error");
+  });
+  expect_error([&] { save(make_state(2), path); },
+               {"checkpoint save to", "[rank " + std::to_string(victim) + "] injected disk error"});
+  ckpt::set_fault_hook(nullptr);
+  StateDict sd = zero_state();
+  load(sd, path);
+  expect_state(sd, 1, "previous checkpoint");
+  EXPECT_FALSE(fs::exists(path + ".tessera-tmp"));
+}
+
+TEST(CheckpointDamage, AsyncSaveWritesTheSnapshotTakenAtTheCall) {
+  const std::string path = dir() + "/async.h5";
+  StateDict sd = make_state(1);
+  AsyncSave pending = async_save(sd, path);
+  // Training goes on: the tensors change and collectives run while the file is written.
+  std::get<DTensor>(sd["model/big"]).copy_from_full(index_tensor(kBig, DType::Float32, 2));
+  for (int i = 0; i < 20; ++i) {
+    Tensor t = ones({1000});
+    world_group()->all_reduce(t, ReduceOp::Sum)->wait();
+  }
+  pending.wait();
+  StateDict back = zero_state();
+  load(back, path);
+  expect_state(back, 1, "snapshot");
+  // A second save waits for the first; both commit.
+  AsyncSave a = async_save(make_state(3), dir() + "/async_a.h5");
+  AsyncSave b = async_save(make_state(4), dir() + "/async_b.h5");
+  b.wait();
+  a.wait();
+  load(back, dir() + "/async_a.h5");
+  expect_state(back, 3, "first of two");
+  load(back, dir() + "/async_b.h5");
+  expect_state(back, 4, "second of two");
+}
+
+TEST(CheckpointDamage, AsyncSaveFailuresReachWaitOrTheNextOperation) {
+  const std::string path = dir() + "/async_fail.h5";
+  save(make_state(1), path);
+  ckpt::set_fault_hook([](const std::string& step) {
+    if (step == "writing 'model/big'" && world_rank() == 0) TESSERA_FAIL("injected async error");
+  });
+  AsyncSave pending = async_save(make_state(2), path);
+  expect_error([&] { pending.wait(); }, {"[rank 0] injected async error"});
+  {
+    AsyncSave dropped = async_save(make_state(2), path);
+  }  // waited for by its destructor, the error kept for the next operation
+  ckpt::set_fault_hook(nullptr);
+  StateDict sd = zero_state();
+  expect_error(
+      [&] { load(sd, path); },
+      {"an earlier async_save to", "failed and nobody waited for it", "injected async error"});
+  load(sd, path);
+  expect_state(sd, 1, "previous checkpoint");
+}
