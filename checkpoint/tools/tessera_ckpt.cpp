@@ -1,4 +1,6 @@
-// tessera-ckpt: looks into checkpoints without writing a program. One process, no mpirun.
+// tessera-ckpt: looks into checkpoints without writing a program. One process, no MPI at all
+// (the inspection calls read with HDF5's POSIX driver), so it also runs inside an MPI job's
+// scripts without joining the job.
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -7,7 +9,6 @@
 
 #include "tessera/checkpoint/checkpoint.h"
 #include "tessera/checkpoint/safetensors.h"
-#include "tessera/comm/runtime.h"
 
 using namespace tessera;
 
@@ -187,11 +188,14 @@ int run(const std::vector<std::string>& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Runtime runtime(argc, argv);
   try {
     return run(std::vector<std::string>(argv + 1, argv + argc));
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "tessera-ckpt: %s\n", e.what());
+    // One process: the "[rank 0] " of tessera's errors says nothing here.
+    std::string what = e.what();
+    if (what.rfind("[rank 0] ", 0) == 0) what.erase(0, 9);
+    if (what.rfind("tessera-ckpt", 0) != 0) what = "tessera-ckpt: " + what;
+    std::fprintf(stderr, "%s\n", what.c_str());
     return 2;
   }
 }

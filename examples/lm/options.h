@@ -25,6 +25,11 @@ struct Options {
   int64_t corpus_chars = 200000;
   int64_t log_every = 10;
   std::string csv = "train_lm_loss.csv";
+  // Checkpoints: <checkpoint_dir>/step_<N>.h5 every save_every steps and at the end (0: only at
+  // the end); resume starts from the newest one there, on whatever mesh this run has.
+  std::string checkpoint_dir;
+  int64_t save_every = 0;
+  bool resume = false;
 };
 
 // --name value flags; an unknown flag or bad value is an error naming it. --help prints usage.

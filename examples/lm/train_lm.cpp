@@ -3,7 +3,9 @@
 // progress line per step (rank 0), a summary, and writes the loss curve to a CSV.
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include "lm/corpus.h"
 #include "lm/options.h"
@@ -25,6 +27,56 @@ void average_gradients(const std::vector<Parameter*>& params, const ProcessGroup
     Tensor g = p->grad();
     if (g.defined()) dp->all_reduce(g, ReduceOp::Avg)->wait();
   }
+}
+
+// What a checkpoint must agree on with the model this run builds.
+std::string config_text(const DecoderConfig& c) {
+  return "vocab_size=" + std::to_string(c.vocab_size) + " dim=" + std::to_string(c.dim) +
+         " n_layers=" + std::to_string(c.n_layers) + " n_heads=" + std::to_string(c.n_heads) +
+         " n_kv_heads=" + std::to_string(c.n_kv_heads) + " ffn_dim=" + std::to_string(c.ffn_dim) +
+         " max_seq_len=" + std::to_string(c.max_seq_len);
+}
+
+// Model (the stored shards, in place), optimizer state, the steps done and the configuration.
+StateDict train_state(Decoder& model, AdamW& opt, int64_t steps_done) {
+  StateDict sd;
+  insert_state_dict(sd, "model", get_model_state_dict(model));
+  insert_state_dict(sd, "optim", get_optimizer_state_dict(model, opt));
+  sd["extras/step"] = steps_done;
+  sd["extras/model_config"] = config_text(model.config());
+  return sd;
+}
+
+std::string checkpoint_path(const std::string& dir, int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step_%08lld.h5", (long long)step);
+  return dir + "/" + name;
+}
+
+// The newest step_<N>.h5 in `dir` (files of saves that never committed are not named so).
+std::optional<std::string> newest_checkpoint(const std::string& dir) {
+  std::optional<std::string> best;
+  if (!std::filesystem::is_directory(dir)) return best;
+  for (const auto& f : std::filesystem::directory_iterator(dir)) {
+    const std::string name = f.path().filename().string();
+    if (name.rfind("step_", 0) != 0 || f.path().extension() != ".h5") continue;
+    if (!best || f.path().string() > *best) best = f.path().string();
+  }
+  return best;
+}
+
+// Loads the newest checkpoint of `dir` into the model and optimizer, whatever mesh saved it;
+// returns the number of steps it had done.
+int64_t resume(Decoder& model, AdamW& opt, const std::string& dir) {
+  const std::optional<std::string> path = newest_checkpoint(dir);
+  TESSERA_CHECK(path.has_value(), "train_lm --resume: no checkpoint step_<N>.h5 in '", dir, "'");
+  StateDict sd = train_state(model, opt, 0);
+  load(sd, *path);
+  const std::string saved = std::get<std::string>(sd.at("extras/model_config"));
+  TESSERA_CHECK(saved == config_text(model.config()), "train_lm --resume: ", *path,
+                " holds a model with ", saved, "; this run builds ", config_text(model.config()));
+  set_optimizer_state_dict(model, opt, sub_state_dict(sd, "optim"));
+  return std::get<int64_t>(sd.at("extras/step"));
 }
 
 int run(int argc, char** argv) {
@@ -68,6 +120,9 @@ int run(int argc, char** argv) {
     n_params += shape_numel(p->global_shape());
 
   AdamW opt(model->parameters(), {o.lr, 0.9, 0.95, 1e-8, o.weight_decay});
+  int64_t first_step = 0;
+  if (o.resume) first_step = resume(*model, opt, o.checkpoint_dir);
+  if (!o.checkpoint_dir.empty() && lead) std::filesystem::create_directories(o.checkpoint_dir);
   const int64_t rows = o.batch / o.dp;
   const int64_t row0 = mesh.coordinate()[0] * rows;
   if (lead) {
@@ -78,12 +133,19 @@ int run(int argc, char** argv) {
         o.sequence_parallel && o.tp > 1 ? ", sequence parallel" : "",
         loss_parallel ? ", loss parallel" : "", (long long)n_params, (long long)cfg.vocab_size,
         (long long)corpus.size());
+    if (first_step > 0)
+      std::printf("resumed from step %lld of %s\n", (long long)first_step,
+                  newest_checkpoint(o.checkpoint_dir)->c_str());
   }
+  TESSERA_CHECK(first_step < o.steps || o.steps == 0, "train_lm: the checkpoint has done ",
+                first_step, " steps already; --steps ", o.steps, " asks for no more");
 
   std::vector<double> losses, times;
   reset_peak_memory();
   const double t_start = now_seconds();
-  for (int64_t step = 0; step < o.steps; ++step) {
+  // The previous save is written in the background while training goes on.
+  AsyncSave pending;
+  for (int64_t step = first_step; step < o.steps; ++step) {
     const double t0 = now_seconds();
     lm::Corpus::Batch b = corpus.batch(step, o.batch, o.seq, row0, row0 + rows, o.seed);
     Tensor logits = (*model)(b.inputs);
@@ -107,19 +169,29 @@ int run(int argc, char** argv) {
                   double(memory_stats().peak_bytes) / (1 << 20));
       std::fflush(stdout);
     }
+    const bool last = step + 1 == o.steps;
+    if (!o.checkpoint_dir.empty() &&
+        (last || (o.save_every > 0 && (step + 1) % o.save_every == 0))) {
+      const std::string path = checkpoint_path(o.checkpoint_dir, step + 1);
+      pending = async_save(train_state(*model, opt, step + 1), path);
+      if (last) pending.wait();
+      if (lead)
+        std::printf("checkpoint: %s%s\n", path.c_str(), last ? "" : " (writing in the background)");
+    }
   }
+  if (losses.empty()) return 0;
   const double total = now_seconds() - t_start;
   if (lead) {
     std::ofstream csv(o.csv);
     csv << "step,loss,ms\n";
     for (size_t i = 0; i < losses.size(); ++i)
-      csv << i << "," << losses[i] << "," << times[i] * 1e3 << "\n";
+      csv << first_step + int64_t(i) << "," << losses[i] << "," << times[i] * 1e3 << "\n";
     std::printf(
         "summary: loss %.4f -> %.4f in %lld steps, %.1f s, %.0f tokens/s, peak %.1f MiB; "
         "loss curve in %s\n",
-        losses.front(), losses.back(), (long long)o.steps, total,
-        double(o.batch * o.seq * o.steps) / total, double(memory_stats().peak_bytes) / (1 << 20),
-        o.csv.c_str());
+        losses.front(), losses.back(), (long long)losses.size(), total,
+        double(o.batch * o.seq) * double(losses.size()) / total,
+        double(memory_stats().peak_bytes) / (1 << 20), o.csv.c_str());
   }
   return 0;
 }

@@ -3,6 +3,8 @@
 // h5py reads every dataset as the global tensor; and bad use is a clear error on every rank.
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -304,4 +306,67 @@ TEST(Checkpoint, ReplicatedBlocksAreWrittenOnceByOwnersSpreadOverTheRanks) {
     }
   }
   EXPECT_EQ(writes, std::vector<int64_t>(size_t(n), 1)) << "2 x n/2 blocks over n ranks";
+}
+
+namespace {
+
+// Runs tessera-ckpt with `args` (one process, no mpirun); its exit code and output.
+std::pair<int, std::string> ckpt_cli(const std::string& args) {
+  const std::string cmd = std::string(TESSERA_CKPT_EXE) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t got = 0;
+  while ((got = std::fread(buf, 1, sizeof buf, p)) > 0)
+    out.append(buf, got);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+}  // namespace
+
+TEST(Checkpoint, TheCliListsVerifiesDiffsAndExports) {
+  const std::string dir = scratch_dir("checkpoint_cli_np" + std::to_string(world_size()));
+  DeviceMesh mesh(Shape{world_size()}, {"dp"});
+  auto state = [&](int salt) {
+    return StateDict{{"model/w", distribute_tensor(index_tensor({6, 4}, DType::Float32, salt), mesh,
+                                                   {Shard(0)})},
+                     {"model/b", distribute_tensor(index_tensor({4}, DType::BFloat16, salt), mesh,
+                                                   {Replicate()})},
+                     {"optim/m", index_tensor({2}, DType::Float32, salt)},
+                     {"extras/step", int64_t(salt)}};
+  };
+  const std::string a = dir + "/a.h5", b = dir + "/b.h5";
+  save(state(1), a);
+  save(state(2), b);
+  if (world_rank() != 0) return;
+  auto [rc, out] = ckpt_cli("ls " + a);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("model/w"), std::string::npos) << out;
+  EXPECT_NE(out.find("[6, 4]"), std::string::npos) << out;
+  EXPECT_NE(out.find("DeviceMesh(dp=" + std::to_string(world_size()) + ") [S(0)]"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("extras/step"), std::string::npos) << out;
+  std::tie(rc, out) = ckpt_cli("verify " + a);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("ok, 3 tensors verified"), std::string::npos) << out;
+  std::tie(rc, out) = ckpt_cli("diff " + a + " " + a);
+  EXPECT_EQ(rc, 0) << out;
+  std::tie(rc, out) = ckpt_cli("diff " + a + " " + b);
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("model/w"), std::string::npos) << out;
+  EXPECT_NE(out.find("int64 1 vs int64 2"), std::string::npos) << out;
+  std::tie(rc, out) = ckpt_cli("export-safetensors " + a + " " + dir + "/model.safetensors");
+  EXPECT_EQ(rc, 0) << out;
+  const SafetensorsFile st = load_safetensors(dir + "/model.safetensors");
+  ASSERT_EQ(st.tensors.size(), 2u);
+  expect_identical(st.tensors.at("w"), index_tensor({6, 4}, DType::Float32, 1), "exported w");
+  expect_identical(st.tensors.at("b"), index_tensor({4}, DType::BFloat16, 1), "exported b");
+  std::tie(rc, out) = ckpt_cli("frobnicate " + a);
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(out.find("unknown command 'frobnicate'"), std::string::npos) << out;
+  std::tie(rc, out) = ckpt_cli("ls " + dir + "/none.h5");
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(out.find("none.h5' does not exist"), std::string::npos) << out;
 }
