@@ -5,17 +5,6 @@
 #include "tessera/comm/mpi_interop.h"
 #include "tessera/comm/runtime.h"
 
-namespace tessera {
-
-bool AsyncSave::State::join() {
-  std::lock_guard<std::mutex> g(mutex);
-  if (!joined && thread.joinable()) thread.join();
-  joined = true;
-  return error != nullptr;
-}
-
-}  // namespace tessera
-
 namespace tessera::ckpt {
 
 namespace {
@@ -36,17 +25,16 @@ const Context& context() {
     auto* ctx = new Context;
     ProcessGroupPtr world = world_group();
     ctx->group = world->split(0, world->rank(), "checkpoint");
-    ctx->async_group = world->split(0, world->rank(), "checkpoint_async");
     ctx->file_comm = duplicate_world_communicator();
-    // A writer still running when the program ends would meet a finalized MPI: wait for it
-    // first (handlers run in reverse order, so this runs before the runtime's finalize).
+    // A save still in flight when the program ends is finished first, on every rank
+    // (handlers run in reverse order, so this runs before the runtime's finalize).
     std::atexit([] {
       std::shared_ptr<AsyncSave::State> p;
       {
         std::lock_guard<std::mutex> g(pending_mutex());
         p = pending();
       }
-      if (p) p->join();
+      if (p) p->finish();
     });
     return ctx;
   }();
@@ -60,9 +48,10 @@ void wait_for_pending_save() {
     p = std::move(pending());
     pending().reset();
   }
-  if (!p || !p->join()) return;
+  if (!p) return;
+  p->finish();
   std::lock_guard<std::mutex> g(p->mutex);
-  if (p->error_reported) return;
+  if (!p->error || p->error_reported) return;
   p->error_reported = true;
   try {
     std::rethrow_exception(p->error);
@@ -70,6 +59,15 @@ void wait_for_pending_save() {
     throw Error(std::string("an earlier async_save to '") + p->path +
                 "' failed and nobody waited for it: " + e.what());
   }
+}
+
+void wait_for_pending_writer() {
+  std::shared_ptr<AsyncSave::State> p;
+  {
+    std::lock_guard<std::mutex> g(pending_mutex());
+    p = pending();
+  }
+  if (p) p->join_writer();
 }
 
 void set_pending_save(std::shared_ptr<AsyncSave::State> s) {

@@ -13,6 +13,11 @@
 #include "tessera/comm/process_group.h"
 
 namespace tessera::ckpt {
+struct SaveJob;
+struct SaveFile;
+}  // namespace tessera::ckpt
+
+namespace tessera::ckpt {
 
 struct Context {
   ProcessGroupPtr group;               // the main thread's collectives (agreement, descriptions)
@@ -22,26 +27,39 @@ struct Context {
 // Created by the first checkpoint operation, which is collective like every later one.
 const Context& context();
 
-// Every checkpoint operation starts here: waits for an asynchronous save in flight, and
-// rethrows its error if it failed and nobody waited for it.
+// Every collective checkpoint operation starts here: finishes an asynchronous save in flight
+// (collective), and throws its error if it failed and nobody waited for it.
 void wait_for_pending_save();
-// Makes `s` the save in flight (the caller waited for the previous one).
+// The inspection functions (one process, no communication) start here: waits for the writer
+// thread of a save in flight, which uses HDF5, without finishing the save.
+void wait_for_pending_writer();
+// Makes `s` the save in flight (the caller finished the previous one).
 void set_pending_save(std::shared_ptr<AsyncSave::State> s);
 
 }  // namespace tessera::ckpt
 
 namespace tessera {
 
+// An asynchronous save (async_save.cpp): the writer thread adds up checksums and writes this
+// rank's blocks with independent transfers, communicating with no one; everything collective
+// (creating the file, the checksum table, closing, renaming) runs on the calling thread, at the
+// call and at finish().
 struct AsyncSave::State {
   std::string path;
+  std::shared_ptr<ckpt::SaveJob> job;
+  std::shared_ptr<ckpt::SaveFile> file;
   std::thread thread;
+  std::string writer_error;  // this rank's writer's failure
   std::mutex mutex;
-  bool joined = false;
-  std::exception_ptr error;
+  bool joined = false, finished = false;
+  std::exception_ptr error;  // the save's failure, the same on every rank
   bool error_reported = false;
-  // Joins the writer once; true when it had failed.
-  bool join();
-  ~State() { join(); }
+  // Waits for this rank's writer thread. Local.
+  void join_writer();
+  // Agrees on the writers' outcome, then writes the checksum table, closes and renames the file
+  // (or deletes it). Collective; once.
+  void finish();
+  ~State();
 };
 
 }  // namespace tessera

@@ -61,8 +61,12 @@ DatasetMeta dataset_meta(const h5::Id& file, const std::string& path, const std:
   m.tile = h5::read_attr_int(ds, kAttrTile);
   TESSERA_CHECK(m.tile > 0 && m.first >= 0, where, ": invalid checksum attributes (first ", m.first,
                 ", tile ", m.tile, ")");
-  m.tiles = tile_count(shape_numel(m.shape), m.tile);
-  TESSERA_CHECK(m.first + m.tiles <= int64_t(table_size), where, ": its ", m.tiles,
+  const int64_t nbytes = shape_numel(m.shape) * int64_t(element_size(m.dtype));
+  TESSERA_CHECK(m.tile % int64_t(element_size(m.dtype)) == 0, where, ": a tile of ", m.tile,
+                " bytes is not a whole number of ", dtype_name(m.dtype), " elements");
+  m.tiles = tile_count(nbytes, m.tile);
+  m.words = checksum_words(nbytes, m.tile);
+  TESSERA_CHECK(m.first + m.words <= int64_t(table_size), where, ": its ", m.words,
                 " checksums from index ", m.first, " lie outside the table of ", table_size);
   if (h5::attr_exists(ds, kAttrMesh)) m.mesh = h5::read_attr_string(ds, kAttrMesh);
   if (h5::attr_exists(ds, kAttrPlacements))
@@ -75,8 +79,11 @@ std::vector<std::string> compare_tiles(const std::string& key, const DatasetMeta
   std::vector<std::string> bad;
   const int64_t n = shape_numel(meta.shape);
   for (int64_t t = 0; t < meta.tiles; ++t) {
-    if (sums[t] == table[size_t(meta.first + t)]) continue;
-    const int64_t lo = t * meta.tile, hi = std::min(n, lo + meta.tile) - 1;
+    const size_t at = size_t(meta.first + kWordsPerTile * t);
+    if (sums[kWordsPerTile * t] == table[at] && sums[kWordsPerTile * t + 1] == table[at + 1])
+      continue;
+    const int64_t per = meta.tile / int64_t(element_size(meta.dtype));
+    const int64_t lo = t * per, hi = std::min(n, lo + per) - 1;
     bad.push_back("dataset '" + key + "' block " + std::to_string(t) + " of " +
                   std::to_string(meta.tiles) + " (elements " + std::to_string(lo) + " to " +
                   std::to_string(hi) + " of " + shape_str(meta.shape) +

@@ -6,10 +6,10 @@
 //     @tessera.dtype          the Tessera dtype name ("bfloat16", ...)
 //     @tessera.saved_mesh     the mesh and placements it was saved with (information only)
 //     @tessera.saved_placements
-//     @tessera.checksum_first its first tile's index in the checksum table
-//     @tessera.checksum_tile  elements per tile
+//     @tessera.checksum_first where its tiles' sums start in the checksum table
+//     @tessera.checksum_tile_bytes bytes per checksum tile
 //   /<group>@<name>          one attribute per scalar or string entry "<group>/<name>"
-//   /_tessera/checksums      uint64 [tiles of every dataset]: the tile checksums (checksum.h)
+//   /_tessera/checksums      uint64 [2 x tiles of every dataset]: the tiles' sums (checksum.h)
 //   /@tessera.format_version, @tessera.world_size, @tessera.writer,
 //    @tessera.checksum_table (the table's own checksum), @tessera.complete (written last)
 #include <string>
@@ -32,7 +32,7 @@ inline constexpr const char* kAttrDtype = "tessera.dtype";
 inline constexpr const char* kAttrMesh = "tessera.saved_mesh";
 inline constexpr const char* kAttrPlacements = "tessera.saved_placements";
 inline constexpr const char* kAttrFirst = "tessera.checksum_first";
-inline constexpr const char* kAttrTile = "tessera.checksum_tile";
+inline constexpr const char* kAttrTile = "tessera.checksum_tile_bytes";
 
 // Where a save writes before it commits: beside `path`, so that the rename stays on one file
 // system and is atomic.
@@ -49,7 +49,8 @@ std::vector<uint64_t> read_table(const h5::Id& file, const std::string& path);
 struct DatasetMeta {
   DType dtype = DType::Float32;
   Shape shape;
-  int64_t first = 0, tile = 1, tiles = 0;
+  int64_t first = 0, tile = 1, tiles = 0;  // tile: bytes per tile
+  int64_t words = 0;                       // its entries in the table: kWordsPerTile per tile
   std::string mesh, placements;
 };
 // The metadata of tensor entry `key`, checked against the table's size.

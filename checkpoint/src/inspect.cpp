@@ -84,7 +84,7 @@ Tensor read_whole(const OpenCheckpoint& o, const std::string& path, const std::s
   h5::Id ds = h5::open_dataset(o.file, dataset_path(key));
   h5::read_block(ds, m.dtype, Shape(m.shape.size(), 0), m.shape, t.raw_data(), true,
                  h5::Transfer::Independent);
-  std::vector<uint64_t> sums(size_t(m.tiles), 0);
+  std::vector<uint64_t> sums(size_t(m.words), 0);
   add_block_checksums(t.raw_data(), element_size(m.dtype), m.shape, Shape(m.shape.size(), 0),
                       m.shape, m.tile, sums.data());
   for (std::string& b : compare_tiles(key, m, sums.data(), o.table))
@@ -95,7 +95,7 @@ Tensor read_whole(const OpenCheckpoint& o, const std::string& path, const std::s
 }  // namespace
 
 CheckpointInfo read_checkpoint_info(const std::string& path) {
-  wait_for_pending_save();
+  wait_for_pending_writer();
   auto session = h5::h5_session();
   OpenCheckpoint o = open_local(path);
   CheckpointInfo info;
@@ -130,7 +130,7 @@ std::vector<std::string> verify_checkpoint(const std::string& path) {
 }
 
 Tensor read_checkpoint_tensor(const std::string& path, const std::string& key) {
-  wait_for_pending_save();
+  wait_for_pending_writer();
   auto session = h5::h5_session();
   OpenCheckpoint o = open_local(path);
   TESSERA_CHECK(h5::is_dataset(o.file, dataset_path(key)), "checkpoint '", path,

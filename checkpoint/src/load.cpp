@@ -3,6 +3,7 @@
 // written, so a failed load leaves the caller's tensors as they were.
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
 
@@ -93,6 +94,75 @@ std::vector<Found> look_up(const h5::Id& file, const std::string& path,
   return found;
 }
 
+Tensor local_of(const StateValue& v) {
+  return std::holds_alternative<DTensor>(v) ? std::get<DTensor>(v).to_local().detach()
+                                            : std::get<Tensor>(v).detach();
+}
+
+// Bytes per piece of a window read: about a checksum tile, so that it is still in cache when its
+// checksum is added.
+constexpr int64_t kPieceBytes = int64_t(1) << 20;
+
+// Whether a window is one run of the file: whole in every dim but the first.
+bool is_run(const Entry& e) {
+  for (size_t d = 1; d < e.window.shape.size(); ++d)
+    if (e.window.shape[d] != e.global_shape[d]) return false;
+  return true;
+}
+
+struct Piece {
+  Shape offset, shape;
+  int64_t first_row = 0;  // of the window
+};
+
+// The pieces of this rank's window of `e`, as runs of whole dim-0 indices. A window that is one
+// run of the file is cut into pieces of about kPieceBytes of its own; the others are cut where
+// the global tensor is cut into pieces of about kPieceBytes per rank, so that every rank has the
+// same number of pieces (some empty) for a collective read of each.
+std::vector<Piece> pieces_of(const Entry& e, size_t es, bool collective, int ranks) {
+  const Shape& shape = e.window.shape;
+  std::vector<Piece> out;
+  if (shape.empty()) return {Piece{{}, {}, 0}};
+  const int64_t global_row = shape_numel(e.global_shape) / std::max<int64_t>(1, e.global_shape[0]);
+  const int64_t local_row = shape_numel(shape) / std::max<int64_t>(1, shape[0]);
+  const int64_t per = std::max<int64_t>(
+      1, collective ? kPieceBytes * ranks / std::max<int64_t>(1, global_row * int64_t(es))
+                    : kPieceBytes / std::max<int64_t>(1, local_row * int64_t(es)));
+  const int64_t lo = e.window.offset[0], hi = lo + shape[0];
+  const int64_t start = collective ? 0 : lo, end = collective ? e.global_shape[0] : hi;
+  for (int64_t r = start; r < end; r += per) {
+    const int64_t a = std::max(r, lo), b = std::min(r + per, hi);
+    Piece p{e.window.offset, shape, 0};
+    p.offset[0] = b > a ? a : lo;
+    p.shape[0] = std::max<int64_t>(0, b - a);
+    p.first_row = p.offset[0] - lo;
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+// Reads this rank's window of `e` into the dense `buf`, piece by piece, adding each piece's
+// checksum to `sums` (when given) while it is in cache. `collective`: the same pieces on every
+// rank, each a collective read (MPI-IO's two-phase I/O serves windows that are not runs of the
+// file far better than each rank's strided reads); else independent reads of this rank's runs.
+void read_window(const h5::Id& ds, const DatasetMeta& meta, const Entry& e, const Tensor& buf,
+                 uint64_t* sums, bool collective, int ranks) {
+  const size_t es = element_size(meta.dtype);
+  auto* base = static_cast<unsigned char*>(buf.raw_data());
+  const int64_t row = e.window.shape.empty()
+                          ? 1
+                          : shape_numel(e.window.shape) / std::max<int64_t>(1, e.window.shape[0]);
+  for (const Piece& p : pieces_of(e, es, collective, ranks)) {
+    const bool active = shape_numel(p.shape) > 0;
+    if (!active && !collective) continue;
+    unsigned char* at = base + size_t(p.first_row * row) * es;
+    h5::read_block(ds, meta.dtype, p.offset, p.shape, at, active,
+                   collective ? h5::Transfer::Collective : h5::Transfer::Independent);
+    if (sums && active)
+      add_block_checksums(at, es, e.global_shape, p.offset, p.shape, meta.tile, sums);
+  }
+}
+
 void check_exists(const std::string& path) {
   struct stat st {};
   TESSERA_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint '", path,
@@ -134,43 +204,57 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
       TESSERA_FAIL("checkpoint '", path, "' does not match the state dict: ", keys.str());
   });
 
-  // Every rank reads its windows, in key order, collectively; the owners of the distinct windows
-  // add up their checksums.
+  // Every rank reads its windows, each in pieces of about a tile that the owners of the distinct
+  // windows add up while they are still in cache. Without `transactional`, a dense window of the
+  // file's dtype is read straight into its tensor; the others are staged.
   std::vector<Tensor> staged(entries.size());
   std::vector<int64_t> first(entries.size(), 0);
-  int64_t tiles = 0;
+  int64_t words = 0;
   for (size_t i = 0; i < entries.size(); ++i) {
     if (!found[i].present || entries[i].kind != ValueKind::Tensor) continue;
-    first[i] = tiles;
-    tiles += found[i].meta.tiles;
+    first[i] = words;
+    words += found[i].meta.words;
   }
-  Tensor sums = zeros({tiles}, DType::Int64);
+  Tensor sums = zeros({words}, DType::Int64);
   auto* sum = static_cast<uint64_t*>(sums.raw_data());
+  bool wrote_in_place = false;
+  // Entries that some rank holds as a window other than a run of the file are read
+  // collectively, by every rank (the decision must be the same everywhere).
+  Tensor strided = zeros({int64_t(entries.size())}, DType::Int64);
+  for (size_t i = 0; i < entries.size(); ++i)
+    if (entries[i].kind == ValueKind::Tensor && shape_numel(entries[i].window.shape) > 0 &&
+        !is_run(entries[i]))
+      strided.data<int64_t>()[i] = 1;
+  if (!entries.empty()) pg->all_reduce(strided, ReduceOp::Max)->wait();
   for (size_t i = 0; i < entries.size(); ++i) {
     const Entry& e = entries[i];
     const Found& f = found[i];
+    // Every rank takes part in every step (they are agreed), with or without a piece to read.
     if (!f.present || e.kind != ValueKind::Tensor || shape_numel(e.global_shape) == 0) continue;
+    const bool collective = strided.data<int64_t>()[i] != 0;
     steps.run("reading '" + e.key + "'", [&] {
-      staged[i] = empty(e.window.shape, f.meta.dtype);
-      const bool active = shape_numel(e.window.shape) > 0;
+      if (shape_numel(e.window.shape) == 0 && !collective) return;
+      Tensor dst = local_of(state.at(e.key));
+      const bool direct =
+          !options.transactional && dst.is_contiguous() && dst.dtype() == f.meta.dtype;
+      Tensor buf = direct ? dst : empty(e.window.shape, f.meta.dtype);
+      if (!direct) staged[i] = buf;
+      wrote_in_place |= direct;
       h5::Id ds = h5::open_dataset(file, dataset_path(e.key));
-      h5::read_block(ds, f.meta.dtype, e.window.offset, e.window.shape, staged[i].raw_data(),
-                     active, h5::Transfer::Collective);
-      if (options.verify && e.owner && active)
-        add_block_checksums(staged[i].raw_data(), element_size(f.meta.dtype), e.global_shape,
-                            e.window.offset, e.window.shape, f.meta.tile, sum + first[i]);
+      read_window(ds, f.meta, e, buf, options.verify && e.owner ? sum + first[i] : nullptr,
+                  strided.data<int64_t>()[i] != 0, pg->size());
     });
   }
   steps.run("closing", [&] { file.close("closing '" + path + "'"); });
 
   if (options.verify) {
-    Tensor all = empty({int64_t(pg->size()) * tiles}, DType::Int64);
+    Tensor all = empty({int64_t(pg->size()) * words}, DType::Int64);
     pg->all_gather_into_tensor(all, sums)->wait();
-    std::vector<uint64_t> total(size_t(tiles), 0);
+    std::vector<uint64_t> total(size_t(words), 0);
     const auto* a = static_cast<const uint64_t*>(all.raw_data());
     for (int r = 0; r < pg->size(); ++r)
-      for (int64_t t = 0; t < tiles; ++t)
-        total[size_t(t)] += a[size_t(r * tiles + t)];
+      for (int64_t t = 0; t < words; ++t)
+        total[size_t(t)] += a[size_t(r * words + t)];
     std::vector<std::string> bad;
     for (size_t i = 0; i < entries.size(); ++i) {
       if (!found[i].present || entries[i].kind != ValueKind::Tensor) continue;
@@ -178,12 +262,19 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
            compare_tiles(entries[i].key, found[i].meta, total.data() + first[i], table))
         bad.push_back(std::move(b));
     }
-    // Every rank computed the same totals: all throw the same error, nothing is written.
+    // Every rank computed the same totals: all throw the same error.
     if (!bad.empty()) {
       std::string msg;
       for (size_t k = 0; k < bad.size() && k < 8; ++k)
         msg += (k ? "; " : "") + bad[k];
       if (bad.size() > 8) msg += "; and " + std::to_string(bad.size() - 8) + " more";
+      // Whether any rank read in place: every rank says the same.
+      Tensor flag = full({1}, wrote_in_place ? 1.0 : 0.0, DType::Int64);
+      pg->all_reduce(flag, ReduceOp::Max)->wait();
+      if (flag.item<int64_t>() != 0)
+        msg +=
+            " (tensors read in place now hold the file's values, damaged ones included; "
+            "LoadOptions::transactional leaves them untouched instead)";
       throw Error(ctx + ": " + msg);
     }
   }
@@ -198,10 +289,7 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
       v = *found[i].scalar;
       continue;
     }
-    if (!staged[i].defined()) continue;  // an empty tensor
-    Tensor dst = std::holds_alternative<DTensor>(v) ? std::get<DTensor>(v).to_local().detach()
-                                                    : std::get<Tensor>(v).detach();
-    dst.copy_(staged[i]);
+    if (staged[i].defined()) local_of(v).copy_(staged[i]);
   }
   return keys;
 }

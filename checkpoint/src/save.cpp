@@ -50,37 +50,6 @@ void fsync_path(const std::string& path, bool directory) {
   TESSERA_CHECK(rc == 0, "fsync of '", path, "': ", std::strerror(err));
 }
 
-// Every tile's checksum: each rank adds up the blocks it writes, and the sums of all ranks are
-// added (each element is written by exactly one rank). `first` receives each entry's first tile.
-std::vector<uint64_t> checksum_table(const SaveJob& job, const ProcessGroupPtr& pg,
-                                     std::vector<int64_t>& first) {
-  int64_t total = 0;
-  first.assign(job.entries.size(), 0);
-  for (size_t i = 0; i < job.entries.size(); ++i) {
-    const Entry& e = job.entries[i];
-    if (e.kind != ValueKind::Tensor) continue;
-    first[i] = total;
-    total += tile_count(shape_numel(e.global_shape), tile_elements(element_size(e.dtype)));
-  }
-  Tensor mine = zeros({total}, DType::Int64);
-  auto* sums = static_cast<uint64_t*>(mine.raw_data());
-  for (size_t i = 0; i < job.entries.size(); ++i) {
-    const Entry& e = job.entries[i];
-    if (e.kind != ValueKind::Tensor || !job.blocks[i].defined()) continue;
-    add_block_checksums(job.blocks[i].raw_data(), element_size(e.dtype), e.global_shape,
-                        e.window.offset, e.window.shape, tile_elements(element_size(e.dtype)),
-                        sums + first[i]);
-  }
-  Tensor all = empty({int64_t(pg->size()) * total}, DType::Int64);
-  pg->all_gather_into_tensor(all, mine)->wait();
-  std::vector<uint64_t> table(size_t(total), 0);
-  const auto* a = static_cast<const uint64_t*>(all.raw_data());
-  for (int r = 0; r < pg->size(); ++r)
-    for (int64_t t = 0; t < total; ++t)
-      table[size_t(t)] += a[size_t(r * total + t)];
-  return table;
-}
-
 void write_scalar(const h5::Id& file, const Entry& e) {
   const std::string group = group_of(e.key);
   h5::Id g = h5::link_exists(file, group) || group == "/" ? h5::open_group(file, group)
@@ -92,62 +61,6 @@ void write_scalar(const h5::Id& file, const Entry& e) {
     h5::write_attr(g, name, *d);
   else
     h5::write_attr(g, name, std::get<std::string>(e.scalar));
-}
-
-// The file under its temporary name: every step is the same collective HDF5 calls in the same
-// order on every rank, and every rank learns after each step whether any failed.
-void write_file(const SaveJob& job, const std::string& tmp, const std::vector<uint64_t>& table,
-                const std::vector<int64_t>& first, const ProcessGroupPtr& pg, MPI_Comm comm,
-                const std::string& ctx) {
-  Steps steps(pg, ctx);
-  h5::Id file;
-  std::vector<h5::Id> datasets(job.entries.size());
-  steps.run("creating", [&] {
-    file = h5::create_file(tmp, comm);
-    h5::write_attr(file, kAttrFormatVersion, kCheckpointFormatVersion);
-    h5::write_attr(file, kAttrWorldSize, job.world_size);
-    h5::write_attr(file, kAttrWriter, std::string("tessera"));
-  });
-  steps.run("creating datasets", [&] {
-    for (size_t i = 0; i < job.entries.size(); ++i) {
-      const Entry& e = job.entries[i];
-      if (e.kind != ValueKind::Tensor) {
-        write_scalar(file, e);
-        continue;
-      }
-      datasets[i] = h5::create_dataset(file, dataset_path(e.key), e.dtype, e.global_shape);
-      h5::write_attr(datasets[i], kAttrDtype, std::string(dtype_name(e.dtype)));
-      if (!e.mesh.empty()) {
-        h5::write_attr(datasets[i], kAttrMesh, e.mesh);
-        h5::write_attr(datasets[i], kAttrPlacements, e.placements);
-      }
-      h5::write_attr(datasets[i], kAttrFirst, first[i]);
-      h5::write_attr(datasets[i], kAttrTile, tile_elements(element_size(e.dtype)));
-    }
-  });
-  for (size_t i = 0; i < job.entries.size(); ++i) {
-    const Entry& e = job.entries[i];
-    if (e.kind != ValueKind::Tensor || shape_numel(e.global_shape) == 0) continue;
-    steps.run("writing '" + e.key + "'", [&] {
-      const Tensor& b = job.blocks[i];
-      h5::write_block(datasets[i], e.dtype, e.window.offset, e.window.shape,
-                      b.defined() ? b.raw_data() : nullptr, b.defined(), h5::Transfer::Collective);
-    });
-  }
-  steps.run("writing the checksum table", [&] {
-    // An MPI-IO file closes only once nothing in it is open.
-    for (size_t i = 0; i < datasets.size(); ++i)
-      datasets[i].close("closing dataset '" + job.entries[i].key + "'");
-    h5::Id t = h5::create_u64_dataset(file, kTableDataset, int64_t(table.size()));
-    h5::write_u64(t, table, pg->rank() == 0);
-    t.close("closing the checksum table");
-    h5::write_attr_u64(file, kAttrTable, table_checksum(table));
-    // Last: a file without it was never finished.
-    h5::write_attr(file, kAttrComplete, int64_t(1));
-  });
-  if (job.options.fsync)
-    steps.run("flushing", [&] { h5::flush_file(file, "flushing '" + tmp + "'"); });
-  steps.run("closing", [&] { file.close("closing '" + tmp + "'"); });
 }
 
 }  // namespace
@@ -190,34 +103,107 @@ SaveJob prepare_save(const StateDict& state, const std::string& path, const Save
   return job;
 }
 
-void write_checkpoint(const SaveJob& job, const ProcessGroupPtr& pg, MPI_Comm file_comm) {
-  const std::string ctx = "checkpoint save to '" + job.path + "'";
-  auto session = h5::h5_session();
-  std::vector<int64_t> first;
-  const std::vector<uint64_t> table = checksum_table(job, pg, first);
-  const std::string tmp = temp_path(job.path);
-  try {
-    write_file(job, tmp, table, first, pg, file_comm, ctx);
-  } catch (...) {
-    // Every rank is here, after the same step, the file closed.
-    if (pg->rank() == 0) std::remove(tmp.c_str());
-    throw;
+void SaveFile::abandon(const ProcessGroupPtr& pg) {
+  datasets.clear();
+  file = h5::Id();
+  if (pg->rank() == 0 && !tmp.empty()) std::remove(tmp.c_str());
+}
+
+void create_save_file(const SaveJob& job, SaveFile& f, Steps& steps, MPI_Comm comm) {
+  f.tmp = temp_path(job.path);
+  f.datasets.resize(job.entries.size());
+  f.first.assign(job.entries.size(), 0);
+  int64_t words = 0;
+  for (size_t i = 0; i < job.entries.size(); ++i) {
+    const Entry& e = job.entries[i];
+    if (e.kind != ValueKind::Tensor) continue;
+    f.first[i] = words;
+    words +=
+        checksum_words(shape_numel(e.global_shape) * int64_t(element_size(e.dtype)), kTileBytes);
   }
-  // Commit: one rename, atomic on a POSIX file system; the old checkpoint (if any) stays whole
-  // until this instant and the new one is whole from it.
-  std::string commit_error;
-  if (pg->rank() == 0) {
-    try {
-      fault_point("renaming");
-      TESSERA_CHECK(std::rename(tmp.c_str(), job.path.c_str()) == 0, "renaming '", tmp, "' to '",
-                    job.path, "': ", std::strerror(errno));
-      if (job.options.fsync) fsync_path(parent_dir(job.path), /*directory=*/true);
-    } catch (...) {
-      commit_error = current_error_text();
-      std::remove(tmp.c_str());
+  f.sums.assign(size_t(words), 0);
+  steps.run("creating", [&] {
+    f.file = h5::create_file(f.tmp, comm);
+    h5::write_attr(f.file, kAttrFormatVersion, kCheckpointFormatVersion);
+    h5::write_attr(f.file, kAttrWorldSize, job.world_size);
+    h5::write_attr(f.file, kAttrWriter, std::string("tessera"));
+  });
+  steps.run("creating datasets", [&] {
+    for (size_t i = 0; i < job.entries.size(); ++i) {
+      const Entry& e = job.entries[i];
+      if (e.kind != ValueKind::Tensor) {
+        write_scalar(f.file, e);
+        continue;
+      }
+      h5::Id& ds = f.datasets[i];
+      ds = h5::create_dataset(f.file, dataset_path(e.key), e.dtype, e.global_shape);
+      h5::write_attr(ds, kAttrDtype, std::string(dtype_name(e.dtype)));
+      if (!e.mesh.empty()) {
+        h5::write_attr(ds, kAttrMesh, e.mesh);
+        h5::write_attr(ds, kAttrPlacements, e.placements);
+      }
+      h5::write_attr(ds, kAttrFirst, f.first[i]);
+      h5::write_attr(ds, kAttrTile, kTileBytes);
+    }
+  });
+}
+
+void write_blocks(const SaveJob& job, SaveFile& f, Steps* steps) {
+  for (size_t i = 0; i < job.entries.size(); ++i) {
+    const Entry& e = job.entries[i];
+    if (e.kind != ValueKind::Tensor || shape_numel(e.global_shape) == 0) continue;
+    const Tensor& b = job.blocks[i];
+    auto write = [&, transfer = steps ? h5::Transfer::Collective : h5::Transfer::Independent] {
+      if (!b.defined() && transfer == h5::Transfer::Independent) return;
+      if (b.defined())
+        add_block_checksums(b.raw_data(), element_size(e.dtype), e.global_shape, e.window.offset,
+                            e.window.shape, kTileBytes, f.sums.data() + f.first[i]);
+      h5::write_block(f.datasets[i], e.dtype, e.window.offset, e.window.shape,
+                      b.defined() ? b.raw_data() : nullptr, b.defined(), transfer);
+    };
+    const std::string name = "writing '" + e.key + "'";
+    if (steps) {
+      steps->run(name, write);
+    } else {
+      fault_point(name);
+      write();
     }
   }
-  agree(pg, ctx, commit_error);
+}
+
+void finish_save(const SaveJob& job, SaveFile& f, const ProcessGroupPtr& pg, Steps& steps) {
+  // Each element was written, and added up, by exactly one rank.
+  std::vector<uint64_t> table(f.sums.size(), 0);
+  const int64_t words = int64_t(f.sums.size());
+  Tensor mine = from_vector<int64_t>(std::vector<int64_t>(f.sums.begin(), f.sums.end()), {words});
+  Tensor all = empty({int64_t(pg->size()) * words}, DType::Int64);
+  pg->all_gather_into_tensor(all, mine)->wait();
+  const auto* a = static_cast<const uint64_t*>(all.raw_data());
+  for (int r = 0; r < pg->size(); ++r)
+    for (int64_t t = 0; t < words; ++t)
+      table[size_t(t)] += a[size_t(r * words + t)];
+  steps.run("writing the checksum table", [&] {
+    // An MPI-IO file closes only once nothing in it is open.
+    for (size_t i = 0; i < f.datasets.size(); ++i)
+      f.datasets[i].close("closing dataset '" + job.entries[i].key + "'");
+    h5::Id t = h5::create_u64_dataset(f.file, kTableDataset, words);
+    h5::write_u64(t, table, pg->rank() == 0);
+    t.close("closing the checksum table");
+    h5::write_attr_u64(f.file, kAttrTable, table_checksum(table));
+    // Last: a file without it was never finished.
+    h5::write_attr(f.file, kAttrComplete, int64_t(1));
+  });
+  if (job.options.fsync)
+    steps.run("flushing", [&] { h5::flush_file(f.file, "flushing '" + f.tmp + "'"); });
+  steps.run("closing", [&] { f.file.close("closing '" + f.tmp + "'"); });
+  // Commit: one rename, atomic on a POSIX file system; the old checkpoint (if any) stays whole
+  // until this instant and the new one is whole from it.
+  steps.run("renaming", [&] {
+    if (pg->rank() != 0) return;
+    TESSERA_CHECK(std::rename(f.tmp.c_str(), job.path.c_str()) == 0, "renaming '", f.tmp, "' to '",
+                  job.path, "': ", std::strerror(errno));
+    if (job.options.fsync) fsync_path(parent_dir(job.path), /*directory=*/true);
+  });
 }
 
 }  // namespace tessera::ckpt
@@ -228,48 +214,18 @@ void save(const StateDict& state, const std::string& path, const SaveOptions& op
   ckpt::wait_for_pending_save();
   const ckpt::Context& c = ckpt::context();
   ckpt::SaveJob job = ckpt::prepare_save(state, path, options, c.group, /*stage=*/false);
-  ckpt::write_checkpoint(job, c.group, c.file_comm);
-}
-
-AsyncSave async_save(const StateDict& state, const std::string& path, const SaveOptions& options) {
-  ckpt::wait_for_pending_save();
-  const ckpt::Context& c = ckpt::context();
-  auto job = std::make_shared<ckpt::SaveJob>(
-      ckpt::prepare_save(state, path, options, c.group, /*stage=*/true));
-  auto s = std::make_shared<AsyncSave::State>();
-  s->path = path;
-  AsyncSave::State* raw = s.get();
-  s->thread = std::thread([job, raw, group = c.async_group, comm = c.file_comm] {
-    try {
-      ckpt::write_checkpoint(*job, group, comm);
-    } catch (...) {
-      raw->error = std::current_exception();
-    }
-  });
-  ckpt::set_pending_save(s);
-  return AsyncSave(s);
-}
-
-AsyncSave& AsyncSave::operator=(AsyncSave&& other) noexcept {
-  if (this != &other) {
-    if (state_) state_->join();
-    state_ = std::move(other.state_);
+  auto session = ckpt::h5::h5_session();
+  ckpt::Steps steps(c.group, "checkpoint save to '" + path + "'");
+  ckpt::SaveFile f;
+  try {
+    ckpt::create_save_file(job, f, steps, c.file_comm);
+    ckpt::write_blocks(job, f, &steps);
+    ckpt::finish_save(job, f, c.group, steps);
+  } catch (...) {
+    // Every rank is here, after the same agreed step.
+    f.abandon(c.group);
+    throw;
   }
-  return *this;
-}
-
-AsyncSave::~AsyncSave() {
-  if (state_) state_->join();
-}
-
-void AsyncSave::wait() {
-  TESSERA_CHECK(state_ != nullptr, "AsyncSave::wait on a handle that holds no save");
-  if (!state_->join()) return;
-  {
-    std::lock_guard<std::mutex> g(state_->mutex);
-    state_->error_reported = true;
-  }
-  std::rethrow_exception(state_->error);
 }
 
 }  // namespace tessera

@@ -7,8 +7,10 @@
 #include <string>
 #include <vector>
 
+#include "h5/h5.h"
 #include "plan.h"
 #include "tessera/checkpoint/checkpoint.h"
+#include "watchdog.h"
 
 namespace tessera::ckpt {
 
@@ -27,8 +29,27 @@ struct SaveJob {
 SaveJob prepare_save(const StateDict& state, const std::string& path, const SaveOptions& options,
                      const ProcessGroupPtr& pg, bool stage);
 
-// Writes the file under its temporary name, then renames it over job.path when every rank
-// succeeded. Collective over `pg` and `file_comm` (the same ranks).
-void write_checkpoint(const SaveJob& job, const ProcessGroupPtr& pg, MPI_Comm file_comm);
+// The temporary file of a save: created with every dataset and attribute, then filled.
+struct SaveFile {
+  std::string tmp;
+  h5::Id file;
+  std::vector<h5::Id> datasets;  // per entry (tensors only)
+  std::vector<int64_t> first;    // per entry: its first word in the checksum table
+  std::vector<uint64_t> sums;    // this rank's part of the table
+  // Closes what is open (collective: every rank does it after the same agreed failure) and
+  // deletes the file (rank 0).
+  void abandon(const ProcessGroupPtr& pg);
+};
+
+// Creates the file under its temporary name beside job.path. Collective, under `steps`.
+void create_save_file(const SaveJob& job, SaveFile& f, Steps& steps, MPI_Comm comm);
+// Adds this rank's checksums and writes its blocks. With `steps`, a collective transfer in one
+// agreed step per dataset; without, independent transfers and no communication at all (what an
+// asynchronous save's writer thread does, so that it never holds tessera's MPI lock while
+// waiting for another rank).
+void write_blocks(const SaveJob& job, SaveFile& f, Steps* steps);
+// Adds up the ranks' checksums into the table, writes it and the closing attributes, closes the
+// file and renames it over job.path once every rank succeeded. Collective.
+void finish_save(const SaveJob& job, SaveFile& f, const ProcessGroupPtr& pg, Steps& steps);
 
 }  // namespace tessera::ckpt

@@ -102,10 +102,15 @@ TEST(CheckpointDamage, FlippedBytesInADatasetNameTheDatasetAndTheBlock) {
     // A byte in the third tile (elements from 2 * 262144) of model/big.
     flip_byte(bad, data_offset(bad, "/model/big") + 2 * (1 << 20) + 1000);
   });
+  // Transactional: nothing changes. Otherwise the values read in place stay, and the error says
+  // so.
   StateDict sd = zero_state();
-  expect_error([&] { load(sd, bad); },
+  expect_error([&] { load(sd, bad, {.transactional = true}); },
                {"flipped.h5", "dataset 'model/big' block 2 of 3", "checksum mismatch"});
   expect_state(sd, 0, "nothing loaded");
+  expect_error([&] { load(sd, bad); }, {"dataset 'model/big' block 2 of 3", "checksum mismatch",
+                                        "tensors read in place now hold the file's values"});
+  EXPECT_EQ(std::get<int64_t>(sd.at("extras/step")), 0) << "scalars change only on success";
   if (world_rank() == 0) {
     const auto problems = verify_checkpoint(bad);
     ASSERT_EQ(problems.size(), 1u);

@@ -29,8 +29,16 @@ struct LoadOptions {
   // Keys of the state dict that the file lacks are an error; with false they are returned as
   // missing_keys and their values left as they were.
   bool strict = true;
-  // Verify the checksum of every element read (costs a pass over the data, no extra I/O).
+  // Verify the checksum of every element read (added up while each piece read is in cache; no
+  // extra I/O).
   bool verify = true;
+  // Without it, a piece of the state dict that is dense and of the file's dtype is read straight
+  // into its tensor, so a checksum failure (found after the reading) leaves such tensors holding
+  // the file's values, damaged ones included. With it, everything is read into staging buffers
+  // and copied into the state dict only once verified: a failed load changes nothing, for a copy
+  // of the local state and one more pass over it. Wrong keys, shapes, dtypes and versions are
+  // found before any data is read, in both modes.
+  bool transactional = false;
 };
 
 // Writes `state` to `path`. Collective over every world rank: each passes the same keys, with
@@ -44,9 +52,10 @@ void save(const StateDict& state, const std::string& path, const SaveOptions& op
 // Fills `state` from `path` in place: each DTensor's local piece receives its window (whatever
 // the mesh and placements it was saved with), each Tensor the global value, each scalar or
 // string the file's value. The file's other entries are ignored. Collective over every world
-// rank, with the same keys on each. Nothing in `state` changes unless every rank read and
-// verified everything. Wrong shapes, dtypes that cannot convert (floating to floating is
-// allowed), damaged files and unknown formats are errors naming the file and the key.
+// rank, with the same keys on each. Wrong shapes, dtypes that cannot convert (floating to
+// floating is allowed), damaged files and unknown formats are errors naming the file and the key;
+// scalars change only when every rank read and verified everything, tensors as
+// LoadOptions::transactional says.
 IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptions& options = {});
 
 // save() in the background: returns once this rank's pieces are copied into a staging snapshot,
