@@ -204,11 +204,14 @@ TEST(CheckpointDamage, AsyncSaveWritesTheSnapshotTakenAtTheCall) {
   const std::string path = dir() + "/async.h5";
   StateDict sd = make_state(1);
   AsyncSave pending = async_save(sd, path);
-  // Training goes on: the tensors change and collectives run while the file is written.
+  // Training goes on: the tensors change and collectives run while the file is written, blocking
+  // ones included (a mesh splits communicators; it once met the writer's collective file calls
+  // in a deadlock).
   std::get<DTensor>(sd["model/big"]).copy_from_full(index_tensor(kBig, DType::Float32, 2));
   for (int i = 0; i < 20; ++i) {
     Tensor t = ones({1000});
     world_group()->all_reduce(t, ReduceOp::Sum)->wait();
+    if (i % 5 == 0) DeviceMesh another(Shape{world_size()}, {"y"});
   }
   pending.wait();
   StateDict back = zero_state();
