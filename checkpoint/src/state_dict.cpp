@@ -51,10 +51,13 @@ std::string state_key(const std::string& fqn, const std::string& name) {
 }  // namespace
 
 std::string IncompatibleKeys::str() const {
+  // A model of another size mismatches every key: the first few say it.
+  constexpr size_t kShown = 8;
   auto join = [](const std::vector<std::string>& v) {
     std::string s;
-    for (const auto& x : v)
-      s += (s.empty() ? "" : ", ") + x;
+    for (size_t i = 0; i < v.size() && i < kShown; ++i)
+      s += (s.empty() ? "" : ", ") + v[i];
+    if (v.size() > kShown) s += ", and " + std::to_string(v.size() - kShown) + " more";
     return s;
   };
   std::string s;

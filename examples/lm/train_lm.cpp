@@ -70,11 +70,18 @@ std::optional<std::string> newest_checkpoint(const std::string& dir) {
 int64_t resume(Decoder& model, AdamW& opt, const std::string& dir) {
   const std::optional<std::string> path = newest_checkpoint(dir);
   TESSERA_CHECK(path.has_value(), "train_lm --resume: no checkpoint step_<N>.h5 in '", dir, "'");
+  // The configuration first (every rank reads it): a model of another size would otherwise
+  // fail on every tensor.
+  const StateDict extras = read_checkpoint_info(*path).scalars;
+  auto it = extras.find("extras/model_config");
+  TESSERA_CHECK(it != extras.end() && std::holds_alternative<std::string>(it->second),
+                "train_lm --resume: ", *path, " has no extras/model_config");
+  const std::string saved = std::get<std::string>(it->second);
+  TESSERA_CHECK(saved == config_text(model.config()), "train_lm --resume: ", *path,
+                " holds a model with ", saved, "; this run builds ", config_text(model.config()),
+                " (pass the same --dim, --layers, ... as the run that saved it)");
   StateDict sd = train_state(model, opt, 0);
   load(sd, *path);
-  const std::string saved = std::get<std::string>(sd.at("extras/model_config"));
-  TESSERA_CHECK(saved == config_text(model.config()), "train_lm --resume: ", *path,
-                " holds a model with ", saved, "; this run builds ", config_text(model.config()));
   set_optimizer_state_dict(model, opt, sub_state_dict(sd, "optim"));
   return std::get<int64_t>(sd.at("extras/step"));
 }

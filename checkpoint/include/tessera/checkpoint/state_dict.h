@@ -55,7 +55,8 @@ struct IncompatibleKeys {
   bool empty() const {
     return missing_keys.empty() && unexpected_keys.empty() && mismatched_keys.empty();
   }
-  std::string str() const;  // "missing keys: a, b; unexpected keys: c"
+  // "missing keys: a, b; unexpected keys: c" (at most 8 keys of each kind, then how many more)
+  std::string str() const;
 };
 
 // Collective over the ranks that hold the model's DTensors (every rank for a full dict).
