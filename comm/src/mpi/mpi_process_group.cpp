@@ -3,6 +3,8 @@
 // mpi_collectives.cpp.
 #include "mpi_process_group.h"
 
+#include "../op_counts.h"
+
 #include <numeric>
 
 #include "buffers.h"
@@ -65,6 +67,7 @@ std::string MpiProcessGroup::where(const char* op) const {
 }
 
 void MpiProcessGroup::enter(const char* op) const {
+  detail::count_comm_op(op);
   require_usable(op);
 }
 

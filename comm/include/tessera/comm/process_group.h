@@ -3,6 +3,7 @@
 // collective, each asynchronous, returning a Work to wait on. Blocking use is `->wait()`.
 // Every rank of the group must call the same collectives in the same order. Tensors may have any
 // strides; the caller's tensors must stay alive and untouched until the Work completes.
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,6 +22,12 @@ struct GatherRun {
   int64_t length = 0;
 };
 const char* reduce_op_name(ReduceOp op);
+
+// How many operations of each kind ("all_reduce", "reduce_scatter_tensor", "send", "split", ...)
+// this process has issued on any group since the last reset: what tests and benchmarks count
+// communication with (a layer's collectives per forward, say). Thread-safe.
+std::map<std::string, int64_t> comm_op_counts();
+void reset_comm_op_counts();
 
 class Work {
  public:
