@@ -1,24 +1,60 @@
 #include "dispatch.h"
 
+#include <algorithm>
 #include "tessera/autograd/function.h"
+
+#include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
+#include "tessera/core/kernels/views.h"
 
 namespace tessera::dtensor_ops {
 
 namespace {
 
-// Identity forward; backward sums the gradient over the given mesh dims. Placed on a replicated
-// input whose consumer's output is sharded or partial on those dims.
-class SumGradOver final : public autograd::Function {
+// Identity forward; backward sums the gradients over the given mesh dims. Placed on the
+// replicated inputs of an op whose output is sharded or partial on those dims: all of one op's
+// such inputs go through one node, so their gradients travel in one all-reduce per mesh dim
+// (x and a replicated weight of the same op cost one collective, not two).
+class SumGradsOver final : public autograd::Function {
  public:
-  SumGradOver(DeviceMesh mesh, std::vector<int64_t> mesh_dims)
+  SumGradsOver(DeviceMesh mesh, std::vector<int64_t> mesh_dims)
       : mesh_(std::move(mesh)), dims_(std::move(mesh_dims)) {}
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) override { return {in[0]}; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override { return in; }
   std::vector<Tensor> backward(const std::vector<Tensor>& g) override {
-    Tensor out = g[0].clone();
-    for (int64_t m : dims_)
-      mesh_.group(m)->all_reduce(out, ReduceOp::Sum)->wait();
-    return {out};
+    if (g.size() == 1) {
+      Tensor out = g[0].clone();
+      for (int64_t m : dims_)
+        mesh_.group(m)->all_reduce(out, ReduceOp::Sum)->wait();
+      return {out};
+    }
+    // One flat buffer per dtype (in practice one).
+    std::vector<Tensor> out(g.size());
+    std::vector<bool> done(g.size(), false);
+    for (size_t i = 0; i < g.size(); ++i) {
+      if (done[i]) continue;
+      std::vector<size_t> same;
+      int64_t n = 0;
+      for (size_t j = i; j < g.size(); ++j)
+        if (!done[j] && g[j].dtype() == g[i].dtype()) {
+          same.push_back(j);
+          n += g[j].numel();
+        }
+      Tensor flat = empty({n}, g[i].dtype());
+      int64_t at = 0;
+      for (size_t j : same) {
+        kernels::narrow(flat, 0, at, g[j].numel()).copy_(kernels::reshape(g[j], {g[j].numel()}));
+        at += g[j].numel();
+      }
+      for (int64_t m : dims_)
+        mesh_.group(m)->all_reduce(flat, ReduceOp::Sum)->wait();
+      at = 0;
+      for (size_t j : same) {
+        out[j] = kernels::reshape(kernels::narrow(flat, 0, at, g[j].numel()), g[j].shape());
+        at += g[j].numel();
+        done[j] = true;
+      }
+    }
+    return out;
   }
 
  private:
@@ -52,6 +88,8 @@ DTensor run(const char* op, const std::vector<DTensor>& inputs, const ShardingDe
   check_same_mesh(op, inputs);
   const DeviceMesh& mesh = inputs[0].mesh();
   std::vector<Tensor> locals;
+  // Replicated inputs whose gradients must be summed, grouped by the mesh dims to sum over.
+  std::vector<std::pair<std::vector<int64_t>, std::vector<size_t>>> sums;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].defined()) {
       locals.emplace_back();
@@ -64,9 +102,23 @@ DTensor run(const char* op, const std::vector<DTensor>& inputs, const ShardingDe
       if (decision.inputs[i][size_t(m)].is_replicate() &&
           !decision.output[size_t(m)].is_replicate() && mesh.size(m) > 1)
         sum_dims.push_back(m);
-    if (!sum_dims.empty() && l.requires_grad() && grad_enabled())
-      l = autograd::Function::apply<SumGradOver>({l}, mesh, sum_dims)[0];
+    if (!sum_dims.empty() && l.requires_grad() && grad_enabled()) {
+      auto it = std::find_if(sums.begin(), sums.end(),
+                             [&](const auto& s) { return s.first == sum_dims; });
+      if (it == sums.end())
+        sums.push_back({sum_dims, {i}});
+      else
+        it->second.push_back(i);
+    }
     locals.push_back(l);
+  }
+  for (const auto& [dims, which] : sums) {
+    std::vector<Tensor> in;
+    for (size_t i : which)
+      in.push_back(locals[i]);
+    std::vector<Tensor> out = autograd::Function::apply<SumGradsOver>(in, mesh, dims);
+    for (size_t k = 0; k < which.size(); ++k)
+      locals[which[k]] = out[k];
   }
   Tensor out = local(locals);
   auto spec = std::make_shared<const DTensorSpec>(mesh, decision.output, out_shape, out.dtype());

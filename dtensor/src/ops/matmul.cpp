@@ -141,4 +141,58 @@ DTensor linear(const DTensor& x, const DTensor& weight, const DTensor& bias) {
                           [](const std::vector<Tensor>& l) { return linear(l[0], l[1], l[2]); });
 }
 
+DTensor linear_lowrank(const DTensor& x, const DTensor& weight, const DTensor& bias,
+                       const DTensor& a, const DTensor& b, double scale, const DTensor& x_lowrank,
+                       const Tensor& h_scale) {
+  dtensor_ops::check_same_mesh("linear_lowrank", {x, weight, bias, a, b, x_lowrank});
+  if (x_lowrank.defined())
+    TESSERA_CHECK(x_lowrank.shape() == x.shape(), "linear_lowrank: x_lowrank ", x_lowrank.str(),
+                  " is not shaped like x ", x.str());
+  TESSERA_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1) && a.dim() == 2 &&
+                    b.dim() == 2 && a.size(1) == weight.size(1) && b.size(0) == weight.size(0) &&
+                    a.size(0) == b.size(1),
+                "linear_lowrank: input ", shape_str(x.shape()), ", weight ",
+                shape_str(weight.shape()), ", a ", shape_str(a.shape()), " and b ",
+                shape_str(b.shape()), " do not fit (weight [out, in], a [r, in], b [out, r])");
+  const int64_t last = x.dim() - 1;
+  ShardingDecision dec{{{}, {}, {}, {}, {}, {}}, {}};
+  for (int64_t m = 0; m < x.mesh().ndim(); ++m) {
+    const Placement pw = weight.placements()[size_t(m)];
+    Placement px = x.placements()[size_t(m)];
+    Placement w = pw, xi, ai, bi, bias_p, out;
+    if (pw.kind() == Placement::Kind::Shard && pw.dim() == 0) {
+      // Column parallel: every rank its slice of the output features.
+      xi = Replicate(), ai = Replicate(), bi = Shard(0), bias_p = Shard(0), out = Shard(last);
+    } else if (pw.kind() == Placement::Kind::Shard && pw.dim() == 1) {
+      // Row parallel: partial sums (b's gradient is then summed over the ranks).
+      xi = Shard(last), ai = Shard(1), bi = Replicate(), bias_p = Partial(), out = Partial();
+    } else {
+      // The weight whole: everything follows x's batch or sequence shards.
+      w = Replicate();
+      const bool keep = px.kind() == Placement::Kind::Shard && px.dim() != last;
+      xi = keep ? px : Replicate();
+      ai = Replicate(), bi = Replicate(), bias_p = Replicate(), out = xi;
+    }
+    dec.inputs[0].push_back(xi);
+    dec.inputs[1].push_back(w);
+    dec.inputs[2].push_back(bias_p);
+    dec.inputs[3].push_back(ai);
+    dec.inputs[4].push_back(bi);
+    dec.inputs[5].push_back(xi);
+    dec.output.push_back(out);
+  }
+  Shape out = x.shape();
+  out.back() = weight.size(0);
+  return dtensor_ops::run(
+      "linear_lowrank", {x, weight, bias, a, b, x_lowrank}, dec, out,
+      [scale, h_scale](const std::vector<Tensor>& l) {
+        Tensor y = linear(l[0], l[1], l[2]);
+        Tensor h = linear(l[5].defined() ? l[5] : l[0], l[3]);
+        if (h_scale.defined())
+          h = mul(h, h_scale.dtype() == h.dtype() ? h_scale : h_scale.to(h.dtype()));
+        Tensor low = mul(linear(h, l[4]), scale);
+        return add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
+      });
+}
+
 }  // namespace tessera

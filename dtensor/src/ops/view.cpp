@@ -134,4 +134,52 @@ DTensor transpose(const DTensor& x, int64_t d0, int64_t d1) {
   });
 }
 
+namespace {
+
+// Placements for an op along tensor dim `dim`: a shard of that dim is gathered (Replicate);
+// every other placement, Partial included (cat and narrow are linear), is kept.
+Placements along_dim(const Placements& ps, int64_t dim) {
+  Placements out;
+  for (const Placement& p : ps)
+    out.push_back(p.is_shard(dim) ? Replicate() : p);
+  return out;
+}
+
+}  // namespace
+
+DTensor cat(const std::vector<DTensor>& xs, int64_t dim) {
+  TESSERA_CHECK(!xs.empty(), "cat: no DTensors");
+  dtensor_ops::check_same_mesh("cat", xs);
+  const int64_t nd = xs[0].dim();
+  dim = wrap_dim(dim, nd, "cat");
+  Shape out = xs[0].shape();
+  out[size_t(dim)] = 0;
+  for (const DTensor& x : xs) {
+    TESSERA_CHECK(x.dim() == nd && x.dtype() == xs[0].dtype(), "cat: ", x.str(), " and ",
+                  xs[0].str(), " differ in rank or dtype");
+    for (int64_t d = 0; d < nd; ++d)
+      TESSERA_CHECK(d == dim || x.size(d) == xs[0].size(d), "cat: shapes ", shape_str(x.shape()),
+                    " and ", shape_str(xs[0].shape()), " differ outside dim ", dim);
+    out[size_t(dim)] += x.size(dim);
+  }
+  // Every input in the first one's placements (its shards of `dim` gathered).
+  const Placements target = along_dim(xs[0].placements(), dim);
+  ShardingDecision dec{std::vector<Placements>(xs.size(), target), target};
+  return dtensor_ops::run("cat", xs, dec, out,
+                          [dim](const std::vector<Tensor>& l) { return cat(l, dim); });
+}
+
+DTensor narrow(const DTensor& x, int64_t dim, int64_t start, int64_t length) {
+  dim = wrap_dim(dim, x.dim(), "narrow");
+  TESSERA_CHECK(start >= 0 && length >= 0 && start + length <= x.size(dim), "narrow: [", start,
+                ", ", start + length, ") out of dim ", dim, " of ", x.str());
+  const Placements target = along_dim(x.placements(), dim);
+  Shape out = x.shape();
+  out[size_t(dim)] = length;
+  return dtensor_ops::run("narrow", {x}, ShardingDecision{{target}, target}, out,
+                          [dim, start, length](const std::vector<Tensor>& l) {
+                            return narrow(l[0], dim, start, length);
+                          });
+}
+
 }  // namespace tessera

@@ -41,6 +41,17 @@ DTensor matmul(const DTensor& a, const DTensor& b);
 // x [..., in], weight [out, in], bias [out] (optional): column parallel (weight S(0)) gives
 // S(-1), row parallel (x S(-1), weight S(1)) gives Partial.
 DTensor linear(const DTensor& x, const DTensor& weight, const DTensor& bias = {});
+// y = linear(x, weight, bias) + scale * linear(h_scale * linear(x_lowrank, a), b), with a [r, in]
+// and b [out, r]: a linear layer with a low-rank update (LoRA) as one op. x_lowrank (default: x)
+// is what the update reads (x after dropout); h_scale, a plain tensor broadcast onto the local
+// [..., r] activations, weighs them per sample (mixed adapter batches). Rules per mesh dim, from
+// the weight's placement: S(0) (column parallel) -> x, x_lowrank and a replicated, b S(0),
+// output S(-1), and the gradients of these replicated inputs of one op summed in one
+// all-reduce — the one collective linear alone has; S(1) (row parallel) -> x S(-1), a S(1), b
+// replicated, output Partial; replicated -> everything follows x's batch or sequence shards.
+DTensor linear_lowrank(const DTensor& x, const DTensor& weight, const DTensor& bias,
+                       const DTensor& a, const DTensor& b, double scale,
+                       const DTensor& x_lowrank = {}, const Tensor& h_scale = {});
 
 // --- reductions (a reduced sharded dim becomes Partial) ---
 DTensor sum(const DTensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
@@ -55,5 +66,10 @@ DTensor log_softmax(const DTensor& x, int64_t dim);
 DTensor view(const DTensor& x, const Shape& shape);
 DTensor reshape(const DTensor& x, const Shape& shape);
 DTensor transpose(const DTensor& x, int64_t d0, int64_t d1);
+
+// --- along one dim: a shard of that dim is gathered first; other placements (Partial
+// included) are kept, every input of cat taking the first one's ---
+DTensor cat(const std::vector<DTensor>& xs, int64_t dim);
+DTensor narrow(const DTensor& x, int64_t dim, int64_t start, int64_t length);
 
 }  // namespace tessera
