@@ -50,6 +50,17 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool bias, Generator& 
   reset_parameters(gen);
 }
 
+Linear::Linear(std::string type_name, const Linear& base)
+    : Module(std::move(type_name)),
+      weight(base.weight),
+      bias(base.bias),
+      in_(base.in_),
+      out_(base.out_) {
+  register_parameter("weight", &weight);
+  if (bias.defined()) register_parameter("bias", &bias);
+  if (base.dtensor_io()) set_dtensor_io(*base.dtensor_io());
+}
+
 void Linear::reset_parameters(Generator& gen) {
   weight.kaiming_uniform_(gen);
   if (bias.defined()) {

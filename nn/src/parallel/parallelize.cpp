@@ -1,6 +1,8 @@
 // parallelize_module and the decoder's tensor-parallel plan.
 #include "tessera/nn/parallel/parallelize.h"
 
+#include "tessera/nn/module_path.h"
+
 #include <algorithm>
 #include <set>
 
@@ -13,73 +15,6 @@ ParallelStylePtr prepare_module_output(Placements output_layouts,
 }  // namespace detail
 
 namespace {
-
-std::vector<std::string> split_path(const std::string& path) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (true) {
-    size_t dot = path.find('.', start);
-    out.push_back(path.substr(start, dot - start));
-    if (dot == std::string::npos) return out;
-    start = dot + 1;
-  }
-}
-
-// '*' matches any run of characters within one component (fnmatch on path atoms, as in PyTorch),
-// so "layers.*.attention" names every block's attention and "w*" every w-projection, but a '*'
-// never reaches across a '.'.
-bool match_component(const std::string& pat, const std::string& s) {
-  size_t p = 0, i = 0, star = std::string::npos, mark = 0;
-  while (i < s.size()) {
-    if (p < pat.size() && pat[p] == '*') {
-      star = p++;
-      mark = i;
-    } else if (p < pat.size() && pat[p] == s[i]) {
-      ++p;
-      ++i;
-    } else if (star != std::string::npos) {
-      p = star + 1;
-      i = ++mark;
-    } else {
-      return false;
-    }
-  }
-  while (p < pat.size() && pat[p] == '*')
-    ++p;
-  return p == pat.size();
-}
-
-// How many leading components of `path` the pattern matches.
-size_t matched_prefix(const std::vector<std::string>& pat, const std::vector<std::string>& path) {
-  size_t k = 0;
-  while (k < pat.size() && k < path.size() && match_component(pat[k], path[k]))
-    ++k;
-  return k;
-}
-
-// For the error of a pattern that matches nothing: the names found where the pattern stopped
-// matching, which is usually where the typo is.
-std::string candidates(const std::vector<std::string>& pat,
-                       const std::vector<std::pair<std::string, ModulePtr>>& modules) {
-  size_t best = 0;
-  std::vector<std::vector<std::string>> paths;
-  for (const auto& [path, m] : modules) {
-    if (path.empty()) continue;
-    paths.push_back(split_path(path));
-    best = std::max(best, matched_prefix(pat, paths.back()));
-  }
-  std::set<std::string> seen;
-  std::string names;
-  for (const auto& p : paths) {
-    if (p.size() != best + 1 || matched_prefix(pat, p) != best) continue;
-    if (!seen.insert(p[best]).second) continue;
-    names += (names.empty() ? "" : ", ") + p[best];
-  }
-  std::string prefix;
-  for (size_t i = 0; i < best; ++i)
-    prefix += pat[i] + ".";
-  return "after '" + prefix + "' there are: " + (names.empty() ? "(no children)" : names);
-}
 
 template <class Style>
 ParallelStylePtr make(Style s) {
@@ -99,14 +34,12 @@ ModulePtr parallelize_module(const ModulePtr& module, const DeviceMesh& mesh,
   std::vector<std::vector<ModulePtr>> targets;
   for (const auto& [pattern, style] : plan) {
     TESSERA_CHECK(style != nullptr, "parallelize_module: null style for '", pattern, "'");
-    const std::vector<std::string> pat = split_path(pattern);
     std::vector<ModulePtr> hits;
-    for (const auto& [path, m] : modules) {
-      const std::vector<std::string> p = split_path(path);
-      if (p.size() == pat.size() && matched_prefix(pat, p) == pat.size()) hits.push_back(m);
-    }
+    for (const auto& [path, m] : modules)
+      if (module_path_matches(pattern, path)) hits.push_back(m);
     TESSERA_CHECK(!hits.empty(), "parallelize_module: pattern '", pattern, "' (", style->name(),
-                  ") matches no module of ", module->type_name(), "; ", candidates(pat, modules));
+                  ") matches no module of ", module->type_name(), "; ",
+                  module_path_candidates(pattern, modules));
     targets.push_back(std::move(hits));
   }
   for (size_t i = 0; i < plan.size(); ++i)

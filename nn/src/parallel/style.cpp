@@ -91,6 +91,7 @@ void ColwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
     // Output features split: each rank's slice of y needs its rows of W and of b.
     distribute_parameter(linear->weight, "weight", mesh, {Shard(0)}, style, module);
     distribute_parameter(linear->bias, "bias", mesh, {Shard(0)}, style, module);
+    linear->after_tensor_parallel(mesh);
   } else if (auto* emb = dynamic_cast<Embedding*>(&module)) {
     distribute_parameter(emb->weight, "weight", mesh, {Shard(1)}, style, module);
   } else {
@@ -109,6 +110,7 @@ void RowwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
     // which the DTensor linear does for a Replicate bias against a Partial product.
     distribute_parameter(linear->weight, "weight", mesh, {Shard(1)}, style, module);
     distribute_parameter(linear->bias, "bias", mesh, {Replicate()}, style, module);
+    linear->after_tensor_parallel(mesh);
     module.set_dtensor_io(DTensorIO{mesh, input_layouts, {Shard(-1)}, output_layouts});
   } else if (auto* emb = dynamic_cast<Embedding*>(&module)) {
     // Vocabulary parallel: each rank looks up the ids it owns (zeros elsewhere), so every rank

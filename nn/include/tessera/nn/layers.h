@@ -16,8 +16,16 @@ class Linear : public Module {
 
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
+  // Called by ColwiseParallel and RowwiseParallel once weight and bias are distributed on
+  // `mesh`, so that a subclass holding more parameters (a LoRA linear) lays them out to match.
+  virtual void after_tensor_parallel(const DeviceMesh& mesh) { (void)mesh; }
   Parameter weight;
   Parameter bias;  // undefined without bias
+
+ protected:
+  // For subclasses that wrap an existing layer (LoRA): takes over its weight and bias (the same
+  // tensors, distributed ones staying so) and how it crosses into DTensors, drawing nothing.
+  Linear(std::string type_name, const Linear& base);
 
  private:
   int64_t in_, out_;
