@@ -229,8 +229,23 @@ Tensor FSDPState::pre_forward(const Tensor& x) {
   prefetch(/*forward=*/true);
   unshard();
   const auto& pd = opts_.mp_policy.param_dtype;
-  if (pd && x.defined() && is_floating(x.dtype()) && x.dtype() != *pd) return cast(x, *pd);
-  return Tensor();
+  Tensor in = x;
+  if (pd && x.defined() && is_floating(x.dtype()) && x.dtype() != *pd) in = cast(x, *pd);
+  // The gradients of the group's trainable parameters can all be ready while its backward still
+  // uses gathered weights that get none (frozen ones, such as a LoRA base: the gradient of the
+  // input still flows through them). When the input requires grad, its gradient marks the end
+  // of the group's backward; when it does not, no step of the group's backward is left once its
+  // trainable parameters have their gradients.
+  input_grad_pending_ = false;
+  if (grad_enabled() && in.defined() && in.requires_grad()) {
+    input_grad_pending_ = true;
+    std::weak_ptr<FSDPState> weak = weak_from_this();
+    register_hook(in, [weak](const Tensor&) {
+      if (auto s = weak.lock()) s->on_input_grad();
+      return Tensor();
+    });
+  }
+  return in.is_same(x) ? Tensor() : in;
 }
 
 Tensor FSDPState::post_forward(const Tensor& y) {
@@ -282,7 +297,20 @@ void FSDPState::on_grad_ready() {
   int64_t expected = 0;
   for (const ParamInfo& i : params_)
     expected += i.leaf.defined() && i.leaf.requires_grad();
-  if (grads_ready_ < expected) return;
+  if (grads_ready_ < expected || input_grad_pending_) return;
+  grads_ready_for_reduce_ = true;
+  schedule_->issue_ready_reduces();
+}
+
+void FSDPState::on_input_grad() {
+  if (!input_grad_pending_) return;
+  input_grad_pending_ = false;
+  int64_t expected = 0;
+  for (const ParamInfo& i : params_)
+    expected += i.leaf.defined() && i.leaf.requires_grad();
+  // A group without trainable parameters has nothing to reduce; the end of backward reshards it.
+  if (expected == 0 || grads_ready_ < expected) return;
+  begin_backward();
   grads_ready_for_reduce_ = true;
   schedule_->issue_ready_reduces();
 }

@@ -87,6 +87,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   Tensor post_forward(const Tensor& y);
   void pre_backward();
   void on_grad_ready();
+  void on_input_grad();
 
   struct ParamInfo {
     Parameter* param = nullptr;
@@ -165,6 +166,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool backward_pending_ = false;
   bool leaves_released_ = false;  // resharded after forward: the graph holds empty storage
   bool grads_ready_for_reduce_ = false;
+  // Set by a forward whose input requires grad, until that input's gradient is computed: only
+  // then has this group's backward finished using its (frozen ones included) gathered weights.
+  bool input_grad_pending_ = false;
   int64_t grads_ready_ = 0;
   FSDPCommStats stats_;
   std::optional<PendingGather> pending_gather_;
