@@ -12,5 +12,6 @@
 #include "tessera/dtensor/random.h"
 #include "tessera/dtensor/redistribute.h"
 #include "tessera/fsdp/fully_shard.h"
+#include "tessera/lora/lora.h"
 #include "tessera/nn/nn.h"
 #include "tessera/nn/parallel/parallelize.h"

@@ -1,0 +1,44 @@
+#pragma once
+// LoraConfig: PEFT's LoraConfig fields with PEFT's meaning.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tessera {
+
+// PEFT's init_lora_weights: true (kaiming-uniform A with a = sqrt(5), B zero: the adapter starts
+// as the identity), "gaussian" (A ~ N(0, 1/r), B zero), false (B drawn too, as nn.Linear would:
+// the adapter changes the output from the start; for tests).
+enum class LoraInit { Kaiming, Gaussian, Random };
+
+struct LoraConfig {
+  int64_t r = 8;
+  double lora_alpha = 8;
+  double lora_dropout = 0.0;
+  // Module names ("wq": every Linear whose last path component is wq) or dotted patterns
+  // ("layers.*.attention.wq": '*' matches within one component). Each must match a Linear.
+  std::vector<std::string> target_modules;
+  // alpha / sqrt(r) instead of alpha / r.
+  bool use_rslora = false;
+  LoraInit init_lora_weights = LoraInit::Kaiming;
+  std::string bias = "none";  // the only value supported
+  // An adapter's initial values depend on this seed, the adapter's name and the module's path
+  // only: the same under any mesh or parallelism.
+  uint64_t seed = 0;
+
+  double scaling() const;  // lora_alpha / r, or / sqrt(r) with use_rslora
+  // An error naming the field for r <= 0, alpha <= 0, dropout outside [0, 1), no targets, a bias
+  // other than "none".
+  void validate() const;
+};
+
+// Preallocated adapter slots, fixed when LoRA is applied: adapters can then be added and removed
+// later (after fully_shard too) without wrapping the model again. Every slot holds A [max_rank,
+// in] and B [out, max_rank]; an adapter of rank r < max_rank uses the first r and keeps the rest
+// zero (they then get zero gradients and stay zero).
+struct LoraSlots {
+  int64_t max_adapters = 1;
+  int64_t max_rank = 0;  // 0: the first adapter's r
+};
+
+}  // namespace tessera

@@ -1,0 +1,100 @@
+#pragma once
+// LoraLinear: a Linear with low-rank adapters, y = x W^T + b + sum over adapters of
+// scale * (dropout(x) A^T) B^T. It is a Linear (the tensor-parallel styles apply to it) that
+// takes over the wrapped layer's weight and bias under their own names, so the base model's
+// parameter names do not change; each adapter slot adds "lora_A.<slot>.weight" [max_rank, in]
+// and "lora_B.<slot>.weight" [out, max_rank].
+//
+// The adapters' placements follow the base weight W [out, in]: column-parallel W Shard(0) gives
+// A replicated and B Shard(0); row-parallel W Shard(1) gives A Shard(1) and B replicated; a
+// replicated (or plain) W gives both replicated (plain). FSDP later shards them over its mesh
+// dim like any parameter.
+//
+// Each forward issues the collectives the layer issues without adapters, and no more:
+//  - column parallel: the base and adapter products are one DTensor op (linear_lowrank) whose
+//    replicated inputs, x and A, have their gradients summed in the one all-reduce the layer's
+//    backward makes anyway;
+//  - row parallel: the partial base product and the partial adapter activations x A^T travel
+//    together in the layer's one reduction, after which B applies to replicated activations (so
+//    B's gradient needs no sum).
+// Gradients of replicated adapter matrices come out summed over the ranks that share them by
+// these DTensor rules, with nothing LoRA-specific in the backward.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessera/lora/config.h"
+#include "tessera/nn/layers.h"
+
+namespace tessera {
+
+// Which adapters a forward applies: one for the whole batch (PEFT's set_adapter), or one per
+// sample (a mixed batch). Shared by every LoraLinear of a model.
+struct LoraRouting {
+  int64_t active_slot = -1;  // -1: none (the base model alone)
+  // A mixed batch: int64 [rows of this rank's batch], the slot of each sample (-1: none).
+  Tensor sample_slots;
+};
+
+// One adapter matrix, a module of its own so that its name reads lora_A.<slot>.weight.
+class LoraWeight : public Module {
+ public:
+  explicit LoraWeight(Parameter value);
+  Parameter weight;
+};
+
+// The slots' matrices of one kind, named "0", "1", ...
+class LoraWeights : public Module {
+ public:
+  explicit LoraWeights(const std::vector<std::shared_ptr<LoraWeight>>& items);
+
+ private:
+  std::vector<std::shared_ptr<LoraWeight>> items_;
+};
+
+class LoraLinear : public Linear {
+ public:
+  // Wraps `base` (plain or tensor-parallel) with `slots` preallocated adapter slots.
+  LoraLinear(const Linear& base, const LoraSlots& slots, std::shared_ptr<LoraRouting> routing);
+
+  Tensor forward(const Tensor& x) override;
+  DTensor forward_dtensor(const DTensor& x) override;
+  void after_tensor_parallel(const DeviceMesh& mesh) override;
+
+  struct Slot {
+    std::string adapter;  // empty: free
+    int64_t r = 0;
+    double scale = 0;
+    double dropout = 0;
+    bool merged = false;  // folded into the weight: the forward skips it
+  };
+  int64_t num_slots() const { return int64_t(slots_.size()); }
+  int64_t max_rank() const { return max_rank_; }
+  const Slot& slot(int64_t i) const;
+  Parameter& lora_A(int64_t i);
+  Parameter& lora_B(int64_t i);
+
+  // Puts an adapter in slot i with its initial values, drawn from (config.seed, adapter,
+  // path) alone. Not collective for plain and tensor-parallel layers.
+  void init_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
+                 const std::string& path);
+  // Frees slot i (its matrices set to zero: a free slot changes nothing).
+  void clear_slot(int64_t i);
+  // W += scale B A (unmerge: -=) where W lives: each rank updates exactly its own window of W,
+  // from the adapter matrices' global values (A and B are small; W is never gathered).
+  // Collective over the adapter matrices' meshes.
+  void merge_slot(int64_t i, bool unmerge);
+
+ private:
+  struct Batch;
+  void check_slot(int64_t i, const char* op) const;
+  Batch batch(int64_t rows) const;
+  std::vector<std::shared_ptr<LoraWeight>> a_, b_;
+  std::shared_ptr<LoraWeights> a_list_, b_list_;
+  std::vector<Slot> slots_;
+  int64_t max_rank_;
+  std::shared_ptr<LoraRouting> routing_;
+  Generator dropout_gen_;
+};
+
+}  // namespace tessera

@@ -1,0 +1,97 @@
+#pragma once
+// apply_lora and the model-level adapter operations, with PEFT's names: add, delete and activate
+// named adapters; route a mixed batch per sample; merge and unmerge; read and write an adapter
+// as global tensors; save and load PEFT's adapter files.
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessera/lora/lora_linear.h"
+
+namespace tessera {
+
+class LoraModel {
+ public:
+  const ModulePtr& model() const { return model_; }
+  // The wrapped layers, by path, in the model's order.
+  const std::vector<std::pair<std::string, std::shared_ptr<LoraLinear>>>& layers() const {
+    return layers_;
+  }
+
+  // --- adapters ---
+  std::vector<std::string> adapters() const;  // in slot order
+  const LoraConfig& config(const std::string& adapter) const;
+  // Into a free slot, initialised from (config.seed, name, path) alone. Its targets must be
+  // among the modules apply_lora wrapped. Works after fully_shard (the slots were preallocated).
+  // Collective when the layers are sharded by FSDP.
+  void add_adapter(const std::string& name, const LoraConfig& config);
+  // Frees its slot (zeroes its matrices). The optimizer keeps the slot's state: reset it with
+  // Optimizer::reset_state(adapter_parameters(name)) before reusing the slot.
+  void delete_adapter(const std::string& name);
+  // The adapter every sample uses ("" for none: the base model alone). PEFT's set_adapter.
+  void set_adapter(const std::string& name);
+  const std::string& active_adapter() const { return active_; }
+  // The id of an adapter in a mixed batch (its slot).
+  int64_t adapter_id(const std::string& name) const;
+  // A mixed batch: `ids` int64 [rows of this rank's batch], each sample's adapter id (-1: none),
+  // used by every forward until cleared with an undefined tensor. Only adapters that appear get
+  // gradients.
+  void set_batch_adapters(const Tensor& ids);
+  // An adapter's A and B in every layer it targets (what its optimizer updates).
+  std::vector<Parameter*> adapter_parameters(const std::string& name);
+  // Every slot's matrices, used or free.
+  std::vector<Parameter*> parameters();
+
+  // --- merge ---
+  // W += scale B A in every layer (unmerge: -=), each rank updating its own window of W; the
+  // forward then skips the adapter. Collective over the adapters' meshes.
+  void merge_adapter(const std::string& name);
+  void unmerge_adapter(const std::string& name);
+
+  // --- values ---
+  // Global tensors, "<module path>.lora_A.weight" [r, in] and ".lora_B.weight" [out, r], gathered
+  // (collective when distributed).
+  std::map<std::string, Tensor> read_adapter(const std::string& name);
+  // The same keys and global shapes, each rank copying its window; every key is checked first
+  // (missing, unexpected, wrong shapes — a local shard's shape named as such), nothing is written
+  // on an error.
+  void write_adapter(const std::string& name, const std::map<std::string, Tensor>& tensors);
+
+  // --- PEFT files (peft.cpp) ---
+  // dir/adapter_model.safetensors (keys "base_model.model.<path>.lora_A.weight" [r, in] and
+  // ".lora_B.weight" [out, r], float32 global tensors) and dir/adapter_config.json, by rank 0.
+  // Collective.
+  void save_adapter(const std::string& dir, const std::string& name);
+  // Adds adapter `name` from PEFT files, onto whatever mesh this model has. Collective.
+  void load_adapter(const std::string& dir, const std::string& name);
+
+ private:
+  friend std::shared_ptr<LoraModel> apply_lora(const ModulePtr&, const LoraConfig&,
+                                               const std::string&, const LoraSlots&);
+  struct Adapter {
+    int64_t slot = -1;
+    LoraConfig config;
+    std::vector<size_t> layers;  // indices into layers_
+  };
+  const Adapter& find(const std::string& name, const char* op) const;
+  std::vector<size_t> targets(const LoraConfig& config) const;
+
+  ModulePtr model_;
+  std::vector<std::pair<std::string, std::shared_ptr<LoraLinear>>> layers_;
+  std::shared_ptr<LoraRouting> routing_;
+  std::map<std::string, Adapter> adapters_;
+  std::string active_;
+  LoraSlots slots_;
+};
+
+// Wraps every Linear of `model` that config.target_modules names (plain or tensor-parallel,
+// before fully_shard) in a LoraLinear, freezes every other parameter of the model, adds adapter
+// `adapter_name` and makes it active. Applying it before parallelize_module or after gives the
+// same model. A target matching nothing, or something other than a Linear, is an error naming
+// it.
+std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& config,
+                                      const std::string& adapter_name = "default",
+                                      const LoraSlots& slots = {});
+
+}  // namespace tessera

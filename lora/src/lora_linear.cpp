@@ -1,0 +1,378 @@
+#include "tessera/lora/lora_linear.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "tessera/autograd/grad_mode.h"
+#include "tessera/autograd/ops.h"
+#include "tessera/core/factory.h"
+#include "tessera/core/kernels/elementwise.h"
+#include "tessera/core/kernels/views.h"
+#include "tessera/dtensor/ops.h"
+#include "tessera/dtensor/random.h"
+
+namespace tessera {
+
+namespace {
+
+// The adapters' placements from the base weight's (see the header).
+std::pair<Placements, Placements> adapter_placements(const DTensor& w) {
+  Placements pa, pb;
+  for (const Placement& p : w.placements()) {
+    if (p.is_replicate()) {
+      pa.push_back(Replicate());
+      pb.push_back(Replicate());
+    } else if (p.kind() == Placement::Kind::Shard && p.dim() == 0) {
+      pa.push_back(Replicate());
+      pb.push_back(Shard(0));
+    } else if (p.kind() == Placement::Kind::Shard && p.dim() == 1) {
+      pa.push_back(Shard(1));
+      pb.push_back(Replicate());
+    } else {
+      TESSERA_FAIL("LoRA: the base weight ", w.str(),
+                   " is laid out in a way adapters cannot follow (column or row parallel, or "
+                   "replicated, are supported); apply LoRA before fully_shard");
+    }
+  }
+  return {pa, pb};
+}
+
+// A zero adapter matrix laid out for a base weight: plain, or a DTensor with `placements`.
+Parameter adapter_parameter(const Shape& shape, const Parameter& base, bool a) {
+  if (!base.is_dtensor()) return Parameter(zeros(shape, DType::Float32));
+  const DTensor& w = base.stored_dtensor();
+  const auto [pa, pb] = adapter_placements(w);
+  const Placements& p = a ? pa : pb;
+  auto spec = std::make_shared<const DTensorSpec>(w.mesh(), p, shape, DType::Float32);
+  return Parameter(DTensor(spec, zeros(spec->local_layout().local_shape, DType::Float32)));
+}
+
+// The window [offset, offset + shape) this rank holds of a parameter's global value.
+LocalLayout window_of(const Parameter& p) {
+  if (!p.is_dtensor()) return {p.stored().shape(), Shape(p.stored().dim(), 0)};
+  return p.stored_dtensor().spec().local_layout();
+}
+
+// Zeroes the rows >= r (dim 0) or columns >= r (dim 1) of this rank's piece.
+void zero_from(Parameter& p, int64_t dim, int64_t r) {
+  NoGradGuard no_grad;
+  const LocalLayout l = window_of(p);
+  const int64_t lo = l.global_offset[size_t(dim)], n = l.local_shape[size_t(dim)];
+  const int64_t first = std::clamp<int64_t>(r - lo, 0, n);
+  if (first < n) kernels::narrow(p.stored().detach(), dim, first, n - first).zero_();
+}
+
+uint64_t fnv1a(const std::string& s, uint64_t h) {
+  for (unsigned char c : s)
+    h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+// The generator of one adapter of one module: its values depend on these alone.
+uint64_t slot_seed(uint64_t seed, const std::string& adapter, const std::string& path) {
+  uint64_t h = fnv1a(adapter, 0xcbf29ce484222325ull ^ (seed * 0x9E3779B97F4A7C15ull));
+  return fnv1a(path, fnv1a("|", h));
+}
+
+// The plain tensor a plain forward computes with; a sharded DTensor parameter's local piece is
+// not the weight.
+const Tensor& whole(const Parameter& p, const Module& m, const char* name) {
+  if (p.defined() && p.is_dtensor())
+    TESSERA_CHECK(p.local().shape() == p.global_shape(), m.type_name(), ".forward: ", name,
+                  " is sharded (", p.str(),
+                  "); a module with sharded parameters runs on DTensors: apply a parallel style "
+                  "or gather the parameter first");
+  return p.local();
+}
+
+DTensor on_mesh(const Parameter& p, const DeviceMesh& mesh) {
+  if (!p.defined()) return DTensor();
+  if (p.is_dtensor()) return p.dtensor();
+  return DTensor::from_local(p.local(), mesh, Placements(size_t(mesh.ndim()), Replicate()));
+}
+
+}  // namespace
+
+LoraWeight::LoraWeight(Parameter value) : Module("LoraWeight"), weight(std::move(value)) {
+  register_parameter("weight", &weight);
+}
+
+LoraWeights::LoraWeights(const std::vector<std::shared_ptr<LoraWeight>>& items)
+    : Module("LoraWeights"), items_(items) {
+  for (size_t i = 0; i < items_.size(); ++i)
+    register_module(std::to_string(i), items_[i]);
+}
+
+// What one forward applies: the slots, and for a mixed batch the weight of each sample in each
+// slot's activations; dropout per sample row.
+struct LoraLinear::Batch {
+  std::vector<int64_t> slots;
+  Tensor h_scale;  // float [rows, 1, ..., k * max_rank] (mixed batches only)
+  Tensor dropout;  // per row (mixed) or one value
+  bool any_dropout = false;
+};
+
+LoraLinear::LoraLinear(const Linear& base, const LoraSlots& slots,
+                       std::shared_ptr<LoraRouting> routing)
+    : Linear("LoraLinear", base),
+      max_rank_(slots.max_rank),
+      routing_(std::move(routing)),
+      dropout_gen_(0) {
+  TESSERA_CHECK(slots.max_adapters >= 1 && slots.max_rank >= 1, "LoraLinear: ", slots.max_adapters,
+                " adapter slots of rank ", slots.max_rank, " (both must be at least 1)");
+  TESSERA_CHECK(routing_ != nullptr, "LoraLinear: no routing state");
+  for (int64_t i = 0; i < slots.max_adapters; ++i) {
+    a_.push_back(
+        std::make_shared<LoraWeight>(adapter_parameter({max_rank_, in_features()}, weight, true)));
+    b_.push_back(std::make_shared<LoraWeight>(
+        adapter_parameter({out_features(), max_rank_}, weight, false)));
+  }
+  a_list_ = std::make_shared<LoraWeights>(a_);
+  b_list_ = std::make_shared<LoraWeights>(b_);
+  register_module("lora_A", a_list_);
+  register_module("lora_B", b_list_);
+  slots_.resize(size_t(slots.max_adapters));
+}
+
+void LoraLinear::check_slot(int64_t i, const char* op) const {
+  TESSERA_CHECK(i >= 0 && i < num_slots(), "LoraLinear.", op, ": slot ", i, " out of range (",
+                num_slots(), " slots)");
+}
+
+const LoraLinear::Slot& LoraLinear::slot(int64_t i) const {
+  check_slot(i, "slot");
+  return slots_[size_t(i)];
+}
+
+Parameter& LoraLinear::lora_A(int64_t i) {
+  check_slot(i, "lora_A");
+  return a_[size_t(i)]->weight;
+}
+
+Parameter& LoraLinear::lora_B(int64_t i) {
+  check_slot(i, "lora_B");
+  return b_[size_t(i)]->weight;
+}
+
+void LoraLinear::after_tensor_parallel(const DeviceMesh& mesh) {
+  TESSERA_CHECK(weight.is_dtensor(), "LoraLinear: a parallel style left the weight plain");
+  const auto [pa, pb] = adapter_placements(weight.stored_dtensor());
+  NoGradGuard no_grad;
+  // The adapters hold the same values on every rank (their draws do not depend on the rank):
+  // each cuts its window.
+  for (size_t i = 0; i < a_.size(); ++i) {
+    Parameter& a = a_[i]->weight;
+    Parameter& b = b_[i]->weight;
+    TESSERA_CHECK(!a.is_dtensor() && !b.is_dtensor(), "LoraLinear: adapters already distributed");
+    a = Parameter(distribute_tensor(a.full(), mesh, pa), a.requires_grad());
+    b = Parameter(distribute_tensor(b.full(), mesh, pb), b.requires_grad());
+  }
+}
+
+void LoraLinear::init_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
+                           const std::string& path) {
+  check_slot(i, "init_slot");
+  config.validate();
+  TESSERA_CHECK(config.r <= max_rank_, "LoraLinear '", path, "': adapter '", adapter, "' has r ",
+                config.r, " but the slots hold at most rank ", max_rank_,
+                " (LoraSlots::max_rank, fixed when LoRA was applied)");
+  Generator gen(slot_seed(config.seed, adapter, path));
+  Parameter& a = a_[size_t(i)]->weight;
+  Parameter& b = b_[size_t(i)]->weight;
+  // Padding lies after the first r rows of A, so the first r rows of the draw are those of an
+  // unpadded [r, in] draw.
+  if (config.init_lora_weights == LoraInit::Gaussian)
+    a.normal_(0.0, 1.0 / double(config.r), gen);
+  else
+    a.kaiming_uniform_(gen, std::sqrt(5.0));
+  zero_from(a, 0, config.r);
+  NoGradGuard no_grad;
+  b.fill_(0.0);
+  if (config.init_lora_weights == LoraInit::Random) {
+    // As nn.Linear(r, out) draws its weight: kaiming with the fan-in r, whatever the padding.
+    Tensor full = empty({out_features(), config.r});
+    kaiming_uniform_(full, gen, std::sqrt(5.0));
+    const LocalLayout l = window_of(b);
+    Tensor rows = kernels::narrow(full, 0, l.global_offset[0], l.local_shape[0]);
+    kernels::narrow(b.stored().detach(), 1, 0, config.r).copy_(rows);
+  }
+  Slot& s = slots_[size_t(i)];
+  s.adapter = adapter;
+  s.r = config.r;
+  s.scale = config.scaling();
+  s.dropout = config.lora_dropout;
+  s.merged = false;
+  dropout_gen_.manual_seed(slot_seed(config.seed, adapter + "#dropout", path));
+}
+
+void LoraLinear::clear_slot(int64_t i) {
+  check_slot(i, "clear_slot");
+  TESSERA_CHECK(!slots_[size_t(i)].merged, "LoraLinear: slot ", i, " (adapter '",
+                slots_[size_t(i)].adapter, "') is merged into the weight; unmerge it first");
+  a_[size_t(i)]->weight.fill_(0.0);
+  b_[size_t(i)]->weight.fill_(0.0);
+  slots_[size_t(i)] = Slot{};
+}
+
+void LoraLinear::merge_slot(int64_t i, bool unmerge) {
+  check_slot(i, "merge_slot");
+  Slot& s = slots_[size_t(i)];
+  TESSERA_CHECK(!s.adapter.empty(), "LoraLinear: slot ", i, " holds no adapter");
+  TESSERA_CHECK(s.merged == unmerge, "LoraLinear: adapter '", s.adapter, "' is ",
+                s.merged ? "already merged" : "not merged");
+  NoGradGuard no_grad;
+  // The adapter matrices' global values (small), then only this rank's window of B A.
+  const Tensor a = a_[size_t(i)]->weight.full();
+  const Tensor b = b_[size_t(i)]->weight.full();
+  const LocalLayout l = window_of(weight);
+  Tensor b_rows =
+      kernels::narrow(kernels::narrow(b, 0, l.global_offset[0], l.local_shape[0]), 1, 0, s.r);
+  Tensor a_cols =
+      kernels::narrow(kernels::narrow(a, 0, 0, s.r), 1, l.global_offset[1], l.local_shape[1]);
+  Tensor delta =
+      mul(matmul(b_rows.contiguous(), a_cols.contiguous()), unmerge ? -s.scale : s.scale);
+  Tensor w = weight.stored().detach();
+  w.copy_(add(w.to(DType::Float32), delta).to(w.dtype()));
+  s.merged = !unmerge;
+}
+
+LoraLinear::Batch LoraLinear::batch(int64_t rows) const {
+  Batch b;
+  const bool mixed = routing_->sample_slots.defined();
+  if (!mixed) {
+    const int64_t s = routing_->active_slot;
+    if (s >= 0 && s < num_slots() && !slots_[size_t(s)].adapter.empty() &&
+        !slots_[size_t(s)].merged) {
+      b.slots.push_back(s);
+      b.any_dropout = slots_[size_t(s)].dropout > 0 && is_training();
+    }
+    return b;
+  }
+  const Tensor& ids = routing_->sample_slots;
+  TESSERA_CHECK(ids.dim() == 1 && ids.size(0) == rows, "LoRA: the batch's adapter ids ", ids.str(),
+                " must hold one entry per row of this rank's batch (", rows, " rows)");
+  const std::vector<int64_t> v = ids.to_vector<int64_t>();
+  for (int64_t s : v) {
+    if (s < 0) continue;
+    TESSERA_CHECK(s < num_slots() && !slots_[size_t(s)].adapter.empty(), "LoRA: adapter id ", s,
+                  " names no adapter");
+    TESSERA_CHECK(!slots_[size_t(s)].merged, "LoRA: adapter '", slots_[size_t(s)].adapter,
+                  "' is merged into the weights; a mixed batch needs it unmerged");
+    if (std::find(b.slots.begin(), b.slots.end(), s) == b.slots.end()) b.slots.push_back(s);
+  }
+  if (b.slots.empty()) return b;
+  const int64_t k = int64_t(b.slots.size());
+  std::vector<float> scale(size_t(rows * k * max_rank_), 0.0f), drop(size_t(rows), 0.0f);
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t s = v[size_t(row)];
+    if (s < 0) continue;
+    const int64_t j = std::find(b.slots.begin(), b.slots.end(), s) - b.slots.begin();
+    for (int64_t c = 0; c < max_rank_; ++c)
+      scale[size_t((row * k + j) * max_rank_ + c)] = 1.0f;
+    drop[size_t(row)] = float(slots_[size_t(s)].dropout);
+    b.any_dropout |= slots_[size_t(s)].dropout > 0 && is_training();
+  }
+  b.h_scale = from_vector<float>(scale, {rows, k * max_rank_});
+  b.dropout = from_vector<float>(drop, {rows});
+  return b;
+}
+
+namespace {
+
+// [rows, 1, ..., width]: broadcasts a per-row tensor over activations of x's rank.
+Shape per_row_shape(int64_t rows, int64_t width, int64_t ndim) {
+  Shape s(size_t(std::max<int64_t>(ndim, 2)), 1);
+  s.front() = rows;
+  s.back() = width;
+  return s;
+}
+
+// Inverted dropout's multiplier, from the uniform draw `u`: 1/(1-p) where u >= p, else 0; p one
+// value or one per row ([rows]).
+Tensor keep_scale(const Tensor& u, const Tensor& p_rows, double p) {
+  NoGradGuard no_grad;
+  Tensor p_t = p_rows.defined()
+                   ? kernels::reshape(p_rows, per_row_shape(p_rows.size(0), 1, u.dim()))
+                   : full({}, p, DType::Float32);
+  Tensor keep = kernels::compare(kernels::CompareOp::Ge, u, p_t).to(DType::Float32);
+  return kernels::binary(kernels::BinaryOp::Div, keep,
+                         kernels::rbinary_scalar(kernels::BinaryOp::Sub, 1.0, p_t));
+}
+
+}  // namespace
+
+Tensor LoraLinear::forward(const Tensor& x) {
+  TESSERA_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == in_features(), "LoraLinear(",
+                in_features(), " -> ", out_features(), "): input ",
+                x.defined() ? x.str() : std::string("undefined"), " must have last dim ",
+                in_features());
+  Tensor y = linear(x, whole(weight, *this, "weight"), whole(bias, *this, "bias"));
+  const Batch bt = batch(x.dim() >= 2 ? x.size(0) : 1);
+  if (bt.slots.empty()) return y;
+  std::vector<Tensor> as, bs;
+  for (int64_t s : bt.slots) {
+    as.push_back(whole(a_[size_t(s)]->weight, *this, "lora_A"));
+    bs.push_back(mul(whole(b_[size_t(s)]->weight, *this, "lora_B"), slots_[size_t(s)].scale));
+  }
+  const Tensor a = as.size() == 1 ? as[0] : cat(as, 0);
+  const Tensor b = bs.size() == 1 ? bs[0] : cat(bs, 1);
+  Tensor xl = x.dtype() == a.dtype() ? x : cast(x, a.dtype());
+  if (bt.any_dropout) {
+    Tensor u = rand(x.shape(), dropout_gen_);
+    xl = mul(xl, keep_scale(u, bt.dropout, slots_[size_t(bt.slots[0])].dropout));
+  }
+  Tensor h = linear(xl, a);
+  if (bt.h_scale.defined())
+    h = mul(h, kernels::reshape(bt.h_scale,
+                                per_row_shape(bt.h_scale.size(0), bt.h_scale.size(1), x.dim())));
+  Tensor low = linear(h, b);
+  return add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
+}
+
+DTensor LoraLinear::forward_dtensor(const DTensor& x) {
+  TESSERA_CHECK(x.dim() >= 1 && x.size(-1) == in_features(), "LoraLinear(", in_features(), " -> ",
+                out_features(), "): input ", x.str(), " must have last dim ", in_features());
+  const DeviceMesh& mesh = x.mesh();
+  const DTensor w = on_mesh(weight, mesh), bd = on_mesh(bias, mesh);
+  const Batch bt = batch(x.dim() >= 2 ? x.size(0) : 1);
+  if (bt.slots.empty()) return linear(x, w, bd);
+  std::vector<DTensor> as, bs;
+  for (int64_t s : bt.slots) {
+    as.push_back(on_mesh(a_[size_t(s)]->weight, mesh));
+    bs.push_back(mul(on_mesh(b_[size_t(s)]->weight, mesh), slots_[size_t(s)].scale));
+  }
+  const DTensor a = as.size() == 1 ? as[0] : cat(as, 0);
+  const DTensor b = bs.size() == 1 ? bs[0] : cat(bs, 1);
+  DTensor xl = x.dtype() == a.dtype() ? x : cast(x, a.dtype());
+  if (bt.any_dropout) {
+    // The same mask a single process would draw: the draw follows x's layout.
+    DTensor u = rand(x.shape(), mesh, x.placements(), dropout_gen_);
+    Tensor keep = keep_scale(u.to_local(), bt.dropout, slots_[size_t(bt.slots[0])].dropout);
+    xl = mul(xl, DTensor::from_local(keep, mesh, x.placements(), x.shape()));
+  }
+  Tensor h_scale;
+  if (bt.h_scale.defined())
+    h_scale = kernels::reshape(bt.h_scale,
+                               per_row_shape(bt.h_scale.size(0), bt.h_scale.size(1), x.dim()));
+  bool row_parallel = false;
+  for (const Placement& p : w.placements())
+    row_parallel |= p.kind() == Placement::Kind::Shard && p.dim() == 1;
+  if (!row_parallel) return linear_lowrank(x, w, bd, a, b, 1.0, xl, h_scale);
+  // Row parallel: the partial base product and the partial adapter activations share the
+  // layer's one reduction; B then applies to replicated activations.
+  const DTensor yp = linear(x, w, bd);
+  DTensor hp = linear(xl, a);
+  if (hp.dtype() != yp.dtype()) hp = cast(hp, yp.dtype());
+  const int64_t out = out_features(), rank = a.size(0);
+  const DTensor z = cat({yp, hp}, -1).redistribute(Placements(size_t(mesh.ndim()), Replicate()));
+  DTensor y = narrow(z, -1, 0, out);
+  DTensor h = narrow(z, -1, out, rank);
+  if (h.dtype() != b.dtype()) h = cast(h, b.dtype());
+  if (h_scale.defined())
+    h = mul(h, DTensor::from_local(h_scale, mesh, Placements(size_t(mesh.ndim()), Replicate()),
+                                   h_scale.shape()));
+  DTensor low = linear(h, b);
+  return add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
+}
+
+}  // namespace tessera

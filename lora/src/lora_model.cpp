@@ -1,0 +1,283 @@
+// apply_lora and the adapter operations of LoraModel.
+#include "tessera/lora/lora_model.h"
+
+#include <algorithm>
+#include <set>
+
+#include "tessera/autograd/grad_mode.h"
+#include "tessera/core/factory.h"
+#include "tessera/core/kernels/views.h"
+#include "tessera/nn/module_path.h"
+
+namespace tessera {
+
+namespace {
+
+// PEFT's matching: a plain name is a module's last path component ("wq"), a dotted entry a
+// pattern over the whole path ("layers.*.attention.wq"); '*' matches within one component.
+bool targets_path(const std::string& entry, const std::string& path) {
+  if (entry.find('.') != std::string::npos) return module_path_matches(entry, path);
+  const size_t dot = path.rfind('.');
+  return module_path_matches(entry, dot == std::string::npos ? path : path.substr(dot + 1));
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v)
+    s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+}  // namespace
+
+std::vector<std::string> LoraModel::adapters() const {
+  std::vector<std::pair<int64_t, std::string>> v;
+  for (const auto& [name, a] : adapters_)
+    v.emplace_back(a.slot, name);
+  std::sort(v.begin(), v.end());
+  std::vector<std::string> out;
+  for (auto& [slot, name] : v)
+    out.push_back(name);
+  return out;
+}
+
+const LoraModel::Adapter& LoraModel::find(const std::string& name, const char* op) const {
+  auto it = adapters_.find(name);
+  TESSERA_CHECK(it != adapters_.end(), "LoRA ", op, ": no adapter '", name,
+                "' (the model has: ", adapters_.empty() ? std::string("none") : join(adapters()),
+                ")");
+  return it->second;
+}
+
+const LoraConfig& LoraModel::config(const std::string& adapter) const {
+  return find(adapter, "config").config;
+}
+
+std::vector<size_t> LoraModel::targets(const LoraConfig& config) const {
+  std::vector<size_t> out;
+  const auto modules = model_->named_modules();
+  for (const std::string& entry : config.target_modules) {
+    bool wrapped = false, any = false;
+    for (size_t i = 0; i < layers_.size(); ++i)
+      if (targets_path(entry, layers_[i].first)) {
+        wrapped = true;
+        if (std::find(out.begin(), out.end(), i) == out.end()) out.push_back(i);
+      }
+    for (const auto& [path, m] : modules)
+      any |= !path.empty() && targets_path(entry, path);
+    TESSERA_CHECK(wrapped, "LoRA: target module '", entry, "' ",
+                  any ? "names modules LoRA was not applied to (adapters can only go where "
+                        "apply_lora put slots: list every module any adapter targets there)"
+                      : "matches no module of the model");
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
+  config.validate();
+  TESSERA_CHECK(!name.empty(), "LoRA add_adapter: an adapter needs a name");
+  TESSERA_CHECK(!adapters_.count(name), "LoRA add_adapter: adapter '", name,
+                "' exists already (delete it first)");
+  TESSERA_CHECK(config.r <= slots_.max_rank, "LoRA add_adapter: adapter '", name, "' has r ",
+                config.r, " but the slots hold at most rank ", slots_.max_rank,
+                " (LoraSlots::max_rank, fixed by apply_lora)");
+  std::set<int64_t> used;
+  for (const auto& [n, a] : adapters_)
+    used.insert(a.slot);
+  int64_t slot = 0;
+  while (used.count(slot))
+    ++slot;
+  TESSERA_CHECK(slot < slots_.max_adapters, "LoRA add_adapter: all ", slots_.max_adapters,
+                " adapter slots are in use (", join(adapters()),
+                "; LoraSlots::max_adapters, fixed by apply_lora)");
+  Adapter a;
+  a.slot = slot;
+  a.config = config;
+  a.layers = targets(config);
+  for (size_t i : a.layers)
+    layers_[i].second->init_slot(slot, name, config, layers_[i].first);
+  adapters_[name] = std::move(a);
+}
+
+void LoraModel::delete_adapter(const std::string& name) {
+  const Adapter& a = find(name, "delete_adapter");
+  for (size_t i : a.layers)
+    layers_[i].second->clear_slot(a.slot);
+  if (active_ == name) set_adapter("");
+  adapters_.erase(name);
+}
+
+void LoraModel::set_adapter(const std::string& name) {
+  routing_->active_slot = name.empty() ? -1 : find(name, "set_adapter").slot;
+  active_ = name;
+}
+
+int64_t LoraModel::adapter_id(const std::string& name) const {
+  return find(name, "adapter_id").slot;
+}
+
+void LoraModel::set_batch_adapters(const Tensor& ids) {
+  if (ids.defined()) {
+    TESSERA_CHECK(ids.dtype() == DType::Int64 && ids.dim() == 1,
+                  "LoRA set_batch_adapters: ids must be int64 [rows], got ", ids.str());
+    for (int64_t id : ids.to_vector<int64_t>()) {
+      bool known = id == -1;
+      for (const auto& [n, a] : adapters_)
+        known |= a.slot == id;
+      TESSERA_CHECK(known, "LoRA set_batch_adapters: id ", id, " is no adapter's (",
+                    join(adapters()), " have ids from adapter_id(); -1 is the base model)");
+    }
+  }
+  routing_->sample_slots = ids.defined() ? ids.contiguous() : Tensor();
+}
+
+std::vector<Parameter*> LoraModel::adapter_parameters(const std::string& name) {
+  const Adapter& a = find(name, "adapter_parameters");
+  std::vector<Parameter*> out;
+  for (size_t i : a.layers) {
+    out.push_back(&layers_[i].second->lora_A(a.slot));
+    out.push_back(&layers_[i].second->lora_B(a.slot));
+  }
+  return out;
+}
+
+std::vector<Parameter*> LoraModel::parameters() {
+  std::vector<Parameter*> out;
+  for (auto& [path, l] : layers_)
+    for (int64_t s = 0; s < l->num_slots(); ++s) {
+      out.push_back(&l->lora_A(s));
+      out.push_back(&l->lora_B(s));
+    }
+  return out;
+}
+
+void LoraModel::merge_adapter(const std::string& name) {
+  const Adapter& a = find(name, "merge_adapter");
+  for (size_t i : a.layers)
+    layers_[i].second->merge_slot(a.slot, /*unmerge=*/false);
+}
+
+void LoraModel::unmerge_adapter(const std::string& name) {
+  const Adapter& a = find(name, "unmerge_adapter");
+  for (size_t i : a.layers)
+    layers_[i].second->merge_slot(a.slot, /*unmerge=*/true);
+}
+
+std::map<std::string, Tensor> LoraModel::read_adapter(const std::string& name) {
+  const Adapter& a = find(name, "read_adapter");
+  NoGradGuard no_grad;
+  std::map<std::string, Tensor> out;
+  const int64_t r = a.config.r;
+  for (size_t i : a.layers) {
+    auto& [path, l] = layers_[i];
+    out[path + ".lora_A.weight"] = kernels::narrow(l->lora_A(a.slot).full(), 0, 0, r).contiguous();
+    out[path + ".lora_B.weight"] = kernels::narrow(l->lora_B(a.slot).full(), 1, 0, r).contiguous();
+  }
+  return out;
+}
+
+void LoraModel::write_adapter(const std::string& name,
+                              const std::map<std::string, Tensor>& tensors) {
+  const Adapter& a = find(name, "write_adapter");
+  const int64_t r = a.config.r;
+  struct Target {
+    std::string key;
+    Parameter* param;
+    Shape shape;  // global, unpadded
+    int64_t padded_dim;
+  };
+  std::vector<Target> want;
+  for (size_t i : a.layers) {
+    auto& [path, l] = layers_[i];
+    want.push_back({path + ".lora_A.weight", &l->lora_A(a.slot), {r, l->in_features()}, 0});
+    want.push_back({path + ".lora_B.weight", &l->lora_B(a.slot), {l->out_features(), r}, 1});
+  }
+  // Every key checked before anything is written.
+  std::vector<std::string> missing, unexpected, mismatched;
+  std::set<std::string> known;
+  for (const Target& t : want) {
+    known.insert(t.key);
+    auto it = tensors.find(t.key);
+    if (it == tensors.end()) {
+      missing.push_back(t.key);
+      continue;
+    }
+    const Tensor& v = it->second;
+    if (v.defined() && v.shape() == t.shape) continue;
+    std::string why = t.key + " (expected the global shape " + shape_str(t.shape) + ", got " +
+                      (v.defined() ? shape_str(v.shape()) : std::string("undefined"));
+    // This rank's piece of the unpadded matrix, had a local shard been passed.
+    Shape local = t.param->stored().shape();
+    local[size_t(t.padded_dim)] = std::min(local[size_t(t.padded_dim)], r);
+    if (v.defined() && t.param->is_dtensor() && v.shape() == local)
+      why += ", the shape of this rank's shard: a local piece cannot stand for the global tensor";
+    mismatched.push_back(why + ")");
+  }
+  for (const auto& [k, v] : tensors)
+    if (!known.count(k)) unexpected.push_back(k);
+  TESSERA_CHECK(missing.empty() && unexpected.empty() && mismatched.empty(), "LoRA write_adapter '",
+                name, "': ", missing.empty() ? "" : "missing keys: " + join(missing) + "; ",
+                unexpected.empty() ? "" : "unexpected keys: " + join(unexpected) + "; ",
+                mismatched.empty() ? "" : "mis-shaped keys: " + join(mismatched));
+  NoGradGuard no_grad;
+  for (const Target& t : want) {
+    Shape padded = t.shape;
+    padded[size_t(t.padded_dim)] = slots_.max_rank;
+    Tensor full = zeros(padded, t.param->dtype());
+    kernels::narrow(full, t.padded_dim, 0, r).copy_(tensors.at(t.key));
+    t.param->copy_from_full(full);
+  }
+}
+
+std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& config,
+                                      const std::string& adapter_name, const LoraSlots& slots) {
+  TESSERA_CHECK(model != nullptr, "apply_lora: null model");
+  config.validate();
+  LoraSlots s = slots;
+  if (s.max_rank == 0) s.max_rank = config.r;
+  TESSERA_CHECK(s.max_adapters >= 1 && s.max_rank >= config.r, "apply_lora: slots for ",
+                s.max_adapters, " adapters of rank ", s.max_rank, " cannot hold adapter '",
+                adapter_name, "' of rank ", config.r);
+  std::shared_ptr<LoraModel> lm(new LoraModel());
+  lm->model_ = model;
+  lm->routing_ = std::make_shared<LoraRouting>();
+  lm->slots_ = s;
+  // Every target resolved before anything changes; the layers in the model's order.
+  std::vector<std::pair<std::string, std::shared_ptr<Linear>>> found;
+  const auto modules = model->named_modules();
+  for (const std::string& entry : config.target_modules) {
+    bool any = false;
+    for (const auto& [path, m] : modules)
+      any |= !path.empty() && targets_path(entry, path);
+    TESSERA_CHECK(any, "apply_lora: target module '", entry, "' matches no module of ",
+                  model->type_name(), "; ",
+                  module_path_candidates(
+                      entry.find('.') != std::string::npos ? entry : "*." + entry, modules));
+  }
+  for (const auto& [path, m] : modules) {
+    bool targeted = false;
+    for (const std::string& entry : config.target_modules)
+      targeted |= !path.empty() && targets_path(entry, path);
+    if (!targeted) continue;
+    auto linear = std::dynamic_pointer_cast<Linear>(m);
+    TESSERA_CHECK(linear != nullptr, "apply_lora: target_modules match '", path, "', a ",
+                  m->type_name(), ", not a Linear");
+    TESSERA_CHECK(std::dynamic_pointer_cast<LoraLinear>(m) == nullptr, "apply_lora: '", path,
+                  "' already has LoRA slots; add adapters with LoraModel::add_adapter");
+    found.emplace_back(path, linear);
+  }
+  // PEFT freezes the base model: only adapters train.
+  for (auto& [path, p] : model->named_parameters())
+    p->set_requires_grad(false);
+  for (auto& [path, linear] : found) {
+    auto l = std::make_shared<LoraLinear>(*linear, s, lm->routing_);
+    model->replace_submodule(path, l);
+    lm->layers_.emplace_back(path, l);
+  }
+  lm->add_adapter(adapter_name, config);
+  lm->set_adapter(adapter_name);
+  return lm;
+}
+
+}  // namespace tessera

@@ -1,0 +1,160 @@
+// PEFT's adapter files: adapter_model.safetensors and adapter_config.json.
+#include <nlohmann/json.hpp>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "tessera/checkpoint/safetensors.h"
+#include "tessera/comm/runtime.h"
+#include "tessera/core/factory.h"
+#include "tessera/lora/lora_model.h"
+
+namespace tessera {
+
+namespace {
+
+constexpr const char* kWeights = "adapter_model.safetensors";
+constexpr const char* kConfig = "adapter_config.json";
+constexpr const char* kPrefix = "base_model.model.";
+
+// Runs `f` on rank 0 only; every rank then throws rank 0's error, if any (nobody is left
+// waiting for a rank that failed).
+void on_rank0(const std::string& what, const std::function<void()>& f) {
+  std::string error;
+  if (world_rank() == 0) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  ProcessGroupPtr world = world_group();
+  Tensor len = full({1}, double(error.size()), DType::Int64);
+  world->broadcast(len, 0)->wait();
+  const int64_t n = len.item<int64_t>();
+  if (n == 0) return;
+  Tensor bytes = zeros({(n + 3) / 4}, DType::Int32);
+  if (world_rank() == 0) std::memcpy(bytes.raw_data(), error.data(), size_t(n));
+  world->broadcast(bytes, 0)->wait();
+  throw Error(what +
+              ": on rank 0: " + std::string(static_cast<const char*>(bytes.raw_data()), size_t(n)));
+}
+
+nlohmann::json to_peft(const LoraConfig& c) {
+  nlohmann::json j;
+  j["peft_type"] = "LORA";
+  j["task_type"] = nullptr;
+  j["r"] = c.r;
+  j["lora_alpha"] = c.lora_alpha;
+  j["lora_dropout"] = c.lora_dropout;
+  j["target_modules"] = c.target_modules;
+  j["bias"] = c.bias;
+  j["use_rslora"] = c.use_rslora;
+  if (c.init_lora_weights == LoraInit::Gaussian)
+    j["init_lora_weights"] = "gaussian";
+  else
+    j["init_lora_weights"] = c.init_lora_weights == LoraInit::Kaiming;
+  j["fan_in_fan_out"] = false;
+  j["modules_to_save"] = nullptr;
+  j["base_model_name_or_path"] = nullptr;
+  j["revision"] = nullptr;
+  j["inference_mode"] = false;
+  j["layers_to_transform"] = nullptr;
+  j["layers_pattern"] = nullptr;
+  j["rank_pattern"] = nlohmann::json::object();
+  j["alpha_pattern"] = nlohmann::json::object();
+  j["use_dora"] = false;
+  return j;
+}
+
+LoraConfig from_peft(const nlohmann::json& j, const std::string& file) {
+  auto bad = [&](const std::string& why) { TESSERA_FAIL("PEFT config '", file, "': ", why); };
+  if (!j.is_object()) bad("not a JSON object");
+  if (j.value("peft_type", std::string()) != "LORA")
+    bad("peft_type is not \"LORA\" (only LoRA adapters load here)");
+  LoraConfig c;
+  if (!j.contains("r") || !j["r"].is_number_integer()) bad("r is missing or not an integer");
+  c.r = j["r"].get<int64_t>();
+  if (j.contains("lora_alpha")) {
+    if (!j["lora_alpha"].is_number()) bad("lora_alpha is not a number");
+    c.lora_alpha = j["lora_alpha"].get<double>();
+  }
+  if (j.contains("lora_dropout") && !j["lora_dropout"].is_null()) {
+    if (!j["lora_dropout"].is_number()) bad("lora_dropout is not a number");
+    c.lora_dropout = j["lora_dropout"].get<double>();
+  }
+  const auto& t = j.contains("target_modules") ? j["target_modules"] : nlohmann::json();
+  if (t.is_string()) bad("target_modules is a regular expression; Tessera takes a list of names");
+  if (!t.is_array()) bad("target_modules is missing or not a list");
+  for (const auto& e : t) {
+    if (!e.is_string()) bad("target_modules holds a non-string");
+    c.target_modules.push_back(e.get<std::string>());
+  }
+  if (j.contains("bias")) c.bias = j["bias"].is_string() ? j["bias"].get<std::string>() : "?";
+  if (j.contains("use_rslora"))
+    c.use_rslora = j["use_rslora"].is_boolean() && j["use_rslora"].get<bool>();
+  if (j.contains("use_dora") && j["use_dora"].is_boolean() && j["use_dora"].get<bool>())
+    bad("use_dora is set: DoRA adapters are not supported");
+  if (j.contains("fan_in_fan_out") && j["fan_in_fan_out"].is_boolean() &&
+      j["fan_in_fan_out"].get<bool>())
+    bad("fan_in_fan_out is set: Tessera's Linear weights are [out, in]");
+  if (j.contains("init_lora_weights")) {
+    const auto& w = j["init_lora_weights"];
+    if (w.is_boolean())
+      c.init_lora_weights = w.get<bool>() ? LoraInit::Kaiming : LoraInit::Random;
+    else if (w.is_string() && w.get<std::string>() == "gaussian")
+      c.init_lora_weights = LoraInit::Gaussian;
+  }
+  c.validate();
+  return c;
+}
+
+}  // namespace
+
+void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
+  const LoraConfig cfg = config(name);
+  const std::map<std::string, Tensor> values = read_adapter(name);  // collective
+  on_rank0("LoRA save_adapter '" + name + "' to '" + dir + "'", [&] {
+    std::filesystem::create_directories(dir);
+    std::map<std::string, Tensor> peft;
+    for (const auto& [key, t] : values)
+      peft[kPrefix + key] = t;
+    save_safetensors(dir + "/" + kWeights, peft, {{"format", "pt"}});
+    std::ofstream out(dir + "/" + kConfig);
+    out << to_peft(cfg).dump(2) << "\n";
+    TESSERA_CHECK(out.good(), "writing '", dir, "/", kConfig, "' failed");
+  });
+}
+
+void LoraModel::load_adapter(const std::string& dir, const std::string& name) {
+  // Every rank reads the (small) files itself.
+  const std::string config_path = dir + "/" + kConfig;
+  std::ifstream in(config_path);
+  TESSERA_CHECK(in.good(), "LoRA load_adapter: cannot read '", config_path, "'");
+  nlohmann::json j;
+  try {
+    in >> j;
+  } catch (const nlohmann::json::exception& e) {
+    TESSERA_FAIL("PEFT config '", config_path, "' is not valid JSON: ", e.what());
+  }
+  const LoraConfig cfg = from_peft(j, config_path);
+  const SafetensorsFile file = load_safetensors(dir + "/" + kWeights);
+  std::map<std::string, Tensor> values;
+  const std::string prefix = kPrefix;
+  for (const auto& [key, t] : file.tensors) {
+    TESSERA_CHECK(key.compare(0, prefix.size(), prefix) == 0, "LoRA load_adapter: '", dir, "/",
+                  kWeights, "' holds '", key, "', not a PEFT key (", prefix,
+                  "<module>.lora_A.weight)");
+    values[key.substr(prefix.size())] = t;
+  }
+  add_adapter(name, cfg);
+  try {
+    write_adapter(name, values);
+  } catch (...) {
+    delete_adapter(name);
+    throw;
+  }
+}
+
+}  // namespace tessera

@@ -1,0 +1,126 @@
+#pragma once
+// The LoRA tests' decoder, adapters and layouts: plain, tensor parallel (LoRA applied before or
+// after parallelize_module), FSDP, FSDP x TP, HSDP.
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/affine_batch.h"
+#include "tessera/tessera.h"
+
+namespace tessera::testing {
+
+inline DecoderConfig lora_decoder_config() {
+  DecoderConfig cfg;
+  cfg.vocab_size = 32;
+  cfg.dim = 32;
+  cfg.n_layers = 2;
+  cfg.n_heads = 4;
+  cfg.n_kv_heads = 4;  // so that tensor parallelism of 4 keeps whole heads
+  cfg.ffn_dim = 64;
+  cfg.max_seq_len = 8;
+  cfg.seed = 7;
+  return cfg;
+}
+
+inline LoraConfig lora_test_config(LoraInit init = LoraInit::Kaiming) {
+  LoraConfig c;
+  c.r = 4;
+  c.lora_alpha = 8;
+  c.target_modules = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"};
+  c.init_lora_weights = init;
+  c.seed = 3;
+  return c;
+}
+
+struct LoraRun {
+  std::string name;
+  std::shared_ptr<Decoder> model;
+  std::shared_ptr<LoraModel> lora;
+  int64_t dp_rank = 0, dp_size = 1;
+  Tensor logits(const Tensor& ids) { return (*model)(ids); }
+};
+
+struct LoraLayout {
+  std::string name;
+  std::function<LoraRun(const DecoderConfig&, const LoraConfig&)> build;
+};
+
+inline void lora_shard(const std::shared_ptr<Decoder>& net, const DeviceMesh& mesh) {
+  for (auto& layer : net->layers)
+    fully_shard(layer, mesh);
+  fully_shard(net, mesh);
+}
+
+// Every layout of this world size (1, 2 or 4 ranks).
+inline std::vector<LoraLayout> lora_layouts() {
+  const int64_t n = world_size();
+  std::vector<LoraLayout> out;
+  const std::string sn = std::to_string(n);
+  if (n == 1) {
+    out.push_back({"plain", [](const DecoderConfig& c, const LoraConfig& l) {
+                     auto m = std::make_shared<Decoder>(c);
+                     return LoraRun{"plain", m, apply_lora(m, l), 0, 1};
+                   }});
+    return out;
+  }
+  out.push_back(
+      {"tp" + sn + " (LoRA after TP)", [n, sn](const DecoderConfig& c, const LoraConfig& l) {
+         auto m = std::make_shared<Decoder>(c);
+         DeviceMesh mesh(Shape{n}, {"tp"});
+         parallelize_module(m, mesh, decoder_tp_plan(c, mesh));
+         return LoraRun{"tp" + sn, m, apply_lora(m, l), 0, 1};
+       }});
+  out.push_back({"tp" + sn + " (LoRA first)", [n, sn](const DecoderConfig& c, const LoraConfig& l) {
+                   auto m = std::make_shared<Decoder>(c);
+                   auto lora = apply_lora(m, l);
+                   DeviceMesh mesh(Shape{n}, {"tp"});
+                   parallelize_module(m, mesh, decoder_tp_plan(c, mesh));
+                   return LoraRun{"tp" + sn + " first", m, lora, 0, 1};
+                 }});
+  out.push_back({"fsdp" + sn, [n, sn](const DecoderConfig& c, const LoraConfig& l) {
+                   auto m = std::make_shared<Decoder>(c);
+                   auto lora = apply_lora(m, l);
+                   DeviceMesh mesh(Shape{n}, {"dp"});
+                   lora_shard(m, mesh);
+                   return LoraRun{"fsdp" + sn, m, lora, mesh.local_rank(0), n};
+                 }});
+  if (n == 4) {
+    out.push_back({"fsdp_tp_2x2", [](const DecoderConfig& c, const LoraConfig& l) {
+                     auto m = std::make_shared<Decoder>(c);
+                     DeviceMesh mesh(Shape{2, 2}, {"dp", "tp"});
+                     parallelize_module(m, mesh["tp"], decoder_tp_plan(c, mesh["tp"]));
+                     auto lora = apply_lora(m, l);
+                     lora_shard(m, mesh["dp"]);
+                     return LoraRun{"fsdp_tp_2x2", m, lora, mesh.local_rank(0), 2};
+                   }});
+    out.push_back({"hsdp_2x2", [](const DecoderConfig& c, const LoraConfig& l) {
+                     auto m = std::make_shared<Decoder>(c);
+                     auto lora = apply_lora(m, l);
+                     DeviceMesh mesh(Shape{2, 2}, {"replicate", "shard"});
+                     lora_shard(m, mesh);
+                     return LoraRun{"hsdp_2x2", m, lora, world_rank(), 4};
+                   }});
+  }
+  return out;
+}
+
+// One AdamW step on this rank's rows of global batch `step` (8 rows); the loss averaged over the
+// world.
+inline double lora_train_step(LoraRun& run, Optimizer& opt, int step) {
+  const DecoderConfig cfg = lora_decoder_config();
+  Batch b = affine_batch(step, 8, cfg.max_seq_len, cfg.vocab_size);
+  const int64_t rows = 8 / run.dp_size;
+  Tensor ids = kernels::narrow(b.ids, 0, run.dp_rank * rows, rows).contiguous();
+  Tensor targets = kernels::narrow(b.targets, 0, run.dp_rank * rows, rows).contiguous();
+  opt.zero_grad();
+  Tensor loss = cross_entropy((*run.model)(ids), targets);
+  backward(loss);
+  opt.step();
+  Tensor l = from_vector<double>({double(loss.item<float>())});
+  world_group()->all_reduce(l, ReduceOp::Sum)->wait();
+  return l.item<double>() / double(world_size());
+}
+
+}  // namespace tessera::testing
