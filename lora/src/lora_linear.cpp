@@ -251,11 +251,14 @@ LoraLinear::Batch LoraLinear::batch(int64_t rows) const {
   const Tensor& ids = routing_->sample_slots;
   TESSERA_CHECK(ids.dim() == 1 && ids.size(0) == rows, "LoRA: the batch's adapter ids ", ids.str(),
                 " must hold one entry per row of this rank's batch (", rows, " rows)");
-  const std::vector<int64_t> v = ids.to_vector<int64_t>();
-  for (int64_t s : v) {
+  // LoraModel checked the ids; an adapter that does not target this layer leaves its samples
+  // to the base layer here.
+  std::vector<int64_t> v = ids.to_vector<int64_t>();
+  for (int64_t& s : v) {
+    TESSERA_CHECK(s < num_slots(), "LoRA: adapter id ", s, " out of range (", num_slots(),
+                  " slots)");
+    if (s >= 0 && slots_[size_t(s)].adapter.empty()) s = -1;
     if (s < 0) continue;
-    TESSERA_CHECK(s < num_slots() && !slots_[size_t(s)].adapter.empty(), "LoRA: adapter id ", s,
-                  " names no adapter");
     TESSERA_CHECK(!slots_[size_t(s)].merged, "LoRA: adapter '", slots_[size_t(s)].adapter,
                   "' is merged into the weights; a mixed batch needs it unmerged");
     if (std::find(b.slots.begin(), b.slots.end(), s) == b.slots.end()) b.slots.push_back(s);

@@ -3,6 +3,7 @@
 // tol is relative for large values and absolute near zero. Names the first element off.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -18,6 +19,15 @@ inline void expect_close(const Tensor& got, const Tensor& want, double tol,
   for (size_t i = 0; i < g.size(); ++i)
     ASSERT_NEAR(g[i], w[i], tol * (1.0 + std::abs(w[i])))
         << what << " element " << i << " of " << shape_str(got.shape());
+}
+
+// The largest |a - b| over the elements of two tensors of one shape.
+inline double max_abs_diff(const Tensor& a, const Tensor& b) {
+  auto x = a.to_vector<double>(), y = b.to_vector<double>();
+  double m = 0;
+  for (size_t i = 0; i < x.size() && i < y.size(); ++i)
+    m = std::max(m, std::abs(x[i] - y[i]));
+  return m;
 }
 
 }  // namespace tessera::testing

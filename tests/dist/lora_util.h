@@ -53,51 +53,52 @@ inline void lora_shard(const std::shared_ptr<Decoder>& net, const DeviceMesh& me
   fully_shard(net, mesh);
 }
 
-// Every layout of this world size (1, 2 or 4 ranks).
-inline std::vector<LoraLayout> lora_layouts() {
+// Every layout of this world size (1, 2 or 4 ranks), with adapter slots `slots`.
+inline std::vector<LoraLayout> lora_layouts(const LoraSlots& slots = {}) {
   const int64_t n = world_size();
   std::vector<LoraLayout> out;
   const std::string sn = std::to_string(n);
   if (n == 1) {
-    out.push_back({"plain", [](const DecoderConfig& c, const LoraConfig& l) {
+    out.push_back({"plain", [slots](const DecoderConfig& c, const LoraConfig& l) {
                      auto m = std::make_shared<Decoder>(c);
-                     return LoraRun{"plain", m, apply_lora(m, l), 0, 1};
+                     return LoraRun{"plain", m, apply_lora(m, l, "default", slots), 0, 1};
                    }});
     return out;
   }
   out.push_back(
-      {"tp" + sn + " (LoRA after TP)", [n, sn](const DecoderConfig& c, const LoraConfig& l) {
+      {"tp" + sn + " (LoRA after TP)", [n, sn, slots](const DecoderConfig& c, const LoraConfig& l) {
          auto m = std::make_shared<Decoder>(c);
          DeviceMesh mesh(Shape{n}, {"tp"});
          parallelize_module(m, mesh, decoder_tp_plan(c, mesh));
-         return LoraRun{"tp" + sn, m, apply_lora(m, l), 0, 1};
+         return LoraRun{"tp" + sn, m, apply_lora(m, l, "default", slots), 0, 1};
        }});
-  out.push_back({"tp" + sn + " (LoRA first)", [n, sn](const DecoderConfig& c, const LoraConfig& l) {
+  out.push_back(
+      {"tp" + sn + " (LoRA first)", [n, sn, slots](const DecoderConfig& c, const LoraConfig& l) {
+         auto m = std::make_shared<Decoder>(c);
+         auto lora = apply_lora(m, l, "default", slots);
+         DeviceMesh mesh(Shape{n}, {"tp"});
+         parallelize_module(m, mesh, decoder_tp_plan(c, mesh));
+         return LoraRun{"tp" + sn + " first", m, lora, 0, 1};
+       }});
+  out.push_back({"fsdp" + sn, [n, sn, slots](const DecoderConfig& c, const LoraConfig& l) {
                    auto m = std::make_shared<Decoder>(c);
-                   auto lora = apply_lora(m, l);
-                   DeviceMesh mesh(Shape{n}, {"tp"});
-                   parallelize_module(m, mesh, decoder_tp_plan(c, mesh));
-                   return LoraRun{"tp" + sn + " first", m, lora, 0, 1};
-                 }});
-  out.push_back({"fsdp" + sn, [n, sn](const DecoderConfig& c, const LoraConfig& l) {
-                   auto m = std::make_shared<Decoder>(c);
-                   auto lora = apply_lora(m, l);
+                   auto lora = apply_lora(m, l, "default", slots);
                    DeviceMesh mesh(Shape{n}, {"dp"});
                    lora_shard(m, mesh);
                    return LoraRun{"fsdp" + sn, m, lora, mesh.local_rank(0), n};
                  }});
   if (n == 4) {
-    out.push_back({"fsdp_tp_2x2", [](const DecoderConfig& c, const LoraConfig& l) {
+    out.push_back({"fsdp_tp_2x2", [slots](const DecoderConfig& c, const LoraConfig& l) {
                      auto m = std::make_shared<Decoder>(c);
                      DeviceMesh mesh(Shape{2, 2}, {"dp", "tp"});
                      parallelize_module(m, mesh["tp"], decoder_tp_plan(c, mesh["tp"]));
-                     auto lora = apply_lora(m, l);
+                     auto lora = apply_lora(m, l, "default", slots);
                      lora_shard(m, mesh["dp"]);
                      return LoraRun{"fsdp_tp_2x2", m, lora, mesh.local_rank(0), 2};
                    }});
-    out.push_back({"hsdp_2x2", [](const DecoderConfig& c, const LoraConfig& l) {
+    out.push_back({"hsdp_2x2", [slots](const DecoderConfig& c, const LoraConfig& l) {
                      auto m = std::make_shared<Decoder>(c);
-                     auto lora = apply_lora(m, l);
+                     auto lora = apply_lora(m, l, "default", slots);
                      DeviceMesh mesh(Shape{2, 2}, {"replicate", "shard"});
                      lora_shard(m, mesh);
                      return LoraRun{"hsdp_2x2", m, lora, world_rank(), 4};

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
+#include <iterator>
 
 #include "common/expect_close.h"
 #include "common/expect_error.h"
@@ -146,4 +148,327 @@ TEST(Lora, FineTuningMatchesSingleRank) {
   }
   // The reference itself moved: a run that trained nothing could not pass.
   EXPECT_LT(ref.losses.back(), ref.losses.front() * 0.9);
+}
+
+namespace {
+
+// One projection, for counting what a layer alone communicates.
+class OneLayer : public Module {
+ public:
+  explicit OneLayer(std::shared_ptr<Linear> l) : Module("OneLayer"), proj(std::move(l)) {
+    register_module("proj", proj);
+  }
+  Tensor forward(const Tensor& x) override { return (*proj)(x); }
+  std::shared_ptr<Linear> proj;
+};
+
+std::string str(const std::map<std::string, int64_t>& m) {
+  std::string s;
+  for (const auto& [k, v] : m)
+    s += (s.empty() ? "" : ", ") + k + " " + std::to_string(v);
+  return s.empty() ? "none" : s;
+}
+
+int64_t total(const std::map<std::string, int64_t>& m) {
+  int64_t n = 0;
+  for (const auto& [k, v] : m)
+    n += v;
+  return n;
+}
+
+// The collectives of one forward and one backward, by kind; the input requires grad, as inside a
+// network.
+std::pair<std::map<std::string, int64_t>, std::map<std::string, int64_t>> count(Module& m,
+                                                                                const Tensor& x) {
+  world_group()->barrier()->wait();
+  Tensor in = x.detach().clone();
+  in.set_requires_grad(true);
+  reset_comm_op_counts();
+  Tensor y = m(in);
+  auto fwd = comm_op_counts();
+  reset_comm_op_counts();
+  backward(sum(mul(y, y)));
+  auto bwd = comm_op_counts();
+  return {fwd, bwd};
+}
+
+}  // namespace
+
+// A LoRA layer issues as many collectives per forward and per backward as the same layer
+// without adapters (trainable, as in ordinary training): column parallel, row parallel, and row
+// parallel into sequence-sharded activations.
+TEST(Lora, AdaptersAddNoCollectives) {
+  if (world_size() == 1) GTEST_SKIP() << "no collectives on one rank";
+  const int64_t n = world_size();
+  DeviceMesh mesh(Shape{n}, {"tp"});
+  struct Case {
+    std::string name;
+    ParallelStylePtr style;
+    Shape input;  // this rank's piece
+  };
+  RowwiseParallel sp_row;
+  sp_row.output_layouts = {Shard(1)};
+  const std::vector<Case> cases = {
+      {"colwise", std::make_shared<ColwiseParallel>(), {2, 8, 16}},
+      {"rowwise", std::make_shared<RowwiseParallel>(), {2, 8, 16 / n}},
+      {"rowwise into sequence shards", std::make_shared<RowwiseParallel>(sp_row), {2, 8, 16 / n}}};
+  for (const Case& c : cases) {
+    for (bool lora_first : {false, true}) {
+      Generator gen(1);
+      auto plain = std::make_shared<OneLayer>(std::make_shared<Linear>(16, 24, false, gen));
+      parallelize_module(plain, mesh, {{"proj", c.style}});
+      Generator gen2(1);
+      auto with = std::make_shared<OneLayer>(std::make_shared<Linear>(16, 24, false, gen2));
+      LoraConfig cfg = lora_test_config(LoraInit::Random);
+      cfg.target_modules = {"proj"};
+      if (lora_first) apply_lora(with, cfg);
+      parallelize_module(with, mesh, {{"proj", c.style}});
+      if (!lora_first) apply_lora(with, cfg);
+      Generator gx(5);
+      const Tensor x = rand(c.input, gx);
+      const auto base = count(*plain, x);
+      const auto lora = count(*with, x);
+      const std::string what = c.name + (lora_first ? " (LoRA first)" : "");
+      EXPECT_EQ(total(lora.first), total(base.first))
+          << what << ", forward: with adapters " << str(lora.first) << "; without "
+          << str(base.first);
+      EXPECT_EQ(total(lora.second), total(base.second))
+          << what << ", backward: with adapters " << str(lora.second) << "; without "
+          << str(base.second);
+      if (world_rank() == 0 && !lora_first)
+        std::printf(
+            "[lora collectives] tp%lld %s: without adapters forward {%s} backward {%s}; "
+            "with {%s} {%s}\n",
+            (long long)n, what.c_str(), str(base.first).c_str(), str(base.second).c_str(),
+            str(lora.first).c_str(), str(lora.second).c_str());
+    }
+  }
+}
+
+// read_adapter gives global tensors; write_adapter takes global tensors only (each rank copies
+// its window) and refuses a local shard, naming the key and both shapes; read, write, read is the
+// identity under every layout.
+TEST(Lora, ReadWriteIsTheIdentityAndRefusesLocalShards) {
+  for (const LoraLayout& l : lora_layouts()) {
+    LoraRun run = l.build(lora_decoder_config(), lora_test_config(LoraInit::Random));
+    const auto first = run.lora->read_adapter("default");
+    EXPECT_EQ(first.at("layers.0.attention.wq.lora_A.weight").shape(), (Shape{4, 32}));
+    EXPECT_EQ(first.at("layers.1.feed_forward.w2.lora_B.weight").shape(), (Shape{32, 4}));
+    // Other values in, then the first ones back.
+    auto other = first;
+    for (auto& [k, t] : other)
+      t = add(t, 1.0);
+    run.lora->write_adapter("default", other);
+    const auto mid = run.lora->read_adapter("default");
+    for (const auto& [k, t] : other)
+      expect_identical(mid.at(k), t, l.name + " written " + k);
+    run.lora->write_adapter("default", first);
+    const auto back = run.lora->read_adapter("default");
+    for (const auto& [k, t] : first)
+      expect_identical(back.at(k), t, l.name + " read, write, read " + k);
+    if (world_size() == 1) continue;
+    // A rank's own piece of a sharded adapter matrix where the global one belongs.
+    auto bad = first;
+    bool refused = false;
+    for (auto& [path, layer] : run.lora->layers()) {
+      Parameter& b = layer->lora_B(0);
+      if (!b.is_dtensor() || b.stored().shape()[0] == b.global_shape()[0]) continue;
+      const std::string key = path + ".lora_B.weight";
+      bad[key] = kernels::narrow(b.stored(), 1, 0, 4).clone();
+      expect_error([&] { run.lora->write_adapter("default", bad); },
+                   {"write_adapter 'default'", key,
+                    "expected the global shape [" + std::to_string(layer->out_features()) + ", 4]",
+                    "a local piece cannot stand for the global tensor"});
+      refused = true;
+      break;
+    }
+    EXPECT_TRUE(refused || l.name.rfind("fsdp", 0) != 0) << l.name;
+    const auto still = run.lora->read_adapter("default");
+    for (const auto& [k, t] : first)
+      expect_identical(still.at(k), t, l.name + " after the refused write " + k);
+  }
+}
+
+// Several adapters of different ranks in preallocated slots: a mixed batch routes each sample to
+// its own adapter (its output is that adapter's alone), only the adapters used get gradients,
+// and adapters come and go after fully_shard without wrapping the model again.
+TEST(Lora, MixedBatchesRouteEachSampleToItsAdapter) {
+  const DecoderConfig cfg = lora_decoder_config();
+  // Slots are fixed by apply_lora: build the layouts with them.
+  for (const LoraLayout& l : lora_layouts({.max_adapters = 3, .max_rank = 8})) {
+    LoraConfig a = lora_test_config(LoraInit::Random);
+    LoraRun run = l.build(cfg, a);
+    LoraConfig b = a;
+    b.r = 8;
+    b.seed = 11;
+    LoraConfig c = a;
+    c.r = 2;
+    c.seed = 12;
+    c.target_modules = {"wq", "wv"};
+    run.lora->add_adapter("b", b);
+    run.lora->add_adapter("c", c);
+    const Batch batch = affine_batch(3, 6, cfg.max_seq_len, cfg.vocab_size);
+    // Each adapter alone, on the whole batch.
+    std::map<std::string, Tensor> alone;
+    for (const std::string name : {"default", "b", "c", ""}) {
+      run.lora->set_adapter(name);
+      alone[name] = run.logits(batch.ids);
+    }
+    const std::vector<std::string> route = {"default", "b", "", "b", "default", "c"};
+    std::vector<int64_t> ids;
+    for (const auto& r : route)
+      ids.push_back(r.empty() ? -1 : run.lora->adapter_id(r));
+    run.lora->set_batch_adapters(from_vector<int64_t>(ids, {6}));
+    const Tensor mixed = run.logits(batch.ids);
+    for (int64_t row = 0; row < 6; ++row)
+      expect_close(kernels::narrow(mixed, 0, row, 1),
+                   kernels::narrow(alone[route[size_t(row)]], 0, row, 1), 1e-5,
+                   l.name + " row " + std::to_string(row) + " (" + route[size_t(row)] + ")");
+    // Training on a batch that uses only "default" and "c": "b" gets no gradient.
+    run.lora->set_batch_adapters(from_vector<int64_t>({0, -1, 0, 2, 2, -1}, {6}));
+    Tensor loss = cross_entropy(run.logits(batch.ids), batch.targets);
+    backward(loss);
+    for (Parameter* p : run.lora->adapter_parameters("b"))
+      EXPECT_FALSE(p->grad().defined()) << l.name << ": an unused adapter got a gradient";
+    int with_grad = 0;
+    for (Parameter* p : run.lora->adapter_parameters("default"))
+      with_grad += p->grad().defined();
+    EXPECT_GT(with_grad, 0) << l.name;
+    // Delete and add after fully_shard: the slot is reused, the values are the new adapter's.
+    run.lora->set_batch_adapters(Tensor());
+    run.lora->delete_adapter("b");
+    LoraConfig d = b;
+    d.seed = 99;
+    run.lora->add_adapter("d", d);
+    EXPECT_EQ(run.lora->adapter_id("d"), 1);
+    run.lora->set_adapter("d");
+    const Tensor with_d = run.logits(batch.ids);
+    EXPECT_EQ(run.lora->adapters(), (std::vector<std::string>{"default", "d", "c"}));
+    auto ref = std::make_shared<Decoder>(cfg);
+    LoraConfig only_d = d;
+    auto ref_lora = apply_lora(ref, only_d, "d");
+    expect_close(with_d, (*ref)(batch.ids), 1e-5, l.name + ": adapter d in a reused slot");
+  }
+}
+
+// merge folds scale B A into each rank's own window of W (W is never gathered): the merged model
+// gives the unmerged output within 1e-5, and unmerge restores W within 1e-6.
+TEST(Lora, MergeAndUnmerge) {
+  const DecoderConfig cfg = lora_decoder_config();
+  const Batch batch = affine_batch(1, 4, cfg.max_seq_len, cfg.vocab_size);
+  for (const LoraLayout& l : lora_layouts()) {
+    LoraRun run = l.build(cfg, lora_test_config(LoraInit::Random));
+    const Tensor before = run.logits(batch.ids);
+    std::map<std::string, Tensor> base;
+    for (auto& [name, p] : run.model->named_parameters())
+      if (name.find("lora_") == std::string::npos) base[name] = p->full().clone();
+    run.lora->merge_adapter("default");
+    const Tensor merged = run.logits(batch.ids);
+    expect_close(merged, before, 1e-5, l.name + ": merged output");
+    double changed = 0;
+    for (auto& [name, p] : run.model->named_parameters())
+      if (base.count(name)) changed = std::max(changed, max_abs_diff(p->full(), base.at(name)));
+    EXPECT_GT(changed, 1e-3) << l.name << ": merging changed no weight";
+    expect_error([&] { run.lora->merge_adapter("default"); }, {"already merged"});
+    run.lora->unmerge_adapter("default");
+    double restored = 0;
+    for (auto& [name, p] : run.model->named_parameters())
+      if (base.count(name)) restored = std::max(restored, max_abs_diff(p->full(), base.at(name)));
+    EXPECT_LE(restored, 1e-6) << l.name << ": unmerge";
+    expect_close(run.logits(batch.ids), before, 1e-5, l.name + ": unmerged output");
+  }
+}
+
+// PEFT's files: written from one layout, loaded into every other (a second adapter slot), with
+// PEFT's keys and config; a file for other shapes is an error naming the key.
+TEST(Lora, PeftFilesLoadOntoAnyMesh) {
+  const std::string dir = scratch_dir("lora_peft_np" + std::to_string(world_size()));
+  const DecoderConfig cfg = lora_decoder_config();
+  const auto layouts = lora_layouts({.max_adapters = 2, .max_rank = 4});
+  LoraRun src = layouts.back().build(cfg, lora_test_config(LoraInit::Random));
+  src.lora->save_adapter(dir + "/adapter", "default");
+  const auto saved = src.lora->read_adapter("default");
+  if (world_rank() == 0) {
+    const SafetensorsFile f = load_safetensors(dir + "/adapter/adapter_model.safetensors");
+    EXPECT_EQ(f.tensors.size(), saved.size());
+    EXPECT_EQ(f.tensors.at("base_model.model.layers.0.attention.wq.lora_A.weight").shape(),
+              (Shape{4, 32}));
+    EXPECT_EQ(f.tensors.at("base_model.model.layers.1.feed_forward.w1.lora_B.weight").shape(),
+              (Shape{64, 4}));
+    std::ifstream j(dir + "/adapter/adapter_config.json");
+    const std::string text((std::istreambuf_iterator<char>(j)), std::istreambuf_iterator<char>());
+    for (const char* field : {"\"peft_type\": \"LORA\"", "\"r\": 4", "\"lora_alpha\": 8.0",
+                              "\"target_modules\"", "\"bias\": \"none\""})
+      EXPECT_NE(text.find(field), std::string::npos) << field << " in " << text;
+  }
+  world_group()->barrier()->wait();
+  for (const LoraLayout& l : layouts) {
+    LoraConfig other = lora_test_config();
+    other.seed = 5;
+    LoraRun run = l.build(cfg, other);
+    run.lora->load_adapter(dir + "/adapter", "loaded");
+    const auto got = run.lora->read_adapter("loaded");
+    for (const auto& [k, t] : saved)
+      expect_identical(got.at(k), t, l.name + " loaded " + k);
+    run.lora->set_adapter("loaded");
+    run.lora->delete_adapter("loaded");
+  }
+  // An adapter saved from a wider model.
+  DecoderConfig wide = cfg;
+  wide.dim = 48;
+  wide.n_heads = 4;
+  LoraRun w = layouts.front().build(wide, lora_test_config(LoraInit::Random));
+  w.lora->save_adapter(dir + "/wide", "default");
+  LoraRun run = layouts.front().build(cfg, lora_test_config());
+  expect_error([&] { run.lora->load_adapter(dir + "/wide", "wide"); },
+               {"write_adapter 'wide'",
+                "layers.0.attention.wq.lora_A.weight (expected the global "
+                "shape [4, 32], got [4, 48])"});
+  EXPECT_EQ(run.lora->adapters(), (std::vector<std::string>{"default"})) << "the failed load left "
+                                                                            "an adapter behind";
+}
+
+TEST(Lora, BadUseIsAClearError) {
+  const DecoderConfig cfg = lora_decoder_config();
+  auto m = std::make_shared<Decoder>(cfg);
+  LoraConfig bad = lora_test_config();
+  bad.target_modules = {"wq", "w9"};
+  expect_error([&] { apply_lora(m, bad); }, {"target module 'w9' matches no module of Decoder"});
+  bad.target_modules = {"attention"};
+  expect_error([&] { apply_lora(m, bad); }, {"'layers.0.attention', a Attention, not a Linear"});
+  bad = lora_test_config();
+  bad.r = 0;
+  expect_error([&] { apply_lora(m, bad); }, {"LoraConfig: r must be positive, got 0"});
+  bad = lora_test_config();
+  bad.bias = "all";
+  expect_error([&] { apply_lora(m, bad); }, {"bias 'all' is not supported"});
+  auto lora = apply_lora(m, lora_test_config(), "default", {.max_adapters = 2, .max_rank = 4});
+  expect_error([&] { apply_lora(m, lora_test_config()); }, {"already has LoRA slots"});
+  expect_error([&] { lora->add_adapter("default", lora_test_config()); },
+               {"adapter 'default' exists already"});
+  expect_error([&] { lora->set_adapter("nope"); }, {"no adapter 'nope'", "the model has: default"});
+  expect_error([&] { lora->delete_adapter("nope"); }, {"no adapter 'nope'"});
+  LoraConfig big = lora_test_config();
+  big.r = 16;
+  expect_error([&] { lora->add_adapter("big", big); },
+               {"adapter 'big' has r 16 but the slots hold at most rank 4"});
+  lora->add_adapter("second", lora_test_config());
+  expect_error([&] { lora->add_adapter("third", lora_test_config()); },
+               {"all 2 adapter slots are in use"});
+  expect_error(
+      [&] {
+        lora->set_batch_adapters(from_vector<int64_t>({0, 7}, {2}));
+      },
+      {"id 7 is no adapter's"});
+  expect_error([&] { lora->write_adapter("default", {}); }, {"missing keys"});
+  // The frozen base gets neither gradients nor optimizer state, even in the optimizer.
+  AdamW opt(m->parameters(), AdamWOptions{.lr = 1e-2});
+  const Batch b = affine_batch(0, 2, cfg.max_seq_len, cfg.vocab_size);
+  backward(cross_entropy((*m)(b.ids), b.targets));
+  opt.step();
+  for (size_t i = 0; i < opt.params().size(); ++i) {
+    if (opt.params()[i]->requires_grad()) continue;
+    EXPECT_FALSE(opt.params()[i]->grad().defined());
+    EXPECT_FALSE(opt.state_tensor(i, "exp_avg", false).defined()) << opt.params()[i]->str();
+  }
 }
