@@ -1,22 +1,34 @@
 #include "tessera/checkpoint/safetensors.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <set>
 #include <vector>
 
 #include "tessera/core/factory.h"
 
 namespace tessera {
 
+// Tensors are written and read as raw host bytes; the format is little-endian.
+static_assert(std::endian::native == std::endian::little,
+              "safetensors I/O assumes a little-endian host");
+
 namespace {
 
-// The Python package refuses larger headers too.
-constexpr uint64_t kMaxHeaderBytes = 100u << 20;
+// The reference implementation refuses larger headers (100 MB, decimal), so a file with a larger
+// one would be readable by Tessera alone.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
 struct DTypeName {
   DType dtype;
@@ -41,6 +53,12 @@ struct Header {
   uint64_t begin = 0, end = 0;
 };
 
+// Names come from the file: a hostile one must not turn an error message into megabytes.
+std::string shown(const std::string& s) {
+  constexpr size_t kMax = 120;
+  return "'" + (s.size() <= kMax ? s : s.substr(0, kMax) + "...") + "'";
+}
+
 [[noreturn]] void bad(const std::string& file, const std::string& what) {
   TESSERA_FAIL("safetensors file '", file, "' is malformed: ", what);
 }
@@ -51,12 +69,13 @@ uint64_t get_u64(const nlohmann::json& v, const std::string& file, const std::st
 }
 
 Header parse_entry(const std::string& name, const nlohmann::json& v, const std::string& file) {
-  const std::string where = "tensor '" + name + "'";
+  const std::string where = "tensor " + shown(name);
+  if (name.empty()) bad(file, "a tensor has an empty name");
   if (!v.is_object()) bad(file, where + " is not an object");
   for (const auto& [k, x] : v.items()) {
     (void)x;
     if (k != "dtype" && k != "shape" && k != "data_offsets")
-      bad(file, where + " has an unknown field '" + k + "'");
+      bad(file, where + " has an unknown field " + shown(k));
   }
   for (const char* k : {"dtype", "shape", "data_offsets"})
     if (!v.contains(k)) bad(file, where + " lacks \"" + k + "\"");
@@ -67,30 +86,156 @@ Header parse_entry(const std::string& name, const nlohmann::json& v, const std::
   const auto* found = std::find_if(std::begin(kDTypes), std::end(kDTypes),
                                    [&](const DTypeName& d) { return dt == d.name; });
   if (found == std::end(kDTypes))
-    TESSERA_FAIL("safetensors file '", file, "': ", where, " has dtype ", dt,
+    TESSERA_FAIL("safetensors file '", file, "': ", where, " has dtype ", shown(dt),
                  ", which Tessera does not support (F32, F64, BF16, F16, I64, I32, BOOL)");
   h.dtype = found->dtype;
   if (!v["shape"].is_array()) bad(file, where + ": shape is not an array");
-  uint64_t numel = 1;
+  // Tessera's strides are products of the dims (zeros counted as ones), so those must fit in
+  // int64 even when a zero dim makes the tensor empty.
+  constexpr uint64_t kMaxIndex = uint64_t(std::numeric_limits<int64_t>::max());
+  uint64_t extent = 1;
+  bool empty_dim = false;
   for (const auto& d : v["shape"]) {
     const uint64_t n = get_u64(d, file, where + ": a dim of shape");
-    if (n > uint64_t(std::numeric_limits<int64_t>::max()) ||
-        (n != 0 && numel > uint64_t(std::numeric_limits<int64_t>::max()) / n))
-      bad(file, where + ": shape overflows");
-    numel *= n;
+    if (n > kMaxIndex || (n > 1 && extent > kMaxIndex / n))
+      bad(file, where + ": the product of the dims of its shape overflows a 64-bit index (dim " +
+                    std::to_string(h.shape.size()) + " is " + std::to_string(n) + ")");
+    extent *= std::max<uint64_t>(n, 1);
+    empty_dim = empty_dim || n == 0;
     h.shape.push_back(int64_t(n));
   }
   const auto& off = v["data_offsets"];
   if (!off.is_array() || off.size() != 2) bad(file, where + ": data_offsets is not [begin, end]");
   h.begin = get_u64(off[0], file, where + ": data_offsets[0]");
   h.end = get_u64(off[1], file, where + ": data_offsets[1]");
-  if (h.end < h.begin) bad(file, where + ": data_offsets end before begin");
+  if (h.end < h.begin)
+    bad(file, where + ": data_offsets [" + std::to_string(h.begin) + ", " + std::to_string(h.end) +
+                  "] end before they begin");
+  const uint64_t numel = empty_dim ? 0 : extent;
   const uint64_t es = element_size(h.dtype);
+  const std::string needs = numel > std::numeric_limits<uint64_t>::max() / es
+                                ? "2^64 or more"
+                                : std::to_string(numel * es);
   if (numel > std::numeric_limits<uint64_t>::max() / es || numel * es != h.end - h.begin)
-    bad(file, where + ": shape " + shape_str(h.shape) + " of " + dt + " needs " +
-                  std::to_string(numel * es) + " bytes but data_offsets span " +
-                  std::to_string(h.end - h.begin));
+    bad(file, where + ": shape " + shape_str(h.shape) + " of " + dt + " needs " + needs +
+                  " bytes but data_offsets span " + std::to_string(h.end - h.begin));
   return h;
+}
+
+// A valid header nests three deep: the object of tensors, a tensor's object, its shape array.
+constexpr int kMaxDepth = 3;
+
+// Checks the JSON's structure while nlohmann builds it: the library silently keeps the last of
+// duplicate keys (a file that means two things), and a header of nested brackets would cost far
+// more memory than its bytes before any later check could reject it.
+class StructureCheck {
+ public:
+  explicit StructureCheck(const std::string& file) : file_(file) {}
+
+  bool operator()(int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using E = nlohmann::json::parse_event_t;
+    switch (event) {
+      case E::object_start:
+      case E::array_start:
+        if (depth >= kMaxDepth)
+          bad(file_, "the header nests deeper than " + std::to_string(kMaxDepth) +
+                         " levels, which no safetensors header does");
+        if (event == E::object_start) keys_.emplace_back();
+        break;
+      case E::object_end:
+        keys_.pop_back();
+        break;
+      case E::key: {
+        const std::string& k = parsed.get_ref<const std::string&>();
+        if (depth == 1) top_key_ = k;
+        if (!keys_.back().insert(k).second) {
+          if (depth == 1) bad(file_, "the name " + shown(k) + " appears twice in the header");
+          bad(file_, shown(top_key_) + " has the key " + shown(k) + " twice");
+        }
+        break;
+      }
+      default:
+        break;
+    }
+    return true;
+  }
+
+ private:
+  const std::string& file_;
+  std::vector<std::set<std::string>> keys_;
+  std::string top_key_;
+};
+
+nlohmann::json parse_header(const char* text, uint64_t n, const std::string& file) {
+  // nlohmann ends its input at a NUL byte, so "{}\0anything" would pass; JSON has no raw NULs.
+  if (const void* nul = std::memchr(text, 0, n))
+    bad(file, "the header is not valid JSON: a NUL byte at offset " +
+                  std::to_string(static_cast<const char*>(nul) - text));
+  StructureCheck check(file);
+  try {
+    return nlohmann::json::parse(text, text + n, std::ref(check));
+  } catch (const nlohmann::json::exception& e) {
+    // nlohmann quotes the offending token, which may be most of the header.
+    std::string what = e.what();
+    if (what.size() > 300) what = what.substr(0, 300) + "...";
+    bad(file, "the header is not valid JSON: " + what);
+  }
+}
+
+template <class Word>
+void gather(const Tensor& t, unsigned char* out) {
+  const auto* src = static_cast<const unsigned char*>(t.raw_data());
+  const Shape& size = t.shape();
+  const Shape& stride = t.strides();
+  const size_t nd = size.size();
+  const int64_t inner = nd ? size[nd - 1] : 1, inner_stride = nd ? stride[nd - 1] : 0;
+  const int64_t rows = t.numel() / inner;
+  std::vector<int64_t> idx(nd ? nd - 1 : 0, 0);
+  int64_t at = 0;  // element offset of row idx
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < inner; ++i, out += sizeof(Word))
+      std::memcpy(out, src + (at + i * inner_stride) * int64_t(sizeof(Word)), sizeof(Word));
+    for (size_t d = idx.size(); d-- > 0;) {
+      if (++idx[d] < size[d]) {
+        at += stride[d];
+        break;
+      }
+      at -= (size[d] - 1) * stride[d];
+      idx[d] = 0;
+    }
+  }
+}
+
+// The elements in row-major order, bit for bit. Tensor::contiguous() is not: a strided copy of a
+// 16-bit float goes through float32, which rewrites NaN payloads.
+Tensor dense_bits(const Tensor& t) {
+  if (t.is_contiguous() || t.numel() == 0) return t.contiguous();
+  Tensor out = empty(t.shape(), t.dtype());
+  auto* dst = static_cast<unsigned char*>(out.raw_data());
+  switch (t.element_size()) {
+    case 1:
+      gather<uint8_t>(t, dst);
+      break;
+    case 2:
+      gather<uint16_t>(t, dst);
+      break;
+    case 4:
+      gather<uint32_t>(t, dst);
+      break;
+    default:
+      gather<uint64_t>(t, dst);
+      break;
+  }
+  return out;
+}
+
+bool valid_utf8(const std::string& s) {
+  try {
+    (void)nlohmann::json(s).dump();
+    return true;
+  } catch (const nlohmann::json::exception&) {
+    return false;
+  }
 }
 
 }  // namespace
@@ -101,18 +246,15 @@ SafetensorsFile parse_safetensors(const void* data, size_t size, const std::stri
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i)
     n = (n << 8) | bytes[i];
-  if (n > kMaxHeaderBytes) bad(file, "header length " + std::to_string(n) + " exceeds 100 MiB");
+  if (n > kMaxHeaderBytes)
+    bad(file, "header length " + std::to_string(n) + " exceeds the format's limit of " +
+                  std::to_string(kMaxHeaderBytes) + " bytes");
   if (n > size - 8)
     bad(file, "header length " + std::to_string(n) + " runs past the end of the file (" +
                   std::to_string(size) + " bytes)");
   const char* text = reinterpret_cast<const char*>(bytes + 8);
-  if (n == 0 || text[0] != '{') bad(file, "the header is not a JSON object");
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(text, text + n);
-  } catch (const nlohmann::json::exception& e) {
-    bad(file, std::string("the header is not valid JSON: ") + e.what());
-  }
+  if (n == 0 || text[0] != '{') bad(file, "the header does not start with '{'");
+  const nlohmann::json header = parse_header(text, n, file);
   if (!header.is_object()) bad(file, "the header is not a JSON object");
   SafetensorsFile out;
   std::vector<Header> entries;
@@ -121,7 +263,7 @@ SafetensorsFile parse_safetensors(const void* data, size_t size, const std::stri
       if (v.is_null()) continue;
       if (!v.is_object()) bad(file, "__metadata__ is not an object");
       for (const auto& [k, x] : v.items()) {
-        if (!x.is_string()) bad(file, "__metadata__ value of '" + k + "' is not a string");
+        if (!x.is_string()) bad(file, "__metadata__ value of " + shown(k) + " is not a string");
         out.metadata[k] = x.get<std::string>();
       }
       continue;
@@ -136,7 +278,7 @@ SafetensorsFile parse_safetensors(const void* data, size_t size, const std::stri
   uint64_t at = 0;
   for (const Header& h : entries) {
     if (h.begin != at)
-      bad(file, "tensor '" + h.name + "' starts at byte " + std::to_string(h.begin) +
+      bad(file, "tensor " + shown(h.name) + " starts at byte " + std::to_string(h.begin) +
                     " but the previous one ends at " + std::to_string(at) +
                     " (data must be contiguous, without gaps or overlaps)");
     at = h.end;
@@ -146,42 +288,60 @@ SafetensorsFile parse_safetensors(const void* data, size_t size, const std::stri
                   std::to_string(buffer));
   const unsigned char* base = bytes + 8 + n;
   for (const Header& h : entries) {
-    Tensor t = empty(h.shape, h.dtype);
-    if (h.end > h.begin) std::memcpy(t.raw_data(), base + h.begin, size_t(h.end - h.begin));
+    // Any other byte would be an invalid C++ bool once read.
     if (h.dtype == DType::Bool)
       for (uint64_t i = h.begin; i < h.end; ++i)
         if (base[i] > 1)
-          bad(file, "tensor '" + h.name + "' holds a bool byte " + std::to_string(base[i]) +
+          bad(file, "tensor " + shown(h.name) + " holds a bool byte " + std::to_string(base[i]) +
                         " that is neither 0 nor 1");
+    Tensor t = empty(h.shape, h.dtype);
+    if (h.end > h.begin) std::memcpy(t.raw_data(), base + h.begin, size_t(h.end - h.begin));
     out.tensors[h.name] = t;
   }
   return out;
 }
 
 SafetensorsFile load_safetensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  TESSERA_CHECK(in.good(), "safetensors file '", path,
-                "' cannot be opened: ", std::strerror(errno));
-  const std::streamsize size = in.tellg();
-  in.seekg(0);
-  std::vector<char> buf(size_t(std::max<std::streamsize>(size, 0)));
-  TESSERA_CHECK(in.read(buf.data(), size).good() || size == 0, "safetensors file '", path,
-                "': reading ", size, " bytes failed");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TESSERA_CHECK(fd >= 0, "safetensors file '", path, "' cannot be opened: ", std::strerror(errno));
+  struct Close {
+    int fd;
+    ~Close() { ::close(fd); }
+  } close_fd{fd};
+  // The size comes from fstat, which is meaningless for a directory or a pipe.
+  struct stat st {};
+  TESSERA_CHECK(::fstat(fd, &st) == 0, "safetensors file '", path, "': ", std::strerror(errno));
+  TESSERA_CHECK(S_ISREG(st.st_mode), "safetensors file '", path, "' is not a regular file");
+  std::vector<unsigned char> buf(size_t(st.st_size));
+  for (size_t got = 0; got < buf.size();) {
+    const ssize_t r = ::read(fd, buf.data() + got, buf.size() - got);
+    if (r < 0 && errno == EINTR) continue;
+    TESSERA_CHECK(r > 0, "safetensors file '", path, "': reading failed after ", got, " of ",
+                  buf.size(), " bytes: ", r == 0 ? "the file got shorter" : std::strerror(errno));
+    got += size_t(r);
+  }
   return parse_safetensors(buf.data(), buf.size(), path);
 }
 
 void save_safetensors(const std::string& path, const std::map<std::string, Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata) {
+  // Everything is checked before the file is created: what this writes, the reader accepts.
+  for (const auto& [k, v] : metadata)
+    TESSERA_CHECK(valid_utf8(k) && valid_utf8(v), "save_safetensors: metadata ", shown(k),
+                  " is not valid UTF-8 (JSON strings are Unicode)");
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   uint64_t at = 0;
   std::vector<Tensor> dense;
   for (const auto& [name, t] : tensors) {
+    TESSERA_CHECK(!name.empty(), "save_safetensors: a tensor has an empty name");
     TESSERA_CHECK(name != "__metadata__", "save_safetensors: '__metadata__' is reserved");
-    TESSERA_CHECK(t.defined(), "save_safetensors: tensor '", name, "' is undefined");
-    TESSERA_CHECK(t.device().type == DeviceType::CPU, "save_safetensors: tensor '", name,
-                  "' is on ", t.device().str(), "; move it to the CPU first");
-    Tensor c = t.contiguous();
+    TESSERA_CHECK(valid_utf8(name), "save_safetensors: the tensor name ", shown(name),
+                  " is not valid UTF-8 (JSON strings are Unicode)");
+    TESSERA_CHECK(t.defined(), "save_safetensors: tensor ", shown(name), " is undefined");
+    TESSERA_CHECK(t.device().type == DeviceType::CPU, "save_safetensors: tensor ", shown(name),
+                  " is on ", t.device().str(), "; move it to the CPU first");
+    Tensor c = dense_bits(t);
     const uint64_t nbytes = c.nbytes();
     header[name] = {
         {"dtype", name_of(c.dtype())}, {"shape", c.shape()}, {"data_offsets", {at, at + nbytes}}};
@@ -189,6 +349,8 @@ void save_safetensors(const std::string& path, const std::map<std::string, Tenso
     dense.push_back(c);
   }
   std::string text = header.dump();
+  TESSERA_CHECK(text.size() <= kMaxHeaderBytes, "save_safetensors: '", path, "' would need a ",
+                text.size(), "-byte header, more than the format's limit of ", kMaxHeaderBytes);
   // Padded with spaces so that the data starts 8-byte aligned, as the Python package does.
   text.append((8 - text.size() % 8) % 8, ' ');
   const std::string tmp = path + ".tmp";
@@ -204,11 +366,18 @@ void save_safetensors(const std::string& path, const std::map<std::string, Tenso
     for (const Tensor& c : dense)
       out.write(static_cast<const char*>(c.raw_data()), std::streamsize(c.nbytes()));
     out.flush();
-    TESSERA_CHECK(out.good(), "save_safetensors: writing '", tmp,
-                  "' failed: ", std::strerror(errno));
+    if (!out.good()) {
+      const int err = errno;
+      out.close();
+      std::remove(tmp.c_str());
+      TESSERA_FAIL("save_safetensors: writing '", tmp, "' failed: ", std::strerror(err));
+    }
   }
-  TESSERA_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "save_safetensors: renaming '", tmp,
-                "' to '", path, "': ", std::strerror(errno));
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    std::remove(tmp.c_str());
+    TESSERA_FAIL("save_safetensors: renaming '", tmp, "' to '", path, "': ", std::strerror(err));
+  }
 }
 
 }  // namespace tessera

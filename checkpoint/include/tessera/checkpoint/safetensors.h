@@ -2,9 +2,10 @@
 // The safetensors format (Hugging Face's safetensors package): an 8-byte little-endian header
 // length, a JSON header mapping each tensor name to {"dtype", "shape", "data_offsets"} (plus an
 // optional "__metadata__" map of strings), then the tensors' bytes, row-major and contiguous.
-// Reading validates everything before any tensor is made: header length within the file, the
-// JSON itself, known dtypes, shapes that match their byte ranges, ranges in order, contiguous and
-// inside the file. A malformed file is an error naming the file and what is wrong, never a crash.
+// Reading validates everything before any tensor is made: header length within the file and the
+// format's 100 MB limit, the JSON itself (no duplicate keys), unique non-empty names, known dtypes,
+// shapes that match their byte ranges, ranges contiguous and exactly covering the data, bool bytes
+// 0 or 1. A malformed file is an error naming the file and what is wrong, never a crash.
 #include <cstddef>
 #include <map>
 #include <string>
@@ -18,8 +19,9 @@ struct SafetensorsFile {
   std::map<std::string, std::string> metadata;
 };
 
-// Writes the tensors (any strides; CPU) in name order. dtypes: float32 (F32), float64 (F64),
-// bfloat16 (BF16), float16 (F16), int64 (I64), int32 (I32), bool (BOOL).
+// Writes the tensors (any strides; CPU) in name order, through a temporary file renamed into
+// place. Names are non-empty UTF-8; dtypes: float32 (F32), float64 (F64), bfloat16 (BF16),
+// float16 (F16), int64 (I64), int32 (I32), bool (BOOL).
 void save_safetensors(const std::string& path, const std::map<std::string, Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 SafetensorsFile load_safetensors(const std::string& path);
