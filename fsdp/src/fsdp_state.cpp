@@ -62,18 +62,60 @@ std::vector<std::weak_ptr<FSDPState>> weak_list(
 
 }  // namespace
 
+std::vector<FSDPState*> FSDPState::members() {
+  std::vector<FSDPState*> out = {this};
+  for (const auto& s : siblings_)
+    out.push_back(s.get());
+  return out;
+}
+
+std::vector<const FSDPState*> FSDPState::members() const {
+  std::vector<const FSDPState*> out = {this};
+  for (const auto& s : siblings_)
+    out.push_back(s.get());
+  return out;
+}
+
 std::vector<Parameter*> FSDPState::parameters() const {
   std::vector<Parameter*> out;
-  for (const ParamInfo& i : params_)
-    out.push_back(i.param);
+  for (const FSDPState* m : members())
+    for (const ParamInfo& i : m->params_)
+      out.push_back(i.param);
   return out;
 }
 
 std::vector<std::string> FSDPState::parameter_names() const {
   std::vector<std::string> out;
-  for (const ParamInfo& i : params_)
-    out.push_back(i.name);
+  for (const FSDPState* m : members())
+    for (const ParamInfo& i : m->params_)
+      out.push_back(i.name);
   return out;
+}
+
+void FSDPState::set_requires_gradient_sync(bool sync) {
+  for (FSDPState* m : members())
+    m->requires_gradient_sync_ = sync;
+}
+
+void FSDPState::set_reshard_after_forward(bool r) {
+  for (FSDPState* m : members())
+    m->opts_.reshard_after_forward = r;
+}
+
+FSDPCommStats FSDPState::comm_stats() const {
+  FSDPCommStats t;
+  for (const FSDPState* m : members()) {
+    t.all_gathers += m->stats_.all_gathers;
+    t.all_gather_wait_seconds += m->stats_.all_gather_wait_seconds;
+    t.reduce_scatters += m->stats_.reduce_scatters;
+    t.reduce_scatter_wait_seconds += m->stats_.reduce_scatter_wait_seconds;
+  }
+  return t;
+}
+
+void FSDPState::reset_comm_stats() {
+  for (FSDPState* m : members())
+    m->stats_ = {};
 }
 
 void FSDPState::set_modules_to_forward_prefetch(
@@ -96,6 +138,11 @@ void FSDPState::set_unsharded_params() {
 }
 
 void FSDPState::unshard(bool async_op) {
+  for (FSDPState* m : members())
+    m->unshard_self(async_op);
+}
+
+void FSDPState::unshard_self(bool async_op) {
   if (unsharded_) return;
   if (async_op) {
     start_gather();
@@ -191,6 +238,11 @@ bool FSDPState::needs_backward_gather() const {
 }
 
 void FSDPState::reshard() {
+  for (FSDPState* m : members())
+    m->reshard_self();
+}
+
+void FSDPState::reshard_self() {
   for (ParamInfo& i : params_)
     i.param->clear_unsharded();
   unsharded_ = false;
@@ -227,7 +279,7 @@ Tensor FSDPState::pre_forward(const Tensor& x) {
   // during it and during this group's compute.
   if (!unsharded_) start_gather();
   prefetch(/*forward=*/true);
-  unshard();
+  unshard_self();
   const auto& pd = opts_.mp_policy.param_dtype;
   Tensor in = x;
   if (pd && x.defined() && is_floating(x.dtype()) && x.dtype() != *pd) in = cast(x, *pd);
@@ -257,7 +309,7 @@ Tensor FSDPState::post_forward(const Tensor& y) {
       return Tensor();
     });
   }
-  if (!backward_pending_ || (opts_.reshard_after_forward && !is_root_)) reshard();
+  if (!backward_pending_ || (opts_.reshard_after_forward && !is_root_)) reshard_self();
   const auto& od = opts_.mp_policy.output_dtype;
   if (od && y.defined() && is_floating(y.dtype()) && y.dtype() != *od) return cast(y, *od);
   return Tensor();
@@ -286,7 +338,7 @@ void FSDPState::pre_backward() {
     if (pending_gather_ || leaves_released_) finish_gather(/*fresh=*/false);
     set_unsharded_params();
   } else {
-    unshard();
+    unshard_self();
     prefetch(/*forward=*/false);
   }
 }
@@ -333,7 +385,7 @@ void FSDPState::start_reduce() {
       i.accum_grad = i.accum_grad.defined() ? add(i.accum_grad, g) : g.contiguous().clone();
     }
     free_leaves_after_backward();
-    reshard();
+    reshard_self();
     return;
   }
   bool trainable = false;
@@ -341,7 +393,7 @@ void FSDPState::start_reduce() {
     trainable |= i.param->requires_grad();
   if (!trainable) {  // the same on every rank: nothing to reduce
     free_leaves_after_backward();
-    reshard();
+    reshard_self();
     return;
   }
   // Packing needs only the gradients: free the gathered weights first.
@@ -375,7 +427,7 @@ void FSDPState::start_reduce() {
   }
   // The unsharded gradients are packed: free them before the transfer.
   free_leaves_after_backward();
-  reshard();
+  reshard_self();
   pr.reduced = empty(Shape{block}, reduce_dtype);
   pr.work = reduce_pg_->reduce_scatter_tensor(pr.reduced, pr.send, ReduceOp::Sum);
   progress_in_background(pr.work);

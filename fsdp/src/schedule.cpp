@@ -120,7 +120,7 @@ void FSDPSchedule::finalize() {
     s->grads_ready_for_reduce_ = false;
     s->grads_ready_ = 0;
     s->mark_grads_pending(false);
-    s->reshard();
+    s->reshard_self();
   };
   for_each_live(order, settle);
   for_each_live(backward_order, settle);
@@ -141,7 +141,7 @@ void FSDPSchedule::abandon() {
     s->grads_ready_ = 0;
     s->mark_grads_pending(false);
     s->free_leaves_after_backward();
-    s->reshard();
+    s->reshard_self();
   };
   for_each_live(order, drop);
   for_each_live(backward_order, drop);

@@ -472,3 +472,54 @@ TEST(Lora, BadUseIsAClearError) {
     EXPECT_FALSE(opt.state_tensor(i, "exp_avg", false).defined()) << opt.params()[i]->str();
   }
 }
+
+// A bfloat16 frozen base next to float32 adapters, under FSDP: one group per dtype (each gathered
+// in its own dtype), the base gets neither gradients nor optimizer state and never changes, and
+// training follows the unsharded model.
+TEST(Lora, Bfloat16BaseWithFloat32AdaptersUnderFsdp) {
+  const DecoderConfig cfg = lora_decoder_config();
+  auto build = [&](bool shard) {
+    auto m = std::make_shared<Decoder>(cfg);
+    for (auto& [name, p] : m->named_parameters())
+      *p = Parameter(p->full().to(DType::BFloat16), false);
+    auto lora = apply_lora(m, lora_test_config());
+    if (shard) lora_shard(m, DeviceMesh(Shape{world_size()}, {"dp"}));
+    return LoraRun{shard ? "fsdp bf16" : "plain bf16", m, lora, shard ? world_rank() : 0,
+                   shard ? world_size() : 1};
+  };
+  LoraRun ref = build(false), run = build(true);
+  for (auto& [name, p] : run.model->named_parameters())
+    EXPECT_EQ(p->dtype(),
+              name.find("lora_") == std::string::npos ? DType::BFloat16 : DType::Float32)
+        << name;
+  const auto base_before = ref.model->state_dict();
+  AdamW ref_opt(ref.lora->parameters(), AdamWOptions{.lr = 3e-3, .eps = 1e-6});
+  AdamW opt(run.model->parameters(), AdamWOptions{.lr = 3e-3, .eps = 1e-6});
+  // The loss in float32 (the bfloat16 logits cast up), so that it shows more than bfloat16's
+  // 8 bits.
+  auto step = [&](LoraRun& r, Optimizer& o, int s) {
+    Batch b = affine_batch(s, 8, cfg.max_seq_len, cfg.vocab_size);
+    const int64_t rows = 8 / r.dp_size;
+    Tensor ids = kernels::narrow(b.ids, 0, r.dp_rank * rows, rows).contiguous();
+    Tensor targets = kernels::narrow(b.targets, 0, r.dp_rank * rows, rows).contiguous();
+    o.zero_grad();
+    Tensor loss = cross_entropy(cast((*r.model)(ids), DType::Float32), targets);
+    backward(loss);
+    o.step();
+    Tensor l = from_vector<double>({double(loss.item<float>())});
+    world_group()->all_reduce(l, ReduceOp::Sum)->wait();
+    return l.item<double>() / double(world_size());
+  };
+  for (int s = 0; s < 5; ++s) {
+    const double want = step(ref, ref_opt, s);
+    const double got = step(run, opt, s);
+    EXPECT_NEAR(got, want, 1e-4 * want) << "step " << s;
+  }
+  for (const auto& [name, t] : run.model->state_dict())
+    if (name.find("lora_") == std::string::npos)
+      expect_identical(t, base_before.at(name), "frozen bfloat16 " + name);
+  for (size_t i = 0; i < opt.params().size(); ++i)
+    if (!opt.params()[i]->requires_grad()) {
+      EXPECT_FALSE(opt.state_tensor(i, "exp_avg", false).defined());
+    }
+}

@@ -15,7 +15,8 @@ namespace tessera {
 
 namespace detail {
 struct FSDPSchedule;
-}
+struct FSDPGroupBuilder;
+}  // namespace detail
 
 struct MixedPrecisionPolicy {
   // Dtype of the gathered parameters that forward and backward compute with; the stored
@@ -64,14 +65,17 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void reshard();
   // Off: backward keeps summing the unsharded gradients across micro-batches; the next
   // synced backward reduce-scatters the sum.
-  void set_requires_gradient_sync(bool sync) { requires_gradient_sync_ = sync; }
-  void set_reshard_after_forward(bool r) { opts_.reshard_after_forward = r; }
+  void set_requires_gradient_sync(bool sync);
+  void set_reshard_after_forward(bool r);
   // Explicit prefetch targets (PyTorch's FSDPModule methods of these names): the groups whose
   // all-gather this group issues when its forward (backward) starts. Replaces the implicit
   // choice; an empty list turns prefetch off for this group.
   void set_modules_to_forward_prefetch(const std::vector<std::shared_ptr<FSDPState>>& groups);
   void set_modules_to_backward_prefetch(const std::vector<std::shared_ptr<FSDPState>>& groups);
 
+  // A module whose parameters have several dtypes is sharded as one group per dtype (each
+  // all-gathered in its own dtype); fully_shard returns the first, and the calls of this class
+  // act on all of them. parameters() lists all.
   std::vector<Parameter*> parameters() const;
   std::vector<std::string> parameter_names() const;  // relative to the module
   const Tensor& flat_buffer() const { return flat_; }
@@ -79,8 +83,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // The outermost fully_shard'ed module: it stays unsharded from forward through backward.
   bool is_root() const { return is_root_; }
   const FSDPOptions& options() const { return opts_; }
-  const FSDPCommStats& comm_stats() const { return stats_; }
-  void reset_comm_stats() { stats_ = {}; }
+  FSDPCommStats comm_stats() const;  // summed over the dtype groups
+  void reset_comm_stats();
 
   // Called by fully_shard's module hooks and autograd hooks.
   Tensor pre_forward(const Tensor& x);
@@ -109,8 +113,16 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
  private:
   friend std::shared_ptr<FSDPState> fully_shard(const ModulePtr&, const DeviceMesh&, FSDPOptions);
   friend struct detail::FSDPSchedule;
+  friend struct detail::FSDPGroupBuilder;
   FSDPState() = default;
+  // This group and its siblings (the other dtypes of the same fully_shard call).
+  std::vector<FSDPState*> members();
+  std::vector<const FSDPState*> members() const;
 
+  // unshard() and reshard() act on every dtype group of the call; these on this one (what the
+  // group's own hooks use).
+  void unshard_self(bool async_op = false);
+  void reshard_self();
   void set_unsharded_params();
   void drop_leaves();
   void free_leaves_after_backward();
@@ -176,6 +188,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // Shared by every group under one root: forward order, prefetch, reduce-scatter order.
   std::shared_ptr<detail::FSDPSchedule> schedule_;
   std::optional<std::vector<std::weak_ptr<FSDPState>>> forward_prefetch_, backward_prefetch_;
+  std::vector<std::shared_ptr<FSDPState>> siblings_;
 };
 
 // Shards `module`'s unclaimed parameters over `mesh`: 1-D is FSDP on that dim, 2-D is HSDP
