@@ -3,6 +3,7 @@
 // only the gradient norm needs communication.
 #include "tessera/nn/optim.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 
@@ -78,6 +79,20 @@ void Optimizer::check_index(size_t i, const char* op) const {
 int64_t Optimizer::param_step(size_t i) const {
   check_index(i, "Optimizer::param_step");
   return param_steps_[i];
+}
+
+void Optimizer::reset_state(const std::vector<Parameter*>& params) {
+  std::vector<size_t> which;
+  for (Parameter* p : params) {
+    auto it = std::find(params_.begin(), params_.end(), p);
+    TESSERA_CHECK(it != params_.end(), "Optimizer::reset_state: ", p ? p->str() : "null",
+                  " is not a parameter of this optimizer");
+    which.push_back(size_t(it - params_.begin()));
+  }
+  for (size_t i : which) {
+    clear_state(i);
+    param_steps_[i] = 0;
+  }
 }
 
 void Optimizer::set_param_step(size_t i, int64_t step) {

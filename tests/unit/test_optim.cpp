@@ -260,3 +260,19 @@ TEST(ClipGradNorm, Float32Gradients) {
     after += v * v;
   EXPECT_NEAR(std::sqrt(after), 1.0, 1e-5);
 }
+
+TEST(Optimizer, ResetStateForgetsAParametersUpdates) {
+  Parameter a(full({3}, 1.0)), b(full({3}, 1.0));
+  AdamW opt({&a, &b}, AdamWOptions{.lr = 0.1});
+  for (Parameter* p : {&a, &b})
+    Tensor(p->stored()).set_grad(full({3}, 0.5));
+  opt.step();
+  opt.reset_state({&a});
+  EXPECT_EQ(opt.param_step(0), 0);
+  EXPECT_FALSE(opt.state_tensor(0, "exp_avg", false).defined());
+  EXPECT_EQ(opt.param_step(1), 1);
+  EXPECT_TRUE(opt.state_tensor(1, "exp_avg", false).defined());
+  Parameter stranger(full({1}, 0.0));
+  tessera::testing::expect_error([&] { opt.reset_state({&stranger}); },
+                                 "is not a parameter of this optimizer");
+}

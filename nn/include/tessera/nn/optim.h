@@ -32,6 +32,9 @@ class Optimizer {
   // How many updates parameter i has had (PyTorch's per-parameter "step"); 0 before its first.
   int64_t param_step(size_t i) const;
   void set_param_step(size_t i, int64_t step);
+  // Forgets these parameters' state, as if they had never been updated (a LoRA slot given to a
+  // new adapter, say). A parameter this optimizer does not hold is an error.
+  void reset_state(const std::vector<Parameter*>& params);
   // The hyperparameters by name ("lr", "weight_decay", ...); setting checks every name and value
   // before changing anything.
   virtual std::map<std::string, double> hyperparameters() const = 0;
@@ -39,6 +42,8 @@ class Optimizer {
 
  protected:
   void check_index(size_t i, const char* op) const;
+  // Drops parameter i's state tensors.
+  virtual void clear_state(size_t i) = 0;
   std::vector<Parameter*> params_;
   std::vector<int64_t> param_steps_;
   double lr_ = 1e-3;
@@ -60,6 +65,7 @@ class SGD : public Optimizer {
   void set_hyperparameters(const std::map<std::string, double>& values) override;
 
  private:
+  void clear_state(size_t i) override { momentum_[i] = Tensor(); }
   SGDOptions opts_;
   std::vector<Tensor> momentum_;
 };
@@ -87,6 +93,10 @@ class AdamW : public Optimizer {
   const std::vector<Tensor>& exp_avg_sq() const { return v_; }
 
  private:
+  void clear_state(size_t i) override {
+    m_[i] = Tensor();
+    v_[i] = Tensor();
+  }
   AdamWOptions opts_;
   int64_t step_ = 0;
   std::vector<Tensor> m_, v_;
