@@ -309,27 +309,34 @@ Tensor LoraLinear::forward(const Tensor& x) {
                 in_features(), " -> ", out_features(), "): input ",
                 x.defined() ? x.str() : std::string("undefined"), " must have last dim ",
                 in_features());
-  Tensor y = linear(x, whole(weight, *this, "weight"), whole(bias, *this, "bias"));
+  const Tensor& w = whole(weight, *this, "weight");
+  const Tensor& b0 = whole(bias, *this, "bias");
   const Batch bt = batch(x.dim() >= 2 ? x.size(0) : 1);
-  if (bt.slots.empty()) return y;
+  if (bt.slots.empty()) return linear(x, w, b0);
   std::vector<Tensor> as, bs;
   for (int64_t s : bt.slots) {
     as.push_back(whole(a_[size_t(s)]->weight, *this, "lora_A"));
-    bs.push_back(mul(whole(b_[size_t(s)]->weight, *this, "lora_B"), slots_[size_t(s)].scale));
+    bs.push_back(whole(b_[size_t(s)]->weight, *this, "lora_B"));
+  }
+  // One adapter: its scale applies to the activations inside the op; several: each B scaled.
+  double scale = slots_[size_t(bt.slots[0])].scale;
+  if (bs.size() > 1) {
+    for (size_t k = 0; k < bs.size(); ++k)
+      bs[k] = mul(bs[k], slots_[size_t(bt.slots[k])].scale);
+    scale = 1.0;
   }
   const Tensor a = as.size() == 1 ? as[0] : cat(as, 0);
   const Tensor b = bs.size() == 1 ? bs[0] : cat(bs, 1);
-  Tensor xl = x.dtype() == a.dtype() ? x : cast(x, a.dtype());
+  Tensor xl;
   if (bt.any_dropout) {
     Tensor u = rand(x.shape(), dropout_gen_);
-    xl = mul(xl, keep_scale(u, bt.dropout, slots_[size_t(bt.slots[0])].dropout));
+    xl = mul(x, keep_scale(u, bt.dropout, slots_[size_t(bt.slots[0])].dropout).to(x.dtype()));
   }
-  Tensor h = linear(xl, a);
+  Tensor h_scale;
   if (bt.h_scale.defined())
-    h = mul(h, kernels::reshape(bt.h_scale,
-                                per_row_shape(bt.h_scale.size(0), bt.h_scale.size(1), x.dim())));
-  Tensor low = linear(h, b);
-  return add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
+    h_scale = kernels::reshape(bt.h_scale,
+                               per_row_shape(bt.h_scale.size(0), bt.h_scale.size(1), x.dim()));
+  return linear_lowrank(x, w, b0, a, b, scale, xl, h_scale);
 }
 
 DTensor LoraLinear::forward_dtensor(const DTensor& x) {
@@ -342,16 +349,22 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
   std::vector<DTensor> as, bs;
   for (int64_t s : bt.slots) {
     as.push_back(on_mesh(a_[size_t(s)]->weight, mesh));
-    bs.push_back(mul(on_mesh(b_[size_t(s)]->weight, mesh), slots_[size_t(s)].scale));
+    bs.push_back(on_mesh(b_[size_t(s)]->weight, mesh));
+  }
+  double scale = slots_[size_t(bt.slots[0])].scale;
+  if (bs.size() > 1) {
+    for (size_t k = 0; k < bs.size(); ++k)
+      bs[k] = mul(bs[k], slots_[size_t(bt.slots[k])].scale);
+    scale = 1.0;
   }
   const DTensor a = as.size() == 1 ? as[0] : cat(as, 0);
   const DTensor b = bs.size() == 1 ? bs[0] : cat(bs, 1);
-  DTensor xl = x.dtype() == a.dtype() ? x : cast(x, a.dtype());
+  DTensor xl;
   if (bt.any_dropout) {
     // The same mask a single process would draw: the draw follows x's layout.
     DTensor u = rand(x.shape(), mesh, x.placements(), dropout_gen_);
     Tensor keep = keep_scale(u.to_local(), bt.dropout, slots_[size_t(bt.slots[0])].dropout);
-    xl = mul(xl, DTensor::from_local(keep, mesh, x.placements(), x.shape()));
+    xl = mul(x, DTensor::from_local(keep.to(x.dtype()), mesh, x.placements(), x.shape()));
   }
   Tensor h_scale;
   if (bt.h_scale.defined())
@@ -360,11 +373,12 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
   bool row_parallel = false;
   for (const Placement& p : w.placements())
     row_parallel |= p.kind() == Placement::Kind::Shard && p.dim() == 1;
-  if (!row_parallel) return linear_lowrank(x, w, bd, a, b, 1.0, xl, h_scale);
+  if (!row_parallel) return linear_lowrank(x, w, bd, a, b, scale, xl, h_scale);
   // Row parallel: the partial base product and the partial adapter activations share the
   // layer's one reduction; B then applies to replicated activations.
   const DTensor yp = linear(x, w, bd);
-  DTensor hp = linear(xl, a);
+  const DTensor low_in = xl.defined() ? xl : x;
+  DTensor hp = linear(low_in.dtype() == a.dtype() ? low_in : cast(low_in, a.dtype()), a);
   if (hp.dtype() != yp.dtype()) hp = cast(hp, yp.dtype());
   const int64_t out = out_features(), rank = a.size(0);
   const DTensor z = cat({yp, hp}, -1).redistribute(Placements(size_t(mesh.ndim()), Replicate()));
@@ -374,6 +388,7 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
   if (h_scale.defined())
     h = mul(h, DTensor::from_local(h_scale, mesh, Placements(size_t(mesh.ndim()), Replicate()),
                                    h_scale.shape()));
+  if (scale != 1.0) h = mul(h, scale);
   DTensor low = linear(h, b);
   return add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
 }

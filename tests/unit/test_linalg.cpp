@@ -353,3 +353,44 @@ TEST(LinearAutograd, GradientOnlyWhereRequired) {
                   1e-12);
   EXPECT_FALSE(x.grad().defined());
 }
+
+// The low-rank (LoRA) linear: the fused path (one dtype) against the same computation from
+// separate ops, and its gradients against finite differences, with and without a separate
+// low-rank input and per-row weights.
+TEST(LinearLowrank, FusedMatchesSeparateOpsAndGradientsCheck) {
+  const Tensor mask = from_vector<double>({1, 0, 1, 1, 1, 1, 0, 0}, {2, 1, 4});
+  for (bool separate_low : {false, true}) {
+    for (bool weighted : {false, true}) {
+      auto f = [&](const std::vector<Tensor>& in) {
+        return tessera::linear_lowrank(in[0], in[1], in[2], in[3], in[4], 0.75,
+                                       separate_low ? in[5] : Tensor(), weighted ? mask : Tensor());
+      };
+      std::vector<Tensor> in = {leaf({2, 3, 5}, 1), leaf({6, 5}, 2), leaf({6}, 3),
+                                leaf({4, 5}, 4),    leaf({6, 4}, 5), leaf({2, 3, 5}, 6)};
+      expect_gradcheck(f, in);
+      // The same from separate ops.
+      Tensor h = tessera::linear(separate_low ? in[5] : in[0], in[3]);
+      if (weighted) h = tessera::mul(h, mask);
+      Tensor want = tessera::add(tessera::linear(in[0], in[1], in[2]),
+                                 tessera::linear(tessera::mul(h, 0.75), in[4]));
+      const Tensor got = f(in);
+      auto g = got.to_vector<double>(), w = want.to_vector<double>();
+      ASSERT_EQ(g.size(), w.size());
+      for (size_t i = 0; i < g.size(); ++i)
+        EXPECT_NEAR(g[i], w[i], 1e-12) << "element " << i;
+    }
+  }
+  // Mixed dtypes (a bfloat16 base, float32 adapters) take the unfused route: same values within
+  // bfloat16's precision, output in the base's dtype.
+  Tensor x = random_tensor({3, 5}, 7).to(DType::BFloat16),
+         w = random_tensor({6, 5}, 8).to(DType::BFloat16);
+  Tensor a = random_tensor({4, 5}, 9), b = random_tensor({6, 4}, 10);
+  Tensor y = tessera::linear_lowrank(x, w, Tensor(), a, b, 2.0);
+  EXPECT_EQ(y.dtype(), DType::BFloat16);
+  Tensor ref =
+      tessera::add(tessera::linear(x.to(DType::Float32), w.to(DType::Float32)),
+                   tessera::mul(tessera::linear(tessera::linear(x.to(DType::Float32), a), b), 2.0));
+  auto g = y.to_vector<double>(), r = ref.to_vector<double>();
+  for (size_t i = 0; i < g.size(); ++i)
+    EXPECT_NEAR(g[i], r[i], 0.02 * (1 + std::abs(r[i]))) << "element " << i;
+}

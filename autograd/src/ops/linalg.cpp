@@ -74,7 +74,115 @@ class LinearFn final : public autograd::Function {
   }
 };
 
+// The fused low-rank linear (one dtype throughout): inputs x, weight, bias, a, b, x_lowrank.
+class LowRankLinearFn final : public autograd::Function {
+ public:
+  LowRankLinearFn(double scale, Tensor h_scale) : scale_(scale), h_scale_(std::move(h_scale)) {}
+
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    const Tensor& x = in[0];
+    const Tensor& w = in[1];
+    const Tensor& a = in[3];
+    const Tensor& b = in[4];
+    low_ = in[5].defined();
+    const Tensor xl = low_ ? in[5] : x;
+    const int64_t out = w.size(0), n = leading_numel(x);
+    Tensor y = kernels::linear(x, w, in[2]).contiguous();
+    Tensor y2 = kernels::view(y, {n, out});
+    Tensor h = kernels::matmul(kernels::reshape(xl, {n, w.size(1)}), a, false, true);
+    h = weigh(h);
+    kernels::matmul_accumulate_(y2, h, b, 1.0, false, true);
+    save_for_backward({x, w, a, b, xl, h});
+    return {y};
+  }
+
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
+    const Tensor& x = saved_tensors()[0];
+    const Tensor& w = saved_tensors()[1];
+    const Tensor& a = saved_tensors()[2];
+    const Tensor& b = saved_tensors()[3];
+    const Tensor& xl = saved_tensors()[4];
+    const Tensor& h = saved_tensors()[5];
+    const int64_t out = w.size(0), in = w.size(1), n = leading_numel(x);
+    Tensor g2 = kernels::reshape(grads[0], {n, out}).contiguous();
+    // Through h = s * m * (xl a^T): its gradient, then weighed like h.
+    Tensor gh = weigh(kernels::matmul(g2, b));
+    Tensor gx, gw, gbias, ga, gb, gxl;
+    const Tensor xl2 = kernels::reshape(xl, {n, in});
+    if (needs_input_grad(1)) gw = kernels::matmul(g2, kernels::reshape(x, {n, in}), true, false);
+    if (needs_input_grad(2)) gbias = kernels::sum(g2, {0});
+    if (needs_input_grad(3)) ga = kernels::matmul(gh, xl2, true, false);
+    if (needs_input_grad(4)) gb = kernels::matmul(g2, h, true, false);
+    if (needs_input_grad(0)) {
+      gx = kernels::matmul(g2, w);
+      if (!low_) kernels::matmul_accumulate_(gx, gh, a);
+      gx = kernels::view(gx, x.shape());
+    }
+    if (low_ && needs_input_grad(5)) gxl = kernels::view(kernels::matmul(gh, a), xl.shape());
+    return {gx, gw, gbias, ga, gb, gxl};
+  }
+
+ private:
+  // s * m * h, in place on a fresh [n, r] tensor.
+  Tensor weigh(Tensor h) const {
+    if (h_scale_.defined()) {
+      const Tensor m = kernels::reshape(kernels::expand(h_scale_, expanded(h_scale_.shape(), h)),
+                                        {h.size(0), h.size(1)});
+      h = kernels::binary(kernels::BinaryOp::Mul, h, m.dtype() == h.dtype() ? m : m.to(h.dtype()));
+    }
+    if (scale_ != 1.0) kernels::mul_scalar_(h, scale_);
+    return h;
+  }
+  // h_scale's shape with its leading (row) and batch dims expanded to cover h's n rows.
+  static Shape expanded(const Shape& s, const Tensor& h) {
+    Shape e = s;
+    int64_t rest = h.size(0);
+    for (size_t d = 0; d + 1 < e.size(); ++d)
+      rest /= e[d] == 1 ? 1 : e[d];
+    for (size_t d = 1; d + 1 < e.size(); ++d)
+      if (e[d] == 1) {
+        e[d] = rest;
+        rest = 1;
+      }
+    return e;
+  }
+
+  double scale_;
+  Tensor h_scale_;
+  bool low_ = false;
+};
+
 }  // namespace
+
+Tensor linear_lowrank(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& a,
+                      const Tensor& b, double scale, const Tensor& x_lowrank,
+                      const Tensor& h_scale) {
+  TESSERA_CHECK(x.defined() && weight.defined() && a.defined() && b.defined() &&
+                    weight.dim() == 2 && a.dim() == 2 && b.dim() == 2 && x.dim() >= 1 &&
+                    x.size(-1) == weight.size(1) && a.size(1) == weight.size(1) &&
+                    b.size(0) == weight.size(0) && a.size(0) == b.size(1),
+                "linear_lowrank: input ", x.defined() ? shape_str(x.shape()) : "undefined",
+                ", weight ", weight.defined() ? shape_str(weight.shape()) : "undefined", ", a ",
+                a.defined() ? shape_str(a.shape()) : "undefined", " and b ",
+                b.defined() ? shape_str(b.shape()) : "undefined",
+                " do not fit (weight [out, in], a [r, in], b [out, r])");
+  const Tensor& xl = x_lowrank.defined() ? x_lowrank : x;
+  const DType dt = x.dtype();
+  const bool fused = (dt == DType::Float32 || dt == DType::Float64) && weight.dtype() == dt &&
+                     a.dtype() == dt && b.dtype() == dt && xl.dtype() == dt &&
+                     (!bias.defined() || bias.dtype() == dt) && xl.shape() == x.shape();
+  if (fused)
+    return autograd::Function::apply<LowRankLinearFn>({x, weight, bias, a, b, x_lowrank}, scale,
+                                                      h_scale)[0];
+  // Mixed dtypes (a bfloat16 base and float32 adapters): the update in a's dtype, then added.
+  Tensor low_in = xl.dtype() == a.dtype() ? xl : cast(xl, a.dtype());
+  Tensor h = linear(low_in, a);
+  if (h_scale.defined()) h = mul(h, h_scale.dtype() == h.dtype() ? h_scale : h_scale.to(h.dtype()));
+  if (scale != 1.0) h = mul(h, scale);
+  Tensor low = linear(h, b);
+  Tensor y = linear(x, weight, bias);
+  return add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
+}
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
   TESSERA_CHECK(a.defined() && b.defined(), "matmul: undefined operand");

@@ -268,6 +268,29 @@ Tensor addmm(const Tensor& c, const Tensor& a, const Tensor& b, double beta, dou
   return out;
 }
 
+void matmul_accumulate_(Tensor& c, const Tensor& a, const Tensor& b, double alpha, bool trans_a,
+                        bool trans_b) {
+  check_operands("matmul_accumulate_", a, b);
+  TESSERA_CHECK(a.dim() == 2 && b.dim() == 2, "matmul_accumulate_: needs 2-D operands, got a ",
+                shape_str(a.shape()), " and b ", shape_str(b.shape()));
+  Dims d = product_dims("matmul_accumulate_", a, b, trans_a, trans_b);
+  TESSERA_CHECK(c.defined() && c.is_contiguous() && c.shape() == Shape({d.m, d.n}) &&
+                    c.dtype() == a.dtype() && !is_half(a.dtype()),
+                "matmul_accumulate_: c ", c.defined() ? c.str() : std::string("(undefined)"),
+                " must be a contiguous ", dtype_name(a.dtype()), " [", d.m, ", ", d.n,
+                "] (float32 or float64)");
+  if (c.numel() == 0) return;
+  Operand oa = prepare(a, trans_a), ob = prepare(b, trans_b);
+  auto run = [&]<class T>() {
+    gemm<T>(c.data<T>(), d.n, oa.t.data<T>(), oa.layout, ob.t.data<T>(), ob.layout, d.m, d.n, d.k,
+            T(alpha), true);
+  };
+  if (a.dtype() == DType::Float64)
+    run.template operator()<double>();
+  else
+    run.template operator()<float>();
+}
+
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias) {
   TESSERA_CHECK(x.defined() && w.defined(), "linear: undefined input or weight");
   TESSERA_CHECK(w.dim() == 2, "linear: weight must be [out_features, in_features], got ",

@@ -183,16 +183,11 @@ DTensor linear_lowrank(const DTensor& x, const DTensor& weight, const DTensor& b
   }
   Shape out = x.shape();
   out.back() = weight.size(0);
-  return dtensor_ops::run(
-      "linear_lowrank", {x, weight, bias, a, b, x_lowrank}, dec, out,
-      [scale, h_scale](const std::vector<Tensor>& l) {
-        Tensor y = linear(l[0], l[1], l[2]);
-        Tensor h = linear(l[5].defined() ? l[5] : l[0], l[3]);
-        if (h_scale.defined())
-          h = mul(h, h_scale.dtype() == h.dtype() ? h_scale : h_scale.to(h.dtype()));
-        Tensor low = mul(linear(h, l[4]), scale);
-        return add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
-      });
+  return dtensor_ops::run("linear_lowrank", {x, weight, bias, a, b, x_lowrank}, dec, out,
+                          [scale, h_scale](const std::vector<Tensor>& l) {
+                            return linear_lowrank(l[0], l[1], l[2], l[3], l[4], scale, l[5],
+                                                  h_scale);
+                          });
 }
 
 }  // namespace tessera

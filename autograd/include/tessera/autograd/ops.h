@@ -79,6 +79,14 @@ Tensor amax(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim
 // --- linear algebra ---
 Tensor matmul(const Tensor& a, const Tensor& b);
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {});
+// y = linear(x, weight, bias) + (h_scale * scale * (x_lowrank a^T)) b^T with a [r, in] and
+// b [out, r]: a linear layer with a low-rank (LoRA) update. x_lowrank defaults to x; h_scale
+// (no gradient) broadcasts onto the [..., r] activations. When every operand is float32 (or
+// every one float64) the update is added by the products themselves, in place, forward and
+// backward (no output-sized addition); otherwise it is computed in a's dtype and added.
+Tensor linear_lowrank(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& a,
+                      const Tensor& b, double scale, const Tensor& x_lowrank = {},
+                      const Tensor& h_scale = {});
 
 // --- neural-network ops ---
 Tensor softmax(const Tensor& x, int64_t dim);
