@@ -39,20 +39,43 @@ std::string noun_phrase(Picker& p) {
   return s + p.one_of(kNouns);
 }
 
-std::string sentence(Picker& p) {
+std::string sentence(Picker& p, Corpus::Style style) {
   std::string s = noun_phrase(p) + " " + p.one_of(kVerbs) + " " + noun_phrase(p);
   if (p.pick(3) == 0) s += " " + p.one_of(kPlaces);
+  if (style == Corpus::Style::Reversed) {
+    std::vector<std::string> words;
+    for (size_t at = 0; at <= s.size();) {
+      const size_t space = std::min(s.find(' ', at), s.size());
+      words.push_back(s.substr(at, space - at));
+      at = space + 1;
+    }
+    s.clear();
+    for (size_t i = words.size(); i-- > 0;)
+      s += words[i] + (i ? " " : "");
+    return s + ". ";
+  }
   s[0] = char(std::toupper(s[0]));
   return s + ". ";
 }
 
+// Every character the grammar can produce, so that every corpus has the same alphabet.
+std::string grammar_alphabet() {
+  std::string s = ". ";
+  for (const auto* list : {&kDeterminers, &kAdjectives, &kNouns, &kVerbs, &kPlaces})
+    for (const std::string& w : *list)
+      s += w;
+  for (const std::string& d : kDeterminers)
+    s += char(std::toupper(d[0]));
+  return s;
+}
+
 }  // namespace
 
-Corpus::Corpus(int64_t chars, uint64_t seed) {
+Corpus::Corpus(int64_t chars, uint64_t seed, Style style) {
   Picker p(seed);
   while (int64_t(text_.size()) < chars)
-    text_ += sentence(p);
-  alphabet_ = text_;
+    text_ += sentence(p, style);
+  alphabet_ = grammar_alphabet();
   std::sort(alphabet_.begin(), alphabet_.end());
   alphabet_.erase(std::unique(alphabet_.begin(), alphabet_.end()), alphabet_.end());
   ids_.reserve(text_.size());

@@ -11,8 +11,13 @@ namespace lm {
 
 class Corpus {
  public:
-  // About `chars` characters of sentences drawn with `seed`.
-  Corpus(int64_t chars, uint64_t seed);
+  // Plain: sentences such as "The quick cat sees a river. ". Reversed: the same grammar with
+  // each sentence's words in reverse order and no capital ("river a sees cat quick the. "): a
+  // different text over the same characters, for fine-tuning a model trained on the plain one.
+  enum class Style { Plain, Reversed };
+  // About `chars` characters of sentences drawn with `seed`. The alphabet is the grammar's, the
+  // same for every corpus.
+  Corpus(int64_t chars, uint64_t seed, Style style = Style::Plain);
   int64_t vocab_size() const { return int64_t(alphabet_.size()); }
   int64_t size() const { return int64_t(ids_.size()); }
   const std::string& text() const { return text_; }
