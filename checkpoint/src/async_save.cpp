@@ -1,8 +1,8 @@
 // async_save: the collective parts on the calling thread, the writing on a thread of its own.
-#include "agree.h"
 #include "context.h"
 #include "h5/h5.h"
 #include "save.h"
+#include "tessera/comm/agree.h"
 #include "watchdog.h"
 
 namespace tessera {
@@ -24,7 +24,7 @@ void AsyncSave::State::finish() {
   try {
     ckpt::Steps steps(c.group, ctx);
     try {
-      ckpt::agree(c.group, ctx, writer_error);
+      agree(c.group, ctx, writer_error);
       ckpt::finish_save(*job, *file, c.group, steps);
     } catch (...) {
       file->abandon(c.group);
@@ -67,7 +67,7 @@ AsyncSave async_save(const StateDict& state, const std::string& path, const Save
       auto session = ckpt::h5::h5_session();
       ckpt::write_blocks(*raw->job, *raw->file, nullptr);
     } catch (...) {
-      raw->writer_error = ckpt::current_error_text();
+      raw->writer_error = current_error_text();
     }
   });
   ckpt::set_pending_save(s);

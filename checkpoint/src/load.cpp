@@ -7,13 +7,13 @@
 #include <cstring>
 #include <optional>
 
-#include "agree.h"
 #include "checksum.h"
 #include "context.h"
 #include "file_format.h"
 #include "h5/h5.h"
 #include "plan.h"
 #include "tessera/autograd/grad_mode.h"
+#include "tessera/comm/agree.h"
 #include "tessera/core/factory.h"
 #include "watchdog.h"
 

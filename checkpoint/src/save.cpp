@@ -8,13 +8,13 @@
 #include <cstdio>
 #include <cstring>
 
-#include "agree.h"
 #include "checksum.h"
 #include "context.h"
 #include "fault.h"
 #include "file_format.h"
 #include "h5/h5.h"
 #include "tessera/autograd/grad_mode.h"
+#include "tessera/comm/agree.h"
 #include "tessera/core/factory.h"
 #include "watchdog.h"
 

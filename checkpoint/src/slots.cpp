@@ -6,10 +6,10 @@
 #include <cstring>
 #include <set>
 
-#include "agree.h"
 #include "context.h"
 #include "plan.h"
 #include "tessera/autograd/grad_mode.h"
+#include "tessera/comm/agree.h"
 #include "tessera/comm/runtime.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/views.h"

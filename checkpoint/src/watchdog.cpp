@@ -3,8 +3,8 @@
 #include <chrono>
 #include <cstdio>
 
-#include "agree.h"
 #include "fault.h"
+#include "tessera/comm/agree.h"
 #include "tessera/comm/runtime.h"
 
 namespace tessera::ckpt {

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "tessera/checkpoint/safetensors.h"
+#include "tessera/comm/agree.h"
 #include "tessera/comm/runtime.h"
 #include "tessera/core/factory.h"
 #include "tessera/lora/lora_model.h"
@@ -128,26 +129,29 @@ void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
 }
 
 void LoraModel::load_adapter(const std::string& dir, const std::string& name) {
-  // Every rank reads the (small) files itself.
-  const std::string config_path = dir + "/" + kConfig;
-  std::ifstream in(config_path);
-  TESSERA_CHECK(in.good(), "LoRA load_adapter: cannot read '", config_path, "'");
-  nlohmann::json j;
-  try {
-    in >> j;
-  } catch (const nlohmann::json::exception& e) {
-    TESSERA_FAIL("PEFT config '", config_path, "' is not valid JSON: ", e.what());
-  }
-  const LoraConfig cfg = from_peft(j, config_path);
-  const SafetensorsFile file = load_safetensors(dir + "/" + kWeights);
+  // Every rank reads the (small) files itself; a rank that cannot (a directory on node-local
+  // storage) makes every rank throw, before add_adapter's collectives.
+  LoraConfig cfg;
   std::map<std::string, Tensor> values;
-  const std::string prefix = kPrefix;
-  for (const auto& [key, t] : file.tensors) {
-    TESSERA_CHECK(key.compare(0, prefix.size(), prefix) == 0, "LoRA load_adapter: '", dir, "/",
-                  kWeights, "' holds '", key, "', not a PEFT key (", prefix,
-                  "<module>.lora_A.weight)");
-    values[key.substr(prefix.size())] = t;
-  }
+  run_agreed(world_group(), "LoRA load_adapter '" + name + "' from '" + dir + "'", [&] {
+    const std::string config_path = dir + "/" + kConfig;
+    std::ifstream in(config_path);
+    TESSERA_CHECK(in.good(), "cannot read '", config_path, "'");
+    nlohmann::json j;
+    try {
+      in >> j;
+    } catch (const nlohmann::json::exception& e) {
+      TESSERA_FAIL("PEFT config '", config_path, "' is not valid JSON: ", e.what());
+    }
+    cfg = from_peft(j, config_path);
+    const SafetensorsFile file = load_safetensors(dir + "/" + kWeights);
+    const std::string prefix = kPrefix;
+    for (const auto& [key, t] : file.tensors) {
+      TESSERA_CHECK(key.compare(0, prefix.size(), prefix) == 0, "'", dir, "/", kWeights,
+                    "' holds '", key, "', not a PEFT key (", prefix, "<module>.lora_A.weight)");
+      values[key.substr(prefix.size())] = t;
+    }
+  });
   add_adapter(name, cfg);
   try {
     write_adapter(name, values);

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
@@ -426,6 +427,24 @@ TEST(Lora, PeftFilesLoadOntoAnyMesh) {
                 "shape [4, 32], got [4, 48])"});
   EXPECT_EQ(run.lora->adapters(), (std::vector<std::string>{"default"})) << "the failed load left "
                                                                             "an adapter behind";
+  // Files the last rank cannot read (node-local storage): every rank throws, nobody waits.
+  const int last = world_size() - 1;
+  const std::string where = world_rank() == last ? dir + "/elsewhere" : dir + "/adapter";
+  expect_error([&] { run.lora->load_adapter(where, "partly"); },
+               {"LoRA load_adapter 'partly'", "[rank " + std::to_string(last) + "] cannot read '" +
+                                                  dir + "/elsewhere/adapter_config.json'"});
+  // A config that is not PEFT's.
+  if (world_rank() == 0) {
+    std::filesystem::create_directories(dir + "/notpeft");
+    std::filesystem::copy_file(dir + "/adapter/adapter_model.safetensors",
+                               dir + "/notpeft/adapter_model.safetensors",
+                               std::filesystem::copy_options::overwrite_existing);
+    std::ofstream(dir + "/notpeft/adapter_config.json") << R"({"peft_type": "IA3", "r": 4})";
+  }
+  world_group()->barrier()->wait();
+  expect_error([&] { run.lora->load_adapter(dir + "/notpeft", "ia3"); },
+               {"notpeft/adapter_config.json'", "peft_type is not \"LORA\""});
+  EXPECT_EQ(run.lora->adapters(), (std::vector<std::string>{"default"}));
 }
 
 TEST(Lora, BadUseIsAClearError) {

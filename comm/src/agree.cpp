@@ -1,10 +1,10 @@
-#include "agree.h"
+#include "tessera/comm/agree.h"
 
 #include <exception>
 
 #include "tessera/core/factory.h"
 
-namespace tessera::ckpt {
+namespace tessera {
 
 std::string current_error_text() {
   std::string text;
@@ -62,4 +62,4 @@ void agree(const ProcessGroupPtr& pg, const std::string& context, const std::str
   throw Error(context + ": " + all);
 }
 
-}  // namespace tessera::ckpt
+}  // namespace tessera

@@ -1,15 +1,15 @@
 #pragma once
-// Errors that every rank hears about (internal to checkpoint/). A save or load that fails on one
-// rank (a disk error, a damaged block, a wrong shape in one rank's dict) must not leave the other
-// ranks waiting in the next collective: each phase runs its local work, then the ranks exchange
-// whether it failed, and if any did, every rank throws the same error, naming the ranks and
-// their messages.
+// Errors that every rank hears about. Work that can fail on some ranks only (a disk error, a
+// damaged block, a wrong shape in one rank's dict, a file one rank cannot read) must not leave
+// the other ranks waiting in the next collective: each rank runs its local work, then the ranks
+// exchange whether it failed, and if any did, every rank throws the same error, naming the ranks
+// and their messages. Each call is collective over the group, on success too.
 #include <functional>
 #include <string>
 
 #include "tessera/comm/process_group.h"
 
-namespace tessera::ckpt {
+namespace tessera {
 
 // Runs `f` (which must not communicate) and agrees on the outcome over `pg`.
 void run_agreed(const ProcessGroupPtr& pg, const std::string& context,
@@ -21,4 +21,4 @@ void agree(const ProcessGroupPtr& pg, const std::string& context, const std::str
 // The text of the exception in flight, prefixed with this rank when it does not carry one.
 std::string current_error_text();
 
-}  // namespace tessera::ckpt
+}  // namespace tessera
