@@ -206,6 +206,10 @@ struct detail::FSDPGroupBuilder {
   }
 };
 
+bool is_fully_sharded(const Parameter& p) {
+  return claimed(&p);
+}
+
 std::shared_ptr<FSDPState> fully_shard(const ModulePtr& module, const DeviceMesh& mesh,
                                        FSDPOptions opts) {
   TESSERA_CHECK(module != nullptr, "fully_shard: null module");

@@ -7,6 +7,7 @@
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/views.h"
+#include "tessera/fsdp/fully_shard.h"
 #include "tessera/nn/module_path.h"
 
 namespace tessera {
@@ -265,6 +266,10 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
                   m->type_name(), ", not a Linear");
     TESSERA_CHECK(std::dynamic_pointer_cast<LoraLinear>(m) == nullptr, "apply_lora: '", path,
                   "' already has LoRA slots; add adapters with LoraModel::add_adapter");
+    // The wrapper takes the weight over; an FSDP group would go on gathering the old one.
+    TESSERA_CHECK(!is_fully_sharded(linear->weight), "apply_lora: '", path,
+                  "' is already sharded by fully_shard; apply LoRA before fully_shard (adapters "
+                  "can still be added after it, into the slots LoraSlots preallocates)");
     found.emplace_back(path, linear);
   }
   // PEFT freezes the base model: only adapters train.

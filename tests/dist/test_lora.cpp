@@ -480,6 +480,11 @@ TEST(Lora, BadUseIsAClearError) {
       },
       {"id 7 is no adapter's"});
   expect_error([&] { lora->write_adapter("default", {}); }, {"missing keys"});
+  auto sharded = std::make_shared<Decoder>(cfg);
+  fully_shard(sharded, DeviceMesh({world_size()}, {"dp"}));
+  expect_error([&] { apply_lora(sharded, lora_test_config()); },
+               {"'layers.0.attention.wq' is already sharded by fully_shard",
+                "apply LoRA before fully_shard"});
   // The frozen base gets neither gradients nor optimizer state, even in the optimizer.
   AdamW opt(m->parameters(), AdamWOptions{.lr = 1e-2});
   const Batch b = affine_batch(0, 2, cfg.max_seq_len, cfg.vocab_size);

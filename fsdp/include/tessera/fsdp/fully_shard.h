@@ -197,4 +197,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 std::shared_ptr<FSDPState> fully_shard(const ModulePtr& module, const DeviceMesh& mesh,
                                        FSDPOptions opts = {});
 
+// Whether a fully_shard group holds `p` (in PyTorch, whether it belongs to an FSDPModule): such a
+// parameter must not be moved to another module, which the group would not follow.
+bool is_fully_sharded(const Parameter& p);
+
 }  // namespace tessera
