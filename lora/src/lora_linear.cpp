@@ -74,23 +74,6 @@ uint64_t slot_seed(uint64_t seed, const std::string& adapter, const std::string&
   return fnv1a(path, fnv1a("|", h));
 }
 
-// The plain tensor a plain forward computes with; a sharded DTensor parameter's local piece is
-// not the weight.
-const Tensor& whole(const Parameter& p, const Module& m, const char* name) {
-  if (p.defined() && p.is_dtensor())
-    TESSERA_CHECK(p.local().shape() == p.global_shape(), m.type_name(), ".forward: ", name,
-                  " is sharded (", p.str(),
-                  "); a module with sharded parameters runs on DTensors: apply a parallel style "
-                  "or gather the parameter first");
-  return p.local();
-}
-
-DTensor on_mesh(const Parameter& p, const DeviceMesh& mesh) {
-  if (!p.defined()) return DTensor();
-  if (p.is_dtensor()) return p.dtensor();
-  return DTensor::from_local(p.local(), mesh, Placements(size_t(mesh.ndim()), Replicate()));
-}
-
 }  // namespace
 
 LoraWeight::LoraWeight(Parameter value) : Module("LoraWeight"), weight(std::move(value)) {
@@ -309,14 +292,14 @@ Tensor LoraLinear::forward(const Tensor& x) {
                 in_features(), " -> ", out_features(), "): input ",
                 x.defined() ? x.str() : std::string("undefined"), " must have last dim ",
                 in_features());
-  const Tensor& w = whole(weight, *this, "weight");
-  const Tensor& b0 = whole(bias, *this, "bias");
+  const Tensor& w = weight.whole_local(type_name(), "weight");
+  const Tensor& b0 = bias.whole_local(type_name(), "bias");
   const Batch bt = batch(x.dim() >= 2 ? x.size(0) : 1);
   if (bt.slots.empty()) return linear(x, w, b0);
   std::vector<Tensor> as, bs;
   for (int64_t s : bt.slots) {
-    as.push_back(whole(a_[size_t(s)]->weight, *this, "lora_A"));
-    bs.push_back(whole(b_[size_t(s)]->weight, *this, "lora_B"));
+    as.push_back(a_[size_t(s)]->weight.whole_local(type_name(), "lora_A"));
+    bs.push_back(b_[size_t(s)]->weight.whole_local(type_name(), "lora_B"));
   }
   // One adapter: its scale applies to the activations inside the op; several: each B scaled.
   double scale = slots_[size_t(bt.slots[0])].scale;
@@ -343,13 +326,13 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
   TESSERA_CHECK(x.dim() >= 1 && x.size(-1) == in_features(), "LoraLinear(", in_features(), " -> ",
                 out_features(), "): input ", x.str(), " must have last dim ", in_features());
   const DeviceMesh& mesh = x.mesh();
-  const DTensor w = on_mesh(weight, mesh), bd = on_mesh(bias, mesh);
+  const DTensor w = weight.on_mesh(mesh), bd = bias.on_mesh(mesh);
   const Batch bt = batch(x.dim() >= 2 ? x.size(0) : 1);
   if (bt.slots.empty()) return linear(x, w, bd);
   std::vector<DTensor> as, bs;
   for (int64_t s : bt.slots) {
-    as.push_back(on_mesh(a_[size_t(s)]->weight, mesh));
-    bs.push_back(on_mesh(b_[size_t(s)]->weight, mesh));
+    as.push_back(a_[size_t(s)]->weight.on_mesh(mesh));
+    bs.push_back(b_[size_t(s)]->weight.on_mesh(mesh));
   }
   double scale = slots_[size_t(bt.slots[0])].scale;
   if (bs.size() > 1) {

@@ -12,29 +12,6 @@
 
 namespace tessera {
 
-namespace {
-
-// The tensor a plain forward can use. A sharded DTensor parameter's local piece is not the
-// weight, and using it would compute a slice of the layer silently.
-const Tensor& whole(const Parameter& p, const Module& m, const char* name) {
-  if (p.defined() && p.is_dtensor())
-    TESSERA_CHECK(p.local().shape() == p.global_shape(), m.type_name(), ".forward: ", name,
-                  " is sharded (", p.str(),
-                  "); a module with sharded parameters runs on DTensors: apply a parallel style "
-                  "(set_dtensor_io) or gather the parameter first");
-  return p.local();
-}
-
-// A parameter as a DTensor on `mesh`: its own DTensor, or a plain tensor taken as replicated
-// (its gradient is then summed over the mesh dims on which the output is split).
-DTensor on_mesh(const Parameter& p, const DeviceMesh& mesh) {
-  if (!p.defined()) return DTensor();
-  if (p.is_dtensor()) return p.dtensor();
-  return DTensor::from_local(p.local(), mesh, Placements(size_t(mesh.ndim()), Replicate()));
-}
-
-}  // namespace
-
 // --- Linear ---
 
 Linear::Linear(int64_t in_features, int64_t out_features, bool bias, Generator& gen)
@@ -73,13 +50,14 @@ Tensor Linear::forward(const Tensor& x) {
   TESSERA_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == in_, "Linear(", in_, " -> ", out_,
                 "): input ", x.defined() ? x.str() : std::string("undefined"),
                 " must have last dim ", in_);
-  return linear(x, whole(weight, *this, "weight"), whole(bias, *this, "bias"));
+  return linear(x, weight.whole_local(type_name(), "weight"),
+                bias.whole_local(type_name(), "bias"));
 }
 
 DTensor Linear::forward_dtensor(const DTensor& x) {
   TESSERA_CHECK(x.dim() >= 1 && x.size(-1) == in_, "Linear(", in_, " -> ", out_, "): input ",
                 x.str(), " must have last dim ", in_);
-  return linear(x, on_mesh(weight, x.mesh()), on_mesh(bias, x.mesh()));
+  return linear(x, weight.on_mesh(x.mesh()), bias.on_mesh(x.mesh()));
 }
 
 // --- Embedding ---
@@ -98,11 +76,11 @@ void Embedding::reset_parameters(Generator& gen) {
 }
 
 Tensor Embedding::forward(const Tensor& ids) {
-  return embedding(ids, whole(weight, *this, "weight"));
+  return embedding(ids, weight.whole_local(type_name(), "weight"));
 }
 
 DTensor Embedding::forward_dtensor(const DTensor& ids) {
-  return embedding(ids, on_mesh(weight, ids.mesh()));
+  return embedding(ids, weight.on_mesh(ids.mesh()));
 }
 
 // --- RMSNorm / LayerNorm ---
@@ -115,11 +93,11 @@ RMSNorm::RMSNorm(int64_t dim, double eps) : Module("RMSNorm"), eps_(eps) {
 }
 
 Tensor RMSNorm::forward(const Tensor& x) {
-  return rms_norm(x, whole(weight, *this, "weight"), eps_);
+  return rms_norm(x, weight.whole_local(type_name(), "weight"), eps_);
 }
 
 DTensor RMSNorm::forward_dtensor(const DTensor& x) {
-  return rms_norm(x, on_mesh(weight, x.mesh()), eps_);
+  return rms_norm(x, weight.on_mesh(x.mesh()), eps_);
 }
 
 LayerNorm::LayerNorm(int64_t dim, double eps) : Module("LayerNorm"), eps_(eps) {
@@ -133,11 +111,12 @@ LayerNorm::LayerNorm(int64_t dim, double eps) : Module("LayerNorm"), eps_(eps) {
 }
 
 Tensor LayerNorm::forward(const Tensor& x) {
-  return layer_norm(x, whole(weight, *this, "weight"), whole(bias, *this, "bias"), eps_);
+  return layer_norm(x, weight.whole_local(type_name(), "weight"),
+                    bias.whole_local(type_name(), "bias"), eps_);
 }
 
 DTensor LayerNorm::forward_dtensor(const DTensor& x) {
-  return layer_norm(x, on_mesh(weight, x.mesh()), on_mesh(bias, x.mesh()), eps_);
+  return layer_norm(x, weight.on_mesh(x.mesh()), bias.on_mesh(x.mesh()), eps_);
 }
 
 }  // namespace tessera

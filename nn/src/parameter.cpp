@@ -15,6 +15,21 @@ Parameter::Parameter(DTensor d, bool requires_grad)
   if (requires_grad) local_.set_requires_grad(true);
 }
 
+const Tensor& Parameter::whole_local(const std::string& module, const char* name) const {
+  if (defined() && is_dtensor())
+    TESSERA_CHECK(local().shape() == global_shape(), module, ".forward: ", name, " is sharded (",
+                  str(),
+                  "); a module with sharded parameters runs on DTensors: apply a parallel style "
+                  "(set_dtensor_io) or gather the parameter first");
+  return local();
+}
+
+DTensor Parameter::on_mesh(const DeviceMesh& mesh) const {
+  if (!defined()) return DTensor();
+  if (is_dtensor()) return dtensor();
+  return DTensor::from_local(local(), mesh, Placements(size_t(mesh.ndim()), Replicate()));
+}
+
 const DTensor& Parameter::dtensor() const {
   if (unsharded_local_.defined()) {
     TESSERA_CHECK(unsharded_dtensor_.defined(), "Parameter ", str(),

@@ -26,6 +26,14 @@ class Parameter {
   // piece), or, while FSDP has the parameter's group unsharded, the gathered value.
   const Tensor& local() const { return unsharded_local_.defined() ? unsharded_local_ : local_; }
   const DTensor& dtensor() const;
+  // What a module's plain-tensor forward computes with: local(), refused with an error naming
+  // `module` and `name` when it is the local piece of a sharded DTensor, which is not the weight
+  // (using it would compute a slice of the layer silently).
+  const Tensor& whole_local(const std::string& module, const char* name) const;
+  // What a module's DTensor forward computes with: dtensor(), or a plain tensor taken as
+  // replicated on `mesh` (its gradient then summed over the mesh dims the output is split on).
+  // Undefined for an undefined parameter (a Linear without bias).
+  DTensor on_mesh(const DeviceMesh& mesh) const;
   // The stored leaf: what optimizers update and where the (sharded) gradient lives.
   const Tensor& stored() const { return local_; }
   const DTensor& stored_dtensor() const;
