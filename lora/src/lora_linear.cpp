@@ -285,7 +285,30 @@ Tensor keep_scale(const Tensor& u, const Tensor& p_rows, double p) {
                          kernels::rbinary_scalar(kernels::BinaryOp::Sub, 1.0, p_t));
 }
 
+template <class T>
+struct Stacked {
+  T a, b;
+  double scale;
+};
+
+// The adapters of one forward side by side: A [k max_rank, in] and B [out, k max_rank]. One
+// adapter's scale applies to its activations inside the op; several carry theirs in their B.
+template <class T>
+Stacked<T> stack_adapters(std::vector<T> as, std::vector<T> bs, const std::vector<double>& scales) {
+  if (as.size() == 1) return {as[0], bs[0], scales[0]};
+  for (size_t k = 0; k < bs.size(); ++k)
+    bs[k] = mul(bs[k], scales[k]);
+  return {cat(as, 0), cat(bs, 1), 1.0};
+}
+
 }  // namespace
+
+// A mixed batch's mask over the adapter activations, shaped to broadcast over x's rank
+// (undefined when the batch is not mixed).
+Tensor LoraLinear::activation_mask(const Batch& bt, int64_t ndim) {
+  if (!bt.h_scale.defined()) return Tensor();
+  return kernels::reshape(bt.h_scale, per_row_shape(bt.h_scale.size(0), bt.h_scale.size(1), ndim));
+}
 
 Tensor LoraLinear::forward(const Tensor& x) {
   TESSERA_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == in_features(), "LoraLinear(",
@@ -297,29 +320,19 @@ Tensor LoraLinear::forward(const Tensor& x) {
   const Batch bt = batch(x.dim() >= 2 ? x.size(0) : 1);
   if (bt.slots.empty()) return linear(x, w, b0);
   std::vector<Tensor> as, bs;
+  std::vector<double> scales;
   for (int64_t s : bt.slots) {
     as.push_back(a_[size_t(s)]->weight.whole_local(type_name(), "lora_A"));
     bs.push_back(b_[size_t(s)]->weight.whole_local(type_name(), "lora_B"));
+    scales.push_back(slots_[size_t(s)].scale);
   }
-  // One adapter: its scale applies to the activations inside the op; several: each B scaled.
-  double scale = slots_[size_t(bt.slots[0])].scale;
-  if (bs.size() > 1) {
-    for (size_t k = 0; k < bs.size(); ++k)
-      bs[k] = mul(bs[k], slots_[size_t(bt.slots[k])].scale);
-    scale = 1.0;
-  }
-  const Tensor a = as.size() == 1 ? as[0] : cat(as, 0);
-  const Tensor b = bs.size() == 1 ? bs[0] : cat(bs, 1);
+  const Stacked<Tensor> ab = stack_adapters(std::move(as), std::move(bs), scales);
   Tensor xl;
   if (bt.any_dropout) {
     Tensor u = rand(x.shape(), dropout_gen_);
     xl = mul(x, keep_scale(u, bt.dropout, slots_[size_t(bt.slots[0])].dropout).to(x.dtype()));
   }
-  Tensor h_scale;
-  if (bt.h_scale.defined())
-    h_scale = kernels::reshape(bt.h_scale,
-                               per_row_shape(bt.h_scale.size(0), bt.h_scale.size(1), x.dim()));
-  return linear_lowrank(x, w, b0, a, b, scale, xl, h_scale);
+  return linear_lowrank(x, w, b0, ab.a, ab.b, ab.scale, xl, activation_mask(bt, x.dim()));
 }
 
 DTensor LoraLinear::forward_dtensor(const DTensor& x) {
@@ -330,18 +343,13 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
   const Batch bt = batch(x.dim() >= 2 ? x.size(0) : 1);
   if (bt.slots.empty()) return linear(x, w, bd);
   std::vector<DTensor> as, bs;
+  std::vector<double> scales;
   for (int64_t s : bt.slots) {
     as.push_back(a_[size_t(s)]->weight.on_mesh(mesh));
     bs.push_back(b_[size_t(s)]->weight.on_mesh(mesh));
+    scales.push_back(slots_[size_t(s)].scale);
   }
-  double scale = slots_[size_t(bt.slots[0])].scale;
-  if (bs.size() > 1) {
-    for (size_t k = 0; k < bs.size(); ++k)
-      bs[k] = mul(bs[k], slots_[size_t(bt.slots[k])].scale);
-    scale = 1.0;
-  }
-  const DTensor a = as.size() == 1 ? as[0] : cat(as, 0);
-  const DTensor b = bs.size() == 1 ? bs[0] : cat(bs, 1);
+  const auto [a, b, scale] = stack_adapters(std::move(as), std::move(bs), scales);
   DTensor xl;
   if (bt.any_dropout) {
     // The same mask a single process would draw: the draw follows x's layout.
@@ -349,10 +357,7 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
     Tensor keep = keep_scale(u.to_local(), bt.dropout, slots_[size_t(bt.slots[0])].dropout);
     xl = mul(x, DTensor::from_local(keep.to(x.dtype()), mesh, x.placements(), x.shape()));
   }
-  Tensor h_scale;
-  if (bt.h_scale.defined())
-    h_scale = kernels::reshape(bt.h_scale,
-                               per_row_shape(bt.h_scale.size(0), bt.h_scale.size(1), x.dim()));
+  const Tensor h_scale = activation_mask(bt, x.dim());
   bool row_parallel = false;
   for (const Placement& p : w.placements())
     row_parallel |= p.kind() == Placement::Kind::Shard && p.dim() == 1;

@@ -7,24 +7,16 @@
 #include <vector>
 
 #include "common/affine_batch.h"
+#include "common/small_decoder.h"
 #include "tessera/tessera.h"
 
 namespace tessera::testing {
 
-constexpr int64_t kCkptBatch = 8;
-constexpr int64_t kCkptSeq = 8;
+constexpr int64_t kCkptBatch = kSmallBatch;
+constexpr int64_t kCkptSeq = kSmallSeq;
 
 inline DecoderConfig checkpoint_config(uint64_t seed = 7) {
-  DecoderConfig cfg;
-  cfg.vocab_size = 32;
-  cfg.dim = 32;
-  cfg.n_layers = 2;
-  cfg.n_heads = 4;
-  cfg.n_kv_heads = 2;
-  cfg.ffn_dim = 64;
-  cfg.max_seq_len = kCkptSeq;
-  cfg.seed = seed;
-  return cfg;
+  return small_decoder_config(seed);
 }
 
 // One way of running the decoder on this world: the model and which rows of the global batch

@@ -13,6 +13,7 @@
 #include "common/affine_batch.h"
 #include "common/expect_close.h"
 #include "common/expect_error.h"
+#include "common/small_decoder.h"
 #include "tessera/fsdp/fully_shard.h"
 #include "tessera/tessera.h"
 
@@ -21,27 +22,17 @@ using tessera::testing::affine_batch;
 using tessera::testing::Batch;
 using tessera::testing::expect_close;
 using tessera::testing::expect_error;
+using tessera::testing::kSmallBatch;
+using tessera::testing::kSmallSeq;
+using tessera::testing::small_decoder_config;
 
 namespace {
 
-constexpr int64_t kBatch = 8;
-constexpr int64_t kSeq = 8;
-
-DecoderConfig tiny_config() {
-  DecoderConfig cfg;
-  cfg.vocab_size = 32;
-  cfg.dim = 32;
-  cfg.n_layers = 2;
-  cfg.n_heads = 4;
-  cfg.n_kv_heads = 2;
-  cfg.ffn_dim = 64;
-  cfg.max_seq_len = kSeq;
-  cfg.seed = 7;
-  return cfg;
-}
+constexpr int64_t kBatch = kSmallBatch;
+constexpr int64_t kSeq = kSmallSeq;
 
 Batch make_batch(int step, int64_t rows = kBatch) {
-  return affine_batch(step, rows, kSeq, tiny_config().vocab_size);
+  return affine_batch(step, rows, kSeq, small_decoder_config().vocab_size);
 }
 
 Batch rows_of(const Batch& b, int64_t dp_rank, int64_t dp_size) {
@@ -119,7 +110,7 @@ void expect_same_run(const TrainRun& got, const TrainRun& want, double tol,
 
 // Plain Decoder, whole batch, no DTensor: shares nothing with the sharded runs but the seed.
 const TrainRun& reference_run() {
-  static const TrainRun r = train(std::make_shared<Decoder>(tiny_config()), 30, 0, 1);
+  static const TrainRun r = train(std::make_shared<Decoder>(small_decoder_config()), 30, 0, 1);
   return r;
 }
 
@@ -129,7 +120,7 @@ DeviceMesh dp_mesh() {
 
 TEST(FullyShard, TrainingMatchesSingleRank) {
   DeviceMesh mesh = dp_mesh();
-  auto net = std::make_shared<Decoder>(tiny_config());
+  auto net = std::make_shared<Decoder>(small_decoder_config());
   auto states = shard_blocks_and_root(net, mesh);
   EXPECT_TRUE(states.back()->is_root());
   EXPECT_FALSE(states.front()->is_root());
@@ -159,7 +150,7 @@ TEST(FullyShard, TrainingMatchesSingleRank) {
 
 TEST(FullyShard, StoredShardsAreOneFlatBufferPerGroup) {
   DeviceMesh mesh = dp_mesh();
-  auto net = std::make_shared<Decoder>(tiny_config());
+  auto net = std::make_shared<Decoder>(small_decoder_config());
   int64_t total = 0;
   for (Parameter* p : net->parameters())
     total += shape_numel(p->global_shape());
@@ -194,11 +185,11 @@ TEST(FullyShard, GradientAccumulationEqualsOneLargeBatch) {
   DeviceMesh mesh = dp_mesh();
   constexpr int kMicro = 4;
   // Reference: one batch of 4 x kBatch rows, mean loss.
-  auto ref = std::make_shared<Decoder>(tiny_config());
+  auto ref = std::make_shared<Decoder>(small_decoder_config());
   Batch big = make_batch(3, kMicro * kBatch);
   backward(cross_entropy((*ref)(big.ids), big.targets));
 
-  auto net = std::make_shared<Decoder>(tiny_config());
+  auto net = std::make_shared<Decoder>(small_decoder_config());
   auto states = shard_blocks_and_root(net, mesh);
   for (int m = 0; m < kMicro; ++m) {
     const bool last = m == kMicro - 1;
@@ -229,12 +220,12 @@ TEST(FullyShard, FrozenParameterGetsNoGradientAndStaysUnchanged) {
     for (auto& [name, p] : d.named_parameters())
       if (name == frozen) p->set_requires_grad(false);
   };
-  auto ref = std::make_shared<Decoder>(tiny_config());
+  auto ref = std::make_shared<Decoder>(small_decoder_config());
   freeze(*ref);
   TrainRun want = train(ref, 5, 0, 1);
 
   DeviceMesh mesh = dp_mesh();
-  auto net = std::make_shared<Decoder>(tiny_config());
+  auto net = std::make_shared<Decoder>(small_decoder_config());
   const Tensor initial = net->state_dict().at(frozen);
   freeze(*net);
   shard_blocks_and_root(net, mesh);
@@ -251,7 +242,7 @@ TEST(FullyShard, FrozenParameterGetsNoGradientAndStaysUnchanged) {
 // The reference run trains until the parameters move far beyond the tolerance, so a sharded run
 // that dropped or mis-averaged a gradient could not pass.
 TEST(FullyShard, ReferenceRunMovesParametersBeyondTheTolerance) {
-  auto initial = std::make_shared<Decoder>(tiny_config())->state_dict();
+  auto initial = std::make_shared<Decoder>(small_decoder_config())->state_dict();
   const TrainRun& ref = reference_run();
   EXPECT_LT(ref.losses.back(), 0.5 * ref.losses.front());
   for (const auto& [name, t] : ref.state) {
@@ -267,7 +258,7 @@ TEST(FullyShard, ReferenceRunMovesParametersBeyondTheTolerance) {
 TEST(FullyShard, HybridShardingMatchesSingleRank) {
   if (world_size() != 4 && world_size() != 8) GTEST_SKIP() << "HSDP runs on 4 or 8 ranks";
   DeviceMesh mesh(Shape{2, world_size() / 2}, {"replicate", "shard"});
-  auto net = std::make_shared<Decoder>(tiny_config());
+  auto net = std::make_shared<Decoder>(small_decoder_config());
   shard_blocks_and_root(net, mesh);
   Parameter* w = net->parameters().front();
   EXPECT_EQ(w->stored_dtensor().placements(), (Placements{Replicate(), Shard(0)}));
@@ -281,7 +272,7 @@ TEST(FullyShard, WithTensorParallelMatchesSingleRank) {
   if (world_size() != 4 && world_size() != 8) GTEST_SKIP() << "FSDP x TP runs on 4 or 8 ranks";
   const int64_t tp = 2, dp = world_size() / tp;
   DeviceMesh mesh(Shape{dp, tp}, {"dp", "tp"});
-  const DecoderConfig cfg = tiny_config();
+  const DecoderConfig cfg = small_decoder_config();
   auto net = std::make_shared<Decoder>(cfg);
   parallelize_module(net, mesh["tp"], decoder_tp_plan(cfg, mesh["tp"]));
   shard_blocks_and_root(net, mesh["dp"]);
@@ -309,7 +300,7 @@ TEST(FullyShard, WithTensorParallelMatchesSingleRank) {
 TEST(FullyShard, HybridShardingWithTensorParallelMatchesSingleRank) {
   if (world_size() != 8) GTEST_SKIP() << "HSDP x TP runs on a (2, 2, 2) mesh";
   DeviceMesh mesh(Shape{2, 2, 2}, {"replicate", "shard", "tp"});
-  const DecoderConfig cfg = tiny_config();
+  const DecoderConfig cfg = small_decoder_config();
   auto net = std::make_shared<Decoder>(cfg);
   parallelize_module(net, mesh["tp"], decoder_tp_plan(cfg, mesh["tp"]));
   shard_blocks_and_root(net, mesh[std::vector<std::string>{"replicate", "shard"}]);
@@ -335,7 +326,7 @@ TEST(FullyShard, HybridShardingWithTensorParallelMatchesSingleRank) {
 // (gathered and cut).
 TEST(FullyShard, ShardedStateDictHoldsShardsAndLoadsIntoOtherLayouts) {
   DeviceMesh mesh = dp_mesh();
-  const DecoderConfig cfg = tiny_config();
+  const DecoderConfig cfg = small_decoder_config();
   auto net = std::make_shared<Decoder>(cfg);
   shard_blocks_and_root(net, mesh);
   train(net, 2, world_rank(), world_size());  // move away from the initial weights
@@ -485,7 +476,7 @@ TEST(FullyShard, DecoderInBfloat16StaysWithinTwoPercentOfFloat32) {
   FSDPOptions opts;
   opts.mp_policy.param_dtype = DType::BFloat16;
   opts.mp_policy.reduce_dtype = DType::Float32;
-  auto net = std::make_shared<Decoder>(tiny_config());
+  auto net = std::make_shared<Decoder>(small_decoder_config());
   for (auto& layer : net->layers)
     fully_shard(layer, mesh, opts);
   opts.mp_policy.output_dtype = DType::Float32;
@@ -530,7 +521,7 @@ TEST(FullyShard, MlpWithoutMixedPrecisionMatchesExactly) {
 
 TEST(FullyShard, RootKeepsParametersUnshardedThroughBackward) {
   DeviceMesh mesh = dp_mesh();
-  auto net = std::make_shared<Decoder>(tiny_config());
+  auto net = std::make_shared<Decoder>(small_decoder_config());
   auto states = shard_blocks_and_root(net, mesh);
   Batch b = rows_of(make_batch(0), mesh.local_rank(0), world_size());
   Tensor loss = cross_entropy((*net)(b.ids), b.targets);
@@ -556,7 +547,7 @@ TEST(FullyShard, RootKeepsParametersUnshardedThroughBackward) {
 
 TEST(FullyShard, MisuseErrors) {
   DeviceMesh mesh = dp_mesh();
-  auto net = std::make_shared<Decoder>(tiny_config());
+  auto net = std::make_shared<Decoder>(small_decoder_config());
   fully_shard(net->layers[0], mesh);
   expect_error([&] { fully_shard(net->layers[0], mesh); },
                {"fully_shard", "DecoderBlock", "already fully_shard'ed"});
