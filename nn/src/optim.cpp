@@ -15,7 +15,13 @@ namespace tessera {
 
 namespace {
 
+// An empty list is refused as PyTorch refuses it: such an optimizer's step() would do nothing,
+// which is almost always a model whose parameters() came out empty (all frozen, or collected
+// before the layers were added) rather than an intent.
 void check_params(const char* opt, const std::vector<Parameter*>& params) {
+  TESSERA_CHECK(!params.empty(), opt,
+                ": optimizer got an empty parameter list (no parameter to update; were all "
+                "parameters frozen, or collected before the layers were added?)");
   for (size_t i = 0; i < params.size(); ++i)
     TESSERA_CHECK(params[i] != nullptr && params[i]->defined(), opt, ": parameter ", i, " of ",
                   params.size(), " is null or undefined");

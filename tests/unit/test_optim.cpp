@@ -229,6 +229,12 @@ TEST(Optimizer, RejectsBadOptions) {
   expect_error([&] { SGD({nullptr}, {}); }, "SGD: parameter 0 of 1 is null");
 }
 
+// PyTorch refuses an empty list; stepping it would silently train nothing.
+TEST(Optimizer, RejectsEmptyParameterList) {
+  expect_error([&] { AdamW({}, {}); }, "AdamW: optimizer got an empty parameter list");
+  expect_error([&] { SGD({}, {}); }, "SGD: optimizer got an empty parameter list");
+}
+
 TEST(ClipGradNorm, ScalesWhenAboveMaxNorm) {
   Vec ga = {3.0, 0.0, -4.0}, gb = {12.0};
   Parameter a = make_param({0, 0, 0}), b = make_param({0}), c = make_param({1, 1});
