@@ -70,7 +70,7 @@ std::atomic<Allocator*> g_cuda_override{nullptr};
 
 }  // namespace
 
-Allocator* cuda_default_allocator(int index);  // cuda/allocator.cpp, or the error below
+Allocator* cuda_default_allocator(int index);  // cuda/cuda_runtime.cpp, or the error below
 
 Allocator& allocator_for(Device device) {
   if (device.is_cpu()) {

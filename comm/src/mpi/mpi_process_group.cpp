@@ -82,8 +82,8 @@ std::shared_ptr<MpiWork> MpiProcessGroup::make_work(CallInfo call) const {
 void MpiProcessGroup::check_tensor(const Tensor& t, const char* op, const char* what) const {
   TESSERA_CHECK(t.defined(), where(op), ": ", what, " is an undefined tensor");
   TESSERA_CHECK(t.device().is_cpu(), where(op), ": ", what, " ", t.str(),
-                " is not on the CPU; the MPI group communicates CPU tensors (CUDA tensors go "
-                "through NCCL)");
+                " is not on the CPU; the MPI group communicates CPU tensors (there is no GPU "
+                "communication yet: copy the tensor to the CPU first)");
 }
 
 void MpiProcessGroup::check_root(int root, const char* op, const char* what) const {

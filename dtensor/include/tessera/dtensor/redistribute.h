@@ -20,7 +20,7 @@ struct RedistributeStep {
 
 struct RedistributePlan {
   std::vector<RedistributeStep> steps;
-  int64_t bytes_moved = 0;  // estimate over all ranks, for choosing among plans
+  int64_t bytes_moved = 0;  // estimate over all ranks; reported, not used to pick steps
   std::string str() const;
 };
 

@@ -29,11 +29,6 @@ struct MixedPrecisionPolicy {
   std::optional<DType> output_dtype;
 };
 
-struct OffloadPolicy {
-  // Accepted for API compatibility: without a GPU the parameters already live on the CPU.
-  bool offload_to_cpu = false;
-};
-
 struct FSDPOptions {
   bool reshard_after_forward = true;
   // Issue the next group's all-gather while this group computes: in forward the group after it
@@ -42,7 +37,6 @@ struct FSDPOptions {
   bool forward_prefetch = true;
   bool backward_prefetch = true;
   MixedPrecisionPolicy mp_policy;
-  OffloadPolicy offload_policy;
 };
 
 // Where a group's communication kept its computing thread waiting: the time inside wait() for

@@ -52,7 +52,7 @@ class Module : public std::enable_shared_from_this<Module> {
   std::vector<std::pair<std::string, ModulePtr>> named_modules();
   // The module at a dotted path ("layers.3.attention"); an error names the missing part.
   ModulePtr get_submodule(const std::string& path);
-  // Replaces the child at `path` (LoRA and FSDP wrap layers this way); the new module must be
+  // Replaces the child at `path` (apply_lora wraps layers this way); the new module must be
   // of a type the parent's slot accepts.
   void replace_submodule(const std::string& path, ModulePtr module);
 
