@@ -42,7 +42,7 @@ constexpr bool is_nan(T v) {
 // One 1-D run of map_runs: direct when contiguous and unconverted, else through buffers.
 template <class T, class TO, size_t N, class Kernel>
 void map_run(TO* o, const std::array<const T*, N>& base, const detail::Run<N + 1>& r,
-             Kernel& kernel) {
+             const Kernel& kernel) {
   using C = compute_t<T>;
   using CO = compute_t<TO>;
   constexpr bool kInPlain = std::is_same_v<T, C>;
@@ -142,6 +142,24 @@ int64_t transposed_dim(const Collapsed<M>& c) {
   return -1;
 }
 
+// A kernel called through a function pointer. The driver below is then compiled once per
+// element type instead of once per kernel: its gathering, converting and tiling loops were most
+// of the code (and of the compile time) of every elementwise op. The indirect call is made once
+// per run or per block of kBlock elements, which costs nothing measurable.
+template <class C, class CO, size_t N>
+struct KernelRef {
+  void* kernel;
+  void (*call)(void* kernel, const std::array<const C*, N>& in, CO* out, int64_t n);
+  void operator()(const std::array<const C*, N>& in, CO* out, int64_t n) const {
+    call(kernel, in, out, n);
+  }
+};
+
+template <class T, class TO, size_t N>
+void map_runs_ref(const Tensor& out, const std::array<const Tensor*, N>& in,
+                  const std::array<Shape, N>& in_strides,
+                  KernelRef<compute_t<T>, compute_t<TO>, N> kernel);
+
 // Calls kernel(const std::array<const C*, N>& in, CO* out, int64_t n) over every element of
 // `out`, where C/CO are the compute types of T/TO, the inputs all have dtype T and are read
 // through `in_strides` (laid over out's shape). Runs that are contiguous and need no conversion
@@ -151,6 +169,20 @@ int64_t transposed_dim(const Collapsed<M>& c) {
 template <class T, class TO, size_t N, class Kernel>
 void map_runs(const Tensor& out, const std::array<const Tensor*, N>& in,
               const std::array<Shape, N>& in_strides, Kernel&& kernel) {
+  using C = compute_t<T>;
+  using CO = compute_t<TO>;
+  using K = std::remove_reference_t<Kernel>;
+  const KernelRef<C, CO, N> ref{const_cast<void*>(static_cast<const void*>(&kernel)),
+                                [](void* k, const std::array<const C*, N>& p, CO* q, int64_t n) {
+                                  (*static_cast<K*>(k))(p, q, n);
+                                }};
+  map_runs_ref<T, TO, N>(out, in, in_strides, ref);
+}
+
+template <class T, class TO, size_t N>
+void map_runs_ref(const Tensor& out, const std::array<const Tensor*, N>& in,
+                  const std::array<Shape, N>& in_strides,
+                  KernelRef<compute_t<T>, compute_t<TO>, N> kernel) {
   using C = compute_t<T>;
   using CO = compute_t<TO>;
   TO* const o = static_cast<TO*>(out.raw_data());
