@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "cli.h"
 #include "tessera/comm/mpi_interop.h"
 #include "tessera/tessera.h"
 
@@ -55,23 +56,15 @@ struct Args {
   bool fsync = true;
 };
 
-int64_t parse_int(const std::string& flag, const char* v, int64_t lo, int64_t hi) {
-  char* end = nullptr;
-  const long long x = std::strtoll(v, &end, 10);
-  TESSERA_CHECK(end != v && *end == '\0' && x >= lo && x <= hi, "checkpoint bench: ", flag,
-                " takes a whole number in [", lo, ", ", hi, "], got '", v, "'");
-  return x;
-}
-
 Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     const bool has_value = i + 1 < argc;
     if (f == "--mib" && has_value) {
-      a.mib = parse_int(f, argv[++i], kTensorMiB, 1 << 20);
+      a.mib = cli::parse_int("checkpoint bench: " + f, argv[++i], kTensorMiB, 1 << 20);
     } else if (f == "--rounds" && has_value) {
-      a.rounds = int(parse_int(f, argv[++i], 1, 1000));
+      a.rounds = int(cli::parse_int("checkpoint bench: " + f, argv[++i], 1, 1000));
     } else if (f == "--dir" && has_value) {
       a.dir = argv[++i];
     } else if (f == "--no-fsync") {

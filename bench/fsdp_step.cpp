@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "cli.h"
 #include "decoder_step.h"
 
 using namespace tessera;
@@ -62,8 +63,9 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   Runtime runtime(argc, argv);
   TESSERA_CHECK(world_size() == 2, "bench/fsdp_step runs on 2 ranks (mpirun -np 2)");
-  const int steps = argc > 1 ? std::atoi(argv[1]) : 10;
-  const int rounds = argc > 2 ? std::atoi(argv[2]) : 3;
+  TESSERA_CHECK(argc <= 3, "usage: fsdp_step [STEPS [ROUNDS]]");
+  const int steps = argc > 1 ? int(cli::parse_int("fsdp_step: STEPS", argv[1], 1, 100000)) : 10;
+  const int rounds = argc > 2 ? int(cli::parse_int("fsdp_step: ROUNDS", argv[2], 1, 1000)) : 3;
   const int64_t rows = 4, seq = 128;  // global batch 8 x 128
   const bench::TokenBatch tokens = bench::random_tokens(
       rows, seq, bench::decoder_config().vocab_size, 11 + uint64_t(world_rank()));

@@ -22,19 +22,12 @@
 #include <string>
 #include <vector>
 
+#include "cli.h"
 #include "decoder_step.h"
 
 using namespace tessera;
 
 namespace {
-
-int parse_flag(const std::string& flag, const char* v, int lo, int hi) {
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  TESSERA_CHECK(end != v && *end == '\0' && x >= lo && x <= hi, "lora_step: ", flag,
-                " takes a whole number in [", lo, ", ", hi, "], got '", v, "'");
-  return int(x);
-}
 
 struct Contender {
   std::shared_ptr<Decoder> model;
@@ -114,7 +107,7 @@ int main(int argc, char** argv) {
     TESSERA_CHECK(i + 1 < argc && (f == "--rounds" || f == "--steps" || f == "--r" || f == "--dim"),
                   "lora_step: unknown or incomplete flag '", f,
                   "'; usage: lora_step [--rounds N] [--steps N] [--r N] [--dim N]");
-    const int v = parse_flag(f, argv[++i], 1, 4096);
+    const int v = int(cli::parse_int("lora_step: " + f, argv[++i], 1, 4096));
     (f == "--rounds" ? rounds : f == "--steps" ? steps : f == "--r" ? r : dim) = v;
   }
   TESSERA_CHECK(dim % 8 == 0, "lora_step: --dim must be a multiple of 8 (8 heads)");

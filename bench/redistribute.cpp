@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "cli.h"
 #include "tessera/tessera.h"
 
 namespace {
@@ -170,9 +171,17 @@ int main(int argc, char** argv) {
   std::vector<std::string> only;
   std::vector<int64_t> mibs;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
-    if (std::strcmp(argv[i], "--case") == 0 && i + 1 < argc) only.push_back(argv[++i]);
-    if (std::strcmp(argv[i], "--mib") == 0 && i + 1 < argc) mibs.push_back(std::atoll(argv[++i]));
+    const std::string f = argv[i];
+    if (f == "--quick") {
+      quick = true;
+      continue;
+    }
+    TESSERA_CHECK(i + 1 < argc && (f == "--case" || f == "--mib"),
+                  "redistribute bench: unknown or incomplete flag '", f,
+                  "'; usage: redistribute [--quick] [--case NAME]... [--mib N]...");
+    if (f == "--case") only.push_back(argv[++i]);
+    if (f == "--mib")
+      mibs.push_back(tessera::cli::parse_int("redistribute bench: --mib", argv[++i], 1, 1 << 16));
   }
   const int n = tessera::world_size();
   tessera::DeviceMesh mesh({n}, {"x"});

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "cli.h"
 #include "decoder_step.h"
 
 using namespace tessera;
@@ -11,7 +12,8 @@ using namespace tessera;
 int main(int argc, char** argv) {
   Runtime runtime(argc, argv);
   TESSERA_CHECK(world_size() == 2, "bench/train_step runs on 2 ranks (mpirun -np 2)");
-  const int steps = argc > 1 ? std::atoi(argv[1]) : 10;
+  TESSERA_CHECK(argc <= 2, "usage: train_step [STEPS]");
+  const int steps = argc > 1 ? int(cli::parse_int("train_step: STEPS", argv[1], 1, 100000)) : 10;
   const int64_t batch = 8, seq = 128;
   const DecoderConfig cfg = bench::decoder_config();
   const bench::TokenBatch tokens = bench::random_tokens(batch, seq, cfg.vocab_size, 11);

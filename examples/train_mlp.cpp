@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "cli.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
@@ -46,7 +47,8 @@ Tensor parameter(const Shape& shape, Generator& gen, bool bias) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int steps = argc > 1 ? std::atoi(argv[1]) : 300;
+  TESSERA_CHECK(argc <= 2, "usage: train_mlp [STEPS]");
+  const int steps = argc > 1 ? int(cli::parse_int("train_mlp: STEPS", argv[1], 1, 1 << 30)) : 300;
   const int64_t hidden = 64, classes = 3;
   Generator gen(2026);
   Tensor x, y;

@@ -1,5 +1,7 @@
 #include "lm/options.h"
 
+#include "cli.h"
+
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -7,6 +9,10 @@
 #include <stdexcept>
 
 namespace lm {
+
+namespace {
+constexpr int64_t kBig = int64_t(1) << 40;  // upper bound of the flags without a natural one
+}  // namespace
 
 std::string usage() {
   return "usage: train_lm [--tp N] [--dp N] [--sequence-parallel] [--loss-parallel] [--fsdp]\n"
@@ -22,41 +28,39 @@ std::string usage() {
 
 Options parse_options(int argc, char** argv) {
   Options o;
-  // Whole values only: "12abc" is an error, not 12.
-  auto integer = [](int64_t& dst) {
-    return [&dst](const std::string& v) {
-      size_t used = 0;
-      dst = std::stoll(v, &used);
-      if (used != v.size()) throw std::invalid_argument(v);
+  // Each flag's value is checked whole and against its range where it is read.
+  std::string flag;
+  auto integer = [&flag](int64_t& dst, int64_t lo, int64_t hi = kBig) {
+    return [&flag, &dst, lo, hi](const std::string& v) {
+      dst = tessera::cli::parse_int(flag, v, lo, hi);
     };
   };
-  auto real = [](double& dst) {
-    return [&dst](const std::string& v) {
-      size_t used = 0;
-      dst = std::stod(v, &used);
-      if (used != v.size()) throw std::invalid_argument(v);
+  auto real = [&flag](double& dst, double lo, double hi) {
+    return [&flag, &dst, lo, hi](const std::string& v) {
+      dst = tessera::cli::parse_real(flag, v, lo, hi);
     };
   };
   std::map<std::string, std::function<void(const std::string&)>> with_value = {
-      {"--tp", integer(o.tp)},
-      {"--dp", integer(o.dp)},
-      {"--steps", integer(o.steps)},
-      {"--batch", integer(o.batch)},
-      {"--seq", integer(o.seq)},
-      {"--lr", real(o.lr)},
-      {"--weight-decay", real(o.weight_decay)},
-      {"--clip", real(o.clip)},
-      {"--seed", [&o](const std::string& v) { o.seed = std::stoull(v); }},
-      {"--dim", integer(o.dim)},
-      {"--layers", integer(o.layers)},
-      {"--heads", integer(o.heads)},
-      {"--kv-heads", integer(o.kv_heads)},
-      {"--ffn", integer(o.ffn)},
-      {"--corpus-chars", integer(o.corpus_chars)},
-      {"--log-every", integer(o.log_every)},
+      {"--tp", integer(o.tp, 1)},
+      {"--dp", integer(o.dp, 0)},
+      {"--steps", integer(o.steps, 0)},
+      {"--batch", integer(o.batch, 1)},
+      {"--seq", integer(o.seq, 1)},
+      {"--lr", real(o.lr, 0, 1e3)},
+      {"--weight-decay", real(o.weight_decay, 0, 1e3)},
+      {"--clip", real(o.clip, 0, 1e30)},
+      {"--seed",
+       [&](const std::string& v) { o.seed = uint64_t(tessera::cli::parse_int(flag, v, 0, kBig)); }},
+      {"--dim", integer(o.dim, 1)},
+      {"--layers", integer(o.layers, 1)},
+      {"--heads", integer(o.heads, 1)},
+      {"--kv-heads", integer(o.kv_heads, 1)},
+      {"--ffn", integer(o.ffn, 1)},
+      {"--corpus-chars", integer(o.corpus_chars, 1)},
+      {"--log-every", integer(o.log_every, 1)},
       {"--csv", [&o](const std::string& v) { o.csv = v; }},
       {"--checkpoint-dir", [&o](const std::string& v) { o.checkpoint_dir = v; }},
-      {"--save-every", integer(o.save_every)},
+      {"--save-every", integer(o.save_every, 0)},
   };
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -83,15 +87,11 @@ Options parse_options(int argc, char** argv) {
     auto it = with_value.find(a);
     if (it == with_value.end()) throw std::invalid_argument("unknown flag " + a + "\n" + usage());
     if (i + 1 >= argc) throw std::invalid_argument("flag " + a + " needs a value");
-    try {
-      it->second(argv[++i]);
-    } catch (const std::logic_error&) {
-      throw std::invalid_argument("bad value '" + std::string(argv[i]) + "' for " + a);
-    }
+    flag = "train_lm: " + a;
+    it->second(argv[++i]);
   }
   if ((o.save_every != 0 || o.resume) && o.checkpoint_dir.empty())
     throw std::invalid_argument("--save-every and --resume need --checkpoint-dir");
-  if (o.save_every < 0) throw std::invalid_argument("--save-every must not be negative");
   return o;
 }
 

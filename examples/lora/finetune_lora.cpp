@@ -15,6 +15,7 @@
 #include <map>
 #include <string>
 
+#include "cli.h"
 #include "lm/corpus.h"
 
 using namespace tessera;
@@ -35,34 +36,29 @@ const char* kUsage =
     "Run under mpirun -np (tp * dp). The base model is trained --base-steps steps and saved to\n"
     "--base-checkpoint, or loaded from it when the file exists.\n";
 
+constexpr int64_t kBig = int64_t(1) << 40;  // upper bound of the whole-number flags
+
 Options parse(int argc, char** argv) {
   Options o;
-  auto integer = [](int64_t& dst) {
-    return [&dst](const std::string& v) {
-      size_t used = 0;
-      dst = std::stoll(v, &used);
-      if (used != v.size() || dst < 0) throw std::invalid_argument(v);
-    };
+  std::string flag;  // the one being read, for the error
+  auto integer = [&flag](int64_t& dst, int64_t lo) {
+    return [&flag, &dst, lo](const std::string& v) { dst = cli::parse_int(flag, v, lo, kBig); };
   };
-  auto real = [](double& dst) {
-    return [&dst](const std::string& v) {
-      size_t used = 0;
-      dst = std::stod(v, &used);
-      if (used != v.size() || !(dst > 0)) throw std::invalid_argument(v);
-    };
+  auto real = [&flag](double& dst) {
+    return [&flag, &dst](const std::string& v) { dst = cli::parse_real(flag, v, 1e-30, 1e30); };
   };
   auto text = [](std::string& dst) { return [&dst](const std::string& v) { dst = v; }; };
   std::map<std::string, std::function<void(const std::string&)>> flags = {
-      {"--tp", integer(o.tp)},
-      {"--dp", integer(o.dp)},
-      {"--base-steps", integer(o.base_steps)},
-      {"--steps", integer(o.steps)},
-      {"--r", integer(o.r)},
+      {"--tp", integer(o.tp, 1)},
+      {"--dp", integer(o.dp, 0)},
+      {"--base-steps", integer(o.base_steps, 0)},
+      {"--steps", integer(o.steps, 0)},
+      {"--r", integer(o.r, 1)},
       {"--alpha", real(o.alpha)},
       {"--lr", real(o.lr)},
       {"--base-checkpoint", text(o.base_checkpoint)},
       {"--peft-dir", text(o.peft_dir)},
-      {"--log-every", integer(o.log_every)},
+      {"--log-every", integer(o.log_every, 1)},
       {"--csv", text(o.csv)}};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -73,11 +69,8 @@ Options parse(int argc, char** argv) {
     auto it = flags.find(a);
     TESSERA_CHECK(it != flags.end(), "finetune_lora: unknown flag '", a, "'\n", kUsage);
     TESSERA_CHECK(i + 1 < argc, "finetune_lora: ", a, " needs a value");
-    try {
-      it->second(argv[++i]);
-    } catch (const std::logic_error&) {
-      TESSERA_FAIL("finetune_lora: bad value '", argv[i], "' for ", a);
-    }
+    flag = "finetune_lora: " + a;
+    it->second(argv[++i]);
   }
   TESSERA_CHECK(o.log_every > 0 && o.r > 0 && o.tp > 0,
                 "finetune_lora: --log-every, --r and --tp "
