@@ -1,5 +1,9 @@
 #include "tessera/dtensor/dtensor.h"
 
+#include <algorithm>
+
+#include "agreement.h"
+#include "tessera/comm/agree.h"
 #include "tessera/comm/runtime.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/views.h"
@@ -30,18 +34,6 @@ bool any_rank(const DeviceMesh& mesh, bool flag) {
   for (int64_t m = 0; m < mesh.ndim(); ++m)
     mesh.group(m)->all_reduce(f, ReduceOp::Max)->wait();
   return f.item<int64_t>() != 0;
-}
-
-// Whether every rank of the mesh holds the same `desc` (compared through max and min).
-bool same_on_every_rank(const DeviceMesh& mesh, const std::vector<int64_t>& desc) {
-  bool same = true;
-  for (int64_t m = 0; m < mesh.ndim(); ++m) {
-    Tensor mx = from_vector<int64_t>(desc), mn = mx.clone();
-    mesh.group(m)->all_reduce(mx, ReduceOp::Max)->wait();
-    mesh.group(m)->all_reduce(mn, ReduceOp::Min)->wait();
-    same = same && mx.to_vector<int64_t>() == desc && mn.to_vector<int64_t>() == desc;
-  }
-  return !any_rank(mesh, !same);
 }
 
 // Sum-partial dims keep the value on coordinate 0 only.
@@ -76,45 +68,39 @@ int64_t DTensor::size(int64_t d) const {
   return shape()[size_t(wrap_dim(d, dim(), "size"))];
 }
 
-DTensor DTensor::from_local(const Tensor& local, const DeviceMesh& mesh,
-                            const Placements& placements, const std::optional<Shape>& global_shape,
-                            bool run_check) {
-  TESSERA_CHECK(local.defined(), "from_local: undefined local tensor");
-  Shape gs;
-  if (global_shape) {
-    gs = *global_shape;
-  } else {
-    gs = local.shape();
-    for (int64_t m = 0; m < mesh.ndim() && m < int64_t(placements.size()); ++m) {
-      const Placement& p = placements[size_t(m)];
-      if (!p.is_shard()) continue;
-      int64_t d = wrap_dim(p.dim(), local.dim(), "from_local");
-      gs[size_t(d)] *= mesh.size(m);
-    }
+namespace {
+
+// The global shape from_local works with: the given one, or this rank's piece scaled by the mesh
+// dims that shard it (even sharding).
+Shape from_local_global_shape(const Tensor& local, const DeviceMesh& mesh,
+                              const Placements& placements,
+                              const std::optional<Shape>& global_shape) {
+  if (global_shape) return *global_shape;
+  Shape gs = local.shape();
+  for (int64_t m = 0; m < mesh.ndim() && m < int64_t(placements.size()); ++m) {
+    const Placement& p = placements[size_t(m)];
+    if (!p.is_shard()) continue;
+    int64_t d = wrap_dim(p.dim(), local.dim(), "from_local");
+    gs[size_t(d)] *= mesh.size(m);
   }
+  return gs;
+}
+
+// The spec of this rank's piece, checked against the piece's shape (no communication).
+std::shared_ptr<const DTensorSpec> from_local_spec(const Tensor& local, const DeviceMesh& mesh,
+                                                   const Placements& placements, const Shape& gs) {
   auto spec = std::make_shared<const DTensorSpec>(mesh, placements, gs, local.dtype());
   Shape expect = spec->local_layout().local_shape;
-  const bool shape_ok = local.shape() == expect;
-  auto shape_error = [&] {
-    return detail::concat(
-        "from_local: local tensor of shape ", shape_str(local.shape()), " on mesh coordinate ",
-        coord_str(mesh.coordinate()), " but global shape ", shape_str(gs), " under ",
-        placements_str(spec->placements), " gives this rank a piece of shape ", shape_str(expect));
-  };
-  if (!run_check) {
-    TESSERA_CHECK(shape_ok, shape_error());
-    return DTensor(std::move(spec), local);
-  }
-  // With run_check every rank takes part in every check before any of them throws.
-  if (any_rank(mesh, !shape_ok)) {
-    TESSERA_CHECK(shape_ok, shape_error());
-    TESSERA_FAIL("from_local(run_check): another rank's local piece does not fit global shape ",
-                 shape_str(gs), " under ", placements_str(spec->placements));
-  }
-  std::vector<int64_t> desc = {int64_t(gs.size())};
-  desc.insert(desc.end(), gs.begin(), gs.end());
-  TESSERA_CHECK(same_on_every_rank(mesh, desc), "from_local(run_check): ranks of ", mesh.str(),
-                " disagree on the global shape (this rank: ", shape_str(gs), ")");
+  TESSERA_CHECK(local.shape() == expect, "from_local: local tensor of shape ",
+                shape_str(local.shape()), " on mesh coordinate ", coord_str(mesh.coordinate()),
+                " but global shape ", shape_str(gs), " under ", placements_str(spec->placements),
+                " gives this rank a piece of shape ", shape_str(expect));
+  return spec;
+}
+
+// Whether the ranks of a Replicate mesh dim hold different values (a collective; the ranks have
+// agreed on dtype and shapes before).
+bool replicas_differ(const Tensor& local, const DeviceMesh& mesh, const Placements& placements) {
   bool values_differ = false;
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
     if (!placements[size_t(m)].is_replicate()) continue;
@@ -123,9 +109,43 @@ DTensor DTensor::from_local(const Tensor& local, const DeviceMesh& mesh,
     mesh.group(m)->all_reduce(lo, ReduceOp::Min)->wait();
     values_differ = values_differ || hi.to_vector<double>() != lo.to_vector<double>();
   }
-  TESSERA_CHECK(!any_rank(mesh, values_differ), "from_local(run_check): values differ across ",
-                "ranks of a Replicate mesh dim of ", mesh.str(), " (placements ",
-                placements_str(spec->placements), ")");
+  return any_rank(mesh, values_differ);
+}
+
+}  // namespace
+
+DTensor DTensor::from_local(const Tensor& local, const DeviceMesh& mesh,
+                            const Placements& placements, const std::optional<Shape>& global_shape,
+                            bool run_check) {
+  if (!run_check) {
+    TESSERA_CHECK(local.defined(), "from_local: undefined local tensor");
+    Shape gs = from_local_global_shape(local, mesh, placements, global_shape);
+    return DTensor(from_local_spec(local, mesh, placements, gs), local);
+  }
+  // With run_check every rank checks its own piece, then the ranks agree on what they passed
+  // before any of them throws, and before the values of Replicate dims are compared (which
+  // would move pieces of different dtypes or shapes between the ranks).
+  std::shared_ptr<const DTensorSpec> spec;
+  std::string error, gs_text = "unknown";
+  try {
+    TESSERA_CHECK(local.defined(), "from_local: undefined local tensor");
+    Shape gs = from_local_global_shape(local, mesh, placements, global_shape);
+    gs_text = shape_str(gs);
+    spec = from_local_spec(local, mesh, placements, gs);
+  } catch (...) {
+    error = current_error_text();
+  }
+  const detail::CallDescription desc = {
+      {"dtype", local.defined() ? dtype_name(local.dtype()) : "an undefined tensor"},
+      {"placements", placements_str(placements)},
+      {"mesh", detail::mesh_description(mesh)},
+      {"global shape", gs_text}};
+  detail::agree_on_call(mesh, "from_local(run_check)", desc, error,
+                        "every rank must pass a piece of the same dtype, under the same "
+                        "placements and mesh, of the same global shape");
+  TESSERA_CHECK(!replicas_differ(local, mesh, spec->placements),
+                "from_local(run_check): values differ across ranks of a Replicate mesh dim of ",
+                mesh.str(), " (placements ", placements_str(spec->placements), ")");
   return DTensor(std::move(spec), local);
 }
 
@@ -163,37 +183,71 @@ std::string DTensor::str() const {
          placements_str(placements()) + ", local " + shape_str(local_.shape()) + ")";
 }
 
-DTensor distribute_tensor(const Tensor& global, const DeviceMesh& mesh,
-                          const Placements& placements, int src_rank) {
-  if (src_rank < 0) {
-    TESSERA_CHECK(global.defined(), "distribute_tensor: undefined tensor");
-    // Every rank claims to hold the whole tensor: make sure they agree on its shape, so a rank
-    // that passes its local shard fails loudly instead of being sharded a second time.
-    std::vector<int64_t> desc = {int64_t(global.dim()), int64_t(global.dtype())};
-    desc.insert(desc.end(), global.shape().begin(), global.shape().end());
-    desc.resize(12, -1);
-    TESSERA_CHECK(same_on_every_rank(mesh, desc), "distribute_tensor: ranks of ", mesh.str(),
-                  " pass tensors of different shapes or dtypes (this rank: ", global.str(),
-                  "); with src_rank = -1 every rank must pass the same global tensor");
-    auto spec =
-        std::make_shared<const DTensorSpec>(mesh, placements, global.shape(), global.dtype());
-    Tensor local = window_of(global, spec->local_layout()).clone();
-    if (zero_for_partial(*spec)) local.zero_();
-    return DTensor(std::move(spec), local);
-  }
+namespace {
 
-  // From one source rank: it sends each mesh rank its header and window point to point.
+constexpr int kMaxHeaderDims = 10;
+
+// src_rank is -1 (every rank holds the tensor) or a world rank of the mesh.
+void check_src_rank(const DeviceMesh& mesh, int src_rank) {
+  if (src_rank == -1) return;
+  const std::vector<int>& ranks = mesh.world_ranks();
+  TESSERA_CHECK(std::find(ranks.begin(), ranks.end(), src_rank) != ranks.end(),
+                "distribute_tensor: src_rank ", src_rank,
+                " is neither -1 (every rank passes the global tensor) nor a world rank of ",
+                detail::mesh_description(mesh));
+}
+
+std::string tensor_description(const Tensor& t) {
+  if (!t.defined()) return "an undefined tensor";
+  std::string s = dtype_name(t.dtype());
+  s += ' ';
+  s += shape_str(t.shape());
+  return s;
+}
+
+// This rank's window of `global` under `spec`, cut locally.
+DTensor cut_window(const Tensor& global, std::shared_ptr<const DTensorSpec> spec) {
+  Tensor local = window_of(global, spec->local_layout()).clone();
+  if (zero_for_partial(*spec)) local.zero_();
+  return DTensor(std::move(spec), local);
+}
+
+// The source sends each other mesh rank its window (the windows are checked consistent first).
+DTensor send_windows(const Tensor& global, std::shared_ptr<const DTensorSpec> spec, int src_rank,
+                     int data_tag) {
+  ProcessGroupPtr world = world_group();
+  const DeviceMesh& mesh = spec->mesh;
+  Tensor local = empty(spec->local_layout().local_shape, spec->dtype);
+  if (world->rank() == src_rank) {
+    std::vector<WorkPtr> pending;
+    std::vector<Tensor> keep;
+    for (int r : mesh.world_ranks()) {
+      Tensor w = window_of(global, spec->local_layout_at(mesh.coordinate_of(r))).contiguous();
+      if (r == src_rank) {
+        local.copy_(w);
+      } else if (w.numel() > 0) {
+        keep.push_back(w);
+        pending.push_back(world->send(w, r, data_tag));
+      }
+    }
+    for (auto& w : pending)
+      w->wait();
+  } else if (local.numel() > 0) {
+    world->recv(local, src_rank, data_tag)->wait();
+  }
+  if (zero_for_partial(*spec)) local.zero_();
+  return DTensor(std::move(spec), local);
+}
+
+// The source sends every other mesh rank the global shape and dtype, each rank checks its own
+// tensor against them, and the ranks agree on the outcome before the source sends the windows.
+DTensor distribute_from(const Tensor& global, const DeviceMesh& mesh, const Placements& placements,
+                        int src_rank) {
   ProcessGroupPtr world = world_group();
   constexpr int kHeaderTag = 0x7e51, kDataTag = 0x7e52;
   const int me = world->rank();
-  bool in_mesh = false;
-  for (int r : mesh.world_ranks())
-    in_mesh = in_mesh || r == src_rank;
-  TESSERA_CHECK(in_mesh, "distribute_tensor: src_rank ", src_rank, " is not part of ", mesh.str());
-  Tensor header = zeros({12}, DType::Int64);
+  Tensor header = zeros({kMaxHeaderDims + 2}, DType::Int64);
   if (me == src_rank) {
-    TESSERA_CHECK(global.defined() && global.dim() <= 10, "distribute_tensor: the source rank ",
-                  src_rank, " must pass a tensor of at most 10 dims, got ", global.str());
     int64_t* h = header.data<int64_t>();
     h[0] = global.dim();
     h[1] = int64_t(global.dtype());
@@ -205,32 +259,52 @@ DTensor distribute_tensor(const Tensor& global, const DeviceMesh& mesh,
     world->recv(header, src_rank, kHeaderTag)->wait();
   }
   const int64_t* h = header.data<int64_t>();
-  Shape gs(h + 2, h + 2 + h[0]);
-  DType dt = DType(h[1]);
-  if (me != src_rank && global.defined())
-    TESSERA_CHECK(global.shape() == gs, "distribute_tensor: this rank passed ", global.str(),
-                  " but the source rank ", src_rank, " holds shape ", shape_str(gs));
-  auto spec = std::make_shared<const DTensorSpec>(mesh, placements, gs, dt);
-  Tensor local = empty(spec->local_layout().local_shape, dt);
-  if (me == src_rank) {
-    std::vector<WorkPtr> pending;
-    std::vector<Tensor> keep;
-    for (int r : mesh.world_ranks()) {
-      Tensor w = window_of(global, spec->local_layout_at(mesh.coordinate_of(r))).contiguous();
-      if (r == me) {
-        local.copy_(w);
-      } else if (w.numel() > 0) {
-        keep.push_back(w);
-        pending.push_back(world->send(w, r, kDataTag));
-      }
+  const Shape gs(h + 2, h + 2 + h[0]);
+  const DType dt = DType(h[1]);
+  std::string error;
+  if (me != src_rank && global.defined() && (global.shape() != gs || global.dtype() != dt))
+    error = detail::concat("[rank ", me, "] passed ", global.str(), " but the source rank ",
+                           src_rank, " holds ", dtype_name(dt), " ", shape_str(gs),
+                           "; ranks other than the source pass an undefined tensor or one of the "
+                           "source's shape and dtype");
+  detail::agree_on_call(mesh, "distribute_tensor", {}, error);
+  return send_windows(global, std::make_shared<const DTensorSpec>(mesh, placements, gs, dt),
+                      src_rank, kDataTag);
+}
+
+}  // namespace
+
+DTensor distribute_tensor(const Tensor& global, const DeviceMesh& mesh,
+                          const Placements& placements, int src_rank) {
+  // Every rank checks its own inputs, then the ranks agree on them, before any data moves: a
+  // rank that passed something wrong or different makes every rank throw.
+  const bool holds = src_rank == -1 || (world_size() > src_rank && world_rank() == src_rank);
+  std::shared_ptr<const DTensorSpec> spec;
+  std::string error;
+  try {
+    check_src_rank(mesh, src_rank);
+    if (holds) {
+      TESSERA_CHECK(global.defined(),
+                    "distribute_tensor: ", src_rank == -1 ? "this rank" : "the source rank",
+                    " passed an undefined tensor");
+      TESSERA_CHECK(global.dim() <= kMaxHeaderDims, "distribute_tensor: ", global.str(),
+                    " has more than ", kMaxHeaderDims, " dims");
+      spec = std::make_shared<const DTensorSpec>(mesh, placements, global.shape(), global.dtype());
     }
-    for (auto& w : pending)
-      w->wait();
-  } else if (local.numel() > 0) {
-    world->recv(local, src_rank, kDataTag)->wait();
+  } catch (...) {
+    error = current_error_text();
   }
-  if (zero_for_partial(*spec)) local.zero_();
-  return DTensor(std::move(spec), local);
+  detail::CallDescription desc = {{"src_rank", std::to_string(src_rank)},
+                                  {"placements", placements_str(placements)},
+                                  {"mesh", detail::mesh_description(mesh)}};
+  if (src_rank == -1) desc.emplace_back("global tensor", tensor_description(global));
+  detail::agree_on_call(mesh, "distribute_tensor", desc, error,
+                        src_rank == -1 ? "with src_rank = -1 every rank must pass the same global "
+                                         "tensor, placements and mesh"
+                                       : "every rank must pass the same src_rank, placements "
+                                         "and mesh");
+  if (src_rank == -1) return cut_window(global, std::move(spec));
+  return distribute_from(global, mesh, placements, src_rank);
 }
 
 }  // namespace tessera

@@ -34,7 +34,7 @@ TEST(DTensorMisuse, LocalShardPassedAsTheGlobalTensor) {
   Tensor piece =
       cut(global, window(shape, mesh.shape(), unravel(world_rank(), mesh.shape()), {Shard(0)}));
   const std::string msg = error_of([&] { distribute_tensor(piece, mesh, {Shard(0)}); });
-  TESSERA_EXPECT_CONTAINS(msg, "pass tensors of different shapes");
+  TESSERA_EXPECT_CONTAINS(msg, "differ in global tensor");
   TESSERA_EXPECT_CONTAINS(msg, shape_str(piece.shape()));
   TESSERA_EXPECT_CONTAINS(msg, "every rank must pass the same global tensor");
 
@@ -233,7 +233,7 @@ TEST(MisuseChild, DISABLED_DistributeNestedLocalPieces) {
   DeviceMesh mesh({2, 2}, {"dp", "tp"});
   Tensor piece = nested_piece();
   const std::string msg = error_of([&] { distribute_tensor(piece, mesh, {Shard(0), Shard(0)}); });
-  TESSERA_EXPECT_CONTAINS(msg, "pass tensors of different shapes");
+  TESSERA_EXPECT_CONTAINS(msg, "differ in global tensor");
 }
 
 // The control: pieces that differ along mesh dim 0 in every column fail on every rank at once.
@@ -244,7 +244,7 @@ TEST(MisuseChild, DISABLED_DistributeLocalPiecesDifferingInEveryColumn) {
   const std::string msg = error_of([&] {
     distribute_tensor(piece, mesh, {Shard(0), Replicate()});
   });
-  TESSERA_EXPECT_CONTAINS(msg, "pass tensors of different shapes");
+  TESSERA_EXPECT_CONTAINS(msg, "differ in global tensor");
 }
 
 TEST(MisuseChild, DISABLED_RunCheckOneReplicaDiffers) {
@@ -268,6 +268,112 @@ TEST(MisuseChild, DISABLED_RunCheckOneRankHasTheWrongPiece) {
   if (world_rank() == 3) {
     TESSERA_EXPECT_CONTAINS(msg, "[2, 3]");
   }
+}
+
+// ---- inputs that differ across ranks: every rank throws before any data moves ----
+
+namespace {
+
+// Every rank's message must carry every needle; afterwards the world still works (no rank was
+// left inside a collective).
+void expect_everywhere(const std::string& msg, const std::vector<std::string>& needles) {
+  EXPECT_FALSE(msg.empty()) << "rank " << world_rank() << " did not throw";
+  for (const std::string& n : needles) {
+    TESSERA_EXPECT_CONTAINS(msg, n);
+  }
+  Tensor t = ones({1}, DType::Float64);
+  world_group()->all_reduce(t, ReduceOp::Sum)->wait();
+  EXPECT_EQ(t.item<double>(), double(world_size()));
+}
+
+}  // namespace
+
+TEST(MisuseChild, DISABLED_RunCheckInputsDiffer) {
+  DeviceMesh line({4}, {"x"}), square({2, 2}, {"dp", "tp"});
+  const bool odd = world_rank() == 1;
+  // One rank passes float64, the others float32: a later full_tensor() would mix them.
+  Tensor piece = zeros({2, 3}, odd ? DType::Float64 : DType::Float32);
+  expect_everywhere(
+      error_of([&] { DTensor::from_local(piece, line, {Shard(0)}, std::nullopt, true); }),
+      {"from_local(run_check)", "ranks 0 and 1 differ in dtype", "float64", "float32"});
+  // Placements that differ.
+  Tensor same = zeros({2, 3}, DType::Float32);
+  expect_everywhere(
+      error_of([&] {
+        DTensor::from_local(same, line, {odd ? Shard(1) : Shard(0)}, Shape{8, 3}, true);
+      }),
+      {"differ in placements", "[S(1)]", "[S(0)]"});
+  // Meshes that differ (both span the world).
+  expect_everywhere(error_of([&] {
+                      if (odd)
+                        DTensor::from_local(same, square, {Shard(0), Shard(0)}, Shape{8, 3}, true);
+                      else
+                        DTensor::from_local(same, line, {Shard(0)}, Shape{8, 3}, true);
+                    }),
+                    {"differ in mesh", "DeviceMesh(dp=2, tp=2)", "DeviceMesh(x=4)"});
+  // The control: consistent inputs pass.
+  EXPECT_EQ(error_of([&] { DTensor::from_local(same, line, {Shard(0)}, Shape{8, 3}, true); }), "");
+}
+
+TEST(MisuseChild, DISABLED_DistributePlacementsOrMeshDiffer) {
+  DeviceMesh line({4}, {"x"}), square({2, 2}, {"dp", "tp"});
+  const bool odd = world_rank() == 2;
+  const Tensor global = dyadic({8, 4}, 8);
+  for (int src : {-1, 0}) {
+    SCOPED_TRACE("src_rank " + std::to_string(src));
+    expect_everywhere(
+        error_of([&] { distribute_tensor(global, line, {odd ? Replicate() : Shard(0)}, src); }),
+        {"distribute_tensor", "ranks 0 and 2 differ in placements", "[R]", "[S(0)]"});
+    expect_everywhere(error_of([&] {
+                        if (odd)
+                          distribute_tensor(global, square, {Shard(0), Shard(1)}, src);
+                        else
+                          distribute_tensor(global, line, {Shard(0)}, src);
+                      }),
+                      {"differ in mesh", "DeviceMesh(dp=2, tp=2)", "DeviceMesh(x=4)"});
+  }
+  // src_rank differing between ranks.
+  expect_everywhere(error_of([&] { distribute_tensor(global, line, {Shard(0)}, odd ? 1 : 0); }),
+                    {"differ in src_rank"});
+}
+
+TEST(MisuseChild, DISABLED_DistributeFromSourceMisuse) {
+  DeviceMesh line({4}, {"x"});
+  const Tensor global = dyadic({8, 4}, 9);
+  // The source passes nothing: every rank hears it, none waits for the header.
+  expect_everywhere(error_of([&] {
+                      distribute_tensor(world_rank() == 0 ? Tensor() : global, line, {Shard(0)}, 0);
+                    }),
+                    {"[rank 0]", "the source rank passed an undefined tensor"});
+  // Rank 3 passes a tensor of another shape: the source throws too.
+  expect_everywhere(
+      error_of([&] {
+        distribute_tensor(world_rank() == 3 ? dyadic({2, 4}, 9) : global, line, {Shard(0)}, 0);
+      }),
+      {"[rank 3] passed", "[2, 4]", "the source rank 0 holds float64 [8, 4]"});
+  // A src_rank that is neither -1 nor a rank of the mesh, on every rank or on one.
+  expect_everywhere(error_of([&] { distribute_tensor(global, line, {Shard(0)}, -5); }),
+                    {"src_rank -5 is neither -1", "DeviceMesh(x=4)"});
+  expect_everywhere(
+      error_of([&] { distribute_tensor(global, line, {Shard(0)}, world_rank() == 1 ? -5 : 0); }),
+      {"[rank 1]", "src_rank -5 is neither -1", "differ in src_rank"});
+  expect_everywhere(error_of([&] { distribute_tensor(global, line, {Shard(0)}, 4); }),
+                    {"src_rank 4 is neither -1"});
+  // The control: undefined tensors off the source are fine.
+  DTensor d = distribute_tensor(world_rank() == 0 ? global : Tensor(), line, {Shard(0)}, 0);
+  EXPECT_EQ(diff(d.full_tensor(), global), "");
+}
+
+TEST_F(NeverHangs, RunCheckWithDifferentDtypesPlacementsOrMeshes) {
+  expect_child_passes("RunCheckInputsDiffer");
+}
+
+TEST_F(NeverHangs, DistributeTensorWithDifferentPlacementsMeshesOrSources) {
+  expect_child_passes("DistributePlacementsOrMeshDiffer");
+}
+
+TEST_F(NeverHangs, DistributeTensorFromAMisusedSource) {
+  expect_child_passes("DistributeFromSourceMisuse");
 }
 
 TEST_F(NeverHangs, ControlDistributeTensorFailingAtTheFirstMeshDim) {

@@ -6,6 +6,7 @@
 // and their messages. Each call is collective over the group, on success too.
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "tessera/comm/process_group.h"
 
@@ -17,6 +18,9 @@ void run_agreed(const ProcessGroupPtr& pg, const std::string& context,
 
 // Agrees on an outcome found elsewhere: `error` empty is success on this rank.
 void agree(const ProcessGroupPtr& pg, const std::string& context, const std::string& error);
+
+// Every member's `text`, in group-rank order (collective over `pg`; texts may differ in length).
+std::vector<std::string> all_gather_strings(const ProcessGroupPtr& pg, const std::string& text);
 
 // The text of the exception in flight, prefixed with this rank when it does not carry one.
 std::string current_error_text();

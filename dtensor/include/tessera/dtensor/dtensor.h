@@ -19,7 +19,9 @@ class DTensor {
   // Wraps this rank's piece; no communication unless run_check. With global_shape given the
   // local shape is checked against it; without, it is inferred assuming every shard has the
   // local shape of this rank (even sharding) — pass it for uneven shapes. run_check verifies
-  // across ranks that the shapes (and for Replicate, the values) agree.
+  // across ranks, before any of them returns, that dtype, placements, mesh and global shape agree,
+  // that every piece fits, and for Replicate mesh dims that the values agree; a failure on any
+  // rank throws on every rank.
   static DTensor from_local(const Tensor& local, const DeviceMesh& mesh,
                             const Placements& placements,
                             const std::optional<Shape>& global_shape = std::nullopt,
@@ -61,10 +63,12 @@ class DTensor {
   Tensor local_;
 };
 
-// Global -> DTensor. With src_rank >= 0 only that world rank's `global` is read (others may pass
-// an undefined tensor or one of the global shape) and each rank receives its window. With
-// src_rank = -1 every rank holds the same `global` and cuts its window locally (shapes are
-// checked across ranks). Partial placements keep the value on mesh coordinate 0 of that dim.
+// Global -> DTensor. With src_rank >= 0 (a world rank of the mesh) only that rank's `global` is
+// read (others pass an undefined tensor or one of its shape and dtype) and each rank receives its
+// window. With src_rank = -1 every rank holds the same `global` and cuts its window locally.
+// Before any data moves the ranks agree on src_rank, placements, mesh and (with -1) the tensor's
+// shape and dtype; a wrong or differing input on any rank throws on every rank.
+// Partial placements keep the value on mesh coordinate 0 of that dim.
 DTensor distribute_tensor(const Tensor& global, const DeviceMesh& mesh,
                           const Placements& placements, int src_rank = -1);
 
