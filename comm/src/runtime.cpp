@@ -169,6 +169,9 @@ void init(int* argc, char*** argv) {
     mpi::check(MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread",
                "tessera::init");
     g_owns_mpi.store(true);
+    // Calls without a communicator (MPI_Testall) report errors through the world's handler, which
+    // would abort with MPI's text alone; returned codes become errors that say what went wrong.
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   }
   g_thread_level.store(provided);
   s.init_thread = std::this_thread::get_id();

@@ -5,6 +5,10 @@
 //   throw     rank 1 throws an uncaught error: the terminate handler must abort the job
 //   mismatch  rank 0 all_reduces [4, 4], rank 1 [4, 5]: under TESSERA_DEBUG_COLLECTIVES=1 both
 //             throw, uncaught, and the job aborts
+//   gather_shapes    rank 0 all-gathers [2] per rank, rank 1 [3]: MPI's truncation error
+//                    becomes a Tessera message (no debug check needed)
+//   broadcast_roots  each rank broadcasts as root: completes, each keeping its own value (only
+//                    the debug check catches it)
 // "env" leaves the timeout to TESSERA_COLLECTIVE_TIMEOUT.
 #include <chrono>
 #include <cstdio>
@@ -18,7 +22,10 @@
 int main(int argc, char** argv) {
   tessera::Runtime runtime(argc, argv);
   if (argc != 3) {
-    std::fprintf(stderr, "usage: %s ok|timeout|throw|mismatch <timeout seconds|env>\n", argv[0]);
+    std::fprintf(
+        stderr,
+        "usage: %s ok|timeout|throw|mismatch|gather_shapes|broadcast_roots <timeout seconds|env>\n",
+        argv[0]);
     return 2;
   }
   const std::string mode = argv[1];
@@ -35,6 +42,22 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (rank == 1 && mode == "throw") TESSERA_FAIL("child rank 1 fails on purpose");
+  if (mode == "gather_shapes") {
+    // Rank 0 gathers 2 elements per rank, rank 1 gathers 3.
+    const int64_t n = rank == 0 ? 2 : 3;
+    tessera::Tensor in = tessera::full({n}, rank + 1, tessera::DType::Float32);
+    tessera::Tensor out = tessera::empty({2 * n}, tessera::DType::Float32);
+    group->all_gather_into_tensor(out, in)->wait();
+    std::printf("rank %d gathered\n", rank);
+    return 0;
+  }
+  if (mode == "broadcast_roots") {
+    // Each rank names itself the root: MPI completes it, each rank keeping its own value.
+    tessera::Tensor b = tessera::full({3}, rank + 1, tessera::DType::Float32);
+    group->broadcast(b, rank)->wait();
+    std::printf("rank %d holds %g after the broadcast\n", rank, double(b.to_vector<float>()[0]));
+    return 0;
+  }
 
   group->all_reduce(t, tessera::ReduceOp::Sum)->wait();
   if (rank == 0) std::printf("child ok: %g\n", double(t.to_vector<float>()[0]));

@@ -243,3 +243,33 @@ TEST_F(ChildJob, DebugMismatchFromTheEnvironmentAbortsTheJob) {
   EXPECT_CONTAINS(r.output,
                   "rank 0: all_reduce(sum) float32 [4, 4]; rank 1: all_reduce(sum) float32 [4, 5]");
 }
+
+// Without the debug check, shapes that differ surface as MPI's truncation on the rank that
+// receives too much; that rank's message says what it means and how to find the culprit.
+TEST_F(ChildJob, DifferentShapesWithoutTheDebugCheckSayWhatHappened) {
+  if (!launcher()) return;
+  ChildResult r = run_child("gather_shapes", "100");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 30) << r.output;
+  EXPECT_CONTAINS(r.output,
+                  "[rank 0] tessera: uncaught exception: all_gather_into_tensor float32 "
+                  "[2] -> [4] on group 'stuck_group' (rank 0 of 2) failed");
+  EXPECT_CONTAINS(r.output, "the ranks called this collective with different shapes or dtypes");
+  EXPECT_CONTAINS(r.output, "TESSERA_DEBUG_COLLECTIVES=1");
+}
+
+// Broadcast roots that differ are what MPI cannot see (docs/comm.md): without the debug check
+// each rank keeps its own value; with it every rank is told.
+TEST_F(ChildJob, DifferentBroadcastRootsNeedTheDebugCheck) {
+  if (!launcher()) return;
+  ChildResult r = run_child("broadcast_roots", "100");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "rank 0 holds 1 after the broadcast");
+  EXPECT_CONTAINS(r.output, "rank 1 holds 2 after the broadcast");
+  r = run_child("broadcast_roots", "100", "TESSERA_DEBUG_COLLECTIVES=1");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 30) << r.output;
+  EXPECT_CONTAINS(r.output, "the ranks called different operations");
+  EXPECT_CONTAINS(r.output, "rank 0: broadcast(root 0)");
+  EXPECT_CONTAINS(r.output, "rank 1: broadcast(root 1)");
+}

@@ -40,14 +40,33 @@ constexpr int kSpinPolls = 64;
 constexpr std::chrono::milliseconds kYieldPhase{1000};
 constexpr std::chrono::microseconds kSleep{500};
 
-std::string status_errors(const std::vector<MPI_Status>& statuses) {
+bool is_truncation(int rc) {
+  int cls = rc;
+  MPI_Error_class(rc, &cls);
+  return cls == MPI_ERR_TRUNCATE;
+}
+
+// MPI's texts for the failed requests; `truncated` tells whether one was a truncation.
+std::string status_errors(const std::vector<MPI_Status>& statuses, bool& truncated) {
   std::string s;
   for (const MPI_Status& st : statuses) {
     if (st.MPI_ERROR == MPI_SUCCESS || st.MPI_ERROR == MPI_ERR_PENDING) continue;
     if (!s.empty()) s += "; ";
     s += error_string(st.MPI_ERROR);
+    truncated = truncated || is_truncation(st.MPI_ERROR);
   }
   return s;
+}
+
+[[noreturn]] void fail(const std::string& what, const std::string& mpi_text, bool truncated) {
+  // MPI only notices data longer than the receiving side expects; without the debug check this
+  // is how ranks that pass different shapes or dtypes to one collective usually surface.
+  TESSERA_CHECK(!truncated, what, " failed: ", mpi_text,
+                ": another rank of the group sent more data than this rank's tensors hold, so "
+                "the ranks called this collective with different shapes or dtypes (or called "
+                "different collectives); TESSERA_DEBUG_COLLECTIVES=1 compares every rank's call "
+                "before any data moves");
+  TESSERA_FAIL(what, " failed: ", mpi_text);
 }
 
 }  // namespace
@@ -61,9 +80,13 @@ bool test_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statu
     auto guard = lock();
     rc = MPI_Testall(int(requests.size()), requests.data(), &flag, statuses.data());
   }
-  if (rc == MPI_ERR_IN_STATUS) TESSERA_FAIL(what(), " failed: ", status_errors(statuses));
-  check(rc, "MPI_Testall", what());
-  return flag != 0;
+  if (rc == MPI_SUCCESS) return flag != 0;
+  bool truncated = false;
+  if (rc == MPI_ERR_IN_STATUS) {
+    const std::string text = status_errors(statuses, truncated);
+    fail(what(), text, truncated);
+  }
+  fail(what(), "MPI_Testall: " + error_string(rc), is_truncation(rc));
 }
 
 void wait_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statuses,
