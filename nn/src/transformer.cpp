@@ -108,13 +108,17 @@ Tensor Decoder::forward(const Tensor& ids) {
   h = (*norm)(h);
   if (output) return (*output)(h);
 
-  // Tied: the output projection is the embedding table read as [vocab, dim]. Only a whole
-  // table can serve as that projection here; the tensor-parallel plan leaves tied weights
-  // replicated.
+  // Tied: the output projection is the embedding table read as [vocab, dim], so it needs the
+  // whole table, as the lookup does: one the tensor-parallel plan left replicated, or one that
+  // fully_shard gathered for this forward (then a plain tensor with no DTensor to ask).
   const Parameter& table = tok_embeddings->weight;
-  TESSERA_CHECK(!table.is_dtensor() || table.dtensor().spec().is_replicated(),
-                "Decoder: tie_embeddings needs a replicated tok_embeddings.weight, got ",
-                table.str(), "; leave tied embeddings replicated when parallelizing");
+  const bool whole = table.is_unsharded()
+                         ? table.local().shape() == table.global_shape()
+                         : !table.is_dtensor() || table.dtensor().spec().is_replicated();
+  TESSERA_CHECK(whole, "Decoder: tie_embeddings needs a replicated tok_embeddings.weight, got ",
+                table.str(),
+                "; leave tied embeddings replicated when parallelizing, and fully_shard them "
+                "with the decoder, not with tok_embeddings alone");
   return linear(h, table.local());
 }
 

@@ -108,10 +108,23 @@ void expect_same_run(const TrainRun& got, const TrainRun& want, double tol,
         label.c_str(), got.losses.size(), worst_loss, worst_param, tol);
 }
 
+// The parity tests' decoder, optionally with the output projection tied to the embedding.
+DecoderConfig decoder_config(bool tied = false) {
+  DecoderConfig cfg = small_decoder_config();
+  cfg.tie_embeddings = tied;
+  return cfg;
+}
+
+std::string tied_label(bool tied) {
+  return tied ? ", tied embeddings" : "";
+}
+
 // Plain Decoder, whole batch, no DTensor: shares nothing with the sharded runs but the seed.
-const TrainRun& reference_run() {
-  static const TrainRun r = train(std::make_shared<Decoder>(small_decoder_config()), 30, 0, 1);
-  return r;
+const TrainRun& reference_run(bool tied = false) {
+  static const TrainRun untied = train(std::make_shared<Decoder>(decoder_config(false)), 30, 0, 1);
+  static const TrainRun with_tied =
+      train(std::make_shared<Decoder>(decoder_config(true)), 30, 0, 1);
+  return tied ? with_tied : untied;
 }
 
 DeviceMesh dp_mesh() {
@@ -146,6 +159,25 @@ TEST(FullyShard, TrainingMatchesSingleRank) {
   expect_same_run(run, reference_run(), 1e-5, "FSDP dp=" + std::to_string(world_size()));
   // The hook registered after fully_shard's runs after its reshard.
   EXPECT_EQ(unsharded_during_forward, 0);
+}
+
+// The table shared by the lookup and the output projection is one parameter, in the root's group
+// (the blocks' groups do not claim it), and its gradient is the sum of both uses'.
+TEST(FullyShard, TiedEmbeddingsMatchSingleRank) {
+  DeviceMesh mesh = dp_mesh();
+  auto net = std::make_shared<Decoder>(decoder_config(true));
+  auto states = shard_blocks_and_root(net, mesh);
+  int holders = 0;
+  for (auto& s : states)
+    for (Parameter* p : s->parameters())
+      holders += p == &net->tok_embeddings->weight ? 1 : 0;
+  EXPECT_EQ(holders, 1);
+  const auto root_names = states.back()->parameter_names();
+  EXPECT_EQ(std::count(root_names.begin(), root_names.end(), "tok_embeddings.weight"), 1);
+  EXPECT_EQ(std::count(root_names.begin(), root_names.end(), "output.weight"), 0);
+  TrainRun run = train(net, 30, mesh.local_rank(0), world_size());
+  expect_same_run(run, reference_run(true), 1e-5,
+                  "FSDP dp=" + std::to_string(world_size()) + tied_label(true));
 }
 
 TEST(FullyShard, StoredShardsAreOneFlatBufferPerGroup) {
@@ -258,13 +290,17 @@ TEST(FullyShard, ReferenceRunMovesParametersBeyondTheTolerance) {
 TEST(FullyShard, HybridShardingMatchesSingleRank) {
   if (world_size() != 4 && world_size() != 8) GTEST_SKIP() << "HSDP runs on 4 or 8 ranks";
   DeviceMesh mesh(Shape{2, world_size() / 2}, {"replicate", "shard"});
-  auto net = std::make_shared<Decoder>(small_decoder_config());
-  shard_blocks_and_root(net, mesh);
-  Parameter* w = net->parameters().front();
-  EXPECT_EQ(w->stored_dtensor().placements(), (Placements{Replicate(), Shard(0)}));
-  TrainRun run = train(net, 30, world_rank(), world_size());
-  expect_same_run(run, reference_run(), 1e-5,
-                  "HSDP " + std::to_string(mesh.size(0)) + "x" + std::to_string(mesh.size(1)));
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied embeddings" : "separate output projection");
+    auto net = std::make_shared<Decoder>(decoder_config(tied));
+    shard_blocks_and_root(net, mesh);
+    Parameter* w = net->parameters().front();
+    EXPECT_EQ(w->stored_dtensor().placements(), (Placements{Replicate(), Shard(0)}));
+    TrainRun run = train(net, 30, world_rank(), world_size());
+    expect_same_run(run, reference_run(tied), 1e-5,
+                    "HSDP " + std::to_string(mesh.size(0)) + "x" + std::to_string(mesh.size(1)) +
+                        tied_label(tied));
+  }
 }
 
 // (dp, tp): 2 x 2 on 4 ranks, 4 x 2 on 8.
@@ -272,27 +308,35 @@ TEST(FullyShard, WithTensorParallelMatchesSingleRank) {
   if (world_size() != 4 && world_size() != 8) GTEST_SKIP() << "FSDP x TP runs on 4 or 8 ranks";
   const int64_t tp = 2, dp = world_size() / tp;
   DeviceMesh mesh(Shape{dp, tp}, {"dp", "tp"});
-  const DecoderConfig cfg = small_decoder_config();
-  auto net = std::make_shared<Decoder>(cfg);
-  parallelize_module(net, mesh["tp"], decoder_tp_plan(cfg, mesh["tp"]));
-  shard_blocks_and_root(net, mesh["dp"]);
-  for (auto& [name, p] : net->named_parameters()) {
-    ASSERT_TRUE(p->is_dtensor()) << name;
-    EXPECT_EQ(p->stored_dtensor().mesh().ndim(), 2) << name << " " << p->str();
-    if (name == "layers.0.attention.wq.weight") {
-      EXPECT_EQ(p->stored_dtensor().placements(), (Placements{StridedShard(0, tp), Shard(0)}));
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied embeddings" : "separate output projection");
+    const DecoderConfig cfg = decoder_config(tied);
+    auto net = std::make_shared<Decoder>(cfg);
+    parallelize_module(net, mesh["tp"], decoder_tp_plan(cfg, mesh["tp"]));
+    shard_blocks_and_root(net, mesh["dp"]);
+    for (auto& [name, p] : net->named_parameters()) {
+      ASSERT_TRUE(p->is_dtensor()) << name;
+      // Tied, the root's group holds no TP parameter (the plan leaves the table whole), so it
+      // shards on dp alone.
+      if (!tied || name.starts_with("layers.")) {
+        EXPECT_EQ(p->stored_dtensor().mesh().ndim(), 2) << name << " " << p->str();
+      }
+      if (name == "layers.0.attention.wq.weight") {
+        EXPECT_EQ(p->stored_dtensor().placements(), (Placements{StridedShard(0, tp), Shard(0)}));
+      }
+      if (name == "layers.0.attention.wo.weight") {
+        EXPECT_EQ(p->stored_dtensor().placements(), (Placements{Shard(0), Shard(1)}));
+      }
     }
-    if (name == "layers.0.attention.wo.weight") {
-      EXPECT_EQ(p->stored_dtensor().placements(), (Placements{Shard(0), Shard(1)}));
-    }
+    // full_tensor of every parameter is the original logical weight.
+    auto original = std::make_shared<Decoder>(cfg)->state_dict();
+    for (const auto& [name, t] : net->state_dict())
+      expect_close(t, original.at(name), 0, name);
+    TrainRun run = train(net, 30, mesh.local_rank(0), dp);
+    expect_same_run(
+        run, reference_run(tied), 1e-5,
+        "FSDP x TP " + std::to_string(dp) + "x" + std::to_string(tp) + tied_label(tied));
   }
-  // full_tensor of every parameter is the original logical weight.
-  auto original = std::make_shared<Decoder>(cfg)->state_dict();
-  for (const auto& [name, t] : net->state_dict())
-    expect_close(t, original.at(name), 0, name);
-  TrainRun run = train(net, 30, mesh.local_rank(0), dp);
-  expect_same_run(run, reference_run(), 1e-5,
-                  "FSDP x TP " + std::to_string(dp) + "x" + std::to_string(tp));
 }
 
 // HSDP x TP on a (replicate, shard, tp) = (2, 2, 2) mesh: TP inside each (shard, tp) plane, the
@@ -552,6 +596,13 @@ TEST(FullyShard, MisuseErrors) {
   expect_error([&] { fully_shard(net->layers[0], mesh); },
                {"fully_shard", "DecoderBlock", "already fully_shard'ed"});
   expect_error([&] { fully_shard(net, mesh["nope"]); }, {"no mesh dim named 'nope'"});
+  // A tied table sharded on its own is resharded after the lookup, before the projection needs it.
+  auto tied = std::make_shared<Decoder>(decoder_config(true));
+  fully_shard(tied->tok_embeddings, mesh);
+  fully_shard(tied, mesh);
+  Batch b = rows_of(make_batch(0), mesh.local_rank(0), world_size());
+  expect_error([&] { (*tied)(b.ids); },
+               {"tie_embeddings", "tok_embeddings.weight", "fully_shard them with the decoder"});
 }
 
 }  // namespace
