@@ -19,14 +19,22 @@ struct ChildResult {
 };
 
 // Runs `command` (program and arguments) on `ranks` ranks under mpirun, killed after
-// `limit_seconds`. The child gets a clean environment plus `settings` ("VAR=value ..."): an
-// inherited one would make its ranks join this job instead of starting their own.
+// `limit_seconds`. The child gets a clean environment plus `settings` ("VAR=value ...", which
+// may override PATH): an inherited one would make its ranks join this job instead of starting
+// their own.
 inline ChildResult run_child_job(int ranks, const std::string& command, const std::string& settings,
                                  int limit_seconds) {
   std::string env = "env -i PATH='" + std::string(std::getenv("PATH") ? std::getenv("PATH") : "") +
-                    "' OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " + settings;
+                    "' OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1";
+  // The job runs on this machine only, so mpirun never starts a remote shell; but OpenMPI
+  // refuses to start at all when its default agent (ssh or rsh) is not on the PATH. `false`
+  // exists everywhere and is never run. An agent set in this environment is kept.
+  const char* agent = std::getenv("OMPI_MCA_plm_rsh_agent");
+  env += std::string(" OMPI_MCA_plm_rsh_agent='") + (agent ? agent : "false") + "'";
   for (const char* var : {"HOME", "LD_LIBRARY_PATH", "TMPDIR"})
     if (const char* v = std::getenv(var)) env += std::string(" ") + var + "='" + v + "'";
+  // Last, so that the caller's settings win (env applies assignments in order).
+  env += " " + settings;
   const std::string cmd = env + " timeout -k 5 " + std::to_string(limit_seconds) + " " +
                           TESSERA_MPIEXEC + " " + TESSERA_MPIEXEC_NUMPROC_FLAG + " " +
                           std::to_string(ranks) + " " + TESSERA_MPIEXEC_FLAGS + " " + command +

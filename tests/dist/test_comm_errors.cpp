@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <chrono>
@@ -211,6 +212,49 @@ TEST_F(ChildJob, CompletesWhenEveryRankJoins) {
   ChildResult r = run_child("ok", "30");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_CONTAINS(r.output, "child ok: 3");
+}
+
+namespace {
+
+// A directory holding only `timeout` and `false` from this PATH: no ssh, no rsh.
+std::string path_without_remote_shells() {
+  char tmpl[] = "/tmp/tessera_nossh_XXXXXX";
+  const char* dir = mkdtemp(tmpl);
+  if (dir == nullptr) return "";
+  const std::string path = std::getenv("PATH") ? std::getenv("PATH") : "";
+  for (const std::string tool : {"timeout", "false"}) {
+    size_t pos = 0;
+    while (pos <= path.size()) {
+      size_t end = path.find(':', pos);
+      if (end == std::string::npos) end = path.size();
+      std::string candidate = path.substr(pos, end - pos);
+      candidate += '/';
+      candidate += tool;
+      std::string link = dir;
+      link += '/';
+      link += tool;
+      if (access(candidate.c_str(), X_OK) == 0 && symlink(candidate.c_str(), link.c_str()) == 0)
+        break;
+      pos = end + 1;
+    }
+  }
+  return dir;
+}
+
+}  // namespace
+
+// OpenMPI refuses to start when it finds no remote shell, even for a job on this machine only;
+// the child jobs must not depend on one being installed.
+TEST_F(ChildJob, StartsWithoutSshOrRshOnThePath) {
+  if (!launcher()) return;
+  const std::string dir = path_without_remote_shells();
+  ASSERT_FALSE(dir.empty());
+  ChildResult r = run_child("ok", "30", "PATH='" + dir + "'");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "child ok: 3");
+  for (const char* tool : {"/timeout", "/false"})
+    unlink((dir + tool).c_str());
+  rmdir(dir.c_str());
 }
 
 TEST_F(ChildJob, CollectiveTimeoutAbortsTheJob) {
