@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "lm/corpus.h"
+#include "lm/loss_plot.h"
 #include "lm/options.h"
 
 using namespace tessera;
@@ -189,16 +190,21 @@ int run(int argc, char** argv) {
   if (losses.empty()) return 0;
   const double total = now_seconds() - t_start;
   if (lead) {
-    std::ofstream csv(o.csv);
-    csv << "step,loss,ms\n";
-    for (size_t i = 0; i < losses.size(); ++i)
-      csv << first_step + int64_t(i) << "," << losses[i] << "," << times[i] * 1e3 << "\n";
+    {
+      std::ofstream csv(o.csv);
+      csv << "step,loss,ms\n";
+      for (size_t i = 0; i < losses.size(); ++i)
+        csv << first_step + int64_t(i) << "," << losses[i] << "," << times[i] * 1e3 << "\n";
+    }
+    std::string why;
+    const std::string png = lm::plot_loss_curve(o.csv, "train_lm: training loss", why);
     std::printf(
         "summary: loss %.4f -> %.4f in %lld steps, %.1f s, %.0f tokens/s, peak %.1f MiB; "
-        "loss curve in %s\n",
+        "loss curve in %s%s%s\n",
         losses.front(), losses.back(), (long long)losses.size(), total,
         double(o.batch * o.seq) * double(losses.size()) / total,
-        double(memory_stats().peak_bytes) / (1 << 20), o.csv.c_str());
+        double(memory_stats().peak_bytes) / (1 << 20), o.csv.c_str(),
+        png.empty() ? " (no picture: " : " and ", png.empty() ? (why + ")").c_str() : png.c_str());
   }
   return 0;
 }

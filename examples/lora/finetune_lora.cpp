@@ -17,6 +17,7 @@
 
 #include "cli.h"
 #include "lm/corpus.h"
+#include "lm/loss_plot.h"
 
 using namespace tessera;
 
@@ -224,10 +225,17 @@ int run_main(int argc, char** argv) {
   lora->merge_adapter("default");
   const double merged = run.eval(*model, reversed);
   if (lead) {
-    std::ofstream csv(o.csv);
-    csv << "step,loss\n";
-    for (size_t i = 0; i < losses.size(); ++i)
-      csv << i << "," << losses[i] << "\n";
+    {
+      std::ofstream csv(o.csv);
+      csv << "step,loss\n";
+      for (size_t i = 0; i < losses.size(); ++i)
+        csv << i << "," << losses[i] << "\n";
+    }
+    std::string why;
+    const std::string png = lm::plot_loss_curve(o.csv, "finetune_lora: LoRA fine-tuning loss", why);
+    std::printf("fine-tuning loss curve in %s%s%s\n", o.csv.c_str(),
+                png.empty() ? " (no picture: " : " and ",
+                png.empty() ? (why + ")").c_str() : png.c_str());
     std::printf("after fine-tuning: loss %.4f on the reversed text (from %.4f)\n", tuned,
                 base_reversed);
     std::printf("adapter written to %s/ (adapter_model.safetensors, adapter_config.json)\n",
