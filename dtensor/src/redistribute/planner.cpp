@@ -4,14 +4,61 @@
 //     (an S(a) -> S(b) that lands where the target wants it is one all-to-all);
 //  3. add the target's shards in its application order (R -> S free, P -> S reduce-scatter);
 //  4. settle the remaining Replicate/Partial differences.
-#include <map>
+#include <list>
 #include <mutex>
+#include <unordered_map>
 
 #include "tessera/dtensor/redistribute.h"
 
 namespace tessera {
 
 namespace {
+
+// Plans already made, the most recently used first. The key holds the global shape, so a program
+// whose shapes keep changing (sequence lengths, batch remainders) would add entries forever:
+// past kCapacity the least recently used plan goes, and is made again if it comes back.
+class PlanCache {
+ public:
+  static constexpr size_t kCapacity = 4096;
+  using PlanPtr = std::shared_ptr<const RedistributePlan>;
+
+  PlanPtr find(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = index_.find(key);
+    if (it == index_.end()) return nullptr;
+    order_.splice(order_.begin(), order_, it->second);
+    return it->second->second;
+  }
+
+  // Another thread may have added the same key meanwhile; the plan first stored wins.
+  PlanPtr add(const std::string& key, PlanPtr plan) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = index_.find(key);
+    if (it != index_.end()) return it->second->second;
+    order_.emplace_front(key, std::move(plan));
+    index_.emplace(key, order_.begin());
+    if (order_.size() > kCapacity) {
+      index_.erase(order_.back().first);
+      order_.pop_back();
+    }
+    return order_.front().second;
+  }
+
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return order_.size();
+  }
+
+ private:
+  std::mutex mu_;
+  std::list<std::pair<std::string, PlanPtr>> order_;
+  std::unordered_map<std::string, std::list<std::pair<std::string, PlanPtr>>::iterator> index_;
+};
+
+PlanCache& plan_cache() {
+  static PlanCache cache;
+  return cache;
+}
 
 const Transition* find_transition(const Placement& from, const Placement& to) {
   for (const Transition* t : transition_table())
@@ -124,16 +171,13 @@ std::shared_ptr<const RedistributePlan> plan_redistribute(const DTensorSpec& src
   // the key is shapes and placements.
   std::string key = shape_str(src.mesh.shape()) + shape_str(src.global_shape) +
                     placements_str(src.placements) + "->" + placements_str(dst.placements);
-  static std::mutex mu;
-  static std::map<std::string, std::shared_ptr<const RedistributePlan>> cache;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
-  }
-  auto plan = std::make_shared<const RedistributePlan>(Planner(src, dst.placements).run());
-  std::lock_guard<std::mutex> lock(mu);
-  return cache.emplace(key, std::move(plan)).first->second;
+  if (auto plan = plan_cache().find(key)) return plan;
+  return plan_cache().add(
+      key, std::make_shared<const RedistributePlan>(Planner(src, dst.placements).run()));
+}
+
+size_t redistribute_plan_cache_size() {
+  return plan_cache().size();
 }
 
 Tensor redistribute_local(const Tensor& local, const DTensorSpec& src, const Placements& dst) {

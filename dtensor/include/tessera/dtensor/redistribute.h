@@ -37,16 +37,19 @@ class Transition {
   // (Partial -> Replicate) of `before` and `after`.
   virtual Tensor backward(const Tensor& grad, const DTensorSpec& before,
                           const RedistributeStep& step) const = 0;
-  // Bytes this rank sends for the step (for plan choice).
+  // Bytes this rank sends for the step (summed into RedistributePlan::bytes_moved).
   virtual int64_t bytes_moved(const DTensorSpec& before, const RedistributeStep& step) const = 0;
 };
 
 // The ordered table (the policy); the first transition that applies wins.
 const std::vector<const Transition*>& transition_table();
 
-// The plan from src to dst placements (cached per (src spec, dst placements)).
+// The plan from src to dst placements, cached per (mesh shape, global shape, src and dst
+// placements); thread-safe. The cache keeps the 4096 most recently used plans.
 std::shared_ptr<const RedistributePlan> plan_redistribute(const DTensorSpec& src,
                                                           const Placements& dst);
+// Plans the cache holds now (for tests and memory accounting).
+size_t redistribute_plan_cache_size();
 
 // Runs a plan on a local tensor without autograd (used by the differentiable wrapper, and by
 // code that moves gradients or optimizer state).
