@@ -13,6 +13,7 @@
 #include <string>
 #include <thread>
 
+#include "mpi/departures.h"
 #include "mpi/mpi_process_group.h"
 #include "mpi/mpi_state.h"
 #include "mpi/mpi_types.h"
@@ -85,8 +86,12 @@ std::string strip_rank_prefix(std::string what) {
   abort_job(what);
 }
 
+void finalize_as(mpi::Departure how);
+
+// A program that ends without tessera::finalize(): a normal end, or an exit() on this rank while
+// the others still compute; departing tells the others which (departures.h).
 void finalize_at_exit() {
-  if (g_initialized.load() && !g_finalized.load()) finalize();
+  if (g_initialized.load() && !g_finalized.load()) finalize_as(mpi::Departure::Exit);
 }
 
 }  // namespace
@@ -195,12 +200,22 @@ void init(int* argc, char*** argv) {
   MPI_Comm world_dup = MPI_COMM_NULL;
   mpi::check(MPI_Comm_dup(MPI_COMM_WORLD, &world_dup), "MPI_Comm_dup", "tessera::init");
   s.world = mpi::MpiProcessGroup::create(world_dup, "world");
+  // Only when tessera also ends MPI: departing waits for every rank, which an application that
+  // keeps using MPI after tessera::finalize() would not expect.
+  if (g_owns_mpi.load()) mpi::open_departures();
 }
 
 void finalize() {
+  finalize_as(mpi::Departure::Finalize);
+}
+
+namespace {
+
+void finalize_as(mpi::Departure how) {
   RuntimeState& s = state();
   std::lock_guard<std::mutex> guard(s.init_mutex);
   if (!g_initialized.load() || g_finalized.load()) return;
+  mpi::depart(how);
   mpi::stop_progress();
   // Groups still held by the user free their communicators only while MPI is active; release
   // ours now so the world communicator is freed properly.
@@ -209,6 +224,8 @@ void finalize() {
   g_finalized.store(true);
   if (g_owns_mpi.load()) MPI_Finalize();
 }
+
+}  // namespace
 
 bool is_initialized() {
   return mpi::active();

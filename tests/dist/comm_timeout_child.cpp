@@ -7,6 +7,11 @@
 //             throw, uncaught, and the job aborts
 //   gather_shapes    rank 0 all-gathers [2] per rank, rank 1 [3]: MPI's truncation error
 //                    becomes a Tessera message (no debug check needed)
+//   exit      rank 1 calls exit() while rank 0 enters the all_reduce: the job ends promptly,
+//             naming rank 1
+//   exit_all  every rank calls exit(0) after the all_reduce (no finalize): a normal end
+//   skip      rank 1 skips the first of two all-reduces and returns from main: the job ends
+//             promptly, naming rank 1 and the collective it never started
 //   broadcast_roots  each rank broadcasts as root: completes, each keeping its own value (only
 //                    the debug check catches it)
 // "env" leaves the timeout to TESSERA_COLLECTIVE_TIMEOUT.
@@ -24,7 +29,8 @@ int main(int argc, char** argv) {
   if (argc != 3) {
     std::fprintf(
         stderr,
-        "usage: %s ok|timeout|throw|mismatch|gather_shapes|broadcast_roots <timeout seconds|env>\n",
+        "usage: %s ok|timeout|throw|mismatch|exit|exit_all|skip|gather_shapes|broadcast_roots "
+        "<timeout seconds|env>\n",
         argv[0]);
     return 2;
   }
@@ -59,7 +65,12 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  group->all_reduce(t, tessera::ReduceOp::Sum)->wait();
+  if (mode == "exit" && rank == 1) std::exit(3);  // the others are about to all_reduce
+  // Rank 1 skips the first of two all-reduces and ends normally: rank 0's first one pairs with
+  // rank 1's only one, and its second can never complete.
+  if (mode != "skip" || rank != 1) group->all_reduce(t, tessera::ReduceOp::Sum)->wait();
+  if (mode == "skip") group->all_reduce(t, tessera::ReduceOp::Sum)->wait();
   if (rank == 0) std::printf("child ok: %g\n", double(t.to_vector<float>()[0]));
+  if (mode == "exit_all") std::exit(0);  // every rank, after the last collective: a normal end
   return 0;
 }

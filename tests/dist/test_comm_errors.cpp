@@ -62,6 +62,27 @@ TEST_F(DebugCollectives, DifferentShapesThrowOnEveryRank) {
   EXPECT_EQ(u.to_vector<float>(), std::vector<float>(3, float(g->size())));
 }
 
+// Each call carries its position among the group's collectives. Ranks can only reach a check at
+// different positions when a collective escaped it: here rank 1 makes one with the check off.
+TEST_F(DebugCollectives, DifferentPositionsThrowOnEveryRank) {
+  auto g = world_group();
+  if (g->size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  Tensor extra = ones({2}, DType::Float32);
+  WorkPtr pending;
+  set_debug_collectives(false);
+  if (g->rank() == 1) pending = g->all_reduce(extra, ReduceOp::Sum);
+  set_debug_collectives(true);
+  const std::string msg = error_of([&] { g->barrier()->wait(); });
+  EXPECT_CONTAINS(msg, "collective mismatch on group 'world'");
+  EXPECT_CONTAINS(msg, "the ranks are at different positions in the group's sequence");
+  EXPECT_CONTAINS(msg, "a rank skipped a collective or made an extra one");
+  // The others make the collective rank 1 made, so that every rank is in step again.
+  set_debug_collectives(false);
+  if (g->rank() != 1) g->all_reduce(extra, ReduceOp::Sum)->wait();
+  if (pending) pending->wait();
+  EXPECT_EQ(extra.to_vector<float>(), std::vector<float>(2, float(g->size())));
+}
+
 TEST_F(DebugCollectives, DifferentOperationsThrowOnEveryRank) {
   auto g = world_group();
   const int n = g->size();
@@ -286,6 +307,51 @@ TEST_F(ChildJob, DebugMismatchFromTheEnvironmentAbortsTheJob) {
                   "tessera: uncaught exception: collective mismatch on group 'stuck_group'");
   EXPECT_CONTAINS(r.output,
                   "rank 0: all_reduce(sum) float32 [4, 4]; rank 1: all_reduce(sum) float32 [4, 5]");
+}
+
+// A rank that calls exit() while the others wait in a collective ends the job at once, not at
+// the collective timeout (set long here, as a safety net only), naming the rank that left.
+TEST_F(ChildJob, EarlyExitEndsTheJobNamingTheRank) {
+  if (!launcher()) return;
+  ChildResult r = run_child("exit", "env", "TESSERA_COLLECTIVE_TIMEOUT=120");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 60) << r.output;
+  EXPECT_CONTAINS(r.output,
+                  "[rank 0] tessera: all_reduce(sum) float32 [4, 4] on group "
+                  "'stuck_group' (rank 0 of 2) cannot complete");
+  EXPECT_CONTAINS(r.output,
+                  "world rank 1 has left the job (it exited without calling "
+                  "tessera::finalize()");
+  EXPECT_CONTAINS(r.output, "having started 0 collectives on group 'stuck_group'");
+  EXPECT_EQ(r.output.find("collective timeout"), std::string::npos) << r.output;
+}
+
+// The control: every rank ending through exit() after its last collective is a normal end.
+TEST_F(ChildJob, ExitAfterTheLastCollectiveIsANormalEnd) {
+  if (!launcher()) return;
+  ChildResult r = run_child("exit_all", "env", "TESSERA_COLLECTIVE_TIMEOUT=120");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "child ok: 3");
+}
+
+// A rank that skips one of two identical all-reduces and then ends: the first pairs with its
+// only one (nothing can tell them apart), and the second is named as never joined, with or
+// without the debug check, instead of waiting for the timeout.
+TEST_F(ChildJob, SkippedCollectiveEndsTheJobNamingTheRank) {
+  for (const std::string debug : {"0", "1"}) {
+    if (!launcher()) return;
+    ChildResult r = run_child("skip", "env",
+                              "TESSERA_COLLECTIVE_TIMEOUT=120 TESSERA_DEBUG_COLLECTIVES=" + debug);
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_LT(r.seconds, 60) << r.output;
+    EXPECT_CONTAINS(r.output,
+                    "world rank 1 has left the job (it called tessera::finalize()) "
+                    "having started 1 collective on group 'stuck_group', and this is "
+                    "collective #2 there");
+    if (debug == "1") {
+      EXPECT_CONTAINS(r.output, "[rank 0] tessera: debug check before all_reduce(sum)");
+    }
+  }
 }
 
 // Without the debug check, shapes that differ surface as MPI's truncation on the rank that

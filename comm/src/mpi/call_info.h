@@ -39,6 +39,9 @@ struct CallInfo {
   int root = -1;        // broadcast, scatter
   int peer = -1;        // send: dst, recv: src
   int tag = -1;
+  // Position among the collectives started on the group (0 for its first); -1 for send/recv,
+  // which are not collective. Matching collectives have the same position on every rank.
+  int64_t seq = -1;
 };
 
 // A call on one tensor of `shape`; callers set the other fields that apply.

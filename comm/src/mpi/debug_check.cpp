@@ -16,6 +16,7 @@ enum Field : int {
   kFieldReduce,
   kFieldDtype,
   kFieldRoot,
+  kFieldSeq,  // the call's position among the group's collectives (CallInfo::seq)
   kFieldNdim,
   kFieldDims,
   kFieldShapeHash = kFieldDims + kMaxDims,
@@ -44,6 +45,7 @@ std::vector<int64_t> encode(const Signature& sig, int size) {
   rec[kFieldReduce] = c.reduce ? int64_t(*c.reduce) : -1;
   rec[kFieldDtype] = c.dtype ? int64_t(*c.dtype) : -1;
   rec[kFieldRoot] = c.root;
+  rec[kFieldSeq] = c.seq;
   if (c.shape) {
     rec[kFieldNdim] = int64_t(c.shape->size());
     for (size_t d = 0; d < c.shape->size() && d < size_t(kMaxDims); ++d) {
@@ -83,6 +85,7 @@ class Table {
     if (field(q, kFieldReduce) >= 0) c.reduce = ReduceOp(field(q, kFieldReduce));
     if (field(q, kFieldDtype) >= 0) c.dtype = DType(field(q, kFieldDtype));
     c.root = int(field(q, kFieldRoot));
+    c.seq = field(q, kFieldSeq);
     const int64_t ndim = field(q, kFieldNdim);
     if (ndim >= 0) {
       Shape s;
@@ -182,7 +185,7 @@ void check_signatures(const Communicator& debug_comm, const Signature& mine) {
                          MPI_INT64_T, debug_comm.comm, req.data()),
           "MPI_Iallgather", what);
   }
-  wait_all(req, st, [&] { return what; });
+  wait_all(req, st, [&] { return what; }, {&debug_comm, mine.call.seq});
 
   Table t(std::move(all), size);
   const std::string group = "'" + debug_comm.group_name + "'";
@@ -191,7 +194,21 @@ void check_signatures(const Communicator& debug_comm, const Signature& mine) {
                   ": rank ", q, " sent a malformed debug record; is TESSERA_DEBUG_COLLECTIVES on ",
                   "for every rank?");
   }
+  // Every rank numbers its collectives on the group; ranks that disagree on the number have not
+  // all made the same ones (one made a collective the others skipped, outside this check).
+  std::string positions;
   bool same = true;
+  for (int q = 0; q < size; ++q) {
+    same = same && t.field(q, kFieldSeq) == t.field(0, kFieldSeq);
+    positions += q ? ", rank " : "rank ";
+    positions += std::to_string(q);
+    positions += " at #";
+    positions += std::to_string(t.field(q, kFieldSeq) + 1);
+  }
+  TESSERA_CHECK(same, "collective mismatch on group ", group,
+                ": the ranks are at different positions in the group's sequence of collectives (",
+                positions,
+                "): a rank skipped a collective or made an extra one; calls: ", t.calls());
   for (int q = 0; q < size; ++q)
     same = same && t.same_call(q);
   TESSERA_CHECK(same, "collective mismatch on group ", group,

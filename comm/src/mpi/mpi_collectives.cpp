@@ -41,7 +41,7 @@ WorkPtr MpiProcessGroup::all_reduce(Tensor& t, ReduceOp op) {
   check_reduce(op, t.dtype(), kOp);
   CallInfo call = tensor_call(OpKind::AllReduce, t.dtype(), t.shape());
   call.reduce = op;
-  debug_check({call, {}, {}, t.numel()});
+  call.seq = start_collective({call, {}, {}, t.numel()});
   const int count = to_count(t.numel(), kOp);
   Tensor buf = t.contiguous();
   auto work = make_work(std::move(call));
@@ -70,7 +70,7 @@ WorkPtr MpiProcessGroup::all_gather_into_tensor(Tensor& out, const Tensor& in) {
                 shape_str(in.shape()), " on dim 0)");
   CallInfo call = tensor_call(OpKind::AllGatherIntoTensor, in.dtype(), in.shape());
   call.out_shape = out.shape();
-  debug_check({call, {}, {}, in.numel()});
+  call.seq = start_collective({call, {}, {}, in.numel()});
   const int count = to_count(in.numel(), kOp);
   to_count(out.numel(), kOp);
 
@@ -115,7 +115,7 @@ WorkPtr MpiProcessGroup::all_gather(std::vector<Tensor>& outputs, const Tensor& 
   sig.numel = in.numel();
   for (const Tensor& o : outputs)
     sig.recv_counts.push_back(o.numel());
-  debug_check(sig);
+  sig.call.seq = start_collective(sig);
   const int count = to_count(in.numel(), kOp);
 
   auto recv = std::make_shared<FlatList>(flat_recv(outputs, in.dtype(), kOp));
@@ -158,7 +158,7 @@ WorkPtr MpiProcessGroup::reduce_scatter_tensor(Tensor& out, const Tensor& in, Re
   CallInfo call = tensor_call(OpKind::ReduceScatterTensor, in.dtype(), in.shape());
   call.reduce = op;
   call.out_shape = out.shape();
-  debug_check({call, {}, {}, in.numel()});
+  call.seq = start_collective({call, {}, {}, in.numel()});
   const int count = to_count(out.numel(), kOp);
   to_count(in.numel(), kOp);
 
@@ -196,7 +196,7 @@ WorkPtr MpiProcessGroup::reduce_scatter(Tensor& out, const std::vector<Tensor>& 
   sig.numel = out.numel();
   for (const Tensor& in : inputs)
     sig.send_counts.push_back(in.numel());
-  debug_check(sig);
+  sig.call.seq = start_collective(sig);
   to_count(out.numel(), kOp);
 
   auto send = std::make_shared<FlatList>(flat_send(inputs, out.dtype(), true, kOp));
@@ -235,7 +235,7 @@ WorkPtr MpiProcessGroup::all_to_all(std::vector<Tensor>& outputs,
     sig.send_counts.push_back(inputs[r].numel());
     sig.recv_counts.push_back(outputs[r].numel());
   }
-  debug_check(sig);
+  sig.call.seq = start_collective(sig);
 
   // Pieces go to MPI where they lie, described by datatypes, rather than packed into one
   // buffer: the strided pieces of a reshard (a column block of each row) would otherwise cost a

@@ -74,7 +74,7 @@ WorkPtr MpiProcessGroup::all_gather_runs(Tensor& out, const Tensor& in,
   std::vector<int64_t> send_counts(size_t(size()), mine), recv_counts;
   for (const auto& r : runs)
     recv_counts.push_back(run_total(r));
-  debug_check({call, send_counts, recv_counts, in.numel()});
+  call.seq = start_collective({call, send_counts, recv_counts, in.numel()});
 
   auto args = std::make_shared<AllToAllW>(size_t(size()));
   auto work = make_work(std::move(call));

@@ -5,6 +5,7 @@
 
 #include "../op_counts.h"
 
+#include <atomic>
 #include <numeric>
 
 #include "buffers.h"
@@ -15,6 +16,22 @@
 #include "tessera/core/factory.h"
 
 namespace tessera::mpi {
+
+namespace {
+
+// A number naming the new group on every member, for departures.h: its rank 0's world rank and
+// how many groups that rank had made before (collective over `comm`).
+uint64_t agree_group_id(MPI_Comm comm, const std::string& context) {
+  static std::atomic<uint32_t> made{0};
+  int world_rank = 0;
+  auto guard = lock();
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  uint64_t id = (uint64_t(uint32_t(world_rank)) << 32) | made.fetch_add(1);
+  check(MPI_Bcast(&id, 1, MPI_UINT64_T, 0, comm), "MPI_Bcast", context);
+  return id;
+}
+
+}  // namespace
 
 std::shared_ptr<MpiProcessGroup> MpiProcessGroup::create(MPI_Comm comm, std::string name) {
   const std::string context = "creating process group '" + name + "'";
@@ -48,8 +65,9 @@ std::shared_ptr<MpiProcessGroup> MpiProcessGroup::create(MPI_Comm comm, std::str
     MPI_Comm_get_attr(comm, MPI_TAG_UB, &attr, &flag);
     if (flag) tag_ub = *static_cast<int*>(attr);
   }
-  auto c = std::make_shared<const Communicator>(comm, name);
-  auto d = std::make_shared<const Communicator>(debug, name);
+  const uint64_t id = agree_group_id(comm, context);
+  auto c = std::make_shared<const Communicator>(comm, name, id, world_ranks);
+  auto d = std::make_shared<const Communicator>(debug, name, id, world_ranks);
   return std::shared_ptr<MpiProcessGroup>(
       new MpiProcessGroup(std::move(c), std::move(d), std::move(world_ranks), tag_ub));
 }
@@ -71,8 +89,10 @@ void MpiProcessGroup::enter(const char* op) const {
   require_usable(op);
 }
 
-void MpiProcessGroup::debug_check(const Signature& sig) const {
+int64_t MpiProcessGroup::start_collective(Signature sig) const {
+  sig.call.seq = comm_->started->fetch_add(1);
   if (debug_collectives()) check_signatures(*debug_comm_, sig);
+  return sig.call.seq;
 }
 
 std::shared_ptr<MpiWork> MpiProcessGroup::make_work(CallInfo call) const {
@@ -114,7 +134,7 @@ std::shared_ptr<ProcessGroup> MpiProcessGroup::split(int color, int key, const s
   TESSERA_CHECK(!name.empty(), where(kOp), ": the new group needs a name");
   CallInfo call;
   call.op = OpKind::Split;
-  debug_check({call, {}, {}, 0});
+  call.seq = start_collective({call, {}, {}, 0});
   // MPI_Comm_split blocks with no timeout; a barrier that does time out first makes sure every
   // rank has arrived, so the split itself cannot hang.
   {
@@ -124,7 +144,7 @@ std::shared_ptr<ProcessGroup> MpiProcessGroup::split(int color, int key, const s
       auto guard = lock();
       check(MPI_Ibarrier(comm_->comm, req.data()), "MPI_Ibarrier", where(kOp));
     }
-    wait_all(req, st, [&] { return describe(call, *comm_); });
+    wait_all(req, st, [&] { return describe(call, *comm_); }, {comm_.get(), call.seq});
   }
   MPI_Comm out = MPI_COMM_NULL;
   {
@@ -143,7 +163,7 @@ WorkPtr MpiProcessGroup::broadcast(Tensor& t, int root) {
   check_root(root, kOp, "root");
   CallInfo call = tensor_call(OpKind::Broadcast, t.dtype(), t.shape());
   call.root = root;
-  debug_check({call, {}, {}, t.numel()});
+  call.seq = start_collective({call, {}, {}, t.numel()});
   const int count = to_count(t.numel(), kOp);
   const bool staged = !t.is_contiguous();
   Tensor buf = !staged ? t : rank() == root ? t.clone() : empty(t.shape(), t.dtype());
@@ -183,7 +203,7 @@ WorkPtr MpiProcessGroup::scatter(Tensor& out, const std::vector<Tensor>& inputs,
   sig.call = tensor_call(OpKind::Scatter, dt, out.shape());
   sig.call.root = root;
   sig.numel = out.numel();
-  debug_check(sig);
+  sig.call.seq = start_collective(sig);
 
   const int count = to_count(out.numel(), kOp);
   auto send = std::make_shared<FlatList>();
@@ -279,7 +299,7 @@ WorkPtr MpiProcessGroup::barrier() {
   enter(kOp);
   CallInfo call;
   call.op = OpKind::Barrier;
-  debug_check({call, {}, {}, 0});
+  call.seq = start_collective({call, {}, {}, 0});
   auto work = make_work(call);
   {
     auto guard = lock();

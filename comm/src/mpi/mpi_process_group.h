@@ -37,9 +37,11 @@ class MpiProcessGroup final : public ProcessGroup {
   MpiProcessGroup(CommunicatorPtr comm, CommunicatorPtr debug_comm, std::vector<int> world_ranks,
                   int tag_ub);
 
-  // Common entry of every operation: MPI usable, then the debug check when enabled.
+  // Common entry of every operation: MPI usable.
   void enter(const char* op) const;
-  void debug_check(const Signature& sig) const;
+  // Every collective, once its arguments are checked: takes the next position on the group
+  // (returned, for the call's CallInfo::seq), then runs the debug check when enabled.
+  int64_t start_collective(Signature sig) const;
   std::shared_ptr<MpiWork> make_work(CallInfo call) const;
   // Errors name the group: "all_reduce on group 'tp' (rank 1 of 4): ...".
   std::string where(const char* op) const;

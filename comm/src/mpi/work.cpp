@@ -5,13 +5,19 @@
 #include <exception>
 #include <thread>
 
+#include "departures.h"
 #include "mpi_state.h"
 #include "tessera/comm/runtime.h"
 #include "tessera/core/error.h"
 
 namespace tessera::mpi {
 
-Communicator::Communicator(MPI_Comm c, std::string name) : comm(c), group_name(std::move(name)) {
+Communicator::Communicator(MPI_Comm c, std::string name, uint64_t id, std::vector<int> ranks)
+    : comm(c),
+      group_name(std::move(name)),
+      group_id(id),
+      world_ranks(std::move(ranks)),
+      started(register_group(id)) {
   auto guard = lock();
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);
@@ -39,6 +45,8 @@ using Clock = std::chrono::steady_clock;
 constexpr int kSpinPolls = 64;
 constexpr std::chrono::milliseconds kYieldPhase{1000};
 constexpr std::chrono::microseconds kSleep{500};
+// Polls between two looks for ranks that left the job (a look is a probe of its own).
+constexpr int kPollsPerDepartureLook = 16;
 
 bool is_truncation(int rc) {
   int cls = rc;
@@ -90,11 +98,15 @@ bool test_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statu
 }
 
 void wait_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statuses,
-              const std::function<std::string()>& what) {
+              const std::function<std::string()>& what, Position position) {
   const Clock::time_point start = Clock::now();
   const double timeout = collective_timeout_seconds();
   for (int polls = 0;; ++polls) {
     if (test_all(requests, statuses, what)) return;
+    if (position.group != nullptr && polls >= kSpinPolls && polls % kPollsPerDepartureLook == 0) {
+      const std::string gone = departed_before(*position.group, position.seq);
+      if (!gone.empty()) abort_job(what() + " cannot complete: " + gone);
+    }
     const Clock::duration waited = Clock::now() - start;
     const double seconds = std::chrono::duration<double>(waited).count();
     if (seconds > timeout) {
@@ -153,7 +165,7 @@ void MpiWork::complete() {
 
 void MpiWork::finish_requests() {
   if (requests_done_) return;
-  wait_all(requests_, statuses_, [this] { return what(); });
+  wait_all(requests_, statuses_, [this] { return what(); }, {comm_.get(), call_.seq});
   requests_done_ = true;
 }
 

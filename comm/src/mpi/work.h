@@ -5,6 +5,8 @@
 // instead of hanging.
 #include <mpi.h>
 
+#include <atomic>
+#include <cstdint>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -24,8 +26,13 @@ struct Communicator {
   std::string group_name;
   int rank = 0;
   int size = 1;
+  // The same number on every member (departures.h): how ranks name the group to each other.
+  uint64_t group_id = 0;
+  std::vector<int> world_ranks;  // of the members, in group-rank order
+  // Collectives this rank has started on the group; the next one's position (CallInfo::seq).
+  std::shared_ptr<std::atomic<int64_t>> started;
 
-  Communicator(MPI_Comm c, std::string name);
+  Communicator(MPI_Comm c, std::string name, uint64_t id, std::vector<int> ranks);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -35,11 +42,18 @@ using CommunicatorPtr = std::shared_ptr<const Communicator>;
 // "all_reduce(sum) float32 [4] on group 'world' (rank 1 of 2)".
 std::string describe(const CallInfo& call, const Communicator& comm);
 
+// The collective a wait belongs to: its group and its position there (CallInfo::seq).
+struct Position {
+  const Communicator* group = nullptr;
+  int64_t seq = -1;
+};
+
 // Polls `requests` to completion. Spins briefly, then yields and finally sleeps between polls,
 // because ranks often outnumber cores and a spinning waiter steals the core of the rank it waits
-// for. After collective_timeout_seconds() of waiting it aborts the job naming `what()`.
+// for. After collective_timeout_seconds() of waiting it aborts the job naming `what()`; sooner
+// when `position` names a collective that a member which left the job never started.
 void wait_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statuses,
-              const std::function<std::string()>& what);
+              const std::function<std::string()>& what, Position position = {});
 // One non-blocking poll; true when all completed. Throws on MPI errors.
 bool test_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statuses,
               const std::function<std::string()>& what);

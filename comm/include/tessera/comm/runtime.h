@@ -10,6 +10,9 @@ namespace tessera {
 // unless the application already did, in which case the application also finalizes it.
 void init(int* argc = nullptr, char*** argv = nullptr);
 // Idempotent, and run at exit when the program did not call it. MPI cannot start again after.
+// When tessera started MPI, this is collective: it tells the other ranks how many collectives
+// this rank started on each group (so that one waiting for a collective this rank never started
+// aborts the job at once, naming this rank) and waits until every rank has finalized.
 void finalize();
 bool is_initialized();  // between init() and finalize()
 
