@@ -1,6 +1,4 @@
 #include <chrono>
-#include <cmath>
-#include <thread>
 
 #include "schedule.h"
 #include "tessera/autograd/engine.h"
@@ -27,25 +25,14 @@ double wait_seconds(const WorkPtr& work) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Waits for `work` up to `seconds` (infinity: until it completes; 0: only tests it) and adds
-// the time waited to `waited`; true when it completed.
-bool wait_at_most(const WorkPtr& work, double seconds, double& waited) {
-  if (std::isinf(seconds)) {
+// Waits for `work` when `block` (adding the time to `waited`), else only tests it; true when it
+// completed.
+bool wait_or_test(const WorkPtr& work, bool block, double& waited) {
+  if (block) {
     waited += wait_seconds(work);
     return true;
   }
-  const auto start = std::chrono::steady_clock::now();
-  for (;;) {
-    if (work->is_completed()) break;
-    const double elapsed =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (elapsed >= seconds) {
-      waited += elapsed;
-      return false;
-    }
-    std::this_thread::yield();
-  }
-  waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!work->is_completed()) return false;
   work->wait();  // runs its completion step
   return true;
 }
@@ -434,11 +421,11 @@ void FSDPState::start_reduce() {
   pending_reduce_ = std::move(pr);
 }
 
-bool FSDPState::advance_reduce(double max_wait_seconds) {
+bool FSDPState::advance_reduce(bool block) {
   if (!pending_reduce_) return true;
   NoGradGuard no_grad;
   PendingReduce& pr = *pending_reduce_;
-  if (!wait_at_most(pr.work, max_wait_seconds, stats_.reduce_scatter_wait_seconds)) return false;
+  if (!wait_or_test(pr.work, block, stats_.reduce_scatter_wait_seconds)) return false;
   if (!pr.across_replicas) {
     ++stats_.reduce_scatters;
     pr.send = Tensor();
@@ -446,7 +433,7 @@ bool FSDPState::advance_reduce(double max_wait_seconds) {
       pr.work = replicate_pg_->all_reduce(pr.reduced, ReduceOp::Sum);
       progress_in_background(pr.work);
       pr.across_replicas = true;
-      return advance_reduce(max_wait_seconds);
+      return advance_reduce(block);
     }
   }
   int64_t dp = reduce_pg_->size() * (replicate_pg_ ? replicate_pg_->size() : 1);

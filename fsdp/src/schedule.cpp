@@ -1,15 +1,10 @@
 #include "schedule.h"
 
-#include <limits>
-
 #include "tessera/autograd/engine.h"
 
 namespace tessera::detail {
 
 namespace {
-
-constexpr double kReduceWait = 2.0;  // seconds; see schedule.h
-constexpr double kInfinity = std::numeric_limits<double>::infinity();
 
 using Groups = std::vector<std::weak_ptr<FSDPState>>;
 
@@ -60,7 +55,6 @@ void FSDPSchedule::begin_backward(const Group& caller) {
   backward_id = autograd::backward_id();
   backward_order.clear();
   next_gather = next_reduce = 0;
-  bounded_waits = true;
   for (auto it = order.rbegin(); it != order.rend(); ++it)
     if (auto s = it->lock(); s && s->backward_pending_) backward_order.push_back(s);
   if (index_of(backward_order, caller.get()) < 0 && caller->backward_pending_)
@@ -86,20 +80,17 @@ void FSDPSchedule::issue_ready_reduces() {
     if (s && !s->grads_ready_for_reduce_) break;
     ++next_reduce;
     if (!s) continue;
-    retire(bounded_waits ? kReduceWait : 0.0);
+    retire(/*block=*/false);  // see schedule.h: never wait while backward runs
     s->start_reduce();
     if (s->pending_reduce_) in_flight.push_back(s);
   }
-  retire(0.0);
+  retire(/*block=*/false);
 }
 
-void FSDPSchedule::retire(double max_wait_seconds) {
+void FSDPSchedule::retire(bool block) {
   while (!in_flight.empty()) {
     Group s = in_flight.front().lock();
-    if (s && !s->advance_reduce(max_wait_seconds)) {
-      if (max_wait_seconds > 0) bounded_waits = false;
-      return;
-    }
+    if (s && !s->advance_reduce(block)) return;
     in_flight.pop_front();
   }
 }
@@ -111,9 +102,10 @@ void FSDPSchedule::finalize() {
   if (!backward_order.empty()) gather_through(backward_order.back().lock().get());
   for (size_t i = next_reduce; i < backward_order.size(); ++i)
     if (auto s = backward_order[i].lock()) s->grads_ready_for_reduce_ = true;
-  bounded_waits = false;  // everything is issued now: wait without a bound below
   issue_ready_reduces();
-  retire(kInfinity);
+  // This rank's backward is over, and every other rank issues these reduce-scatters by the end
+  // of its own.
+  retire(/*block=*/true);
   auto settle = [](const Group& s) {
     s->drop_pending_gather();
     s->backward_pending_ = false;

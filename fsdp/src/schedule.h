@@ -9,12 +9,17 @@
 // it is ready holds the later ones back (gathers are issued ahead for it; reduce-scatters wait),
 // and at the end of backward every group still owing a collective issues it.
 //
-// Before issuing a reduce-scatter, the previous one is waited for, like PyTorch, so that one
-// send buffer is alive at a time. But on a rank where an earlier group got no gradient, that
-// previous reduce-scatter is issued only at the end of backward, and that rank may meanwhile
-// wait for an all-gather this rank has not issued yet. So the wait is bounded (kReduceWait);
-// after one wait runs out, the rest of this backward only retires reduce-scatters that have
-// completed. Memory then grows by the send buffers in flight, never into a deadlock.
+// A rank never blocks on a reduce-scatter while backward runs: before issuing one it retires
+// those issued before it that have completed, and waits for the rest only at the end of backward,
+// once the autograd engine has run every node of this rank's graph. Blocking earlier could
+// deadlock whenever ranks disagree on which groups got gradients: a group that got none on one
+// rank is reduce-scattered there only at the end of backward, and that rank may meanwhile wait
+// for an all-gather (or a collective of the application's backward) that the blocked rank has not
+// reached. Which parameters got a gradient on any rank travels inside the reduce-scatter (one
+// flag per parameter, summed), so the ranks agree on it without another collective. Neither
+// the result nor termination depends on timing; only memory does: the packed gradients of
+// reduce-scatters still in flight (the progress thread moves them meanwhile, and every later
+// hook retires those that completed).
 #include <deque>
 #include <memory>
 #include <vector>
@@ -35,8 +40,7 @@ struct FSDPSchedule : std::enable_shared_from_this<FSDPSchedule> {
   // Issued reduce-scatters, oldest first; retired in this order.
   std::deque<std::weak_ptr<FSDPState>> in_flight;
   bool backward_running = false;
-  uint64_t backward_id = 0;   // of the pass that queued finalize()
-  bool bounded_waits = true;  // until one runs out in this backward
+  uint64_t backward_id = 0;  // of the pass that queued finalize()
 
   // From each group's pre-forward; the root's starts a new step.
   void record_forward(const Group& group);
@@ -51,8 +55,8 @@ struct FSDPSchedule : std::enable_shared_from_this<FSDPSchedule> {
   // Issues the reduce-scatters of the ready groups at the front of the backward order, and
   // retires those that completed.
   void issue_ready_reduces();
-  // Retires issued reduce-scatters in issue order, waiting for each at most this long.
-  void retire(double max_wait_seconds);
+  // Retires issued reduce-scatters in issue order: those that completed, or (block) all.
+  void retire(bool block);
   // End of backward: the groups left reduce (with zeros where no gradient came), the
   // collectives are waited for, and every group is resharded.
   void finalize();

@@ -3,6 +3,7 @@
 // rank, and nothing may read a gradient while its reduce-scatter is in flight.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -117,9 +118,9 @@ TEST(FSDPSchedule, PrefetchChangesNoBitAndGathersNothingTwice) {
 
 // A trunk of three groups and two heads, each its own group under the root. Odd ranks put both
 // heads in their loss, even ranks only head_a: head_b's gradients exist on some ranks only, and it
-// is the first group in reduce-scatter order. An odd rank then waits for head_b's reduce-scatter
-// (issued by even ranks only at the end of backward) while even ranks wait for the trunk's
-// all-gathers: only the bounded wait (schedule.h) gets both through.
+// is the first group in reduce-scatter order. Even ranks issue head_b's reduce-scatter only at the
+// end of backward, and meanwhile wait for the trunk's all-gathers: an odd rank that blocked on
+// head_b's reduce-scatter before issuing them would deadlock (schedule.h).
 class Branches : public Module {
  public:
   Branches() : Module("Branches") {
@@ -190,6 +191,99 @@ TEST(FSDPSchedule, GroupWithGradientsOnSomeRanksOnlyStaysInStep) {
     EXPECT_EQ(got.at("head_b.weight").to_vector<float>(),
               fresh->state_dict().at("head_b.weight").to_vector<float>());
   }
+}
+
+// A stem (the root's), a trunk of two blocks and two heads, each block and head its own group.
+// Every rank runs every forward, but rank r's loss uses head 0 only (r % 4 == 0), head 1 only
+// (1), both (2) or neither (3): the ranks skip different groups, and the first group in
+// reduce-scatter order (head 1) is one some ranks skip.
+class TwoHeads : public Module {
+ public:
+  TwoHeads() : Module("TwoHeads") {
+    Generator gen(33);
+    stem = std::make_shared<Linear>(5, 8, true, gen);
+    block0 = std::make_shared<Linear>(8, 8, true, gen);
+    block1 = std::make_shared<Linear>(8, 8, true, gen);
+    head0 = std::make_shared<Linear>(8, 3, true, gen);
+    head1 = std::make_shared<Linear>(8, 7, true, gen);
+    register_module("stem", stem);
+    register_module("block0", block0);
+    register_module("block1", block1);
+    register_module("head0", head0);
+    register_module("head1", head1);
+  }
+  Tensor forward(const Tensor& x) override {
+    return silu((*block1)(silu((*block0)(silu((*stem)(x))))));
+  }
+  std::shared_ptr<Linear> stem, block0, block1, head0, head1;
+};
+
+Tensor two_heads_loss(TwoHeads& net, int rank, int step) {
+  Generator gen(uint64_t(900 + 13 * step + rank));
+  Tensor h = net(randn({4, 5}, gen));
+  Tensor a = mean(square((*net.head0)(h)));  // both heads run forward on every rank
+  Tensor b = mean(square((*net.head1)(h)));
+  switch (rank % 4) {
+    case 0:
+      return a;
+    case 1:
+      return b;
+    case 2:
+      return add(a, b);
+    default:
+      return mean(square(h));
+  }
+}
+
+// Each step's gradients against one process holding every rank's loss (their mean), then the
+// step itself; on (replicate, shard) meshes too, where the heads differ across replicas.
+void expect_skipped_groups_match_reference(const DeviceMesh& mesh) {
+  auto ref = std::make_shared<TwoHeads>();
+  AdamW ref_opt(ref->parameters(), AdamWOptions{.lr = 1e-2});
+  auto net = std::make_shared<TwoHeads>();
+  for (auto& m : {net->block0, net->block1, net->head0, net->head1})
+    fully_shard(m, mesh);
+  fully_shard(net, mesh);
+  AdamW opt(net->parameters(), AdamWOptions{.lr = 1e-2});
+  for (int s = 0; s < 3; ++s) {
+    Tensor total;
+    for (int r = 0; r < world_size(); ++r) {
+      Tensor l = two_heads_loss(*ref, r, s);
+      total = total.defined() ? add(total, l) : l;
+    }
+    backward(mul(total, 1.0 / world_size()));
+    backward(two_heads_loss(*net, world_rank(), s));
+    auto want = ref->named_parameters();
+    auto got = net->named_parameters();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      const std::string what = "step " + std::to_string(s) + ", grad of " + got[i].first;
+      // Undefined exactly where no rank's loss reached the parameter.
+      ASSERT_EQ(got[i].second->grad().defined(), want[i].second->grad().defined()) << what;
+      if (!want[i].second->grad().defined()) continue;
+      auto g = got[i].second->grad_dtensor().full_tensor().to_vector<double>();
+      auto w = want[i].second->grad().to_vector<double>();
+      ASSERT_EQ(g.size(), w.size()) << what;
+      for (size_t k = 0; k < g.size(); ++k)
+        EXPECT_NEAR(g[k], w[k], 1e-6 * (1 + std::abs(w[k]))) << what << " element " << k;
+    }
+    ref_opt.step();
+    ref_opt.zero_grad();
+    opt.step();
+    opt.zero_grad();
+  }
+  const auto got = net->state_dict(), want = ref->state_dict();
+  for (const auto& [name, t] : want) {
+    auto g = got.at(name).to_vector<double>(), w = t.to_vector<double>();
+    for (size_t i = 0; i < g.size(); ++i)
+      EXPECT_NEAR(g[i], w[i], 1e-5) << name << " element " << i;
+  }
+}
+
+TEST(FSDPSchedule, RanksSkippingDifferentGroupsMatchOneProcess) {
+  expect_skipped_groups_match_reference(dp_mesh());
+  if (world_size() == 4)
+    expect_skipped_groups_match_reference(DeviceMesh(Shape{2, 2}, {"replicate", "shard"}));
 }
 
 TEST(FSDPSchedule, OptimizerDuringBackwardIsAnError) {

@@ -131,10 +131,10 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool needs_backward_gather() const;
   // Packs this backward's gradients and issues their reduce-scatter. advance_reduce moves it on
   // (reduce-scatter, then for HSDP the all-reduce across replicas, then the averaged shards into
-  // the stored parameters' gradients), waiting at most `max_wait_seconds` (0: only tests,
-  // infinity: until done); false when it is still in flight.
+  // the stored parameters' gradients), waiting for each step when `block`, else only testing
+  // it; false when it is still in flight.
   void start_reduce();
-  bool advance_reduce(double max_wait_seconds);
+  bool advance_reduce(bool block);
   void mark_grads_pending(bool pending);
   void begin_backward();
 
