@@ -1,6 +1,7 @@
 #pragma once
 // The one way tests check an error: `f` must throw a tessera::Error whose message contains every
-// needle (what the user is told is part of the behaviour under test).
+// needle (what the user is told is part of the behaviour under test). error_of gives the message
+// itself, for tests that compare it across ranks or check that a call throws nothing.
 #include <gtest/gtest.h>
 
 #include <initializer_list>
@@ -34,6 +35,17 @@ void expect_error(F&& f, std::initializer_list<std::string> needles) {
 template <class F>
 void expect_error(F&& f, const std::string& needle) {
   expect_error(std::forward<F>(f), std::vector<std::string>{needle});
+}
+
+// The message of the tessera::Error `f` throws, or "" when it does not throw.
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 }  // namespace tessera::testing

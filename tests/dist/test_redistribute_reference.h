@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "common/expect_contains.h"
+#include "common/expect_error.h"
 #include "tessera/tessera.h"
 
 namespace tessera::test_ref {
@@ -165,19 +167,8 @@ inline std::vector<DeviceMesh> suite_meshes() {
   return out;
 }
 
-// The message of the tessera::Error `f` throws, or "" when it does not throw.
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+// The tests built on this reference check messages with these (TESSERA_EXPECT_CONTAINS comes
+// with common/expect_contains.h).
+using ::tessera::testing::error_of;
 
 }  // namespace tessera::test_ref
-
-#define TESSERA_EXPECT_CONTAINS(haystack, needle)                  \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
-      << "missing: " << (needle) << "\nin: " << (haystack)

@@ -99,14 +99,4 @@ inline void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor
   EXPECT_TRUE(r.ok) << what << ": " << r.message;
 }
 
-template <class F>
-inline std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
-
 }  // namespace tessera::kernel_test

@@ -7,17 +7,14 @@
 #include <string>
 
 #include "common/expect_error.h"
+#include "common/random_tensor.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
 using tessera::testing::expect_error;
+using tessera::testing::random_tensor;
 
 namespace {
-
-Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype = DType::Float64) {
-  Generator gen(seed);
-  return randn(shape, gen, dtype);
-}
 
 std::vector<double> values(const Tensor& t) {
   return t.to_vector<double>();
@@ -125,7 +122,7 @@ TEST(Rope, BFloat16Input) {
 }
 
 TEST(Rope, Gradcheck) {
-  Tensor x = random_tensor({2, 3, 2, 6}, 4).set_requires_grad(true);
+  Tensor x = random_tensor({2, 3, 2, 6}, 4, DType::Float64).set_requires_grad(true);
   auto [cos, sin] = kernels::rope_tables(5, 6, 10000.0, DType::Float64);
   GradcheckResult r =
       gradcheck([&](const std::vector<Tensor>& in) { return rope(in[0], cos, sin); }, {x});
@@ -136,18 +133,18 @@ TEST(Rope, Errors) {
   auto [cos, sin] = kernels::rope_tables(4, 6);
   expect_error(
       [&] {
-        kernels::rope(random_tensor({1, 4, 2, 5}, 5), cos, sin);
+        kernels::rope(random_tensor({1, 4, 2, 5}, 5, DType::Float64), cos, sin);
       },
       "head dim D=5 of x [1, 4, 2, 5] is odd");
   expect_error(
       [&] {
-        kernels::rope(random_tensor({1, 8, 2, 6}, 6), cos, sin);
+        kernels::rope(random_tensor({1, 8, 2, 6}, 6, DType::Float64), cos, sin);
       },
       "tables [4, 3] do not fit x [1, 8, 2, 6]");
   expect_error([&] { kernels::rope_tables(4, 7); }, "head_dim must be positive and even, got 7");
   expect_error(
       [&] {
-        kernels::rope(random_tensor({4, 2, 6}, 7), cos, sin);
+        kernels::rope(random_tensor({4, 2, 6}, 7, DType::Float64), cos, sin);
       },
       "x must be [B, T, H, D]");
 }
@@ -187,9 +184,9 @@ TEST(Attention, MatchesReference) {
 TEST(Attention, CausalMaskIsAlignedAtTheEnd) {
   // With S > T the last query sees every key and the first sees S - T + 1 of them: changing a
   // key the first query must not see leaves its output unchanged.
-  Tensor q = random_tensor({1, 1, 2, 4}, 20);
-  Tensor k = random_tensor({1, 1, 5, 4}, 21);
-  Tensor v = random_tensor({1, 1, 5, 4}, 22);
+  Tensor q = random_tensor({1, 1, 2, 4}, 20, DType::Float64);
+  Tensor k = random_tensor({1, 1, 5, 4}, 21, DType::Float64);
+  Tensor v = random_tensor({1, 1, 5, 4}, 22, DType::Float64);
   Tensor k2 = k.clone(), v2 = v.clone();
   k2.data<double>()[4 * 4] += 3.0;  // key 4: visible to query 1 only
   v2.data<double>()[4 * 4] += 3.0;
@@ -202,9 +199,9 @@ TEST(Attention, CausalMaskIsAlignedAtTheEnd) {
 
 TEST(Attention, QueriesWithoutKeysGiveZerosAndNoGradient) {
   // Causal with S < T: the first T - S queries have no visible key.
-  Tensor q = random_tensor({1, 1, 4, 3}, 23).set_requires_grad(true);
-  Tensor k = random_tensor({1, 1, 2, 3}, 24).set_requires_grad(true);
-  Tensor v = random_tensor({1, 1, 2, 3}, 25).set_requires_grad(true);
+  Tensor q = random_tensor({1, 1, 4, 3}, 23, DType::Float64).set_requires_grad(true);
+  Tensor k = random_tensor({1, 1, 2, 3}, 24, DType::Float64).set_requires_grad(true);
+  Tensor v = random_tensor({1, 1, 2, 3}, 25, DType::Float64).set_requires_grad(true);
   kernels::AttentionResult r = kernels::scaled_dot_product_attention(q, k, v, true, 0.7);
   std::vector<double> out = values(r.out), lse = values(r.lse);
   for (int i = 0; i < 6; ++i)
@@ -239,9 +236,9 @@ TEST(Attention, StridedInputsMatchContiguous) {
 }
 
 TEST(Attention, DefaultScaleIsInverseSqrtHeadDim) {
-  Tensor q = random_tensor({1, 2, 3, 9}, 40);
-  Tensor k = random_tensor({1, 2, 4, 9}, 41);
-  Tensor v = random_tensor({1, 2, 4, 9}, 42);
+  Tensor q = random_tensor({1, 2, 3, 9}, 40, DType::Float64);
+  Tensor k = random_tensor({1, 2, 4, 9}, 41, DType::Float64);
+  Tensor v = random_tensor({1, 2, 4, 9}, 42, DType::Float64);
   Tensor y = scaled_dot_product_attention(q, k, v, false);
   RefAttention want =
       ref_attention(values(q), values(k), values(v), 2, 3, 4, 9, 9, false, 1.0 / 3.0);
@@ -252,9 +249,9 @@ TEST(Attention, GradcheckQKV) {
   for (bool causal : {false, true}) {
     for (auto [t, s] : {std::pair<int64_t, int64_t>{4, 4}, {3, 5}}) {
       SCOPED_TRACE(::testing::Message() << "T=" << t << " S=" << s << " causal=" << causal);
-      Tensor q = random_tensor({2, 2, t, 3}, 50).set_requires_grad(true);
-      Tensor k = random_tensor({2, 2, s, 3}, 51).set_requires_grad(true);
-      Tensor v = random_tensor({2, 2, s, 4}, 52).set_requires_grad(true);
+      Tensor q = random_tensor({2, 2, t, 3}, 50, DType::Float64).set_requires_grad(true);
+      Tensor k = random_tensor({2, 2, s, 3}, 51, DType::Float64).set_requires_grad(true);
+      Tensor v = random_tensor({2, 2, s, 4}, 52, DType::Float64).set_requires_grad(true);
       GradcheckResult r = gradcheck(
           [causal](const std::vector<Tensor>& in) {
             return scaled_dot_product_attention(in[0], in[1], in[2], causal);
@@ -285,13 +282,14 @@ TEST(Attention, BFloat16Backward) {
 }
 
 TEST(Attention, Errors) {
-  Tensor q = random_tensor({1, 2, 3, 8}, 70);
-  Tensor k = random_tensor({1, 2, 4, 6}, 71);
-  Tensor v = random_tensor({1, 2, 4, 6}, 72);
+  Tensor q = random_tensor({1, 2, 3, 8}, 70, DType::Float64);
+  Tensor k = random_tensor({1, 2, 4, 6}, 71, DType::Float64);
+  Tensor v = random_tensor({1, 2, 4, 6}, 72, DType::Float64);
   expect_error([&] { kernels::scaled_dot_product_attention(q, k, v, false, 0.5); },
                "head dim mismatch between q [1, 2, 3, 8] (D=8) and k [1, 2, 4, 6] (D=6)");
   expect_error([&] { scaled_dot_product_attention(q, k, v); }, "head dim mismatch");
-  Tensor k8 = random_tensor({1, 2, 4, 8}, 73), v5 = random_tensor({1, 2, 5, 8}, 74);
+  Tensor k8 = random_tensor({1, 2, 4, 8}, 73, DType::Float64),
+         v5 = random_tensor({1, 2, 5, 8}, 74, DType::Float64);
   expect_error([&] { kernels::scaled_dot_product_attention(q, k8, v5, false, 0.5); },
                "same number of keys S");
   expect_error(
@@ -301,7 +299,7 @@ TEST(Attention, Errors) {
                "scale must be finite and > 0");
   expect_error(
       [&] {
-        scaled_dot_product_attention(random_tensor({2, 3, 8}, 75), k8, k8);
+        scaled_dot_product_attention(random_tensor({2, 3, 8}, 75, DType::Float64), k8, k8);
       },
       "q must be [B, H, T, D]");
 }

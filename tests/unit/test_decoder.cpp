@@ -11,11 +11,13 @@
 
 #include "common/expect_close.h"
 #include "common/expect_error.h"
+#include "common/random_tensor.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
 using tessera::testing::expect_close;
 using tessera::testing::expect_error;
+using tessera::testing::random_tensor;
 
 namespace {
 
@@ -44,11 +46,6 @@ std::vector<Tensor> leaves(Module& m) {
   for (Parameter* p : m.parameters())
     out.push_back(p->local());
   return out;
-}
-
-Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype = DType::Float64) {
-  Generator gen(seed);
-  return randn(shape, gen, dtype);
 }
 
 Tensor random_ids(const Shape& shape, int64_t vocab, uint64_t seed) {
@@ -336,7 +333,7 @@ TEST(Attention, MatchesPlainLoopReference) {
     auto attn = std::make_shared<Attention>(c, gen);
     to_float64(*attn);
     const int64_t b = 2, t = 6, e = c.head_dim();
-    Tensor x = random_tensor({b, t, c.dim}, 11);
+    Tensor x = random_tensor({b, t, c.dim}, 11, DType::Float64);
     Tensor y = (*attn)(x);
     ASSERT_EQ(y.shape(), (Shape{b, t, c.dim}));
     auto w = [](const std::shared_ptr<Linear>& l) { return l->weight.local().to_vector<double>(); };
@@ -354,7 +351,7 @@ TEST(Attention, GradcheckGroupedQuery) {
   Generator gen(2);
   auto attn = std::make_shared<Attention>(c, gen);
   to_float64(*attn);
-  Tensor x = random_tensor({2, 4, 8}, 4).set_requires_grad(true);
+  Tensor x = random_tensor({2, 4, 8}, 4, DType::Float64).set_requires_grad(true);
   std::vector<Tensor> inputs = {x};
   for (Tensor& p : leaves(*attn))
     inputs.push_back(p);
@@ -371,7 +368,7 @@ TEST(FeedForward, SwiGluValueAndGradcheck) {
   Generator gen(3);
   auto ff = std::make_shared<FeedForward>(c, gen);
   to_float64(*ff);
-  Tensor x = random_tensor({2, 3, 6}, 6).set_requires_grad(true);
+  Tensor x = random_tensor({2, 3, 6}, 6, DType::Float64).set_requires_grad(true);
 
   // w2(silu(w1 x) * w3 x) by loops.
   auto xv = x.to_vector<double>();

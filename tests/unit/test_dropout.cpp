@@ -6,17 +6,14 @@
 #include <string>
 
 #include "common/expect_error.h"
+#include "common/random_tensor.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
 using tessera::testing::expect_error;
+using tessera::testing::random_tensor;
 
 namespace {
-
-Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype = DType::Float32) {
-  Generator gen(seed);
-  return randn(shape, gen, dtype);
-}
 
 std::vector<double> values(const Tensor& t) {
   return t.to_vector<double>();
@@ -28,7 +25,7 @@ TEST(Dropout, KeepsAboutOneMinusPAndScalesKeptValues) {
   const int64_t n = 1 << 20;
   for (double p : {0.1, 0.5, 0.8}) {
     SCOPED_TRACE(::testing::Message() << "p=" << p);
-    Tensor x = random_tensor({n / 256, 256}, 1);
+    Tensor x = random_tensor({n / 256, 256}, 1, DType::Float32);
     Generator gen(7);
     kernels::DropoutResult r = kernels::dropout(x, p, gen);
     EXPECT_EQ(gen.offset(), uint64_t(n));
@@ -48,7 +45,7 @@ TEST(Dropout, KeepsAboutOneMinusPAndScalesKeptValues) {
 }
 
 TEST(Dropout, SameSeedAndOffsetGiveSameMask) {
-  Tensor x = random_tensor({64, 33}, 2);
+  Tensor x = random_tensor({64, 33}, 2, DType::Float32);
   Generator a(42), b(42), c(43);
   a.set_offset(1000);
   b.set_offset(1000);
@@ -62,7 +59,7 @@ TEST(Dropout, SameSeedAndOffsetGiveSameMask) {
 }
 
 TEST(Dropout, StridedAndBFloat16Input) {
-  Tensor base = random_tensor({16, 12}, 3);
+  Tensor base = random_tensor({16, 12}, 3, DType::Float32);
   Tensor x = kernels::transpose(base, 0, 1);
   Generator g1(5), g2(5);
   kernels::DropoutResult strided = kernels::dropout(x, 0.25, g1);
@@ -82,11 +79,11 @@ TEST(Dropout, StridedAndBFloat16Input) {
 }
 
 TEST(Dropout, GradientIsGradTimesMask) {
-  Tensor x = random_tensor({8, 10}, 4).set_requires_grad(true);
+  Tensor x = random_tensor({8, 10}, 4, DType::Float32).set_requires_grad(true);
   Generator gen(11), replay(11), replay_out(11);
   Tensor y = dropout(x, 0.3, true, gen);
   ASSERT_TRUE(y.requires_grad());
-  Tensor g = random_tensor({8, 10}, 5);
+  Tensor g = random_tensor({8, 10}, 5, DType::Float32);
   backward(y, g);
   // Replaying the draw from the same (seed, offset) recovers the mask the op used.
   Tensor mask = kernels::dropout(x.detach(), 0.3, replay).mask;
@@ -97,7 +94,7 @@ TEST(Dropout, GradientIsGradTimesMask) {
 }
 
 TEST(Dropout, IdentityInEvalOrWithZeroP) {
-  Tensor x = random_tensor({4, 4}, 6).set_requires_grad(true);
+  Tensor x = random_tensor({4, 4}, 6, DType::Float32).set_requires_grad(true);
   Generator gen(3);
   EXPECT_TRUE(dropout(x, 0.5, false, gen).is_same(x));
   EXPECT_TRUE(dropout(x, 0.0, true, gen).is_same(x));
@@ -117,7 +114,7 @@ TEST(Dropout, GradcheckFloat64) {
 }
 
 TEST(Dropout, RejectsBadProbability) {
-  Tensor x = random_tensor({3}, 8);
+  Tensor x = random_tensor({3}, 8, DType::Float32);
   Generator gen(1);
   expect_error([&] { kernels::dropout(x, 1.0, gen); }, "p must be in [0, 1), got 1");
   expect_error([&] { kernels::dropout(x, -0.1, gen); }, "p must be in [0, 1), got -0.1");

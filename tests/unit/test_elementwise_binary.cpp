@@ -8,6 +8,7 @@
 #include <limits>
 #include <string>
 
+#include "common/expect_error.h"
 #include "tessera/tessera.h"
 #include "unit/kernel_test_util.h"
 
@@ -16,6 +17,7 @@ using namespace tessera::kernel_test;
 using kernels::BinaryOp;
 using kernels::CompareOp;
 using kernels::UnaryOp;
+using tessera::testing::error_of;
 
 // --- binary ---
 

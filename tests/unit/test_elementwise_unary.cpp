@@ -7,6 +7,7 @@
 #include <limits>
 #include <string>
 
+#include "common/expect_error.h"
 #include "tessera/tessera.h"
 #include "unit/kernel_test_util.h"
 
@@ -15,6 +16,7 @@ using namespace tessera::kernel_test;
 using kernels::BinaryOp;
 using kernels::CompareOp;
 using kernels::UnaryOp;
+using tessera::testing::error_of;
 
 namespace {
 

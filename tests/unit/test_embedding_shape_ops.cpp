@@ -6,25 +6,15 @@
 #include <functional>
 #include <string>
 
+#include "common/expect_error.h"
+#include "common/random_tensor.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::error_of;
+using tessera::testing::random_tensor;
 
 namespace {
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype = DType::Float32) {
-  Generator gen(seed);
-  return randn(shape, gen, dtype);
-}
 
 Tensor leaf(const Shape& shape, uint64_t seed) {
   Tensor t = random_tensor(shape, seed, DType::Float64);
@@ -98,7 +88,7 @@ void expect_values(const Tensor& t, const std::vector<double>& want, double tol 
 }  // namespace
 
 TEST(Embedding, LooksUpRows) {
-  Tensor w = random_tensor({10, 4}, 1);
+  Tensor w = random_tensor({10, 4}, 1, DType::Float32);
   std::vector<int64_t> idx = {3, 0, 9, 3, 7, 1};
   Tensor indices = from_vector<int64_t>(idx, {2, 3});
   Tensor out = kernels::embedding(w, indices);
@@ -154,7 +144,7 @@ TEST(Embedding, Gradcheck) {
 }
 
 TEST(Embedding, BadIndexNamesIndexAndVocabSize) {
-  Tensor w = random_tensor({10, 4}, 5);
+  Tensor w = random_tensor({10, 4}, 5, DType::Float32);
   std::string msg = error_of([&] { kernels::embedding(w, from_vector<int64_t>({1, 12, 3})); });
   EXPECT_NE(msg.find("embedding"), std::string::npos) << msg;
   EXPECT_NE(msg.find("index 12"), std::string::npos) << msg;
@@ -166,14 +156,15 @@ TEST(Embedding, BadIndexNamesIndexAndVocabSize) {
 }
 
 TEST(Cat, AlongEveryDimWithEmptyAndStridedPieces) {
-  Tensor a = random_tensor({2, 3, 4}, 6);
-  Tensor b = kernels::permute(random_tensor({4, 2, 3}, 7), {1, 2, 0});  // [2, 3, 4] strided
+  Tensor a = random_tensor({2, 3, 4}, 6, DType::Float32);
+  Tensor b = kernels::permute(random_tensor({4, 2, 3}, 7, DType::Float32),
+                              {1, 2, 0});  // [2, 3, 4] strided
   for (int64_t dim : {0, 1, 2}) {
     Shape sc = a.shape();
     sc[size_t(dim)] = 1;
     Shape se = a.shape();
     se[size_t(dim)] = 0;
-    Tensor c = random_tensor(sc, uint64_t(8 + dim));
+    Tensor c = random_tensor(sc, uint64_t(8 + dim), DType::Float32);
     Tensor e = zeros(se);
     Tensor out = kernels::cat({a, e, b, c}, dim);
     std::vector<double> want =
@@ -188,22 +179,26 @@ TEST(Cat, AlongEveryDimWithEmptyAndStridedPieces) {
 }
 
 TEST(Cat, PromotesDtypesAndChecksShapes) {
-  Tensor a = random_tensor({2, 2}, 11), b = random_tensor({1, 2}, 12, DType::Float64);
+  Tensor a = random_tensor({2, 2}, 11, DType::Float32),
+         b = random_tensor({1, 2}, 12, DType::Float64);
   Tensor out = kernels::cat({a, b}, 0);
   EXPECT_EQ(out.dtype(), DType::Float64);
   std::vector<double> want = a.to_vector<double>();
   for (double v : b.to_vector<double>())
     want.push_back(v);
   expect_values(out, want);
-  std::string msg = error_of([&] { kernels::cat({a, random_tensor({2, 3}, 13)}, 0); });
+  std::string msg = error_of([&] {
+    kernels::cat({a, random_tensor({2, 3}, 13, DType::Float32)}, 0);
+  });
   EXPECT_NE(msg.find("[2, 3]"), std::string::npos) << msg;
   EXPECT_NE(msg.find("[2, 2]"), std::string::npos) << msg;
   EXPECT_NE(error_of([&] { kernels::cat({}, 0); }).find("non-empty"), std::string::npos);
 }
 
 TEST(Stack, NewDimAtEveryPosition) {
-  Tensor a = random_tensor({2, 3}, 14), b = random_tensor({2, 3}, 15);
-  Tensor bt = kernels::transpose(random_tensor({3, 2}, 16), 0, 1);
+  Tensor a = random_tensor({2, 3}, 14, DType::Float32),
+         b = random_tensor({2, 3}, 15, DType::Float32);
+  Tensor bt = kernels::transpose(random_tensor({3, 2}, 16, DType::Float32), 0, 1);
   std::vector<std::vector<double>> vs = {a.to_vector<double>(), b.to_vector<double>(),
                                          bt.to_vector<double>()};
   for (int64_t dim : {0, 1, 2}) {
@@ -221,12 +216,14 @@ TEST(Stack, NewDimAtEveryPosition) {
     expect_values(out, want);
     expect_values(tessera::stack({a, b, bt}, dim - 3), want);
   }
-  std::string msg = error_of([&] { kernels::stack({a, random_tensor({3, 2}, 17)}, 0); });
+  std::string msg = error_of([&] {
+    kernels::stack({a, random_tensor({3, 2}, 17, DType::Float32)}, 0);
+  });
   EXPECT_NE(msg.find("[3, 2]"), std::string::npos) << msg;
 }
 
 TEST(IndexSelect, AnyDimRepeatedIndicesStridedInput) {
-  Tensor x = random_tensor({4, 5, 3}, 18);
+  Tensor x = random_tensor({4, 5, 3}, 18, DType::Float32);
   std::vector<double> vx = x.to_vector<double>();
   std::vector<int64_t> idx = {2, 0, 2};
   for (int64_t dim : {0, 1, 2}) {

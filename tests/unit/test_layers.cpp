@@ -7,17 +7,14 @@
 #include <string>
 
 #include "common/expect_error.h"
+#include "common/random_tensor.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
 using tessera::testing::expect_error;
+using tessera::testing::random_tensor;
 
 namespace {
-
-Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype = DType::Float64) {
-  Generator gen(seed);
-  return randn(shape, gen, dtype);
-}
 
 void expect_near_all(const Tensor& got, const std::vector<double>& want, double tol,
                      const std::string& what) {
@@ -131,9 +128,9 @@ TEST(LinearLayer, RejectsWrongInputWidth) {
 TEST(LinearLayer, GradcheckThroughModuleCall) {
   Generator gen(5);
   Linear lin(4, 3, true, gen);
-  set_param(lin.weight, random_tensor({3, 4}, 11));
-  set_param(lin.bias, random_tensor({3}, 12));
-  Tensor x = random_tensor({2, 4}, 13).set_requires_grad(true);
+  set_param(lin.weight, random_tensor({3, 4}, 11, DType::Float64));
+  set_param(lin.bias, random_tensor({3}, 12, DType::Float64));
+  Tensor x = random_tensor({2, 4}, 13, DType::Float64).set_requires_grad(true);
   auto r = gradcheck([&](const std::vector<Tensor>& in) { return lin(in[0]); },
                      {x, lin.weight.local(), lin.bias.local()});
   EXPECT_TRUE(r.ok) << r.message;
@@ -161,7 +158,7 @@ TEST(EmbeddingLayer, LooksUpRowsAndDrawsNormalInit) {
 TEST(EmbeddingLayer, GradcheckThroughModuleCall) {
   Generator gen(4);
   Embedding emb(5, 3, gen);
-  set_param(emb.weight, random_tensor({5, 3}, 21));
+  set_param(emb.weight, random_tensor({5, 3}, 21, DType::Float64));
   Tensor ids = from_vector<int64_t>({4, 1, 1, 0}, {2, 2});
   auto r = gradcheck([&](const std::vector<Tensor>&) { return emb(ids); }, {emb.weight.local()});
   EXPECT_TRUE(r.ok) << r.message;
@@ -223,16 +220,16 @@ TEST(NormLayers, LayerNormMatchesDirectComputation) {
 
 TEST(NormLayers, GradcheckThroughModuleCall) {
   RMSNorm rms(6);
-  set_param(rms.weight, random_tensor({6}, 41));
-  Tensor x = random_tensor({3, 6}, 42).set_requires_grad(true);
+  set_param(rms.weight, random_tensor({6}, 41, DType::Float64));
+  Tensor x = random_tensor({3, 6}, 42, DType::Float64).set_requires_grad(true);
   auto r =
       gradcheck([&](const std::vector<Tensor>& in) { return rms(in[0]); }, {x, rms.weight.local()});
   EXPECT_TRUE(r.ok) << "RMSNorm: " << r.message;
 
   LayerNorm ln(6);
-  set_param(ln.weight, random_tensor({6}, 43));
-  set_param(ln.bias, random_tensor({6}, 44));
-  Tensor x2 = random_tensor({2, 2, 6}, 45).set_requires_grad(true);
+  set_param(ln.weight, random_tensor({6}, 43, DType::Float64));
+  set_param(ln.bias, random_tensor({6}, 44, DType::Float64));
+  Tensor x2 = random_tensor({2, 2, 6}, 45, DType::Float64).set_requires_grad(true);
   auto r2 = gradcheck([&](const std::vector<Tensor>& in) { return ln(in[0]); },
                       {x2, ln.weight.local(), ln.bias.local()});
   EXPECT_TRUE(r2.ok) << "LayerNorm: " << r2.message;

@@ -8,25 +8,15 @@
 #include <limits>
 #include <string>
 
+#include "common/expect_error.h"
+#include "common/random_tensor.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
+using tessera::testing::error_of;
+using tessera::testing::random_tensor;
 
 namespace {
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype = DType::Float32) {
-  Generator gen(seed);
-  return randn(shape, gen, dtype);
-}
 
 struct Ref {
   std::vector<double> v;
@@ -121,17 +111,17 @@ Tensor leaf(const Shape& shape, uint64_t seed) {
 }  // namespace
 
 TEST(Matmul, TwoDimFloat32MatchesReference) {
-  Tensor a = random_tensor({5, 7}, 1), b = random_tensor({7, 3}, 2);
+  Tensor a = random_tensor({5, 7}, 1, DType::Float32), b = random_tensor({7, 3}, 2, DType::Float32);
   Tensor c = kernels::matmul(a, b);
   EXPECT_EQ(c.dtype(), DType::Float32);
   expect_close(c, ref_matmul(ref_of(a), ref_of(b)), 1e-5, 1e-5);
 }
 
 TEST(Matmul, TransposeFlagsAndTransposedViews) {
-  Tensor a = random_tensor({7, 5}, 3), b = random_tensor({3, 7}, 4);
+  Tensor a = random_tensor({7, 5}, 3, DType::Float32), b = random_tensor({3, 7}, 4, DType::Float32);
   Ref ra = ref_of(a), rb = ref_of(b);
   expect_close(kernels::matmul(a, b, true, true), ref_matmul(ra, rb, true, true), 1e-5, 1e-5);
-  Tensor b2 = random_tensor({7, 3}, 5);
+  Tensor b2 = random_tensor({7, 3}, 5, DType::Float32);
   expect_close(kernels::matmul(a, b2, true, false), ref_matmul(ra, ref_of(b2), true, false), 1e-5,
                1e-5);
   // A transposed view passed without a flag is the same product.
@@ -139,13 +129,14 @@ TEST(Matmul, TransposeFlagsAndTransposedViews) {
   ASSERT_FALSE(at.is_contiguous());
   expect_close(kernels::matmul(at, b2), ref_matmul(ra, ref_of(b2), true, false), 1e-5, 1e-5);
   // Transposing a transposed view through the flag gives back the original orientation.
-  Tensor b3 = random_tensor({5, 2}, 6);
+  Tensor b3 = random_tensor({5, 2}, 6, DType::Float32);
   expect_close(kernels::matmul(at, b3, true, false), ref_matmul(ra, ref_of(b3)), 1e-5, 1e-5);
 }
 
 TEST(Matmul, TransposedAndRowSlicedOperandsAreNotCopied) {
-  Tensor a = random_tensor({64, 32}, 7), w = random_tensor({48, 32}, 8);
-  Tensor big = random_tensor({64, 40}, 9);
+  Tensor a = random_tensor({64, 32}, 7, DType::Float32),
+         w = random_tensor({48, 32}, 8, DType::Float32);
+  Tensor big = random_tensor({64, 40}, 9, DType::Float32);
   Tensor sliced = kernels::narrow(big, 1, 4, 32);  // row stride 40: a plain outer stride
   Tensor wt = kernels::transpose(w, 0, 1);         // column-major [32, 48]
 
@@ -161,9 +152,9 @@ TEST(Matmul, TransposedAndRowSlicedOperandsAreNotCopied) {
 }
 
 TEST(Matmul, StridesWithoutAUnitDimAreCopiedAndStillCorrect) {
-  Tensor big = random_tensor({6, 14}, 10);
+  Tensor big = random_tensor({6, 14}, 10, DType::Float32);
   Tensor a = kernels::slice(big, 1, 0, 14, 2);  // [6, 7] with column stride 2
-  Tensor b = random_tensor({7, 4}, 11);
+  Tensor b = random_tensor({7, 4}, 11, DType::Float32);
   int64_t before = allocations();
   Tensor c = kernels::matmul(a, b);
   EXPECT_EQ(allocations() - before, 2) << "one copy of a, one output";
@@ -171,28 +162,31 @@ TEST(Matmul, StridesWithoutAUnitDimAreCopiedAndStillCorrect) {
 }
 
 TEST(Matmul, BatchedBroadcastDims) {
-  Tensor a = random_tensor({2, 1, 4, 5}, 12), b = random_tensor({3, 5, 6}, 13);
+  Tensor a = random_tensor({2, 1, 4, 5}, 12, DType::Float32),
+         b = random_tensor({3, 5, 6}, 13, DType::Float32);
   Tensor c = kernels::matmul(a, b);
   EXPECT_EQ(c.shape(), (Shape{2, 3, 4, 6}));
   expect_close(c, ref_matmul(ref_of(a), ref_of(b)), 1e-5, 1e-5);
 
   // Batched transposes on both sides.
-  Tensor at = random_tensor({3, 5, 4}, 14), bt = random_tensor({1, 6, 5}, 15);
+  Tensor at = random_tensor({3, 5, 4}, 14, DType::Float32),
+         bt = random_tensor({1, 6, 5}, 15, DType::Float32);
   expect_close(kernels::matmul(at, bt, true, true), ref_matmul(ref_of(at), ref_of(bt), true, true),
                1e-5, 1e-5);
 }
 
 TEST(Matmul, SharedWeightFoldsTheBatchIntoOneProduct) {
-  Tensor a = random_tensor({3, 4, 5}, 16), w = random_tensor({5, 6}, 17);
+  Tensor a = random_tensor({3, 4, 5}, 16, DType::Float32),
+         w = random_tensor({5, 6}, 17, DType::Float32);
   expect_close(kernels::matmul(a, w), ref_matmul(ref_of(a), ref_of(w)), 1e-5, 1e-5);
   // A batch made of a permuted tensor cannot fold; it must still be right.
-  Tensor p = kernels::permute(random_tensor({4, 3, 5}, 18), {1, 0, 2});
+  Tensor p = kernels::permute(random_tensor({4, 3, 5}, 18, DType::Float32), {1, 0, 2});
   expect_close(kernels::matmul(p, w), ref_matmul(ref_of(p.contiguous()), ref_of(w)), 1e-5, 1e-5);
   // Nor can an expanded (stride 0) batch: every batch element reads the same rows.
-  Tensor e = kernels::expand(random_tensor({1, 4, 5}, 19), {3, 4, 5});
+  Tensor e = kernels::expand(random_tensor({1, 4, 5}, 19, DType::Float32), {3, 4, 5});
   expect_close(kernels::matmul(e, w), ref_matmul(ref_of(e.contiguous()), ref_of(w)), 1e-5, 1e-5);
   // Batched a transposed per batch element, with a shared weight.
-  Tensor at = random_tensor({3, 5, 4}, 20);
+  Tensor at = random_tensor({3, 5, 4}, 20, DType::Float32);
   expect_close(kernels::matmul(at, w, true, false), ref_matmul(ref_of(at), ref_of(w), true, false),
                1e-5, 1e-5);
 }
@@ -216,17 +210,21 @@ TEST(Matmul, HalfInputsComputeInFloat32) {
 }
 
 TEST(Matmul, EmptyDims) {
-  Tensor c = kernels::matmul(random_tensor({0, 3}, 25), random_tensor({3, 4}, 26));
+  Tensor c = kernels::matmul(random_tensor({0, 3}, 25, DType::Float32),
+                             random_tensor({3, 4}, 26, DType::Float32));
   EXPECT_EQ(c.shape(), (Shape{0, 4}));
-  Tensor z = kernels::matmul(random_tensor({2, 0}, 27), random_tensor({0, 4}, 28));
+  Tensor z = kernels::matmul(random_tensor({2, 0}, 27, DType::Float32),
+                             random_tensor({0, 4}, 28, DType::Float32));
   EXPECT_EQ(z.shape(), (Shape{2, 4}));
   EXPECT_EQ(z.to_vector<float>(), std::vector<float>(8, 0.0f));
-  Tensor eb = kernels::matmul(random_tensor({0, 2, 3}, 29), random_tensor({3, 4}, 30));
+  Tensor eb = kernels::matmul(random_tensor({0, 2, 3}, 29, DType::Float32),
+                              random_tensor({3, 4}, 30, DType::Float32));
   EXPECT_EQ(eb.shape(), (Shape{0, 2, 4}));
 }
 
 TEST(Matmul, MismatchedInnerDimsNameBothShapes) {
-  Tensor a = random_tensor({2, 3}, 31), b = random_tensor({4, 5}, 32);
+  Tensor a = random_tensor({2, 3}, 31, DType::Float32),
+         b = random_tensor({4, 5}, 32, DType::Float32);
   std::string msg = error_of([&] { kernels::matmul(a, b); });
   EXPECT_NE(msg.find("matmul"), std::string::npos) << msg;
   EXPECT_NE(msg.find("[2, 3]"), std::string::npos) << msg;
@@ -237,14 +235,17 @@ TEST(Matmul, MismatchedInnerDimsNameBothShapes) {
   msg = error_of([&] { kernels::matmul(a, random_tensor({3, 2}, 33, DType::Float64)); });
   EXPECT_NE(msg.find("float64"), std::string::npos) << msg;
   msg = error_of([&] {
-    kernels::matmul(random_tensor({2, 2, 3}, 34), random_tensor({3, 3, 1}, 35));
+    kernels::matmul(random_tensor({2, 2, 3}, 34, DType::Float32),
+                    random_tensor({3, 3, 1}, 35, DType::Float32));
   });
   EXPECT_NE(msg.find("broadcast"), std::string::npos) << msg;
 }
 
 TEST(Addmm, BiasBroadcastAndScales) {
-  Tensor a = random_tensor({4, 6}, 36), w = random_tensor({5, 6}, 37);
-  Tensor bias = random_tensor({5}, 38), c = random_tensor({4, 5}, 39);
+  Tensor a = random_tensor({4, 6}, 36, DType::Float32),
+         w = random_tensor({5, 6}, 37, DType::Float32);
+  Tensor bias = random_tensor({5}, 38, DType::Float32),
+         c = random_tensor({4, 5}, 39, DType::Float32);
   Ref prod = ref_matmul(ref_of(a), ref_of(w), false, true);
   std::vector<double> vb = bias.to_vector<double>(), vc = c.to_vector<double>();
 
@@ -261,14 +262,14 @@ TEST(Addmm, BiasBroadcastAndScales) {
   Tensor nan_c = full({4, 5}, std::numeric_limits<double>::quiet_NaN());
   expect_close(kernels::addmm(nan_c, a, w, 0.0, 1.0, false, true), prod, 1e-5, 1e-5);
 
-  std::string msg =
-      error_of([&] { kernels::addmm(random_tensor({3}, 40), a, w, 1, 1, false, true); });
+  std::string msg = error_of(
+      [&] { kernels::addmm(random_tensor({3}, 40, DType::Float32), a, w, 1, 1, false, true); });
   EXPECT_NE(msg.find("[3]"), std::string::npos) << msg;
 }
 
 TEST(Linear, BatchedInputWithAndWithoutBias) {
-  Tensor x = random_tensor({2, 3, 4}, 41), w = random_tensor({5, 4}, 42),
-         b = random_tensor({5}, 43);
+  Tensor x = random_tensor({2, 3, 4}, 41, DType::Float32),
+         w = random_tensor({5, 4}, 42, DType::Float32), b = random_tensor({5}, 43, DType::Float32);
   Ref prod = ref_matmul(ref_of(x), ref_of(w), false, true);
   expect_close(kernels::linear(x, w), prod, 1e-5, 1e-5);
   Ref want = prod;
@@ -279,23 +280,26 @@ TEST(Linear, BatchedInputWithAndWithoutBias) {
   expect_close(tessera::linear(x, w, b), want, 1e-5, 1e-5);
 
   // Non-contiguous input.
-  Tensor xt = kernels::transpose(random_tensor({4, 3}, 44), 0, 1);
+  Tensor xt = kernels::transpose(random_tensor({4, 3}, 44, DType::Float32), 0, 1);
   expect_close(kernels::linear(xt, w), ref_matmul(ref_of(xt.contiguous()), ref_of(w), false, true),
                1e-5, 1e-5);
 
-  std::string msg = error_of([&] { kernels::linear(random_tensor({2, 3}, 45), w); });
+  std::string msg = error_of([&] {
+    kernels::linear(random_tensor({2, 3}, 45, DType::Float32), w);
+  });
   EXPECT_NE(msg.find("[2, 3]"), std::string::npos) << msg;
   EXPECT_NE(msg.find("[5, 4]"), std::string::npos) << msg;
 }
 
 TEST(MatmulAutograd, ValuesIncludingVectors) {
-  Tensor a = random_tensor({3, 4}, 46), b = random_tensor({4, 2}, 47);
+  Tensor a = random_tensor({3, 4}, 46, DType::Float32),
+         b = random_tensor({4, 2}, 47, DType::Float32);
   expect_close(tessera::matmul(a, b), ref_matmul(ref_of(a), ref_of(b)), 1e-5, 1e-5);
-  Tensor v = random_tensor({4}, 48);
+  Tensor v = random_tensor({4}, 48, DType::Float32);
   Ref col = ref_matmul(ref_of(a), {v.to_vector<double>(), {4, 1}});
   col.shape = {3};
   expect_close(tessera::matmul(a, v), col, 1e-5, 1e-5);
-  Tensor u = random_tensor({3}, 49);
+  Tensor u = random_tensor({3}, 49, DType::Float32);
   Ref row = ref_matmul({u.to_vector<double>(), {1, 3}}, ref_of(a));
   row.shape = {4};
   expect_close(tessera::matmul(u, a), row, 1e-5, 1e-5);
@@ -382,9 +386,10 @@ TEST(LinearLowrank, FusedMatchesSeparateOpsAndGradientsCheck) {
   }
   // Mixed dtypes (a bfloat16 base, float32 adapters) take the unfused route: same values within
   // bfloat16's precision, output in the base's dtype.
-  Tensor x = random_tensor({3, 5}, 7).to(DType::BFloat16),
-         w = random_tensor({6, 5}, 8).to(DType::BFloat16);
-  Tensor a = random_tensor({4, 5}, 9), b = random_tensor({6, 4}, 10);
+  Tensor x = random_tensor({3, 5}, 7, DType::Float32).to(DType::BFloat16),
+         w = random_tensor({6, 5}, 8, DType::Float32).to(DType::BFloat16);
+  Tensor a = random_tensor({4, 5}, 9, DType::Float32),
+         b = random_tensor({6, 4}, 10, DType::Float32);
   Tensor y = tessera::linear_lowrank(x, w, Tensor(), a, b, 2.0);
   EXPECT_EQ(y.dtype(), DType::BFloat16);
   Tensor ref =

@@ -5,17 +5,14 @@
 #include <string>
 
 #include "common/expect_error.h"
+#include "common/random_tensor.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
 using tessera::testing::expect_error;
+using tessera::testing::random_tensor;
 
 namespace {
-
-Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype = DType::Float64) {
-  Generator gen(seed);
-  return randn(shape, gen, dtype);
-}
 
 // Reference over rows of length d, in double. weight/bias may be empty (no affine).
 std::vector<double> ref_rms_norm(const std::vector<double>& x, int64_t d,
@@ -95,10 +92,10 @@ TEST(RmsNorm, MatchesReferenceWithAndWithoutWeight) {
 
 TEST(RmsNorm, NonContiguousInputAndFloat64) {
   // [16, 5] transposed: every row of the [5, 16] view is strided.
-  Tensor base = random_tensor({16, 5}, 3);
+  Tensor base = random_tensor({16, 5}, 3, DType::Float64);
   Tensor x = kernels::transpose(base, 0, 1);
   ASSERT_FALSE(x.is_contiguous());
-  Tensor w = random_tensor({16}, 4);
+  Tensor w = random_tensor({16}, 4, DType::Float64);
   kernels::NormResult r = kernels::rms_norm(x, w, 1e-5);
   EXPECT_EQ(r.rstd.dtype(), DType::Float64);
   expect_near_all(values(r.out), ref_rms_norm(values(x), 16, values(w), 1e-5), 1e-12,
@@ -160,8 +157,8 @@ TEST(LayerNorm, BFloat16Input) {
 }
 
 TEST(RmsNorm, GradcheckInputAndWeight) {
-  Tensor x = random_tensor({2, 3, 6}, 13).set_requires_grad(true);
-  Tensor w = random_tensor({6}, 14).set_requires_grad(true);
+  Tensor x = random_tensor({2, 3, 6}, 13, DType::Float64).set_requires_grad(true);
+  Tensor w = random_tensor({6}, 14, DType::Float64).set_requires_grad(true);
   GradcheckResult with_w =
       gradcheck([](const std::vector<Tensor>& in) { return rms_norm(in[0], in[1], 1e-6); }, {x, w});
   EXPECT_TRUE(with_w.ok) << with_w.message;
@@ -171,9 +168,9 @@ TEST(RmsNorm, GradcheckInputAndWeight) {
 }
 
 TEST(LayerNorm, GradcheckInputWeightBias) {
-  Tensor x = random_tensor({4, 7}, 15).set_requires_grad(true);
-  Tensor w = random_tensor({7}, 16).set_requires_grad(true);
-  Tensor b = random_tensor({7}, 17).set_requires_grad(true);
+  Tensor x = random_tensor({4, 7}, 15, DType::Float64).set_requires_grad(true);
+  Tensor w = random_tensor({7}, 16, DType::Float64).set_requires_grad(true);
+  Tensor b = random_tensor({7}, 17, DType::Float64).set_requires_grad(true);
   GradcheckResult all =
       gradcheck([](const std::vector<Tensor>& in) { return layer_norm(in[0], in[1], in[2], 1e-5); },
                 {x, w, b});
@@ -217,7 +214,7 @@ TEST(NormErrors, ShapesAreNamed) {
   Tensor r = kernels::rms_norm(x, Tensor(), 1e-6).rstd;
   expect_error(
       [&] {
-        kernels::rms_norm_backward(random_tensor({2, 4}, 24), x, Tensor(), r);
+        kernels::rms_norm_backward(random_tensor({2, 4}, 24, DType::Float64), x, Tensor(), r);
       },
       "grad_out [2, 4] does not match x [2, 8]");
 }

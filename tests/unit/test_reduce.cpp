@@ -7,11 +7,13 @@
 #include <limits>
 #include <string>
 
+#include "common/expect_error.h"
 #include "tessera/tessera.h"
 #include "unit/kernel_test_util.h"
 
 using namespace tessera;
 using namespace tessera::kernel_test;
+using tessera::testing::error_of;
 
 namespace {
 

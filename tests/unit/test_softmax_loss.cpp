@@ -7,31 +7,16 @@
 #include <limits>
 #include <string>
 
+#include "common/expect_error.h"
+#include "common/random_tensor.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
 using kernels::Reduction;
+using tessera::testing::error_of;
+using tessera::testing::random_tensor;
 
 namespace {
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype = DType::Float32,
-                     double scale = 1.0) {
-  Generator gen(seed);
-  Tensor t = randn(shape, gen, DType::Float64);
-  std::vector<double> v = t.to_vector<double>();
-  for (double& x : v)
-    x *= scale;
-  return from_vector<double>(v, shape).to(dtype);
-}
 
 Tensor leaf(const Shape& shape, uint64_t seed) {
   Tensor t = random_tensor(shape, seed, DType::Float64);
@@ -105,7 +90,7 @@ std::vector<double> ref_ce_rows(const std::vector<double>& x, int64_t c,
 }  // namespace
 
 TEST(Softmax, EveryDimMatchesReference) {
-  Tensor x = random_tensor({3, 4, 5}, 1);
+  Tensor x = random_tensor({3, 4, 5}, 1, DType::Float32);
   std::vector<double> v = x.to_vector<double>();
   for (int64_t dim : {0, 1, 2}) {
     expect_close(kernels::softmax(x, dim), ref_softmax(v, x.shape(), dim, false), 1e-6, 1e-5);
@@ -117,7 +102,7 @@ TEST(Softmax, EveryDimMatchesReference) {
 }
 
 TEST(Softmax, NonContiguousInput) {
-  Tensor base = random_tensor({5, 3, 4}, 2);
+  Tensor base = random_tensor({5, 3, 4}, 2, DType::Float32);
   Tensor x = kernels::permute(base, {1, 2, 0});  // [3, 4, 5], strided
   ASSERT_FALSE(x.is_contiguous());
   std::vector<double> v = x.to_vector<double>();
@@ -155,8 +140,9 @@ TEST(Softmax, Float64AndHalfDtypes) {
 }
 
 TEST(Softmax, EmptyDims) {
-  EXPECT_EQ(kernels::softmax(random_tensor({0, 5}, 5), 1).shape(), (Shape{0, 5}));
-  EXPECT_EQ(kernels::log_softmax(random_tensor({3, 0}, 6), 1).shape(), (Shape{3, 0}));
+  EXPECT_EQ(kernels::softmax(random_tensor({0, 5}, 5, DType::Float32), 1).shape(), (Shape{0, 5}));
+  EXPECT_EQ(kernels::log_softmax(random_tensor({3, 0}, 6, DType::Float32), 1).shape(),
+            (Shape{3, 0}));
   EXPECT_EQ(kernels::softmax_backward(zeros({3, 0}), zeros({3, 0}), 0).shape(), (Shape{3, 0}));
 }
 
@@ -203,7 +189,7 @@ TEST(Softmax, Gradcheck) {
 
 TEST(CrossEntropy, ReductionsAndIgnoreIndex) {
   const int64_t n = 6, c = 5;
-  Tensor x = random_tensor({n, c}, 11);
+  Tensor x = random_tensor({n, c}, 11, DType::Float32);
   std::vector<int64_t> t = {0, 4, -100, 2, 2, -100};
   Tensor target = from_vector<int64_t>(t, {n});
   std::vector<double> rows = ref_ce_rows(x.to_vector<double>(), c, t, -100);
@@ -313,7 +299,7 @@ TEST(CrossEntropy, Gradcheck) {
 }
 
 TEST(CrossEntropy, Errors) {
-  Tensor x = random_tensor({2, 3, 5}, 17);
+  Tensor x = random_tensor({2, 3, 5}, 17, DType::Float32);
   std::string msg = error_of([&] {
     tessera::cross_entropy(x, from_vector<int64_t>({0, 1, 2}, {3}));
   });
@@ -322,7 +308,7 @@ TEST(CrossEntropy, Errors) {
   EXPECT_NE(msg.find("[2, 3, 5]"), std::string::npos) << msg;
   EXPECT_NE(msg.find("[2, 3]"), std::string::npos) << msg;
 
-  Tensor x2 = random_tensor({4, 5}, 18);
+  Tensor x2 = random_tensor({4, 5}, 18, DType::Float32);
   msg = error_of([&] { kernels::cross_entropy(x2, from_vector<int64_t>({0, 1}, {2})); });
   EXPECT_NE(msg.find("[2]"), std::string::npos) << msg;
   EXPECT_NE(msg.find("[4, 5]"), std::string::npos) << msg;

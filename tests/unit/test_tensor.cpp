@@ -2,20 +2,11 @@
 
 #include <cmath>
 
+#include "common/expect_error.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
-
-namespace {
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-}  // namespace
+using tessera::testing::error_of;
 
 TEST(Tensor, ViewsShareStorage) {
   Tensor a = arange(0, 12, 1, DType::Float32);
