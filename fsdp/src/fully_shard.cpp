@@ -1,9 +1,10 @@
 #include "tessera/fsdp/fully_shard.h"
 
-#include "schedule.h"
-
 #include <algorithm>
-#include <map>
+
+#include "fsdp_group.h"
+#include "registry.h"
+#include "schedule.h"
 
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/comm/runtime.h"
@@ -13,40 +14,9 @@
 
 namespace tessera {
 
+using detail::FSDPGroup;
+
 namespace {
-
-// Which state owns each module and parameter. Weak, so a destroyed model frees its entries
-// (its hooks own the states).
-std::map<const Module*, std::weak_ptr<FSDPState>>& module_registry() {
-  static std::map<const Module*, std::weak_ptr<FSDPState>> r;
-  return r;
-}
-std::map<const Parameter*, std::weak_ptr<FSDPState>>& param_registry() {
-  static std::map<const Parameter*, std::weak_ptr<FSDPState>> r;
-  return r;
-}
-
-bool claimed(const Parameter* p) {
-  auto it = param_registry().find(p);
-  return it != param_registry().end() && !it->second.expired();
-}
-
-// A duplicate of `pg` for one kind of FSDP collective, shared by every group on `pg` while any
-// holds it. Creating one is collective over `pg`; every rank shards the same modules in the same
-// order, so every rank finds or creates the same duplicates.
-ProcessGroupPtr dedicated_group(const ProcessGroupPtr& pg, const std::string& role) {
-  struct Entry {
-    std::weak_ptr<ProcessGroup> source, dup;
-    std::string role;
-  };
-  static std::vector<Entry> cache;
-  std::erase_if(cache, [](const Entry& e) { return e.source.expired() || e.dup.expired(); });
-  for (const Entry& e : cache)
-    if (e.role == role && e.source.lock() == pg) return e.dup.lock();
-  ProcessGroupPtr dup = pg->split(0, pg->rank(), pg->name() + "." + role);
-  cache.push_back({pg, dup, role});
-  return dup;
-}
 
 // FSDP x TP: the mesh whose leading dims are the FSDP mesh (dp, or replicate and shard for
 // HSDP) and whose last dim is `tp`, checked against both.
@@ -84,16 +54,14 @@ struct Layout {
   DType dtype = DType::Float32;
 };
 
-}  // namespace
-
-// Builds the groups of one fully_shard call (a friend of FSDPState).
-struct detail::FSDPGroupBuilder {
-  static Layout lay_out(FSDPState& state, const Module& module, const DeviceMesh& mesh,
+// Builds the groups of one fully_shard call.
+struct GroupBuilder {
+  static Layout lay_out(FSDPGroup& state, const Module& module, const DeviceMesh& mesh,
                         const std::vector<std::pair<std::string, Parameter*>>& params, int64_t k) {
     Layout out;
     std::optional<DeviceMesh> tp_mesh;
     for (const auto& [name, p] : params) {
-      FSDPState::ParamInfo i;
+      FSDPGroup::ParamInfo i;
       i.param = p;
       i.name = name;
       Tensor src = p->stored().detach();
@@ -134,7 +102,7 @@ struct detail::FSDPGroupBuilder {
       out.sources.push_back(src);
     }
     state.gather_runs_.assign(size_t(k), {});
-    for (FSDPState::ParamInfo& i : state.params_) {
+    for (FSDPGroup::ParamInfo& i : state.params_) {
       i.base = state.unsharded_numel_;
       state.unsharded_numel_ += shape_numel(i.unsharded_shape);
       for (int64_t r = 0; r < k; ++r) {
@@ -149,12 +117,12 @@ struct detail::FSDPGroupBuilder {
 
   // Moves each parameter's piece into the flat buffer and makes it a DTensor over the data-parallel
   // mesh (HSDP replicates over its leading dim; FSDP x TP adds the TP placement last).
-  static void shard_parameters(const std::shared_ptr<FSDPState>& state, const DeviceMesh& mesh,
+  static void shard_parameters(const std::shared_ptr<FSDPGroup>& state, const DeviceMesh& mesh,
                                const Layout& layout, int64_t k, int64_t my, bool hsdp) {
     NoGradGuard no_grad;
     state->flat_ = zeros(Shape{state->padded_size_}, layout.dtype);
     for (size_t n = 0; n < state->params_.size(); ++n) {
-      FSDPState::ParamInfo& i = state->params_[n];
+      FSDPGroup::ParamInfo& i = state->params_[n];
       Parameter& p = *i.param;
       const Chunk c = chunk_of(i.rows, k, my);
       Shape local_shape = i.unsharded_shape;
@@ -183,52 +151,37 @@ struct detail::FSDPGroupBuilder {
       TESSERA_CHECK(p.stored().storage().is_same(state->flat_.storage()),
                     "fully_shard: the stored shard of '", i.name,
                     "' is not a view of the flat buffer");
-      param_registry()[&p] = state;
     }
   }
 
-  static std::shared_ptr<FSDPState> make_group(
+  static std::shared_ptr<FSDPGroup> make_group(
       const ModulePtr& module, const DeviceMesh& mesh, const FSDPOptions& opts,
       const std::vector<std::pair<std::string, Parameter*>>& params) {
-    std::shared_ptr<FSDPState> state(new FSDPState());
+    auto state = std::make_shared<FSDPGroup>();
     state->module_ = module;
     state->opts_ = opts;
-    state->schedule_ = std::make_shared<detail::FSDPSchedule>();
     const bool hsdp = mesh.ndim() == 2;
     const ProcessGroupPtr& shard_pg = mesh.group(hsdp ? 1 : 0);
-    state->gather_pg_ = dedicated_group(shard_pg, "fsdp_all_gather");
-    state->reduce_pg_ = dedicated_group(shard_pg, "fsdp_reduce_scatter");
-    if (hsdp) state->replicate_pg_ = dedicated_group(mesh.group(0), "fsdp_replicate");
+    state->gather_pg_ = detail::dedicated_group(shard_pg, "fsdp_all_gather");
+    state->reduce_pg_ = detail::dedicated_group(shard_pg, "fsdp_reduce_scatter");
+    if (hsdp) state->replicate_pg_ = detail::dedicated_group(mesh.group(0), "fsdp_replicate");
     const int64_t k = shard_pg->size();
     const Layout layout = lay_out(*state, *module, mesh, params, k);
     shard_parameters(state, mesh, layout, k, mesh.local_rank(hsdp ? 1 : 0), hsdp);
+    detail::register_group(state);
     return state;
   }
 };
 
-bool is_fully_sharded(const Parameter& p) {
-  return claimed(&p);
-}
-
-std::shared_ptr<FSDPState> fully_shard(const ModulePtr& module, const DeviceMesh& mesh,
-                                       FSDPOptions opts) {
-  TESSERA_CHECK(module != nullptr, "fully_shard: null module");
-  {
-    auto it = module_registry().find(module.get());
-    TESSERA_CHECK(it == module_registry().end() || it->second.expired(),
-                  "fully_shard: ", module->type_name(),
-                  " is already fully_shard'ed; call it once per module");
-  }
-  TESSERA_CHECK(mesh.ndim() == 1 || mesh.ndim() == 2, "fully_shard(", module->type_name(),
-                "): mesh ", mesh.str(),
-                " must be 1-D (FSDP) or 2-D (HSDP: replicate dim 0, shard dim 1)");
-  // One group per dtype among the unclaimed parameters (a bfloat16 frozen base next to float32
-  // LoRA adapters): each gathers in its own dtype. The first is what this call returns; the
-  // others are its siblings and follow it.
+// The call's unclaimed parameters, one list per dtype (a bfloat16 frozen base next to float32
+// LoRA adapters): each becomes a group gathering in its own dtype. At least one list, so that a
+// module without parameters of its own still gets a group (and its hooks).
+std::vector<std::vector<std::pair<std::string, Parameter*>>> unclaimed_by_dtype(
+    Module& module, const std::vector<std::shared_ptr<FSDPGroup>>& live) {
   std::vector<std::vector<std::pair<std::string, Parameter*>>> by_dtype;
   std::vector<DType> dtypes;
-  for (auto& [name, p] : module->named_parameters()) {
-    if (!p->defined() || claimed(p)) continue;
+  for (auto& [name, p] : module.named_parameters()) {
+    if (!p->defined() || detail::held_by(live, *p)) continue;
     const DType dt = p->stored().dtype();
     auto it = std::find(dtypes.begin(), dtypes.end(), dt);
     if (it == dtypes.end()) {
@@ -239,35 +192,43 @@ std::shared_ptr<FSDPState> fully_shard(const ModulePtr& module, const DeviceMesh
     by_dtype[size_t(it - dtypes.begin())].emplace_back(name, p);
   }
   if (by_dtype.empty()) by_dtype.emplace_back();
-  std::vector<std::shared_ptr<FSDPState>> groups;
-  for (const auto& params : by_dtype)
-    groups.push_back(detail::FSDPGroupBuilder::make_group(module, mesh, opts, params));
-  const std::shared_ptr<FSDPState>& state = groups.front();
-  for (size_t g = 1; g < groups.size(); ++g) {
-    groups[g]->schedule_ = state->schedule_;
-    state->siblings_.push_back(groups[g]);
-  }
+  return by_dtype;
+}
 
-  // Every fully_shard'ed module inside this one now has an outer root.
-  for (auto& [name, m] : module->named_modules()) {
-    if (m.get() == module.get()) continue;
-    auto it = module_registry().find(m.get());
-    if (it == module_registry().end()) continue;
-    if (auto s = it->second.lock()) {
-      for (FSDPState* member : s->members()) {
-        member->is_root_ = false;
-        member->schedule_ = state->schedule_;
-      }
-    }
-  }
-  module_registry()[module.get()] = state;
+}  // namespace
 
+bool is_fully_sharded(const Parameter& p) {
+  return detail::held_by(detail::live_groups(), p);
+}
+
+std::shared_ptr<FSDPState> fully_shard(const ModulePtr& module, const DeviceMesh& mesh,
+                                       FSDPOptions opts) {
+  TESSERA_CHECK(module != nullptr, "fully_shard: null module");
+  const auto live = detail::live_groups();
+  TESSERA_CHECK(detail::groups_of(live, *module).empty(), "fully_shard: ", module->type_name(),
+                " is already fully_shard'ed; call it once per module");
+  TESSERA_CHECK(mesh.ndim() == 1 || mesh.ndim() == 2, "fully_shard(", module->type_name(),
+                "): mesh ", mesh.str(),
+                " must be 1-D (FSDP) or 2-D (HSDP: replicate dim 0, shard dim 1)");
+  std::vector<std::shared_ptr<FSDPGroup>> groups;
+  for (const auto& params : unclaimed_by_dtype(*module, live))
+    groups.push_back(GroupBuilder::make_group(module, mesh, opts, params));
+  // The call's groups share one schedule, and so does every group inside the module, whose
+  // root this call now is.
+  const auto schedule = std::make_shared<detail::FSDPSchedule>();
+  for (const auto& g : groups)
+    g->schedule_ = schedule;
+  for (const auto& g : detail::groups_inside(live, *module)) {
+    g->is_root_ = false;
+    g->schedule_ = schedule;
+  }
+  // The hooks own the groups: they live as long as the module.
   for (const auto& g : groups) {
     module->register_forward_pre_hook([g](Module&, const Tensor& x) { return g->pre_forward(x); });
     module->register_forward_hook(
         [g](Module&, const Tensor&, const Tensor& y) { return g->post_forward(y); });
   }
-  return state;
+  return std::make_shared<FSDPState>(std::move(groups));
 }
 
 }  // namespace tessera

@@ -6,9 +6,9 @@ namespace tessera::detail {
 
 namespace {
 
-using Groups = std::vector<std::weak_ptr<FSDPState>>;
+using Groups = std::vector<std::weak_ptr<FSDPGroup>>;
 
-ptrdiff_t index_of(const Groups& groups, const FSDPState* g) {
+ptrdiff_t index_of(const Groups& groups, const FSDPGroup* g) {
   for (size_t i = 0; i < groups.size(); ++i)
     if (groups[i].lock().get() == g) return ptrdiff_t(i);
   return -1;
@@ -36,13 +36,13 @@ void FSDPSchedule::record_forward(const Group& group) {
   if (index_of(order, group.get()) < 0) order.push_back(group);
 }
 
-FSDPSchedule::Group FSDPSchedule::next_in_forward(const FSDPState* g) const {
+FSDPSchedule::Group FSDPSchedule::next_in_forward(const FSDPGroup* g) const {
   const ptrdiff_t i = index_of(last_order, g);
   if (i < 0 || size_t(i + 1) >= last_order.size()) return nullptr;
   return last_order[size_t(i + 1)].lock();
 }
 
-FSDPSchedule::Group FSDPSchedule::next_in_backward(const FSDPState* g) const {
+FSDPSchedule::Group FSDPSchedule::next_in_backward(const FSDPGroup* g) const {
   const ptrdiff_t i = index_of(backward_order, g);
   if (i < 0 || size_t(i + 1) >= backward_order.size()) return nullptr;
   return backward_order[size_t(i + 1)].lock();
@@ -66,7 +66,7 @@ void FSDPSchedule::begin_backward(const Group& caller) {
   });
 }
 
-void FSDPSchedule::gather_through(const FSDPState* g) {
+void FSDPSchedule::gather_through(const FSDPGroup* g) {
   const ptrdiff_t last = index_of(backward_order, g);
   for (ptrdiff_t i = ptrdiff_t(next_gather); i <= last; ++i)
     if (auto s = backward_order[size_t(i)].lock(); s && s->needs_backward_gather())
@@ -112,7 +112,7 @@ void FSDPSchedule::finalize() {
     s->grads_ready_for_reduce_ = false;
     s->grads_ready_ = 0;
     s->mark_grads_pending(false);
-    s->reshard_self();
+    s->reshard();
   };
   for_each_live(order, settle);
   for_each_live(backward_order, settle);
@@ -133,7 +133,7 @@ void FSDPSchedule::abandon() {
     s->grads_ready_ = 0;
     s->mark_grads_pending(false);
     s->free_leaves_after_backward();
-    s->reshard_self();
+    s->reshard();
   };
   for_each_live(order, drop);
   for_each_live(backward_order, drop);

@@ -24,21 +24,21 @@
 #include <memory>
 #include <vector>
 
-#include "tessera/fsdp/fully_shard.h"
+#include "fsdp_group.h"
 
 namespace tessera::detail {
 
 struct FSDPSchedule : std::enable_shared_from_this<FSDPSchedule> {
-  using Group = std::shared_ptr<FSDPState>;
+  using Group = std::shared_ptr<FSDPGroup>;
 
   // Each group once, in the order its forward started in this step, and in the previous step.
-  std::vector<std::weak_ptr<FSDPState>> order, last_order;
+  std::vector<std::weak_ptr<FSDPGroup>> order, last_order;
   // The groups whose backward is expected, in reverse forward order; the next to all-gather for
   // backward and the next to reduce-scatter.
-  std::vector<std::weak_ptr<FSDPState>> backward_order;
+  std::vector<std::weak_ptr<FSDPGroup>> backward_order;
   size_t next_gather = 0, next_reduce = 0;
   // Issued reduce-scatters, oldest first; retired in this order.
-  std::deque<std::weak_ptr<FSDPState>> in_flight;
+  std::deque<std::weak_ptr<FSDPGroup>> in_flight;
   bool backward_running = false;
   uint64_t backward_id = 0;  // of the pass that queued finalize()
 
@@ -46,12 +46,12 @@ struct FSDPSchedule : std::enable_shared_from_this<FSDPSchedule> {
   void record_forward(const Group& group);
   // The group after `g` in the previous step's forward order, and the one after it in this
   // step's backward order; null when none.
-  Group next_in_forward(const FSDPState* g) const;
-  Group next_in_backward(const FSDPState* g) const;
+  Group next_in_forward(const FSDPGroup* g) const;
+  Group next_in_backward(const FSDPGroup* g) const;
   // The first backward hook of any group: fixes the backward order and queues finalize().
   void begin_backward(const Group& caller);
   // Issues the backward all-gathers of every group up to and including `g` in backward order.
-  void gather_through(const FSDPState* g);
+  void gather_through(const FSDPGroup* g);
   // Issues the reduce-scatters of the ready groups at the front of the backward order, and
   // retires those that completed.
   void issue_ready_reduces();

@@ -1,12 +1,14 @@
 // FSDP's scheduling: prefetching all-gathers must not change a single bit of training, groups
 // whose gradients exist on some ranks only must still reduce-scatter in the same order on every
-// rank, and nothing may read a gradient while its reduce-scatter is in flight.
+// rank, and nothing may read a gradient while its reduce-scatter is in flight. And the lifetime
+// of FSDP's state: it goes with the model.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <thread>
 
 #include "common/expect_error.h"
 #include "tessera/fsdp/fully_shard.h"
@@ -347,6 +349,60 @@ TEST(FSDPSchedule, SecondBackwardThroughOneForwardIsAnError) {
   backward(cross_entropy((*net)(ids), targets));
   for (Parameter* p : net->parameters())
     EXPECT_TRUE(p->grad().defined());
+}
+
+// A long-running program shards and drops models: each dropped model's groups go with it (the
+// module's hooks own them), a handle that outlives its model keeps only its own groups, and a
+// new model, wherever it is allocated, is sharded afresh.
+TEST(FSDPLifetime, DroppedModelsLeaveNothingBehind) {
+  auto [ids, targets] = tokens(0);
+  auto step = [&] {
+    auto net = std::make_shared<Decoder>(tiny_config());
+    std::shared_ptr<FSDPState> root;
+    for (auto& block : net->layers)
+      fully_shard(block, dp_mesh());
+    root = fully_shard(net, dp_mesh());
+    backward(cross_entropy((*net)(ids), targets));
+    EXPECT_TRUE(is_fully_sharded(net->tok_embeddings->weight));
+    return root;
+  };
+  step();  // first use: whatever is made once (FSDP's communicators) exists from here on
+  const int64_t baseline = memory_stats().current_bytes;
+  std::shared_ptr<FSDPState> kept = step();
+  const int64_t with_kept = memory_stats().current_bytes;
+  EXPECT_GE(with_kept, baseline + int64_t(kept->flat_buffer().nbytes()));
+  for (int i = 0; i < 10; ++i)
+    step();
+  EXPECT_EQ(memory_stats().current_bytes, with_kept);
+  expect_error([&] { kept->unshard(); }, {"FSDPState::unshard", "module was destroyed"});
+  kept.reset();
+  EXPECT_EQ(memory_stats().current_bytes, baseline);
+}
+
+// Models dropped on other threads while this one asks whether a live model's parameter is
+// sharded: the registry of live groups is shared by all threads.
+TEST(FSDPLifetime, ModelsDroppedOnOtherThreads) {
+  auto shard = [] {
+    auto net = std::make_shared<Decoder>(tiny_config());
+    for (auto& block : net->layers)
+      fully_shard(block, dp_mesh());  // collective: on this thread
+    fully_shard(net, dp_mesh());
+    return net;
+  };
+  auto keeper = shard();
+  std::vector<std::shared_ptr<Decoder>> nets;
+  for (int i = 0; i < 8; ++i)
+    nets.push_back(shard());
+  std::vector<std::thread> droppers;
+  for (auto& n : nets)
+    droppers.emplace_back([m = std::move(n)]() mutable { m.reset(); });
+  int sharded = 0;
+  for (int i = 0; i < 200; ++i)
+    sharded += is_fully_sharded(keeper->layers[0]->attention->wq->weight) ? 1 : 0;
+  for (auto& t : droppers)
+    t.join();
+  EXPECT_EQ(sharded, 200);
+  EXPECT_TRUE(is_fully_sharded(keeper->norm->weight));
 }
 
 // Host memory that claims to be a GPU's: enough to build a tensor on another device here.

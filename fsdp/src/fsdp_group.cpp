@@ -1,0 +1,381 @@
+#include "fsdp_group.h"
+
+#include <chrono>
+
+#include "registry.h"
+#include "schedule.h"
+#include "tessera/autograd/engine.h"
+#include "tessera/autograd/grad_mode.h"
+#include "tessera/autograd/ops.h"
+#include "tessera/comm/progress.h"
+#include "tessera/core/factory.h"
+#include "tessera/core/kernels/views.h"
+#include "tessera/dtensor/layout.h"
+
+namespace tessera::detail {
+
+namespace {
+
+// The flat window [start, start + length) of a contiguous tensor, as a view.
+Tensor flat_window(const Tensor& t, int64_t start, int64_t length) {
+  return kernels::narrow(kernels::view(t, Shape{t.numel()}), 0, start, length);
+}
+
+double wait_seconds(const WorkPtr& work) {
+  const auto start = std::chrono::steady_clock::now();
+  work->wait();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Waits for `work` when `block` (adding the time to `waited`), else only tests it; true when it
+// completed.
+bool wait_or_test(const WorkPtr& work, bool block, double& waited) {
+  if (block) {
+    waited += wait_seconds(work);
+    return true;
+  }
+  if (!work->is_completed()) return false;
+  work->wait();  // runs its completion step
+  return true;
+}
+
+}  // namespace
+
+FSDPGroup::~FSDPGroup() {
+  unregister_group(this);
+}
+
+void FSDPGroup::set_unsharded_params() {
+  for (ParamInfo& i : params_) {
+    DTensor dt;
+    if (i.tp_mesh) dt = DTensor::from_local(i.leaf, *i.tp_mesh, i.tp_placements, i.tp_global_shape);
+    i.param->set_unsharded(i.leaf, dt);
+  }
+  unsharded_ = true;
+}
+
+void FSDPGroup::unshard(bool async_op) {
+  if (unsharded_) return;
+  if (async_op) {
+    start_gather();
+    return;
+  }
+  drop_leaves();
+  finish_gather(/*fresh=*/true);
+  grads_ready_ = 0;
+  set_unsharded_params();
+}
+
+void FSDPGroup::start_gather() {
+  if (pending_gather_) return;
+  NoGradGuard no_grad;
+  const DType gather_dtype = opts_.mp_policy.param_dtype.value_or(flat_.dtype());
+  PendingGather g;
+  g.send = gather_dtype == flat_.dtype() ? flat_ : flat_.to(gather_dtype);
+  // Before this group's backward the graph's saved leaves are views of the released buffer:
+  // gather into its bytes again. Otherwise into a fresh buffer for fresh leaves.
+  g.reuse = leaves_released_;
+  if (g.reuse) {
+    gathered_.storage().impl()->reallocate();
+    leaves_released_ = false;
+    g.target = gathered_;
+  } else {
+    g.target = empty(Shape{unsharded_numel_}, gather_dtype);
+  }
+  g.work = gather_pg_->all_gather_runs(g.target, g.send, gather_runs_);
+  progress_in_background(g.work);
+  pending_gather_ = std::move(g);
+}
+
+void FSDPGroup::drop_pending_gather() {
+  if (!pending_gather_) return;
+  pending_gather_->work->wait();  // MPI may still be writing into the buffer
+  if (pending_gather_->reuse) release_unsharded();
+  pending_gather_.reset();
+}
+
+void FSDPGroup::release_unsharded() {
+  if (gathered_.defined() && !gathered_.storage().impl()->is_released()) {
+    gathered_.storage().impl()->release();
+    leaves_released_ = true;
+  }
+}
+
+void FSDPGroup::finish_gather(bool fresh) {
+  start_gather();
+  NoGradGuard no_grad;
+  PendingGather g = std::move(*pending_gather_);
+  pending_gather_.reset();
+  ++stats_.all_gathers;
+  stats_.all_gather_wait_seconds += wait_seconds(g.work);
+  if (g.reuse && !fresh) return;  // the leaves are views of the bytes just gathered
+  // Fresh leaves: views of the gathered buffer, one per parameter, each a new autograd leaf.
+  gathered_ = g.target;
+  for (ParamInfo& i : params_) {
+    Tensor leaf = kernels::view(flat_window(gathered_, i.base, shape_numel(i.unsharded_shape)),
+                                i.unsharded_shape);
+    if (i.param->requires_grad()) {
+      leaf.set_requires_grad(true);
+      std::weak_ptr<FSDPGroup> weak = weak_from_this();
+      register_post_accumulate_grad_hook(leaf, [weak](Tensor&) {
+        if (auto s = weak.lock()) s->on_grad_ready();
+      });
+    }
+    i.leaf = leaf;
+  }
+  leaves_released_ = false;
+}
+
+void FSDPGroup::prefetch(bool forward) {
+  std::vector<std::shared_ptr<FSDPGroup>> targets;
+  const auto& explicit_targets = forward ? forward_prefetch_ : backward_prefetch_;
+  if (explicit_targets) {
+    for (const auto& w : *explicit_targets)
+      if (auto s = w.lock()) targets.push_back(s);
+  } else if (forward ? opts_.forward_prefetch : opts_.backward_prefetch) {
+    auto next = forward ? schedule_->next_in_forward(this) : schedule_->next_in_backward(this);
+    if (next) targets.push_back(next);
+  }
+  for (const auto& t : targets) {
+    if (t.get() == this || t->unsharded_) continue;
+    if (forward)
+      t->start_gather();
+    else
+      schedule_->gather_through(t.get());  // in backward order, like every rank
+  }
+}
+
+bool FSDPGroup::needs_backward_gather() const {
+  return !unsharded_ && leaves_released_ && !pending_gather_;
+}
+
+void FSDPGroup::reshard() {
+  for (ParamInfo& i : params_)
+    i.param->clear_unsharded();
+  unsharded_ = false;
+  if (!backward_pending_) {
+    drop_pending_gather();
+    drop_leaves();
+  } else if (!pending_gather_) {
+    // The autograd graph holds the gathered leaves until backward; free their bytes now and
+    // gather into them again just before this group's backward (pre_backward).
+    release_unsharded();
+  }
+}
+
+void FSDPGroup::drop_leaves() {
+  for (ParamInfo& i : params_)
+    i.leaf = Tensor();
+  gathered_ = Tensor();
+  leaves_released_ = false;
+}
+
+void FSDPGroup::free_leaves_after_backward() {
+  // The graph (its AccumulateGrad nodes) still refers to the leaves until the whole backward
+  // ends; free their bytes and their unsharded gradients now, so that only the groups whose
+  // backward is running hold gathered memory.
+  for (ParamInfo& i : params_)
+    if (i.leaf.defined()) i.leaf.set_grad(Tensor());
+  release_unsharded();
+  drop_leaves();
+}
+
+Tensor FSDPGroup::pre_forward(const Tensor& x) {
+  schedule_->record_forward(shared_from_this());
+  // This group's all-gather first, then the next group's, then the wait: both transfers run
+  // during it and during this group's compute.
+  if (!unsharded_) start_gather();
+  prefetch(/*forward=*/true);
+  unshard();
+  const auto& pd = opts_.mp_policy.param_dtype;
+  Tensor in = x;
+  if (pd && x.defined() && is_floating(x.dtype()) && x.dtype() != *pd) in = cast(x, *pd);
+  // The gradients of the group's trainable parameters can all be ready while its backward still
+  // uses gathered weights that get none (frozen ones, such as a LoRA base: the gradient of the
+  // input still flows through them). When the input requires grad, its gradient marks the end
+  // of the group's backward; when it does not, no step of the group's backward is left once its
+  // trainable parameters have their gradients.
+  input_grad_pending_ = false;
+  if (grad_enabled() && in.defined() && in.requires_grad()) {
+    input_grad_pending_ = true;
+    std::weak_ptr<FSDPGroup> weak = weak_from_this();
+    register_hook(in, [weak](const Tensor&) {
+      if (auto s = weak.lock()) s->on_input_grad();
+      return Tensor();
+    });
+  }
+  return in.is_same(x) ? Tensor() : in;
+}
+
+Tensor FSDPGroup::post_forward(const Tensor& y) {
+  if (grad_enabled() && y.defined() && y.requires_grad()) {
+    backward_pending_ = true;
+    std::weak_ptr<FSDPGroup> weak = weak_from_this();
+    register_hook(y, [weak](const Tensor&) {
+      if (auto s = weak.lock()) s->pre_backward();
+      return Tensor();
+    });
+  }
+  if (!backward_pending_ || (opts_.reshard_after_forward && !is_root_)) reshard();
+  const auto& od = opts_.mp_policy.output_dtype;
+  if (od && y.defined() && is_floating(y.dtype()) && y.dtype() != *od) return cast(y, *od);
+  return Tensor();
+}
+
+void FSDPGroup::begin_backward() {
+  schedule_->begin_backward(shared_from_this());
+}
+
+void FSDPGroup::pre_backward() {
+  // The end of the first backward freed the gathered weights this graph saved.
+  auto m = module_.lock();
+  TESSERA_CHECK(backward_pending_, "fully_shard(", m ? m->type_name() : std::string("module"),
+                "): a second backward through the same forward (retain_graph) is not supported; "
+                "run the forward again");
+  begin_backward();
+  if (unsharded_) {
+    prefetch(/*forward=*/false);
+    return;
+  }
+  // The leaves from this step's forward are what the autograd graph saved and where backward
+  // accumulates gradients; when resharding released their bytes, gather into them again.
+  if (!params_.empty() && params_.front().leaf.defined()) {
+    schedule_->gather_through(this);
+    prefetch(/*forward=*/false);  // before waiting for this group's own, as in pre_forward
+    if (pending_gather_ || leaves_released_) finish_gather(/*fresh=*/false);
+    set_unsharded_params();
+  } else {
+    unshard();
+    prefetch(/*forward=*/false);
+  }
+}
+
+void FSDPGroup::on_grad_ready() {
+  begin_backward();
+  ++grads_ready_;
+  int64_t expected = 0;
+  for (const ParamInfo& i : params_)
+    expected += i.leaf.defined() && i.leaf.requires_grad();
+  if (grads_ready_ < expected || input_grad_pending_) return;
+  grads_ready_for_reduce_ = true;
+  schedule_->issue_ready_reduces();
+}
+
+void FSDPGroup::on_input_grad() {
+  if (!input_grad_pending_) return;
+  input_grad_pending_ = false;
+  int64_t expected = 0;
+  for (const ParamInfo& i : params_)
+    expected += i.leaf.defined() && i.leaf.requires_grad();
+  // A group without trainable parameters has nothing to reduce; the end of backward reshards it.
+  if (expected == 0 || grads_ready_ < expected) return;
+  begin_backward();
+  grads_ready_for_reduce_ = true;
+  schedule_->issue_ready_reduces();
+}
+
+void FSDPGroup::mark_grads_pending(bool pending) {
+  if (pending && !requires_gradient_sync_) return;  // the stored gradients are not touched
+  for (ParamInfo& i : params_)
+    i.param->set_grad_pending(pending && i.param->requires_grad());
+}
+
+void FSDPGroup::start_reduce() {
+  NoGradGuard no_grad;
+  backward_pending_ = false;
+  grads_ready_for_reduce_ = false;
+  grads_ready_ = 0;
+  if (!requires_gradient_sync_) {
+    for (ParamInfo& i : params_) {
+      if (!i.leaf.defined() || !i.leaf.grad().defined()) continue;
+      Tensor g = i.leaf.grad();
+      i.accum_grad = i.accum_grad.defined() ? add(i.accum_grad, g) : g.contiguous().clone();
+    }
+    free_leaves_after_backward();
+    reshard();
+    return;
+  }
+  bool trainable = false;
+  for (const ParamInfo& i : params_)
+    trainable |= i.param->requires_grad();
+  if (!trainable) {  // the same on every rank: nothing to reduce
+    free_leaves_after_backward();
+    reshard();
+    return;
+  }
+  // Packing needs only the gradients: free the gathered weights first.
+  release_unsharded();
+  // Each rank's block holds its rows of every gradient, padded, then one flag per parameter
+  // (1 where this rank has a gradient for it): the reduce-scatter sums the flags too, so every
+  // rank learns which parameters got a gradient anywhere without another collective.
+  const int64_t k = reduce_pg_->size();
+  const int64_t block = padded_size_ + int64_t(params_.size());
+  const DType reduce_dtype =
+      opts_.mp_policy.reduce_dtype.value_or(opts_.mp_policy.param_dtype.value_or(flat_.dtype()));
+  PendingReduce pr;
+  pr.send = zeros(Shape{k * block}, reduce_dtype);
+  for (size_t p = 0; p < params_.size(); ++p) {
+    ParamInfo& i = params_[p];
+    if (!i.param->requires_grad()) continue;
+    Tensor g = i.leaf.defined() ? i.leaf.grad() : Tensor();
+    if (i.accum_grad.defined()) g = g.defined() ? add(i.accum_grad, g) : i.accum_grad;
+    i.accum_grad = Tensor();
+    if (!g.defined()) continue;
+    TESSERA_CHECK(g.shape() == i.unsharded_shape, "fully_shard: gradient of '", i.name, "' is ",
+                  g.str(), "; expected the unsharded shape ", shape_str(i.unsharded_shape));
+    g = g.contiguous();
+    for (int64_t r = 0; r < k; ++r) {
+      const Chunk c = chunk_of(i.rows, k, r);
+      flat_window(pr.send, r * block + padded_size_ + int64_t(p), 1).fill_(1.0);
+      if (c.length == 0) continue;
+      flat_window(pr.send, r * block + i.offset, c.length * i.row_numel)
+          .copy_(flat_window(g, c.start * i.row_numel, c.length * i.row_numel));
+    }
+  }
+  // The unsharded gradients are packed: free them before the transfer.
+  free_leaves_after_backward();
+  reshard();
+  pr.reduced = empty(Shape{block}, reduce_dtype);
+  pr.work = reduce_pg_->reduce_scatter_tensor(pr.reduced, pr.send, ReduceOp::Sum);
+  progress_in_background(pr.work);
+  pending_reduce_ = std::move(pr);
+}
+
+bool FSDPGroup::advance_reduce(bool block) {
+  if (!pending_reduce_) return true;
+  NoGradGuard no_grad;
+  PendingReduce& pr = *pending_reduce_;
+  if (!wait_or_test(pr.work, block, stats_.reduce_scatter_wait_seconds)) return false;
+  if (!pr.across_replicas) {
+    ++stats_.reduce_scatters;
+    pr.send = Tensor();
+    if (replicate_pg_) {
+      pr.work = replicate_pg_->all_reduce(pr.reduced, ReduceOp::Sum);
+      progress_in_background(pr.work);
+      pr.across_replicas = true;
+      return advance_reduce(block);
+    }
+  }
+  int64_t dp = reduce_pg_->size() * (replicate_pg_ ? replicate_pg_->size() : 1);
+  const std::vector<double> flags =
+      flat_window(pr.reduced, padded_size_, int64_t(params_.size())).to_vector<double>();
+  // Each rank's loss is the mean over its own rows: averaging over the data-parallel ranks
+  // gives the gradient of the mean loss over the global batch.
+  const DType stored_dtype = flat_.dtype();
+  Tensor averaged =
+      mul(flat_window(pr.reduced, 0, padded_size_).to(stored_dtype), 1.0 / double(dp));
+  pending_reduce_.reset();
+  for (size_t p = 0; p < params_.size(); ++p) {
+    ParamInfo& i = params_[p];
+    if (!i.param->requires_grad()) continue;
+    i.param->set_grad_pending(false);
+    if (flags[p] == 0) continue;  // no rank had a gradient: leave it undefined, as unsharded
+    const Tensor& stored = i.param->stored();
+    Tensor g = kernels::view(flat_window(averaged, i.offset, stored.numel()), stored.shape());
+    Tensor old = stored.grad();
+    Tensor(stored).set_grad(old.defined() ? add(old, g) : g);
+  }
+  return true;
+}
+
+}  // namespace tessera::detail

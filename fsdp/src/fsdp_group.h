@@ -1,0 +1,122 @@
+#pragma once
+// One parameter group (internal to fsdp/): the parameters of one fully_shard call that share a
+// dtype, stored as views of one flat per-rank buffer, with what its hooks need to gather them
+// before forward and backward and to reduce-scatter their gradients. A call makes one group per
+// dtype; the public FSDPState holds them.
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tessera/comm/process_group.h"
+#include "tessera/fsdp/fully_shard.h"
+#include "tessera/nn/module.h"
+
+namespace tessera::detail {
+
+struct FSDPSchedule;
+
+class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
+ public:
+  struct ParamInfo {
+    Parameter* param = nullptr;
+    std::string name;
+    Shape unsharded_shape;  // the global shape, or for FSDP x TP the TP-local shape
+    int64_t rows = 0;       // unsharded_shape[0]
+    int64_t row_numel = 1;
+    int64_t chunk_rows = 0;  // ceil(rows / shard size): every rank's padded piece
+    int64_t offset = 0;      // of this parameter's padded piece in the per-rank flat buffer
+    int64_t base = 0;        // of the unsharded parameter in the gathered buffer
+    // FSDP x TP: the TP DTensor's mesh, placements and global shape.
+    std::optional<DeviceMesh> tp_mesh;
+    Placements tp_placements;
+    Shape tp_global_shape;
+    Tensor leaf;        // the gathered leaf forward and backward use
+    Tensor accum_grad;  // unsynced gradient sum (unsharded)
+  };
+
+  FSDPGroup() = default;
+  // Leaves the registry of live groups (registry.h).
+  ~FSDPGroup();
+  FSDPGroup(const FSDPGroup&) = delete;
+  FSDPGroup& operator=(const FSDPGroup&) = delete;
+
+  // What fully_shard's module hooks and autograd hooks call.
+  Tensor pre_forward(const Tensor& x);
+  Tensor post_forward(const Tensor& y);
+  void pre_backward();
+  void on_grad_ready();
+  void on_input_grad();
+
+  // async_op only issues the all-gather; the next unshard() or forward finishes it.
+  void unshard(bool async_op = false);
+  void reshard();
+  void set_unsharded_params();
+  void drop_leaves();
+  void free_leaves_after_backward();
+  // Issues the all-gather of the stored shards (no-op when one is in flight).
+  void start_gather();
+  // Finishes it into fresh leaves, or into the existing ones whose storage reshard() released.
+  void finish_gather(bool fresh);
+  void drop_pending_gather();
+  // Frees the gathered buffer's bytes while its leaves stay referenced (by the autograd graph).
+  void release_unsharded();
+  void prefetch(bool forward);
+  bool needs_backward_gather() const;
+  // Packs this backward's gradients and issues their reduce-scatter. advance_reduce moves it on
+  // (reduce-scatter, then for HSDP the all-reduce across replicas, then the averaged shards into
+  // the stored parameters' gradients), waiting for each step when `block`, else only testing
+  // it; false when it is still in flight.
+  void start_reduce();
+  bool advance_reduce(bool block);
+  void mark_grads_pending(bool pending);
+  void begin_backward();
+
+  // Both in flight between issue and use.
+  struct PendingGather {
+    WorkPtr work;
+    Tensor send, target;
+    bool reuse = false;  // target is the released buffer the saved leaves view
+  };
+  struct PendingReduce {
+    WorkPtr work;
+    Tensor send, reduced;
+    bool across_replicas = false;  // HSDP: `work` is the all-reduce that follows
+  };
+
+  std::weak_ptr<Module> module_;
+  // The data-parallel groups, each duplicated for FSDP's own use: all-gathers, reduce-scatters
+  // and (HSDP) the all-reduce across replicas each keep their own order (see schedule.h), and no
+  // collective of the application on the mesh can come between them.
+  ProcessGroupPtr gather_pg_;
+  ProcessGroupPtr reduce_pg_;
+  ProcessGroupPtr replicate_pg_;  // HSDP only
+  FSDPOptions opts_;
+  std::vector<ParamInfo> params_;
+  Tensor flat_;
+  int64_t padded_size_ = 0;  // per rank
+  // The gathered parameters, one after another (the leaves are views of it), and where each
+  // rank's pieces go in it.
+  Tensor gathered_;
+  int64_t unsharded_numel_ = 0;
+  std::vector<std::vector<GatherRun>> gather_runs_;
+  bool unsharded_ = false;
+  bool is_root_ = true;
+  bool requires_gradient_sync_ = true;
+  bool backward_pending_ = false;
+  bool leaves_released_ = false;  // resharded after forward: the graph holds empty storage
+  bool grads_ready_for_reduce_ = false;
+  // Set by a forward whose input requires grad, until that input's gradient is computed: only
+  // then has this group's backward finished using its (frozen ones included) gathered weights.
+  bool input_grad_pending_ = false;
+  int64_t grads_ready_ = 0;
+  FSDPCommStats stats_;
+  std::optional<PendingGather> pending_gather_;
+  std::optional<PendingReduce> pending_reduce_;
+  // Shared by every group under one root: forward order, prefetch, reduce-scatter order.
+  std::shared_ptr<FSDPSchedule> schedule_;
+  // Explicit prefetch targets (FSDPState::set_modules_to_*_prefetch); unset: the schedule's.
+  std::optional<std::vector<std::weak_ptr<FSDPGroup>>> forward_prefetch_, backward_prefetch_;
+};
+
+}  // namespace tessera::detail
