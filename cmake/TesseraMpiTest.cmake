@@ -1,11 +1,13 @@
 # tessera_add_mpi_test(<target> SOURCES <files...> RANKS <world sizes...> [TIMEOUT <seconds>]
 #                      [NAME <test name>] [ARGS <arguments...>]
-#                      [FIXTURES_SETUP <fixture>] [FIXTURES_REQUIRED <fixture>])
+#                      [FIXTURES_SETUP <fixture>] [FIXTURES_REQUIRED <fixture>]
+#                      [SANITIZE <world sizes...>])
 #
 # Builds a gtest binary with the MPI-aware main (tests/dist/mpi_gtest_main.cpp: every rank runs
 # every test, rank 0 prints the summary, every rank exits non-zero when any rank failed) and
 # registers one ctest test per world size, `<name>.np<N>` (name defaults to the target), run under
-# mpirun with label `dist`. Without SOURCES it registers more tests of an existing target (other
+# mpirun with label `dist`; the world sizes listed in SANITIZE also get label `sanitize`, the set
+# scripts/test-sanitized runs under AddressSanitizer and UBSan. Without SOURCES it registers more tests of an existing target (other
 # ARGS, such as a --gtest_filter, and fixtures that order stages across world sizes).
 include_guard(GLOBAL)
 
@@ -23,8 +25,8 @@ if(MPIEXEC_EXECUTABLE)
 endif()
 
 function(tessera_add_mpi_test target)
-  cmake_parse_arguments(ARG "" "TIMEOUT;NAME;FIXTURES_SETUP;FIXTURES_REQUIRED" "SOURCES;RANKS;ARGS"
-                        ${ARGN})
+  cmake_parse_arguments(ARG "" "TIMEOUT;NAME;FIXTURES_SETUP;FIXTURES_REQUIRED"
+                        "SOURCES;RANKS;ARGS;SANITIZE" ${ARGN})
   if(NOT ARG_SOURCES AND NOT TARGET ${target})
     message(FATAL_ERROR "tessera_add_mpi_test(${target}): SOURCES is required for a new target")
   endif()
@@ -57,7 +59,11 @@ function(tessera_add_mpi_test target)
              COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${n} ${TESSERA_MPIEXEC_EXTRA_FLAGS}
                      ${MPIEXEC_PREFLAGS} $<TARGET_FILE:${target}> ${MPIEXEC_POSTFLAGS} ${ARG_ARGS})
     # Ranks are the parallelism: keep each rank single-threaded.
-    set_tests_properties(${test_name} PROPERTIES TIMEOUT ${ARG_TIMEOUT} LABELS dist
+    set(labels dist)
+    if(n IN_LIST ARG_SANITIZE)
+      list(APPEND labels sanitize)
+    endif()
+    set_tests_properties(${test_name} PROPERTIES TIMEOUT ${ARG_TIMEOUT} LABELS "${labels}"
                          PROCESSORS ${n} ENVIRONMENT "OMP_NUM_THREADS=1")
     if(ARG_FIXTURES_SETUP)
       set_tests_properties(${test_name} PROPERTIES FIXTURES_SETUP ${ARG_FIXTURES_SETUP})

@@ -31,7 +31,8 @@ inline ChildResult run_child_job(int ranks, const std::string& command, const st
   // exists everywhere and is never run. An agent set in this environment is kept.
   const char* agent = std::getenv("OMPI_MCA_plm_rsh_agent");
   env += std::string(" OMPI_MCA_plm_rsh_agent='") + (agent ? agent : "false") + "'";
-  for (const char* var : {"HOME", "LD_LIBRARY_PATH", "TMPDIR"})
+  // The sanitizers' settings too: a child built with them must behave as this job does.
+  for (const char* var : {"HOME", "LD_LIBRARY_PATH", "TMPDIR", "ASAN_OPTIONS", "UBSAN_OPTIONS"})
     if (const char* v = std::getenv(var)) env += std::string(" ") + var + "='" + v + "'";
   // Last, so that the caller's settings win (env applies assignments in order).
   env += " " + settings;
