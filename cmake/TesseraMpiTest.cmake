@@ -21,6 +21,13 @@ if(MPIEXEC_EXECUTABLE)
                   ERROR_QUIET RESULT_VARIABLE _tessera_mpiexec_rc)
   if(_tessera_mpiexec_rc EQUAL 0 AND _tessera_mpiexec_version MATCHES "Open MPI|OpenRTE")
     set(TESSERA_MPIEXEC_EXTRA_FLAGS --oversubscribe --allow-run-as-root)
+    # OpenMPI refuses to start, even ranks on this machine only, when its remote-shell agent (ssh
+    # or rsh) is not installed; a harmless program in its place is never run for local ranks.
+    find_program(_tessera_remote_shell NAMES ssh rsh NO_CACHE)
+    if(NOT _tessera_remote_shell AND NOT DEFINED ENV{OMPI_MCA_plm_rsh_agent})
+      find_program(_tessera_false NAMES false NO_CACHE REQUIRED)
+      list(APPEND TESSERA_MPIEXEC_EXTRA_FLAGS --mca plm_rsh_agent ${_tessera_false})
+    endif()
   endif()
 endif()
 
