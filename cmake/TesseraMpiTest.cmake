@@ -3,15 +3,15 @@
 #                      [FIXTURES_SETUP <fixture>] [FIXTURES_REQUIRED <fixture>]
 #                      [SANITIZE <world sizes...>])
 #
-# Builds a gtest binary with the MPI-aware main (tests/dist/mpi_gtest_main.cpp: every rank runs
-# every test, rank 0 prints the summary, every rank exits non-zero when any rank failed) and
-# registers one ctest test per world size, `<name>.np<N>` (name defaults to the target), run under
-# mpirun with label `dist`; the world sizes listed in SANITIZE also get label `sanitize`, the set
-# scripts/test-sanitized runs under AddressSanitizer and UBSan. Without SOURCES it registers more tests of an existing target (other
-# ARGS, such as a --gtest_filter, and fixtures that order stages across world sizes).
+# Builds a GoogleTest binary with tessera::testing_main (every rank runs every test, rank 0
+# prints the summary, other ranks print their failures prefixed with their rank, and every rank
+# exits non-zero when any rank failed) linked to tessera::testing, and registers one ctest test
+# per world size, `<name>.np<N>` (name defaults to the target), run under mpirun with label
+# `dist`; the world sizes listed in SANITIZE also get label `sanitize` (Tessera's own
+# sanitizer run). Without SOURCES it registers more tests of an existing target (other ARGS,
+# such as a --gtest_filter, and fixtures that order stages across world sizes). Installed with
+# the package: find_package(tessera) defines it when GoogleTest is found.
 include_guard(GLOBAL)
-
-set(TESSERA_MPI_GTEST_MAIN ${CMAKE_CURRENT_LIST_DIR}/../tests/dist/mpi_gtest_main.cpp)
 
 # OpenMPI refuses to run as root and to start more ranks than cores unless told; other MPIs do
 # not know these flags.
@@ -47,17 +47,12 @@ function(tessera_add_mpi_test target)
     set(ARG_TIMEOUT 300)
   endif()
 
-  if(NOT TARGET tessera_mpi_gtest_main)
-    add_library(tessera_mpi_gtest_main STATIC ${TESSERA_MPI_GTEST_MAIN})
-    target_link_libraries(tessera_mpi_gtest_main PUBLIC tessera::tessera GTest::gtest
-                          PRIVATE tessera_warnings tessera_arch)
-  endif()
-
   if(ARG_SOURCES)
     add_executable(${target} ${ARG_SOURCES})
-    target_link_libraries(${target} PRIVATE tessera_mpi_gtest_main tessera::tessera GTest::gtest
-                          tessera_warnings tessera_arch)
-    target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
+    # Tessera's own warning flags apply inside its tree only.
+    target_link_libraries(${target} PRIVATE tessera::testing_main tessera::testing
+                          $<TARGET_NAME_IF_EXISTS:tessera_warnings>
+                          $<TARGET_NAME_IF_EXISTS:tessera_arch>)
   endif()
 
   foreach(n IN LISTS ARG_RANKS)

@@ -9,10 +9,10 @@
 #include <filesystem>
 #include <fstream>
 
-#include "common/expect_error.h"
 #include "dist/checkpoint_models.h"
 #include "dist/checkpoint_util.h"
 #include "tessera/tessera.h"
+#include "tessera/testing/expect_error.h"
 
 using namespace tessera;
 using tessera::testing::expect_error;

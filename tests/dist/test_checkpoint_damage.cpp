@@ -10,9 +10,9 @@
 #include <filesystem>
 #include <fstream>
 
-#include "common/expect_error.h"
 #include "dist/checkpoint_util.h"
 #include "fault.h"  // checkpoint/src: the hook the failure tests throw from
+#include "tessera/testing/expect_error.h"
 
 using namespace tessera;
 using namespace tessera::testing;

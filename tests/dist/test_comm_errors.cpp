@@ -14,10 +14,10 @@
 #include <string>
 
 #include "child_job.h"
-#include "common/expect_contains.h"
-#include "common/expect_error.h"
 #include "tessera/comm/comm.h"
 #include "tessera/core/core.h"
+#include "tessera/testing/expect_contains.h"
+#include "tessera/testing/expect_error.h"
 
 using namespace tessera;
 

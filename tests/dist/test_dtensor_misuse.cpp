@@ -30,9 +30,10 @@ DeviceMesh line_mesh() {
 TEST(DTensorMisuse, LocalShardPassedAsTheGlobalTensor) {
   DeviceMesh mesh = line_mesh();
   const Shape shape = {2 * world_size() + 1, 5};  // uneven: the last rank's piece is shorter
-  const Tensor global = dyadic(shape, 1);
+  const Tensor global = dyadic_tensor(shape, 1);
   Tensor piece =
-      cut(global, window(shape, mesh.shape(), unravel(world_rank(), mesh.shape()), {Shard(0)}));
+      cut_window(global, reference_window(shape, mesh.shape(),
+                                          mesh_coordinate(world_rank(), mesh.shape()), {Shard(0)}));
   const std::string msg = error_of([&] { distribute_tensor(piece, mesh, {Shard(0)}); });
   TESSERA_EXPECT_CONTAINS(msg, "differ in global tensor");
   TESSERA_EXPECT_CONTAINS(msg, shape_str(piece.shape()));
@@ -59,7 +60,7 @@ TEST(DTensorMisuse, MeshLargerThanTheWorld) {
 
 TEST(DTensorMisuse, ShardDimOutOfRange) {
   DeviceMesh mesh = line_mesh();
-  const Tensor global = dyadic({4, 6}, 2);
+  const Tensor global = dyadic_tensor({4, 6}, 2);
   std::string msg = error_of([&] { distribute_tensor(global, mesh, {Shard(5)}); });
   TESSERA_EXPECT_CONTAINS(msg, "S(5)");
   TESSERA_EXPECT_CONTAINS(msg, "[4, 6]");
@@ -74,7 +75,7 @@ TEST(DTensorMisuse, ShardDimOutOfRange) {
 
 TEST(DTensorMisuse, PlacementCountDiffersFromMeshDims) {
   DeviceMesh mesh = line_mesh();
-  const Tensor global = dyadic({4, 6}, 3);
+  const Tensor global = dyadic_tensor({4, 6}, 3);
   std::string msg = error_of([&] { distribute_tensor(global, mesh, {Shard(0), Replicate()}); });
   TESSERA_EXPECT_CONTAINS(msg, "[S(0), R]");
   TESSERA_EXPECT_CONTAINS(msg, "2 entries");
@@ -96,7 +97,8 @@ TEST(DTensorMisuse, LocalShapeInconsistentWithGlobalShape) {
   TESSERA_EXPECT_CONTAINS(msg, "from_local");
   TESSERA_EXPECT_CONTAINS(msg, "[5, 3]");
   TESSERA_EXPECT_CONTAINS(msg, "[7, 3]");
-  const Window w = window({7, 3}, mesh.shape(), unravel(world_rank(), mesh.shape()), {Shard(0)});
+  const Window w = reference_window({7, 3}, mesh.shape(),
+                                    mesh_coordinate(world_rank(), mesh.shape()), {Shard(0)});
   TESSERA_EXPECT_CONTAINS(msg, shape_str(w.shape));
 }
 
@@ -144,10 +146,10 @@ void check_table(const DTensor& d, const std::string& partial_note) {
   TESSERA_EXPECT_CONTAINS(table, shape_str(d.shape()));
   TESSERA_EXPECT_CONTAINS(table, placements_str(d.placements()));
   for (int r = 0; r < world_size(); ++r) {
-    const std::vector<int64_t> c = unravel(r, mesh.shape());
-    const std::string line = line_starting(table, coord_str(c));
-    ASSERT_FALSE(line.empty()) << "no row for " << coord_str(c) << " in\n" << table;
-    const Window w = window(d.shape(), mesh.shape(), c, d.placements());
+    const std::vector<int64_t> c = mesh_coordinate(r, mesh.shape());
+    const std::string line = line_starting(table, coordinate_str(c));
+    ASSERT_FALSE(line.empty()) << "no row for " << coordinate_str(c) << " in\n" << table;
+    const Window w = reference_window(d.shape(), mesh.shape(), c, d.placements());
     // Built piecewise: GCC 12 warns (-Wrestrict) on " " + std::to_string(r).
     std::string rank_cell = " ";
     rank_cell += std::to_string(r);
@@ -168,12 +170,13 @@ TEST(VisualizeSharding, NamesEachCoordinatesBlockAndEmptyShards) {
   DeviceMesh mesh = line_mesh();
   // One row more than half the ranks: the last ranks hold nothing.
   const Shape shape = {world_size() / 2 + 1, 4};
-  check_table(distribute_tensor(dyadic(shape, 4), mesh, {Shard(0)}), "");
-  check_table(distribute_tensor(dyadic(shape, 4), mesh, {Shard(1)}), "");
+  check_table(distribute_tensor(dyadic_tensor(shape, 4), mesh, {Shard(0)}), "");
+  check_table(distribute_tensor(dyadic_tensor(shape, 4), mesh, {Shard(1)}), "");
   if (world_size() == 4) {
     DeviceMesh two({2, 2}, {"dp", "tp"});
-    check_table(distribute_tensor(dyadic({3, 5}, 5), two, {Shard(0), Shard(0)}), "");
-    check_table(distribute_tensor(dyadic({3, 5}, 5), two, {Shard(1), Partial()}), "partial(tp)");
+    check_table(distribute_tensor(dyadic_tensor({3, 5}, 5), two, {Shard(0), Shard(0)}), "");
+    check_table(distribute_tensor(dyadic_tensor({3, 5}, 5), two, {Shard(1), Partial()}),
+                "partial(tp)");
   }
 }
 
@@ -223,8 +226,9 @@ class NeverHangs : public ::testing::Test {
 // The pieces of [3, 2] under [S(0), S(0)] on (2, 2): rows 1, 1, 1, 0. The mesh-dim-0 groups of
 // column 0 agree on the shape, those of column 1 do not.
 Tensor nested_piece() {
-  const Window w = window({3, 2}, {2, 2}, unravel(world_rank(), {2, 2}), {Shard(0), Shard(0)});
-  return cut(dyadic({3, 2}, 6), w);
+  const Window w =
+      reference_window({3, 2}, {2, 2}, mesh_coordinate(world_rank(), {2, 2}), {Shard(0), Shard(0)});
+  return cut_window(dyadic_tensor({3, 2}, 6), w);
 }
 
 }  // namespace
@@ -239,8 +243,9 @@ TEST(MisuseChild, DISABLED_DistributeNestedLocalPieces) {
 // The control: pieces that differ along mesh dim 0 in every column fail on every rank at once.
 TEST(MisuseChild, DISABLED_DistributeLocalPiecesDifferingInEveryColumn) {
   DeviceMesh mesh({2, 2}, {"dp", "tp"});
-  const Window w = window({3, 2}, {2, 2}, unravel(world_rank(), {2, 2}), {Shard(0), Replicate()});
-  Tensor piece = cut(dyadic({3, 2}, 6), w);
+  const Window w = reference_window({3, 2}, {2, 2}, mesh_coordinate(world_rank(), {2, 2}),
+                                    {Shard(0), Replicate()});
+  Tensor piece = cut_window(dyadic_tensor({3, 2}, 6), w);
   const std::string msg = error_of([&] {
     distribute_tensor(piece, mesh, {Shard(0), Replicate()});
   });
@@ -249,7 +254,7 @@ TEST(MisuseChild, DISABLED_DistributeLocalPiecesDifferingInEveryColumn) {
 
 TEST(MisuseChild, DISABLED_RunCheckOneReplicaDiffers) {
   DeviceMesh mesh({2, 2}, {"dp", "tp"});
-  Tensor local = dyadic({2, 3}, 7);
+  Tensor local = dyadic_tensor({2, 3}, 7);
   if (world_rank() == 3) local.data<double>()[0] += 1;
   const std::string msg = error_of([&] {
     DTensor::from_local(local, mesh, {Replicate(), Replicate()}, std::nullopt, true);
@@ -318,7 +323,7 @@ TEST(MisuseChild, DISABLED_RunCheckInputsDiffer) {
 TEST(MisuseChild, DISABLED_DistributePlacementsOrMeshDiffer) {
   DeviceMesh line({4}, {"x"}), square({2, 2}, {"dp", "tp"});
   const bool odd = world_rank() == 2;
-  const Tensor global = dyadic({8, 4}, 8);
+  const Tensor global = dyadic_tensor({8, 4}, 8);
   for (int src : {-1, 0}) {
     SCOPED_TRACE("src_rank " + std::to_string(src));
     expect_everywhere(
@@ -339,18 +344,18 @@ TEST(MisuseChild, DISABLED_DistributePlacementsOrMeshDiffer) {
 
 TEST(MisuseChild, DISABLED_DistributeFromSourceMisuse) {
   DeviceMesh line({4}, {"x"});
-  const Tensor global = dyadic({8, 4}, 9);
+  const Tensor global = dyadic_tensor({8, 4}, 9);
   // The source passes nothing: every rank hears it, none waits for the header.
   expect_everywhere(error_of([&] {
                       distribute_tensor(world_rank() == 0 ? Tensor() : global, line, {Shard(0)}, 0);
                     }),
                     {"[rank 0]", "the source rank passed an undefined tensor"});
   // Rank 3 passes a tensor of another shape: the source throws too.
-  expect_everywhere(
-      error_of([&] {
-        distribute_tensor(world_rank() == 3 ? dyadic({2, 4}, 9) : global, line, {Shard(0)}, 0);
-      }),
-      {"[rank 3] passed", "[2, 4]", "the source rank 0 holds float64 [8, 4]"});
+  expect_everywhere(error_of([&] {
+                      distribute_tensor(world_rank() == 3 ? dyadic_tensor({2, 4}, 9) : global, line,
+                                        {Shard(0)}, 0);
+                    }),
+                    {"[rank 3] passed", "[2, 4]", "the source rank 0 holds float64 [8, 4]"});
   // A src_rank that is neither -1 nor a rank of the mesh, on every rank or on one.
   expect_everywhere(error_of([&] { distribute_tensor(global, line, {Shard(0)}, -5); }),
                     {"src_rank -5 is neither -1", "DeviceMesh(x=4)"});
@@ -361,7 +366,7 @@ TEST(MisuseChild, DISABLED_DistributeFromSourceMisuse) {
                     {"src_rank 4 is neither -1"});
   // The control: undefined tensors off the source are fine.
   DTensor d = distribute_tensor(world_rank() == 0 ? global : Tensor(), line, {Shard(0)}, 0);
-  EXPECT_EQ(diff(d.full_tensor(), global), "");
+  EXPECT_EQ(tensor_mismatch(d.full_tensor(), global), "");
 }
 
 TEST_F(NeverHangs, RunCheckWithDifferentDtypesPlacementsOrMeshes) {

@@ -40,12 +40,13 @@ bool off_partial(const Placements& p, const std::vector<int64_t>& coord) {
 void check_draw(Failures& f, const std::string& what, const std::string& at, const DTensor& got,
                 const Tensor& want) {
   f.check(what + " dtype", at, got.dtype() == want.dtype() ? "" : "dtype differs");
-  f.check(what + " full_tensor", at, diff(got.full_tensor(), want));
-  const std::vector<int64_t> coord = unravel(world_rank(), got.mesh().shape());
-  Tensor piece = cut(want.to(DType::Float64),
-                     window(want.shape(), got.mesh().shape(), coord, got.placements()));
+  f.check(what + " full_tensor", at, tensor_mismatch(got.full_tensor(), want));
+  const std::vector<int64_t> coord = mesh_coordinate(world_rank(), got.mesh().shape());
+  Tensor piece =
+      cut_window(want.to(DType::Float64),
+                 reference_window(want.shape(), got.mesh().shape(), coord, got.placements()));
   if (off_partial(got.placements(), coord)) piece.zero_();
-  f.check(what + " local piece", at, diff(got.to_local(), piece));
+  f.check(what + " local piece", at, tensor_mismatch(got.to_local(), piece));
 }
 
 void check_offset(Failures& f, const std::string& what, const std::string& at, const Generator& got,
@@ -59,11 +60,11 @@ void check_offset(Failures& f, const std::string& what, const std::string& at, c
 template <class Body>
 void for_each_case(Body&& body) {
   Failures f;
-  for (const DeviceMesh& mesh : suite_meshes())
+  for (const DeviceMesh& mesh : device_meshes())
     for (const Placements& p : placements_for(mesh))
       for (const Shape& shape : kShapes) {
         const std::string at = mesh.str() + " " + placements_str(p) + " " + shape_str(shape) +
-                               " at " + coord_str(unravel(world_rank(), mesh.shape()));
+                               " at " + coordinate_str(mesh_coordinate(world_rank(), mesh.shape()));
         f.check("draw", at, error_of([&] { body(f, mesh, p, shape, at); }));
       }
   f.summarize();
@@ -116,7 +117,7 @@ TEST(DTensorRandom, InitialisersUseTheGlobalFans) {
 // The generator is the only state: a fresh one at the same (seed, offset) repeats a draw, and
 // a draw on one layout equals the same draw on another after redistribution.
 TEST(DTensorRandom, SameStateSameDrawOnAnyLayout) {
-  for (const DeviceMesh& mesh : suite_meshes()) {
+  for (const DeviceMesh& mesh : device_meshes()) {
     const std::vector<Placements> lists = placements_for(mesh);
     Placements rep(size_t(mesh.ndim()), Replicate());
     Generator first(kSeed + 2);
@@ -126,7 +127,7 @@ TEST(DTensorRandom, SameStateSameDrawOnAnyLayout) {
       Generator gen(kSeed + 2);
       gen.set_offset(kStartOffset);
       DTensor d = rand({7, 5}, mesh, p, gen, DType::Float64);
-      EXPECT_EQ(diff(d.redistribute(rep).to_local(), want), "")
+      EXPECT_EQ(tensor_mismatch(d.redistribute(rep).to_local(), want), "")
           << mesh.str() << " " << placements_str(p);
     }
   }

@@ -11,20 +11,25 @@
 #include <string>
 
 #include "common/affine_batch.h"
-#include "common/expect_close.h"
-#include "common/expect_error.h"
 #include "common/small_decoder.h"
 #include "tessera/fsdp/fully_shard.h"
 #include "tessera/tessera.h"
+#include "tessera/testing.h"
+#include "tessera/testing/expect_error.h"
 
 using namespace tessera;
 using tessera::testing::affine_batch;
 using tessera::testing::Batch;
+using tessera::testing::compare_trajectories;
 using tessera::testing::expect_close;
 using tessera::testing::expect_error;
 using tessera::testing::kSmallBatch;
 using tessera::testing::kSmallSeq;
+using tessera::testing::ParityOptions;
+using tessera::testing::ParityResult;
 using tessera::testing::small_decoder_config;
+using tessera::testing::Trajectory;
+using tessera::testing::world_mean;
 
 namespace {
 
@@ -41,12 +46,6 @@ Batch rows_of(const Batch& b, int64_t dp_rank, int64_t dp_size) {
           kernels::narrow(b.targets, 0, dp_rank * n, n).contiguous()};
 }
 
-double world_mean(double v) {
-  Tensor t = from_vector<double>({v});
-  world_group()->all_reduce(t, ReduceOp::Sum)->wait();
-  return t.item<double>() / double(world_size());
-}
-
 // How a test shards the model; returns the groups, root last.
 using Apply = std::function<std::vector<std::shared_ptr<FSDPState>>(std::shared_ptr<Decoder>)>;
 
@@ -60,15 +59,11 @@ std::vector<std::shared_ptr<FSDPState>> shard_blocks_and_root(const std::shared_
   return states;
 }
 
-struct TrainRun {
-  std::vector<double> losses;
-  std::map<std::string, Tensor> state;
-};
-
-TrainRun train(const std::shared_ptr<Decoder>& net, int steps, int64_t dp_rank, int64_t dp_size,
-               const std::function<void(Decoder&)>& check_step = {}) {
+// The losses of every step (mean over the ranks) and the parameters after the last.
+Trajectory train(const std::shared_ptr<Decoder>& net, int steps, int64_t dp_rank, int64_t dp_size,
+                 const std::function<void(Decoder&)>& check_step = {}) {
   AdamW opt(net->parameters(), AdamWOptions{.lr = 3e-3});
-  TrainRun run;
+  Trajectory run;
   for (int s = 0; s < steps; ++s) {
     Batch b = rows_of(make_batch(s), dp_rank, dp_size);
     opt.zero_grad();
@@ -78,34 +73,25 @@ TrainRun train(const std::shared_ptr<Decoder>& net, int steps, int64_t dp_rank, 
     opt.step();
     run.losses.push_back(world_mean(loss.item<float>()));
   }
-  run.state = net->state_dict();
+  run.parameters[steps - 1] = net->state_dict();
   return run;
 }
 
-// Prints the worst differences on rank 0 so that a run shows how much margin the tolerance has.
-void expect_same_run(const TrainRun& got, const TrainRun& want, double tol,
+const std::map<std::string, Tensor>& final_state(const Trajectory& t) {
+  return t.parameters.rbegin()->second;
+}
+
+// Losses within tol relative, parameters within tol * (1 + |want|). Prints the margins on rank 0
+// so that a run shows how much room the tolerance leaves.
+void expect_same_run(const Trajectory& got, const Trajectory& want, double tol,
                      const std::string& label = {}) {
-  ASSERT_EQ(got.losses.size(), want.losses.size());
-  double worst_loss = 0, worst_param = 0;
-  for (size_t s = 0; s < got.losses.size(); ++s) {
-    EXPECT_NEAR(got.losses[s], want.losses[s], tol * std::abs(want.losses[s])) << "step " << s;
-    worst_loss =
-        std::max(worst_loss, std::abs(got.losses[s] - want.losses[s]) / std::abs(want.losses[s]));
-  }
-  ASSERT_EQ(got.state.size(), want.state.size());
-  for (const auto& [name, t] : want.state) {
-    auto it = got.state.find(name);
-    ASSERT_NE(it, got.state.end()) << name;
-    expect_close(it->second, t, tol, name);
-    auto g = it->second.to_vector<double>(), w = t.to_vector<double>();
-    for (size_t i = 0; i < g.size(); ++i)
-      worst_param = std::max(worst_param, std::abs(g[i] - w[i]) / (1.0 + std::abs(w[i])));
-  }
+  const ParityOptions opts{
+      .steps = int(want.losses.size()), .loss = {tol, 0}, .parameters = {tol, tol}};
+  const ParityResult r = compare_trajectories(got, want, opts);
+  EXPECT_FALSE(r.divergence) << label << ": " << r.str();
   if (!label.empty() && world_rank() == 0)
-    std::printf(
-        "[parity] %s, %zu steps: worst loss |d|/|ref| %.2e, worst parameter "
-        "|d|/(1+|ref|) %.2e (tolerance %.0e)\n",
-        label.c_str(), got.losses.size(), worst_loss, worst_param, tol);
+    std::printf("[parity] %s, %zu steps: %s (tolerance %.0e)\n", label.c_str(), got.losses.size(),
+                r.str().c_str(), tol);
 }
 
 // The parity tests' decoder, optionally with the output projection tied to the embedding.
@@ -120,9 +106,10 @@ std::string tied_label(bool tied) {
 }
 
 // Plain Decoder, whole batch, no DTensor: shares nothing with the sharded runs but the seed.
-const TrainRun& reference_run(bool tied = false) {
-  static const TrainRun untied = train(std::make_shared<Decoder>(decoder_config(false)), 30, 0, 1);
-  static const TrainRun with_tied =
+const Trajectory& reference_run(bool tied = false) {
+  static const Trajectory untied =
+      train(std::make_shared<Decoder>(decoder_config(false)), 30, 0, 1);
+  static const Trajectory with_tied =
       train(std::make_shared<Decoder>(decoder_config(true)), 30, 0, 1);
   return tied ? with_tied : untied;
 }
@@ -155,7 +142,7 @@ TEST(FullyShard, TrainingMatchesSingleRank) {
     unsharded_during_forward += states[1]->is_unsharded() ? 1 : 0;
     return Tensor();
   });
-  TrainRun run = train(net, 30, mesh.local_rank(0), world_size(), check);
+  Trajectory run = train(net, 30, mesh.local_rank(0), world_size(), check);
   expect_same_run(run, reference_run(), 1e-5, "FSDP dp=" + std::to_string(world_size()));
   // The hook registered after fully_shard's runs after its reshard.
   EXPECT_EQ(unsharded_during_forward, 0);
@@ -175,7 +162,7 @@ TEST(FullyShard, TiedEmbeddingsMatchSingleRank) {
   const auto root_names = states.back()->parameter_names();
   EXPECT_EQ(std::count(root_names.begin(), root_names.end(), "tok_embeddings.weight"), 1);
   EXPECT_EQ(std::count(root_names.begin(), root_names.end(), "output.weight"), 0);
-  TrainRun run = train(net, 30, mesh.local_rank(0), world_size());
+  Trajectory run = train(net, 30, mesh.local_rank(0), world_size());
   expect_same_run(run, reference_run(true), 1e-5,
                   "FSDP dp=" + std::to_string(world_size()) + tied_label(true));
 }
@@ -254,30 +241,30 @@ TEST(FullyShard, FrozenParameterGetsNoGradientAndStaysUnchanged) {
   };
   auto ref = std::make_shared<Decoder>(small_decoder_config());
   freeze(*ref);
-  TrainRun want = train(ref, 5, 0, 1);
+  Trajectory want = train(ref, 5, 0, 1);
 
   DeviceMesh mesh = dp_mesh();
   auto net = std::make_shared<Decoder>(small_decoder_config());
   const Tensor initial = net->state_dict().at(frozen);
   freeze(*net);
   shard_blocks_and_root(net, mesh);
-  TrainRun got = train(net, 5, mesh.local_rank(0), world_size(), [&](Decoder& d) {
+  Trajectory got = train(net, 5, mesh.local_rank(0), world_size(), [&](Decoder& d) {
     for (auto& [name, p] : d.named_parameters())
       if (name == frozen) {
         EXPECT_FALSE(p->grad().defined());
       }
   });
   expect_same_run(got, want, 1e-5);
-  expect_close(got.state.at(frozen), initial, 0, frozen);
+  expect_close(final_state(got).at(frozen), initial, 0, frozen);
 }
 
 // The reference run trains until the parameters move far beyond the tolerance, so a sharded run
 // that dropped or mis-averaged a gradient could not pass.
 TEST(FullyShard, ReferenceRunMovesParametersBeyondTheTolerance) {
   auto initial = std::make_shared<Decoder>(small_decoder_config())->state_dict();
-  const TrainRun& ref = reference_run();
+  const Trajectory& ref = reference_run();
   EXPECT_LT(ref.losses.back(), 0.5 * ref.losses.front());
-  for (const auto& [name, t] : ref.state) {
+  for (const auto& [name, t] : final_state(ref)) {
     auto a = t.to_vector<double>(), b = initial.at(name).to_vector<double>();
     double moved = 0;
     for (size_t i = 0; i < a.size(); ++i)
@@ -296,7 +283,7 @@ TEST(FullyShard, HybridShardingMatchesSingleRank) {
     shard_blocks_and_root(net, mesh);
     Parameter* w = net->parameters().front();
     EXPECT_EQ(w->stored_dtensor().placements(), (Placements{Replicate(), Shard(0)}));
-    TrainRun run = train(net, 30, world_rank(), world_size());
+    Trajectory run = train(net, 30, world_rank(), world_size());
     expect_same_run(run, reference_run(tied), 1e-5,
                     "HSDP " + std::to_string(mesh.size(0)) + "x" + std::to_string(mesh.size(1)) +
                         tied_label(tied));
@@ -332,7 +319,7 @@ TEST(FullyShard, WithTensorParallelMatchesSingleRank) {
     auto original = std::make_shared<Decoder>(cfg)->state_dict();
     for (const auto& [name, t] : net->state_dict())
       expect_close(t, original.at(name), 0, name);
-    TrainRun run = train(net, 30, mesh.local_rank(0), dp);
+    Trajectory run = train(net, 30, mesh.local_rank(0), dp);
     expect_same_run(
         run, reference_run(tied), 1e-5,
         "FSDP x TP " + std::to_string(dp) + "x" + std::to_string(tp) + tied_label(tied));
@@ -361,7 +348,7 @@ TEST(FullyShard, HybridShardingWithTensorParallelMatchesSingleRank) {
     expect_close(t, original.at(name), 0, name);
   // Data parallel over replicate x shard: 4 ways.
   const int64_t dp_rank = mesh.local_rank(0) * 2 + mesh.local_rank(1);
-  TrainRun run = train(net, 30, dp_rank, 4);
+  Trajectory run = train(net, 30, dp_rank, 4);
   expect_same_run(run, reference_run(), 1e-5, "HSDP x TP 2x2x2");
 }
 
@@ -530,9 +517,9 @@ TEST(FullyShard, DecoderInBfloat16StaysWithinTwoPercentOfFloat32) {
     bf16_blocks += x.dtype() == DType::BFloat16 && y.dtype() == DType::BFloat16;
     return Tensor();
   });
-  TrainRun run = train(net, 30, world_rank(), world_size());
+  Trajectory run = train(net, 30, world_rank(), world_size());
   EXPECT_EQ(bf16_blocks, 30) << "the blocks did not compute in bfloat16";
-  const TrainRun& ref = reference_run();
+  const Trajectory& ref = reference_run();
   double worst = 0;
   for (size_t s = 0; s < ref.losses.size(); ++s) {
     const double rel = std::abs(run.losses[s] - ref.losses[s]) / ref.losses[s];
@@ -542,7 +529,7 @@ TEST(FullyShard, DecoderInBfloat16StaysWithinTwoPercentOfFloat32) {
   if (world_rank() == 0)
     std::printf("[mixed precision] bf16 params, fp32 reduce, 30 steps: worst loss |d|/|ref| %.2e\n",
                 worst);
-  for (const auto& [name, t] : run.state)
+  for (const auto& [name, t] : final_state(run))
     EXPECT_EQ(t.dtype(), DType::Float32) << name;
 }
 

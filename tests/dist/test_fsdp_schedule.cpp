@@ -10,9 +10,9 @@
 #include <string>
 #include <thread>
 
-#include "common/expect_error.h"
 #include "tessera/fsdp/fully_shard.h"
 #include "tessera/tessera.h"
+#include "tessera/testing/expect_error.h"
 
 using namespace tessera;
 using tessera::testing::expect_error;

@@ -2,9 +2,9 @@
 // with empty runs and ranks, against values computed here from the rank numbers.
 #include <gtest/gtest.h>
 
-#include "common/expect_error.h"
 #include "tessera/comm/comm.h"
 #include "tessera/core/core.h"
+#include "tessera/testing/expect_error.h"
 
 using namespace tessera;
 using tessera::testing::expect_error;

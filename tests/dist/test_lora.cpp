@@ -8,11 +8,11 @@
 #include <fstream>
 #include <iterator>
 
-#include "common/expect_close.h"
-#include "common/expect_error.h"
 #include "dist/checkpoint_models.h"
 #include "dist/checkpoint_util.h"
 #include "dist/lora_util.h"
+#include "tessera/testing/checks.h"
+#include "tessera/testing/expect_error.h"
 
 using namespace tessera;
 using namespace tessera::testing;

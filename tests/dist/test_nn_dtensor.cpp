@@ -7,10 +7,10 @@
 #include <limits>
 #include <string>
 
-#include "common/expect_close.h"
-#include "common/expect_error.h"
 #include "tessera/dtensor/nn_ops.h"
 #include "tessera/tessera.h"
+#include "tessera/testing/checks.h"
+#include "tessera/testing/expect_error.h"
 
 using namespace tessera;
 using tessera::testing::expect_close;

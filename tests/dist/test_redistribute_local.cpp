@@ -30,17 +30,17 @@ Placements sharded(const DeviceMesh& mesh) {
 
 TEST(FromLocal, EvenShardsInferTheGlobalShape) {
   for (const DeviceMesh& mesh : meshes()) {
-    const auto coord = unravel(world_rank(), mesh.shape());
+    const auto coord = mesh_coordinate(world_rank(), mesh.shape());
     const Placements p = sharded(mesh);
     // Each mesh dim cuts its tensor dim into equal pieces of 3 rows / 2 columns.
     Shape shape = {3, 2};
     for (int64_t m = 0; m < mesh.ndim(); ++m)
       shape[size_t(m % 2)] *= mesh.size(m);
-    const Tensor global = dyadic(shape, 1);
-    Tensor local = cut(global, window(shape, mesh.shape(), coord, p));
+    const Tensor global = dyadic_tensor(shape, 1);
+    Tensor local = cut_window(global, reference_window(shape, mesh.shape(), coord, p));
     DTensor d = DTensor::from_local(local, mesh, p);
     EXPECT_EQ(d.shape(), shape) << mesh.str();
-    EXPECT_EQ(diff(d.full_tensor(), global), "") << mesh.str();
+    EXPECT_EQ(tensor_mismatch(d.full_tensor(), global), "") << mesh.str();
     EXPECT_TRUE(d.to_local().is_same(local)) << "from_local must wrap the piece, not copy it";
     // The same with run_check: every rank agrees, so no error.
     EXPECT_EQ(error_of([&] { DTensor::from_local(local, mesh, p, std::nullopt, true); }), "");
@@ -49,14 +49,14 @@ TEST(FromLocal, EvenShardsInferTheGlobalShape) {
 
 TEST(FromLocal, UnevenShardsNeedTheGlobalShape) {
   for (const DeviceMesh& mesh : meshes()) {
-    const auto coord = unravel(world_rank(), mesh.shape());
+    const auto coord = mesh_coordinate(world_rank(), mesh.shape());
     const Placements p = sharded(mesh);
     const Shape shape = {7, 5};
-    const Tensor global = dyadic(shape, 2);
-    Tensor local = cut(global, window(shape, mesh.shape(), coord, p));
+    const Tensor global = dyadic_tensor(shape, 2);
+    Tensor local = cut_window(global, reference_window(shape, mesh.shape(), coord, p));
     DTensor d = DTensor::from_local(local, mesh, p, shape, /*run_check=*/true);
     EXPECT_EQ(d.shape(), shape);
-    EXPECT_EQ(diff(d.full_tensor(), global), "") << mesh.str();
+    EXPECT_EQ(tensor_mismatch(d.full_tensor(), global), "") << mesh.str();
     if (mesh.size() == 1) continue;
     // Without it each rank guesses from its own piece; ranks holding short pieces guess a
     // different global shape, which run_check must catch on every rank.
@@ -72,10 +72,10 @@ TEST(FromLocal, PartialTermsSumToTheFullTensor) {
     Placements p(size_t(mesh.ndim()), Partial());
     Tensor want = zeros(shape, DType::Float64);
     for (int r = 0; r < world_size(); ++r)
-      want = add(want, dyadic(shape, 100 + uint64_t(r)));
-    DTensor d = DTensor::from_local(dyadic(shape, 100 + uint64_t(world_rank())), mesh, p);
+      want = add(want, dyadic_tensor(shape, 100 + uint64_t(r)));
+    DTensor d = DTensor::from_local(dyadic_tensor(shape, 100 + uint64_t(world_rank())), mesh, p);
     EXPECT_EQ(d.shape(), shape);
-    EXPECT_EQ(diff(d.full_tensor(), want), "") << mesh.str();
+    EXPECT_EQ(tensor_mismatch(d.full_tensor(), want), "") << mesh.str();
   }
 }
 
@@ -86,7 +86,7 @@ TEST(FromLocal, RunCheckCatchesDifferentReplicatedValues) {
   {
     const DeviceMesh mesh({world_size()}, {"x"});
     Placements p(size_t(mesh.ndim()), Replicate());
-    Tensor same = dyadic({2, 3}, 3);
+    Tensor same = dyadic_tensor({2, 3}, 3);
     EXPECT_EQ(error_of([&] { DTensor::from_local(same, mesh, p, std::nullopt, true); }), "");
     // The last rank's copy differs in one element.
     Tensor mine = same.clone();
@@ -111,22 +111,22 @@ TEST(FromLocal, RunCheckCatchesShapesThatDisagree) {
 
 TEST(FromLocal, GradientReachesTheWrappedPiece) {
   for (const DeviceMesh& mesh : meshes()) {
-    const auto coord = unravel(world_rank(), mesh.shape());
+    const auto coord = mesh_coordinate(world_rank(), mesh.shape());
     const Placements p = sharded(mesh);
     const Shape shape = {7, 5};
-    const Tensor global = dyadic(shape, 4), weight = dyadic(shape, 5);
-    const Window w = window(shape, mesh.shape(), coord, p);
-    Tensor piece = cut(global, w).set_requires_grad(true);
+    const Tensor global = dyadic_tensor(shape, 4), weight = dyadic_tensor(shape, 5);
+    const Window w = reference_window(shape, mesh.shape(), coord, p);
+    Tensor piece = cut_window(global, w).set_requires_grad(true);
     DTensor d = DTensor::from_local(piece, mesh, p, shape);
     backward(sum(mul(d.full_tensor(), weight)));
-    EXPECT_EQ(diff(piece.grad(), cut(weight, w)), "") << mesh.str();
+    EXPECT_EQ(tensor_mismatch(piece.grad(), cut_window(weight, w)), "") << mesh.str();
   }
 }
 
 TEST(CopyFromFull, EachRankCopiesItsWindow) {
   const Placement S0 = Shard(0), S1 = Shard(1), R = Replicate(), P = Partial();
   for (const DeviceMesh& mesh : meshes()) {
-    const auto coord = unravel(world_rank(), mesh.shape());
+    const auto coord = mesh_coordinate(world_rank(), mesh.shape());
     std::vector<Placements> lists;
     if (mesh.ndim() == 1) {
       lists = {{S0}, {S1}, {R}, {P}};
@@ -134,20 +134,20 @@ TEST(CopyFromFull, EachRankCopiesItsWindow) {
       lists = {{S0, S1}, {S0, S0}, {R, S1}, {P, S0}, {S1, P}, {StridedShard(0, mesh.size(1)), S0}};
     }
     for (const Shape& shape : std::vector<Shape>{{8, 12}, {7, 5}, {1, 9}}) {
-      const Tensor global = dyadic(shape, 6);
+      const Tensor global = dyadic_tensor(shape, 6);
       for (const Placements& p : lists) {
         DTensor d = distribute_tensor(zeros(shape, DType::Float64), mesh, p);
         Tensor before = d.to_local();
         d.copy_from_full(global);
         EXPECT_TRUE(d.to_local().is_same(before)) << "copy_from_full must fill the piece in place";
-        Tensor want = cut(global, window(shape, mesh.shape(), coord, p));
+        Tensor want = cut_window(global, reference_window(shape, mesh.shape(), coord, p));
         bool off_partial = false;
         for (size_t m = 0; m < p.size(); ++m)
           off_partial = off_partial || (p[m].is_partial() && coord[m] != 0);
         if (off_partial) want.zero_();
-        EXPECT_EQ(diff(d.to_local(), want), "")
+        EXPECT_EQ(tensor_mismatch(d.to_local(), want), "")
             << mesh.str() << " " << shape_str(shape) << " " << placements_str(p);
-        EXPECT_EQ(diff(d.full_tensor(), global), "")
+        EXPECT_EQ(tensor_mismatch(d.full_tensor(), global), "")
             << mesh.str() << " " << shape_str(shape) << " " << placements_str(p);
       }
     }
@@ -156,19 +156,21 @@ TEST(CopyFromFull, EachRankCopiesItsWindow) {
 
 TEST(ToLocal, IsTheDifferentiablePiece) {
   for (const DeviceMesh& mesh : meshes()) {
-    const auto coord = unravel(world_rank(), mesh.shape());
+    const auto coord = mesh_coordinate(world_rank(), mesh.shape());
     const Placements p = sharded(mesh);
     Placements rep(size_t(mesh.ndim()), Replicate());
     const Shape shape = {7, 5};
-    const Tensor global = dyadic(shape, 7), weight = dyadic(shape, 8);
+    const Tensor global = dyadic_tensor(shape, 7), weight = dyadic_tensor(shape, 8);
     DTensor x = distribute_tensor(global, mesh, p);
     x.set_requires_grad(true);
     // A loss on every rank's replicated local piece: the gradient of a Replicate tensor is the
     // same on every rank, so the source's gradient is its block of the weight.
     DTensor y = x.redistribute(rep);
-    EXPECT_EQ(diff(y.to_local(), global), "");
+    EXPECT_EQ(tensor_mismatch(y.to_local(), global), "");
     backward(sum(mul(y.to_local(), weight)));
-    EXPECT_EQ(diff(x.to_local().grad(), cut(weight, window(shape, mesh.shape(), coord, p))), "")
+    EXPECT_EQ(tensor_mismatch(x.to_local().grad(),
+                              cut_window(weight, reference_window(shape, mesh.shape(), coord, p))),
+              "")
         << mesh.str();
   }
 }

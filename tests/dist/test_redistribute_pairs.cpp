@@ -25,12 +25,14 @@ DeviceMesh two_dim_mesh() {
 // with no collective afterwards: a rank that throws cannot leave the others waiting.
 std::string single_step_problem(const DeviceMesh& mesh, const Tensor& global, const Placements& src,
                                 const Placements& dst) {
-  const std::vector<int64_t> coord = unravel(world_rank(), mesh.shape());
+  const std::vector<int64_t> coord = mesh_coordinate(world_rank(), mesh.shape());
   DTensor x = distribute_tensor(global, mesh, src);
   std::string problem;
   const std::string error = error_of([&] {
     DTensor y = x.redistribute(dst);
-    problem = diff(y.to_local(), cut(global, window(global.shape(), mesh.shape(), coord, dst)));
+    problem = tensor_mismatch(
+        y.to_local(),
+        cut_window(global, reference_window(global.shape(), mesh.shape(), coord, dst)));
   });
   return error.empty() ? problem : error;
 }
@@ -44,10 +46,10 @@ TEST(RedistributeTargeted, ShardToOuterShardOfADimAnInnerShardAlreadyCuts) {
   if (world_size() != 4 && world_size() != 8) GTEST_SKIP() << "needs 4 or 8 ranks";
   DeviceMesh mesh = two_dim_mesh();
   // Every level divides evenly, so the pieces have the right shapes either way.
-  const Tensor global = dyadic({8, 16}, 11);
+  const Tensor global = dyadic_tensor({8, 16}, 11);
   EXPECT_EQ(single_step_problem(mesh, global, {Shard(0), Shard(1)}, {Shard(1), Shard(1)}), "")
       << mesh.str() << " [S(0), S(1)] -> [S(1), S(1)] at "
-      << coord_str(unravel(world_rank(), mesh.shape()));
+      << coordinate_str(mesh_coordinate(world_rank(), mesh.shape()));
 }
 
 // Gathering even column pieces on a rank whose piece has no rows.
@@ -55,10 +57,10 @@ TEST(RedistributeTargeted, GatherColumnsOfAnEmptyRowShard) {
   if (world_size() != 4 && world_size() != 8) GTEST_SKIP() << "needs 4 or 8 ranks";
   DeviceMesh mesh = two_dim_mesh();
   // One row over dp = 2: rank row 1 holds none; the columns split evenly over tp.
-  const Tensor global = dyadic({1, 2 * mesh.size(1)}, 12);
+  const Tensor global = dyadic_tensor({1, 2 * mesh.size(1)}, 12);
   EXPECT_EQ(single_step_problem(mesh, global, {Shard(0), Shard(1)}, {Shard(0), Replicate()}), "")
       << mesh.str() << " [S(0), S(1)] -> [S(0), R] at "
-      << coord_str(unravel(world_rank(), mesh.shape()));
+      << coordinate_str(mesh_coordinate(world_rank(), mesh.shape()));
 }
 
 // Pieces above a MiB travel as several all-to-alls of row ranges of the source dim; uneven
@@ -66,8 +68,8 @@ TEST(RedistributeTargeted, GatherColumnsOfAnEmptyRowShard) {
 TEST(RedistributeTargeted, ShardToShardOfLargePiecesInRowRanges) {
   if (world_size() < 2 || world_size() > 4) GTEST_SKIP() << "needs 2 to 4 ranks";
   DeviceMesh mesh({world_size()}, {"x"});
-  const Tensor matrix = dyadic({2101, 1299}, 13);
-  const Tensor cube = dyadic({3, 701, 650}, 14);
+  const Tensor matrix = dyadic_tensor({2101, 1299}, 13);
+  const Tensor cube = dyadic_tensor({3, 701, 650}, 14);
   for (const auto& [global, src, dst] :
        {std::tuple{matrix, Shard(0), Shard(1)}, std::tuple{matrix, Shard(1), Shard(0)},
         std::tuple{cube, Shard(2), Shard(1)}}) {
@@ -78,7 +80,7 @@ TEST(RedistributeTargeted, ShardToShardOfLargePiecesInRowRanges) {
 
 TEST(RedistributePairs, OneDimMeshAllPairs) {
   DeviceMesh mesh({world_size()}, {"x"});
-  auto lists = all_placements(1);
+  auto lists = placement_lists({world_size()}, 2);
   run_pairs(mesh, lists, lists, kShapes);
 }
 
@@ -101,8 +103,8 @@ struct Sweep {
 
 std::vector<Sweep> sweeps() {
   std::vector<Sweep> out;
-  for (const DeviceMesh& mesh : suite_meshes()) {
-    if (mesh.ndim() == 2) out.push_back({mesh, all_placements(2)});
+  for (const DeviceMesh& mesh : device_meshes()) {
+    if (mesh.ndim() == 2) out.push_back({mesh, placement_lists(mesh.shape(), 2)});
     if (mesh.ndim() == 3) out.push_back({mesh, three_dim_lists()});
   }
   return out;
@@ -136,7 +138,7 @@ TEST(RedistributePairsRisky, MultiDimMeshesAllPairs) {
 TEST(RedistributePairsRisky, Strided) {
   if (world_size() != 4 && world_size() != 8) GTEST_SKIP() << "needs 4 or 8 ranks";
   set_collective_timeout_seconds(kRiskyTimeoutSeconds);
-  for (const DeviceMesh& mesh : suite_meshes())
+  for (const DeviceMesh& mesh : device_meshes())
     if (mesh.ndim() == 2)
       run_pairs(mesh, strided_lists(mesh), strided_lists(mesh), kShapes, Partition::risky());
 }

@@ -29,7 +29,7 @@ TEST(RedistributeStrided, HandWorkedRowsOnTwoByTwo) {
   if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
   DeviceMesh mesh({2, 2}, {"dp", "tp"});
   const Placements fsdp_tp = {StridedShard(0, 2), Shard(0)};
-  const std::vector<int64_t> c = unravel(world_rank(), mesh.shape());
+  const std::vector<int64_t> c = mesh_coordinate(world_rank(), mesh.shape());
   const int64_t i = c[0], j = c[1];
   // 8 rows: tp cuts 4 + 4, dp cuts each into 2 + 2.
   std::vector<double> even = {double(4 * j + 2 * i), double(4 * j + 2 * i + 1)};
@@ -38,13 +38,13 @@ TEST(RedistributeStrided, HandWorkedRowsOnTwoByTwo) {
   for (int64_t n : {8, 7}) {
     Tensor global = arange(0, double(n), 1, DType::Float64);
     const std::vector<double>& want = n == 8 ? even : uneven[size_t(i)][size_t(j)];
-    EXPECT_EQ(window({n}, mesh.shape(), c, fsdp_tp).offset[0], int64_t(want[0]));
+    EXPECT_EQ(reference_window({n}, mesh.shape(), c, fsdp_tp).offset[0], int64_t(want[0]));
     DTensor d = distribute_tensor(global, mesh, fsdp_tp);
     EXPECT_EQ(d.to_local().to_vector<double>(), want) << "n = " << n;
     EXPECT_EQ(d.full_tensor().to_vector<double>(), global.to_vector<double>());
     DTensor back = d.redistribute({Shard(0), Replicate()});
-    EXPECT_EQ(
-        back.to_local().to_vector<double>(),
-        cut(global, window({n}, mesh.shape(), c, {Shard(0), Replicate()})).to_vector<double>());
+    EXPECT_EQ(back.to_local().to_vector<double>(),
+              cut_window(global, reference_window({n}, mesh.shape(), c, {Shard(0), Replicate()}))
+                  .to_vector<double>());
   }
 }

@@ -45,29 +45,14 @@ struct Partition {
     if (!cols_sharded) return false;
     for (int64_t r = 0; r < mesh.size(); ++r)
       for (const Placements* p : {&src, &dst})
-        if (window(shape, mesh.shape(), unravel(r, mesh.shape()), *p).shape[0] == 0) return true;
+        if (reference_window(shape, mesh.shape(), mesh_coordinate(r, mesh.shape()), *p).shape[0] ==
+            0)
+          return true;
     return false;
   }
 };
 
 inline const std::vector<Shape> kShapes = {{8, 12}, {7, 5}, {3, 2}, {1, 9}};
-
-// Per mesh dim: S(0), S(1), R, P(sum); every combination for `ndim` mesh dims.
-inline std::vector<Placements> all_placements(int64_t ndim) {
-  const std::vector<Placement> choices = {Shard(0), Shard(1), Replicate(), Partial()};
-  std::vector<Placements> out = {{}};
-  for (int64_t m = 0; m < ndim; ++m) {
-    std::vector<Placements> next;
-    for (const auto& prefix : out)
-      for (const auto& c : choices) {
-        Placements p = prefix;
-        p.push_back(c);
-        next.push_back(p);
-      }
-    out = std::move(next);
-  }
-  return out;
-}
 
 inline bool holds_zero_for_partial(const Placements& p, const std::vector<int64_t>& coord) {
   for (size_t m = 0; m < p.size(); ++m)
@@ -79,47 +64,34 @@ inline bool holds_zero_for_partial(const Placements& p, const std::vector<int64_
 // mesh dims.
 inline Tensor distributed_reference(const Tensor& global, const DeviceMesh& mesh,
                                     const std::vector<int64_t>& coord, const Placements& p) {
-  Tensor want = cut(global, window(global.shape(), mesh.shape(), coord, p));
+  Tensor want = cut_window(global, reference_window(global.shape(), mesh.shape(), coord, p));
   if (holds_zero_for_partial(p, coord)) want.zero_();
   return want;
-}
-
-// After redistribute, a Partial target may split the value any way: what must hold is that the
-// terms over each partial mesh dim sum to the reference block.
-inline std::string partial_sum_problem(const DTensor& dt, const Tensor& global,
-                                       const std::vector<int64_t>& coord) {
-  const Placements& p = dt.placements();
-  Tensor summed = dt.to_local().detach().clone();
-  Tensor want = cut(global, window(global.shape(), dt.mesh().shape(), coord, p));
-  if (summed.shape() != want.shape()) return diff(summed, want);
-  for (size_t m = 0; m < p.size(); ++m)
-    if (p[m].is_partial() && summed.numel() > 0)
-      dt.mesh().group(int64_t(m))->all_reduce(summed, ReduceOp::Sum)->wait();
-  return diff(summed, want);
 }
 
 inline void run_pairs(const DeviceMesh& mesh, const std::vector<Placements>& srcs,
                       const std::vector<Placements>& dsts, const std::vector<Shape>& shapes,
                       const Partition& part = Partition::all()) {
-  const std::vector<int64_t> coord = unravel(world_rank(), mesh.shape());
+  const std::vector<int64_t> coord = mesh_coordinate(world_rank(), mesh.shape());
   ASSERT_EQ(mesh.coordinate(), coord) << mesh.str() << " is not row-major over the world";
   const int root = world_size() - 1;
   Failures f;
   uint64_t seed = 1000;
   for (const Shape& shape : shapes) {
-    const Tensor global = dyadic(shape, ++seed), weight = dyadic(shape, ++seed);
+    const Tensor global = dyadic_tensor(shape, ++seed), weight = dyadic_tensor(shape, ++seed);
     for (const Placements& src : srcs) {
       const std::string at = mesh.str() + " " + shape_str(shape) + " " + placements_str(src) +
-                             " at " + coord_str(coord);
+                             " at " + coordinate_str(coord);
       DTensor x0;
       f.check("distribute_tensor", at, error_of([&] {
                 x0 = distribute_tensor(global, mesh, src);
                 f.check("distribute_tensor local", at,
-                        diff(x0.to_local(), distributed_reference(global, mesh, coord, src)));
+                        tensor_mismatch(x0.to_local(),
+                                        distributed_reference(global, mesh, coord, src)));
                 DTensor x1 =
                     distribute_tensor(world_rank() == root ? global : Tensor(), mesh, src, root);
                 f.check("distribute_tensor from rank " + std::to_string(root), at,
-                        diff(x1.to_local(), x0.to_local()));
+                        tensor_mismatch(x1.to_local(), x0.to_local()));
               }));
       if (!x0.defined()) continue;
       for (const Placements& dst : dsts) {
@@ -131,12 +103,14 @@ inline void run_pairs(const DeviceMesh& mesh, const std::vector<Placements>& src
                   DTensor y = x.redistribute(dst);
                   f.check("placements", ctx,
                           y.placements() == dst ? "" : "got " + placements_str(y.placements()));
-                  f.check("local piece", ctx, partial_sum_problem(y, global, coord));
+                  // A Partial target may split the value any way: local_mismatch checks the sum.
+                  f.check("local piece", ctx, local_mismatch(y, global));
                   Tensor full = y.full_tensor();
-                  f.check("full_tensor", ctx, diff(full, global));
+                  f.check("full_tensor", ctx, tensor_mismatch(full, global));
                   backward(sum(mul(full, weight)));
-                  Window gw = window(shape, mesh.shape(), coord, grad_placements(src));
-                  f.check("source gradient", ctx, diff(x.to_local().grad(), cut(weight, gw)));
+                  Window gw = reference_window(shape, mesh.shape(), coord, grad_placements(src));
+                  f.check("source gradient", ctx,
+                          tensor_mismatch(x.to_local().grad(), cut_window(weight, gw)));
                   DTensor g = x.grad();
                   f.check("grad placements", ctx,
                           g.defined() && g.placements() == grad_placements(src)

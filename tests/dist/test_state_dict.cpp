@@ -6,9 +6,9 @@
 
 #include <set>
 
-#include "common/expect_error.h"
 #include "dist/checkpoint_models.h"
 #include "dist/checkpoint_util.h"
+#include "tessera/testing/expect_error.h"
 
 using namespace tessera;
 using namespace tessera::testing;

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "common/affine_batch.h"
-#include "common/expect_error.h"
 #include "tessera/tessera.h"
+#include "tessera/testing.h"
 
 using namespace tessera;
 using tessera::testing::affine_batch;
@@ -84,14 +84,12 @@ Tensor loss_of(Model& m, const Batch& b) {
       .to_local();
 }
 
-struct TrainRun {
-  std::vector<float> losses;
-  std::map<std::string, Tensor> state;
-};
+using tessera::testing::Trajectory;
 
-TrainRun train(Model m, int steps, int64_t seq = kSeq) {
+// The losses of every step and the parameters after the last, as the testing kit compares them.
+Trajectory train(Model m, int steps, int64_t seq = kSeq) {
   AdamW opt(m.net->parameters(), AdamWOptions{.lr = 3e-3});
-  TrainRun r;
+  Trajectory r;
   for (int s = 0; s < steps; ++s) {
     opt.zero_grad();
     Tensor loss = loss_of(m, make_batch(s, m.net->config().vocab_size, seq));
@@ -99,13 +97,17 @@ TrainRun train(Model m, int steps, int64_t seq = kSeq) {
     opt.step();
     r.losses.push_back(loss.item<float>());
   }
-  r.state = m.net->state_dict();
+  r.parameters[steps - 1] = m.net->state_dict();
   return r;
 }
 
+const std::map<std::string, Tensor>& final_state(const Trajectory& t) {
+  return t.parameters.rbegin()->second;
+}
+
 // The reference run is the same for every variant and test: compute it once per config.
-const TrainRun& reference_run(bool tied) {
-  static std::map<bool, TrainRun> cache;
+const Trajectory& reference_run(bool tied) {
+  static std::map<bool, Trajectory> cache;
   auto it = cache.find(tied);
   if (it == cache.end())
     it = cache.emplace(tied, train(build(tiny_config(tied), nullptr), kSteps)).first;
@@ -137,6 +139,7 @@ void expect_close(const Tensor& got, const Tensor& want, double tol, const std::
   EXPECT_LE(worst, tol) << what << ": element " << at << " is " << g[at] << ", expected " << w[at];
 }
 
+// Exact with tol 0, else |got - want| <= tol * (1 + |want|) per element.
 void expect_same_state(const std::map<std::string, Tensor>& got,
                        const std::map<std::string, Tensor>& want, double tol,
                        const std::string& what) {
@@ -144,22 +147,17 @@ void expect_same_state(const std::map<std::string, Tensor>& got,
   for (const auto& [name, t] : want) {
     auto it = got.find(name);
     ASSERT_NE(it, got.end()) << what << ": missing " << name;
-    if (tol == 0) {
-      ASSERT_EQ(it->second.shape(), t.shape()) << what << ": " << name;
-      EXPECT_EQ(it->second.to_vector<float>(), t.to_vector<float>()) << what << ": " << name;
-    } else {
-      expect_close(it->second, t, tol, what + ": " + name);
-    }
+    tessera::testing::expect_close(it->second, t, tessera::testing::Tolerance{tol, tol},
+                                   what + ": " + name);
   }
 }
 
-// Losses within 1e-5 relative at every step, final parameters within 1e-5.
-void expect_same_training(const TrainRun& run, const TrainRun& ref, const std::string& what) {
-  ASSERT_EQ(run.losses.size(), ref.losses.size()) << what;
-  for (size_t s = 0; s < run.losses.size(); ++s)
-    EXPECT_NEAR(run.losses[s], ref.losses[s], 1e-5 * std::abs(ref.losses[s]))
-        << what << ": step " << s;
-  expect_same_state(run.state, ref.state, 1e-5, what);
+// Losses within 1e-5 relative at every step, final parameters within 1e-5 (1 + |want|).
+void expect_same_training(const Trajectory& run, const Trajectory& ref, const std::string& what) {
+  const tessera::testing::ParityOptions opts{
+      .steps = int(ref.losses.size()), .loss = {1e-5, 0}, .parameters = {1e-5, 1e-5}};
+  const tessera::testing::ParityResult r = tessera::testing::compare_trajectories(run, ref, opts);
+  EXPECT_FALSE(r.divergence) << what << ": " << r.str();
 }
 
 Tensor global_randn(const Shape& s, uint64_t seed) {
@@ -316,9 +314,9 @@ TEST(TensorParallel, PlanShardsTheProjectionsAndKeepsNames) {
 TEST(TensorParallel, TrainingMatchesUnparallelizedDecoder) {
   const DecoderConfig cfg = tiny_config();
   DeviceMesh mesh = tp_mesh(world_size());
-  const TrainRun& ref = reference_run(false);
+  const Trajectory& ref = reference_run(false);
   // The reference learns: otherwise matching it would prove little.
-  EXPECT_LT(ref.losses.back(), 0.7f * ref.losses.front());
+  EXPECT_LT(ref.losses.back(), 0.7 * ref.losses.front());
   for (const Variant& v : variants()) {
     SCOPED_TRACE(v.name);
     expect_same_training(train(build(cfg, &mesh, v.opts), kSteps), ref, v.name);
@@ -334,7 +332,7 @@ TEST(TensorParallel, UnevenShardsTrainLikeTheUnparallelizedDecoder) {
   constexpr int64_t kUnevenSeq = 15;
   constexpr int kUnevenSteps = 10;
   DeviceMesh mesh = tp_mesh(world_size());
-  const TrainRun ref = train(build(cfg, nullptr), kUnevenSteps, kUnevenSeq);
+  const Trajectory ref = train(build(cfg, nullptr), kUnevenSteps, kUnevenSeq);
   for (const Variant& v : variants())
     expect_same_training(train(build(cfg, &mesh, v.opts), kUnevenSteps, kUnevenSeq), ref, v.name);
 }
@@ -342,7 +340,7 @@ TEST(TensorParallel, UnevenShardsTrainLikeTheUnparallelizedDecoder) {
 TEST(TensorParallel, TiedEmbeddingsTrainLikeTheUnparallelizedDecoder) {
   const DecoderConfig cfg = tiny_config(/*tied=*/true);
   DeviceMesh mesh = tp_mesh(world_size());
-  const TrainRun& ref = reference_run(true);
+  const Trajectory& ref = reference_run(true);
   for (const Variant& v : variants()) {
     SCOPED_TRACE(v.name);
     Model m = build(cfg, &mesh, v.opts);
@@ -354,10 +352,10 @@ TEST(TensorParallel, TiedEmbeddingsTrainLikeTheUnparallelizedDecoder) {
 TEST(TensorParallel, RepeatedRunsAreBitIdentical) {
   const DecoderConfig cfg = tiny_config();
   DeviceMesh mesh = tp_mesh(world_size());
-  TrainRun a = train(build(cfg, &mesh, {true, true}), kSteps);
-  TrainRun b = train(build(cfg, &mesh, {true, true}), kSteps);
+  Trajectory a = train(build(cfg, &mesh, {true, true}), kSteps);
+  Trajectory b = train(build(cfg, &mesh, {true, true}), kSteps);
   EXPECT_EQ(a.losses, b.losses);
-  expect_same_state(a.state, b.state, 0, "second run");
+  expect_same_state(final_state(a), final_state(b), 0, "second run");
 }
 
 TEST(TensorParallel, GradientsMatchUnparallelizedDecoder) {

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "common/expect_close.h"
-#include "common/expect_error.h"
 #include "tessera/tessera.h"
+#include "tessera/testing/checks.h"
+#include "tessera/testing/expect_error.h"
 
 using namespace tessera;
 using tessera::testing::expect_close;

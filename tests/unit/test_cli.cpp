@@ -2,7 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "cli.h"
-#include "common/expect_error.h"
+#include "tessera/testing/expect_error.h"
 
 namespace tessera {
 namespace {

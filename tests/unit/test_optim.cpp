@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "common/expect_error.h"
 #include "tessera/tessera.h"
+#include "tessera/testing/expect_error.h"
 
 using namespace tessera;
 using tessera::testing::expect_error;

@@ -7,8 +7,8 @@
 #include <limits>
 #include <string>
 
-#include "common/expect_error.h"
 #include "tessera/tessera.h"
+#include "tessera/testing/expect_error.h"
 #include "unit/kernel_test_util.h"
 
 using namespace tessera;

@@ -23,9 +23,9 @@
 #include <vector>
 
 #include "common/bit_pattern.h"
-#include "common/expect_error.h"
 #include "tessera/checkpoint/safetensors.h"
 #include "tessera/core/factory.h"
+#include "tessera/testing/expect_error.h"
 
 namespace tessera {
 namespace {

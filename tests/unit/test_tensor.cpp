@@ -2,8 +2,8 @@
 
 #include <cmath>
 
-#include "common/expect_error.h"
 #include "tessera/tessera.h"
+#include "tessera/testing/expect_error.h"
 
 using namespace tessera;
 using tessera::testing::error_of;

@@ -1,0 +1,283 @@
+#include "tessera/testing/checks.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "tessera/comm/runtime.h"
+#include "tessera/core/factory.h"
+#include "tessera/core/kernels/views.h"
+#include "tessera/testing/generators.h"
+#include "tessera/testing/geometry.h"
+
+namespace tessera::testing {
+
+namespace {
+
+std::string num(double v) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%.10g", v);
+  return buf;
+}
+
+bool close(double got, double want, Tolerance tol) {
+  return std::abs(got - want) <= tol.atol + tol.rtol * std::abs(want);
+}
+
+// Where the elements of a compared piece sit in the global tensor, for the messages.
+struct Located {
+  const Window* window = nullptr;  // null: the piece is the global tensor
+  Shape global_shape;
+  bool want_is_index_tensor = false;  // values encode their global index (index_tensor)
+};
+
+bool is_index_tensor(const std::vector<double>& values) {
+  for (size_t i = 0; i < values.size(); ++i)
+    if (values[i] != double(i + 1)) return false;
+  return !values.empty();
+}
+
+std::string where_str(int64_t flat, const Shape& shape, const Located& at) {
+  const std::vector<int64_t> local = unravel_index(flat, shape);
+  if (at.window == nullptr) return "global index " + index_str(local);
+  return "local " + index_str(local) + " = global index " +
+         index_str(at.window->global_index(local));
+}
+
+std::string value_str(double v, const Located& at) {
+  std::string s = num(v);
+  if (!at.want_is_index_tensor) return s;
+  auto from = index_of_value(v, at.global_shape);
+  return s +
+         (from ? " (the value of global index " + index_str(*from) + ")" : " (no element's value)");
+}
+
+std::string first_difference(const Tensor& got, const Tensor& want, Tolerance tol,
+                             const Located& at) {
+  if (!got.defined()) return "got an undefined tensor, want shape " + shape_str(want.shape());
+  if (got.shape() != want.shape()) {
+    std::string s = "shape " + shape_str(got.shape()) + ", want " + shape_str(want.shape());
+    if (at.window) s += " (window " + at.window->str() + ")";
+    return s;
+  }
+  const std::vector<double> g = got.to_vector<double>(), w = want.to_vector<double>();
+  int64_t first = -1, count = 0;
+  double worst = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (close(g[i], w[i], tol)) continue;
+    if (first < 0) first = int64_t(i);
+    ++count;
+    worst = std::max(worst, std::abs(g[i] - w[i]));
+  }
+  if (first < 0) return "";
+  const size_t f = size_t(first);
+  std::string s = std::to_string(count) + " of " + std::to_string(g.size()) +
+                  " elements differ; first at " + where_str(first, want.shape(), at) + ": got " +
+                  value_str(g[f], at) + ", want " + num(w[f]);
+  if (tol.rtol != 0 || tol.atol != 0)
+    s += "; largest |difference| " + num(worst) + " (allowed atol " + num(tol.atol) + " + rtol " +
+         num(tol.rtol) + " * |want|)";
+  return s;
+}
+
+std::string rank_str(const DTensor& dt) {
+  return "rank " + std::to_string(world_rank()) + " (coordinate " +
+         coordinate_str(dt.mesh().coordinate()) + " of " + dt.mesh().str() + ")";
+}
+
+// The shapes and dtypes of the members' pieces on one mesh dim: equal pieces can be exchanged.
+constexpr int64_t kMaxDims = 8;
+std::vector<std::vector<int64_t>> gather_headers(const ProcessGroupPtr& group,
+                                                 const Tensor& local) {
+  TESSERA_CHECK(local.dim() <= kMaxDims, "testing checks: local pieces of more than ", kMaxDims,
+                " dims (", shape_str(local.shape()), ")");
+  std::vector<int64_t> h(size_t(kMaxDims + 2), -1);
+  h[0] = int64_t(local.dtype());
+  h[1] = local.dim();
+  for (int64_t d = 0; d < local.dim(); ++d)
+    h[size_t(d + 2)] = local.size(d);
+  Tensor mine = from_vector<int64_t>(h);
+  Tensor all = empty({group->size() * (kMaxDims + 2)}, DType::Int64);
+  group->all_gather_into_tensor(all, mine)->wait();
+  const std::vector<int64_t> v = all.to_vector<int64_t>();
+  std::vector<std::vector<int64_t>> out;
+  for (int r = 0; r < group->size(); ++r)
+    out.emplace_back(v.begin() + r * (kMaxDims + 2), v.begin() + (r + 1) * (kMaxDims + 2));
+  return out;
+}
+
+std::string header_str(const std::vector<int64_t>& h) {
+  Shape s(h.begin() + 2, h.begin() + 2 + h[1]);
+  return shape_str(s) + " " + dtype_name(DType(h[0]));
+}
+
+}  // namespace
+
+std::string tensor_mismatch(const Tensor& got, const Tensor& want, Tolerance tol) {
+  return first_difference(got, want, tol, Located{nullptr, want.shape(), false});
+}
+
+std::string local_mismatch(const DTensor& dt, const Tensor& global, Tolerance tol) {
+  TESSERA_CHECK(dt.defined() && global.defined(), "local_mismatch: an undefined tensor");
+  const std::string who = rank_str(dt) + ", placements " + placements_str(dt.placements());
+  if (global.shape() != dt.shape())
+    return who + ": the DTensor's global shape is " + shape_str(dt.shape()) +
+           ", the global tensor's " + shape_str(global.shape());
+  const Window w =
+      reference_window(dt.shape(), dt.mesh().shape(), dt.mesh().coordinate(), dt.placements());
+  Tensor local = dt.to_local().detach();
+  std::string problem;
+  const Placements& p = dt.placements();
+  for (size_t m = 0; m < p.size(); ++m) {
+    if (!p[m].is_partial()) continue;
+    const ProcessGroupPtr& group = dt.mesh().group(int64_t(m));
+    const auto headers = gather_headers(group, local);
+    bool same = true;
+    for (const auto& h : headers)
+      same = same && h == headers[0];
+    if (!same) {
+      if (problem.empty())
+        problem = "the ranks of Partial mesh dim " + std::to_string(m) +
+                  " hold pieces of different shapes: this one " + shape_str(local.shape());
+      continue;
+    }
+    local = local.to(DType::Float64).clone();
+    if (local.numel() > 0) group->all_reduce(local, p[m].reduce_op())->wait();
+  }
+  if (!problem.empty()) return who + ": " + problem;
+  const Tensor want = cut_window(global, w);
+  const std::vector<double> gv = global.to_vector<double>();
+  Located at{&w, global.shape(), is_index_tensor(gv)};
+  problem = first_difference(local, want, tol, at);
+  if (problem.empty()) return "";
+  bool partial = false;
+  for (const Placement& q : p)
+    partial = partial || q.is_partial();
+  return who + (partial ? ", reduced over its Partial mesh dims" : "") + ", window " + w.str() +
+         " of global shape " + shape_str(global.shape()) + ": " + problem;
+}
+
+std::string replica_mismatch(const DTensor& dt) {
+  TESSERA_CHECK(dt.defined(), "replica_mismatch: an undefined DTensor");
+  const Tensor local = dt.to_local().detach().contiguous();
+  const Placements& p = dt.placements();
+  const Window w =
+      reference_window(dt.shape(), dt.mesh().shape(), dt.mesh().coordinate(), dt.placements());
+  std::string problem;
+  for (size_t m = 0; m < p.size(); ++m) {
+    if (!p[m].is_replicate()) continue;
+    const ProcessGroupPtr& group = dt.mesh().group(int64_t(m));
+    const auto headers = gather_headers(group, local);
+    std::vector<int64_t> coord0 = dt.mesh().coordinate();
+    coord0[m] = 0;
+    const std::string other = "rank " + std::to_string(group->world_ranks()[0]) + " (coordinate " +
+                              coordinate_str(coord0) + ")";
+    const std::string why = " should hold the same piece (mesh dim " + std::to_string(m) + " '" +
+                            dt.mesh().dim_names()[m] + "' is Replicate)";
+    bool same = true;
+    for (const auto& h : headers)
+      same = same && h == headers[0];
+    if (!same) {
+      if (problem.empty() && headers[size_t(group->rank())] != headers[0])
+        problem = rank_str(dt) + " and " + other + why + " but hold " +
+                  header_str(headers[size_t(group->rank())]) + " and " + header_str(headers[0]);
+      continue;
+    }
+    const int64_t n = local.numel();
+    if (n == 0) continue;
+    Tensor flat = kernels::reshape(local, {n});
+    Tensor all = empty({group->size() * n}, local.dtype());
+    group->all_gather_into_tensor(all, flat)->wait();
+    if (group->rank() == 0 || !problem.empty()) continue;
+    const size_t es = local.element_size();
+    const auto* mine = static_cast<const unsigned char*>(flat.raw_data());
+    const auto* first = static_cast<const unsigned char*>(all.raw_data());
+    int64_t differ = 0, at = -1;
+    for (int64_t i = 0; i < n; ++i)
+      if (std::memcmp(mine + i * es, first + i * es, es) != 0) {
+        ++differ;
+        if (at < 0) at = i;
+      }
+    if (differ == 0) continue;
+    const std::vector<int64_t> li = unravel_index(at, local.shape());
+    const double here = flat.to(DType::Float64).to_vector<double>()[size_t(at)];
+    const double there = all.to(DType::Float64).to_vector<double>()[size_t(at)];
+    problem = rank_str(dt) + " and " + other + why + " but differ in " + std::to_string(differ) +
+              " of " + std::to_string(n) + " elements; first at local " + index_str(li) +
+              " = global index " + index_str(w.global_index(li)) + ": " + num(here) + " here, " +
+              num(there) + " there";
+  }
+  return problem;
+}
+
+std::string global_mismatch(const DTensor& a, const Tensor& b, Tolerance tol) {
+  TESSERA_CHECK(a.defined() && b.defined(), "global_mismatch: an undefined tensor");
+  const Tensor full = a.full_tensor().detach();
+  std::string problem = first_difference(
+      full, b, tol, Located{nullptr, b.shape(), is_index_tensor(b.to_vector<double>())});
+  if (problem.empty()) return "";
+  return "global values of " + placements_str(a.placements()) + " on " + a.mesh().str() +
+         " (seen on rank " + std::to_string(world_rank()) + "): " + problem;
+}
+
+std::string global_mismatch(const DTensor& a, const DTensor& b, Tolerance tol) {
+  TESSERA_CHECK(a.defined() && b.defined(), "global_mismatch: an undefined DTensor");
+  const Tensor want = b.full_tensor().detach();
+  std::string problem = global_mismatch(a, want, tol);
+  if (problem.empty()) return "";
+  return problem + " (want: " + placements_str(b.placements()) + " on " + b.mesh().str() + ")";
+}
+
+namespace {
+
+void report(const std::string& check, const std::string& problem, std::source_location where) {
+  if (problem.empty()) return;
+  ADD_FAILURE_AT(where.file_name(), int(where.line())) << check << ": " << problem;
+}
+
+}  // namespace
+
+void expect_local_matches(const DTensor& dt, const Tensor& global, Tolerance tol,
+                          std::source_location where) {
+  report("expect_local_matches", local_mismatch(dt, global, tol), where);
+}
+
+void expect_replicas_equal(const DTensor& dt, std::source_location where) {
+  report("expect_replicas_equal", replica_mismatch(dt), where);
+}
+
+void expect_close_global(const DTensor& a, const DTensor& b, double rtol, double atol,
+                         std::source_location where) {
+  report("expect_close_global", global_mismatch(a, b, {rtol, atol}), where);
+}
+
+void expect_close_global(const DTensor& a, const Tensor& b, double rtol, double atol,
+                         std::source_location where) {
+  report("expect_close_global", global_mismatch(a, b, {rtol, atol}), where);
+}
+
+void expect_close(const Tensor& got, const Tensor& want, Tolerance tol, const std::string& what,
+                  std::source_location where) {
+  const std::string problem = tensor_mismatch(got, want, tol);
+  if (!problem.empty()) report("expect_close", what + ": " + problem, where);
+}
+
+void expect_close(const Tensor& got, const Tensor& want, double tol, const std::string& what,
+                  std::source_location where) {
+  expect_close(got, want, Tolerance{tol, tol}, what, where);
+}
+
+double max_abs_diff(const Tensor& a, const Tensor& b) {
+  TESSERA_CHECK(a.shape() == b.shape(), "max_abs_diff: shapes ", shape_str(a.shape()), " and ",
+                shape_str(b.shape()));
+  const std::vector<double> x = a.to_vector<double>(), y = b.to_vector<double>();
+  double m = 0;
+  for (size_t i = 0; i < x.size(); ++i)
+    m = std::max(m, std::abs(x[i] - y[i]));
+  return m;
+}
+
+}  // namespace tessera::testing

@@ -1,0 +1,286 @@
+// The testing kit checks itself: its reference geometry against the runtime's layout over every
+// mesh, placement list and edge shape of the world size; its checks against deliberate bugs
+// (they must fail, naming rank and global index, and never hang); its parity runner against a
+// data-parallel run that forgets to average its gradients.
+#include <gtest/gtest-spi.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "tessera/dtensor/layout.h"
+#include "tessera/tessera.h"
+#include "tessera/testing.h"
+#include "tessera/testing/expect_contains.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+
+namespace {
+
+// The messages of the GoogleTest failures `f` reports, intercepted instead of failing the test.
+template <class F>
+std::vector<std::string> failures_of(F&& f) {
+  ::testing::TestPartResultArray results;
+  {
+    ::testing::ScopedFakeTestPartResultReporter reporter(
+        ::testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD, &results);
+    f();
+  }
+  std::vector<std::string> out;
+  for (int i = 0; i < results.size(); ++i)
+    out.push_back(results.GetTestPartResult(i).message());
+  return out;
+}
+
+std::string joined(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& m : v)
+    s.append(m).append("\n");
+  return s;
+}
+
+const std::vector<DeviceMesh>& meshes() {
+  static const std::vector<DeviceMesh> m = device_meshes();
+  return m;
+}
+
+// Rank r holds rows r, r + n, r + 2n, ... while claiming Shard(0): a layout bug that keeps every
+// shape right.
+DTensor interleaved_rows(const Tensor& global, const DeviceMesh& mesh) {
+  const int64_t n = mesh.size(), r = mesh.local_rank(0), rows = global.size(0) / n;
+  std::vector<Tensor> picked;
+  for (int64_t i = 0; i < rows; ++i)
+    picked.push_back(kernels::narrow(global, 0, r + i * n, 1));
+  return DTensor::from_local(kernels::cat(picked, 0), mesh, {Shard(0)}, global.shape());
+}
+
+}  // namespace
+
+TEST(TestingKit, MeshShapesAreEveryFactorization) {
+  EXPECT_EQ(mesh_shapes(1), (std::vector<Shape>{{1}}));
+  EXPECT_EQ(mesh_shapes(3), (std::vector<Shape>{{3}}));
+  EXPECT_EQ(mesh_shapes(8), (std::vector<Shape>{{8}, {2, 4}, {4, 2}, {2, 2, 2}}));
+  EXPECT_EQ(mesh_shapes(12, 2), (std::vector<Shape>{{12}, {2, 6}, {3, 4}, {4, 3}, {6, 2}}));
+  EXPECT_EQ(mesh_shapes(12).size(), 8u);  // and (2,2,3), (2,3,2), (3,2,2)
+}
+
+TEST(TestingKit, PlacementListsCoverEveryChoice) {
+  // R, S(0), S(1), P on each of two mesh dims, plus [SS(0,2), S(0)] and [SS(1,2), S(1)].
+  const auto lists = placement_lists({2, 2}, 2, {.strided = true});
+  EXPECT_EQ(lists.size(), 18u);
+  EXPECT_EQ(std::count(lists.begin(), lists.end(), Placements{StridedShard(0, 2), Shard(0)}), 1);
+  EXPECT_EQ(placement_lists({4}, 3, {.partial = false}).size(), 4u);
+  for (const Shape& s : edge_shapes({2, 2}, 2))
+    EXPECT_EQ(s.size(), 2u);
+  const auto shapes = edge_shapes({4}, 1);
+  EXPECT_EQ(shapes, (std::vector<Shape>{{8}, {9}, {3}, {0}}));
+}
+
+TEST(TestingKit, IndexTensorValuesNameTheirIndex) {
+  const Tensor t = index_tensor({3, 4}, DType::Float32);
+  EXPECT_EQ(t.to_vector<double>()[6], 7.0);
+  EXPECT_EQ(index_of_value(7.0, {3, 4}), (std::vector<int64_t>{1, 2}));
+  EXPECT_FALSE(index_of_value(0.0, {3, 4}));
+  EXPECT_FALSE(index_of_value(2.5, {3, 4}));
+  TESSERA_EXPECT_CONTAINS(error_of([] { index_tensor({4}, DType::BFloat16); }), "bfloat16");
+  TESSERA_EXPECT_CONTAINS(error_of([] {
+                            index_tensor({5000, 5000}, DType::Float32);
+                          }),
+                          "[5000, 5000]");
+}
+
+TEST(TestingKit, ReferenceWindowRefusesWhatNoDTensorCanBe) {
+  TESSERA_EXPECT_CONTAINS(
+      error_of([] {
+        reference_window({8, 8}, {2, 2}, {0, 0}, {StridedShard(0, 3), Shard(0)});
+      }),
+      "must have split factor 2");
+  TESSERA_EXPECT_CONTAINS(error_of([] { reference_window({8}, {2}, {0}, {Shard(1)}); }),
+                          "S(1) on mesh dim 0 of a tensor of shape [8]");
+}
+
+// The reference geometry and the runtime's layout agree on every coordinate of every mesh of
+// this world size, for every placement list (StridedShard included) and edge shape; and
+// distribute_tensor passes the kit's own checks there.
+TEST(TestingKit, ReferenceGeometryMatchesRuntimeLayout) {
+  int compared = 0;
+  for (const DeviceMesh& mesh : meshes())
+    for (const Shape& shape : edge_shapes(mesh.shape(), 2))
+      for (const Placements& p : placement_lists(mesh.shape(), 2, {.strided = true})) {
+        for (int64_t i = 0; i < mesh.size(); ++i) {
+          const auto coord = mesh_coordinate(i, mesh.shape());
+          const Window w = reference_window(shape, mesh.shape(), coord, p);
+          const LocalLayout l = compute_local_layout(shape, mesh.shape(), coord, p);
+          ASSERT_EQ(w.shape, l.local_shape) << mesh.str() << placements_str(p) << shape_str(shape);
+          ASSERT_EQ(w.offset, l.global_offset) << mesh.str() << placements_str(p);
+          ++compared;
+        }
+        const Tensor global = index_tensor(shape);
+        const DTensor dt = distribute_tensor(global, mesh, p);
+        expect_local_matches(dt, global);
+        expect_replicas_equal(dt);
+      }
+  EXPECT_GT(compared, 0);
+}
+
+TEST(TestingKit, ChecksFailTheBuggyLayoutOnTheRightRanks) {
+  for (const DeviceMesh& mesh : meshes()) {
+    if (mesh.ndim() != 1 || mesh.size() == 1) continue;
+    const int64_t n = mesh.size(), r = mesh.local_rank(0);
+    const Tensor global = index_tensor({2 * n, 3});
+    const DTensor bad = interleaved_rows(global, mesh);
+    const std::string local = joined(failures_of([&] { expect_local_matches(bad, global); }));
+    // Rank r holds row r where row 2r belongs (rank 0: row n where row 1 belongs).
+    const std::string want_row = std::to_string(r == 0 ? n : r), row = std::to_string(2 * r);
+    TESSERA_EXPECT_CONTAINS(local, "rank " + std::to_string(world_rank()));
+    TESSERA_EXPECT_CONTAINS(local, r == 0 ? "local [1, 0] = global index [1, 0]"
+                                          : "local [0, 0] = global index [" + row + ", 0]");
+    TESSERA_EXPECT_CONTAINS(local, "(the value of global index [" + want_row + ", 0])");
+    // Gathered in the declared order the rows come out permuted.
+    const std::string global_msg =
+        joined(failures_of([&] { expect_close_global(bad, global, 0.0); }));
+    TESSERA_EXPECT_CONTAINS(global_msg,
+                            "first at global index [1, 0]: got " + std::to_string(3 * n + 1) +
+                                " (the value of global index [" + std::to_string(n) + ", 0])");
+    // The correct layout passes all three.
+    const DTensor good = distribute_tensor(global, mesh, {Shard(0)});
+    EXPECT_TRUE(failures_of([&] {
+                  expect_local_matches(good, global);
+                  expect_replicas_equal(good);
+                  expect_close_global(good, global, 0.0);
+                }).empty());
+  }
+}
+
+TEST(TestingKit, ReplicasEqualFindsTheOddRankOut) {
+  for (const DeviceMesh& mesh : meshes()) {
+    if (mesh.size() == 1) continue;
+    // Replicate on the last mesh dim, whatever the others do.
+    Placements p(size_t(mesh.ndim()), Shard(0));
+    p.back() = Replicate();
+    const Tensor global = dyadic_tensor({8, 4}, 5);
+    const DTensor good = distribute_tensor(global, mesh, p);
+    Tensor local = good.to_local().clone();
+    const int64_t last = mesh.ndim() - 1, odd = mesh.size(last) - 1;
+    const bool is_odd = mesh.local_rank(last) == odd;
+    if (is_odd && local.numel() > 1) {
+      std::vector<double> v = local.to_vector<double>();
+      v[1] += 0.25;
+      local = from_vector<double>(v, local.shape());
+    }
+    const DTensor bad = DTensor::from_local(local, mesh, p, global.shape());
+    const std::string msg = joined(failures_of([&] { expect_replicas_equal(bad); }));
+    if (is_odd && local.numel() > 1) {
+      TESSERA_EXPECT_CONTAINS(msg, "rank " + std::to_string(world_rank()) + " (coordinate");
+      TESSERA_EXPECT_CONTAINS(msg, "is Replicate) but differ in 1 of");
+      TESSERA_EXPECT_CONTAINS(msg, "first at local [0, 1] = global index");
+    } else {
+      EXPECT_EQ(msg, "") << mesh.str();
+    }
+    // A rank that disagrees on the global shape holds a piece of another shape: the check
+    // reports it rather than leave the ranks in a collective of mismatched sizes.
+    const Tensor other_global = is_odd ? kernels::narrow(global, 1, 0, 3).contiguous() : global;
+    const Window w = reference_window(other_global.shape(), mesh.shape(), mesh.coordinate(), p);
+    const DTensor wrong =
+        DTensor::from_local(cut_window(other_global, w), mesh, p, other_global.shape());
+    const std::string shape_msg = joined(failures_of([&] { expect_replicas_equal(wrong); }));
+    if (is_odd) {
+      TESSERA_EXPECT_CONTAINS(shape_msg, ", 3] float64 and [");
+    } else {
+      EXPECT_EQ(shape_msg, "");
+    }
+    expect_replicas_equal(good);
+  }
+}
+
+TEST(TestingKit, PartialPiecesAreCheckedByTheirSum) {
+  const DeviceMesh& mesh = meshes().front();
+  const Tensor global = dyadic_tensor({6, 2}, 11);
+  // Any split is allowed: rank 0 holds the value plus (n - 1) * 0.5, the others -0.5 each.
+  const double delta = world_rank() == 0 ? 0.5 * double(world_size() - 1) : -0.5;
+  const Tensor piece = world_rank() == 0 ? add(global, delta) : full_like(global, delta);
+  const DTensor dt = DTensor::from_local(piece, mesh, {Partial()}, global.shape());
+  expect_local_matches(dt, global);
+  const DTensor off = DTensor::from_local(add(piece, 1.0), mesh, {Partial()}, global.shape());
+  const std::string msg = joined(failures_of([&] { expect_local_matches(off, global); }));
+  TESSERA_EXPECT_CONTAINS(msg, "reduced over its Partial mesh dims");
+  TESSERA_EXPECT_CONTAINS(msg, "12 of 12 elements differ");
+}
+
+namespace {
+
+// Rows of the global batch: even over 1, 2, 3, 4 and 8 ranks.
+constexpr int64_t kRows = 24;
+
+// y = W x + b fitted to a target on a global batch of kRows rows; on a mesh the rows are split
+// over the world (data parallelism by hand), and `average` says whether the gradients are
+// averaged before the step (forgetting it is the bug under test).
+MakeRun regression(bool average, bool global_loss = true) {
+  return [=](const DeviceMesh* mesh) {
+    struct State {
+      Generator gen{3};
+      std::shared_ptr<Linear> lin = std::make_shared<Linear>(4, 2, true, gen);
+      std::unique_ptr<SGD> opt;
+    };
+    auto st = std::make_shared<State>();
+    st->opt = std::make_unique<SGD>(st->lin->parameters(), SGDOptions{.lr = 0.1});
+    TrainingRun run;
+    run.step = [=](int step) {
+      const int64_t n = mesh ? world_size() : 1, r = mesh ? world_rank() : 0;
+      // Values in [-1, 1]: a well-conditioned fit, so float32 rounding stays near 1e-7.
+      const Tensor x =
+          mul(dyadic_tensor({kRows, 4}, 100 + uint64_t(step), DType::Float32), 1.0 / 16);
+      const Tensor t =
+          mul(dyadic_tensor({kRows, 2}, 200 + uint64_t(step), DType::Float32), 1.0 / 16);
+      const Tensor xs = kernels::narrow(x, 0, r * kRows / n, kRows / n).contiguous();
+      const Tensor ts = kernels::narrow(t, 0, r * kRows / n, kRows / n).contiguous();
+      st->opt->zero_grad();
+      const Tensor loss = mean(square(sub((*st->lin)(xs), ts)));
+      backward(loss);
+      if (mesh && average)
+        for (Parameter* p : st->lin->parameters()) {
+          Tensor g = p->grad();
+          world_group()->all_reduce(g, ReduceOp::Avg)->wait();
+        }
+      st->opt->step();
+      const double l = loss.item<float>();
+      return mesh && global_loss ? world_mean(l) : l;
+    };
+    run.parameters = [=] { return st->lin->state_dict(); };
+    return run;
+  };
+}
+
+}  // namespace
+
+TEST(TestingKit, ParityRunnerPassesCorrectDataParallelism) {
+  const ParityOptions opts{.steps = 5, .loss = {1e-5, 1e-6}, .parameters = {1e-5, 1e-6}};
+  const auto results = expect_parity(regression(true), meshes(), opts);
+  ASSERT_EQ(results.size(), meshes().size());
+  for (const auto& r : results) {
+    EXPECT_FALSE(r.divergence) << r.str();
+    if (world_rank() == 0) std::printf("[parity] %s\n", r.str().c_str());
+  }
+}
+
+TEST(TestingKit, ParityRunnerNamesTheFirstDivergence) {
+  if (world_size() == 1) GTEST_SKIP() << "one rank has nothing to average";
+  const ParityOptions opts{.steps = 5};
+  const Trajectory reference = record_trajectory(regression(true), nullptr, opts);
+  const DeviceMesh& mesh = meshes().front();
+  const ParityResult r = run_parity(regression(false), mesh, reference, opts);
+  ASSERT_TRUE(r.divergence);
+  // The loss of step 0 comes before any update; the first parameter in name order is off after.
+  EXPECT_EQ(r.divergence->step, 0);
+  EXPECT_EQ(r.divergence->what, "bias");
+  TESSERA_EXPECT_CONTAINS(r.str(), "diverges after step 0 in bias: ");
+  const ParityResult local = run_parity(regression(true, false), mesh, reference, opts);
+  ASSERT_TRUE(local.divergence);
+  TESSERA_EXPECT_CONTAINS(local.divergence->detail, "ranks disagree: rank 0 returned");
+  // Through expect_parity the divergence is a test failure naming mesh, step and parameter.
+  const std::string msg =
+      joined(failures_of([&] { expect_parity(regression(false), {mesh}, opts); }));
+  TESSERA_EXPECT_CONTAINS(msg, mesh.str() + ": diverges after step 0 in bias");
+}
