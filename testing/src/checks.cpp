@@ -12,19 +12,15 @@
 #include "tessera/core/kernels/views.h"
 #include "tessera/testing/generators.h"
 #include "tessera/testing/geometry.h"
+#include "tolerance.h"
 
 namespace tessera::testing {
 
 namespace {
 
+using detail::within;
 std::string num(double v) {
-  char buf[40];
-  std::snprintf(buf, sizeof buf, "%.10g", v);
-  return buf;
-}
-
-bool close(double got, double want, Tolerance tol) {
-  return std::abs(got - want) <= tol.atol + tol.rtol * std::abs(want);
+  return detail::number_str(v);
 }
 
 // Where the elements of a compared piece sit in the global tensor, for the messages.
@@ -67,7 +63,7 @@ std::string first_difference(const Tensor& got, const Tensor& want, Tolerance to
   int64_t first = -1, count = 0;
   double worst = 0;
   for (size_t i = 0; i < g.size(); ++i) {
-    if (close(g[i], w[i], tol)) continue;
+    if (within(g[i], w[i], tol)) continue;
     if (first < 0) first = int64_t(i);
     ++count;
     worst = std::max(worst, std::abs(g[i] - w[i]));

@@ -7,6 +7,7 @@
 #include "tessera/comm/runtime.h"
 #include "tessera/core/error.h"
 #include "tessera/core/factory.h"
+#include "tessera/core/random.h"
 #include "tessera/testing/geometry.h"
 
 namespace tessera::testing {
@@ -152,6 +153,18 @@ Tensor dyadic_tensor(const Shape& shape, uint64_t seed, DType dtype) {
   std::vector<double> v(size_t(shape_numel(shape)));
   for (double& x : v)
     x = dist(rng) / 4.0;
+  return from_vector<double>(v, shape).to(dtype);
+}
+
+Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype) {
+  Generator gen(seed);
+  return randn(shape, gen, dtype);
+}
+
+Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype, double scale) {
+  std::vector<double> v = random_tensor(shape, seed, DType::Float64).to_vector<double>();
+  for (double& x : v)
+    x *= scale;
   return from_vector<double>(v, shape).to(dtype);
 }
 

@@ -9,24 +9,18 @@
 #include "tessera/comm/runtime.h"
 #include "tessera/core/error.h"
 #include "tessera/core/factory.h"
+#include "tolerance.h"
 
 namespace tessera::testing {
 
 namespace {
 
 std::string num(double v) {
-  char buf[40];
-  std::snprintf(buf, sizeof buf, "%.10g", v);
-  return buf;
+  return detail::number_str(v);
 }
 
-// |got - want| as a share of what `tol` allows at `want`; NaN anywhere is infinitely far.
 double share(double got, double want, Tolerance tol) {
-  const double d = std::abs(got - want);
-  if (std::isnan(d)) return std::numeric_limits<double>::infinity();
-  const double allowed = tol.atol + tol.rtol * std::abs(want);
-  if (d == 0) return 0;
-  return allowed > 0 ? d / allowed : std::numeric_limits<double>::infinity();
+  return detail::tolerance_share(got, want, tol);
 }
 
 bool compares_parameters(int step, const ParityOptions& opts) {

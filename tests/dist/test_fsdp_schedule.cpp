@@ -12,7 +12,7 @@
 
 #include "tessera/fsdp/fully_shard.h"
 #include "tessera/tessera.h"
-#include "tessera/testing/expect_error.h"
+#include "tessera/testing.h"
 
 using namespace tessera;
 using tessera::testing::expect_error;
@@ -46,9 +46,10 @@ std::pair<Tensor, Tensor> tokens(int step) {
   return {kernels::narrow(ids, 1, 0, 8).contiguous(), kernels::narrow(ids, 1, 1, 8).contiguous()};
 }
 
+constexpr int kSteps = 4;
+
 struct TrainRun {
-  std::vector<float> losses;
-  std::map<std::string, Tensor> state;
+  tessera::testing::Trajectory trajectory;  // losses of each step, parameters after the last
   int64_t all_gathers = 0;
 };
 
@@ -65,29 +66,27 @@ TrainRun train_decoder(
   if (configure) configure(states);
   AdamW opt(net->parameters(), AdamWOptions{.lr = 1e-2});
   TrainRun run;
-  for (int s = 0; s < 4; ++s) {
+  for (int s = 0; s < kSteps; ++s) {
     auto [ids, targets] = tokens(s);
     if (async_unshard_root) states.back()->unshard(/*async_op=*/true);
     Tensor loss = cross_entropy((*net)(ids), targets);
     backward(loss);
     opt.step();
     opt.zero_grad();
-    run.losses.push_back(loss.item<float>());
+    run.trajectory.losses.push_back(loss.item<float>());
   }
   for (auto& st : states)
     run.all_gathers += st->comm_stats().all_gathers;
-  run.state = net->state_dict();
+  run.trajectory.parameters[kSteps - 1] = net->state_dict();
   return run;
 }
 
+// Bit for bit: the same losses and final parameters.
 void expect_identical(const TrainRun& got, const TrainRun& want, const std::string& what) {
-  ASSERT_EQ(got.losses.size(), want.losses.size());
-  for (size_t s = 0; s < got.losses.size(); ++s)
-    EXPECT_EQ(got.losses[s], want.losses[s]) << what << ", step " << s;
-  for (const auto& [name, t] : want.state) {
-    auto g = got.state.at(name).to_vector<float>(), w = t.to_vector<float>();
-    ASSERT_EQ(g, w) << what << ": " << name;
-  }
+  const tessera::testing::ParityOptions exact{.steps = kSteps, .loss = {}, .parameters = {}};
+  const tessera::testing::ParityResult r =
+      tessera::testing::compare_trajectories(got.trajectory, want.trajectory, exact);
+  EXPECT_FALSE(r.divergence) << what << ": " << r.str();
 }
 
 TEST(FSDPSchedule, PrefetchChangesNoBitAndGathersNothingTwice) {
@@ -112,10 +111,10 @@ TEST(FSDPSchedule, PrefetchChangesNoBitAndGathersNothingTwice) {
   expect_identical(async_root, reference, "unshard(async_op) before forward");
   // Per step: each group once before forward, each block again before its backward.
   const int64_t per_step = 3 + 1 + 3;
-  EXPECT_EQ(reference.all_gathers, 4 * per_step);
-  EXPECT_EQ(implicit.all_gathers, 4 * per_step);
-  EXPECT_EQ(explicit_targets.all_gathers, 4 * per_step);
-  EXPECT_EQ(async_root.all_gathers, 4 * per_step);
+  EXPECT_EQ(reference.all_gathers, kSteps * per_step);
+  EXPECT_EQ(implicit.all_gathers, kSteps * per_step);
+  EXPECT_EQ(explicit_targets.all_gathers, kSteps * per_step);
+  EXPECT_EQ(async_root.all_gathers, kSteps * per_step);
 }
 
 // A trunk of three groups and two heads, each its own group under the root. Odd ranks put both

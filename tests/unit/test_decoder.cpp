@@ -9,10 +9,10 @@
 #include <utility>
 #include <vector>
 
-#include "common/random_tensor.h"
 #include "tessera/tessera.h"
 #include "tessera/testing/checks.h"
 #include "tessera/testing/expect_error.h"
+#include "tessera/testing/generators.h"
 
 using namespace tessera;
 using tessera::testing::expect_close;

@@ -8,9 +8,9 @@
 #include <limits>
 #include <string>
 
-#include "common/random_tensor.h"
 #include "tessera/tessera.h"
 #include "tessera/testing/expect_error.h"
+#include "tessera/testing/generators.h"
 
 using namespace tessera;
 using tessera::testing::error_of;

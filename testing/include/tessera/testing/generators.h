@@ -52,4 +52,11 @@ std::optional<std::vector<int64_t>> index_of_value(double value, const Shape& sh
 // float32 and float64 whatever order a reduction adds them in, so comparisons can be exact.
 Tensor dyadic_tensor(const Shape& shape, uint64_t seed, DType dtype = DType::Float64);
 
+// Standard normal values drawn from Generator(seed), the same on every rank. The dtype has no
+// default: which dtype a test computes in is part of what it tests.
+Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype);
+// The same draws times `scale`, multiplied in float64 and rounded to `dtype` once (large float32
+// logits that are still exactly the float64 values rounded).
+Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype, double scale);
+
 }  // namespace tessera::testing
