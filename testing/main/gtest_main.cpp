@@ -1,6 +1,8 @@
 // gtest main for tests run under mpirun: every rank runs every test; rank 0 prints gtest's usual
-// report, the other ranks print only their failures (prefixed with their rank); every rank exits
-// non-zero when any rank failed, so the job's exit status is the verdict.
+// report, the other ranks print only their failures (prefixed with their rank). After each test
+// the ranks agree on its verdict, so that a test that failed on any rank is reported failed in
+// rank 0's report too; every rank exits non-zero when any rank failed, so the job's exit status
+// is the verdict.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -36,6 +38,42 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
   int rank_;
 };
 
+// Ends each test before the printer: every rank contributes whether the test
+// failed on it (tests run in one order on every rank, so this collective lines up), and rank 0
+// adds a failure naming the other ranks, which its printer and summary then show. A failure
+// added in OnTestEnd still belongs to the ending test.
+class VerdictAgreement : public ::testing::EmptyTestEventListener {
+ public:
+  explicit VerdictAgreement(tessera::ProcessGroupPtr world) : world_(std::move(world)) {}
+
+  void OnTestEnd(const ::testing::TestInfo& info) override {
+    const bool failed_here = info.result()->Failed();
+    failed_here_ = failed_here_ || failed_here;
+    tessera::Tensor mine = tessera::full({1}, failed_here ? 1 : 0, tessera::DType::Int32);
+    tessera::Tensor all = tessera::empty({world_->size()}, tessera::DType::Int32);
+    world_->all_gather_into_tensor(all, mine)->wait();
+    const std::vector<int32_t> flags = all.to_vector<int32_t>();
+    std::string others;
+    for (int r = 1; r < world_->size(); ++r)
+      if (flags[size_t(r)] != 0)
+        others.append(others.empty() ? "" : ", ").append(std::to_string(r));
+    if (world_->rank() == 0 && !others.empty()) {
+      added_ = true;
+      ADD_FAILURE_AT(info.file(), info.line())
+          << "failed on rank(s) " << others << " of " << world_->size()
+          << " (their failures are printed above, prefixed with their rank)";
+    }
+  }
+  // Whether a test failed on this rank by its own checks (not by the failures added above).
+  bool failed_here() const { return failed_here_; }
+  bool added_failures() const { return added_; }
+
+ private:
+  tessera::ProcessGroupPtr world_;
+  bool failed_here_ = false;
+  bool added_ = false;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -60,13 +98,22 @@ int main(int argc, char** argv) {
     GTEST_FLAG_SET(random_seed, t.item<int32_t>());
   }
 
+  // GoogleTest calls OnTestEnd in the reverse order of appending: the agreement, appended last,
+  // adds its failure before the printer reports the test.
   ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
   if (rank != 0) {
     delete listeners.Release(listeners.default_result_printer());
     listeners.Append(new FailurePrinter(rank));
   }
+  auto* agreement = new VerdictAgreement(world);
+  listeners.Append(agreement);
 
-  const int local_failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  const int run_failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  // Rank 0's added failures name other ranks; what counts here is its own (or a failure outside
+  // any test, when it added none).
+  const bool own =
+      rank != 0 || !agreement->added_failures() ? run_failed != 0 : agreement->failed_here();
+  const int local_failed = own ? 1 : 0;
 
   tessera::Tensor mine = tessera::full({1}, local_failed, tessera::DType::Int32);
   tessera::Tensor all = tessera::empty({world->size()}, tessera::DType::Int32);

@@ -4,11 +4,15 @@
 // data-parallel run that forgets to average its gradients.
 #include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <array>
 
 #include <cstdio>
 #include <string>
 #include <vector>
 
+#include "child_job.h"
 #include "tessera/dtensor/layout.h"
 #include "tessera/tessera.h"
 #include "tessera/testing.h"
@@ -283,4 +287,34 @@ TEST(TestingKit, ParityRunnerNamesTheFirstDivergence) {
   const std::string msg =
       joined(failures_of([&] { expect_parity(regression(false), {mesh}, opts); }));
   TESSERA_EXPECT_CONTAINS(msg, mesh.str() + ": diverges after step 0 in bias");
+}
+
+// Run only as a child job (below): fails on the last rank alone.
+TEST(TestingKitChild, DISABLED_FailsOnTheLastRankOnly) {
+  EXPECT_NE(world_rank(), world_size() - 1) << "the deliberate failure";
+}
+
+// The MPI main reports a test that failed on rank 1 only as failed in rank 0's report and
+// summary, and the job fails naming rank 1.
+TEST(TestingKit, MainReportsAFailureOnAnyRank) {
+  if (world_size() != 2) GTEST_SKIP() << "the child job is started from the 2-rank run";
+  if (world_rank() == 0) {
+    std::array<char, 4096> self{};
+    const ssize_t len = readlink("/proc/self/exe", self.data(), self.size() - 1);
+    ASSERT_GT(len, 0);
+    const tessera::test::ChildResult r = tessera::test::run_child_job(
+        2,
+        std::string(self.data(), size_t(len)) +
+            " --gtest_also_run_disabled_tests --gtest_color=no"
+            " --gtest_filter=TestingKitChild.DISABLED_FailsOnTheLastRankOnly",
+        "OMP_NUM_THREADS=1", 120);
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    TESSERA_EXPECT_CONTAINS(r.output, "[rank 1] [  FAILED  ] TestingKitChild.");
+    TESSERA_EXPECT_CONTAINS(r.output, "failed on rank(s) 1 of 2 (their failures");
+    TESSERA_EXPECT_CONTAINS(r.output,
+                            "\n[  FAILED  ] TestingKitChild.DISABLED_FailsOnTheLastRankOnly (");
+    TESSERA_EXPECT_CONTAINS(r.output, "\n[  FAILED  ] 1 test, listed below:");
+    TESSERA_EXPECT_CONTAINS(r.output, "[ tessera ] tests failed on rank(s) 1 of 2");
+  }
+  world_group()->barrier()->wait();
 }
