@@ -4,6 +4,7 @@
 #include <queue>
 #include <unordered_map>
 
+#include "tessera/autograd/deferred_reduction.h"
 #include "tessera/autograd/node.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
@@ -15,6 +16,10 @@ namespace {
 struct GraphTask {
   std::vector<std::function<void()>> callbacks;
   uint64_t id = 0;
+  // The node being applied, and the gradients it returned unreduced (by tensor impl); cleared
+  // after each node.
+  const autograd::Node* running = nullptr;
+  std::unordered_map<const void*, autograd::GradientReductionPtr> deferred;
 };
 thread_local GraphTask* t_task = nullptr;
 
@@ -25,13 +30,45 @@ struct ByLatest {
   }
 };
 
-void accumulate(std::vector<Tensor>& buf, uint32_t nr, uint32_t size, const Tensor& g) {
-  if (buf.size() < size) buf.resize(size);
-  if (!buf[nr].defined()) {
-    buf[nr] = g;
-  } else {
-    buf[nr] = kernels::binary(kernels::BinaryOp::Add, buf[nr], g);
+// The gradient collected for one forward output of a node: a full value, or (pending set) this
+// rank's term of a reduction not yet done, possibly already started.
+struct Slot {
+  Tensor value;
+  autograd::GradientReductionPtr pending;
+  std::function<Tensor()> started;
+
+  Tensor reduced() {
+    if (!pending) return value;
+    Tensor out = started ? started() : pending->start(value)();
+    pending = nullptr;
+    started = nullptr;
+    return out;
   }
+};
+
+void accumulate(std::vector<Slot>& buf, uint32_t nr, uint32_t size, const Tensor& g,
+                autograd::GradientReductionPtr pending) {
+  if (buf.size() < size) buf.resize(size);
+  Slot& s = buf[nr];
+  if (!s.value.defined()) {
+    s.value = g;
+    s.pending = std::move(pending);
+    return;
+  }
+  if (s.pending && pending && s.pending->same_as(*pending)) {
+    s.value = kernels::binary(kernels::BinaryOp::Add, s.value, g);
+    return;
+  }
+  // A term meets a full gradient (or a term of another reduction): reduce, then add.
+  const Tensor full = pending ? pending->start(g)() : g;
+  s.value = kernels::binary(kernels::BinaryOp::Add, s.reduced(), full);
+}
+
+// Starts the reductions of a node that has all its gradients, so that they progress while other
+// ready nodes run.
+void start_reductions(std::vector<Slot>& buf) {
+  for (Slot& s : buf)
+    if (s.pending && !s.started) s.started = s.pending->start(s.value);
 }
 
 }  // namespace
@@ -45,7 +82,7 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
                 " outputs");
   TESSERA_CHECK(t_task == nullptr, "backward: called re-entrantly from inside a backward pass");
 
-  std::unordered_map<Node*, std::vector<Tensor>> buffers;
+  std::unordered_map<Node*, std::vector<Slot>> buffers;
   std::vector<std::shared_ptr<Node>> roots;
   for (size_t i = 0; i < outputs.size(); ++i) {
     const Tensor& out = outputs[i];
@@ -62,7 +99,7 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
       TESSERA_CHECK(g.shape() == out.shape(), "backward: gradient shape ", shape_str(g.shape()),
                     " does not match output shape ", shape_str(out.shape()));
     }
-    accumulate(buffers[e.function.get()], e.input_nr, e.function->num_outputs(), g);
+    accumulate(buffers[e.function.get()], e.input_nr, e.function->num_outputs(), g, nullptr);
     roots.push_back(e.function);
   }
 
@@ -110,21 +147,31 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
   while (!ready.empty()) {
     std::shared_ptr<Node> node = ready.top();
     ready.pop();
-    std::vector<Tensor> grads = std::move(buffers[node.get()]);
+    std::vector<Slot> slots = std::move(buffers[node.get()]);
     buffers.erase(node.get());
-    grads.resize(node->num_outputs());
+    std::vector<Tensor> grads(node->num_outputs());
+    for (size_t i = 0; i < slots.size() && i < grads.size(); ++i)
+      grads[i] = slots[i].reduced();
     grads = node->run_pre_hooks(std::move(grads));
+    task.running = node.get();
     std::vector<Tensor> input_grads = node->apply(std::move(grads));
+    task.running = nullptr;
     if (!retain_graph) node->release_saved_tensors();
     const auto& edges = node->next_edges();
     for (size_t j = 0; j < edges.size(); ++j) {
       const Edge& e = edges[j];
       if (!e.valid()) continue;
-      if (j < input_grads.size() && input_grads[j].defined())
-        accumulate(buffers[e.function.get()], e.input_nr, e.function->num_outputs(),
-                   input_grads[j]);
-      if (--deps[e.function.get()] == 0) ready.push(e.function);
+      if (j < input_grads.size() && input_grads[j].defined()) {
+        auto d = task.deferred.find(input_grads[j].impl());
+        accumulate(buffers[e.function.get()], e.input_nr, e.function->num_outputs(), input_grads[j],
+                   d == task.deferred.end() ? nullptr : d->second);
+      }
+      if (--deps[e.function.get()] == 0) {
+        start_reductions(buffers[e.function.get()]);
+        ready.push(e.function);
+      }
     }
+    task.deferred.clear();
   }
   // Callbacks may queue further callbacks; run until none are left.
   for (size_t i = 0; i < task.callbacks.size(); ++i) {
@@ -164,6 +211,14 @@ void retain_grad(const Tensor& t) {
 }
 
 namespace autograd {
+Tensor reduce_later(const Node& node, Tensor term, GradientReductionPtr reduction) {
+  TESSERA_CHECK(reduction != nullptr, "reduce_later: no reduction given for ", term.str());
+  if (t_task == nullptr || t_task->running != &node || !term.defined())
+    return reduction->start(std::move(term))();
+  t_task->deferred[term.impl()] = std::move(reduction);
+  return term;
+}
+
 void queue_callback(std::function<void()> cb) {
   TESSERA_CHECK(t_task != nullptr, "queue_callback outside a backward pass");
   t_task->callbacks.push_back(std::move(cb));

@@ -511,3 +511,47 @@ TEST(TensorParallelErrors, MeshMustBeOneDimensional) {
       {"1-D mesh", "DeviceMesh(dp=2, tp=2)"});
   expect_error([&] { decoder_tp_plan(tiny_config(), mesh); }, {"must be 1-D"});
 }
+
+// One tensor-parallel decoder block's backward issues one all-reduce for the input of q, k and v
+// (their gradients are added locally first) and one for the input of w1 and w3: two in all,
+// where reducing each projection's gradient on its own took five. The gradients are those of the
+// plain block.
+TEST(TensorParallel, BlockBackwardReducesEachSharedInputOnce) {
+  if (world_size() == 1) GTEST_SKIP() << "no collectives on one rank";
+  const DeviceMesh mesh(Shape{world_size()}, {"tp"});
+  if (tiny_config().n_kv_heads % mesh.size() != 0) GTEST_SKIP() << "kv heads do not split";
+  const DecoderConfig cfg = tiny_config();
+  Generator g1(3), g2(3);
+  auto plain = std::make_shared<DecoderBlock>(cfg, g1);
+  auto block = std::make_shared<DecoderBlock>(cfg, g2);
+  const auto colwise = std::make_shared<ColwiseParallel>();
+  const auto rowwise = std::make_shared<RowwiseParallel>();
+  parallelize_module(block, mesh,
+                     {{"attention.wq", colwise},
+                      {"attention.wk", colwise},
+                      {"attention.wv", colwise},
+                      {"attention.wo", rowwise},
+                      {"feed_forward.w1", colwise},
+                      {"feed_forward.w3", colwise},
+                      {"feed_forward.w2", rowwise}});
+  const Tensor x = tessera::testing::random_tensor({2, kSeq, cfg.dim}, 5, DType::Float32);
+  Tensor xp = x.clone().set_requires_grad(true), xt = x.clone().set_requires_grad(true);
+  backward(sum((*plain)(xp)));
+  Tensor y = (*block)(xt);
+  world_group()->barrier()->wait();
+  reset_comm_op_counts();
+  backward(sum(y));
+  const auto counts = comm_op_counts();
+  int64_t total = 0;
+  for (const auto& [op, n] : counts)
+    total += n;
+  EXPECT_EQ(counts.count("all_reduce") ? counts.at("all_reduce") : 0, 2);
+  EXPECT_EQ(total, 2);
+  tessera::testing::expect_close(xt.grad(), xp.grad(), 1e-5, "input gradient");
+  std::map<std::string, Parameter*> want;
+  for (auto& [name, p] : plain->named_parameters())
+    want[name] = p;
+  for (auto& [name, p] : block->named_parameters())
+    tessera::testing::expect_close(p->is_dtensor() ? p->grad_dtensor().full_tensor() : p->grad(),
+                                   want.at(name)->grad(), 1e-5, name);
+}

@@ -211,3 +211,79 @@ TEST(AutogradEngine, CastIsDifferentiable) {
   EXPECT_EQ(x.grad().dtype(), DType::Float64);
   EXPECT_EQ(x.grad().to_vector<double>(), (std::vector<double>{1, 1}));
 }
+
+namespace {
+
+// A stand-in for a sum over ranks: "reducing" a term multiplies it by `factor_` (k ranks holding
+// the same term sum to k times it) and counts itself.
+class Times final : public autograd::GradientReduction {
+ public:
+  Times(double factor, int* count) : factor_(factor), count_(count) {}
+  bool same_as(const autograd::GradientReduction& o) const override {
+    const auto* t = dynamic_cast<const Times*>(&o);
+    return t != nullptr && t->factor_ == factor_;
+  }
+  std::function<Tensor()> start(Tensor term) const override {
+    ++*count_;
+    return [term, f = factor_] { return mul(term.detach(), f); };
+  }
+  std::string str() const override { return "times " + std::to_string(factor_); }
+
+ private:
+  double factor_;
+  int* count_;
+};
+
+// Identity whose backward hands its gradient back unreduced.
+class Deferring final : public autograd::Function {
+ public:
+  Deferring(double factor, int* count) : factor_(factor), count_(count) {}
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override { return in; }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) override {
+    return {autograd::reduce_later(*this, g[0], std::make_shared<Times>(factor_, count_))};
+  }
+
+ private:
+  double factor_;
+  int* count_;
+};
+
+Tensor deferring(const Tensor& x, double factor, int* count) {
+  return autograd::Function::apply<Deferring>({x}, factor, count)[0];
+}
+
+}  // namespace
+
+// Terms of one reduction arriving at one tensor are added, then reduced once; a term meeting a
+// full gradient, or a term of another reduction, is reduced first; the values are those of
+// reducing every term on its own.
+TEST(AutogradEngine, DeferredReductionsReduceSummedTermsOnce) {
+  Tensor x = from_vector<float>({1, 2, 3}).set_requires_grad(true);
+  Tensor h = mul(x, 1.0);  // a non-leaf that three "projections" read, as q, k and v read x
+  int count = 0;
+  Tensor loss = add(add(sum(mul(deferring(h, 3, &count), 2.0)), sum(deferring(h, 3, &count))),
+                    sum(mul(deferring(h, 3, &count), 5.0)));
+  backward(loss);
+  EXPECT_EQ(count, 1);
+  EXPECT_EQ(x.grad().to_vector<float>(), (std::vector<float>{24, 24, 24}));  // 3 * (2 + 1 + 5)
+
+  Tensor y = from_vector<float>({1, 2}).set_requires_grad(true);
+  Tensor k = mul(y, 1.0);
+  count = 0;
+  int other = 0;
+  // A full gradient (7), terms of x3 (1 and 2) and a term of x5 (4) at one tensor.
+  Tensor l2 =
+      add(add(sum(mul(k, 7.0)), sum(deferring(k, 3, &count))),
+          add(sum(mul(deferring(k, 3, &count), 2.0)), sum(mul(deferring(k, 5, &other), 4.0))));
+  backward(l2);
+  EXPECT_EQ(y.grad().to_vector<float>(), (std::vector<float>{36, 36}));  // 7 + 3 + 6 + 20
+  EXPECT_GE(count, 1);
+  EXPECT_EQ(other, 1);
+
+  // Outside the engine the reduction happens at once.
+  count = 0;
+  Deferring direct(3, &count);
+  EXPECT_EQ(direct.backward({from_vector<float>({2})})[0].to_vector<float>(),
+            std::vector<float>{6});
+  EXPECT_EQ(count, 1);
+}

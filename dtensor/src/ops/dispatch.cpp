@@ -1,6 +1,7 @@
 #include "dispatch.h"
 
 #include <algorithm>
+#include "tessera/autograd/deferred_reduction.h"
 #include "tessera/autograd/function.h"
 
 #include "tessera/core/factory.h"
@@ -11,22 +12,53 @@ namespace tessera::dtensor_ops {
 
 namespace {
 
+// The sum of a gradient's terms over some mesh dims, as a reduction the autograd engine may defer
+// (tessera/autograd/deferred_reduction.h): terms of one activation from several ops are added
+// locally and summed over the ranks once.
+class MeshSum final : public autograd::GradientReduction {
+ public:
+  MeshSum(DeviceMesh mesh, std::vector<int64_t> dims)
+      : mesh_(std::move(mesh)), dims_(std::move(dims)) {}
+  bool same_as(const autograd::GradientReduction& other) const override {
+    const auto* o = dynamic_cast<const MeshSum*>(&other);
+    return o != nullptr && o->dims_ == dims_ && o->mesh_ == mesh_;
+  }
+  std::function<Tensor()> start(Tensor term) const override {
+    // The term may be shared with the graph (an identity's input); reduce a copy.
+    Tensor out = term.clone();
+    WorkPtr first = mesh_.group(dims_[0])->all_reduce(out, ReduceOp::Sum);
+    return [out, first, mesh = mesh_, dims = dims_]() mutable {
+      first->wait();
+      for (size_t k = 1; k < dims.size(); ++k)
+        mesh.group(dims[k])->all_reduce(out, ReduceOp::Sum)->wait();
+      return out;
+    };
+  }
+  std::string str() const override {
+    std::string s = "sum over mesh dims";
+    for (int64_t m : dims_)
+      s.append(" ").append(std::to_string(m));
+    return s.append(" of ").append(mesh_.str());
+  }
+
+ private:
+  DeviceMesh mesh_;
+  std::vector<int64_t> dims_;
+};
+
 // Identity forward; backward sums the gradients over the given mesh dims. Placed on the
-// replicated inputs of an op whose output is sharded or partial on those dims: all of one op's
-// such inputs go through one node, so their gradients travel in one all-reduce per mesh dim
-// (x and a replicated weight of the same op cost one collective, not two).
+// replicated inputs of an op whose output is sharded or partial on those dims. A single input's
+// gradient is handed back unreduced for the engine to sum once with the other terms of the same
+// activation (q, k and v read one input); several inputs of one op travel in one flat all-reduce
+// per mesh dim (x and a replicated weight of the same op cost one collective, not two).
 class SumGradsOver final : public autograd::Function {
  public:
   SumGradsOver(DeviceMesh mesh, std::vector<int64_t> mesh_dims)
       : mesh_(std::move(mesh)), dims_(std::move(mesh_dims)) {}
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override { return in; }
   std::vector<Tensor> backward(const std::vector<Tensor>& g) override {
-    if (g.size() == 1) {
-      Tensor out = g[0].clone();
-      for (int64_t m : dims_)
-        mesh_.group(m)->all_reduce(out, ReduceOp::Sum)->wait();
-      return {out};
-    }
+    if (g.size() == 1)
+      return {autograd::reduce_later(*this, g[0], std::make_shared<MeshSum>(mesh_, dims_))};
     // One flat buffer per dtype (in practice one).
     std::vector<Tensor> out(g.size());
     std::vector<bool> done(g.size(), false);
