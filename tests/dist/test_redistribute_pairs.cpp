@@ -142,3 +142,17 @@ TEST(RedistributePairsRisky, Strided) {
     if (mesh.ndim() == 2)
       run_pairs(mesh, strided_lists(mesh), strided_lists(mesh), kShapes, Partition::risky());
 }
+
+// Tensors large enough that the plan search (plan_redistribute) replaces some ordered plans by
+// cheaper ones: every pair of the 2-D and strided lists, checked like the small ones.
+TEST(RedistributePairsRisky, LargeShapesWithSearchedPlans) {
+  if (world_size() != 4 && world_size() != 8) GTEST_SKIP() << "needs 4 or 8 ranks";
+  set_collective_timeout_seconds(kRiskyTimeoutSeconds);
+  for (const DeviceMesh& mesh : device_meshes()) {
+    if (mesh.ndim() != 2) continue;
+    std::vector<Placements> lists = placement_lists(mesh.shape(), 2);
+    for (const Placements& p : strided_lists(mesh))
+      if (p[0].is_strided_shard()) lists.push_back(p);
+    run_pairs(mesh, lists, lists, {{192, 352}}, Partition::all());
+  }
+}

@@ -1,5 +1,6 @@
 // The plan cache: one plan per (mesh shape, global shape, placements), reused, and bounded so a
-// program whose shapes keep changing does not grow it forever.
+// program whose shapes keep changing does not grow it forever. The plan search: where the ordered
+// planner would route a large tensor through Replicate, a cheaper sequence of steps is taken.
 #include <gtest/gtest.h>
 
 #include "tessera/tessera.h"
@@ -28,6 +29,33 @@ TEST(RedistributePlanCache, ReusesAPlanAndForgetsTheLeastRecentlyUsed) {
   const auto again = plan_redistribute(rows_spec(mesh, 1), to);
   EXPECT_NE(again, first);
   EXPECT_EQ(again->str(), first->str());
+}
+
+// On a (2, 2) mesh, 1 MiB of float32: FSDP x TP's layout of a row-parallel weight, [SS(1, 2),
+// S(1)], into data-parallel rows [S(0), R] gathers each half once (dp, then tp after re-cutting
+// rows), 1/2 MiB per rank, where undoing both shards first gathers the whole tensor (3/4 MiB).
+// Fully sharded rows to rows over tp only, [S(0), S(0)] -> [R, S(0)], likewise saves a quarter.
+TEST(RedistributePlanSearch, LargeTensorsAvoidGatheringEverything) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  DeviceMesh mesh({2, 2}, {"dp", "tp"});
+  const int64_t bytes = 512 * 512 * 4;
+  auto plan = [&](const Placements& from, const Placements& to) {
+    return plan_redistribute(DTensorSpec(mesh, from, Shape{512, 512}, DType::Float32), to);
+  };
+  const auto strided = plan({StridedShard(1, 2), Shard(1)}, {Shard(0), Replicate()});
+  EXPECT_EQ(strided->bytes_moved, bytes / 2) << strided->str();
+  for (const RedistributeStep& s : strided->steps)
+    EXPECT_NE(s.after, (Placements{Replicate(), Replicate()})) << strided->str();
+  const auto rows = plan({Shard(0), Shard(0)}, {Replicate(), Shard(0)});
+  EXPECT_LT(rows->bytes_moved, 3 * bytes / 4) << rows->str();
+  // Small tensors keep the ordered plan where the cheaper one takes another collective: a
+  // collective's fixed cost outweighs the bytes saved.
+  const auto small =
+      plan_redistribute(DTensorSpec(mesh, {Shard(0), Shard(0)}, Shape{8, 8}, DType::Float32),
+                        {Replicate(), Shard(0)});
+  ASSERT_FALSE(small->steps.empty());
+  EXPECT_STREQ(small->steps[0].transition->name(), "shard_to_replicate") << small->str();
+  EXPECT_STREQ(rows->steps[0].transition->name(), "shard_to_shard") << rows->str();
 }
 
 }  // namespace

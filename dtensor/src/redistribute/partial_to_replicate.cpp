@@ -23,8 +23,10 @@ class PartialToReplicate final : public Transition {
   Tensor backward(const Tensor& grad, const DTensorSpec&, const RedistributeStep&) const override {
     return grad;
   }
+  // A ring all-reduce: a reduce-scatter and an all-gather, each sending (n - 1) / n of the piece.
   int64_t bytes_moved(const DTensorSpec& before, const RedistributeStep& step) const override {
-    return 2 * local_bytes(before) * (before.mesh.size(step.mesh_dim) - 1);
+    const int64_t n = before.mesh.size(step.mesh_dim);
+    return 2 * (local_bytes(before) * (n - 1) / n);
   }
 };
 

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "plan_search.h"
 #include "tessera/dtensor/redistribute.h"
 
 namespace tessera {
@@ -172,8 +173,12 @@ std::shared_ptr<const RedistributePlan> plan_redistribute(const DTensorSpec& src
   std::string key = shape_str(src.mesh.shape()) + shape_str(src.global_shape) +
                     placements_str(src.placements) + "->" + placements_str(dst.placements);
   if (auto plan = plan_cache().find(key)) return plan;
-  return plan_cache().add(
-      key, std::make_shared<const RedistributePlan>(Planner(src, dst.placements).run()));
+  // The ordered plan is the policy; a search replaces it only by a plan that moves fewer bytes
+  // (or as many in fewer steps).
+  RedistributePlan plan = Planner(src, dst.placements).run();
+  if (auto cheaper = redistribute_detail::cheaper_plan(src, dst.placements, plan))
+    plan = std::move(*cheaper);
+  return plan_cache().add(key, std::make_shared<const RedistributePlan>(std::move(plan)));
 }
 
 size_t redistribute_plan_cache_size() {

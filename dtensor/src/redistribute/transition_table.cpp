@@ -19,8 +19,14 @@ const std::vector<const Transition*>& transition_table() {
 }
 
 namespace redistribute_detail {
+// For an even split (rounded up), not this rank's piece: every rank must estimate alike, since
+// plans are chosen by these estimates and must be the same on every rank.
 int64_t local_bytes(const DTensorSpec& spec) {
-  return shape_numel(spec.local_layout().local_shape) * int64_t(element_size(spec.dtype));
+  int64_t pieces = 1;
+  for (size_t m = 0; m < spec.placements.size(); ++m)
+    if (spec.placements[m].is_shard()) pieces *= spec.mesh.size(int64_t(m));
+  const int64_t numel = shape_numel(spec.global_shape);
+  return (numel + pieces - 1) / pieces * int64_t(element_size(spec.dtype));
 }
 }  // namespace redistribute_detail
 

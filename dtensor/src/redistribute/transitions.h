@@ -11,7 +11,7 @@ const Transition* partial_to_shard();
 const Transition* replicate_to_shard();
 const Transition* replicate_to_partial();
 
-// Bytes of this rank's piece under `spec`.
+// Bytes of a rank's piece under `spec` for an even split (the same on every rank).
 int64_t local_bytes(const DTensorSpec& spec);
 
 }  // namespace tessera::redistribute_detail

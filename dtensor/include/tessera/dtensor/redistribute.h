@@ -20,7 +20,9 @@ struct RedistributeStep {
 
 struct RedistributePlan {
   std::vector<RedistributeStep> steps;
-  int64_t bytes_moved = 0;  // estimate over all ranks; reported, not used to pick steps
+  // Bytes a rank sends over the plan, estimated for an even split (the same on every rank): the
+  // cost by which plan_redistribute picks among candidate plans.
+  int64_t bytes_moved = 0;
   std::string str() const;
 };
 
@@ -37,14 +39,16 @@ class Transition {
   // (Partial -> Replicate) of `before` and `after`.
   virtual Tensor backward(const Tensor& grad, const DTensorSpec& before,
                           const RedistributeStep& step) const = 0;
-  // Bytes this rank sends for the step (summed into RedistributePlan::bytes_moved).
+  // Bytes a rank sends for the step, for an even split (summed into
+  // RedistributePlan::bytes_moved; the same on every rank).
   virtual int64_t bytes_moved(const DTensorSpec& before, const RedistributeStep& step) const = 0;
 };
 
 // The ordered table (the policy); the first transition that applies wins.
 const std::vector<const Transition*>& transition_table();
 
-// The plan from src to dst placements, cached per (mesh shape, global shape, src and dst
+// The plan from src to dst placements: the ordered planner's, or a cheaper one by bytes_moved
+// that a search over one-mesh-dim steps finds; cached per (mesh shape, global shape, src and dst
 // placements); thread-safe. The cache keeps the 4096 most recently used plans.
 std::shared_ptr<const RedistributePlan> plan_redistribute(const DTensorSpec& src,
                                                           const Placements& dst);
