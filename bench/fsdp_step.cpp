@@ -1,6 +1,7 @@
 // Step time of the decoder under FSDP on 2 ranks against the same model, ranks and global batch
 // with parameters replicated (HSDP with a shard group of one: gradients all-reduced), in one run;
-// and how much of the all-gather time prefetch hides (FSDP with prefetch on against off).
+// and how much of the all-gather time prefetch hides (FSDP with prefetch on against off), and the
+// CPU time per step of the communication progress thread (which shares the rank's core here).
 // Run under mpirun -np 2.
 #include <algorithm>
 #include <cstdio>
@@ -14,9 +15,11 @@ using namespace tessera;
 namespace {
 
 struct Run {
-  double step_seconds = 0;     // median
-  double ag_wait_seconds = 0;  // per step: the computing thread waiting for all-gathers
-  double all_gathers = 0;      // per step
+  double step_seconds = 0;      // median
+  double ag_wait_seconds = 0;   // per step: the computing thread waiting for all-gathers
+  double all_gathers = 0;       // per step
+  double progress_seconds = 0;  // per step: CPU time of the communication progress thread
+  double progress_polls = 0;    // per step: its polls
 };
 
 Run time_fsdp(const DeviceMesh& mesh, bool prefetch, int steps, const bench::TokenBatch& tokens) {
@@ -31,10 +34,13 @@ Run time_fsdp(const DeviceMesh& mesh, bool prefetch, int steps, const bench::Tok
   ProcessGroupPtr sync = world_group();
   std::vector<double> t;
   const int warmup = 2;
+  ProgressStats progress_at_warmup;
   for (int s = 0; s < warmup + steps; ++s) {
-    if (s == warmup)
+    if (s == warmup) {
       for (auto& st : states)
         st->reset_comm_stats();
+      progress_at_warmup = progress_stats();
+    }
     sync->barrier()->wait();
     const double t0 = bench::now_seconds();
     backward(cross_entropy((*model)(tokens.inputs), tokens.targets));
@@ -46,6 +52,8 @@ Run time_fsdp(const DeviceMesh& mesh, bool prefetch, int steps, const bench::Tok
   std::sort(t.begin(), t.end());
   Run r;
   r.step_seconds = t[t.size() / 2];
+  r.progress_seconds = (progress_stats().cpu_seconds - progress_at_warmup.cpu_seconds) / steps;
+  r.progress_polls = double(progress_stats().polls - progress_at_warmup.polls) / steps;
   for (auto& st : states) {
     r.ag_wait_seconds += st->comm_stats().all_gather_wait_seconds / steps;
     r.all_gathers += double(st->comm_stats().all_gathers) / steps;
@@ -72,7 +80,7 @@ int main(int argc, char** argv) {
   DeviceMesh fsdp_mesh({2}, {"dp"});
   DeviceMesh replicated_mesh({2, 1}, {"replicate", "shard"});
   // Interleaved rounds, so a noisy moment of the machine hits every configuration alike.
-  std::vector<double> rep, on, off, wait_on, wait_off;
+  std::vector<double> rep, on, off, wait_on, wait_off, progress_on, progress_off, polls_on;
   double gathers = 0;
   for (int r = 0; r < rounds; ++r) {
     rep.push_back(time_fsdp(replicated_mesh, true, steps, tokens).step_seconds);
@@ -82,6 +90,9 @@ int main(int argc, char** argv) {
     wait_off.push_back(a.ag_wait_seconds);
     on.push_back(b.step_seconds);
     wait_on.push_back(b.ag_wait_seconds);
+    progress_off.push_back(a.progress_seconds);
+    progress_on.push_back(b.progress_seconds);
+    polls_on.push_back(b.progress_polls);
     gathers = b.all_gathers;
   }
   const double t_rep = median(rep), t_on = median(on), t_off = median(off);
@@ -93,10 +104,11 @@ int main(int argc, char** argv) {
         "\"fsdp_over_replicated\": %.3f, \"fsdp_no_prefetch_ms\": %.2f, "
         "\"all_gathers_per_step\": %.0f, \"all_gather_wait_ms_prefetch_off\": %.3f, "
         "\"all_gather_wait_ms_prefetch_on\": %.3f, \"all_gather_hidden_share\": %.3f, "
-        "\"step_prefetch_on_over_off\": %.3f}\n",
+        "\"step_prefetch_on_over_off\": %.3f, \"progress_thread_cpu_ms_prefetch_off\": %.3f, "
+        "\"progress_thread_cpu_ms_prefetch_on\": %.3f, \"progress_polls_prefetch_on\": %.0f}\n",
         (long long)(2 * rows), (long long)seq, rounds, t_rep * 1e3, t_on * 1e3, t_on / t_rep,
         t_off * 1e3, gathers, w_off * 1e3, w_on * 1e3, w_off > 0 ? 1.0 - w_on / w_off : 0.0,
-        t_on / t_off);
+        t_on / t_off, median(progress_off) * 1e3, median(progress_on) * 1e3, median(polls_on));
   }
   return 0;
 }

@@ -1,5 +1,7 @@
 #include "progress.h"
 
+#include <time.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <memory>
@@ -19,8 +21,20 @@ namespace {
 // when nothing is ready), short against the milliseconds a prefetched all-gather has to hide in.
 constexpr std::chrono::microseconds kPollInterval{100};
 
+// CPU time of the calling thread.
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
 class ProgressThread {
  public:
+  ProgressStats stats() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return stats_;
+  }
+
   void add(std::weak_ptr<MpiWork> work) {
     std::lock_guard<std::mutex> guard(mutex_);
     if (stopped_) return;
@@ -58,12 +72,14 @@ class ProgressThread {
         if (work && !work->poll()) pending.push_back(std::move(weak));
       }
       batch.clear();
-      if (pending.empty()) continue;
       {
         std::lock_guard<std::mutex> guard(mutex_);
+        ++stats_.polls;
+        stats_.cpu_seconds = thread_cpu_seconds();
         for (std::weak_ptr<MpiWork>& w : pending)
           works_.push_back(std::move(w));
       }
+      if (pending.empty()) continue;
       std::this_thread::sleep_for(kPollInterval);
     }
   }
@@ -73,6 +89,7 @@ class ProgressThread {
   std::vector<std::weak_ptr<MpiWork>> works_;
   std::thread thread_;
   bool stopped_ = false;
+  ProgressStats stats_;  // the thread's CPU time as of its last poll
 };
 
 // Never destroyed: the thread is joined by finalize() (always run, at exit if not before), and
@@ -91,6 +108,10 @@ void stop_progress() {
 }  // namespace tessera::mpi
 
 namespace tessera {
+
+ProgressStats progress_stats() {
+  return mpi::progress_thread().stats();
+}
 
 void progress_in_background(const WorkPtr& work) {
   auto mpi_work = std::dynamic_pointer_cast<mpi::MpiWork>(work);

@@ -15,4 +15,13 @@ namespace tessera {
 // initialising thread may call MPI, and the work progresses inside wait()).
 void progress_in_background(const WorkPtr& work);
 
+// What the progress thread has cost since the process started: the CPU time it used (polling,
+// and the copies MPI makes inside its polls), and how many polls it made. A rank with one core
+// pays this time out of its computation; benchmarks report it per step.
+struct ProgressStats {
+  double cpu_seconds = 0;
+  int64_t polls = 0;
+};
+ProgressStats progress_stats();
+
 }  // namespace tessera
