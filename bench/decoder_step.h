@@ -60,4 +60,16 @@ inline double median_step_seconds(Decoder& model, const TokenBatch& batch, int w
   return t[t.size() / 2];
 }
 
+// The baseline of the scaling benchmarks: the unsharded model's median step on rank 0 alone,
+// the other ranks waiting at a barrier (0 on them).
+inline double one_rank_step_seconds(const DecoderConfig& cfg, const TokenBatch& batch, int steps) {
+  double t = 0;
+  if (world_rank() == 0) {
+    auto model = std::make_shared<Decoder>(cfg);
+    t = median_step_seconds(*model, batch, 2, steps, nullptr);
+  }
+  world_group()->barrier()->wait();
+  return t;
+}
+
 }  // namespace tessera::bench

@@ -91,12 +91,7 @@ int main(int argc, char** argv) {
   const DecoderConfig cfg = bench::decoder_config();
   const bench::TokenBatch tokens = bench::random_tokens(kGlobalBatch, kSeq, cfg.vocab_size, 11);
 
-  double one_rank_s = 0;
-  if (world_rank() == 0) {
-    auto model = std::make_shared<Decoder>(cfg);
-    one_rank_s = bench::median_step_seconds(*model, tokens, 2, steps, nullptr);
-  }
-  world_group()->barrier()->wait();
+  const double one_rank_s = bench::one_rank_step_seconds(cfg, tokens, steps);
 
   std::vector<Layout> layouts;
   for (const auto& run :

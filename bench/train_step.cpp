@@ -17,12 +17,7 @@ int main(int argc, char** argv) {
   const int64_t batch = 8, seq = 128;
   const DecoderConfig cfg = bench::decoder_config();
   const bench::TokenBatch tokens = bench::random_tokens(batch, seq, cfg.vocab_size, 11);
-  double t1 = 0;
-  if (world_rank() == 0) {
-    auto model = std::make_shared<Decoder>(cfg);
-    t1 = bench::median_step_seconds(*model, tokens, 2, steps, nullptr);
-  }
-  world_group()->barrier()->wait();
+  const double t1 = bench::one_rank_step_seconds(cfg, tokens, steps);
   DeviceMesh mesh({2}, {"tp"});
   auto model = std::make_shared<Decoder>(cfg);
   parallelize_module(model, mesh, decoder_tp_plan(cfg, mesh));
