@@ -212,9 +212,9 @@ void retain_grad(const Tensor& t) {
 
 namespace autograd {
 Tensor reduce_later(const Node& node, Tensor term, GradientReductionPtr reduction) {
+  if (!term.defined()) return term;  // no gradient: nothing to reduce
   TESSERA_CHECK(reduction != nullptr, "reduce_later: no reduction given for ", term.str());
-  if (t_task == nullptr || t_task->running != &node || !term.defined())
-    return reduction->start(std::move(term))();
+  if (t_task == nullptr || t_task->running != &node) return reduction->start(std::move(term))();
   t_task->deferred[term.impl()] = std::move(reduction);
   return term;
 }

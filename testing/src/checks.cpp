@@ -119,13 +119,15 @@ std::string tensor_mismatch(const Tensor& got, const Tensor& want, Tolerance tol
 std::string local_mismatch(const DTensor& dt, const Tensor& global, Tolerance tol) {
   TESSERA_CHECK(dt.defined() && global.defined(), "local_mismatch: an undefined tensor");
   const std::string who = rank_str(dt) + ", placements " + placements_str(dt.placements());
-  if (global.shape() != dt.shape())
-    return who + ": the DTensor's global shape is " + shape_str(dt.shape()) +
-           ", the global tensor's " + shape_str(global.shape());
   const Window w =
       reference_window(dt.shape(), dt.mesh().shape(), dt.mesh().coordinate(), dt.placements());
   Tensor local = dt.to_local().detach();
+  // A wrong global tensor on some ranks still takes them through the exchanges below, which the
+  // other ranks make: a rank that returned early would leave them waiting.
   std::string problem;
+  if (global.shape() != dt.shape())
+    problem = "the DTensor's global shape is " + shape_str(dt.shape()) + ", the global tensor's " +
+              shape_str(global.shape());
   const Placements& p = dt.placements();
   for (size_t m = 0; m < p.size(); ++m) {
     if (!p[m].is_partial()) continue;
@@ -137,7 +139,8 @@ std::string local_mismatch(const DTensor& dt, const Tensor& global, Tolerance to
     if (!same) {
       if (problem.empty())
         problem = "the ranks of Partial mesh dim " + std::to_string(m) +
-                  " hold pieces of different shapes: this one " + shape_str(local.shape());
+                  " hold pieces of different shapes or dtypes: this one " +
+                  header_str(headers[size_t(group->rank())]);
       continue;
     }
     local = local.to(DType::Float64).clone();
@@ -145,10 +148,12 @@ std::string local_mismatch(const DTensor& dt, const Tensor& global, Tolerance to
   }
   if (!problem.empty()) return who + ": " + problem;
   const Tensor want = cut_window(global, w);
-  const std::vector<double> gv = global.to_vector<double>();
-  Located at{&w, global.shape(), is_index_tensor(gv)};
+  Located at{&w, global.shape(), false};
   problem = first_difference(local, want, tol, at);
   if (problem.empty()) return "";
+  // Only a failure's message says whose value an element holds.
+  at.want_is_index_tensor = is_index_tensor(global.to_vector<double>());
+  if (at.want_is_index_tensor) problem = first_difference(local, want, tol, at);
   bool partial = false;
   for (const Placement& q : p)
     partial = partial || q.is_partial();
@@ -212,9 +217,11 @@ std::string replica_mismatch(const DTensor& dt) {
 std::string global_mismatch(const DTensor& a, const Tensor& b, Tolerance tol) {
   TESSERA_CHECK(a.defined() && b.defined(), "global_mismatch: an undefined tensor");
   const Tensor full = a.full_tensor().detach();
-  std::string problem = first_difference(
-      full, b, tol, Located{nullptr, b.shape(), is_index_tensor(b.to_vector<double>())});
+  Located at{nullptr, b.shape(), false};
+  std::string problem = first_difference(full, b, tol, at);
   if (problem.empty()) return "";
+  at.want_is_index_tensor = is_index_tensor(b.to_vector<double>());
+  if (at.want_is_index_tensor) problem = first_difference(full, b, tol, at);
   return "global values of " + placements_str(a.placements()) + " on " + a.mesh().str() +
          " (seen on rank " + std::to_string(world_rank()) + "): " + problem;
 }
