@@ -169,9 +169,11 @@ std::shared_ptr<const RedistributePlan> plan_redistribute(const DTensorSpec& src
                                                           const Placements& dst_in) {
   DTensorSpec dst(src.mesh, dst_in, src.global_shape, src.dtype);  // validates, normalizes
   // Plans depend on the mesh shape, not on which ranks form it, nor on this rank's coordinate:
-  // the key is shapes and placements.
+  // the key is shapes, dtype (the search weighs bytes) and placements. A plan must be a function
+  // of its key alone, so that ranks whose caches hold different entries still agree on it.
   std::string key = shape_str(src.mesh.shape()) + shape_str(src.global_shape) +
-                    placements_str(src.placements) + "->" + placements_str(dst.placements);
+                    dtype_name(src.dtype) + placements_str(src.placements) + "->" +
+                    placements_str(dst.placements);
   if (auto plan = plan_cache().find(key)) return plan;
   // The ordered plan is the policy; a search replaces it only by a plan that moves fewer bytes
   // (or as many in fewer steps).

@@ -48,8 +48,8 @@ class Transition {
 const std::vector<const Transition*>& transition_table();
 
 // The plan from src to dst placements: the ordered planner's, or a cheaper one by bytes_moved
-// that a search over one-mesh-dim steps finds; cached per (mesh shape, global shape, src and dst
-// placements); thread-safe. The cache keeps the 4096 most recently used plans.
+// that a search over one-mesh-dim steps finds; cached per (mesh shape, global shape, dtype, src
+// and dst placements); thread-safe. The cache keeps the 4096 most recently used plans.
 std::shared_ptr<const RedistributePlan> plan_redistribute(const DTensorSpec& src,
                                                           const Placements& dst);
 // Plans the cache holds now (for tests and memory accounting).
