@@ -287,6 +287,22 @@ TEST(TestingKit, ParityRunnerNamesTheFirstDivergence) {
   const std::string msg =
       joined(failures_of([&] { expect_parity(regression(false), {mesh}, opts); }));
   TESSERA_EXPECT_CONTAINS(msg, mesh.str() + ": diverges after step 0 in bias");
+  // A reference that depends on the rank (here its data) is reported as such.
+  const MakeRun rank_seeded = [](const DeviceMesh* m) {
+    auto w = std::make_shared<double>(1.0);
+    TrainingRun run;
+    run.step = [w, m](int) {
+      *w *= 0.5;
+      return m ? *w : *w + world_rank();
+    };
+    run.parameters = [w] {
+      return std::map<std::string, Tensor>{{"w", from_vector<double>({*w})}};
+    };
+    return run;
+  };
+  const std::string ref_msg =
+      joined(failures_of([&] { expect_parity(rank_seeded, {}, {.steps = 2}); }));
+  TESSERA_EXPECT_CONTAINS(ref_msg, "the reference run differs across ranks (loss of step 0: 0.5");
 }
 
 // Run only as a child job (below): fails on the last rank alone.
