@@ -1,6 +1,7 @@
 #include "tessera/autograd/engine.h"
 
 #include <atomic>
+#include <map>
 #include <queue>
 #include <unordered_map>
 
@@ -64,11 +65,20 @@ void accumulate(std::vector<Slot>& buf, uint32_t nr, uint32_t size, const Tensor
   s.value = kernels::binary(kernels::BinaryOp::Add, s.reduced(), full);
 }
 
+// Whether `node` takes slot `nr`'s terms unreduced (Node::takes_partial_gradient); never when a
+// hook would see the gradient.
+bool passes_terms(const autograd::Node& node, uint32_t nr, const Slot& s) {
+  return s.pending && !s.started && !node.has_pre_hooks(nr) &&
+         node.takes_partial_gradient(nr, *s.pending);
+}
+
 // Starts the reductions of a node that has all its gradients, so that they progress while other
 // ready nodes run.
-void start_reductions(std::vector<Slot>& buf) {
-  for (Slot& s : buf)
-    if (s.pending && !s.started) s.started = s.pending->start(s.value);
+void start_reductions(const autograd::Node& node, std::vector<Slot>& buf) {
+  for (uint32_t i = 0; i < buf.size(); ++i) {
+    Slot& s = buf[i];
+    if (s.pending && !s.started && !passes_terms(node, i, s)) s.started = s.pending->start(s.value);
+  }
 }
 
 }  // namespace
@@ -150,12 +160,27 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
     std::vector<Slot> slots = std::move(buffers[node.get()]);
     buffers.erase(node.get());
     std::vector<Tensor> grads(node->num_outputs());
-    for (size_t i = 0; i < slots.size() && i < grads.size(); ++i)
-      grads[i] = slots[i].reduced();
+    std::map<uint32_t, autograd::GradientReductionPtr> terms;
+    for (uint32_t i = 0; i < slots.size() && i < grads.size(); ++i) {
+      if (passes_terms(*node, i, slots[i])) {
+        terms[i] = slots[i].pending;
+        grads[i] = slots[i].value;
+      } else {
+        grads[i] = slots[i].reduced();
+      }
+    }
     grads = node->run_pre_hooks(std::move(grads));
-    task.running = node.get();
-    std::vector<Tensor> input_grads = node->apply(std::move(grads));
-    task.running = nullptr;
+    std::vector<Tensor> input_grads;
+    {
+      node->set_incoming_reductions(std::move(terms));
+      struct Clear {  // also when apply throws: a retained graph may run the node again
+        Node& n;
+        ~Clear() { n.set_incoming_reductions({}); }
+      } clear{*node};
+      task.running = node.get();
+      input_grads = node->apply(std::move(grads));
+      task.running = nullptr;
+    }
     if (!retain_graph) node->release_saved_tensors();
     const auto& edges = node->next_edges();
     for (size_t j = 0; j < edges.size(); ++j) {
@@ -167,7 +192,7 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
                    d == task.deferred.end() ? nullptr : d->second);
       }
       if (--deps[e.function.get()] == 0) {
-        start_reductions(buffers[e.function.get()]);
+        start_reductions(*e.function, buffers[e.function.get()]);
         ready.push(e.function);
       }
     }

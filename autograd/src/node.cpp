@@ -16,6 +16,11 @@ void Node::add_pre_hook(uint32_t output_nr, GradHook hook) {
   pre_hooks_.emplace(output_nr, std::move(hook));
 }
 
+GradientReductionPtr Node::incoming_reduction(uint32_t output_nr) const {
+  auto it = incoming_.find(output_nr);
+  return it == incoming_.end() ? nullptr : it->second;
+}
+
 std::vector<Tensor> Node::run_pre_hooks(std::vector<Tensor>&& grads) {
   for (auto& [nr, hook] : pre_hooks_) {
     if (nr >= grads.size() || !grads[nr].defined()) continue;

@@ -555,3 +555,59 @@ TEST(TensorParallel, BlockBackwardReducesEachSharedInputOnce) {
     tessera::testing::expect_close(p->is_dtensor() ? p->grad_dtensor().full_tensor() : p->grad(),
                                    want.at(name)->grad(), 1e-5, name);
 }
+
+// With sequence parallelism the attention and MLP inputs are gathered once each in forward; in
+// backward the gradient terms of q, k and v (and of w1 and w3) are reduce-scattered straight
+// into this rank's sequence chunk, instead of all-reduced and then cut. The backward's only
+// all-reduces are the two norm weights' gradients. The gradients are those of the plain block.
+TEST(TensorParallel, SequenceParallelBlockReduceScattersSharedInputs) {
+  if (world_size() == 1) GTEST_SKIP() << "no collectives on one rank";
+  const DeviceMesh mesh(Shape{world_size()}, {"tp"});
+  const int64_t n = mesh.size();
+  if (tiny_config().n_kv_heads % n != 0 || kSeq % n != 0) GTEST_SKIP() << "does not split";
+  const DecoderConfig cfg = tiny_config();
+  Generator g1(3), g2(3);
+  auto plain = std::make_shared<DecoderBlock>(cfg, g1);
+  auto block = std::make_shared<DecoderBlock>(cfg, g2);
+  ColwiseParallel col;
+  RowwiseParallel row;
+  row.output_layouts = {Shard(1)};
+  PrepareModuleInput gather;
+  gather.input_layouts = {Shard(1)};
+  gather.desired_input_layouts = {Replicate()};
+  auto style = [](auto s) -> ParallelStylePtr { return std::make_shared<decltype(s)>(s); };
+  parallelize_module(block, mesh,
+                     {{"attention_norm", style(SequenceParallel{})},
+                      {"attention", style(gather)},
+                      {"attention.wq", style(col)},
+                      {"attention.wk", style(col)},
+                      {"attention.wv", style(col)},
+                      {"attention.wo", style(row)},
+                      {"ffn_norm", style(SequenceParallel{})},
+                      {"feed_forward", style(gather)},
+                      {"feed_forward.w1", style(col)},
+                      {"feed_forward.w3", style(col)},
+                      {"feed_forward.w2", style(row)}});
+  const Tensor x = tessera::testing::random_tensor({2, kSeq, cfg.dim}, 5, DType::Float32);
+  const int64_t chunk = kSeq / n;
+  Tensor xp = x.clone().set_requires_grad(true);
+  Tensor xt = kernels::narrow(x, 1, world_rank() * chunk, chunk).contiguous();
+  xt.set_requires_grad(true);
+  backward(sum((*plain)(xp)));
+  Tensor y = (*block)(xt);
+  world_group()->barrier()->wait();
+  reset_comm_op_counts();
+  backward(sum(y));
+  auto counts = comm_op_counts();
+  EXPECT_EQ(counts["all_reduce"], 2);
+  EXPECT_EQ(counts["reduce_scatter_tensor"] + counts["reduce_scatter"], 2);
+  tessera::testing::expect_close(
+      xt.grad(), kernels::narrow(xp.grad(), 1, world_rank() * chunk, chunk).contiguous(), 1e-5,
+      "input gradient chunk");
+  std::map<std::string, Parameter*> want;
+  for (auto& [name, p] : plain->named_parameters())
+    want[name] = p;
+  for (auto& [name, p] : block->named_parameters())
+    tessera::testing::expect_close(p->is_dtensor() ? p->grad_dtensor().full_tensor() : p->grad(),
+                                   want.at(name)->grad(), 1e-5, name);
+}

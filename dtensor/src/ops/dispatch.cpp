@@ -1,5 +1,7 @@
 #include "dispatch.h"
 
+#include "../mesh_sum.h"
+
 #include <algorithm>
 #include "tessera/autograd/deferred_reduction.h"
 #include "tessera/autograd/function.h"
@@ -12,39 +14,7 @@ namespace tessera::dtensor_ops {
 
 namespace {
 
-// The sum of a gradient's terms over some mesh dims, as a reduction the autograd engine may defer
-// (tessera/autograd/deferred_reduction.h): terms of one activation from several ops are added
-// locally and summed over the ranks once.
-class MeshSum final : public autograd::GradientReduction {
- public:
-  MeshSum(DeviceMesh mesh, std::vector<int64_t> dims)
-      : mesh_(std::move(mesh)), dims_(std::move(dims)) {}
-  bool same_as(const autograd::GradientReduction& other) const override {
-    const auto* o = dynamic_cast<const MeshSum*>(&other);
-    return o != nullptr && o->dims_ == dims_ && o->mesh_ == mesh_;
-  }
-  std::function<Tensor()> start(Tensor term) const override {
-    // The term may be shared with the graph (an identity's input); reduce a copy.
-    Tensor out = term.clone();
-    WorkPtr first = mesh_.group(dims_[0])->all_reduce(out, ReduceOp::Sum);
-    return [out, first, mesh = mesh_, dims = dims_]() mutable {
-      first->wait();
-      for (size_t k = 1; k < dims.size(); ++k)
-        mesh.group(dims[k])->all_reduce(out, ReduceOp::Sum)->wait();
-      return out;
-    };
-  }
-  std::string str() const override {
-    std::string s = "sum over mesh dims";
-    for (int64_t m : dims_)
-      s.append(" ").append(std::to_string(m));
-    return s.append(" of ").append(mesh_.str());
-  }
-
- private:
-  DeviceMesh mesh_;
-  std::vector<int64_t> dims_;
-};
+using dtensor_detail::MeshSum;
 
 // Identity forward; backward sums the gradients over the given mesh dims. Placed on the
 // replicated inputs of an op whose output is sharded or partial on those dims. A single input's

@@ -11,10 +11,11 @@
 // gradient once instead of three times, as Megatron does.
 //
 // Invariant: a slot's value is reduced before anything but the engine's addition sees it (hooks,
-// the node's backward, a leaf's .grad). Partial terms are added only to partial terms of the same
-// reduction; a term meeting a full gradient is reduced first. Ranks reach every reduction in the
-// same order because the engine's order depends only on the graph, which is the same on every
-// rank.
+// a leaf's .grad, a node's backward), except a backward that asks for the terms
+// (Node::takes_partial_gradient) and finishes the reduction itself. Partial terms are added only to
+// partial terms of the same reduction; a term meeting a full gradient is reduced first. Ranks reach
+// every reduction in the same order because the engine's order depends only on the graph, which is
+// the same on every rank.
 #include <functional>
 #include <memory>
 #include <string>

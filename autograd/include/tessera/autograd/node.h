@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/autograd/deferred_reduction.h"
 #include "tessera/core/tensor.h"
 
 namespace tessera::autograd {
@@ -45,12 +46,28 @@ class Node : public std::enable_shared_from_this<Node> {
   using GradHook = std::function<Tensor(const Tensor&)>;
   void add_pre_hook(uint32_t output_nr, GradHook hook);
   std::vector<Tensor> run_pre_hooks(std::vector<Tensor>&& grads);
+  bool has_pre_hooks(uint32_t output_nr) const { return pre_hooks_.count(output_nr) != 0; }
+
+  // Whether this node's backward can take the gradient of forward output `output_nr` as this
+  // rank's unreduced term of `reduction` and finish the reduction itself more cheaply (an
+  // all-gather's backward reduce-scatters the terms rather than all-reduce them and keep a
+  // chunk). The engine then passes the term unreduced, with the reduction in
+  // incoming_reduction(output_nr) while the node runs (deferred_reduction.h).
+  virtual bool takes_partial_gradient(uint32_t /*output_nr*/,
+                                      const GradientReduction& /*reduction*/) const {
+    return false;
+  }
+  GradientReductionPtr incoming_reduction(uint32_t output_nr) const;
+  void set_incoming_reductions(std::map<uint32_t, GradientReductionPtr> reductions) {
+    incoming_ = std::move(reductions);
+  }
 
  private:
   std::vector<Edge> next_edges_;
   uint32_t num_outputs_ = 1;
   uint64_t sequence_nr_;
   std::multimap<uint32_t, GradHook> pre_hooks_;
+  std::map<uint32_t, GradientReductionPtr> incoming_;
 };
 
 // Accumulates incoming gradients into a leaf's .grad, running its hooks around that.
