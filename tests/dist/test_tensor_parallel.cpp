@@ -512,6 +512,21 @@ TEST(TensorParallelErrors, MeshMustBeOneDimensional) {
   expect_error([&] { decoder_tp_plan(tiny_config(), mesh); }, {"must be 1-D"});
 }
 
+namespace {
+
+// Every parameter gradient of a parallelized block (gathered where it is a DTensor) against the
+// plain block's, within 1e-5 (1 + |want|).
+void expect_same_parameter_grads(Module& parallel, Module& plain) {
+  std::map<std::string, Parameter*> want;
+  for (auto& [name, p] : plain.named_parameters())
+    want[name] = p;
+  for (auto& [name, p] : parallel.named_parameters())
+    tessera::testing::expect_close(p->is_dtensor() ? p->grad_dtensor().full_tensor() : p->grad(),
+                                   want.at(name)->grad(), 1e-5, name);
+}
+
+}  // namespace
+
 // One tensor-parallel decoder block's backward issues one all-reduce for the input of q, k and v
 // (their gradients are added locally first) and one for the input of w1 and w3: two in all,
 // where reducing each projection's gradient on its own took five. The gradients are those of the
@@ -548,12 +563,7 @@ TEST(TensorParallel, BlockBackwardReducesEachSharedInputOnce) {
   EXPECT_EQ(counts.count("all_reduce") ? counts.at("all_reduce") : 0, 2);
   EXPECT_EQ(total, 2);
   tessera::testing::expect_close(xt.grad(), xp.grad(), 1e-5, "input gradient");
-  std::map<std::string, Parameter*> want;
-  for (auto& [name, p] : plain->named_parameters())
-    want[name] = p;
-  for (auto& [name, p] : block->named_parameters())
-    tessera::testing::expect_close(p->is_dtensor() ? p->grad_dtensor().full_tensor() : p->grad(),
-                                   want.at(name)->grad(), 1e-5, name);
+  expect_same_parameter_grads(*block, *plain);
 }
 
 // With sequence parallelism the attention and MLP inputs are gathered once each in forward; in
@@ -604,10 +614,5 @@ TEST(TensorParallel, SequenceParallelBlockReduceScattersSharedInputs) {
   tessera::testing::expect_close(
       xt.grad(), kernels::narrow(xp.grad(), 1, world_rank() * chunk, chunk).contiguous(), 1e-5,
       "input gradient chunk");
-  std::map<std::string, Parameter*> want;
-  for (auto& [name, p] : plain->named_parameters())
-    want[name] = p;
-  for (auto& [name, p] : block->named_parameters())
-    tessera::testing::expect_close(p->is_dtensor() ? p->grad_dtensor().full_tensor() : p->grad(),
-                                   want.at(name)->grad(), 1e-5, name);
+  expect_same_parameter_grads(*block, *plain);
 }
