@@ -15,10 +15,13 @@
 //                (write_at) writes both run; the faster is the baseline.
 //   save         tessera::save of the rows (fsync as the raw write)
 //   raw read     the rows read back, collective and independent; the faster is the baseline
-//   load         tessera::load of the rows file into the rows layout (checksums verified)
+//   load         tessera::load of the rows file into the rows layout (checksums verified), by
+//                default copied out of the mapped file
 //   load unverified, load transactional: the same with LoadOptions verify = false, and with
 //                transactional = true
 //   load columns tessera::load of the rows file into the columns layout
+//   load hdf5, load columns hdf5: load and load columns with memory_map = false (HDF5 reads over
+//                MPI-IO; collective for the columns)
 //   load from columns: a file saved from the columns layout, loaded into the rows layout (the
 //                file does not depend on the layout that saved it)
 //   async        tessera::async_save: the time until it returns (the training thread is free
@@ -196,6 +199,8 @@ int main(int argc, char** argv) {
     const double lt = timed([&] { load(state, path, {.transactional = true}); });
     const double oc = timed([&] { load(other, path); });
     const double of = timed([&] { load(state, columns_path); });
+    const double lh = timed([&] { load(state, path, {.memory_map = false}); });
+    const double och = timed([&] { load(other, path, {.memory_map = false}); });
     AsyncSave pending;
     const double as = timed([&] { pending = async_save(state, async_path, so); });
     pending.wait();
@@ -210,6 +215,8 @@ int main(int argc, char** argv) {
     times["load_transactional"].push_back(lt);
     times["load_columns"].push_back(oc);
     times["load_from_columns"].push_back(of);
+    times["load_hdf5"].push_back(lh);
+    times["load_columns_hdf5"].push_back(och);
     times["async_save_blocked"].push_back(as);
     ratios["save_vs_mpiio"].push_back(s / w);
     ratios["load_vs_mpiio"].push_back(l / r);
@@ -217,6 +224,8 @@ int main(int argc, char** argv) {
     ratios["load_transactional_vs_mpiio"].push_back(lt / r);
     ratios["load_columns_vs_rows"].push_back(oc / l);
     ratios["load_from_columns_vs_from_rows"].push_back(of / l);
+    ratios["load_hdf5_vs_mpiio"].push_back(lh / r);
+    ratios["load_columns_hdf5_vs_rows_hdf5"].push_back(och / lh);
     ratios["async_blocked_vs_sync_save"].push_back(as / s);
   }
   // The loads must have read the right values.

@@ -39,6 +39,21 @@ void add_block_checksums(const void* data, size_t element_size, const Shape& glo
                          const Shape& offset, const Shape& shape, int64_t tile_bytes,
                          uint64_t* sums);
 
+// The bytes [first, last) of a row-major dataset of shape `global` that hold the block
+// [offset, offset + shape); {0, 0} for an empty block.
+struct ByteSpan {
+  int64_t first = 0, last = 0;
+};
+ByteSpan block_span(size_t element_size, const Shape& global, const Shape& offset,
+                    const Shape& shape);
+
+// Copies the block [offset, offset + shape) of a dataset of shape `global` densely to `out`,
+// adding its sums into `sums` as add_block_checksums would, in the same pass over the data (with
+// `sums` null it only copies). `span` holds the dataset's bytes block_span(...) (row-major, a
+// mapped file).
+void copy_block(const void* span, void* out, size_t element_size, const Shape& global,
+                const Shape& offset, const Shape& shape, int64_t tile_bytes, uint64_t* sums);
+
 // The checksum of a table of checksums (it guards the table itself).
 uint64_t table_checksum(const std::vector<uint64_t>& table);
 

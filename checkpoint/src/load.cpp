@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <optional>
 
@@ -11,6 +12,7 @@
 #include "context.h"
 #include "file_format.h"
 #include "h5/h5.h"
+#include "mapped_file.h"
 #include "plan.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/comm/agree.h"
@@ -163,6 +165,33 @@ void read_window(const h5::Id& ds, const DatasetMeta& meta, const Entry& e, cons
   }
 }
 
+// Copies this rank's window of `e` out of the mapped file (its dataset starts at byte `at`) into
+// the dense `buf`, adding the checksums to `sums` (when given) in the same pass.
+void copy_window(const MappedFile& mapped, int64_t at, const DatasetMeta& meta, const Entry& e,
+                 const Tensor& buf, uint64_t* sums) {
+  const size_t es = element_size(meta.dtype);
+  const ByteSpan span = block_span(es, e.global_shape, e.window.offset, e.window.shape);
+  const int64_t whole = shape_numel(meta.shape) * int64_t(es);
+  // The whole dataset must lie inside the file, not only this window: every rank then names a
+  // truncated file alike.
+  mapped.check_range(at, whole, "dataset '" + e.key + "'");
+  const MappedRange range =
+      mapped.map(at + span.first, span.last - span.first, "dataset '" + e.key + "'");
+  copy_block(range.data(), buf.raw_data(), es, e.global_shape, e.window.offset, e.window.shape,
+             meta.tile, sums);
+}
+
+// The file mapped for reading, or nothing when `wanted` is false, the host's byte order is not
+// the file's (little-endian) or the mapping cannot be set up here.
+std::optional<MappedFile> try_map(const std::string& path, bool wanted) {
+  if (!wanted || std::endian::native != std::endian::little) return std::nullopt;
+  try {
+    return std::optional<MappedFile>(std::in_place, path);
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+}
+
 void check_exists(const std::string& path) {
   struct stat st {};
   TESSERA_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint '", path,
@@ -218,21 +247,31 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
   Tensor sums = zeros({words}, DType::Int64);
   auto* sum = static_cast<uint64_t*>(sums.raw_data());
   bool wrote_in_place = false;
-  // Entries that some rank holds as a window other than a run of the file are read
-  // collectively, by every rank (the decision must be the same everywhere).
-  Tensor strided = zeros({int64_t(entries.size())}, DType::Int64);
-  for (size_t i = 0; i < entries.size(); ++i)
+  // Read from a mapping of the file when every rank could map it. Otherwise through HDF5, where
+  // entries that some rank holds as a window other than a run of the file are read
+  // collectively, by every rank. Both decisions must be the same everywhere: one all-reduce
+  // (the last slot: a rank that could not map the file).
+  std::optional<MappedFile> mapped = try_map(path, options.memory_map);
+  const size_t n = entries.size();
+  Tensor strided = zeros({int64_t(n) + 1}, DType::Int64);
+  auto* flags = strided.data<int64_t>();
+  for (size_t i = 0; i < n; ++i)
     if (entries[i].kind == ValueKind::Tensor && shape_numel(entries[i].window.shape) > 0 &&
         !is_run(entries[i]))
-      strided.data<int64_t>()[i] = 1;
+      flags[i] = 1;
+  flags[n] = mapped ? 0 : 1;
   if (!entries.empty()) pg->all_reduce(strided, ReduceOp::Max)->wait();
-  for (size_t i = 0; i < entries.size(); ++i) {
+  if (flags[n] != 0) mapped.reset();
+  for (size_t i = 0; i < n; ++i) {
     const Entry& e = entries[i];
     const Found& f = found[i];
     // Every rank takes part in every step (they are agreed), with or without a piece to read.
     if (!f.present || e.kind != ValueKind::Tensor || shape_numel(e.global_shape) == 0) continue;
-    const bool collective = strided.data<int64_t>()[i] != 0;
     steps.run("reading '" + e.key + "'", [&] {
+      h5::Id ds = h5::open_dataset(file, dataset_path(e.key));
+      // Contiguity is the file's: every rank finds the same.
+      const int64_t at = mapped ? h5::dataset_file_offset(file, ds) : -1;
+      const bool collective = at < 0 && flags[i] != 0;
       if (shape_numel(e.window.shape) == 0 && !collective) return;
       Tensor dst = local_of(state.at(e.key));
       const bool direct =
@@ -240,11 +279,14 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
       Tensor buf = direct ? dst : empty(e.window.shape, f.meta.dtype);
       if (!direct) staged[i] = buf;
       wrote_in_place |= direct;
-      h5::Id ds = h5::open_dataset(file, dataset_path(e.key));
-      read_window(ds, f.meta, e, buf, options.verify && e.owner ? sum + first[i] : nullptr,
-                  strided.data<int64_t>()[i] != 0, pg->size());
+      uint64_t* sums = options.verify && e.owner ? sum + first[i] : nullptr;
+      if (at >= 0)
+        copy_window(*mapped, at, f.meta, e, buf, sums);
+      else
+        read_window(ds, f.meta, e, buf, sums, collective, pg->size());
     });
   }
+  mapped.reset();
   steps.run("closing", [&] { file.close("closing '" + path + "'"); });
 
   if (options.verify) {

@@ -11,7 +11,8 @@
 #include <fstream>
 
 #include "dist/checkpoint_util.h"
-#include "fault.h"  // checkpoint/src: the hook the failure tests throw from
+#include "fault.h"        // checkpoint/src: the hook the failure tests throw from
+#include "mapped_file.h"  // checkpoint/src
 #include "tessera/testing/expect_error.h"
 
 using namespace tessera;
@@ -103,14 +104,19 @@ TEST(CheckpointDamage, FlippedBytesInADatasetNameTheDatasetAndTheBlock) {
     flip_byte(bad, data_offset(bad, "/model/big") + 2 * (1 << 20) + 1000);
   });
   // Transactional: nothing changes. Otherwise the values read in place stay, and the error says
-  // so.
+  // so. Both readers find it.
+  for (bool mapped : {true, false}) {
+    SCOPED_TRACE(mapped ? "mapped" : "HDF5 reads");
+    StateDict sd = zero_state();
+    expect_error([&] { load(sd, bad, {.transactional = true, .memory_map = mapped}); },
+                 {"flipped.h5", "dataset 'model/big' block 2 of 3", "checksum mismatch"});
+    expect_state(sd, 0, "nothing loaded");
+    expect_error([&] { load(sd, bad, {.memory_map = mapped}); },
+                 {"dataset 'model/big' block 2 of 3", "checksum mismatch",
+                  "tensors read in place now hold the file's values"});
+    EXPECT_EQ(std::get<int64_t>(sd.at("extras/step")), 0) << "scalars change only on success";
+  }
   StateDict sd = zero_state();
-  expect_error([&] { load(sd, bad, {.transactional = true}); },
-               {"flipped.h5", "dataset 'model/big' block 2 of 3", "checksum mismatch"});
-  expect_state(sd, 0, "nothing loaded");
-  expect_error([&] { load(sd, bad); }, {"dataset 'model/big' block 2 of 3", "checksum mismatch",
-                                        "tensors read in place now hold the file's values"});
-  EXPECT_EQ(std::get<int64_t>(sd.at("extras/step")), 0) << "scalars change only on success";
   if (world_rank() == 0) {
     const auto problems = verify_checkpoint(bad);
     ASSERT_EQ(problems.size(), 1u);
@@ -135,13 +141,30 @@ TEST(CheckpointDamage, TruncatedAndDamagedHeadersAreErrorsNamingTheFile) {
       flip_byte(head, at);  // inside the superblock, which carries a checksum
   });
   StateDict sd = zero_state();
-  expect_error([&] { load(sd, cut); }, {"truncated.h5"});
-  expect_error([&] { load(sd, head); }, {"header.h5", "cannot be opened"});
+  for (bool mapped : {true, false}) {
+    expect_error([&] { load(sd, cut, {.memory_map = mapped}); }, {"truncated.h5"});
+    expect_error([&] { load(sd, head, {.memory_map = mapped}); },
+                 {"header.h5", "cannot be opened"});
+  }
   expect_state(sd, 0, "nothing loaded");
   if (world_rank() == 0) {
     EXPECT_FALSE(verify_checkpoint(cut).empty());
     EXPECT_FALSE(verify_checkpoint(head).empty());
   }
+}
+
+// HDF5 refuses a file shorter than its metadata says before any data is read; the mapping checks
+// each range against the file's size again, since a page mapped past the end would raise SIGBUS.
+TEST(CheckpointDamage, MappedRangesPastTheEndOfTheFileAreErrorsNamingIt) {
+  const std::string path = dir() + "/short.bin";
+  on_rank0([&] { std::ofstream(path, std::ios::binary) << std::string(5000, 'x'); });
+  const ckpt::MappedFile file(path);
+  EXPECT_EQ(file.size(), 5000);
+  const ckpt::MappedRange r = file.map(4106, 784, "the tail");  // not page-aligned
+  EXPECT_EQ(r.data()[0], 'x');
+  expect_error([&] { file.map(4000, 1001, "dataset 'model/w'"); },
+               {"short.bin", "dataset 'model/w' lies at bytes [4000, 5001)",
+                "the file has 5000 bytes (truncated?)"});
 }
 
 TEST(CheckpointDamage, TamperedTableMissingDatasetVersionAndCompletion) {

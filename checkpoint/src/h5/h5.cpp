@@ -321,6 +321,21 @@ Id open_dataset(const Id& loc, const std::string& path) {
   return ds;
 }
 
+int64_t dataset_file_offset(const Id& file, const Id& dataset) {
+  MpiLock g;
+  Id dcpl(H5Dget_create_plist(dataset.get()), H5Pclose);
+  check(dcpl.get(), "H5Dget_create_plist");
+  if (H5Pget_layout(dcpl.get()) != H5D_CONTIGUOUS) return -1;
+  const haddr_t at = H5Dget_offset(dataset.get());
+  if (at == HADDR_UNDEF) return -1;
+  // HDF5 addresses count from the end of the user block.
+  Id fcpl(H5Fget_create_plist(file.get()), H5Pclose);
+  check(fcpl.get(), "H5Fget_create_plist");
+  hsize_t user_block = 0;
+  check(H5Pget_userblock(fcpl.get(), &user_block), "H5Pget_userblock");
+  return int64_t(at + user_block);
+}
+
 Shape dataset_shape(const Id& dataset) {
   MpiLock g;
   Id space(H5Dget_space(dataset.get()), H5Sclose);

@@ -70,6 +70,9 @@ Id create_group(const Id& loc, const std::string& path);
 Id create_dataset(const Id& loc, const std::string& path, DType dtype, const Shape& shape);
 Id open_dataset(const Id& loc, const std::string& path);
 Shape dataset_shape(const Id& dataset);
+// Where a contiguous dataset of `file` has its elements (row-major, in the dataset's type) as a
+// byte offset into the file, user block included; -1 when its storage is not one allocated block.
+int64_t dataset_file_offset(const Id& file, const Id& dataset);
 // Names of the members of a group (sorted by name).
 std::vector<std::string> group_members(const Id& group);
 

@@ -39,6 +39,12 @@ struct LoadOptions {
   // of the local state and one more pass over it. Wrong keys, shapes, dtypes and versions are
   // found before any data is read, in both modes.
   bool transactional = false;
+  // Read by mapping the file into memory (POSIX mmap) and copying each window out of it, adding
+  // its checksum in the same pass; windows that are not runs of the file (column shards) are
+  // strided copies. With false, or where any rank cannot map the file, windows are read through
+  // HDF5 and MPI-IO (collectively where they are not runs). The file must not be truncated while
+  // it is loaded: a mapped page past its end raises SIGBUS.
+  bool memory_map = true;
 };
 
 // Writes `state` to `path`. Collective over every world rank: each passes the same keys, with
