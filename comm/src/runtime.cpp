@@ -17,7 +17,7 @@
 #include "mpi/mpi_process_group.h"
 #include "mpi/mpi_state.h"
 #include "mpi/mpi_types.h"
-#include "mpi/progress.h"
+#include "progress_thread.h"
 #include "tessera/core/error.h"
 
 namespace tessera {
@@ -216,7 +216,7 @@ void finalize_as(mpi::Departure how) {
   std::lock_guard<std::mutex> guard(s.init_mutex);
   if (!g_initialized.load() || g_finalized.load()) return;
   mpi::depart(how);
-  mpi::stop_progress();
+  detail::stop_progress();
   // Groups still held by the user free their communicators only while MPI is active; release
   // ours now so the world communicator is freed properly.
   s.world.reset();

@@ -206,9 +206,10 @@ bool MpiWork::poll() {
   return requests_done_;
 }
 
-bool MpiWork::transfers_done() {
+bool MpiWork::needs_polling() {
+  if (!active() || !threads_may_communicate()) return false;
   std::lock_guard<std::mutex> guard(mutex_);
-  return done_ || requests_done_;
+  return !(done_ || requests_done_ || poll_error_);
 }
 
 }  // namespace tessera::mpi

@@ -75,11 +75,11 @@ class MpiWork final : public Work {
   void wait() override;
   bool is_completed() override;
 
-  // One poll from the progress thread: tests the requests unless another thread is already
-  // waiting on this work. True once they completed (or failed: wait() reports the error). The
-  // completion step stays with wait(), on the caller's thread.
-  bool poll();
-  bool transfers_done();
+  // True while the transfers are pending and another thread may call MPI (MPI granted at least
+  // MPI_THREAD_SERIALIZED): then the progress thread's polls move them.
+  bool needs_polling() override;
+  // Tests the requests unless another thread is already waiting on this work.
+  bool poll() override;
 
  private:
   // Completes the requests, unless the progress thread already did (its statuses are kept).

@@ -37,6 +37,16 @@ class Work {
   // unfinished Work waits for it, since MPI may still be writing into its buffers.
   virtual void wait() = 0;
   virtual bool is_completed() = 0;
+
+  // What progress_in_background() asks of a backend. A backend whose transfers move only while
+  // some thread of the process polls them (MPI moves a non-blocking operation only inside an
+  // MPI call) says true while polling would still help; one whose transfers run by themselves
+  // (on a device stream) keeps the default false, and is never handed to the progress thread.
+  virtual bool needs_polling() { return false; }
+  // One non-blocking poll from the progress thread; true once polling can stop (transfers done,
+  // or failed: wait() then reports the error). It must not run what wait() runs after the
+  // transfers (copying staged results, dividing for Avg): that stays on the caller's thread.
+  virtual bool poll() { return true; }
 };
 using WorkPtr = std::shared_ptr<Work>;
 

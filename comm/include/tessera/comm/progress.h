@@ -8,11 +8,12 @@
 
 namespace tessera {
 
-// Hands `work` to the progress thread (started on first use), which polls it about every
-// 100 microseconds until its transfers complete. wait() is still needed: it finishes the work
-// on the caller's thread (copying staged results, dividing for Avg) and reports errors. A no-op
-// for a completed work, and when MPI granted less than MPI_THREAD_SERIALIZED (then only the
-// initialising thread may call MPI, and the work progresses inside wait()).
+// Hands `work` to the progress thread (started on first use), which polls it (Work::poll) about
+// every 100 microseconds until its transfers complete. wait() is still needed: it finishes the
+// work on the caller's thread (copying staged results, dividing for Avg) and reports errors. A
+// no-op for a work that does not need polling (Work::needs_polling): a completed one, one whose
+// backend moves it by itself, and an MPI one when MPI granted less than MPI_THREAD_SERIALIZED
+// (then only the initialising thread may call MPI, and the work progresses inside wait()).
 void progress_in_background(const WorkPtr& work);
 
 // What the progress thread has cost since the process started: the CPU time it used (polling,

@@ -1,4 +1,4 @@
-#include "progress.h"
+#include "progress_thread.h"
 
 #include <time.h>
 
@@ -9,16 +9,15 @@
 #include <thread>
 #include <vector>
 
-#include "mpi_state.h"
 #include "tessera/comm/progress.h"
-#include "work.h"
 
-namespace tessera::mpi {
+namespace tessera::detail {
 
 namespace {
 
-// Long enough that polling costs the computing thread next to nothing (one MPI_Testall per poll
-// when nothing is ready), short against the milliseconds a prefetched all-gather has to hide in.
+// Long enough that polling costs the computing thread next to nothing (one test of each pending
+// work per poll when nothing is ready), short against the milliseconds a prefetched all-gather has
+// to hide in.
 constexpr std::chrono::microseconds kPollInterval{100};
 
 // CPU time of the calling thread.
@@ -35,7 +34,7 @@ class ProgressThread {
     return stats_;
   }
 
-  void add(std::weak_ptr<MpiWork> work) {
+  void add(std::weak_ptr<Work> work) {
     std::lock_guard<std::mutex> guard(mutex_);
     if (stopped_) return;
     works_.push_back(std::move(work));
@@ -56,7 +55,7 @@ class ProgressThread {
 
  private:
   void run() {
-    std::vector<std::weak_ptr<MpiWork>> batch;
+    std::vector<std::weak_ptr<Work>> batch;
     for (;;) {
       {
         std::unique_lock<std::mutex> guard(mutex_);
@@ -66,9 +65,9 @@ class ProgressThread {
       }
       // A work may be dropped by its owner meanwhile: then the last reference taken here runs
       // its destructor on this thread, which waits for it like any other owner would.
-      std::vector<std::weak_ptr<MpiWork>> pending;
-      for (std::weak_ptr<MpiWork>& weak : batch) {
-        std::shared_ptr<MpiWork> work = weak.lock();
+      std::vector<std::weak_ptr<Work>> pending;
+      for (std::weak_ptr<Work>& weak : batch) {
+        std::shared_ptr<Work> work = weak.lock();
         if (work && !work->poll()) pending.push_back(std::move(weak));
       }
       batch.clear();
@@ -76,7 +75,7 @@ class ProgressThread {
         std::lock_guard<std::mutex> guard(mutex_);
         ++stats_.polls;
         stats_.cpu_seconds = thread_cpu_seconds();
-        for (std::weak_ptr<MpiWork>& w : pending)
+        for (std::weak_ptr<Work>& w : pending)
           works_.push_back(std::move(w));
       }
       if (pending.empty()) continue;
@@ -86,7 +85,7 @@ class ProgressThread {
 
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::vector<std::weak_ptr<MpiWork>> works_;
+  std::vector<std::weak_ptr<Work>> works_;
   std::thread thread_;
   bool stopped_ = false;
   ProgressStats stats_;  // the thread's CPU time as of its last poll
@@ -105,19 +104,16 @@ void stop_progress() {
   progress_thread().stop();
 }
 
-}  // namespace tessera::mpi
+}  // namespace tessera::detail
 
 namespace tessera {
 
 ProgressStats progress_stats() {
-  return mpi::progress_thread().stats();
+  return detail::progress_thread().stats();
 }
 
 void progress_in_background(const WorkPtr& work) {
-  auto mpi_work = std::dynamic_pointer_cast<mpi::MpiWork>(work);
-  if (!mpi_work || !mpi::active() || !mpi::threads_may_communicate()) return;
-  if (mpi_work->transfers_done()) return;
-  mpi::progress_thread().add(mpi_work);
+  if (work && work->needs_polling()) detail::progress_thread().add(work);
 }
 
 }  // namespace tessera
