@@ -1,5 +1,6 @@
 // all_gather_runs: rank r's runs land where they say in every rank's output, for every dtype,
-// with empty runs and ranks, against values computed here from the rank numbers.
+// with empty runs and ranks, against values computed here from the rank numbers; through the
+// MPI group's own implementation and through the default every backend inherits.
 #include <gtest/gtest.h>
 
 #include "tessera/comm/comm.h"
@@ -39,7 +40,21 @@ Layout fsdp_layout(int k) {
   return l;
 }
 
-TEST(AllGatherRuns, PiecesLandInPlaceForEveryDtype) {
+// The MPI group's own all_gather_runs (one MPI_Ialltoallw), and the default any backend has
+// (padded all-gather, then copies).
+class AllGatherRuns : public ::testing::TestWithParam<bool> {
+ protected:
+  WorkPtr gather(ProcessGroup& pg, Tensor& out, const Tensor& in,
+                 const std::vector<std::vector<GatherRun>>& runs) {
+    return GetParam() ? pg.ProcessGroup::all_gather_runs(out, in, runs)
+                      : pg.all_gather_runs(out, in, runs);
+  }
+};
+
+INSTANTIATE_TEST_SUITE_P(Backend, AllGatherRuns, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "Default" : "Mpi"; });
+
+TEST_P(AllGatherRuns, PiecesLandInPlaceForEveryDtype) {
   ProcessGroupPtr pg = world_group();
   const Layout l = fsdp_layout(pg->size());
   for (DType dt : {DType::Float32, DType::Float64, DType::BFloat16, DType::Float16, DType::Int64,
@@ -56,7 +71,9 @@ TEST(AllGatherRuns, PiecesLandInPlaceForEveryDtype) {
       in[size_t(i)] = value(pg->rank(), i);
     Tensor input = from_vector<double>(in, {l.in_numel}).to(dt);
     Tensor out = full({l.out_numel}, -7.0, dt);
-    pg->all_gather_runs(out, input, l.runs)->wait();
+    WorkPtr work = gather(*pg, out, input, l.runs);
+    progress_in_background(work);  // as FSDP does
+    work->wait();
     std::vector<double> want(size_t(l.out_numel), -7.0);
     for (int r = 0; r < pg->size(); ++r)
       for (const GatherRun& g : l.runs[size_t(r)])
@@ -66,18 +83,18 @@ TEST(AllGatherRuns, PiecesLandInPlaceForEveryDtype) {
   }
 }
 
-TEST(AllGatherRuns, BadRunsAreErrorsOnEveryRank) {
+TEST_P(AllGatherRuns, BadRunsAreErrorsOnEveryRank) {
   ProcessGroupPtr pg = world_group();
   Layout l = fsdp_layout(pg->size());
   Tensor in = zeros({l.in_numel}), out = zeros({l.out_numel});
   auto too_far = l.runs;
   too_far[0].push_back({0, l.out_numel - 1, 2});
-  expect_error([&] { pg->all_gather_runs(out, in, too_far); },
+  expect_error([&] { gather(*pg, out, in, too_far); },
                {"all_gather_runs on group 'world'", "of rank 0 does not fit the output"});
   std::vector<std::vector<GatherRun>> short_list(size_t(pg->size() + 1));
-  expect_error([&] { pg->all_gather_runs(out, in, short_list); }, {"runs for", "ranks"});
+  expect_error([&] { gather(*pg, out, in, short_list); }, {"runs for", "ranks"});
   Tensor wrong = zeros({l.out_numel}, DType::Float64);
-  expect_error([&] { pg->all_gather_runs(wrong, in, l.runs); }, {"differs from input dtype"});
+  expect_error([&] { gather(*pg, wrong, in, l.runs); }, {"differs from input dtype"});
 }
 
 }  // namespace

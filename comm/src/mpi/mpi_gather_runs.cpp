@@ -1,6 +1,5 @@
 // all_gather_runs: every rank's pieces go straight to their places in every output, described
 // by MPI datatypes (one per rank) in one MPI_Ialltoallw, so nothing is staged or copied by us.
-#include <climits>
 #include <memory>
 
 #include "buffers.h"
@@ -48,26 +47,7 @@ WorkPtr MpiProcessGroup::all_gather_runs(Tensor& out, const Tensor& in,
   enter(kOp);
   check_tensor(out, kOp, "the output");
   check_tensor(in, kOp, "the input");
-  TESSERA_CHECK(out.dtype() == in.dtype(), where(kOp), ": output dtype ", dtype_name(out.dtype()),
-                " differs from input dtype ", dtype_name(in.dtype()));
-  TESSERA_CHECK(out.is_contiguous() && in.is_contiguous(), where(kOp), ": the output ", out.str(),
-                " and the input ", in.str(), " must be contiguous");
-  TESSERA_CHECK(!out.storage().is_same(in.storage()), where(kOp),
-                ": the output and the input share storage");
-  TESSERA_CHECK(int64_t(runs.size()) == size(), where(kOp), ": runs for ", runs.size(),
-                " ranks but the group has ", size());
-  for (int r = 0; r < size(); ++r) {
-    for (const GatherRun& g : runs[size_t(r)]) {
-      const std::string run = "run {src " + std::to_string(g.src) + ", dst " +
-                              std::to_string(g.dst) + ", length " + std::to_string(g.length) +
-                              "} of rank " + std::to_string(r);
-      TESSERA_CHECK(
-          g.length >= 0 && g.length <= INT_MAX && g.dst >= 0 && g.dst + g.length <= out.numel(),
-          where(kOp), ": ", run, " does not fit the output of ", out.numel(), " elements");
-      TESSERA_CHECK(r != rank() || (g.src >= 0 && g.src + g.length <= in.numel()), where(kOp), ": ",
-                    run, " does not fit this rank's input of ", in.numel(), " elements");
-    }
-  }
+  check_gather_runs(*this, out, in, runs);
   CallInfo call = tensor_call(OpKind::AllGatherRuns, in.dtype(), in.shape());
   call.out_shape = out.shape();
   const int64_t mine = run_total(runs[size_t(rank())]);

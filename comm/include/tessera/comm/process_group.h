@@ -13,6 +13,7 @@
 namespace tessera {
 
 enum class ReduceOp : uint8_t { Sum, Avg, Max, Min, Product };
+class ProcessGroup;
 
 // A run of `length` elements at element offset `src` of the sender's input that lands at element
 // offset `dst` of every rank's output (all_gather_runs).
@@ -22,6 +23,10 @@ struct GatherRun {
   int64_t length = 0;
 };
 const char* reduce_op_name(ReduceOp op);
+// Throws an error naming `group` unless `runs` fit `out` and `in` as all_gather_runs requires
+// (the checks every backend's all_gather_runs makes before any data moves).
+void check_gather_runs(const ProcessGroup& group, const Tensor& out, const Tensor& in,
+                       const std::vector<std::vector<GatherRun>>& runs);
 
 // How many operations of each kind ("all_reduce", "reduce_scatter_tensor", "send", "split", ...)
 // this process has issued on any group since the last reset: what tests and benchmarks count
@@ -72,11 +77,15 @@ class ProcessGroup {
   // outputs[r] receives rank r's `in`; shapes may differ across ranks (outputs pre-sized).
   virtual WorkPtr all_gather(std::vector<Tensor>& outputs, const Tensor& in) = 0;
   // All-gather of scattered pieces: runs[r] says which elements of rank r's `in` go where in
-  // every rank's `out` (both contiguous, one dtype; runs given alike on every rank). FSDP gathers
-  // a group straight into its parameters with it: each rank's shard holds a padded piece of
-  // every parameter, and each piece has its own place in the unsharded parameters.
+  // every rank's `out` (both contiguous, one dtype, not sharing storage; runs given alike on
+  // every rank). FSDP gathers a group straight into its parameters with it: each rank's shard
+  // holds a padded piece of every parameter, and each piece has its own place in the unsharded
+  // parameters. This default, which any backend can run, packs each rank's runs into one piece
+  // padded to the longest, all-gathers the pieces (all_gather_into_tensor) and copies the runs
+  // into `out` when the work completes: one extra copy of the gathered bytes. A backend may
+  // move the runs straight to their places instead (the MPI group: one MPI_Ialltoallw).
   virtual WorkPtr all_gather_runs(Tensor& out, const Tensor& in,
-                                  const std::vector<std::vector<GatherRun>>& runs) = 0;
+                                  const std::vector<std::vector<GatherRun>>& runs);
   // `in` is size() blocks of `out`'s shape on dim 0; rank r gets the reduction of block r.
   virtual WorkPtr reduce_scatter_tensor(Tensor& out, const Tensor& in, ReduceOp op) = 0;
   // inputs[r] (shapes may differ per r, same on every rank) reduced into rank r's `out`.

@@ -1,0 +1,133 @@
+// The backend-neutral all_gather_runs: pack, all-gather padded pieces, copy the runs out.
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "tessera/comm/process_group.h"
+#include "tessera/comm/runtime.h"
+#include "tessera/core/error.h"
+#include "tessera/core/factory.h"
+
+namespace tessera {
+
+namespace {
+
+int64_t run_total(const std::vector<GatherRun>& runs) {
+  int64_t n = 0;
+  for (const GatherRun& r : runs)
+    n += r.length;
+  return n;
+}
+
+std::string where(const ProcessGroup& g) {
+  return "all_gather_runs on group '" + g.name() + "' (rank " + std::to_string(g.rank()) +
+         " of " + std::to_string(g.size()) + ")";
+}
+
+// A work that runs `then` once, on the thread that finds `inner` complete (wait() or
+// is_completed()), before reporting completion. The progress thread only polls `inner`.
+class ThenWork final : public Work {
+ public:
+  ThenWork(WorkPtr inner, std::function<void()> then)
+      : inner_(std::move(inner)), then_(std::move(then)) {}
+  ~ThenWork() override {
+    // Like any work dropped unfinished: the gathered pieces still reach `out`.
+    try {
+      if (!done_) wait();
+    } catch (const std::exception& e) {
+      abort_job(std::string("a Work destroyed before completion failed: ") + e.what());
+    }
+  }
+  void wait() override {
+    inner_->wait();
+    finish();
+  }
+  bool is_completed() override {
+    if (!inner_->is_completed()) return false;
+    finish();
+    return true;
+  }
+  bool needs_polling() override { return inner_->needs_polling(); }
+  bool poll() override { return inner_->poll(); }
+
+ private:
+  void finish() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    if (done_) return;
+    done_ = true;
+    auto fn = std::move(then_);
+    fn();
+  }
+  WorkPtr inner_;
+  std::function<void()> then_;
+  std::mutex mutex_;
+  bool done_ = false;
+};
+
+}  // namespace
+
+void check_gather_runs(const ProcessGroup& group, const Tensor& out, const Tensor& in,
+                       const std::vector<std::vector<GatherRun>>& runs) {
+  TESSERA_CHECK(out.defined() && in.defined(), where(group),
+                ": the output and the input must be defined tensors");
+  TESSERA_CHECK(out.dtype() == in.dtype(), where(group), ": output dtype ",
+                dtype_name(out.dtype()), " differs from input dtype ", dtype_name(in.dtype()));
+  TESSERA_CHECK(out.is_contiguous() && in.is_contiguous(), where(group), ": the output ",
+                out.str(), " and the input ", in.str(), " must be contiguous");
+  TESSERA_CHECK(!out.storage().is_same(in.storage()), where(group),
+                ": the output and the input share storage");
+  TESSERA_CHECK(int64_t(runs.size()) == group.size(), where(group), ": runs for ", runs.size(),
+                " ranks but the group has ", group.size());
+  for (int r = 0; r < group.size(); ++r) {
+    for (const GatherRun& g : runs[size_t(r)]) {
+      const std::string run = "run {src " + std::to_string(g.src) + ", dst " +
+                              std::to_string(g.dst) + ", length " + std::to_string(g.length) +
+                              "} of rank " + std::to_string(r);
+      TESSERA_CHECK(
+          g.length >= 0 && g.length <= INT_MAX && g.dst >= 0 && g.dst + g.length <= out.numel(),
+          where(group), ": ", run, " does not fit the output of ", out.numel(), " elements");
+      TESSERA_CHECK(r != group.rank() || (g.src >= 0 && g.src + g.length <= in.numel()),
+                    where(group), ": ", run, " does not fit this rank's input of ", in.numel(),
+                    " elements");
+    }
+  }
+}
+
+WorkPtr ProcessGroup::all_gather_runs(Tensor& out, const Tensor& in,
+                                      const std::vector<std::vector<GatherRun>>& runs) {
+  check_gather_runs(*this, out, in, runs);
+  int64_t piece = 1;  // all_gather_into_tensor takes no empty dims: at least one element
+  for (const auto& r : runs)
+    piece = std::max(piece, run_total(r));
+  const size_t es = in.element_size();
+  Tensor send = zeros({piece}, in.dtype());
+  {
+    auto* to = static_cast<unsigned char*>(send.raw_data());
+    const auto* from = static_cast<const unsigned char*>(in.raw_data());
+    for (const GatherRun& g : runs[size_t(rank())]) {
+      std::memcpy(to, from + size_t(g.src) * es, size_t(g.length) * es);
+      to += size_t(g.length) * es;
+    }
+  }
+  Tensor gathered = empty({piece * size()}, in.dtype());
+  WorkPtr inner = all_gather_into_tensor(gathered, send);
+  return std::make_shared<ThenWork>(
+      std::move(inner), [out, send, gathered, runs, piece, es]() mutable {
+        const auto* all = static_cast<const unsigned char*>(gathered.raw_data());
+        auto* dst = static_cast<unsigned char*>(out.raw_data());
+        for (size_t r = 0; r < runs.size(); ++r) {
+          const unsigned char* from = all + r * size_t(piece) * es;
+          for (const GatherRun& g : runs[r]) {
+            std::memcpy(dst + size_t(g.dst) * es, from, size_t(g.length) * es);
+            from += size_t(g.length) * es;
+          }
+        }
+      });
+}
+
+}  // namespace tessera
