@@ -25,8 +25,8 @@ int64_t run_total(const std::vector<GatherRun>& runs) {
 }
 
 std::string where(const ProcessGroup& g) {
-  return "all_gather_runs on group '" + g.name() + "' (rank " + std::to_string(g.rank()) +
-         " of " + std::to_string(g.size()) + ")";
+  return "all_gather_runs on group '" + g.name() + "' (rank " + std::to_string(g.rank()) + " of " +
+         std::to_string(g.size()) + ")";
 }
 
 // A work that runs `then` once, on the thread that finds `inner` complete (wait() or
@@ -75,10 +75,10 @@ void check_gather_runs(const ProcessGroup& group, const Tensor& out, const Tenso
                        const std::vector<std::vector<GatherRun>>& runs) {
   TESSERA_CHECK(out.defined() && in.defined(), where(group),
                 ": the output and the input must be defined tensors");
-  TESSERA_CHECK(out.dtype() == in.dtype(), where(group), ": output dtype ",
-                dtype_name(out.dtype()), " differs from input dtype ", dtype_name(in.dtype()));
-  TESSERA_CHECK(out.is_contiguous() && in.is_contiguous(), where(group), ": the output ",
-                out.str(), " and the input ", in.str(), " must be contiguous");
+  TESSERA_CHECK(out.dtype() == in.dtype(), where(group), ": output dtype ", dtype_name(out.dtype()),
+                " differs from input dtype ", dtype_name(in.dtype()));
+  TESSERA_CHECK(out.is_contiguous() && in.is_contiguous(), where(group), ": the output ", out.str(),
+                " and the input ", in.str(), " must be contiguous");
   TESSERA_CHECK(!out.storage().is_same(in.storage()), where(group),
                 ": the output and the input share storage");
   TESSERA_CHECK(int64_t(runs.size()) == group.size(), where(group), ": runs for ", runs.size(),

@@ -22,6 +22,10 @@
 
 namespace tessera {
 
+namespace detail {
+void drop_backend_worlds();  // backend.cpp
+}  // namespace detail
+
 namespace {
 
 constexpr double kDefaultTimeoutSeconds = 300.0;
@@ -220,6 +224,7 @@ void finalize_as(mpi::Departure how) {
   // Groups still held by the user free their communicators only while MPI is active; release
   // ours now so the world communicator is freed properly.
   s.world.reset();
+  detail::drop_backend_worlds();
   mpi::free_types();
   g_finalized.store(true);
   if (g_owns_mpi.load()) MPI_Finalize();

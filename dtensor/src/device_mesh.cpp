@@ -2,12 +2,15 @@
 
 #include <algorithm>
 
+#include "tessera/comm/backend.h"
 #include "tessera/comm/runtime.h"
 #include "tessera/core/error.h"
+#include "tessera/core/factory.h"
 
 namespace tessera {
 
 struct DeviceMesh::Impl {
+  DeviceType device_type = DeviceType::CPU;
   Shape shape;
   std::vector<std::string> names;
   std::vector<int> ranks;           // world ranks, row-major
@@ -33,16 +36,11 @@ int64_t ravel(const std::vector<int64_t>& c, const Shape& shape) {
   return index;
 }
 
-}  // namespace
-
-DeviceMesh::DeviceMesh(Shape shape, std::vector<std::string> dim_names) {
+// Checks a mesh shape and its dim names, filling in "dim0", "dim1", ... when none are given.
+std::vector<std::string> checked_names(const Shape& shape, std::vector<std::string> dim_names) {
   TESSERA_CHECK(!shape.empty(), "DeviceMesh: the shape must have at least one dim");
   for (int64_t s : shape)
     TESSERA_CHECK(s >= 1, "DeviceMesh: invalid mesh shape ", shape_str(shape));
-  ProcessGroupPtr world = world_group();
-  TESSERA_CHECK(shape_numel(shape) == world->size(), "DeviceMesh: mesh shape ", shape_str(shape),
-                " has ", shape_numel(shape), " ranks but the world has ", world->size(),
-                " (start the job with mpirun -np ", shape_numel(shape), ")");
   if (dim_names.empty())
     for (size_t d = 0; d < shape.size(); ++d)
       dim_names.push_back("dim" + std::to_string(d));
@@ -52,7 +50,22 @@ DeviceMesh::DeviceMesh(Shape shape, std::vector<std::string> dim_names) {
     for (size_t j = 0; j < i; ++j)
       TESSERA_CHECK(dim_names[i] != dim_names[j], "DeviceMesh: dim name '", dim_names[i],
                     "' used twice");
+  return dim_names;
+}
+
+}  // namespace
+
+DeviceMesh::DeviceMesh(Shape shape, std::vector<std::string> dim_names)
+    : DeviceMesh(DeviceType::CPU, std::move(shape), std::move(dim_names)) {}
+
+DeviceMesh::DeviceMesh(DeviceType device_type, Shape shape, std::vector<std::string> dim_names) {
+  dim_names = checked_names(shape, std::move(dim_names));
+  ProcessGroupPtr world = world_group(device_type);
+  TESSERA_CHECK(shape_numel(shape) == world->size(), "DeviceMesh: mesh shape ", shape_str(shape),
+                " has ", shape_numel(shape), " ranks but the world has ", world->size(),
+                " (start the job with mpirun -np ", shape_numel(shape), ")");
   auto impl = std::make_shared<Impl>();
+  impl->device_type = device_type;
   impl->shape = shape;
   impl->names = std::move(dim_names);
   for (int r = 0; r < world->size(); ++r)
@@ -67,6 +80,88 @@ DeviceMesh::DeviceMesh(Shape shape, std::vector<std::string> dim_names) {
     impl->groups.push_back(world->split(color, int(impl->coordinate[m]), "mesh." + impl->names[m]));
   }
   impl_ = std::move(impl);
+}
+
+DeviceMesh DeviceMesh::from_group(ProcessGroupPtr group, const std::string& dim_name,
+                                  DeviceType device_type) {
+  TESSERA_CHECK(group != nullptr, "DeviceMesh::from_group: the group is null");
+  auto impl = std::make_shared<Impl>();
+  impl->device_type = device_type;
+  impl->shape = {group->size()};
+  impl->names = checked_names(impl->shape, {dim_name});
+  impl->ranks = group->world_ranks();
+  impl->coordinate = {group->rank()};
+  impl->groups = {std::move(group)};
+  return DeviceMesh(std::shared_ptr<const Impl>(std::move(impl)));
+}
+
+DeviceMesh DeviceMesh::from_groups(std::vector<ProcessGroupPtr> groups,
+                                   std::vector<std::string> dim_names, DeviceType device_type) {
+  TESSERA_CHECK(!groups.empty(), "DeviceMesh::from_groups: no groups");
+  auto impl = std::make_shared<Impl>();
+  impl->device_type = device_type;
+  for (size_t d = 0; d < groups.size(); ++d) {
+    TESSERA_CHECK(groups[d] != nullptr, "DeviceMesh::from_groups: group ", d, " is null");
+    impl->shape.push_back(groups[d]->size());
+    impl->coordinate.push_back(groups[d]->rank());
+  }
+  impl->names = checked_names(impl->shape, std::move(dim_names));
+  // The layout comes from every rank's coordinate and shape, exchanged over the CPU world (the
+  // given groups, of any backend, carry nothing): a wrong group then cannot mismatch messages.
+  const int64_t nd = int64_t(groups.size());
+  ProcessGroupPtr world = world_group();
+  std::vector<int64_t> mine(impl->coordinate);
+  mine.insert(mine.end(), impl->shape.begin(), impl->shape.end());
+  Tensor all = empty({world->size() * 2 * nd}, DType::Int64);
+  world->all_gather_into_tensor(all, from_vector<int64_t>(mine, {2 * nd}))->wait();
+  const std::vector<int64_t> table = all.to_vector<int64_t>();
+  // Every rank computes the same layout from the same table; only the check of its own groups
+  // against it is local, so the verdicts are combined before anyone throws.
+  std::string problem;
+  const int64_t n = shape_numel(impl->shape);
+  if (n != world->size())
+    problem = "the mesh " + shape_str(impl->shape) + " has " + std::to_string(n) +
+              " ranks but the world has " + std::to_string(world->size());
+  std::vector<int> at(size_t(n), -1);  // world rank at each row-major position
+  for (int w = 0; w < world->size() && problem.empty(); ++w) {
+    const int64_t* rec = table.data() + size_t(w) * size_t(2 * nd);
+    const std::vector<int64_t> coord(rec, rec + nd);
+    if (Shape(rec + nd, rec + 2 * nd) != impl->shape) {
+      problem = "world rank " + std::to_string(w) + " passed groups of sizes " +
+                shape_str(Shape(rec + nd, rec + 2 * nd));
+      break;
+    }
+    int& slot = at[size_t(ravel(coord, impl->shape))];
+    if (slot >= 0) {
+      problem = "world ranks " + std::to_string(slot) + " and " + std::to_string(w) +
+                " both sit at coordinate " + shape_str(coord);
+      break;
+    }
+    slot = world->world_ranks()[size_t(w)];
+  }
+  for (int64_t d = 0; d < nd && problem.empty(); ++d) {
+    std::vector<int> line;  // the ranks along dim d through this rank, in coordinate order
+    std::vector<int64_t> c = impl->coordinate;
+    for (c[size_t(d)] = 0; c[size_t(d)] < impl->shape[size_t(d)]; ++c[size_t(d)])
+      line.push_back(at[size_t(ravel(c, impl->shape))]);
+    if (line != groups[size_t(d)]->world_ranks())
+      problem = "groups[" + std::to_string(d) + "] ('" + groups[size_t(d)]->name() +
+                "') is not world rank " + std::to_string(world_rank()) +
+                "'s line of ranks along mesh dim " + std::to_string(d);
+  }
+  Tensor failed = full({1}, problem.empty() ? 0.0 : 1.0, DType::Int64);
+  world->all_reduce(failed, ReduceOp::Max)->wait();
+  TESSERA_CHECK(failed.item<int64_t>() == 0, "DeviceMesh::from_groups: the groups do not form a ",
+                "mesh: ", problem.empty() ? "another rank's groups do not fit" : problem,
+                " (groups[d] must be this rank's group along mesh dim d, its rank there the "
+                "coordinate along d)");
+  impl->ranks = std::move(at);
+  impl->groups = std::move(groups);
+  return DeviceMesh(std::shared_ptr<const Impl>(std::move(impl)));
+}
+
+DeviceType DeviceMesh::device_type() const {
+  return impl_->device_type;
 }
 
 int64_t DeviceMesh::ndim() const {
@@ -137,6 +232,7 @@ DeviceMesh DeviceMesh::operator[](const std::vector<std::string>& names) const {
     dims.push_back(d);
   }
   auto impl = std::make_shared<Impl>();
+  impl->device_type = impl_->device_type;
   const std::vector<int64_t>& me = coordinate();
   for (int64_t d : dims) {
     impl->shape.push_back(impl_->shape[size_t(d)]);
@@ -160,22 +256,26 @@ DeviceMesh DeviceMesh::flatten(const std::string& name) const {
     for (const auto& n : impl_->names)
       flat += (flat.empty() ? "" : "_") + n;
   auto impl = std::make_shared<Impl>();
+  impl->device_type = impl_->device_type;
   impl->shape = {size()};
   impl->names = {flat};
   impl->ranks = impl_->ranks;
   impl->coordinate = {ravel(coordinate(), impl_->shape)};
   // Sub-meshes that all ranks flatten at once partition the world; the lowest member names each.
   int color = *std::min_element(impl_->ranks.begin(), impl_->ranks.end());
-  impl->groups = {world_group()->split(color, int(impl->coordinate[0]), "mesh." + flat)};
+  impl->groups = {
+      world_group(impl_->device_type)->split(color, int(impl->coordinate[0]), "mesh." + flat)};
   return DeviceMesh(std::shared_ptr<const Impl>(std::move(impl)));
 }
 
 bool DeviceMesh::operator==(const DeviceMesh& o) const {
-  return impl_ == o.impl_ || (impl_->shape == o.impl_->shape && impl_->ranks == o.impl_->ranks);
+  return impl_ == o.impl_ || (impl_->device_type == o.impl_->device_type &&
+                              impl_->shape == o.impl_->shape && impl_->ranks == o.impl_->ranks);
 }
 
 std::string DeviceMesh::str() const {
   std::string s = "DeviceMesh(";
+  if (impl_->device_type == DeviceType::CUDA) s += "'cuda', ";
   for (size_t d = 0; d < impl_->shape.size(); ++d)
     s += (d ? ", " : "") + impl_->names[d] + "=" + std::to_string(impl_->shape[d]);
   return s + ")";

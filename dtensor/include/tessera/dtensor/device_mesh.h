@@ -1,11 +1,13 @@
 #pragma once
 // A logical n-d array of ranks (row-major over the world, or over a parent's ranks) with one
-// process group per mesh dim. Creating a mesh is collective over the parent group.
+// process group per mesh dim. Creating a mesh is collective over the parent group. A mesh has a
+// device type: its groups are those of the backend for that device (comm/backend.h).
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "tessera/comm/process_group.h"
+#include "tessera/core/device.h"
 #include "tessera/core/shape.h"
 
 namespace tessera {
@@ -15,9 +17,23 @@ class DeviceMesh {
   // Over all world ranks: the product of `shape` must equal world_size(). Dim names default to
   // "dim0", "dim1", ...
   explicit DeviceMesh(Shape shape, std::vector<std::string> dim_names = {});
+  // The same over the world group of `device_type`'s backend (an error naming the device type
+  // when none is registered).
+  DeviceMesh(DeviceType device_type, Shape shape, std::vector<std::string> dim_names = {});
+  // A 1-D mesh over an existing group (PyTorch's DeviceMesh.from_group); not collective.
+  static DeviceMesh from_group(ProcessGroupPtr group, const std::string& dim_name = "dim0",
+                               DeviceType device_type = DeviceType::CPU);
+  // An n-D mesh over existing groups that together span every world rank: groups[d] is this
+  // rank's group along mesh dim d, and this rank's coordinate along d is its rank there.
+  // Collective over the CPU world group, which carries the layout check (the groups themselves
+  // carry nothing): an error on every rank when the groups do not form such a mesh.
+  static DeviceMesh from_groups(std::vector<ProcessGroupPtr> groups,
+                                std::vector<std::string> dim_names = {},
+                                DeviceType device_type = DeviceType::CPU);
   DeviceMesh(const DeviceMesh&) = default;
   DeviceMesh& operator=(const DeviceMesh&) = default;
 
+  DeviceType device_type() const;
   int64_t ndim() const;
   const Shape& shape() const;
   int64_t size(int64_t mesh_dim) const;
@@ -47,7 +63,7 @@ class DeviceMesh {
 
   bool operator==(const DeviceMesh& o) const;
   bool operator!=(const DeviceMesh& o) const { return !(*this == o); }
-  std::string str() const;  // "DeviceMesh(dp=2, tp=2)"
+  std::string str() const;  // "DeviceMesh(dp=2, tp=2)", "DeviceMesh('cuda', dp=2, tp=2)"
 
   struct Impl;
 

@@ -1,0 +1,28 @@
+#pragma once
+// Communication backends per device type, as c10d chooses one per device ("cpu:gloo,cuda:nccl").
+// The CPU's is the MPI world group, made by init(). Another device type gets a backend by
+// registering how to make its world group; a DeviceMesh of that device type splits it.
+#include <functional>
+#include <string>
+
+#include "tessera/comm/process_group.h"
+#include "tessera/core/device.h"
+
+namespace tessera {
+
+// Makes the world group of a backend: every world rank, in world-rank order. Runs on first use
+// of world_group(type), which is then collective over every world rank.
+using BackendFactory = std::function<ProcessGroupPtr()>;
+
+// Registers `name`'s factory for `type`; replaces an earlier registration whose world group was
+// not made yet (an error once it was). Not for the CPU, whose backend is MPI.
+void register_backend(DeviceType type, const std::string& name, BackendFactory make_world);
+
+// The name of the backend for `type` ("mpi" for the CPU), "" when none is registered.
+std::string backend_name(DeviceType type);
+
+// The world group of the backend for `type` (made on first use, collectively; dropped at
+// finalize()). An error naming the device type when no backend is registered for it.
+ProcessGroupPtr world_group(DeviceType type);
+
+}  // namespace tessera
