@@ -3,6 +3,7 @@
 #include <map>
 #include <mutex>
 
+#include "checked_process_group.h"
 #include "tessera/comm/runtime.h"
 #include "tessera/core/error.h"
 
@@ -78,9 +79,11 @@ ProcessGroupPtr world_group(DeviceType type) {
     make = it->second.make_world;
   }
   // Outside the lock: the factory communicates.
-  ProcessGroupPtr world = make();
-  TESSERA_CHECK(world && world->size() == world_size(), "world_group(", type_name(type),
-                "): the backend's world group must hold every world rank (", world_size(), ")");
+  ProcessGroupPtr raw = make();
+  TESSERA_CHECK(raw && raw->size() == world_size() && raw->rank() == world_rank(), "world_group(",
+                type_name(type), "): the backend's world group must hold every world rank (",
+                world_size(), ") in world-rank order");
+  ProcessGroupPtr world = detail::CheckedProcessGroup::wrap(raw, detail::debug_world_group());
   std::lock_guard<std::mutex> guard(r.mutex);
   Backend& b = r.backends.at(type);
   if (!b.world) b.world = std::move(world);

@@ -13,7 +13,8 @@
 #include <string>
 #include <thread>
 
-#include "mpi/departures.h"
+#include "checked_process_group.h"
+#include "departures.h"
 #include "mpi/mpi_process_group.h"
 #include "mpi/mpi_state.h"
 #include "mpi/mpi_types.h"
@@ -201,12 +202,24 @@ void init(int* argc, char*** argv) {
   static std::once_flag at_exit_once;
   std::call_once(at_exit_once, [] { std::atexit(finalize_at_exit); });
 
+  // The world group: MPI's, wrapped with the checks and the watchdog every backend gets; its
+  // debug check travels on a communicator of its own.
   MPI_Comm world_dup = MPI_COMM_NULL;
   mpi::check(MPI_Comm_dup(MPI_COMM_WORLD, &world_dup), "MPI_Comm_dup", "tessera::init");
-  s.world = mpi::MpiProcessGroup::create(world_dup, "world");
+  s.world = detail::CheckedProcessGroup::wrap(mpi::MpiProcessGroup::create(world_dup, "world"),
+                                              detail::debug_world_group());
   // Only when tessera also ends MPI: departing waits for every rank, which an application that
   // keeps using MPI after tessera::finalize() would not expect.
   if (g_owns_mpi.load()) mpi::open_departures();
+}
+
+ProcessGroupPtr detail::debug_world_group() {
+  MPI_Comm dup = MPI_COMM_NULL;
+  {
+    auto guard = mpi::lock();
+    mpi::check(MPI_Comm_dup(MPI_COMM_WORLD, &dup), "MPI_Comm_dup", "creating a debug group");
+  }
+  return mpi::MpiProcessGroup::create(dup, "world");
 }
 
 void finalize() {

@@ -1,7 +1,8 @@
 // Meshes of a device type (over the world group of that device's backend) and meshes over
-// existing groups. No second backend is built here, so the tests register one for CUDA that is
-// a copy of the MPI world: what they check is that a mesh of that device type is made from the
-// registered backend's groups, not from MPI's world.
+// existing groups. No second backend is built here, so the tests register one for CUDA that
+// forwards every call to a CPU group and checks nothing itself: what they show is that a mesh of
+// that device type is made from the registered backend's groups, and that such a backend gets
+// the argument checks, the debug signature check and the op counts without writing them.
 #include <gtest/gtest.h>
 
 #include "tessera/tessera.h"
@@ -15,10 +16,53 @@ using tessera::testing::expect_error;
 namespace {
 
 int g_factory_calls = 0;
+int g_forwarded = 0;  // calls that reached the test backend
+
+// A backend that moves data through another group and checks nothing.
+class ForwardingGroup final : public ProcessGroup {
+ public:
+  explicit ForwardingGroup(ProcessGroupPtr to)
+      : ProcessGroup(to->rank(), to->size(), to->world_ranks(), to->name()), to_(std::move(to)) {}
+  WorkPtr all_reduce(Tensor& t, ReduceOp op) override { return on()->all_reduce(t, op); }
+  WorkPtr all_gather_into_tensor(Tensor& out, const Tensor& in) override {
+    return on()->all_gather_into_tensor(out, in);
+  }
+  WorkPtr all_gather(std::vector<Tensor>& outputs, const Tensor& in) override {
+    return on()->all_gather(outputs, in);
+  }
+  WorkPtr reduce_scatter_tensor(Tensor& out, const Tensor& in, ReduceOp op) override {
+    return on()->reduce_scatter_tensor(out, in, op);
+  }
+  WorkPtr reduce_scatter(Tensor& out, const std::vector<Tensor>& inputs, ReduceOp op) override {
+    return on()->reduce_scatter(out, inputs, op);
+  }
+  WorkPtr all_to_all(std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs) override {
+    return on()->all_to_all(outputs, inputs);
+  }
+  WorkPtr broadcast(Tensor& t, int root) override { return on()->broadcast(t, root); }
+  WorkPtr scatter(Tensor& out, const std::vector<Tensor>& inputs, int root) override {
+    return on()->scatter(out, inputs, root);
+  }
+  WorkPtr send(const Tensor& t, int dst, int tag) override { return on()->send(t, dst, tag); }
+  WorkPtr recv(Tensor& t, int src, int tag) override { return on()->recv(t, src, tag); }
+  WorkPtr barrier() override { return on()->barrier(); }
+  std::shared_ptr<ProcessGroup> split(int color, int key, const std::string& name) override {
+    ProcessGroupPtr g = on()->split(color, key, name);
+    return g ? std::make_shared<ForwardingGroup>(g) : nullptr;
+  }
+
+ private:
+  const ProcessGroupPtr& on() {
+    ++g_forwarded;
+    return to_;
+  }
+  ProcessGroupPtr to_;
+};
 
 ProcessGroupPtr test_backend_world() {
   ++g_factory_calls;
-  return world_group()->split(0, world_rank(), "test-backend-world");
+  return std::make_shared<ForwardingGroup>(
+      world_group()->split(0, world_rank(), "test-backend-world"));
 }
 
 // A [4, 6] tensor distributed on `mesh` and gathered back must come back whole.
@@ -57,6 +101,37 @@ TEST(DeviceMeshBackends, AMeshOfADeviceTypeUsesThatDevicesBackend) {
   expect_round_trip(mesh, {Shard(0)});
   expect_error([] { register_backend(DeviceType::CUDA, "late", test_backend_world); },
                {"the cuda backend 'test' is already in use"});
+}
+
+TEST(DeviceMeshBackends, ABackendGetsTheChecksEveryBackendShares) {
+  const int n = world_size();
+  DeviceMesh mesh(DeviceType::CUDA, Shape{n}, {"x"});
+  const ProcessGroupPtr& g = mesh.group(0);
+  // Counted once, by the wrapper, and carried out by the backend.
+  reset_comm_op_counts();
+  const int before = g_forwarded;
+  Tensor t = ones({3});
+  g->all_reduce(t, ReduceOp::Sum)->wait();
+  EXPECT_EQ(t.to_vector<float>(), std::vector<float>(3, float(n)));
+  EXPECT_GT(g_forwarded, before);
+  // The test backend's own all-reduce goes to a checked CPU group, which counts it too.
+  EXPECT_EQ(comm_op_counts()["all_reduce"], 2);
+  // Argument checks the backend does not make, on every rank before any data moves.
+  const int forwarded = g_forwarded;
+  Tensor undefined;
+  expect_error([&] { g->all_reduce(undefined, ReduceOp::Sum); },
+               {"all_reduce on group 'mesh.x'", "the tensor is an undefined tensor"});
+  expect_error([&] { g->broadcast(t, n); },
+               {"broadcast on group 'mesh.x'", "root", "is not a rank"});
+  EXPECT_EQ(g_forwarded, forwarded) << "refused calls never reach the backend";
+  // The debug signature check: rank 0 passes another shape, every rank gets the same error.
+  if (n > 1) {
+    set_debug_collectives(true);
+    Tensor mine = ones({world_rank() == 0 ? 4 : 3});
+    expect_error([&] { g->all_reduce(mine, ReduceOp::Sum); },
+                 {"collective mismatch on group 'mesh.x'", "needs the same shape on every rank"});
+    set_debug_collectives(false);
+  }
 }
 
 TEST(DeviceMeshFromGroups, AOneDimMeshOverAGroup) {

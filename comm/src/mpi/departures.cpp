@@ -1,4 +1,4 @@
-#include "departures.h"
+#include "../departures.h"
 
 #include <chrono>
 #include <map>
@@ -79,13 +79,24 @@ bool heard_from(int rank) {
 
 }  // namespace
 
+}  // namespace tessera::mpi
+
+namespace tessera::detail {
+
+using mpi::lock;
+
 std::shared_ptr<std::atomic<int64_t>> register_group(uint64_t group_id) {
+  using namespace mpi;
   State& s = state();
   std::lock_guard<std::mutex> g(s.mutex);
   std::shared_ptr<std::atomic<int64_t>>& c = s.counters[group_id];
   if (!c) c = std::make_shared<std::atomic<int64_t>>(0);
   return c;
 }
+
+}  // namespace tessera::detail
+
+namespace tessera::mpi {
 
 void open_departures() {
   auto guard = lock();
@@ -140,7 +151,13 @@ void depart(Departure how) {
   s.comm = MPI_COMM_NULL;
 }
 
-std::string departed_before(const Communicator& group, int64_t seq) {
+}  // namespace tessera::mpi
+
+namespace tessera::detail {
+
+std::string departed_before(uint64_t group_id, const std::vector<int>& world_ranks,
+                            const std::string& name, int64_t seq) {
+  using namespace mpi;
   State& s = state();
   if (seq < 0 || s.comm == MPI_COMM_NULL) return "";
   {
@@ -149,10 +166,10 @@ std::string departed_before(const Communicator& group, int64_t seq) {
     }
   }
   std::lock_guard<std::mutex> g(s.mutex);
-  for (int member : group.world_ranks) {
+  for (int member : world_ranks) {
     auto it = s.departed.find(member);
     if (it == s.departed.end()) continue;
-    auto started = it->second.started.find(group.group_id);
+    auto started = it->second.started.find(group_id);
     const int64_t n = started == it->second.started.end() ? 0 : started->second;
     if (n > seq) continue;
     const bool exited = it->second.how == Departure::Exit;
@@ -166,7 +183,7 @@ std::string departed_before(const Communicator& group, int64_t seq) {
     text += std::to_string(n);
     text += n == 1 ? " collective" : " collectives";
     text += " on group '";
-    text += group.group_name;
+    text += name;
     text += "', and this is collective #";
     text += std::to_string(seq + 1);
     text +=
@@ -177,4 +194,4 @@ std::string departed_before(const Communicator& group, int64_t seq) {
   return "";
 }
 
-}  // namespace tessera::mpi
+}  // namespace tessera::detail

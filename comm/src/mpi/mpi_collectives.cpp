@@ -1,6 +1,6 @@
-// The reducing and gathering collectives of the MPI group. Each validates its arguments on every
-// rank before any communication (so a bad call throws everywhere instead of hanging), picks MPI
-// buffers that avoid copies when the tensors allow it, and starts one non-blocking MPI call.
+// The reducing and gathering collectives of the MPI group. Each takes arguments the wrapping
+// CheckedProcessGroup has checked on every rank, picks MPI buffers that avoid copies when the
+// tensors allow it, and starts one non-blocking MPI call.
 #include "buffers.h"
 #include "mpi_process_group.h"
 #include "mpi_state.h"
@@ -27,21 +27,14 @@ MpiWork::Completion finish_reduction(Tensor buf, Tensor out, ReduceOp op, int si
   };
 }
 
-Shape scale_dim0(Shape s, int64_t factor) {
-  s[0] *= factor;
-  return s;
-}
-
 }  // namespace
 
 WorkPtr MpiProcessGroup::all_reduce(Tensor& t, ReduceOp op) {
   constexpr const char* kOp = "all_reduce";
   enter(kOp);
-  check_tensor(t, kOp, "the tensor");
-  check_reduce(op, t.dtype(), kOp);
+  check_cpu(t, kOp, "the tensor");
   CallInfo call = tensor_call(OpKind::AllReduce, t.dtype(), t.shape());
   call.reduce = op;
-  call.seq = start_collective({call, {}, {}, t.numel()});
   const int count = to_count(t.numel(), kOp);
   Tensor buf = t.contiguous();
   auto work = make_work(std::move(call));
@@ -58,19 +51,10 @@ WorkPtr MpiProcessGroup::all_reduce(Tensor& t, ReduceOp op) {
 WorkPtr MpiProcessGroup::all_gather_into_tensor(Tensor& out, const Tensor& in) {
   constexpr const char* kOp = "all_gather_into_tensor";
   enter(kOp);
-  check_tensor(out, kOp, "the output");
-  check_tensor(in, kOp, "the input");
-  TESSERA_CHECK(out.dtype() == in.dtype(), where(kOp), ": output dtype ", dtype_name(out.dtype()),
-                " differs from input dtype ", dtype_name(in.dtype()));
-  TESSERA_CHECK(in.dim() >= 1, where(kOp),
-                ": the input is 0-d; gather scalars as shape [1] into shape [", size(), "]");
-  const Shape expected = scale_dim0(in.shape(), size());
-  TESSERA_CHECK(out.shape() == expected, where(kOp), ": output shape ", shape_str(out.shape()),
-                " must be ", shape_str(expected), " (", size(), " x input shape ",
-                shape_str(in.shape()), " on dim 0)");
+  check_cpu(out, kOp, "the output");
+  check_cpu(in, kOp, "the input");
   CallInfo call = tensor_call(OpKind::AllGatherIntoTensor, in.dtype(), in.shape());
   call.out_shape = out.shape();
-  call.seq = start_collective({call, {}, {}, in.numel()});
   const int count = to_count(in.numel(), kOp);
   to_count(out.numel(), kOp);
 
@@ -103,19 +87,10 @@ WorkPtr MpiProcessGroup::all_gather_into_tensor(Tensor& out, const Tensor& in) {
 WorkPtr MpiProcessGroup::all_gather(std::vector<Tensor>& outputs, const Tensor& in) {
   constexpr const char* kOp = "all_gather";
   enter(kOp);
-  check_tensor(in, kOp, "the input");
-  check_list(outputs, in.dtype(), kOp, "outputs");
-  const Tensor& own = outputs[size_t(rank())];
-  TESSERA_CHECK(own.numel() == in.numel(), where(kOp), ": outputs[", rank(),
-                "] (this rank's own slot) has shape ", shape_str(own.shape()),
-                " but the input has shape ", shape_str(in.shape()));
-  Signature sig;
-  sig.call = tensor_call(OpKind::AllGather, in.dtype(), in.shape());
-  sig.call.pieces = int64_t(outputs.size());
-  sig.numel = in.numel();
-  for (const Tensor& o : outputs)
-    sig.recv_counts.push_back(o.numel());
-  sig.call.seq = start_collective(sig);
+  check_cpu(in, kOp, "the input");
+  check_cpu(outputs, kOp, "outputs");
+  CallInfo call = tensor_call(OpKind::AllGather, in.dtype(), in.shape());
+  call.pieces = int64_t(outputs.size());
   const int count = to_count(in.numel(), kOp);
 
   auto recv = std::make_shared<FlatList>(flat_recv(outputs, in.dtype(), kOp));
@@ -127,7 +102,7 @@ WorkPtr MpiProcessGroup::all_gather(std::vector<Tensor>& outputs, const Tensor& 
     send = in.is_contiguous() && !any_overlap({byte_range(in)}, recv->ranges) ? in : in.clone();
     send_ptr = send.raw_data();
   }
-  auto work = make_work(sig.call);
+  auto work = make_work(std::move(call));
   {
     auto guard = lock();
     const MPI_Datatype type = datatype(in.dtype());
@@ -144,21 +119,11 @@ WorkPtr MpiProcessGroup::all_gather(std::vector<Tensor>& outputs, const Tensor& 
 WorkPtr MpiProcessGroup::reduce_scatter_tensor(Tensor& out, const Tensor& in, ReduceOp op) {
   constexpr const char* kOp = "reduce_scatter_tensor";
   enter(kOp);
-  check_tensor(out, kOp, "the output");
-  check_tensor(in, kOp, "the input");
-  check_reduce(op, in.dtype(), kOp);
-  TESSERA_CHECK(out.dtype() == in.dtype(), where(kOp), ": output dtype ", dtype_name(out.dtype()),
-                " differs from input dtype ", dtype_name(in.dtype()));
-  TESSERA_CHECK(out.dim() >= 1, where(kOp),
-                ": the output is 0-d; reduce-scatter into shape [1] from shape [", size(), "]");
-  const Shape expected = scale_dim0(out.shape(), size());
-  TESSERA_CHECK(in.shape() == expected, where(kOp), ": input shape ", shape_str(in.shape()),
-                " must be ", shape_str(expected), " (", size(), " x output shape ",
-                shape_str(out.shape()), " on dim 0)");
+  check_cpu(out, kOp, "the output");
+  check_cpu(in, kOp, "the input");
   CallInfo call = tensor_call(OpKind::ReduceScatterTensor, in.dtype(), in.shape());
   call.reduce = op;
   call.out_shape = out.shape();
-  call.seq = start_collective({call, {}, {}, in.numel()});
   const int count = to_count(out.numel(), kOp);
   to_count(in.numel(), kOp);
 
@@ -182,26 +147,16 @@ WorkPtr MpiProcessGroup::reduce_scatter(Tensor& out, const std::vector<Tensor>& 
                                         ReduceOp op) {
   constexpr const char* kOp = "reduce_scatter";
   enter(kOp);
-  check_tensor(out, kOp, "the output");
-  check_reduce(op, out.dtype(), kOp);
-  check_list(inputs, out.dtype(), kOp, "inputs");
-  const Tensor& own = inputs[size_t(rank())];
-  TESSERA_CHECK(own.numel() == out.numel(), where(kOp), ": inputs[", rank(),
-                "] (this rank's block) has shape ", shape_str(own.shape()),
-                " but the output has shape ", shape_str(out.shape()));
-  Signature sig;
-  sig.call = tensor_call(OpKind::ReduceScatter, out.dtype(), out.shape());
-  sig.call.reduce = op;
-  sig.call.pieces = int64_t(inputs.size());
-  sig.numel = out.numel();
-  for (const Tensor& in : inputs)
-    sig.send_counts.push_back(in.numel());
-  sig.call.seq = start_collective(sig);
+  check_cpu(out, kOp, "the output");
+  check_cpu(inputs, kOp, "inputs");
+  CallInfo call = tensor_call(OpKind::ReduceScatter, out.dtype(), out.shape());
+  call.reduce = op;
+  call.pieces = int64_t(inputs.size());
   to_count(out.numel(), kOp);
 
   auto send = std::make_shared<FlatList>(flat_send(inputs, out.dtype(), true, kOp));
   Tensor recv = receive_buffer(out, send->ranges);
-  auto work = make_work(sig.call);
+  auto work = make_work(std::move(call));
   {
     auto guard = lock();
     check(
@@ -218,24 +173,12 @@ WorkPtr MpiProcessGroup::all_to_all(std::vector<Tensor>& outputs,
                                     const std::vector<Tensor>& inputs) {
   constexpr const char* kOp = "all_to_all";
   enter(kOp);
-  TESSERA_CHECK(!inputs.empty() && inputs[0].defined(), where(kOp),
-                ": inputs must hold one defined tensor per rank (got ", inputs.size(), ")");
+  check_cpu(inputs, kOp, "inputs");
+  check_cpu(outputs, kOp, "outputs");
   const DType dt = inputs[0].dtype();
-  check_list(inputs, dt, kOp, "inputs");
-  check_list(outputs, dt, kOp, "outputs");
   const size_t me = size_t(rank());
-  TESSERA_CHECK(inputs[me].numel() == outputs[me].numel(), where(kOp), ": inputs[", me,
-                "] has shape ", shape_str(inputs[me].shape()), " but outputs[", me,
-                "] (what this rank sends itself) has shape ", shape_str(outputs[me].shape()));
-  Signature sig;
-  sig.call = tensor_call(OpKind::AllToAll, dt, inputs[me].shape());
-  sig.call.pieces = int64_t(inputs.size());
-  sig.numel = inputs[me].numel();
-  for (size_t r = 0; r < inputs.size(); ++r) {
-    sig.send_counts.push_back(inputs[r].numel());
-    sig.recv_counts.push_back(outputs[r].numel());
-  }
-  sig.call.seq = start_collective(sig);
+  CallInfo call = tensor_call(OpKind::AllToAll, dt, inputs[me].shape());
+  call.pieces = int64_t(inputs.size());
 
   // Pieces go to MPI where they lie, described by datatypes, rather than packed into one
   // buffer: the strided pieces of a reshard (a column block of each row) would otherwise cost a
@@ -273,7 +216,7 @@ WorkPtr MpiProcessGroup::all_to_all(std::vector<Tensor>& outputs,
 
   const size_t n = size_t(size());
   auto args = std::make_shared<AllToAllW>(n);
-  auto work = make_work(sig.call);
+  auto work = make_work(std::move(call));
   {
     auto guard = lock();
     for (size_t r = 0; r < n; ++r) {

@@ -12,13 +12,6 @@ namespace tessera::mpi {
 
 namespace {
 
-int64_t run_total(const std::vector<GatherRun>& runs) {
-  int64_t n = 0;
-  for (const GatherRun& r : runs)
-    n += r.length;
-  return n;
-}
-
 // The elements of `runs` at their `src` (or `dst`) offsets, in units of `element`. Call under
 // lock(); null (count 0) when the runs are empty.
 MPI_Datatype runs_type(const std::vector<GatherRun>& runs, bool source, MPI_Datatype element,
@@ -45,16 +38,11 @@ WorkPtr MpiProcessGroup::all_gather_runs(Tensor& out, const Tensor& in,
                                          const std::vector<std::vector<GatherRun>>& runs) {
   constexpr const char* kOp = "all_gather_runs";
   enter(kOp);
-  check_tensor(out, kOp, "the output");
-  check_tensor(in, kOp, "the input");
+  check_cpu(out, kOp, "the output");
+  check_cpu(in, kOp, "the input");
   check_gather_runs(*this, out, in, runs);
   CallInfo call = tensor_call(OpKind::AllGatherRuns, in.dtype(), in.shape());
   call.out_shape = out.shape();
-  const int64_t mine = run_total(runs[size_t(rank())]);
-  std::vector<int64_t> send_counts(size_t(size()), mine), recv_counts;
-  for (const auto& r : runs)
-    recv_counts.push_back(run_total(r));
-  call.seq = start_collective({call, send_counts, recv_counts, in.numel()});
 
   auto args = std::make_shared<AllToAllW>(size_t(size()));
   auto work = make_work(std::move(call));

@@ -1,12 +1,14 @@
 #pragma once
-// The ProcessGroup of CPU tensors: every collective is one non-blocking MPI call on a
-// communicator private to the group, returning an MpiWork.
+// The MPI backend's group of CPU tensors: every collective is one non-blocking MPI call on a
+// communicator private to the group, returning an MpiWork. It only moves data: the checks every
+// backend shares (arguments, the debug signature check, numbering, the timeout) are made by the
+// CheckedProcessGroup that wraps it; this group adds MPI's own limits (CPU tensors, counts that
+// fit an int, tags up to MPI_TAG_UB).
 #include <mpi.h>
 
 #include <memory>
 #include <string>
 
-#include "debug_check.h"
 #include "tessera/comm/process_group.h"
 #include "work.h"
 
@@ -31,29 +33,23 @@ class MpiProcessGroup final : public ProcessGroup {
   WorkPtr send(const Tensor& t, int dst, int tag) override;
   WorkPtr recv(Tensor& t, int src, int tag) override;
   WorkPtr barrier() override;
+  // MPI_Comm_split, which blocks with no timeout: the wrapper first waits in a barrier.
   std::shared_ptr<ProcessGroup> split(int color, int key, const std::string& name) override;
 
  private:
-  MpiProcessGroup(CommunicatorPtr comm, CommunicatorPtr debug_comm, std::vector<int> world_ranks,
-                  int tag_ub);
+  MpiProcessGroup(CommunicatorPtr comm, std::vector<int> world_ranks, int tag_ub);
 
   // Common entry of every operation: MPI usable.
   void enter(const char* op) const;
-  // Every collective, once its arguments are checked: takes the next position on the group
-  // (returned, for the call's CallInfo::seq), then runs the debug check when enabled.
-  int64_t start_collective(Signature sig) const;
   std::shared_ptr<MpiWork> make_work(CallInfo call) const;
   // Errors name the group: "all_reduce on group 'tp' (rank 1 of 4): ...".
   std::string where(const char* op) const;
-  void check_tensor(const Tensor& t, const char* op, const char* what) const;
-  void check_root(int root, const char* op, const char* what) const;
-  void check_list(const std::vector<Tensor>& list, DType dtype, const char* op,
-                  const char* what) const;
-  void check_reduce(ReduceOp reduce, DType dtype, const char* op) const;
+  // MPI moves host memory only.
+  void check_cpu(const Tensor& t, const char* op, const char* what) const;
+  void check_cpu(const std::vector<Tensor>& list, const char* op, const char* what) const;
+  void check_tag(int tag, const char* op) const;
 
   CommunicatorPtr comm_;
-  // Debug exchanges travel on their own communicator so they can never match a data collective.
-  CommunicatorPtr debug_comm_;
   int tag_ub_ = 32767;  // MPI guarantees at least this
 };
 

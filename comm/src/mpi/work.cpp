@@ -1,23 +1,16 @@
 #include "work.h"
 
 #include <chrono>
-#include <cstdio>
 #include <exception>
 #include <thread>
 
-#include "departures.h"
 #include "mpi_state.h"
 #include "tessera/comm/runtime.h"
 #include "tessera/core/error.h"
 
 namespace tessera::mpi {
 
-Communicator::Communicator(MPI_Comm c, std::string name, uint64_t id, std::vector<int> ranks)
-    : comm(c),
-      group_name(std::move(name)),
-      group_id(id),
-      world_ranks(std::move(ranks)),
-      started(register_group(id)) {
+Communicator::Communicator(MPI_Comm c, std::string name) : comm(c), group_name(std::move(name)) {
   auto guard = lock();
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);
@@ -38,15 +31,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// MPI progresses non-blocking collectives only inside MPI calls, so a waiter must keep polling:
-// each round of a large collective waits for the next poll. It spins first, then yields (which
-// costs nothing when no other rank wants the core, and hands it over when ranks outnumber
-// cores), and only a wait long enough to be a stalled or much slower rank sleeps between polls.
+// See wait_all.
 constexpr int kSpinPolls = 64;
 constexpr std::chrono::milliseconds kYieldPhase{1000};
 constexpr std::chrono::microseconds kSleep{500};
-// Polls between two looks for ranks that left the job (a look is a probe of its own).
-constexpr int kPollsPerDepartureLook = 16;
 
 bool is_truncation(int rc) {
   int cls = rc;
@@ -98,27 +86,12 @@ bool test_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statu
 }
 
 void wait_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statuses,
-              const std::function<std::string()>& what, Position position) {
+              const std::function<std::string()>& what) {
   const Clock::time_point start = Clock::now();
-  const double timeout = collective_timeout_seconds();
   for (int polls = 0;; ++polls) {
     if (test_all(requests, statuses, what)) return;
-    if (position.group != nullptr && polls >= kSpinPolls && polls % kPollsPerDepartureLook == 0) {
-      const std::string gone = departed_before(*position.group, position.seq);
-      if (!gone.empty()) abort_job(what() + " cannot complete: " + gone);
-    }
-    const Clock::duration waited = Clock::now() - start;
-    const double seconds = std::chrono::duration<double>(waited).count();
-    if (seconds > timeout) {
-      char buf[64];
-      std::snprintf(buf, sizeof buf, "%g s", timeout);
-      abort_job(what() + " did not complete within the collective timeout of " + buf +
-                ": a rank of the group has not called it, or called a different operation "
-                "(TESSERA_DEBUG_COLLECTIVES=1 checks that every rank calls the same one; "
-                "TESSERA_COLLECTIVE_TIMEOUT sets the timeout)");
-    }
     if (polls < kSpinPolls) continue;
-    if (waited < kYieldPhase) {
+    if (Clock::now() - start < kYieldPhase) {
       std::this_thread::yield();
     } else {
       std::this_thread::sleep_for(kSleep);
@@ -165,7 +138,7 @@ void MpiWork::complete() {
 
 void MpiWork::finish_requests() {
   if (requests_done_) return;
-  wait_all(requests_, statuses_, [this] { return what(); }, {comm_.get(), call_.seq});
+  wait_all(requests_, statuses_, [this] { return what(); });
   requests_done_ = true;
 }
 

@@ -14,10 +14,16 @@
 #include <string>
 #include <vector>
 
-#include "call_info.h"
+#include "../call_info.h"
 #include "tessera/comm/process_group.h"
 
 namespace tessera::mpi {
+
+using detail::CallInfo;
+using detail::op_kind_name;
+using detail::OpKind;
+using detail::tensor_call;
+using detail::to_string;
 
 // One group's communicator. Shared by the group and its in-flight works, so that it outlives
 // both; freed on destruction unless MPI has been finalised already.
@@ -26,13 +32,8 @@ struct Communicator {
   std::string group_name;
   int rank = 0;
   int size = 1;
-  // The same number on every member (departures.h): how ranks name the group to each other.
-  uint64_t group_id = 0;
-  std::vector<int> world_ranks;  // of the members, in group-rank order
-  // Collectives this rank has started on the group; the next one's position (CallInfo::seq).
-  std::shared_ptr<std::atomic<int64_t>> started;
 
-  Communicator(MPI_Comm c, std::string name, uint64_t id, std::vector<int> ranks);
+  Communicator(MPI_Comm c, std::string name);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -42,18 +43,12 @@ using CommunicatorPtr = std::shared_ptr<const Communicator>;
 // "all_reduce(sum) float32 [4] on group 'world' (rank 1 of 2)".
 std::string describe(const CallInfo& call, const Communicator& comm);
 
-// The collective a wait belongs to: its group and its position there (CallInfo::seq).
-struct Position {
-  const Communicator* group = nullptr;
-  int64_t seq = -1;
-};
-
-// Polls `requests` to completion. Spins briefly, then yields and finally sleeps between polls,
+// Polls `requests` to completion: spins briefly, then yields and finally sleeps between polls,
 // because ranks often outnumber cores and a spinning waiter steals the core of the rank it waits
-// for. After collective_timeout_seconds() of waiting it aborts the job naming `what()`; sooner
-// when `position` names a collective that a member which left the job never started.
+// for. No timeout: waits that may never end are the wrapper's (watched_work.h), which polls
+// is_completed() under the collective timeout before it calls wait().
 void wait_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statuses,
-              const std::function<std::string()>& what, Position position = {});
+              const std::function<std::string()>& what);
 // One non-blocking poll; true when all completed. Throws on MPI errors.
 bool test_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statuses,
               const std::function<std::string()>& what);

@@ -11,7 +11,12 @@
 namespace tessera {
 
 // Makes the world group of a backend: every world rank, in world-rank order. Runs on first use
-// of world_group(type), which is then collective over every world rank.
+// of world_group(type), which is then collective over every world rank. The backend's group only
+// moves data: world_group(type) wraps it (and every group split from it) with what every backend
+// shares, as c10d's ProcessGroupWrapper does: argument checks on every rank before data moves,
+// the numbering of collectives, the debug signature check (TESSERA_DEBUG_COLLECTIVES), the op
+// counts, and the timeout watchdog with the departure protocol. Its split() must return groups of
+// the same backend (or nullptr for a negative color).
 using BackendFactory = std::function<ProcessGroupPtr()>;
 
 // Registers `name`'s factory for `type`; replaces an earlier registration whose world group was

@@ -39,7 +39,9 @@ class Work {
   virtual ~Work() = default;
   // Blocks until the operation finished; aborts the job after the collective timeout (counted
   // from the start of the wait) with a message naming op, group, shapes and rank. Dropping an
-  // unfinished Work waits for it, since MPI may still be writing into its buffers.
+  // unfinished Work waits for it, since the backend may still be writing into its buffers. (The
+  // timeout is the checked group's, which polls is_completed(); a backend's own wait() need not
+  // have one.)
   virtual void wait() = 0;
   virtual bool is_completed() = 0;
 

@@ -1,9 +1,9 @@
 #include "debug_check.h"
 
-#include "mpi_state.h"
 #include "tessera/core/error.h"
+#include "tessera/core/factory.h"
 
-namespace tessera::mpi {
+namespace tessera::detail {
 
 namespace {
 
@@ -172,23 +172,17 @@ std::string pairing_errors(const Table& t, OpKind op, int size) {
 
 }  // namespace
 
-void check_signatures(const Communicator& debug_comm, const Signature& mine) {
-  const int size = debug_comm.size;
+void check_signatures(ProcessGroup& debug, const std::string& group_name, const Signature& mine,
+                      const std::function<void(const WorkPtr&, const CallInfo&)>& wait) {
+  const int size = debug.size();
   std::vector<int64_t> rec = encode(mine, size);
-  std::vector<int64_t> all(rec.size() * size_t(size));
-  const std::string what = "debug check before " + describe(mine.call, debug_comm);
-  std::vector<MPI_Request> req(1, MPI_REQUEST_NULL);
-  std::vector<MPI_Status> st;
-  {
-    auto guard = lock();
-    check(MPI_Iallgather(rec.data(), int(rec.size()), MPI_INT64_T, all.data(), int(rec.size()),
-                         MPI_INT64_T, debug_comm.comm, req.data()),
-          "MPI_Iallgather", what);
-  }
-  wait_all(req, st, [&] { return what; }, {&debug_comm, mine.call.seq});
+  const int64_t n = int64_t(rec.size());
+  Tensor all_t = empty({n * size}, DType::Int64);
+  wait(debug.all_gather_into_tensor(all_t, from_vector<int64_t>(rec, {n})), mine.call);
+  std::vector<int64_t> all = all_t.to_vector<int64_t>();
 
   Table t(std::move(all), size);
-  const std::string group = "'" + debug_comm.group_name + "'";
+  const std::string group = "'" + group_name + "'";
   for (int q = 0; q < size; ++q) {
     TESSERA_CHECK(t.field(q, kFieldMagic) == kMagic, "collective mismatch on group ", group,
                   ": rank ", q, " sent a malformed debug record; is TESSERA_DEBUG_COLLECTIVES on ",
@@ -225,4 +219,4 @@ void check_signatures(const Communicator& debug_comm, const Signature& mine) {
                 " sizes do not pair up: ", errs, " (calls: ", t.calls(), ")");
 }
 
-}  // namespace tessera::mpi
+}  // namespace tessera::detail

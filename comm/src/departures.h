@@ -10,14 +10,25 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
-#include "work.h"
-
-namespace tessera::mpi {
+// Implemented by the MPI runtime (mpi/departures.cpp): the job's ranks are MPI's, whatever backend
+// a group uses, so departures travel over MPI's world.
+namespace tessera::detail {
 
 // Counts the collectives this rank starts on the group `group_id`; kept after the group is gone,
 // since its count is what the other members need to hear when this rank leaves.
 std::shared_ptr<std::atomic<int64_t>> register_group(uint64_t group_id);
+
+// Looks for ranks that left; "" unless a member of the group (`world_ranks`, named `name` in the
+// text) left before starting the group's collective number `seq` (0-based), in which case the
+// text names that member and says why.
+std::string departed_before(uint64_t group_id, const std::vector<int>& world_ranks,
+                            const std::string& name, int64_t seq);
+
+}  // namespace tessera::detail
+
+namespace tessera::mpi {
 
 // Collective over the world, from init() when tessera started MPI: the communicator that
 // departures travel on.
@@ -28,9 +39,5 @@ enum class Departure : int64_t { Finalize = 1, Exit = 2 };
 // departure, waits until every rank has announced its own, and closes the communicator. Does
 // nothing when open_departures() was not called.
 void depart(Departure how);
-
-// Looks for ranks that left; "" unless a member of `group` left before starting the group's
-// collective number `seq` (0-based), in which case the text names that member and says why.
-std::string departed_before(const Communicator& group, int64_t seq);
 
 }  // namespace tessera::mpi

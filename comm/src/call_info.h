@@ -7,7 +7,7 @@
 
 #include "tessera/comm/process_group.h"
 
-namespace tessera::mpi {
+namespace tessera::detail {
 
 // Stable numbers: the debug check sends them between ranks.
 enum class OpKind : uint8_t {
@@ -50,4 +50,4 @@ CallInfo tensor_call(OpKind op, DType dtype, const Shape& shape);
 // "all_reduce(sum) float32 [4, 4]", "scatter(root 0) int64 [3]", "send(dst 1, tag 0) ...".
 std::string to_string(const CallInfo& call);
 
-}  // namespace tessera::mpi
+}  // namespace tessera::detail

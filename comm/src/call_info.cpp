@@ -2,7 +2,7 @@
 
 #include <vector>
 
-namespace tessera::mpi {
+namespace tessera::detail {
 
 const char* op_kind_name(OpKind op) {
   switch (op) {
@@ -77,4 +77,4 @@ std::string to_string(const CallInfo& call) {
   return s;
 }
 
-}  // namespace tessera::mpi
+}  // namespace tessera::detail
