@@ -19,10 +19,6 @@ namespace tessera::testing {
 namespace {
 
 using detail::within;
-std::string num(double v) {
-  return detail::number_str(v);
-}
-
 // Where the elements of a compared piece sit in the global tensor, for the messages.
 struct Located {
   const Window* window = nullptr;  // null: the piece is the global tensor
@@ -44,7 +40,7 @@ std::string where_str(int64_t flat, const Shape& shape, const Located& at) {
 }
 
 std::string value_str(double v, const Located& at) {
-  std::string s = num(v);
+  std::string s = detail::number_str(v);
   if (!at.want_is_index_tensor) return s;
   auto from = index_of_value(v, at.global_shape);
   return s +
@@ -72,10 +68,10 @@ std::string first_difference(const Tensor& got, const Tensor& want, Tolerance to
   const size_t f = size_t(first);
   std::string s = std::to_string(count) + " of " + std::to_string(g.size()) +
                   " elements differ; first at " + where_str(first, want.shape(), at) + ": got " +
-                  value_str(g[f], at) + ", want " + num(w[f]);
+                  value_str(g[f], at) + ", want " + detail::number_str(w[f]);
   if (tol.rtol != 0 || tol.atol != 0)
-    s += "; largest |difference| " + num(worst) + " (allowed atol " + num(tol.atol) + " + rtol " +
-         num(tol.rtol) + " * |want|)";
+    s += "; largest |difference| " + detail::number_str(worst) + " (allowed atol " +
+         detail::number_str(tol.atol) + " + rtol " + detail::number_str(tol.rtol) + " * |want|)";
   return s;
 }
 
@@ -208,8 +204,8 @@ std::string replica_mismatch(const DTensor& dt) {
     const double there = all.to(DType::Float64).to_vector<double>()[size_t(at)];
     problem = rank_str(dt) + " and " + other + why + " but differ in " + std::to_string(differ) +
               " of " + std::to_string(n) + " elements; first at local " + index_str(li) +
-              " = global index " + index_str(w.global_index(li)) + ": " + num(here) + " here, " +
-              num(there) + " there";
+              " = global index " + index_str(w.global_index(li)) + ": " + detail::number_str(here) +
+              " here, " + detail::number_str(there) + " there";
   }
   return problem;
 }

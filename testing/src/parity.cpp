@@ -15,10 +15,6 @@ namespace tessera::testing {
 
 namespace {
 
-std::string num(double v) {
-  return detail::number_str(v);
-}
-
 double share(double got, double want, Tolerance tol) {
   return detail::tolerance_share(got, want, tol);
 }
@@ -33,8 +29,9 @@ std::optional<Divergence> compare_loss(int step, double got, double want, const 
   r.worst_loss_share = std::max(r.worst_loss_share, s);
   if (s <= 1) return std::nullopt;
   return Divergence{step, "loss",
-                    "got " + num(got) + ", want " + num(want) + " (allowed atol " +
-                        num(o.loss.atol) + " + rtol " + num(o.loss.rtol) + " * |want|)"};
+                    "got " + detail::number_str(got) + ", want " + detail::number_str(want) +
+                        " (allowed atol " + detail::number_str(o.loss.atol) + " + rtol " +
+                        detail::number_str(o.loss.rtol) + " * |want|)"};
 }
 
 std::optional<Divergence> compare_parameters(int step, const std::map<std::string, Tensor>& got,
@@ -133,10 +130,11 @@ ParityResult run_parity(const MakeRun& make, const DeviceMesh& mesh, const Traje
     const std::vector<double> losses = world_values(loss);
     for (size_t k = 0; k < losses.size() && !r.divergence; ++k)
       if (!(losses[k] == losses[0]))
-        r.divergence = Divergence{s, "loss",
-                                  "ranks disagree: rank 0 returned " + num(losses[0]) + ", rank " +
-                                      std::to_string(k) + " " + num(losses[k]) +
-                                      " (return the global loss, the same on every rank)"};
+        r.divergence =
+            Divergence{s, "loss",
+                       "ranks disagree: rank 0 returned " + detail::number_str(losses[0]) +
+                           ", rank " + std::to_string(k) + " " + detail::number_str(losses[k]) +
+                           " (return the global loss, the same on every rank)"};
     if (!r.divergence) r.divergence = compare_loss(s, loss, reference.losses[size_t(s)], opts, r);
     auto want = reference.parameters.find(s);
     if (!r.divergence && compares_parameters(s, opts)) {
@@ -167,8 +165,8 @@ std::vector<ParityResult> expect_parity(const MakeRun& make, const std::vector<D
     if (k == all.size()) continue;
     ADD_FAILURE_AT(where.file_name(), int(where.line()))
         << "expect_parity: the reference run differs across ranks (loss of step " << s << ": "
-        << num(all[0]) << " on rank 0, " << num(all[k]) << " on rank " << k
-        << "): it must not depend on the rank, as a single-rank run cannot";
+        << detail::number_str(all[0]) << " on rank 0, " << detail::number_str(all[k]) << " on rank "
+        << k << "): it must not depend on the rank, as a single-rank run cannot";
     break;
   }
   std::vector<ParityResult> out;

@@ -140,11 +140,12 @@ void check_operands(const char* op, const Tensor& a, const Tensor& b) {
                 a.device().str(), " and ", b.device().str());
 }
 
-struct Dims {
+struct ProductDims {
   int64_t m, n, k;
 };
 
-Dims product_dims(const char* op, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
+ProductDims product_dims(const char* op, const Tensor& a, const Tensor& b, bool trans_a,
+                         bool trans_b) {
   int64_t m = trans_a ? a.size(-1) : a.size(-2), k = trans_a ? a.size(-2) : a.size(-1);
   int64_t kb = trans_b ? b.size(-1) : b.size(-2), n = trans_b ? b.size(-2) : b.size(-1);
   TESSERA_CHECK(k == kb, op, ": inner dimensions differ: a ", shape_str(a.shape()),
@@ -205,7 +206,7 @@ void batched_matmul(const Operand& a, const Operand& b, const Shape& batch, Tens
 
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
   check_operands("matmul", a, b);
-  Dims d = product_dims("matmul", a, b, trans_a, trans_b);
+  ProductDims d = product_dims("matmul", a, b, trans_a, trans_b);
   Shape batch = broadcast_shapes(Shape(a.shape().begin(), a.shape().end() - 2),
                                  Shape(b.shape().begin(), b.shape().end() - 2), "matmul");
   Shape out_shape = batch;
@@ -229,7 +230,7 @@ Tensor addmm(const Tensor& c, const Tensor& a, const Tensor& b, double beta, dou
   check_operands("addmm", a, b);
   TESSERA_CHECK(a.dim() == 2 && b.dim() == 2, "addmm: needs 2-D operands, got a ",
                 shape_str(a.shape()), " and b ", shape_str(b.shape()));
-  Dims d = product_dims("addmm", a, b, trans_a, trans_b);
+  ProductDims d = product_dims("addmm", a, b, trans_a, trans_b);
   Shape out_shape{d.m, d.n};
   bool use_c = beta != 0.0;
   if (use_c) {
@@ -273,7 +274,7 @@ void matmul_accumulate_(Tensor& c, const Tensor& a, const Tensor& b, double alph
   check_operands("matmul_accumulate_", a, b);
   TESSERA_CHECK(a.dim() == 2 && b.dim() == 2, "matmul_accumulate_: needs 2-D operands, got a ",
                 shape_str(a.shape()), " and b ", shape_str(b.shape()));
-  Dims d = product_dims("matmul_accumulate_", a, b, trans_a, trans_b);
+  ProductDims d = product_dims("matmul_accumulate_", a, b, trans_a, trans_b);
   TESSERA_CHECK(c.defined() && c.is_contiguous() && c.shape() == Shape({d.m, d.n}) &&
                     c.dtype() == a.dtype() && !is_half(a.dtype()),
                 "matmul_accumulate_: c ", c.defined() ? c.str() : std::string("(undefined)"),
