@@ -31,7 +31,8 @@ function(tessera_add_layer folder)
   endif()
   add_library(${target} ${srcs})
   add_library(tessera::${folder} ALIAS ${target})
-  set_target_properties(${target} PROPERTIES OUTPUT_NAME tessera_${folder} EXPORT_NAME ${folder})
+  set_target_properties(${target} PROPERTIES OUTPUT_NAME tessera_${folder} EXPORT_NAME ${folder}
+                                             UNITY_BUILD ${TESSERA_UNITY_BUILD})
   target_include_directories(${target} PUBLIC
     $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include>
     $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
