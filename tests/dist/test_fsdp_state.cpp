@@ -1,0 +1,261 @@
+// fully_shard's state: the sharded state dict and its loading into other layouts, mixed
+// precision, the root's parameters through backward, misuse. One test binary with test_fsdp.cpp,
+// whose helpers it shares (fsdp_parity.h).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <string>
+
+#include "dist/fsdp_parity.h"
+#include "tessera/testing/expect_error.h"
+
+using namespace tessera;
+using namespace tessera::fsdp_test;
+using tessera::testing::expect_close;
+using tessera::testing::expect_error;
+
+namespace {
+
+// The sharded state dict holds the stored shards themselves (no gather), and loads into a model
+// sharded any other way: FSDP on an equal mesh (redistributed in place), tensor parallel or plain
+// (gathered and cut).
+TEST(FullyShard, ShardedStateDictHoldsShardsAndLoadsIntoOtherLayouts) {
+  DeviceMesh mesh = dp_mesh();
+  const DecoderConfig cfg = small_decoder_config();
+  auto net = std::make_shared<Decoder>(cfg);
+  shard_blocks_and_root(net, mesh);
+  train(net, 2, world_rank(), world_size());  // move away from the initial weights
+  const auto full = net->state_dict();
+  const auto sharded = net->sharded_state_dict();
+  ASSERT_EQ(sharded.size(), full.size());
+  for (auto& [name, p] : net->named_parameters()) {
+    const DTensor& d = sharded.at(name);
+    EXPECT_EQ(d.placements(), (Placements{Shard(0)})) << name;
+    EXPECT_TRUE(d.to_local().storage().is_same(p->stored().storage())) << name << ": copied";
+    expect_close(d.full_tensor(), full.at(name), 0, name);
+  }
+
+  auto check_loaded = [&](Decoder& m, const std::string& what) {
+    for (const auto& [name, t] : m.state_dict())
+      expect_close(t, full.at(name), 0, what + ": " + name);
+  };
+  auto fsdp = std::make_shared<Decoder>(cfg);  // another FSDP model, its own equal mesh
+  shard_blocks_and_root(fsdp, dp_mesh());
+  fsdp->load_sharded_state_dict(sharded);
+  check_loaded(*fsdp, "FSDP");
+  auto tp = std::make_shared<Decoder>(cfg);
+  DeviceMesh tp_mesh(Shape{world_size()}, {"tp"});
+  if (cfg.n_kv_heads % world_size() == 0)
+    parallelize_module(tp, tp_mesh, decoder_tp_plan(cfg, tp_mesh));
+  tp->load_sharded_state_dict(sharded);
+  check_loaded(*tp, "TP");
+  auto plain = std::make_shared<Decoder>(cfg);
+  plain->load_sharded_state_dict(sharded);
+  check_loaded(*plain, "plain");
+  // ... and back: a plain model's sharded state dict loads into the FSDP one.
+  auto fresh = std::make_shared<Decoder>(cfg);
+  net->load_sharded_state_dict(fresh->sharded_state_dict());
+  const auto fresh_full = fresh->state_dict();
+  for (const auto& [name, t] : net->state_dict())
+    expect_close(t, fresh_full.at(name), 0, "back: " + name);
+
+  // A wrong shape names the key, and nothing is written.
+  auto bad = sharded;
+  bad["norm.weight"] = sharded.at("output.weight");
+  expect_error([&] { plain->load_sharded_state_dict(bad); },
+               {"load_sharded_state_dict into Decoder", "mis-shaped keys: norm.weight"});
+  check_loaded(*plain, "after a failed load");
+}
+
+// Linear layers in custom modules, with bfloat16 reductions as well.
+class MlpBlock : public Module {
+ public:
+  explicit MlpBlock(Generator& gen) : Module("MlpBlock") {
+    fc1 = std::make_shared<Linear>(16, 24, true, gen);
+    fc2 = std::make_shared<Linear>(24, 16, true, gen);
+    register_module("fc1", fc1);
+    register_module("fc2", fc2);
+  }
+  Tensor forward(const Tensor& x) override { return add(x, (*fc2)(silu((*fc1)(x)))); }
+  std::shared_ptr<Linear> fc1, fc2;
+};
+
+class Mlp : public Module {
+ public:
+  Mlp() : Module("Mlp") {
+    Generator gen(11);
+    b0 = std::make_shared<MlpBlock>(gen);
+    b1 = std::make_shared<MlpBlock>(gen);
+    head = std::make_shared<Linear>(16, 5, true, gen);
+    register_module("b0", b0);
+    register_module("b1", b1);
+    register_module("head", head);
+  }
+  Tensor forward(const Tensor& x) override { return (*head)((*b1)((*b0)(x))); }
+  std::shared_ptr<MlpBlock> b0, b1;
+  std::shared_ptr<Linear> head;
+};
+
+std::vector<double> train_mlp(const std::shared_ptr<Mlp>& net, int steps, int64_t dp_rank,
+                              int64_t dp_size, const std::function<void(Mlp&)>& check_step = {}) {
+  AdamW opt(net->parameters(), AdamWOptions{.lr = 1e-2});
+  std::vector<double> losses;
+  for (int s = 0; s < steps; ++s) {
+    Generator gen(uint64_t(100 + s));
+    Tensor x = randn({kBatch, 16}, gen), t = randn({kBatch, 5}, gen);
+    const int64_t n = kBatch / dp_size;
+    x = kernels::narrow(x, 0, dp_rank * n, n).contiguous();
+    t = kernels::narrow(t, 0, dp_rank * n, n).contiguous();
+    opt.zero_grad();
+    Tensor y = (*net)(x);
+    EXPECT_EQ(y.dtype(), DType::Float32);
+    Tensor loss = mean(square(sub(y, t)));
+    backward(loss);
+    if (check_step) check_step(*net);
+    opt.step();
+    losses.push_back(world_mean(loss.item<float>()));
+  }
+  return losses;
+}
+
+TEST(FullyShard, MixedPrecisionComputesInParamDtypeAndKeepsFloat32Masters) {
+  DeviceMesh mesh = dp_mesh();
+  const std::vector<double> want = train_mlp(std::make_shared<Mlp>(), 10, 0, 1);
+  // reduce_dtype unset reduces in param_dtype (bfloat16); float32 reduces in full precision.
+  for (std::optional<DType> reduce :
+       {std::optional<DType>(), std::optional<DType>(DType::Float32)}) {
+    SCOPED_TRACE(reduce ? "reduce float32" : "reduce bfloat16");
+    FSDPOptions opts;
+    opts.mp_policy.param_dtype = DType::BFloat16;
+    opts.mp_policy.reduce_dtype = reduce;
+    auto net = std::make_shared<Mlp>();
+    auto s0 = fully_shard(net->b0, mesh, opts);
+    fully_shard(net->b1, mesh, opts);
+    // Only the root's output goes back to float32: the blocks feed bfloat16 to the head.
+    opts.mp_policy.output_dtype = DType::Float32;
+    fully_shard(net, mesh, opts);
+    int checked = 0;
+    // Runs after fully_shard's pre-hook: the block computes with gathered bfloat16 weights on a
+    // bfloat16 input, while the stored shards stay float32.
+    net->b0->register_forward_pre_hook([&](Module&, const Tensor& x) {
+      EXPECT_EQ(x.dtype(), DType::BFloat16);
+      for (Parameter* p : s0->parameters()) {
+        EXPECT_TRUE(p->is_unsharded());
+        EXPECT_EQ(p->local().dtype(), DType::BFloat16);
+        EXPECT_EQ(p->local().shape(), p->global_shape());
+        EXPECT_EQ(p->stored().dtype(), DType::Float32);
+      }
+      ++checked;
+      return Tensor();
+    });
+    std::vector<double> got = train_mlp(net, 10, mesh.local_rank(0), world_size(), [&](Mlp& m) {
+      for (Parameter* p : m.parameters()) {
+        ASSERT_TRUE(p->grad().defined());
+        EXPECT_EQ(p->grad().dtype(), DType::Float32);
+        EXPECT_EQ(p->stored().dtype(), DType::Float32);
+      }
+    });
+    EXPECT_EQ(checked, 10);
+    // bfloat16 keeps about 3 significant digits.
+    for (size_t s = 0; s < want.size(); ++s)
+      EXPECT_NEAR(got[s], want[s], 3e-2 * want[s]) << "step " << s;
+    for (const auto& [name, t] : net->state_dict())
+      EXPECT_EQ(t.dtype(), DType::Float32) << name;
+  }
+}
+
+// The mixed-precision figure: the decoder gathered and computed in bfloat16, gradients
+// reduced in float32, float32 masters: the loss curve stays within 2% of float32 for 30 steps.
+TEST(FullyShard, DecoderInBfloat16StaysWithinTwoPercentOfFloat32) {
+  DeviceMesh mesh = dp_mesh();
+  FSDPOptions opts;
+  opts.mp_policy.param_dtype = DType::BFloat16;
+  opts.mp_policy.reduce_dtype = DType::Float32;
+  auto net = std::make_shared<Decoder>(small_decoder_config());
+  for (auto& layer : net->layers)
+    fully_shard(layer, mesh, opts);
+  opts.mp_policy.output_dtype = DType::Float32;
+  fully_shard(net, mesh, opts);
+  int bf16_blocks = 0;
+  net->layers[0]->register_forward_hook([&](Module&, const Tensor& x, const Tensor& y) {
+    bf16_blocks += x.dtype() == DType::BFloat16 && y.dtype() == DType::BFloat16;
+    return Tensor();
+  });
+  Trajectory run = train(net, 30, world_rank(), world_size());
+  EXPECT_EQ(bf16_blocks, 30) << "the blocks did not compute in bfloat16";
+  const Trajectory& ref = reference_run();
+  double worst = 0;
+  for (size_t s = 0; s < ref.losses.size(); ++s) {
+    const double rel = std::abs(run.losses[s] - ref.losses[s]) / ref.losses[s];
+    worst = std::max(worst, rel);
+    EXPECT_LT(rel, 0.02) << "step " << s << ": " << run.losses[s] << " vs " << ref.losses[s];
+  }
+  if (world_rank() == 0)
+    std::printf("[mixed precision] bf16 params, fp32 reduce, 30 steps: worst loss |d|/|ref| %.2e\n",
+                worst);
+  for (const auto& [name, t] : final_state(run))
+    EXPECT_EQ(t.dtype(), DType::Float32) << name;
+}
+
+TEST(FullyShard, MlpWithoutMixedPrecisionMatchesExactly) {
+  DeviceMesh mesh = dp_mesh();
+  auto ref = std::make_shared<Mlp>();
+  const std::vector<double> want = train_mlp(ref, 10, 0, 1);
+  auto net = std::make_shared<Mlp>();
+  // head.weight has 5 rows: over 4 ranks 2, 2, 1 and an empty shard.
+  fully_shard(net->b0, mesh);
+  fully_shard(net->b1, mesh);
+  fully_shard(net, mesh);
+  std::vector<double> got = train_mlp(net, 10, mesh.local_rank(0), world_size());
+  for (size_t s = 0; s < want.size(); ++s)
+    EXPECT_NEAR(got[s], want[s], 1e-5 * want[s]) << "step " << s;
+  auto want_state = ref->state_dict();
+  for (const auto& [name, t] : net->state_dict())
+    expect_close(t, want_state.at(name), 1e-5, name);
+}
+
+TEST(FullyShard, RootKeepsParametersUnshardedThroughBackward) {
+  DeviceMesh mesh = dp_mesh();
+  auto net = std::make_shared<Decoder>(small_decoder_config());
+  auto states = shard_blocks_and_root(net, mesh);
+  Batch b = rows_of(make_batch(0), mesh.local_rank(0), world_size());
+  Tensor loss = cross_entropy((*net)(b.ids), b.targets);
+  EXPECT_TRUE(states.back()->is_unsharded());
+  EXPECT_FALSE(states.front()->is_unsharded());
+  backward(loss);
+  for (auto& s : states)
+    EXPECT_FALSE(s->is_unsharded());
+  // With reshard_after_forward off a block stays gathered until its backward is done.
+  states.front()->set_reshard_after_forward(false);
+  loss = cross_entropy((*net)(b.ids), b.targets);
+  EXPECT_TRUE(states.front()->is_unsharded());
+  backward(loss);
+  EXPECT_FALSE(states.front()->is_unsharded());
+  // Explicit unshard/reshard outside forward.
+  states.front()->unshard();
+  for (Parameter* p : states.front()->parameters())
+    EXPECT_EQ(p->local().shape(), p->global_shape());
+  states.front()->reshard();
+  for (Parameter* p : states.front()->parameters())
+    EXPECT_FALSE(p->is_unsharded());
+}
+
+TEST(FullyShard, MisuseErrors) {
+  DeviceMesh mesh = dp_mesh();
+  auto net = std::make_shared<Decoder>(small_decoder_config());
+  fully_shard(net->layers[0], mesh);
+  expect_error([&] { fully_shard(net->layers[0], mesh); },
+               {"fully_shard", "DecoderBlock", "already fully_shard'ed"});
+  expect_error([&] { fully_shard(net, mesh["nope"]); }, {"no mesh dim named 'nope'"});
+  // A tied table sharded on its own is resharded after the lookup, before the projection needs it.
+  auto tied = std::make_shared<Decoder>(decoder_config(true));
+  fully_shard(tied->tok_embeddings, mesh);
+  fully_shard(tied, mesh);
+  Batch b = rows_of(make_batch(0), mesh.local_rank(0), world_size());
+  expect_error([&] { (*tied)(b.ids); },
+               {"tie_embeddings", "tok_embeddings.weight", "fully_shard them with the decoder"});
+}
+
+}  // namespace
