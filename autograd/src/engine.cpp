@@ -205,12 +205,13 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
   }
 }
 
-void register_hook(const Tensor& t, std::function<Tensor(const Tensor&)> hook) {
+void register_hook(const Tensor& t, std::function<Tensor(const Tensor&)> hook, bool prepend) {
   TESSERA_CHECK(t.requires_grad(), "register_hook on ", t.str(), " which does not require grad");
   if (t.grad_fn()) {
-    t.grad_fn()->add_pre_hook(t.output_nr(), std::move(hook));
+    t.grad_fn()->add_pre_hook(t.output_nr(), std::move(hook), prepend);
   } else {
-    const_cast<Tensor&>(t).autograd_meta().grad_hooks.push_back(std::move(hook));
+    auto& hooks = const_cast<Tensor&>(t).autograd_meta().grad_hooks;
+    hooks.insert(prepend ? hooks.begin() : hooks.end(), std::move(hook));
   }
 }
 

@@ -12,8 +12,13 @@ std::atomic<uint64_t> g_sequence{0};
 
 Node::Node() : sequence_nr_(g_sequence.fetch_add(1)) {}
 
-void Node::add_pre_hook(uint32_t output_nr, GradHook hook) {
-  pre_hooks_.emplace(output_nr, std::move(hook));
+void Node::add_pre_hook(uint32_t output_nr, GradHook hook, bool prepend) {
+  // A multimap keeps equal keys in insertion order; a hint at the first equal key inserts
+  // before them.
+  if (prepend)
+    pre_hooks_.emplace_hint(pre_hooks_.lower_bound(output_nr), output_nr, std::move(hook));
+  else
+    pre_hooks_.emplace(output_nr, std::move(hook));
 }
 
 GradientReductionPtr Node::incoming_reduction(uint32_t output_nr) const {

@@ -126,6 +126,10 @@ void FSDPGroup::finish_gather(bool fresh) {
   leaves_released_ = false;
 }
 
+namespace {
+constexpr size_t kMaxReducesInFlightToPrefetch = 1;
+}  // namespace
+
 void FSDPGroup::prefetch(bool forward) {
   std::vector<std::shared_ptr<FSDPGroup>> targets;
   const auto& explicit_targets = forward ? forward_prefetch_ : backward_prefetch_;
@@ -135,6 +139,15 @@ void FSDPGroup::prefetch(bool forward) {
   } else if (forward ? opts_.forward_prefetch : opts_.backward_prefetch) {
     auto next = forward ? schedule_->next_in_forward(this) : schedule_->next_in_backward(this);
     if (next) targets.push_back(next);
+  }
+  // Backward prefetch within the memory the bound allows: this group's weights and gradients,
+  // the next group's weights, and one reduce-scatter buffer. A rank never waits for a
+  // reduce-scatter during backward (schedule.h), so where they finish late (ranks sharing cores)
+  // several are in flight, and a prefetch then would hold a fifth group-sized buffer: the next
+  // group is gathered at its own pre-backward instead.
+  if (!forward && !targets.empty()) {
+    schedule_->retire(/*block=*/false);
+    if (schedule_->in_flight.size() > kMaxReducesInFlightToPrefetch) return;
   }
   for (const auto& t : targets) {
     if (t.get() == this || t->unsharded_) continue;
@@ -195,14 +208,22 @@ Tensor FSDPGroup::pre_forward(const Tensor& x) {
   // input still flows through them). When the input requires grad, its gradient marks the end
   // of the group's backward; when it does not, no step of the group's backward is left once its
   // trainable parameters have their gradients.
+  //
+  // The input is usually the previous group's output, whose hook (registered in its
+  // post_forward) starts that group's backward. This one goes first (prepended), as in PyTorch's
+  // FSDP2: this group packs its gradients and frees its weights before the previous group
+  // prefetches the one before it, so their buffers never coexist.
   input_grad_pending_ = false;
   if (grad_enabled() && in.defined() && in.requires_grad()) {
     input_grad_pending_ = true;
     std::weak_ptr<FSDPGroup> weak = weak_from_this();
-    register_hook(in, [weak](const Tensor&) {
-      if (auto s = weak.lock()) s->on_input_grad();
-      return Tensor();
-    });
+    register_hook(
+        in,
+        [weak](const Tensor&) {
+          if (auto s = weak.lock()) s->on_input_grad();
+          return Tensor();
+        },
+        /*prepend=*/true);
   }
   return in.is_same(x) ? Tensor() : in;
 }

@@ -2,6 +2,8 @@
 // depends on nothing but the engine itself.
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "tessera/tessera.h"
 
 using namespace tessera;
@@ -148,6 +150,29 @@ TEST(AutogradEngine, NonLeafHookAndRetainGrad) {
   EXPECT_DOUBLE_EQ(seen, 18.0);
   EXPECT_DOUBLE_EQ(y.grad().item<double>(), 18.0);
   EXPECT_DOUBLE_EQ(x.grad().item<double>(), 18.0 * 6.0);
+}
+
+TEST(AutogradEngine, HooksRunInRegistrationOrderAndPrependGoesFirst) {
+  // On a non-leaf (hooks of its grad_fn) and on a leaf (its own list).
+  for (bool on_leaf : {false, true}) {
+    SCOPED_TRACE(on_leaf ? "leaf" : "non-leaf");
+    Tensor x = leaf({3.0});
+    Tensor y = on_leaf ? x : loop_square(x);
+    std::string order;
+    auto mark = [&](char c) {
+      return [&order, c](const Tensor&) {
+        order += c;
+        return Tensor();
+      };
+    };
+    register_hook(y, mark('a'));
+    register_hook(y, mark('b'));
+    register_hook(y, mark('c'), /*prepend=*/true);
+    register_hook(y, mark('d'));
+    register_hook(y, mark('e'), /*prepend=*/true);
+    backward(loop_square(y));
+    EXPECT_EQ(order, "ecabd");
+  }
 }
 
 TEST(AutogradEngine, CallbacksRunAfterAllNodes) {

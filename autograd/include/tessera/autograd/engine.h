@@ -19,8 +19,11 @@ inline void backward(const Tensor& output, const Tensor& grad_output = {},
 }
 
 // Hooks. A gradient hook may return a replacement gradient (or an undefined tensor to keep it).
-// On a leaf it runs before accumulation; on a non-leaf when its gradient is computed.
-void register_hook(const Tensor& t, std::function<Tensor(const Tensor&)> hook);
+// On a leaf it runs before accumulation; on a non-leaf when its gradient is computed. A tensor's
+// hooks run in the order they were registered; `prepend` puts this one before those registered
+// so far.
+void register_hook(const Tensor& t, std::function<Tensor(const Tensor&)> hook,
+                   bool prepend = false);
 // Runs on a leaf after its .grad has been updated by a backward (FSDP starts its reduce-scatter
 // from here).
 void register_post_accumulate_grad_hook(const Tensor& leaf, std::function<void(Tensor&)> hook);

@@ -44,7 +44,9 @@ class Node : public std::enable_shared_from_this<Node> {
 
   // Hooks on the gradient arriving for forward output `output_nr` (tensor hooks on non-leaves).
   using GradHook = std::function<Tensor(const Tensor&)>;
-  void add_pre_hook(uint32_t output_nr, GradHook hook);
+  // Runs `hook` on the gradient of output `output_nr` before apply(), after the hooks added
+  // before it (or before them, with `prepend`).
+  void add_pre_hook(uint32_t output_nr, GradHook hook, bool prepend = false);
   std::vector<Tensor> run_pre_hooks(std::vector<Tensor>&& grads);
   bool has_pre_hooks(uint32_t output_nr) const { return pre_hooks_.count(output_nr) != 0; }
 
