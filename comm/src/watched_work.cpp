@@ -3,8 +3,8 @@
 #include <chrono>
 #include <cstdio>
 #include <exception>
-#include <thread>
 
+#include "backoff.h"
 #include "departures.h"
 #include "tessera/comm/runtime.h"
 
@@ -12,17 +12,9 @@ namespace tessera::detail {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-// A backend may move its transfers only while polled (MPI), so a waiter keeps polling: each
-// round of a large collective waits for the next poll. Spinning first costs nothing when no
-// other rank wants the core; yielding hands it over when ranks outnumber cores; only a wait long
-// enough to be a stalled or much slower rank sleeps between polls.
-constexpr int kSpinPolls = 64;
-constexpr std::chrono::milliseconds kYieldPhase{1000};
-constexpr std::chrono::microseconds kSleep{500};
 // Polls between two looks for ranks that left the job (a look is a probe of its own).
 constexpr int kPollsPerDepartureLook = 16;
+constexpr int kFirstDepartureLook = 64;
 
 }  // namespace
 
@@ -33,28 +25,20 @@ std::string describe(const CallInfo& call, const GroupInfo& group) {
 
 void watched_wait(Work& work, const std::function<std::string()>& what, const GroupInfo& group,
                   int64_t seq) {
-  const Clock::time_point start = Clock::now();
   const double timeout = collective_timeout_seconds();
-  for (int polls = 0;; ++polls) {
-    if (work.is_completed()) break;
-    if (seq >= 0 && polls >= kSpinPolls && polls % kPollsPerDepartureLook == 0) {
+  for (Backoff backoff; !work.is_completed(); backoff.pause()) {
+    const int polls = backoff.polls();
+    if (seq >= 0 && polls >= kFirstDepartureLook && polls % kPollsPerDepartureLook == 0) {
       const std::string gone = departed_before(group.id, group.world_ranks, group.name, seq);
       if (!gone.empty()) abort_job(what() + " cannot complete: " + gone);
     }
-    const Clock::duration waited = Clock::now() - start;
-    if (std::chrono::duration<double>(waited).count() > timeout) {
+    if (std::chrono::duration<double>(backoff.waited()).count() > timeout) {
       char buf[64];
       std::snprintf(buf, sizeof buf, "%g s", timeout);
       abort_job(what() + " did not complete within the collective timeout of " + buf +
                 ": a rank of the group has not called it, or called a different operation "
                 "(TESSERA_DEBUG_COLLECTIVES=1 checks that every rank calls the same one; "
                 "TESSERA_COLLECTIVE_TIMEOUT sets the timeout)");
-    }
-    if (polls < kSpinPolls) continue;
-    if (waited < kYieldPhase) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(kSleep);
     }
   }
   work.wait();  // completed: reports nothing new, but keeps wait()'s contract for any backend

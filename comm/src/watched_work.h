@@ -27,10 +27,9 @@ using GroupInfoPtr = std::shared_ptr<const GroupInfo>;
 // "all_reduce(sum) float32 [4] on group 'world' (rank 1 of 2)".
 std::string describe(const CallInfo& call, const GroupInfo& group);
 
-// Waits for `work` by polling is_completed(): spins briefly, then yields and finally sleeps
-// between polls, because ranks often outnumber cores and a spinning waiter steals the core of the
-// rank it waits for. After collective_timeout_seconds() it aborts the job naming what(); sooner
-// when a member of `group` left the job without starting the collective number `seq` (>= 0).
+// Waits for `work` by polling is_completed() (backoff.h). After collective_timeout_seconds() it
+// aborts the job naming what(); sooner when a member of `group` left the job without starting
+// the collective number `seq` (>= 0).
 void watched_wait(Work& work, const std::function<std::string()>& what, const GroupInfo& group,
                   int64_t seq);
 

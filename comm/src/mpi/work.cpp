@@ -1,9 +1,8 @@
 #include "work.h"
 
-#include <chrono>
 #include <exception>
-#include <thread>
 
+#include "../backoff.h"
 #include "mpi_state.h"
 #include "tessera/comm/runtime.h"
 #include "tessera/core/error.h"
@@ -28,13 +27,6 @@ std::string describe(const CallInfo& call, const Communicator& comm) {
 }
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-// See wait_all.
-constexpr int kSpinPolls = 64;
-constexpr std::chrono::milliseconds kYieldPhase{1000};
-constexpr std::chrono::microseconds kSleep{500};
 
 bool is_truncation(int rc) {
   int cls = rc;
@@ -87,16 +79,8 @@ bool test_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statu
 
 void wait_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statuses,
               const std::function<std::string()>& what) {
-  const Clock::time_point start = Clock::now();
-  for (int polls = 0;; ++polls) {
-    if (test_all(requests, statuses, what)) return;
-    if (polls < kSpinPolls) continue;
-    if (Clock::now() - start < kYieldPhase) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(kSleep);
-    }
-  }
+  for (detail::Backoff backoff; !test_all(requests, statuses, what);)
+    backoff.pause();
 }
 
 MpiWork::MpiWork(CommunicatorPtr comm, CallInfo call)

@@ -43,10 +43,9 @@ using CommunicatorPtr = std::shared_ptr<const Communicator>;
 // "all_reduce(sum) float32 [4] on group 'world' (rank 1 of 2)".
 std::string describe(const CallInfo& call, const Communicator& comm);
 
-// Polls `requests` to completion: spins briefly, then yields and finally sleeps between polls,
-// because ranks often outnumber cores and a spinning waiter steals the core of the rank it waits
-// for. No timeout: waits that may never end are the wrapper's (watched_work.h), which polls
-// is_completed() under the collective timeout before it calls wait().
+// Polls `requests` to completion (backoff.h). No timeout: waits that may never end are the
+// wrapper's (watched_work.h), which polls is_completed() under the collective timeout before it
+// calls wait().
 void wait_all(std::vector<MPI_Request>& requests, std::vector<MPI_Status>& statuses,
               const std::function<std::string()>& what);
 // One non-blocking poll; true when all completed. Throws on MPI errors.
