@@ -1,14 +1,16 @@
 # tessera_add_mpi_test(<target> SOURCES <files...> RANKS <world sizes...> [TIMEOUT <seconds>]
 #                      [NAME <test name>] [ARGS <arguments...>]
 #                      [FIXTURES_SETUP <fixture>] [FIXTURES_REQUIRED <fixture>]
-#                      [SANITIZE <world sizes...>])
+#                      [SANITIZE <world sizes...>] [SANITIZE_ARGS <arguments...>])
 #
 # Builds a GoogleTest binary with tessera::testing_main (every rank runs every test, rank 0
 # prints the summary, other ranks print their failures prefixed with their rank, and every rank
 # exits non-zero when any rank failed) linked to tessera::testing, and registers one ctest test
 # per world size, `<name>.np<N>` (name defaults to the target), run under mpirun with label
 # `dist`; the world sizes listed in SANITIZE also get label `sanitize` (Tessera's own
-# sanitizer run). Without SOURCES it registers more tests of an existing target (other ARGS,
+# sanitizer run); in a build with -fsanitize in CMAKE_CXX_FLAGS those world sizes run with
+# SANITIZE_ARGS appended (a --gtest_filter leaving out what is slow under the sanitizers and
+# checks nothing the other tests do not). Without SOURCES it registers more tests of an existing target (other ARGS,
 # such as a --gtest_filter, and fixtures that order stages across world sizes). Installed with
 # the package: find_package(tessera) defines it when GoogleTest is found.
 include_guard(GLOBAL)
@@ -33,7 +35,7 @@ endif()
 
 function(tessera_add_mpi_test target)
   cmake_parse_arguments(ARG "" "TIMEOUT;NAME;FIXTURES_SETUP;FIXTURES_REQUIRED"
-                        "SOURCES;RANKS;ARGS;SANITIZE" ${ARGN})
+                        "SOURCES;RANKS;ARGS;SANITIZE;SANITIZE_ARGS" ${ARGN})
   if(NOT ARG_SOURCES AND NOT TARGET ${target})
     message(FATAL_ERROR "tessera_add_mpi_test(${target}): SOURCES is required for a new target")
   endif()
@@ -55,11 +57,19 @@ function(tessera_add_mpi_test target)
                           $<TARGET_NAME_IF_EXISTS:tessera_arch>)
   endif()
 
+  set(sanitized_build OFF)
+  if(CMAKE_CXX_FLAGS MATCHES "-fsanitize=")
+    set(sanitized_build ON)
+  endif()
   foreach(n IN LISTS ARG_RANKS)
     set(test_name ${ARG_NAME}.np${n})
+    set(args ${ARG_ARGS})
+    if(sanitized_build AND n IN_LIST ARG_SANITIZE)
+      list(APPEND args ${ARG_SANITIZE_ARGS})
+    endif()
     add_test(NAME ${test_name}
              COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${n} ${TESSERA_MPIEXEC_EXTRA_FLAGS}
-                     ${MPIEXEC_PREFLAGS} $<TARGET_FILE:${target}> ${MPIEXEC_POSTFLAGS} ${ARG_ARGS})
+                     ${MPIEXEC_PREFLAGS} $<TARGET_FILE:${target}> ${MPIEXEC_POSTFLAGS} ${args})
     set(labels dist)
     if(n IN_LIST ARG_SANITIZE)
       list(APPEND labels sanitize)
