@@ -1,38 +1,69 @@
-// CUDA memory: the default allocator for CUDA devices and copies across devices. Compiled only
-// when CUDA is enabled; nothing here runs on a machine without a GPU.
+// CUDA memory: the caching allocator's device side for CUDA devices and copies across devices.
+// Compiled only when CUDA is enabled; nothing here runs on a machine without a GPU.
 #include <cuda_runtime.h>
 
 #include <memory>
 #include <mutex>
 
 #include "tessera/core/allocator.h"
+#include "tessera/core/caching_allocator.h"
 #include "tessera/core/error.h"
 
 namespace tessera {
 
 namespace {
 
-void check_cuda(cudaError_t err, const char* what) {
-  TESSERA_CHECK(err == cudaSuccess, "CUDA ", what, " failed: ", cudaGetErrorString(err));
+void check_cuda(cudaError_t err, const char* what, int index) {
+  TESSERA_CHECK(err == cudaSuccess, "CUDA ", what, " on cuda:", index,
+                " failed: ", cudaGetErrorString(err));
 }
 
-class CudaAllocator final : public Allocator {
+// cudaMalloc/cudaFree and events on one device, for the caching allocator. Tessera queues no
+// work on streams of its own yet, so allocations are ordered on the default stream.
+class CudaDeviceMemory final : public DeviceMemory {
  public:
-  explicit CudaAllocator(int index) : index_(index) {}
-  void* allocate(size_t nbytes) override {
-    if (nbytes == 0) return nullptr;
-    check_cuda(cudaSetDevice(index_), "cudaSetDevice");
+  explicit CudaDeviceMemory(int index) : index_(index) {}
+  Device device() const override { return Device::cuda(index_); }
+  void* raw_allocate(size_t nbytes) override {
+    check_cuda(cudaSetDevice(index_), "cudaSetDevice", index_);
     void* p = nullptr;
-    check_cuda(cudaMalloc(&p, nbytes), "cudaMalloc");
-    detail::record_alloc(device(), nbytes);
+    cudaError_t err = cudaMalloc(&p, nbytes);
+    if (err == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();  // clear it: the allocator frees its cache and tries again
+      return nullptr;
+    }
+    check_cuda(err, "cudaMalloc", index_);
     return p;
   }
-  void deallocate(void* ptr, size_t nbytes) override {
-    if (!ptr) return;
-    cudaFree(ptr);
-    detail::record_free(device(), nbytes);
+  void raw_free(void* ptr) override {
+    check_cuda(cudaSetDevice(index_), "cudaSetDevice", index_);
+    check_cuda(cudaFree(ptr), "cudaFree", index_);
   }
-  Device device() const override { return Device::cuda(index_); }
+  StreamId current_stream() const override { return 0; }
+  void* record_event(StreamId stream) override {
+    check_cuda(cudaSetDevice(index_), "cudaSetDevice", index_);
+    cudaEvent_t event = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate", index_);
+    check_cuda(cudaEventRecord(event, reinterpret_cast<cudaStream_t>(stream)), "cudaEventRecord",
+               index_);
+    return event;
+  }
+  bool event_done(void* event) override {
+    cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event));
+    if (err == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    check_cuda(err, "cudaEventQuery", index_);
+    return true;
+  }
+  void release_event(void* event) override {
+    check_cuda(cudaEventDestroy(static_cast<cudaEvent_t>(event)), "cudaEventDestroy", index_);
+  }
+  void synchronize() override {
+    check_cuda(cudaSetDevice(index_), "cudaSetDevice", index_);
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", index_);
+  }
 
  private:
   int index_;
@@ -40,13 +71,16 @@ class CudaAllocator final : public Allocator {
 
 }  // namespace
 
+// One caching allocator per device, never destroyed: tensors may outlive static destructors,
+// and freeing CUDA memory after the runtime has shut down fails.
 Allocator* cuda_default_allocator(int index) {
   static std::mutex mu;
-  static std::unique_ptr<CudaAllocator> allocators[16];
+  static CachingAllocator* allocators[16] = {};
   TESSERA_CHECK(index >= 0 && index < 16, "CUDA device index ", index, " out of range");
   std::lock_guard<std::mutex> lock(mu);
-  if (!allocators[index]) allocators[index] = std::make_unique<CudaAllocator>(index);
-  return allocators[index].get();
+  if (!allocators[index])
+    allocators[index] = new CachingAllocator(std::make_unique<CudaDeviceMemory>(index));
+  return allocators[index];
 }
 
 namespace detail {
@@ -54,7 +88,8 @@ void cuda_memcpy(void* dst, Device dst_device, const void* src, Device src_devic
   cudaMemcpyKind kind = dst_device.is_cpu()   ? cudaMemcpyDeviceToHost
                         : src_device.is_cpu() ? cudaMemcpyHostToDevice
                                               : cudaMemcpyDeviceToDevice;
-  check_cuda(cudaMemcpy(dst, src, nbytes, kind), "cudaMemcpy");
+  check_cuda(cudaMemcpy(dst, src, nbytes, kind), "cudaMemcpy",
+             dst_device.is_cpu() ? src_device.index : dst_device.index);
 }
 }  // namespace detail
 
