@@ -1,9 +1,21 @@
+#include <atomic>
 #include <cstring>
 
+#include "tessera/core/allocator.h"
 #include "tessera/core/detail/cuda_copy.h"
 #include "tessera/core/error.h"
 
-namespace tessera::detail {
+namespace tessera {
+
+namespace {
+std::atomic<DeviceCopyFn> g_copy_override{nullptr};
+}  // namespace
+
+DeviceCopyFn set_device_copy(DeviceCopyFn copy) {
+  return g_copy_override.exchange(copy);
+}
+
+namespace detail {
 
 #ifdef TESSERA_WITH_CUDA
 void cuda_memcpy(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes);
@@ -14,6 +26,10 @@ void device_copy(void* dst, Device dst_device, const void* src, Device src_devic
     std::memcpy(dst, src, nbytes);
     return;
   }
+  if (DeviceCopyFn copy = g_copy_override.load()) {
+    copy(dst, dst_device, src, src_device, nbytes);
+    return;
+  }
 #ifdef TESSERA_WITH_CUDA
   cuda_memcpy(dst, dst_device, src, src_device, nbytes);
 #else
@@ -22,4 +38,6 @@ void device_copy(void* dst, Device dst_device, const void* src, Device src_devic
 #endif
 }
 
-}  // namespace tessera::detail
+}  // namespace detail
+
+}  // namespace tessera

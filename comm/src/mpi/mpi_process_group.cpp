@@ -67,9 +67,10 @@ std::shared_ptr<MpiWork> MpiProcessGroup::make_work(CallInfo call) const {
 }
 
 void MpiProcessGroup::check_cpu(const Tensor& t, const char* op, const char* what) const {
-  TESSERA_CHECK(t.device().is_cpu(), where(op), ": ", what, " ", t.str(),
-                " is not on the CPU; the MPI group communicates CPU tensors (there is no GPU "
-                "communication yet: copy the tensor to the CPU first)");
+  TESSERA_CHECK(t.device().is_cpu(), where(op), ": ", what, " ", t.str(), " is on ",
+                t.device().str(),
+                "; the MPI group communicates CPU tensors (host_staged_group over it moves "
+                "device tensors through host memory)");
 }
 
 void MpiProcessGroup::check_cpu(const std::vector<Tensor>& list, const char* op,

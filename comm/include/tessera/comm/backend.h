@@ -26,6 +26,17 @@ void register_backend(DeviceType type, const std::string& name, BackendFactory m
 // The name of the backend for `type` ("mpi" for the CPU), "" when none is registered.
 std::string backend_name(DeviceType type);
 
+// A group that runs `host_group`'s operations on tensors of any device by moving them through
+// host memory: device inputs are copied to host tensors, the host group's operation runs on them,
+// and device outputs are copied back when the work completes (wait(), is_completed(), or
+// dropping the work). CPU tensors pass through untouched. Two copies over the host link per call
+// make it slower than a device-native backend, but it runs wherever the CPU's backend does,
+// several ranks sharing one GPU included (which NCCL refuses).
+ProcessGroupPtr host_staged_group(ProcessGroupPtr host_group);
+// The backend factory of such groups over the CPU's world:
+// register_backend(DeviceType::CUDA, "mpi", host_staged_backend()).
+BackendFactory host_staged_backend();
+
 // The world group of the backend for `type` (made on first use, collectively; dropped at
 // finalize()). An error naming the device type when no backend is registered for it.
 ProcessGroupPtr world_group(DeviceType type);

@@ -30,6 +30,13 @@ Allocator& allocator_for(Device device);
 // integrations with an external caching allocator. Returns the previous one.
 Allocator* set_allocator(DeviceType type, Allocator* allocator);
 
+// How bytes move when either side is not the CPU (cudaMemcpy in a CUDA build). Replacing it
+// (nullptr restores the default) together with the CUDA allocator lets host memory stand in for
+// a device: how tests run device code paths on a machine without one. Returns the previous one.
+using DeviceCopyFn = void (*)(void* dst, Device dst_device, const void* src, Device src_device,
+                              size_t nbytes);
+DeviceCopyFn set_device_copy(DeviceCopyFn copy);
+
 MemoryStats memory_stats(Device device = Device::cpu());
 // Sets the peak to the current value, so a later peak measures one phase.
 void reset_peak_memory(Device device = Device::cpu());
