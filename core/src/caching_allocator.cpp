@@ -12,7 +12,8 @@
 
 namespace tessera {
 
-namespace {
+// Named, not anonymous: the types are members of CachingAllocator::Impl, which has linkage.
+namespace caching_detail {
 
 // A piece of a segment. Invariant: within a segment, blocks tile the raw allocation in address
 // order (prev/next), and no two neighbours are both free (a freed block merges at once), so a
@@ -36,6 +37,13 @@ struct BlockOrder {
   }
 };
 using Pool = std::set<Block*, BlockOrder>;
+
+}  // namespace caching_detail
+
+using caching_detail::Block;
+using caching_detail::Pool;
+
+namespace {
 
 size_t round_up(size_t n, size_t to) {
   return (n + to - 1) / to * to;
