@@ -12,6 +12,7 @@
 #include "tessera/comm/runtime.h"
 #include "tessera/core/error.h"
 #include "tessera/core/factory.h"
+#include "then_work.h"
 
 namespace tessera {
 
@@ -28,46 +29,6 @@ std::string where(const ProcessGroup& g) {
   return "all_gather_runs on group '" + g.name() + "' (rank " + std::to_string(g.rank()) + " of " +
          std::to_string(g.size()) + ")";
 }
-
-// A work that runs `then` once, on the thread that finds `inner` complete (wait() or
-// is_completed()), before reporting completion. The progress thread only polls `inner`.
-class ThenWork final : public Work {
- public:
-  ThenWork(WorkPtr inner, std::function<void()> then)
-      : inner_(std::move(inner)), then_(std::move(then)) {}
-  ~ThenWork() override {
-    // Like any work dropped unfinished: the gathered pieces still reach `out`.
-    try {
-      if (!done_) wait();
-    } catch (const std::exception& e) {
-      abort_job(std::string("a Work destroyed before completion failed: ") + e.what());
-    }
-  }
-  void wait() override {
-    inner_->wait();
-    finish();
-  }
-  bool is_completed() override {
-    if (!inner_->is_completed()) return false;
-    finish();
-    return true;
-  }
-  bool needs_polling() override { return inner_->needs_polling(); }
-  bool poll() override { return inner_->poll(); }
-
- private:
-  void finish() {
-    std::lock_guard<std::mutex> guard(mutex_);
-    if (done_) return;
-    done_ = true;
-    auto fn = std::move(then_);
-    fn();
-  }
-  WorkPtr inner_;
-  std::function<void()> then_;
-  std::mutex mutex_;
-  bool done_ = false;
-};
 
 }  // namespace
 
@@ -116,7 +77,7 @@ WorkPtr ProcessGroup::all_gather_runs(Tensor& out, const Tensor& in,
   }
   Tensor gathered = empty({piece * size()}, in.dtype());
   WorkPtr inner = all_gather_into_tensor(gathered, send);
-  return std::make_shared<ThenWork>(
+  return std::make_shared<detail::ThenWork>(
       std::move(inner), [out, send, gathered, runs, piece, es]() mutable {
         const auto* all = static_cast<const unsigned char*>(gathered.raw_data());
         auto* dst = static_cast<unsigned char*>(out.raw_data());

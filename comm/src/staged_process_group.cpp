@@ -3,12 +3,10 @@
 // the device outputs back when the work completes. Tensors already on the CPU pass through
 // untouched. What it costs is two copies over the host link per call; what it buys is that any
 // number of ranks can share one GPU (NCCL refuses two ranks on one device).
-#include <functional>
-#include <mutex>
-
 #include "tessera/comm/backend.h"
 #include "tessera/comm/runtime.h"
 #include "tessera/core/factory.h"
+#include "then_work.h"
 
 namespace tessera {
 
@@ -56,54 +54,6 @@ struct Staging {
       hs.push_back(out(t));
     return hs;
   }
-};
-
-// The CPU group's work, then the copies back, run once by whichever of wait(), is_completed()
-// and the destructor first sees the transfers done.
-class StagedWork final : public Work {
- public:
-  StagedWork(WorkPtr inner, Staging staging)
-      : inner_(std::move(inner)), staging_(std::move(staging)) {}
-  ~StagedWork() override {
-    std::lock_guard<std::mutex> guard(mutex_);
-    if (done_) return;
-    // The CPU group may still write into the host tensors, and a caller that drops the work
-    // without waiting still gets its outputs.
-    try {
-      inner_->wait();
-      finish();
-    } catch (const std::exception& e) {
-      abort_job(std::string("a staged Work destroyed before completion failed: ") + e.what());
-    }
-  }
-  void wait() override {
-    std::lock_guard<std::mutex> guard(mutex_);
-    if (done_) return;
-    inner_->wait();
-    finish();
-  }
-  bool is_completed() override {
-    std::lock_guard<std::mutex> guard(mutex_);
-    if (done_) return true;
-    if (!inner_->is_completed()) return false;
-    finish();
-    return true;
-  }
-  bool needs_polling() override { return inner_->needs_polling(); }
-  bool poll() override { return inner_->poll(); }
-
- private:
-  void finish() {
-    for (auto& [device, host] : staging_.outputs)
-      device.copy_(host);
-    staging_ = Staging{};
-    done_ = true;
-  }
-
-  WorkPtr inner_;
-  Staging staging_;
-  std::mutex mutex_;
-  bool done_ = false;
 };
 
 class StagedProcessGroup final : public ProcessGroup {
@@ -186,9 +136,16 @@ class StagedProcessGroup final : public ProcessGroup {
   }
 
  private:
+  // The CPU group's work, then the copies back to the device, run once by whichever of wait(),
+  // is_completed() and dropping the work first sees the transfers done; the host tensors live
+  // until then.
   static WorkPtr staged(WorkPtr inner, Staging s) {
     if (s.keep.empty()) return inner;  // every tensor was on the host
-    return std::make_shared<StagedWork>(std::move(inner), std::move(s));
+    return std::make_shared<detail::ThenWork>(std::move(inner), [s = std::move(s)]() mutable {
+      for (auto& [device, host] : s.outputs)
+        device.copy_(host);
+      s = Staging{};
+    });
   }
 
   ProcessGroupPtr host_;

@@ -62,6 +62,11 @@ struct CachingAllocator::Impl {
   CachingStats stats;
 
   Pool& pool_of(const Block* b) { return b->small ? small_pool : large_pool; }
+  Block* live_block(void* ptr, const char* op, const char* otherwise) const {
+    auto it = live.find(ptr);
+    TESSERA_CHECK(it != live.end(), op, " on ", device.str(), ": ", ptr, " ", otherwise);
+    return it->second;
+  }
 
   Block* allocate(size_t nbytes, StreamId stream);
   void free_block(Block* b);
@@ -195,11 +200,9 @@ void CachingAllocator::deallocate(void* ptr, size_t nbytes) {
   if (ptr == nullptr) return;
   Impl& s = *impl_;
   std::lock_guard<std::mutex> lock(s.mu);
-  auto it = s.live.find(ptr);
-  TESSERA_CHECK(it != s.live.end(), "deallocate on ", s.device.str(), ": ", ptr,
-                " was not handed out by this allocator (or was freed already)");
-  Block* b = it->second;
-  s.live.erase(it);
+  Block* b = s.live_block(ptr, "deallocate",
+                          "was not handed out by this allocator (or was freed already)");
+  s.live.erase(ptr);
   s.stats.allocated_bytes -= int64_t(b->size);
   detail::record_free(s.device, nbytes);
   if (b->used_on.empty()) {
@@ -269,10 +272,7 @@ void CachingAllocator::Impl::release_free_segments() {
 void CachingAllocator::record_stream(void* ptr, StreamId stream) {
   Impl& s = *impl_;
   std::lock_guard<std::mutex> lock(s.mu);
-  auto it = s.live.find(ptr);
-  TESSERA_CHECK(it != s.live.end(), "record_stream on ", s.device.str(), ": ", ptr,
-                " is not a live block of this allocator");
-  Block* b = it->second;
+  Block* b = s.live_block(ptr, "record_stream", "is not a live block of this allocator");
   if (stream != b->stream &&
       std::find(b->used_on.begin(), b->used_on.end(), stream) == b->used_on.end())
     b->used_on.push_back(stream);
