@@ -138,13 +138,12 @@ class StagedProcessGroup final : public ProcessGroup {
  private:
   // The CPU group's work, then the copies back to the device, run once by whichever of wait(),
   // is_completed() and dropping the work first sees the transfers done; the host tensors live
-  // until then.
+  // until then (ThenWork drops the step once it has run).
   static WorkPtr staged(WorkPtr inner, Staging s) {
     if (s.keep.empty()) return inner;  // every tensor was on the host
     return std::make_shared<detail::ThenWork>(std::move(inner), [s = std::move(s)]() mutable {
       for (auto& [device, host] : s.outputs)
         device.copy_(host);
-      s = Staging{};
     });
   }
 
