@@ -5,6 +5,7 @@
 #include <Random123/uniform.hpp>
 #include <cmath>
 
+#include "cpu/kernels.h"
 #include "tessera/core/detail/strided_loop.h"
 #include "tessera/core/factory.h"
 
@@ -59,8 +60,6 @@ void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed
   const Shape& local = out.shape();
   TESSERA_CHECK(is_floating(out.dtype()), "random fill of a ", dtype_name(out.dtype()),
                 " tensor: needs a floating dtype");
-  TESSERA_CHECK(out.device().is_cpu(), "random fill on ", out.device().str(),
-                " is not supported by this build");
   TESSERA_CHECK(
       window.global_shape.size() == local.size() && window.global_offset.size() == local.size(),
       "random window: global shape ", shape_str(window.global_shape), " / offset ",
@@ -73,6 +72,14 @@ void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed
                   shape_str(window.global_shape));
   }
   if (out.numel() == 0) return;
+  kernels::philox_fill(out, kind, a, b, seed, base, window);
+}
+
+namespace kernels::cpu {
+
+void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed, uint64_t base,
+                 const RandomWindow& window) {
+  const Shape& local = out.shape();
   // Global linear index of the local element at multi-index idx is
   // sum_d (offset_d + idx_d) * gstride_d; iterate runs over the local tensor.
   Shape gstrides = contiguous_strides(window.global_shape);
@@ -91,6 +98,8 @@ void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed
     }
   });
 }
+
+}  // namespace kernels::cpu
 
 namespace {
 void fill_whole(Tensor& t, RandomKind kind, double a, double b, Generator& gen) {

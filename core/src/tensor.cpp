@@ -3,6 +3,7 @@
 #include <cstring>
 #include <ostream>
 
+#include "kernel_list.h"
 #include "tessera/core/allocator.h"
 #include "tessera/core/detail/cuda_copy.h"
 #include "tessera/core/detail/strided_loop.h"
@@ -135,46 +136,24 @@ Tensor Tensor::to(Device dev) const {
   return out;
 }
 
-namespace {
-
-template <class D, class S>
-void copy_runs(const Tensor& dst, const Tensor& src) {
-  D* d = static_cast<D*>(dst.raw_data());
-  const S* s = static_cast<const S*>(src.raw_data());
-  detail::for_each_run<2>(dst.shape(), {&dst.strides(), &src.strides()},
-                          [&](const detail::Run<2>& r) {
-                            D* dp = d + r.offset[0];
-                            const S* sp = s + r.offset[1];
-                            if (r.stride[0] == 1 && r.stride[1] == 1) {
-                              if constexpr (std::is_same_v<D, S>) {
-                                std::memcpy(dp, sp, size_t(r.length) * sizeof(D));
-                              } else {
-                                for (int64_t i = 0; i < r.length; ++i)
-                                  dp[i] = D(to_compute(sp[i]));
-                              }
-                              return;
-                            }
-                            for (int64_t i = 0; i < r.length; ++i)
-                              dp[i * r.stride[0]] = D(to_compute(sp[i * r.stride[1]]));
-                          });
-}
-
-}  // namespace
-
 Tensor& Tensor::copy_(const Tensor& src) {
   TESSERA_CHECK(src.shape() == shape(), "copy_: source shape ", shape_str(src.shape()),
                 " does not match destination shape ", shape_str(shape()));
   if (numel() == 0) return *this;
-  if (!device().is_cpu() || !src.device().is_cpu()) {
-    TESSERA_CHECK(src.dtype() == dtype() && src.is_contiguous() && is_contiguous(),
-                  "copy_ between ", src.device().str(), " and ", device().str(),
-                  " needs contiguous tensors of one dtype (got ", src.str(), " -> ", str(), ")");
-    detail::device_copy(raw_data(), device(), src.raw_data(), src.device(), nbytes());
+  if (src.device() == device()) {
+    kernels::copy_(*this, src);
     return *this;
   }
-  dispatch_dtype(dtype(), [&]<class D>() {
-    dispatch_dtype(src.dtype(), [&]<class S>() { copy_runs<D, S>(*this, src); });
-  });
+  // Between devices bytes move as one block, so strides and dtype are settled on either side by
+  // that device's own copy kernel.
+  const Tensor packed = src.dtype() == dtype() ? src.contiguous() : src.to(dtype());
+  if (is_contiguous()) {
+    detail::device_copy(raw_data(), device(), packed.raw_data(), packed.device(), nbytes());
+    return *this;
+  }
+  Tensor staged = empty(shape(), TensorOptions(dtype(), device()));
+  detail::device_copy(staged.raw_data(), device(), packed.raw_data(), packed.device(), nbytes());
+  kernels::copy_(*this, staged);
   return *this;
 }
 

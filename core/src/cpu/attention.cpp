@@ -10,10 +10,11 @@
 #include <cmath>
 #include <limits>
 
+#include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/nn.h"
 
-namespace tessera::kernels {
+namespace tessera::kernels::cpu {
 
 namespace {
 
@@ -175,4 +176,4 @@ AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_out, con
   return {dq.to(q.dtype()), dk.to(k.dtype()), dv.to(v.dtype())};
 }
 
-}  // namespace tessera::kernels
+}  // namespace tessera::kernels::cpu

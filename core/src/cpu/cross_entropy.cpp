@@ -5,10 +5,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/nn.h"
 
-namespace tessera::kernels {
+namespace tessera::kernels::cpu {
 
 namespace {
 
@@ -154,4 +155,4 @@ Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, con
   return gx;
 }
 
-}  // namespace tessera::kernels
+}  // namespace tessera::kernels::cpu

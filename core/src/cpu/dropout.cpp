@@ -3,10 +3,11 @@
 // (seed, offset), hence reproducible from those two numbers alone.
 #include <cmath>
 
+#include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/nn.h"
 
-namespace tessera::kernels {
+namespace tessera::kernels::cpu {
 
 DropoutResult dropout(const Tensor& x, double p, Generator& gen) {
   TESSERA_CHECK(x.defined(), "dropout: x is undefined");
@@ -18,8 +19,8 @@ DropoutResult dropout(const Tensor& x, double p, Generator& gen) {
                 shape_str(x.shape()));
   Tensor mask = empty(x.shape(), x.dtype());
   const uint64_t base = gen.advance(uint64_t(x.numel()));
-  philox_fill(mask, RandomKind::Bernoulli, 1.0 - p, 0.0, gen.seed(), base,
-              {x.shape(), Shape(size_t(x.dim()), 0)});
+  tessera::philox_fill(mask, RandomKind::Bernoulli, 1.0 - p, 0.0, gen.seed(), base,
+                       {x.shape(), Shape(size_t(x.dim()), 0)});
   Tensor xc = x.contiguous();
   Tensor out = empty(x.shape(), x.dtype());
   dispatch_dtype(x.dtype(), [&]<class T>() {
@@ -41,4 +42,4 @@ DropoutResult dropout(const Tensor& x, double p, Generator& gen) {
   return {out, mask};
 }
 
-}  // namespace tessera::kernels
+}  // namespace tessera::kernels::cpu

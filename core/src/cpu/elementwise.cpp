@@ -6,12 +6,13 @@
 #include <type_traits>
 
 #include "elementwise_loop.h"
+#include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
 #include "tessera/core/kernels/reduce.h"
 #include "tessera/core/kernels/views.h"
 
-namespace tessera::kernels {
+namespace tessera::kernels::cpu {
 
 namespace {
 
@@ -234,7 +235,7 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
 }
 
 Tensor binary_scalar(BinaryOp op, const Tensor& a, double s) {
-  if (op == BinaryOp::Pow && s == 2.0) return unary(UnaryOp::Square, a);
+  if (op == BinaryOp::Pow && s == 2.0) return cpu::unary(UnaryOp::Square, a);
   return scalar_op(op, a, s, false);
 }
 
@@ -535,4 +536,4 @@ Tensor sum_to_shape(const Tensor& x, const Shape& shape) {
   return reshape(r, shape);
 }
 
-}  // namespace tessera::kernels
+}  // namespace tessera::kernels::cpu

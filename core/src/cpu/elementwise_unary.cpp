@@ -15,10 +15,11 @@
 #include <unsupported/Eigen/SpecialFunctions>
 
 #include "elementwise_loop.h"
+#include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
 
-namespace tessera::kernels {
+namespace tessera::kernels::cpu {
 
 namespace {
 
@@ -319,4 +320,4 @@ Tensor unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x) {
   return out;
 }
 
-}  // namespace tessera::kernels
+}  // namespace tessera::kernels::cpu

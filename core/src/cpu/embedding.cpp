@@ -3,11 +3,12 @@
 // size, indices tensor of any shape) before delegating.
 #include <vector>
 
+#include "kernels.h"
 #include "tessera/core/kernels/nn.h"
 #include "tessera/core/kernels/shape_ops.h"
 #include "tessera/core/kernels/views.h"
 
-namespace tessera::kernels {
+namespace tessera::kernels::cpu {
 
 namespace {
 
@@ -52,4 +53,4 @@ Tensor embedding_backward(const Tensor& grad_out, const Tensor& indices, int64_t
   return index_add({num_embeddings, d}, 0, flat, reshape(grad_out, {flat.numel(), d}));
 }
 
-}  // namespace tessera::kernels
+}  // namespace tessera::kernels::cpu

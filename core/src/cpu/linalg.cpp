@@ -7,12 +7,13 @@
 
 #include <Eigen/Core>
 
+#include "kernels.h"
 #include "tessera/core/detail/strided_loop.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/linalg.h"
 #include "tessera/core/kernels/views.h"
 
-namespace tessera::kernels {
+namespace tessera::kernels::cpu {
 
 namespace {
 
@@ -315,4 +316,4 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias) {
   return view(y, out_shape);
 }
 
-}  // namespace tessera::kernels
+}  // namespace tessera::kernels::cpu

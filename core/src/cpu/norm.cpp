@@ -8,10 +8,11 @@
 #include <Eigen/Core>
 #include <cmath>
 
+#include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/nn.h"
 
-namespace tessera::kernels {
+namespace tessera::kernels::cpu {
 
 namespace {
 
@@ -228,4 +229,4 @@ NormGrads layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Ten
   return g;
 }
 
-}  // namespace tessera::kernels
+}  // namespace tessera::kernels::cpu

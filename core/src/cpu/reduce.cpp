@@ -12,11 +12,12 @@
 #include <numeric>
 #include <type_traits>
 
+#include "kernels.h"
 #include "tessera/core/detail/strided_loop.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/reduce.h"
 
-namespace tessera::kernels {
+namespace tessera::kernels::cpu {
 
 namespace {
 
@@ -416,4 +417,4 @@ Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) {
   return max(x, dim, keepdim).indices;
 }
 
-}  // namespace tessera::kernels
+}  // namespace tessera::kernels::cpu

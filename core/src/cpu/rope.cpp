@@ -2,10 +2,11 @@
 // every head at position t is rotated by the angle t * theta^(-2i/D).
 #include <cmath>
 
+#include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/nn.h"
 
-namespace tessera::kernels {
+namespace tessera::kernels::cpu {
 
 namespace {
 
@@ -73,6 +74,11 @@ Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse)
   return out.to(x.dtype());
 }
 
+}  // namespace tessera::kernels::cpu
+
+namespace tessera::kernels {
+
+// Tables are built on the host: they hold no tensor input to say which device, and are small.
 std::pair<Tensor, Tensor> rope_tables(int64_t max_seq, int64_t head_dim, double theta,
                                       DType dtype) {
   TESSERA_CHECK(max_seq >= 0, "rope_tables: max_seq must be >= 0, got ", max_seq);

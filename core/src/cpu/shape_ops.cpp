@@ -7,11 +7,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/shape_ops.h"
 #include "tessera/core/kernels/views.h"
 
-namespace tessera::kernels {
+namespace tessera::kernels::cpu {
 
 namespace {
 
@@ -205,4 +206,4 @@ Tensor index_add(const Shape& shape, int64_t dim, const Tensor& index, const Ten
   return acc.to(src.dtype());
 }
 
-}  // namespace tessera::kernels
+}  // namespace tessera::kernels::cpu

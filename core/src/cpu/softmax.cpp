@@ -7,10 +7,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/nn.h"
 
-namespace tessera::kernels {
+namespace tessera::kernels::cpu {
 
 namespace {
 
@@ -187,4 +188,4 @@ Tensor log_softmax_backward(const Tensor& grad_out, const Tensor& out, int64_t d
   return softmax_backward_common<true>("log_softmax_backward", grad_out, out, dim);
 }
 
-}  // namespace tessera::kernels
+}  // namespace tessera::kernels::cpu

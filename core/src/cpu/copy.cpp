@@ -1,0 +1,42 @@
+// The CPU copy between two tensors of any strides and dtypes (Tensor::copy_ on the CPU).
+#include <cstring>
+#include <type_traits>
+
+#include "kernels.h"
+#include "tessera/core/detail/strided_loop.h"
+
+namespace tessera::kernels::cpu {
+
+namespace {
+
+template <class D, class S>
+void copy_runs(const Tensor& dst, const Tensor& src) {
+  D* d = static_cast<D*>(dst.raw_data());
+  const S* s = static_cast<const S*>(src.raw_data());
+  detail::for_each_run<2>(dst.shape(), {&dst.strides(), &src.strides()},
+                          [&](const detail::Run<2>& r) {
+                            D* dp = d + r.offset[0];
+                            const S* sp = s + r.offset[1];
+                            if (r.stride[0] == 1 && r.stride[1] == 1) {
+                              if constexpr (std::is_same_v<D, S>) {
+                                std::memcpy(dp, sp, size_t(r.length) * sizeof(D));
+                              } else {
+                                for (int64_t i = 0; i < r.length; ++i)
+                                  dp[i] = D(to_compute(sp[i]));
+                              }
+                              return;
+                            }
+                            for (int64_t i = 0; i < r.length; ++i)
+                              dp[i * r.stride[0]] = D(to_compute(sp[i * r.stride[1]]));
+                          });
+}
+
+}  // namespace
+
+void copy_(Tensor& dst, const Tensor& src) {
+  dispatch_dtype(dst.dtype(), [&]<class D>() {
+    dispatch_dtype(src.dtype(), [&]<class S>() { copy_runs<D, S>(dst, src); });
+  });
+}
+
+}  // namespace tessera::kernels::cpu

@@ -1,0 +1,86 @@
+// The dispatch table: one Kernel per line of kernel_list.h, and the public entry points that
+// call them. A device backend registers its implementations with Kernel::set.
+#include "tessera/core/kernels/dispatch.h"
+
+#include <atomic>
+
+#include "cpu/kernels.h"
+#include "kernel.h"
+#include "tessera/core/detail/cuda_copy.h"
+#include "tessera/core/factory.h"
+
+namespace tessera::kernels {
+
+namespace detail {
+
+namespace {
+std::array<std::atomic<HostFallback>, kNumDeviceTypes> g_fallback{};
+std::atomic<int64_t> g_fallback_calls{0};
+
+// Elements from the tensor's first to its last addressed element, inclusive (strides are never
+// negative here).
+int64_t span_elements(const Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d)
+    last += (t.sizes()[size_t(d)] - 1) * t.strides()[size_t(d)];
+  return last + 1;
+}
+}  // namespace
+
+HostFallback fallback_mode(DeviceType type) {
+  return g_fallback[size_t(type)].load();
+}
+
+void count_host_fallback_call() {
+  g_fallback_calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+Tensor host_mirror(const Tensor& t) {
+  const int64_t span = span_elements(t);
+  Tensor flat = empty({span}, TensorOptions(t.dtype(), Device::cpu()));
+  if (span > 0) {
+    tessera::detail::device_copy(flat.raw_data(), Device::cpu(), t.raw_data(), t.device(),
+                                 size_t(span) * element_size(t.dtype()));
+  }
+  return flat.as_strided(t.shape(), t.strides(), 0);
+}
+
+void write_back(const Tensor& host, Tensor& device_tensor) {
+  const int64_t span = span_elements(device_tensor);
+  if (span == 0) return;
+  tessera::detail::device_copy(device_tensor.raw_data(), device_tensor.device(), host.raw_data(),
+                               Device::cpu(), size_t(span) * element_size(device_tensor.dtype()));
+}
+
+}  // namespace detail
+
+void set_host_fallback(DeviceType type, HostFallback mode) {
+  detail::g_fallback[size_t(type)].store(mode);
+}
+
+HostFallback host_fallback(DeviceType type) {
+  return detail::fallback_mode(type);
+}
+
+int64_t host_fallback_calls() {
+  return detail::g_fallback_calls.load();
+}
+
+namespace {
+#define TESSERA_KERNEL_ROW(name, result, params, args) \
+  detail::Kernel<result params> name##_kernel{#name, &cpu::name};
+TESSERA_KERNELS(TESSERA_KERNEL_ROW)
+#undef TESSERA_KERNEL_ROW
+}  // namespace
+
+}  // namespace tessera::kernels
+
+// Defined by qualified name, so a line of the list that does not match its declaration in the
+// public header fails to compile instead of adding an overload.
+#define TESSERA_KERNEL_ENTRY(name, result, params, args) \
+  auto tessera::kernels::name params->result {           \
+    return name##_kernel args;                           \
+  }
+TESSERA_KERNELS(TESSERA_KERNEL_ENTRY)
+#undef TESSERA_KERNEL_ENTRY
