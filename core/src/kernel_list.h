@@ -9,6 +9,7 @@
 #include "tessera/core/kernels/elementwise.h"
 #include "tessera/core/kernels/linalg.h"
 #include "tessera/core/kernels/nn.h"
+#include "tessera/core/kernels/optim.h"
 #include "tessera/core/kernels/reduce.h"
 #include "tessera/core/kernels/shape_ops.h"
 #include "tessera/core/random.h"
@@ -103,6 +104,15 @@ void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed
   X(index_select, Tensor, (const Tensor& x, int64_t dim, const Tensor& index), (x, dim, index))    \
   X(index_add, Tensor, (const Shape& shape, int64_t dim, const Tensor& index, const Tensor& src),  \
     (shape, dim, index, src))                                                                      \
+  /* optim.h */                                                                                    \
+  X(adamw_update_, void,                                                                           \
+    (Tensor & param, Tensor & exp_avg, Tensor & exp_avg_sq, const Tensor& grad,                    \
+     const AdamWStep& step),                                                                       \
+    (param, exp_avg, exp_avg_sq, grad, step))                                                      \
+  X(sgd_update_, void,                                                                             \
+    (Tensor & param, Tensor & momentum_buffer, const Tensor& grad, const SgdStep& step),           \
+    (param, momentum_buffer, grad, step))                                                          \
+  X(sum_of_squares, Tensor, (const Tensor& x), (x))                                                \
   /* Tensor methods */                                                                             \
   X(copy_, void, (Tensor & dst, const Tensor& src), (dst, src))                                    \
   X(philox_fill, void,                                                                             \

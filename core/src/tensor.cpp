@@ -77,7 +77,8 @@ void* Tensor::raw_data() const {
 
 template <class T>
 std::vector<T> Tensor::to_vector() const {
-  TESSERA_CHECK(device().is_cpu(), "to_vector on a ", device().str(), " tensor: copy to cpu first");
+  // A device tensor is copied to the host first, as PyTorch's tolist() and item() do.
+  if (!device().is_cpu()) return to(Device::cpu()).to_vector<T>();
   Tensor c = dtype() == DTypeOf<T>::value ? contiguous() : to(DTypeOf<T>::value);
   const T* p = c.data<T>();
   return std::vector<T>(p, p + c.numel());

@@ -70,6 +70,12 @@ Tensor Attention::forward(const Tensor& x) {
   TESSERA_CHECK(t <= rope_cos_.size(0), "Attention: sequence length ", t, " exceeds max_seq_len ",
                 rope_cos_.size(0));
 
+  // The tables follow the activations to their device once (they are not buffers: PyTorch's
+  // rotary tables are non-persistent, and a state dict never holds them).
+  if (rope_cos_.device() != x.device()) {
+    rope_cos_ = rope_cos_.to(x.device());
+    rope_sin_ = rope_sin_.to(x.device());
+  }
   q = rope(reshape(q, {b, t, hq, head_dim_}), rope_cos_, rope_sin_);
   k = rope(reshape(k, {b, t, hkv, head_dim_}), rope_cos_, rope_sin_);
   v = reshape(v, {b, t, hkv, head_dim_});

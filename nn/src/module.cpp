@@ -189,6 +189,14 @@ void Module::register_forward_hook(ForwardHook hook) {
   hooks_.push_back(std::move(hook));
 }
 
+Module& Module::to(Device device) {
+  for (Parameter* p : parameters())
+    p->to(device);
+  for (auto& [name, buffer] : named_buffers())
+    if (buffer->defined()) *buffer = buffer->to(device);
+  return *this;
+}
+
 void Module::zero_grad() {
   for (Parameter* p : parameters())
     p->zero_grad();

@@ -10,6 +10,7 @@
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
+#include "tessera/core/kernels/optim.h"
 
 namespace tessera {
 
@@ -62,14 +63,6 @@ void update_local(const char* opt, size_t index, Parameter& p, F&& update) {
   if (!in_place) local.detach().copy_(work);
 }
 
-template <class F>
-void dispatch_compute(DType ct, F&& f) {
-  if (ct == DType::Float64)
-    f.template operator()<double>();
-  else
-    f.template operator()<float>();
-}
-
 }  // namespace
 
 void Optimizer::zero_grad() {
@@ -114,7 +107,8 @@ namespace {
 // dtype the update computes in.
 Tensor& state_slot(std::vector<Tensor>& slots, size_t i, const Parameter& p, bool allocate) {
   Tensor& t = slots[i];
-  if (!t.defined() && allocate) t = zeros(p.stored().shape(), compute_dtype_of(p.dtype()));
+  if (!t.defined() && allocate)
+    t = zeros(p.stored().shape(), TensorOptions(compute_dtype_of(p.dtype()), p.stored().device()));
   return t;
 }
 
@@ -193,21 +187,9 @@ void SGD::step() {
       // for loading a checkpoint is fresh too until its parameter has been updated once.
       const bool fresh = mom != 0 && param_steps_[i] == 0;
       if (mom != 0) state_slot(momentum_, i, p, /*allocate=*/true);
-      dispatch_compute(w.dtype(), [&]<class T>() {
-        T* pw = w.data<T>();
-        const T* pg = g.data<T>();
-        T* buf = mom != 0 ? momentum_[i].data<T>() : nullptr;
-        const T tlr = T(lr), tmom = T(mom), twd = T(wd);
-        for (int64_t j = 0; j < w.numel(); ++j) {
-          T d = pg[j];
-          if (wd != 0) d += twd * pw[j];
-          if (buf) {
-            buf[j] = fresh ? d : tmom * buf[j] + d;
-            d = buf[j];
-          }
-          pw[j] -= tlr * d;
-        }
-      });
+      Tensor none;
+      kernels::sgd_update_(w, mom != 0 ? momentum_[i] : none, g,
+                           {.lr = lr, .momentum = mom, .weight_decay = wd, .first = fresh});
     });
     ++param_steps_[i];
   }
@@ -280,22 +262,13 @@ void AdamW::step() {
     update_local("AdamW", i, p, [&](Tensor& w, const Tensor& g) {
       state_slot(m_, i, p, /*allocate=*/true);
       state_slot(v_, i, p, /*allocate=*/true);
-      dispatch_compute(w.dtype(), [&]<class T>() {
-        T* pw = w.data<T>();
-        const T* pg = g.data<T>();
-        T* m = m_[i].data<T>();
-        T* v = v_[i].data<T>();
-        const T tdecay = T(decay), one_b1 = T(1 - b1), tb2 = T(b2), one_b2 = T(1 - b2);
-        const T tstep = T(step_size), tbc2 = T(bc2_sqrt), teps = T(eps);
-        for (int64_t j = 0; j < w.numel(); ++j) {
-          const T gj = pg[j];
-          pw[j] *= tdecay;
-          m[j] += one_b1 * (gj - m[j]);  // PyTorch's lerp
-          v[j] = tb2 * v[j] + one_b2 * gj * gj;
-          const T denom = std::sqrt(v[j]) / tbc2 + teps;
-          pw[j] -= tstep * (m[j] / denom);
-        }
-      });
+      kernels::adamw_update_(w, m_[i], v_[i], g,
+                             {.decay = decay,
+                              .beta1 = b1,
+                              .beta2 = b2,
+                              .step_size = step_size,
+                              .bias_correction2_sqrt = bc2_sqrt,
+                              .eps = eps});
     });
   }
 }
@@ -305,14 +278,7 @@ void AdamW::step() {
 namespace {
 
 double sum_squares(const Tensor& grad) {
-  Tensor g = grad.detach().to(compute_dtype_of(grad.dtype())).contiguous();
-  double s = 0;
-  dispatch_compute(g.dtype(), [&]<class T>() {
-    const T* p = g.data<T>();
-    for (int64_t j = 0; j < g.numel(); ++j)
-      s += double(p[j]) * double(p[j]);
-  });
-  return s;
+  return kernels::sum_of_squares(grad.detach()).item<double>();
 }
 
 // Parameters whose gradients are split over the same mesh dims of the same mesh: their squared

@@ -15,6 +15,16 @@ Parameter::Parameter(DTensor d, bool requires_grad)
   if (requires_grad) local_.set_requires_grad(true);
 }
 
+void Parameter::to(Device device) {
+  if (!defined() || local_.device() == device) return;
+  TESSERA_CHECK(!is_dtensor(), "Parameter::to(", device.str(), ") of ", str(),
+                ": a distributed parameter lives on its mesh's device type; move the module "
+                "before parallelize_module or fully_shard");
+  const bool requires_grad = local_.requires_grad();
+  local_ = local_.detach().to(device);
+  if (requires_grad) local_.set_requires_grad(true);
+}
+
 const Tensor& Parameter::whole_local(const std::string& module, const char* name) const {
   if (defined() && is_dtensor())
     TESSERA_CHECK(local().shape() == global_shape(), module, ".forward: ", name, " is sharded (",

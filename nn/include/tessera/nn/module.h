@@ -81,6 +81,9 @@ class Module : public std::enable_shared_from_this<Module> {
   void load_sharded_state_dict(const std::map<std::string, DTensor>& state, bool strict = true);
 
   void zero_grad();
+  // PyTorch's module.to(device): moves every parameter (Parameter::to) and buffer, recursively.
+  // Returns this module for chaining.
+  Module& to(Device device);
 
   // Set by parallel styles.
   void set_dtensor_io(DTensorIO io) { dtensor_io_ = std::move(io); }

@@ -19,6 +19,11 @@ class Parameter {
   void uniform_(double low, double high, Generator& gen);
   void normal_(double mean, double std, Generator& gen);
   void fill_(double value);
+  // Moves a plain parameter to `device` (values, requires_grad; a gradient is dropped), keeping
+  // this Parameter object, so optimizers made afterwards see the moved leaf. A DTensor parameter
+  // is refused: its mesh's device type decides where its shard lives, so move the module before
+  // parallelize_module or fully_shard, as in PyTorch.
+  void to(Device device);
 
   bool defined() const { return local_.defined(); }
   bool is_dtensor() const { return dtensor_.defined(); }

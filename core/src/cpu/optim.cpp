@@ -1,0 +1,84 @@
+// The CPU optimizer updates: one pass over each parameter, in the order PyTorch's single-tensor
+// implementations compute.
+#include <cmath>
+
+#include "kernels.h"
+#include "tessera/core/factory.h"
+
+namespace tessera::kernels::cpu {
+
+namespace {
+
+void check_update(const char* op, const Tensor& param, const Tensor& t, const char* what) {
+  TESSERA_CHECK(
+      t.defined() && t.shape() == param.shape() && t.dtype() == param.dtype() && t.is_contiguous(),
+      op, ": ", what, " ", t.defined() ? t.str() : std::string("(undefined)"),
+      " must be contiguous with the parameter's shape and dtype ", param.str());
+}
+
+template <class F>
+void float_dispatch(const char* op, const Tensor& param, F&& f) {
+  TESSERA_CHECK(param.is_contiguous(), op, ": parameter ", param.str(), " must be contiguous");
+  if (param.dtype() == DType::Float64)
+    f.template operator()<double>();
+  else if (param.dtype() == DType::Float32)
+    f.template operator()<float>();
+  else
+    TESSERA_FAIL(op, ": parameter ", param.str(), " must be float32 or float64");
+}
+
+}  // namespace
+
+void adamw_update_(Tensor& param, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& grad,
+                   const AdamWStep& s) {
+  check_update("adamw_update_", param, grad, "gradient");
+  check_update("adamw_update_", param, exp_avg, "exp_avg");
+  check_update("adamw_update_", param, exp_avg_sq, "exp_avg_sq");
+  float_dispatch("adamw_update_", param, [&]<class T>() {
+    T* pw = param.data<T>();
+    const T* pg = grad.data<T>();
+    T* m = exp_avg.data<T>();
+    T* v = exp_avg_sq.data<T>();
+    const T tdecay = T(s.decay), one_b1 = T(1 - s.beta1), tb2 = T(s.beta2), one_b2 = T(1 - s.beta2);
+    const T tstep = T(s.step_size), tbc2 = T(s.bias_correction2_sqrt), teps = T(s.eps);
+    for (int64_t j = 0; j < param.numel(); ++j) {
+      const T gj = pg[j];
+      pw[j] *= tdecay;
+      m[j] += one_b1 * (gj - m[j]);  // PyTorch's lerp
+      v[j] = tb2 * v[j] + one_b2 * gj * gj;
+      const T denom = std::sqrt(v[j]) / tbc2 + teps;
+      pw[j] -= tstep * (m[j] / denom);
+    }
+  });
+}
+
+void sgd_update_(Tensor& param, Tensor& momentum_buffer, const Tensor& grad, const SgdStep& s) {
+  check_update("sgd_update_", param, grad, "gradient");
+  if (s.momentum != 0) check_update("sgd_update_", param, momentum_buffer, "momentum buffer");
+  float_dispatch("sgd_update_", param, [&]<class T>() {
+    T* pw = param.data<T>();
+    const T* pg = grad.data<T>();
+    T* buf = s.momentum != 0 ? momentum_buffer.data<T>() : nullptr;
+    const T tlr = T(s.lr), tmom = T(s.momentum), twd = T(s.weight_decay);
+    for (int64_t j = 0; j < param.numel(); ++j) {
+      T d = pg[j];
+      if (s.weight_decay != 0) d += twd * pw[j];
+      if (buf) {
+        buf[j] = s.first ? d : tmom * buf[j] + d;
+        d = buf[j];
+      }
+      pw[j] -= tlr * d;
+    }
+  });
+}
+
+Tensor sum_of_squares(const Tensor& x) {
+  const Tensor c = x.dtype() == DType::Float64 ? x.contiguous() : x.to(DType::Float64);
+  const double* p = c.data<double>();
+  double s = 0;
+  for (int64_t j = 0; j < c.numel(); ++j)
+    s += p[j] * p[j];
+  return full({}, s, DType::Float64);
+}
+
+}  // namespace tessera::kernels::cpu
