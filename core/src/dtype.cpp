@@ -1,5 +1,7 @@
 #include "tessera/core/dtype.h"
 
+#include <atomic>
+
 #include "tessera/core/device.h"
 #include "tessera/core/error.h"
 
@@ -72,6 +74,19 @@ DType promote_types(DType a, DType b) {
 
 std::string Device::str() const {
   return is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(index);
+}
+
+namespace {
+std::atomic<int> g_current_cuda{0};
+}  // namespace
+
+void set_current_device(Device device) {
+  TESSERA_CHECK(device.index >= 0, "set_current_device(", device.str(), "): negative index");
+  if (device.is_cuda()) g_current_cuda = device.index;
+}
+
+Device current_device(DeviceType type) {
+  return type == DeviceType::CPU ? Device::cpu() : Device{type, g_current_cuda.load()};
 }
 
 bool cuda_compiled() {

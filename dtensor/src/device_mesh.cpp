@@ -164,6 +164,10 @@ DeviceType DeviceMesh::device_type() const {
   return impl_->device_type;
 }
 
+Device DeviceMesh::device() const {
+  return current_device(device_type());
+}
+
 int64_t DeviceMesh::ndim() const {
   return int64_t(impl_->shape.size());
 }

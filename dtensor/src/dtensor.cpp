@@ -3,7 +3,9 @@
 #include <algorithm>
 
 #include "agreement.h"
+#include "tessera/autograd/ops.h"
 #include "tessera/comm/agree.h"
+#include "tessera/comm/backend.h"
 #include "tessera/comm/runtime.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/views.h"
@@ -57,6 +59,10 @@ DTensor::DTensor(std::shared_ptr<const DTensorSpec> spec, Tensor local)
                 coord_str(spec_->mesh.coordinate()), " holds of ", spec_->str());
   TESSERA_CHECK(local_.dtype() == spec_->dtype, "DTensor: local dtype ", dtype_name(local_.dtype()),
                 " differs from ", spec_->str());
+  TESSERA_CHECK(local_.device().type == spec_->mesh.device_type(), "DTensor: local tensor ",
+                local_.str(), " is on ", local_.device().str(), " but ", spec_->mesh.str(),
+                " holds its pieces on ", spec_->mesh.device().str(),
+                " (from_local and distribute_tensor move a tensor there)");
 }
 
 const DTensorSpec& DTensor::spec() const {
@@ -114,9 +120,13 @@ bool replicas_differ(const Tensor& local, const DeviceMesh& mesh, const Placemen
 
 }  // namespace
 
-DTensor DTensor::from_local(const Tensor& local, const DeviceMesh& mesh,
+DTensor DTensor::from_local(const Tensor& given, const DeviceMesh& mesh,
                             const Placements& placements, const std::optional<Shape>& global_shape,
                             bool run_check) {
+  // As PyTorch's from_local, a piece on another device type moves to the mesh's device.
+  const Tensor local = given.defined() && given.device().type != mesh.device_type()
+                           ? to_device(given, mesh.device())
+                           : given;
   if (!run_check) {
     TESSERA_CHECK(local.defined(), "from_local: undefined local tensor");
     Shape gs = from_local_global_shape(local, mesh, placements, global_shape);
@@ -207,7 +217,11 @@ std::string tensor_description(const Tensor& t) {
 
 // This rank's window of `global` under `spec`, cut locally.
 DTensor cut_window(const Tensor& global, std::shared_ptr<const DTensorSpec> spec) {
-  Tensor local = window_of(global, spec->local_layout()).clone();
+  const Tensor window = window_of(global, spec->local_layout());
+  // Only the window moves when the global tensor is on another device type than the mesh.
+  Tensor local = window.device().type == spec->mesh.device_type()
+                     ? window.clone()
+                     : window.contiguous().to(spec->mesh.device());
   if (zero_for_partial(*spec)) local.zero_();
   return DTensor(std::move(spec), local);
 }
@@ -215,14 +229,15 @@ DTensor cut_window(const Tensor& global, std::shared_ptr<const DTensorSpec> spec
 // The source sends each other mesh rank its window (the windows are checked consistent first).
 DTensor send_windows(const Tensor& global, std::shared_ptr<const DTensorSpec> spec, int src_rank,
                      int data_tag) {
-  ProcessGroupPtr world = world_group();
   const DeviceMesh& mesh = spec->mesh;
-  Tensor local = empty(spec->local_layout().local_shape, spec->dtype);
+  ProcessGroupPtr world = world_group(mesh.device_type());
+  Tensor local = empty(spec->local_layout().local_shape, TensorOptions(spec->dtype, mesh.device()));
   if (world->rank() == src_rank) {
     std::vector<WorkPtr> pending;
     std::vector<Tensor> keep;
     for (int r : mesh.world_ranks()) {
       Tensor w = window_of(global, spec->local_layout_at(mesh.coordinate_of(r))).contiguous();
+      if (w.device().type != mesh.device_type()) w = w.to(mesh.device());
       if (r == src_rank) {
         local.copy_(w);
       } else if (w.numel() > 0) {

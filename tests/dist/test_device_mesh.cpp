@@ -9,6 +9,7 @@
 #include "tessera/testing/checks.h"
 #include "tessera/testing/expect_error.h"
 #include "tessera/testing/generators.h"
+#include "tessera/testing/stand_in_device.h"
 
 using namespace tessera;
 using tessera::testing::expect_error;
@@ -18,7 +19,8 @@ namespace {
 int g_factory_calls = 0;
 int g_forwarded = 0;  // calls that reached the test backend
 
-// A backend that moves data through another group and checks nothing.
+// A backend that moves data through another group (host-staged, so device tensors reach MPI)
+// and checks nothing.
 class ForwardingGroup final : public ProcessGroup {
  public:
   explicit ForwardingGroup(ProcessGroupPtr to)
@@ -62,13 +64,14 @@ class ForwardingGroup final : public ProcessGroup {
 ProcessGroupPtr test_backend_world() {
   ++g_factory_calls;
   return std::make_shared<ForwardingGroup>(
-      world_group()->split(0, world_rank(), "test-backend-world"));
+      host_staged_group(world_group()->split(0, world_rank(), "test-backend-world")));
 }
 
 // A [4, 6] tensor distributed on `mesh` and gathered back must come back whole.
 void expect_round_trip(const DeviceMesh& mesh, const std::vector<Placement>& placements) {
   const Tensor global = tessera::testing::index_tensor({4, 6}, DType::Float32);
   const DTensor d = distribute_tensor(global, mesh, placements);
+  EXPECT_EQ(d.to_local().device(), mesh.device()) << mesh.str();
   tessera::testing::expect_local_matches(d, global);
   tessera::testing::expect_close(d.full_tensor(), global, 0.0, mesh.str());
 }
@@ -98,7 +101,10 @@ TEST(DeviceMeshBackends, AMeshOfADeviceTypeUsesThatDevicesBackend) {
   EXPECT_NE(mesh, DeviceMesh(Shape{n}, {"x"})) << "same ranks, another device type";
   EXPECT_EQ(mesh["x"].device_type(), DeviceType::CUDA);
   EXPECT_EQ(mesh.flatten().device_type(), DeviceType::CUDA);
-  expect_round_trip(mesh, {Shard(0)});
+  {
+    tessera::testing::StandInDevice device;  // the pieces live on cuda:0
+    expect_round_trip(mesh, {Shard(0)});
+  }
   expect_error([] { register_backend(DeviceType::CUDA, "late", test_backend_world); },
                {"the cuda backend 'test' is already in use"});
 }

@@ -29,6 +29,8 @@ std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, in
 Tensor clone(const Tensor& x);
 // Differentiable dtype cast (the gradient is cast back to x's dtype).
 Tensor cast(const Tensor& x, DType dtype);
+// x.to(device) with a gradient: the backward moves the gradient back to x's device.
+Tensor to_device(const Tensor& x, Device device);
 
 // --- elementwise (broadcasting) ---
 Tensor add(const Tensor& a, const Tensor& b);

@@ -18,6 +18,12 @@ struct Device {
   std::string str() const;
 };
 
+// The device of a type that work goes to when only the type is named (a DeviceMesh of that
+// type puts its DTensors' pieces there): PyTorch's torch.cuda.set_device / current_device. Index
+// 0 until set; a process driving one GPU of several sets it once, before making meshes.
+void set_current_device(Device device);
+Device current_device(DeviceType type);
+
 // True when this build has CUDA support compiled in (it may still have no device to run on).
 bool cuda_compiled();
 

@@ -34,6 +34,8 @@ class DeviceMesh {
   DeviceMesh& operator=(const DeviceMesh&) = default;
 
   DeviceType device_type() const;
+  // Where this rank's pieces of DTensors on this mesh live: current_device(device_type()).
+  Device device() const;
   int64_t ndim() const;
   const Shape& shape() const;
   int64_t size(int64_t mesh_dim) const;
