@@ -80,7 +80,7 @@ void FSDPGroup::start_gather() {
     leaves_released_ = false;
     g.target = gathered_;
   } else {
-    g.target = empty(Shape{unsharded_numel_}, gather_dtype);
+    g.target = empty(Shape{unsharded_numel_}, TensorOptions(gather_dtype, flat_.device()));
   }
   g.work = gather_pg_->all_gather_runs(g.target, g.send, gather_runs_);
   progress_in_background(g.work);
@@ -334,7 +334,7 @@ void FSDPGroup::start_reduce() {
   const DType reduce_dtype =
       opts_.mp_policy.reduce_dtype.value_or(opts_.mp_policy.param_dtype.value_or(flat_.dtype()));
   PendingReduce pr;
-  pr.send = zeros(Shape{k * block}, reduce_dtype);
+  pr.send = zeros(Shape{k * block}, TensorOptions(reduce_dtype, flat_.device()));
   for (size_t p = 0; p < params_.size(); ++p) {
     ParamInfo& i = params_[p];
     if (!i.param->requires_grad()) continue;
@@ -356,7 +356,7 @@ void FSDPGroup::start_reduce() {
   // The unsharded gradients are packed: free them before the transfer.
   free_leaves_after_backward();
   reshard();
-  pr.reduced = empty(Shape{block}, reduce_dtype);
+  pr.reduced = empty(Shape{block}, TensorOptions(reduce_dtype, flat_.device()));
   pr.work = reduce_pg_->reduce_scatter_tensor(pr.reduced, pr.send, ReduceOp::Sum);
   progress_in_background(pr.work);
   pending_reduce_ = std::move(pr);

@@ -83,11 +83,11 @@ struct GroupBuilder {
           TESSERA_CHECK(!pl.is_partial(), "fully_shard: parameter '", name, "' is ", d.str(),
                         "; a Partial parameter cannot be sharded");
       }
-      // The mesh's process groups run over MPI on host memory.
-      TESSERA_CHECK(src.device().type == DeviceType::CPU, "fully_shard(", module.type_name(),
+      // The flat shard lives on the mesh's device, where its groups communicate.
+      TESSERA_CHECK(src.device() == mesh.device(), "fully_shard(", module.type_name(),
                     "): parameter '", name, "' is on ", src.device().str(), " but mesh ",
-                    mesh.str(),
-                    " communicates CPU tensors (MPI); move the module to the CPU first");
+                    mesh.str(), " holds its shards on ", mesh.device().str(),
+                    "; move the module there first (Module::to)");
       i.unsharded_shape = src.shape();
       TESSERA_CHECK(src.dim() >= 1, "fully_shard(", module.type_name(), "): parameter '", name,
                     "' is 0-dimensional; FSDP shards dim 0");
@@ -120,7 +120,7 @@ struct GroupBuilder {
   static void shard_parameters(const std::shared_ptr<FSDPGroup>& state, const DeviceMesh& mesh,
                                const Layout& layout, int64_t k, int64_t my, bool hsdp) {
     NoGradGuard no_grad;
-    state->flat_ = zeros(Shape{state->padded_size_}, layout.dtype);
+    state->flat_ = zeros(Shape{state->padded_size_}, TensorOptions(layout.dtype, mesh.device()));
     for (size_t n = 0; n < state->params_.size(); ++n) {
       FSDPGroup::ParamInfo& i = state->params_[n];
       Parameter& p = *i.param;

@@ -428,7 +428,7 @@ TEST(FSDPSchedule, ParameterOnAnotherDeviceIsAnError) {
   {
     auto m = std::make_shared<OnDevice>();
     expect_error([&] { fully_shard(m, dp_mesh()); },
-                 {"fully_shard(OnDevice)", "parameter 'w'", "cuda:0", "CPU"});
+                 {"fully_shard(OnDevice)", "parameter 'w'", "cuda:0", "holds its shards on cpu"});
   }
   set_allocator(DeviceType::CUDA, previous);
 }
