@@ -274,8 +274,9 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
       const bool collective = at < 0 && flags[i] != 0;
       if (shape_numel(e.window.shape) == 0 && !collective) return;
       Tensor dst = local_of(state.at(e.key));
-      const bool direct =
-          !options.transactional && dst.is_contiguous() && dst.dtype() == f.meta.dtype;
+      // HDF5 writes host memory: a device piece is read into a host buffer first.
+      const bool direct = !options.transactional && dst.device().is_cpu() && dst.is_contiguous() &&
+                          dst.dtype() == f.meta.dtype;
       Tensor buf = direct ? dst : empty(e.window.shape, f.meta.dtype);
       if (!direct) staged[i] = buf;
       wrote_in_place |= direct;

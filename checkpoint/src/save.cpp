@@ -98,7 +98,11 @@ SaveJob prepare_save(const StateDict& state, const std::string& path, const Save
       local = std::get<Tensor>(v).detach();
     }
     if (!e.owner || shape_numel(e.window.shape) == 0) continue;
-    job.blocks[i] = stage ? local.clone() : local.contiguous();
+    // HDF5 reads host memory: a device piece is copied to the host, which stages it as well.
+    if (!local.device().is_cpu())
+      job.blocks[i] = local.to(Device::cpu());
+    else
+      job.blocks[i] = stage ? local.clone() : local.contiguous();
   }
   return job;
 }

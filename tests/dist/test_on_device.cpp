@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint_util.h"
 #include "common/affine_batch.h"
 #include "common/small_decoder.h"
 #include "tessera/fsdp/fully_shard.h"
@@ -110,25 +111,33 @@ struct TrainingRun {
   std::map<std::string, Tensor> final_state;
 };
 
-// The FSDP parity decoder (blocks and root sharded), each rank training on its own rows.
-TrainingRun train_fully_sharded(const DeviceMesh& mesh, int steps) {
+// The FSDP parity decoder (blocks and root sharded) on the mesh's device.
+std::shared_ptr<Decoder> sharded_decoder(const DeviceMesh& mesh) {
   auto net = std::make_shared<Decoder>(small_decoder_config());
   net->to(mesh.device());
   for (auto& layer : net->layers)
     fully_shard(layer, mesh);
   fully_shard(net, mesh);
-  AdamW opt(net->parameters(), AdamWOptions{.lr = 3e-3});
+  return net;
+}
+
+// Each rank trains on its own rows of the batch.
+TrainingRun train_fully_sharded(const DeviceMesh& mesh, int steps,
+                                std::shared_ptr<Decoder> net = nullptr,
+                                std::shared_ptr<AdamW> opt = nullptr) {
+  if (!net) net = sharded_decoder(mesh);
+  if (!opt) opt = std::make_shared<AdamW>(net->parameters(), AdamWOptions{.lr = 3e-3});
   TrainingRun run;
   const int64_t rows = 2;
   for (int s = 0; s < steps; ++s) {
     Batch b = affine_batch(s, rows * world_size(), 8, small_decoder_config().vocab_size);
     Tensor ids = kernels::narrow(b.ids, 0, world_rank() * rows, rows).contiguous();
     Tensor targets = kernels::narrow(b.targets, 0, world_rank() * rows, rows).contiguous();
-    opt.zero_grad();
+    opt->zero_grad();
     Tensor loss = cross_entropy((*net)(ids.to(mesh.device())), targets.to(mesh.device()));
     backward(loss);
     clip_grad_norm_(net->parameters(), 1.0);
-    opt.step();
+    opt->step();
     run.losses.push_back(loss.item<float>());
   }
   for (Parameter* p : net->parameters())
@@ -158,4 +167,48 @@ TEST(OnDevice, FullyShardRefusesAModuleLeftOnTheCpu) {
   DeviceMesh mesh(DeviceType::CUDA, Shape{world_size()}, {"dp"});
   expect_error([&] { fully_shard(net, mesh); },
                {"fully_shard(Decoder)", "is on cpu", "holds its shards on cuda:0", "Module::to"});
+}
+
+// A checkpoint saved from device shards holds the same bytes as one saved from CPU shards, and
+// loads back into device shards (and into CPU ones) that then train on alike.
+TEST(OnDevice, CheckpointsOfDeviceShardsAreTheCpuOnes) {
+  const int n = world_size();
+  const std::string dir = tessera::testing::scratch_dir("on_device");
+  const std::string cpu_path = dir + "/cpu_np" + std::to_string(n) + ".h5";
+  const std::string cuda_path = dir + "/cuda_np" + std::to_string(n) + ".h5";
+  const DeviceMesh cpu_mesh(Shape{n}, {"dp"});
+  auto save_after_training = [&](const DeviceMesh& mesh, const std::string& path) {
+    auto net = sharded_decoder(mesh);
+    auto opt = std::make_shared<AdamW>(net->parameters(), AdamWOptions{.lr = 3e-3});
+    train_fully_sharded(mesh, 2, net, opt);
+    StateDict sd;
+    insert_state_dict(sd, "model", get_model_state_dict(*net));
+    insert_state_dict(sd, "optim", get_optimizer_state_dict(*net, *opt));
+    save(sd, path);
+  };
+  // Loads `path` into a fresh model on `mesh` and trains two more steps.
+  auto resume = [&](const DeviceMesh& mesh, const std::string& path) {
+    auto net = sharded_decoder(mesh);
+    auto opt = std::make_shared<AdamW>(net->parameters(), AdamWOptions{.lr = 3e-3});
+    StateDict sd;
+    insert_state_dict(sd, "model", get_model_state_dict(*net));
+    insert_state_dict(sd, "optim", get_optimizer_state_dict(*net, *opt));
+    EXPECT_TRUE(load(sd, path).empty());
+    set_model_state_dict(*net, sub_state_dict(sd, "model"));
+    set_optimizer_state_dict(*net, *opt, sub_state_dict(sd, "optim"));
+    return train_fully_sharded(mesh, 2, net, opt);
+  };
+  save_after_training(cpu_mesh, cpu_path);
+  const TrainingRun cpu = resume(cpu_mesh, cpu_path);
+  StandInDevice device;
+  const DeviceMesh cuda_mesh(DeviceType::CUDA, Shape{n}, {"dp"});
+  save_after_training(cuda_mesh, cuda_path);
+  for (const std::string key :
+       {"model/layers.0.attention.wq.weight", "optim/state/norm.weight/exp_avg_sq"})
+    tessera::testing::expect_identical(read_checkpoint_tensor(cuda_path, key),
+                                       read_checkpoint_tensor(cpu_path, key), key);
+  const TrainingRun cuda = resume(cuda_mesh, cuda_path);
+  EXPECT_EQ(cuda.losses, cpu.losses);
+  for (const auto& [name, t] : cpu.final_state)
+    EXPECT_EQ(values(cuda.final_state.at(name)), values(t)) << name;
 }

@@ -5,28 +5,17 @@
 #include "tessera/autograd/function.h"
 #include "tessera/autograd/ops.h"
 #include "tessera/core/factory.h"
+#include "tessera/core/kernels/elementwise.h"
 
 namespace tessera {
 
 namespace {
 
-// grad * mask in the mask's dtype. Both have x's shape; grad may arrive with any strides.
+// grad * mask in the mask's dtype (16-bit dtypes multiply in float32 and round once).
 Tensor apply_mask(const Tensor& grad, const Tensor& mask) {
   TESSERA_CHECK(grad.shape() == mask.shape(), "dropout backward: grad ", shape_str(grad.shape()),
                 " does not match the mask ", shape_str(mask.shape()));
-  Tensor gc = grad.to(mask.dtype()).contiguous();
-  Tensor out = empty(mask.shape(), TensorOptions(mask.dtype(), mask.device()));
-  dispatch_dtype(mask.dtype(), [&]<class T>() {
-    if constexpr (std::is_floating_point_v<compute_t<T>>) {
-      using C = compute_t<T>;
-      const T* gp = gc.data<T>();
-      const T* mp = mask.data<T>();
-      T* op = out.data<T>();
-      for (int64_t i = 0; i < mask.numel(); ++i)
-        op[i] = T(C(gp[i]) * C(mp[i]));
-    }
-  });
-  return out;
+  return kernels::binary(kernels::BinaryOp::Mul, grad.to(mask.dtype()), mask);
 }
 
 class DropoutFunction final : public autograd::Function {
