@@ -16,6 +16,7 @@
 #include "tessera/core/kernels/linalg.h"
 #include "tessera/core/kernels/nn.h"
 #include "tessera/core/kernels/reduce.h"
+#include "tessera/core/kernels/vocab_parallel.h"
 #include "tessera/core/tensor.h"
 
 namespace tessera::kernels::detail {
@@ -107,6 +108,15 @@ inline void to_device(DropoutResult& r, Device d) {
 inline void to_device(MaxResult& r, Device d) {
   to_device(r.values, d);
   to_device(r.indices, d);
+}
+
+inline void to_device(VocabShardIds& r, Device d) {
+  to_device(r.local, d);
+  to_device(r.foreign, d);
+}
+inline void to_device(VocabCrossEntropy& r, Device d) {
+  to_device(r.lse, d);
+  to_device(r.loss, d);
 }
 
 template <class Sig>

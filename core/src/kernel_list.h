@@ -12,6 +12,7 @@
 #include "tessera/core/kernels/optim.h"
 #include "tessera/core/kernels/reduce.h"
 #include "tessera/core/kernels/shape_ops.h"
+#include "tessera/core/kernels/vocab_parallel.h"
 #include "tessera/core/random.h"
 
 namespace tessera::kernels {
@@ -113,6 +114,18 @@ void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed
     (Tensor & param, Tensor & momentum_buffer, const Tensor& grad, const SgdStep& step),           \
     (param, momentum_buffer, grad, step))                                                          \
   X(sum_of_squares, Tensor, (const Tensor& x), (x))                                                \
+  /* vocab_parallel.h */                                                                           \
+  X(vocab_shard_ids, VocabShardIds,                                                                \
+    (const Tensor& ids, int64_t start, int64_t rows, int64_t vocab), (ids, start, rows, vocab))    \
+  X(vocab_ce_stats, Tensor,                                                                        \
+    (const Tensor& x, const Tensor& row_max, const Tensor& target, int64_t start),                 \
+    (x, row_max, target, start))                                                                   \
+  X(vocab_ce_loss, VocabCrossEntropy,                                                              \
+    (const Tensor& stats, const Tensor& row_max, const Tensor& target, int64_t kept),              \
+    (stats, row_max, target, kept))                                                                \
+  X(vocab_ce_backward, Tensor,                                                                     \
+    (const Tensor& x, const Tensor& lse, const Tensor& target, int64_t start, double scale),       \
+    (x, lse, target, start, scale))                                                                \
   /* Tensor methods */                                                                             \
   X(copy_, void, (Tensor & dst, const Tensor& src), (dst, src))                                    \
   X(philox_fill, void,                                                                             \

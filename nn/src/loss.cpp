@@ -10,7 +10,9 @@
 
 #include "tessera/autograd/function.h"
 #include "tessera/core/factory.h"
+#include "tessera/core/kernels/reduce.h"
 #include "tessera/core/kernels/views.h"
+#include "tessera/core/kernels/vocab_parallel.h"
 
 namespace tessera {
 
@@ -29,31 +31,34 @@ struct VocabShard {
 // Per-row statistics kept for the backward: the row's log-sum-exp over the whole vocabulary.
 class VocabParallelCrossEntropy final : public autograd::Function {
  public:
-  VocabParallelCrossEntropy(VocabShard shard, std::vector<int64_t> target, int64_t kept)
+  // target: int64 [N] on the logits' device, -1 for ignored rows.
+  VocabParallelCrossEntropy(VocabShard shard, Tensor target, int64_t kept)
       : shard_(std::move(shard)), target_(std::move(target)), kept_(kept) {}
 
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor& logits = in[0];
     shape_ = logits.shape();
     dtype_ = logits.dtype();
-    const DType cdt = compute_dtype(dtype_);
-    const int64_t n = shard_.length, rows = int64_t(target_.size());
-    Tensor x = kernels::reshape(logits.detach().to(cdt).contiguous(), {rows, n});
-    Tensor lse = empty({rows}, cdt);
-    Tensor loss;
-    if (cdt == DType::Float64)
-      loss = run<double>(x, lse);
-    else
-      loss = run<float>(x, lse);
-    save_for_backward({x, lse});
-    return {loss.to(dtype_)};
+    const int64_t rows = target_.numel();
+    Tensor x = kernels::reshape(logits.detach().to(compute_dtype(dtype_)).contiguous(),
+                                {rows, shard_.length});
+    // A rank holding no column of the vocabulary contributes -inf to the max (amax of nothing
+    // is an error).
+    Tensor row_max = shard_.length > 0 ? kernels::amax(x, {1})
+                                       : full({rows}, -std::numeric_limits<double>::infinity(),
+                                              TensorOptions(x.dtype(), x.device()));
+    all_reduce(row_max, ReduceOp::Max);
+    Tensor stats = kernels::vocab_ce_stats(x, row_max, target_, shard_.start);
+    all_reduce(stats, ReduceOp::Sum);
+    kernels::VocabCrossEntropy ce = kernels::vocab_ce_loss(stats, row_max, target_, kept_);
+    save_for_backward({x, ce.lse});
+    return {ce.loss.to(dtype_)};
   }
 
   std::vector<Tensor> backward(const std::vector<Tensor>& g) override {
     const std::vector<Tensor>& s = saved_tensors();
     const double scale = g[0].to(DType::Float64).item<double>() / double(kept_);
-    Tensor grad = s[0].dtype() == DType::Float64 ? grad_rows<double>(s[0], s[1], scale)
-                                                 : grad_rows<float>(s[0], s[1], scale);
+    Tensor grad = kernels::vocab_ce_backward(s[0], s[1], target_, shard_.start, scale);
     return {kernels::reshape(grad, shape_).to(dtype_)};
   }
 
@@ -63,71 +68,8 @@ class VocabParallelCrossEntropy final : public autograd::Function {
       g->all_reduce(t, op)->wait();
   }
 
-  // The target's local column, or -1 when another rank owns it or the row is ignored.
-  int64_t local_target(size_t row) const {
-    const int64_t t = target_[row];
-    return t >= shard_.start && t < shard_.start + shard_.length ? t - shard_.start : -1;
-  }
-
-  template <class C>
-  Tensor run(const Tensor& x, Tensor& lse_out) {
-    const int64_t n = shard_.length, rows = int64_t(target_.size());
-    const C* px = x.data<C>();
-    const C neg_inf = -std::numeric_limits<C>::infinity();
-    Tensor row_max = full({rows}, double(neg_inf), DTypeOf<C>::value);
-    C* pm = row_max.data<C>();
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t j = 0; j < n; ++j)
-        pm[i] = std::max(pm[i], px[i * n + j]);
-    all_reduce(row_max, ReduceOp::Max);
-
-    // Row i: [sum of exp(l - max) over this slice, the target logit if this slice holds it].
-    Tensor stats = zeros({rows, 2}, DTypeOf<C>::value);
-    C* ps = stats.data<C>();
-    for (int64_t i = 0; i < rows; ++i) {
-      // An all -inf row would make every term exp(nan); shifting by 0 keeps it exp(-inf) = 0.
-      const C shift = std::isfinite(pm[i]) ? pm[i] : C(0);
-      C acc = 0;
-      for (int64_t j = 0; j < n; ++j)
-        acc += std::exp(px[i * n + j] - shift);
-      ps[2 * i] = acc;
-      const int64_t lt = local_target(size_t(i));
-      if (lt >= 0) ps[2 * i + 1] = px[i * n + lt];
-    }
-    all_reduce(stats, ReduceOp::Sum);
-
-    C* pl = lse_out.data<C>();
-    double total = 0;
-    for (int64_t i = 0; i < rows; ++i) {
-      const C shift = std::isfinite(pm[i]) ? pm[i] : C(0);
-      pl[i] = std::log(ps[2 * i]) + shift;
-      if (target_[size_t(i)] >= 0) total += double(pl[i] - ps[2 * i + 1]);
-    }
-    // Mean over zero kept rows is 0/0, as in cross_entropy and PyTorch.
-    const double mean = kept_ ? total / double(kept_) : std::numeric_limits<double>::quiet_NaN();
-    return scalar_tensor(double(C(mean)), DTypeOf<C>::value);
-  }
-
-  template <class C>
-  Tensor grad_rows(const Tensor& x, const Tensor& lse, double scale) const {
-    const int64_t n = shard_.length, rows = int64_t(target_.size());
-    Tensor out = zeros({rows, n}, DTypeOf<C>::value);
-    const C* px = x.data<C>();
-    const C* pl = lse.data<C>();
-    C* po = out.data<C>();
-    for (int64_t i = 0; i < rows; ++i) {
-      if (target_[size_t(i)] < 0) continue;
-      const int64_t lt = local_target(size_t(i));
-      for (int64_t j = 0; j < n; ++j) {
-        const C p = std::exp(px[i * n + j] - pl[i]) - (j == lt ? C(1) : C(0));
-        po[i * n + j] = C(p * C(scale));
-      }
-    }
-    return out;
-  }
-
   VocabShard shard_;
-  std::vector<int64_t> target_;  // ignored rows hold -1
+  Tensor target_;
   int64_t kept_;
   Shape shape_;
   DType dtype_ = DType::Float32;
@@ -190,8 +132,9 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
     ++kept;
   }
 
+  const Tensor local_target = from_vector(t).to(logits.to_local().device());
   Tensor loss = autograd::Function::apply<VocabParallelCrossEntropy>(
-      {logits.to_local()}, std::move(shard), std::move(t), kept)[0];
+      {logits.to_local()}, std::move(shard), local_target, kept)[0];
   return DTensor::from_local(loss, spec.mesh, Placements(spec.placements.size()), Shape{});
 }
 

@@ -212,3 +212,59 @@ TEST(OnDevice, CheckpointsOfDeviceShardsAreTheCpuOnes) {
   for (const auto& [name, t] : cpu.final_state)
     EXPECT_EQ(values(cuda.final_state.at(name)), values(t)) << name;
 }
+
+namespace {
+
+// The decoder under the TP plan on a 1-D mesh, every rank on the whole batch.
+TrainingRun train_tensor_parallel(const DeviceMesh& mesh, DecoderTPOptions opts, int steps) {
+  DecoderConfig cfg = small_decoder_config();
+  auto net = std::make_shared<Decoder>(cfg);
+  net->to(mesh.device());
+  parallelize_module(net, mesh, decoder_tp_plan(cfg, mesh, opts));
+  AdamW opt(net->parameters(), AdamWOptions{.lr = 3e-3});
+  TrainingRun run;
+  for (int s = 0; s < steps; ++s) {
+    Batch b = affine_batch(s, 2, 8, cfg.vocab_size);
+    opt.zero_grad();
+    Tensor logits = (*net)(b.ids);
+    EXPECT_EQ(logits.device(), mesh.device());
+    const Tensor targets = b.targets.to(mesh.device());
+    Tensor loss =
+        opts.loss_parallel
+            ? vocab_parallel_cross_entropy(
+                  DTensor::from_local(logits, mesh, {Shard(-1)},
+                                      Shape{b.ids.size(0), b.ids.size(1), cfg.vocab_size}),
+                  targets)
+                  .to_local()
+            : cross_entropy(logits, targets);
+    backward(loss);
+    clip_grad_norm_(net->parameters(), 1.0);
+    opt.step();
+    run.losses.push_back(loss.item<float>());
+  }
+  for (auto& [name, t] : net->state_dict())
+    run.final_state[name] = t.to(Device::cpu());
+  return run;
+}
+
+}  // namespace
+
+TEST(OnDevice, TensorParallelTrainingMatchesTheCpuBitForBit) {
+  // Two kv heads: TP over pairs of ranks (or the one rank), the other factor running copies.
+  const int n = world_size();
+  const int tp = n % 2 == 0 ? 2 : 1;
+  for (const DecoderTPOptions opts :
+       {DecoderTPOptions{false, false}, DecoderTPOptions{true, true}}) {
+    const std::string what = std::string("sequence_parallel ") +
+                             (opts.sequence_parallel ? "on" : "off") + ", loss_parallel " +
+                             (opts.loss_parallel ? "on" : "off");
+    const TrainingRun cpu =
+        train_tensor_parallel(DeviceMesh(Shape{n / tp, tp}, {"dp", "tp"})["tp"], opts, 3);
+    StandInDevice device;
+    const TrainingRun cuda = train_tensor_parallel(
+        DeviceMesh(DeviceType::CUDA, Shape{n / tp, tp}, {"dp", "tp"})["tp"], opts, 3);
+    EXPECT_EQ(cuda.losses, cpu.losses) << what;
+    for (const auto& [name, t] : cpu.final_state)
+      EXPECT_EQ(values(cuda.final_state.at(name)), values(t)) << what << ": " << name;
+  }
+}

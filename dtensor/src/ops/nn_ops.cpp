@@ -9,6 +9,7 @@
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
 #include "tessera/core/kernels/nn.h"
+#include "tessera/core/kernels/vocab_parallel.h"
 
 namespace tessera {
 
@@ -23,38 +24,24 @@ class VocabShardEmbedding final : public autograd::Function {
   VocabShardEmbedding(int64_t start, int64_t vocab) : start_(start), vocab_(vocab) {}
 
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
-    const Tensor ids = in[0].to(DType::Int64).contiguous();
+    const Tensor& ids = in[0];
     const Tensor& w = in[1];
     rows_ = w.size(0);
     dim_ = w.size(1);
-    Tensor shifted = empty(ids.shape(), DType::Int64);
     // Rows owned elsewhere are filled with zeros rather than multiplied by a 0/1 mask, so that
     // a non-finite value in this rank's table cannot leak into another rank's rows.
-    Shape mask_shape = ids.shape();
-    mask_shape.push_back(1);
-    Tensor foreign = empty(mask_shape, DType::Bool);
-    const int64_t* id = ids.data<int64_t>();
-    int64_t* sh = shifted.data<int64_t>();
-    bool* fo = foreign.data<bool>();
-    for (int64_t i = 0; i < ids.numel(); ++i) {
-      TESSERA_CHECK(id[i] >= 0 && id[i] < vocab_, "embedding: id ", id[i], " at position ", i,
-                    " of ids ", shape_str(ids.shape()), " is out of range for a vocabulary of ",
-                    vocab_);
-      const bool mine = id[i] >= start_ && id[i] < start_ + rows_;
-      sh[i] = mine ? id[i] - start_ : 0;
-      fo[i] = !mine;
-    }
+    auto [shifted, foreign] = kernels::vocab_shard_ids(ids, start_, rows_, vocab_);
     dtype_ = w.dtype();
     save_for_backward({shifted, foreign});
     Shape out_shape = ids.shape();
     out_shape.push_back(dim_);
-    if (rows_ == 0) return {zeros(out_shape, w.dtype())};
+    if (rows_ == 0) return {zeros(out_shape, TensorOptions(w.dtype(), w.device()))};
     return {kernels::masked_fill(kernels::embedding(w, shifted), foreign, 0.0)};
   }
 
   std::vector<Tensor> backward(const std::vector<Tensor>& g) override {
     if (!needs_input_grad(1)) return {Tensor(), Tensor()};
-    if (rows_ == 0) return {Tensor(), zeros({0, dim_}, dtype_)};
+    if (rows_ == 0) return {Tensor(), zeros({0, dim_}, TensorOptions(dtype_, g[0].device()))};
     const Tensor& shifted = saved_tensors()[0];
     const Tensor& foreign = saved_tensors()[1];
     Tensor masked = kernels::masked_fill(g[0], foreign, 0.0);

@@ -12,6 +12,7 @@
 #include "tessera/core/kernels/reduce.h"
 #include "tessera/core/kernels/shape_ops.h"
 #include "tessera/core/kernels/views.h"
+#include "tessera/core/kernels/vocab_parallel.h"
 #include "tessera/core/random.h"
 #include "tessera/core/storage.h"
 #include "tessera/core/tensor.h"

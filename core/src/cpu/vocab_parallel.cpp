@@ -1,0 +1,128 @@
+// The CPU kernels of vocabulary-parallel embedding and cross-entropy, one pass per row.
+#include <cmath>
+#include <limits>
+
+#include "kernels.h"
+#include "tessera/core/factory.h"
+
+namespace tessera::kernels::cpu {
+
+namespace {
+
+template <class F>
+void float_rows(const char* op, const Tensor& x, F&& f) {
+  TESSERA_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x ", x.str(),
+                " must be a contiguous [N, n] tensor");
+  if (x.dtype() == DType::Float64)
+    f.template operator()<double>();
+  else if (x.dtype() == DType::Float32)
+    f.template operator()<float>();
+  else
+    TESSERA_FAIL(op, ": x ", x.str(), " must be float32 or float64");
+}
+
+void check_rows(const char* op, const Tensor& t, const char* what, int64_t rows, DType dtype) {
+  TESSERA_CHECK(t.numel() == rows && t.dtype() == dtype && t.is_contiguous(), op, ": ", what, " ",
+                t.str(), " must be a contiguous ", dtype_name(dtype), " tensor of ", rows,
+                " elements");
+}
+
+template <class C>
+C shift_of(C row_max) {
+  return std::isfinite(row_max) ? row_max : C(0);
+}
+
+}  // namespace
+
+VocabShardIds vocab_shard_ids(const Tensor& ids_in, int64_t start, int64_t rows, int64_t vocab) {
+  const Tensor ids = ids_in.to(DType::Int64).contiguous();
+  Tensor shifted = empty(ids.shape(), DType::Int64);
+  Shape mask_shape = ids.shape();
+  mask_shape.push_back(1);
+  Tensor foreign = empty(mask_shape, DType::Bool);
+  const int64_t* id = ids.data<int64_t>();
+  int64_t* sh = shifted.data<int64_t>();
+  bool* fo = foreign.data<bool>();
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    TESSERA_CHECK(id[i] >= 0 && id[i] < vocab, "embedding: id ", id[i], " at position ", i,
+                  " of ids ", shape_str(ids.shape()), " is out of range for a vocabulary of ",
+                  vocab);
+    const bool mine = id[i] >= start && id[i] < start + rows;
+    sh[i] = mine ? id[i] - start : 0;
+    fo[i] = !mine;
+  }
+  return {shifted, foreign};
+}
+
+Tensor vocab_ce_stats(const Tensor& x, const Tensor& row_max, const Tensor& target, int64_t start) {
+  Tensor stats;
+  float_rows("vocab_ce_stats", x, [&]<class C>() {
+    const int64_t rows = x.size(0), n = x.size(1);
+    check_rows("vocab_ce_stats", row_max, "row_max", rows, x.dtype());
+    check_rows("vocab_ce_stats", target, "target", rows, DType::Int64);
+    stats = zeros({rows, 2}, x.dtype());
+    const C* px = x.data<C>();
+    const C* pm = row_max.data<C>();
+    const int64_t* pt = target.data<int64_t>();
+    C* ps = stats.data<C>();
+    for (int64_t i = 0; i < rows; ++i) {
+      const C shift = shift_of(pm[i]);
+      C acc = 0;
+      for (int64_t j = 0; j < n; ++j)
+        acc += std::exp(px[i * n + j] - shift);
+      ps[2 * i] = acc;
+      const int64_t lt = pt[i] >= start && pt[i] < start + n ? pt[i] - start : -1;
+      if (lt >= 0) ps[2 * i + 1] = px[i * n + lt];
+    }
+  });
+  return stats;
+}
+
+VocabCrossEntropy vocab_ce_loss(const Tensor& stats, const Tensor& row_max, const Tensor& target,
+                                int64_t kept) {
+  VocabCrossEntropy out;
+  float_rows("vocab_ce_loss", stats, [&]<class C>() {
+    const int64_t rows = stats.size(0);
+    check_rows("vocab_ce_loss", row_max, "row_max", rows, stats.dtype());
+    check_rows("vocab_ce_loss", target, "target", rows, DType::Int64);
+    out.lse = empty({rows}, stats.dtype());
+    const C* ps = stats.data<C>();
+    const C* pm = row_max.data<C>();
+    const int64_t* pt = target.data<int64_t>();
+    C* pl = out.lse.data<C>();
+    double total = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      pl[i] = std::log(ps[2 * i]) + shift_of(pm[i]);
+      if (pt[i] >= 0) total += double(pl[i] - ps[2 * i + 1]);
+    }
+    const double mean = kept ? total / double(kept) : std::numeric_limits<double>::quiet_NaN();
+    out.loss = scalar_tensor(double(C(mean)), stats.dtype());
+  });
+  return out;
+}
+
+Tensor vocab_ce_backward(const Tensor& x, const Tensor& lse, const Tensor& target, int64_t start,
+                         double scale) {
+  Tensor out;
+  float_rows("vocab_ce_backward", x, [&]<class C>() {
+    const int64_t rows = x.size(0), n = x.size(1);
+    check_rows("vocab_ce_backward", lse, "lse", rows, x.dtype());
+    check_rows("vocab_ce_backward", target, "target", rows, DType::Int64);
+    out = zeros({rows, n}, x.dtype());
+    const C* px = x.data<C>();
+    const C* pl = lse.data<C>();
+    const int64_t* pt = target.data<int64_t>();
+    C* po = out.data<C>();
+    for (int64_t i = 0; i < rows; ++i) {
+      if (pt[i] < 0) continue;
+      const int64_t lt = pt[i] >= start && pt[i] < start + n ? pt[i] - start : -1;
+      for (int64_t j = 0; j < n; ++j) {
+        const C p = std::exp(px[i * n + j] - pl[i]) - (j == lt ? C(1) : C(0));
+        po[i * n + j] = C(p * C(scale));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace tessera::kernels::cpu
