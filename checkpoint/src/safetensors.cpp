@@ -339,9 +339,8 @@ void save_safetensors(const std::string& path, const std::map<std::string, Tenso
     TESSERA_CHECK(valid_utf8(name), "save_safetensors: the tensor name ", shown(name),
                   " is not valid UTF-8 (JSON strings are Unicode)");
     TESSERA_CHECK(t.defined(), "save_safetensors: tensor ", shown(name), " is undefined");
-    TESSERA_CHECK(t.device().type == DeviceType::CPU, "save_safetensors: tensor ", shown(name),
-                  " is on ", t.device().str(), "; move it to the CPU first");
-    Tensor c = dense_bits(t);
+    // As safetensors' save_file, a device tensor is copied to the host to be written.
+    Tensor c = dense_bits(t.device().is_cpu() ? t : t.to(Device::cpu()));
     const uint64_t nbytes = c.nbytes();
     header[name] = {
         {"dtype", name_of(c.dtype())}, {"shape", c.shape()}, {"data_offsets", {at, at + nbytes}}};

@@ -36,8 +36,7 @@ class CommonDevice {
       return;
     }
     TESSERA_CHECK(t.device() == first_.device(), op_, ": expects all tensors on one device, got ",
-                  first_.str(), " on ", first_.device().str(), " (tensor argument ",
-                  first_position_, ") and ", t.str(), " on ", t.device().str(),
+                  first_.str(), " (tensor argument ", first_position_, ") and ", t.str(),
                   " (tensor argument ", position_, ")");
   }
   void add(const std::vector<Tensor>& ts) {

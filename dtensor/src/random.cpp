@@ -26,7 +26,7 @@ DTensor& fill_window(DTensor& t, RandomKind kind, double a, double b, Generator&
 DTensor empty_dtensor(const Shape& global_shape, const DeviceMesh& mesh,
                       const Placements& placements, DType dtype) {
   auto spec = std::make_shared<const DTensorSpec>(mesh, placements, global_shape, dtype);
-  Tensor local = empty(spec->local_layout().local_shape, dtype);
+  Tensor local = empty(spec->local_layout().local_shape, TensorOptions(dtype, mesh.device()));
   return DTensor(std::move(spec), local);
 }
 

@@ -26,6 +26,9 @@ DeviceMesh combined_mesh(const DeviceMesh& dp, const DeviceMesh& tp, const std::
   TESSERA_CHECK(dp.size() * tp.size() == world_size(), "fully_shard: ", what, " on TP mesh ",
                 tp.str(), " with FSDP mesh ", dp.str(), ": the two must tile the ", world_size(),
                 " world ranks");
+  TESSERA_CHECK(dp.device_type() == tp.device_type(), "fully_shard: ", what, " on TP mesh ",
+                tp.str(), " with FSDP mesh ", dp.str(),
+                ": the two meshes are of different device types");
   const std::string tp_name = tp.dim_names()[0];
   Shape shape = dp.shape();
   std::vector<std::string> names = dp.dim_names();
@@ -34,7 +37,7 @@ DeviceMesh combined_mesh(const DeviceMesh& dp, const DeviceMesh& tp, const std::
                   " of ", what, " share the dim name '", n, "'");
   shape.push_back(tp.size());
   names.push_back(tp_name);
-  DeviceMesh m(shape, names);
+  DeviceMesh m(dp.device_type(), shape, names);
   std::vector<std::string> dp_names(names.begin(), names.end() - 1);
   const DeviceMesh dp_part = dp_names.size() == 1 ? m[dp_names[0]] : m[dp_names];
   TESSERA_CHECK(

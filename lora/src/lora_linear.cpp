@@ -39,12 +39,13 @@ std::pair<Placements, Placements> adapter_placements(const DTensor& w) {
 
 // A zero adapter matrix laid out for a base weight: plain, or a DTensor with `placements`.
 Parameter adapter_parameter(const Shape& shape, const Parameter& base, bool a) {
-  if (!base.is_dtensor()) return Parameter(zeros(shape, DType::Float32));
+  const TensorOptions opts(DType::Float32, base.stored().device());
+  if (!base.is_dtensor()) return Parameter(zeros(shape, opts));
   const DTensor& w = base.stored_dtensor();
   const auto [pa, pb] = adapter_placements(w);
   const Placements& p = a ? pa : pb;
   auto spec = std::make_shared<const DTensorSpec>(w.mesh(), p, shape, DType::Float32);
-  return Parameter(DTensor(spec, zeros(spec->local_layout().local_shape, DType::Float32)));
+  return Parameter(DTensor(spec, zeros(spec->local_layout().local_shape, opts)));
 }
 
 // The window [offset, offset + shape) this rank holds of a parameter's global value.
@@ -219,7 +220,7 @@ void LoraLinear::merge_slot(int64_t i, bool unmerge) {
   s.merged = !unmerge;
 }
 
-LoraLinear::Batch LoraLinear::batch(int64_t rows) const {
+LoraLinear::Batch LoraLinear::batch(int64_t rows, Device device) const {
   Batch b;
   const bool mixed = routing_->sample_slots.defined();
   if (!mixed) {
@@ -258,8 +259,8 @@ LoraLinear::Batch LoraLinear::batch(int64_t rows) const {
     drop[size_t(row)] = float(slots_[size_t(s)].dropout);
     b.any_dropout |= slots_[size_t(s)].dropout > 0 && is_training();
   }
-  b.h_scale = from_vector<float>(scale, {rows, k * max_rank_});
-  b.dropout = from_vector<float>(drop, {rows});
+  b.h_scale = from_vector<float>(scale, {rows, k * max_rank_}).to(device);
+  b.dropout = from_vector<float>(drop, {rows}).to(device);
   return b;
 }
 
@@ -279,7 +280,7 @@ Tensor keep_scale(const Tensor& u, const Tensor& p_rows, double p) {
   NoGradGuard no_grad;
   Tensor p_t = p_rows.defined()
                    ? kernels::reshape(p_rows, per_row_shape(p_rows.size(0), 1, u.dim()))
-                   : full({}, p, DType::Float32);
+                   : full({}, p, TensorOptions(DType::Float32, u.device()));
   Tensor keep = kernels::compare(kernels::CompareOp::Ge, u, p_t).to(DType::Float32);
   return kernels::binary(kernels::BinaryOp::Div, keep,
                          kernels::rbinary_scalar(kernels::BinaryOp::Sub, 1.0, p_t));
@@ -317,7 +318,7 @@ Tensor LoraLinear::forward(const Tensor& x) {
                 in_features());
   const Tensor& w = weight.whole_local(type_name(), "weight");
   const Tensor& b0 = bias.whole_local(type_name(), "bias");
-  const Batch bt = batch(x.dim() >= 2 ? x.size(0) : 1);
+  const Batch bt = batch(x.dim() >= 2 ? x.size(0) : 1, x.device());
   if (bt.slots.empty()) return linear(x, w, b0);
   std::vector<Tensor> as, bs;
   std::vector<double> scales;
@@ -329,7 +330,8 @@ Tensor LoraLinear::forward(const Tensor& x) {
   const Stacked<Tensor> ab = stack_adapters(std::move(as), std::move(bs), scales);
   Tensor xl;
   if (bt.any_dropout) {
-    Tensor u = rand(x.shape(), dropout_gen_);
+    Tensor u = empty(x.shape(), TensorOptions(DType::Float32, x.device()));
+    uniform_(u, 0.0, 1.0, dropout_gen_);
     xl = mul(x, keep_scale(u, bt.dropout, slots_[size_t(bt.slots[0])].dropout).to(x.dtype()));
   }
   return linear_lowrank(x, w, b0, ab.a, ab.b, ab.scale, xl, activation_mask(bt, x.dim()));
@@ -340,7 +342,7 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
                 out_features(), "): input ", x.str(), " must have last dim ", in_features());
   const DeviceMesh& mesh = x.mesh();
   const DTensor w = weight.on_mesh(mesh), bd = bias.on_mesh(mesh);
-  const Batch bt = batch(x.dim() >= 2 ? x.size(0) : 1);
+  const Batch bt = batch(x.dim() >= 2 ? x.size(0) : 1, mesh.device());
   if (bt.slots.empty()) return linear(x, w, bd);
   std::vector<DTensor> as, bs;
   std::vector<double> scales;

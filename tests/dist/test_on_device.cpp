@@ -13,6 +13,7 @@
 #include "checkpoint_util.h"
 #include "common/affine_batch.h"
 #include "common/small_decoder.h"
+#include "lora_util.h"
 #include "tessera/fsdp/fully_shard.h"
 #include "tessera/tessera.h"
 #include "tessera/testing.h"
@@ -267,4 +268,68 @@ TEST(OnDevice, TensorParallelTrainingMatchesTheCpuBitForBit) {
     for (const auto& [name, t] : cpu.final_state)
       EXPECT_EQ(values(cuda.final_state.at(name)), values(t)) << what << ": " << name;
   }
+}
+
+namespace {
+
+// LoRA (with adapter dropout) on the decoder: tensor parallel over the world, and at 4 ranks
+// FSDP x TP on a 2 x 2 mesh; trains, merges and exports the adapter.
+TrainingRun train_lora(DeviceType type, const std::string& dir) {
+  using namespace tessera::testing;
+  const int n = world_size();
+  const DecoderConfig cfg = lora_decoder_config();
+  LoraConfig lc = lora_test_config();
+  lc.lora_dropout = 0.1;
+  auto net = std::make_shared<Decoder>(cfg);
+  net->to(current_device(type));
+  std::shared_ptr<LoraModel> lora;
+  int64_t dp_rank = 0, dp_size = 1;
+  if (n == 4) {
+    DeviceMesh mesh(type, Shape{2, 2}, {"dp", "tp"});
+    parallelize_module(net, mesh["tp"], decoder_tp_plan(cfg, mesh["tp"]));
+    lora = apply_lora(net, lc);
+    lora_shard(net, mesh["dp"]);
+    dp_rank = mesh.local_rank(0);
+    dp_size = 2;
+  } else {
+    DeviceMesh mesh(type, Shape{n}, {"tp"});
+    parallelize_module(net, mesh, decoder_tp_plan(cfg, mesh));
+    lora = apply_lora(net, lc);
+  }
+  AdamW opt(net->parameters(), AdamWOptions{.lr = 1e-2});
+  TrainingRun out;
+  for (int s = 0; s < 3; ++s) {
+    Batch b = affine_batch(s, 8, cfg.max_seq_len, cfg.vocab_size);
+    const int64_t rows = 8 / dp_size;
+    Tensor ids = kernels::narrow(b.ids, 0, dp_rank * rows, rows).contiguous();
+    Tensor targets = kernels::narrow(b.targets, 0, dp_rank * rows, rows).contiguous();
+    opt.zero_grad();
+    Tensor loss = cross_entropy((*net)(ids), targets.to(current_device(type)));
+    backward(loss);
+    opt.step();
+    out.losses.push_back(loss.item<float>());
+  }
+  lora->save_adapter(dir, "default");
+  lora->merge_adapter("default");
+  for (auto& [name, t] : net->state_dict())
+    out.final_state[name] = t.to(Device::cpu());
+  return out;
+}
+
+}  // namespace
+
+TEST(OnDevice, LoraTrainsMergesAndExportsAsOnTheCpu) {
+  const std::string dir = tessera::testing::scratch_dir("on_device_lora");
+  const std::string sn = std::to_string(world_size());
+  const TrainingRun cpu = train_lora(DeviceType::CPU, dir + "/cpu" + sn);
+  StandInDevice device;
+  const TrainingRun cuda = train_lora(DeviceType::CUDA, dir + "/cuda" + sn);
+  EXPECT_EQ(cuda.losses, cpu.losses);
+  for (const auto& [name, t] : cpu.final_state)
+    EXPECT_EQ(values(cuda.final_state.at(name)), values(t)) << name;
+  const auto a = load_safetensors(dir + "/cuda" + sn + "/adapter_model.safetensors").tensors;
+  const auto b = load_safetensors(dir + "/cpu" + sn + "/adapter_model.safetensors").tensors;
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [key, t] : b)
+    EXPECT_EQ(values(a.at(key)), values(t)) << key;
 }

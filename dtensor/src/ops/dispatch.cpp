@@ -41,7 +41,7 @@ class SumGradsOver final : public autograd::Function {
           same.push_back(j);
           n += g[j].numel();
         }
-      Tensor flat = empty({n}, g[i].dtype());
+      Tensor flat = empty({n}, TensorOptions(g[i].dtype(), g[i].device()));
       int64_t at = 0;
       for (size_t j : same) {
         kernels::narrow(flat, 0, at, g[j].numel()).copy_(kernels::reshape(g[j], {g[j].numel()}));

@@ -19,9 +19,9 @@ struct SafetensorsFile {
   std::map<std::string, std::string> metadata;
 };
 
-// Writes the tensors (any strides; CPU) in name order, through a temporary file renamed into
-// place. Names are non-empty UTF-8; dtypes: float32 (F32), float64 (F64), bfloat16 (BF16),
-// float16 (F16), int64 (I64), int32 (I32), bool (BOOL).
+// Writes the tensors (any strides; device tensors are copied to the host) in name order, through a
+// temporary file renamed into place. Names are non-empty UTF-8; dtypes: float32 (F32), float64
+// (F64), bfloat16 (BF16), float16 (F16), int64 (I64), int32 (I32), bool (BOOL).
 void save_safetensors(const std::string& path, const std::map<std::string, Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 SafetensorsFile load_safetensors(const std::string& path);

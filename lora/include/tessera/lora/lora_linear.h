@@ -88,7 +88,7 @@ class LoraLinear : public Linear {
  private:
   struct Batch;
   void check_slot(int64_t i, const char* op) const;
-  Batch batch(int64_t rows) const;
+  Batch batch(int64_t rows, Device device) const;
   static Tensor activation_mask(const Batch& bt, int64_t ndim);
   std::vector<std::shared_ptr<LoraWeight>> a_, b_;
   std::shared_ptr<LoraWeights> a_list_, b_list_;
