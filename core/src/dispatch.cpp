@@ -11,7 +11,7 @@
 
 namespace tessera::kernels {
 
-namespace detail {
+namespace registry {
 
 namespace {
 std::array<std::atomic<HostFallback>, kNumDeviceTypes> g_fallback{};
@@ -53,23 +53,23 @@ void write_back(const Tensor& host, Tensor& device_tensor) {
                                Device::cpu(), size_t(span) * element_size(device_tensor.dtype()));
 }
 
-}  // namespace detail
+}  // namespace registry
 
 void set_host_fallback(DeviceType type, HostFallback mode) {
-  detail::g_fallback[size_t(type)].store(mode);
+  registry::g_fallback[size_t(type)].store(mode);
 }
 
 HostFallback host_fallback(DeviceType type) {
-  return detail::fallback_mode(type);
+  return registry::fallback_mode(type);
 }
 
 int64_t host_fallback_calls() {
-  return detail::g_fallback_calls.load();
+  return registry::g_fallback_calls.load();
 }
 
 namespace {
 #define TESSERA_KERNEL_ROW(name, result, params, args) \
-  detail::Kernel<result params> name##_kernel{#name, &cpu::name};
+  registry::Kernel<result params> name##_kernel{#name, &cpu::name};
 TESSERA_KERNELS(TESSERA_KERNEL_ROW)
 #undef TESSERA_KERNEL_ROW
 }  // namespace

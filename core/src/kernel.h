@@ -19,7 +19,7 @@
 #include "tessera/core/kernels/vocab_parallel.h"
 #include "tessera/core/tensor.h"
 
-namespace tessera::kernels::detail {
+namespace tessera::kernels::registry {
 
 inline constexpr size_t kNumDeviceTypes = 2;
 
@@ -172,4 +172,4 @@ class Kernel<R(A...)> {
   std::array<std::atomic<Fn>, kNumDeviceTypes> fns_{};
 };
 
-}  // namespace tessera::kernels::detail
+}  // namespace tessera::kernels::registry

@@ -73,11 +73,21 @@ void sgd_update_(Tensor& param, Tensor& momentum_buffer, const Tensor& grad, con
 }
 
 Tensor sum_of_squares(const Tensor& x) {
-  const Tensor c = x.dtype() == DType::Float64 ? x.contiguous() : x.to(DType::Float64);
-  const double* p = c.data<double>();
+  // Float32 and float64 are read in place; other dtypes through a float32 copy (exact for the
+  // 16-bit ones).
+  const Tensor c = x.dtype() == DType::Float64 || x.dtype() == DType::Float32
+                       ? x.contiguous()
+                       : x.to(DType::Float32);
   double s = 0;
-  for (int64_t j = 0; j < c.numel(); ++j)
-    s += p[j] * p[j];
+  auto accumulate = [&]<class T>() {
+    const T* p = c.data<T>();
+    for (int64_t j = 0; j < c.numel(); ++j)
+      s += double(p[j]) * double(p[j]);
+  };
+  if (c.dtype() == DType::Float64)
+    accumulate.template operator()<double>();
+  else
+    accumulate.template operator()<float>();
   return full({}, s, DType::Float64);
 }
 
