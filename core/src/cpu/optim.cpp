@@ -1,7 +1,9 @@
 // The CPU optimizer updates: one pass over each parameter, in the order PyTorch's single-tensor
 // implementations compute.
 #include <cmath>
+#include <utility>
 
+#include "float_dispatch.h"
 #include "kernels.h"
 #include "tessera/core/factory.h"
 
@@ -19,12 +21,7 @@ void check_update(const char* op, const Tensor& param, const Tensor& t, const ch
 template <class F>
 void float_dispatch(const char* op, const Tensor& param, F&& f) {
   TESSERA_CHECK(param.is_contiguous(), op, ": parameter ", param.str(), " must be contiguous");
-  if (param.dtype() == DType::Float64)
-    f.template operator()<double>();
-  else if (param.dtype() == DType::Float32)
-    f.template operator()<float>();
-  else
-    TESSERA_FAIL(op, ": parameter ", param.str(), " must be float32 or float64");
+  dispatch_float32_or_64(op, "parameter", param, std::forward<F>(f));
 }
 
 }  // namespace

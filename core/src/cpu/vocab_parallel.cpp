@@ -1,7 +1,9 @@
 // The CPU kernels of vocabulary-parallel embedding and cross-entropy, one pass per row.
 #include <cmath>
 #include <limits>
+#include <utility>
 
+#include "float_dispatch.h"
 #include "kernels.h"
 #include "tessera/core/factory.h"
 
@@ -13,12 +15,7 @@ template <class F>
 void float_rows(const char* op, const Tensor& x, F&& f) {
   TESSERA_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x ", x.str(),
                 " must be a contiguous [N, n] tensor");
-  if (x.dtype() == DType::Float64)
-    f.template operator()<double>();
-  else if (x.dtype() == DType::Float32)
-    f.template operator()<float>();
-  else
-    TESSERA_FAIL(op, ": x ", x.str(), " must be float32 or float64");
+  dispatch_float32_or_64(op, "x", x, std::forward<F>(f));
 }
 
 void check_rows(const char* op, const Tensor& t, const char* what, int64_t rows, DType dtype) {
