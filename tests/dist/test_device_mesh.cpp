@@ -1,8 +1,9 @@
 // Meshes of a device type (over the world group of that device's backend) and meshes over
 // existing groups. No second backend is built here, so the tests register one for CUDA that
-// forwards every call to a CPU group and checks nothing itself: what they show is that a mesh of
-// that device type is made from the registered backend's groups, and that such a backend gets
-// the argument checks, the debug signature check and the op counts without writing them.
+// forwards every call to a host-staged CPU group and checks nothing itself: what they show is
+// that a mesh of that device type is made from the registered backend's groups (its DTensors'
+// pieces on the stand-in cuda:0), and that such a backend gets the argument checks, the debug
+// signature check and the op counts without writing them.
 #include <gtest/gtest.h>
 
 #include "tessera/tessera.h"
