@@ -97,4 +97,10 @@ bool cuda_compiled() {
 #endif
 }
 
+#ifndef TESSERA_WITH_CUDA
+int cuda_device_count() {
+  return 0;
+}
+#endif
+
 }  // namespace tessera

@@ -4,10 +4,12 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <string>
 
 #include "tessera/comm/backend.h"
 #include "tessera/core/error.h"
@@ -136,6 +138,33 @@ int64_t StandInDevice::bytes_to_host() const {
 }
 int64_t StandInDevice::live_blocks() const {
   return g_blocks.size();
+}
+
+namespace {
+bool stand_in_asked() {
+  const char* v = std::getenv("TESSERA_TEST_DEVICE");
+  return v != nullptr && std::string(v) == "stand-in";
+}
+}  // namespace
+
+TestDevice::TestDevice() {
+  if (cuda_device_count() == 0 || stand_in_asked()) {
+    stand_in_ = std::make_unique<StandInDevice>();
+    return;
+  }
+  old_fallback_ = kernels::host_fallback(DeviceType::CUDA);
+  kernels::set_host_fallback(DeviceType::CUDA, kernels::HostFallback::Missing);
+  if (backend_name(DeviceType::CUDA).empty()) {
+    register_backend(DeviceType::CUDA, "mpi", host_staged_backend());
+  }
+}
+
+TestDevice::~TestDevice() {
+  if (!stand_in_) kernels::set_host_fallback(DeviceType::CUDA, old_fallback_);
+}
+
+std::string TestDevice::str() const {
+  return stand_in_ ? "cuda:0 (stand-in)" : "cuda:0 (GPU)";
 }
 
 }  // namespace tessera::testing

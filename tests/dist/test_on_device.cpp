@@ -1,8 +1,9 @@
 // DTensor, redistribution and FSDP on cuda:0 tensors over the host-staged MPI backend, against
-// the same work on CPU tensors. The device is testing::StandInDevice: its memory is host pages
-// the CPU may not touch and every kernel runs on host copies, so results must equal the CPU's bit
-// for bit, and any code that reads device data directly, or hands a device tensor to the CPU's
-// MPI group, fails here as it would on a GPU.
+// the same work on CPU tensors. The device is testing::TestDevice: a real GPU where there is one,
+// else the stand-in, whose memory is host pages the CPU may not touch. Kernels run on host copies
+// (on a GPU, those without a CUDA implementation), so results must equal the CPU's bit for bit,
+// and any code that reads device data directly, or hands a device tensor to the CPU's MPI group,
+// fails as it would on a GPU.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -25,7 +26,7 @@ using tessera::testing::Batch;
 using tessera::testing::expect_error;
 using tessera::testing::random_tensor;
 using tessera::testing::small_decoder_config;
-using tessera::testing::StandInDevice;
+using tessera::testing::TestDevice;
 
 namespace {
 
@@ -40,7 +41,7 @@ std::vector<Placements> placements_1d() {
 }  // namespace
 
 TEST(OnDevice, DistributeAndFromLocalPutPiecesOnTheMeshDevice) {
-  StandInDevice device;
+  TestDevice device;
   const int n = world_size();
   DeviceMesh mesh(DeviceType::CUDA, Shape{n}, {"x"});
   const Tensor global = random_tensor({5, 3}, 11, DType::Float32);  // uneven over 2 and 4 ranks
@@ -64,7 +65,7 @@ TEST(OnDevice, DistributeAndFromLocalPutPiecesOnTheMeshDevice) {
 }
 
 TEST(OnDevice, EveryPairOfPlacementsRedistributesAsOnTheCpu) {
-  StandInDevice device;
+  TestDevice device;
   const int n = world_size();
   DeviceMesh cuda_mesh(DeviceType::CUDA, Shape{n}, {"x"});
   DeviceMesh cpu_mesh(Shape{n}, {"x"});
@@ -87,7 +88,7 @@ TEST(OnDevice, EveryPairOfPlacementsRedistributesAsOnTheCpu) {
 TEST(OnDevice, TwoDimMeshRedistributionAsOnTheCpu) {
   const int n = world_size();
   if (n % 2 != 0) GTEST_SKIP() << "needs an even world";
-  StandInDevice device;
+  TestDevice device;
   DeviceMesh cuda_mesh(DeviceType::CUDA, Shape{2, n / 2}, {"dp", "tp"});
   DeviceMesh cpu_mesh(Shape{2, n / 2}, {"dp", "tp"});
   const Tensor global = random_tensor({6, 5}, 31, DType::Float32);
@@ -153,7 +154,7 @@ TrainingRun train_fully_sharded(const DeviceMesh& mesh, int steps,
 TEST(OnDevice, FullyShardedTrainingMatchesTheCpuBitForBit) {
   const int n = world_size();
   const TrainingRun cpu = train_fully_sharded(DeviceMesh(Shape{n}, {"dp"}), 3);
-  StandInDevice device;
+  TestDevice device;
   const TrainingRun cuda = train_fully_sharded(DeviceMesh(DeviceType::CUDA, Shape{n}, {"dp"}), 3);
   EXPECT_EQ(cuda.losses, cpu.losses);
   ASSERT_EQ(cuda.final_state.size(), cpu.final_state.size());
@@ -163,7 +164,7 @@ TEST(OnDevice, FullyShardedTrainingMatchesTheCpuBitForBit) {
 }
 
 TEST(OnDevice, FullyShardRefusesAModuleLeftOnTheCpu) {
-  StandInDevice device;
+  TestDevice device;
   auto net = std::make_shared<Decoder>(small_decoder_config());
   DeviceMesh mesh(DeviceType::CUDA, Shape{world_size()}, {"dp"});
   expect_error([&] { fully_shard(net, mesh); },
@@ -201,7 +202,7 @@ TEST(OnDevice, CheckpointsOfDeviceShardsAreTheCpuOnes) {
   };
   save_after_training(cpu_mesh, cpu_path);
   const TrainingRun cpu = resume(cpu_mesh, cpu_path);
-  StandInDevice device;
+  TestDevice device;
   const DeviceMesh cuda_mesh(DeviceType::CUDA, Shape{n}, {"dp"});
   save_after_training(cuda_mesh, cuda_path);
   for (const std::string key :
@@ -261,7 +262,7 @@ TEST(OnDevice, TensorParallelTrainingMatchesTheCpuBitForBit) {
                              (opts.loss_parallel ? "on" : "off");
     const TrainingRun cpu =
         train_tensor_parallel(DeviceMesh(Shape{n / tp, tp}, {"dp", "tp"})["tp"], opts, 3);
-    StandInDevice device;
+    TestDevice device;
     const TrainingRun cuda = train_tensor_parallel(
         DeviceMesh(DeviceType::CUDA, Shape{n / tp, tp}, {"dp", "tp"})["tp"], opts, 3);
     EXPECT_EQ(cuda.losses, cpu.losses) << what;
@@ -322,7 +323,7 @@ TEST(OnDevice, LoraTrainsMergesAndExportsAsOnTheCpu) {
   const std::string dir = tessera::testing::scratch_dir("on_device_lora");
   const std::string sn = std::to_string(world_size());
   const TrainingRun cpu = train_lora(DeviceType::CPU, dir + "/cpu" + sn);
-  StandInDevice device;
+  TestDevice device;
   const TrainingRun cuda = train_lora(DeviceType::CUDA, dir + "/cuda" + sn);
   EXPECT_EQ(cuda.losses, cpu.losses);
   for (const auto& [name, t] : cpu.final_state)

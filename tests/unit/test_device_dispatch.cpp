@@ -159,3 +159,20 @@ TEST(DeviceDispatchDeathTest, TheCpuCannotReadStandInMemory) {
       },
       segfaulted, "^$|SEGV");
 }
+
+TEST(DeviceDispatch, TestDeviceIsTheStandInUnlessAGpuIsThere) {
+  {
+    tessera::testing::TestDevice device;
+    EXPECT_EQ(device.is_stand_in(), cuda_device_count() == 0) << device.str();
+    Tensor d = cuda(full({3}, 2.0));
+    EXPECT_EQ(host(kernels::binary_scalar(kernels::BinaryOp::Mul, d, 2.0)).to_vector<float>(),
+              std::vector<float>(3, 4.0f));
+  }
+  setenv("TESSERA_TEST_DEVICE", "stand-in", 1);
+  {
+    tessera::testing::TestDevice device;
+    EXPECT_TRUE(device.is_stand_in());
+    EXPECT_EQ(device.str(), "cuda:0 (stand-in)");
+  }
+  unsetenv("TESSERA_TEST_DEVICE");
+}

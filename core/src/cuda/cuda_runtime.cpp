@@ -71,6 +71,15 @@ class CudaDeviceMemory final : public DeviceMemory {
 
 }  // namespace
 
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver or no device: none to use
+    return 0;
+  }
+  return n;
+}
+
 // One caching allocator per device, never destroyed: tensors may outlive static destructors,
 // and freeing CUDA memory after the runtime has shut down fails.
 Allocator* cuda_default_allocator(int index) {

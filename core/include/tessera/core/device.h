@@ -26,5 +26,8 @@ Device current_device(DeviceType type);
 
 // True when this build has CUDA support compiled in (it may still have no device to run on).
 bool cuda_compiled();
+// The CUDA devices this process can use: 0 without CUDA support, without a driver or without a
+// GPU (never an error).
+int cuda_device_count();
 
 }  // namespace tessera

@@ -13,6 +13,8 @@
 //   first construction when no backend for CUDA is registered yet; a registration stays).
 // One at a time; construct it before making device tensors and drop them before it dies.
 #include <cstdint>
+#include <memory>
+#include <string>
 
 #include "tessera/core/allocator.h"
 #include "tessera/core/kernels/dispatch.h"
@@ -35,6 +37,28 @@ class StandInDevice {
  private:
   Allocator* old_allocator_ = nullptr;
   DeviceCopyFn old_copy_ = nullptr;
+  kernels::HostFallback old_fallback_ = kernels::HostFallback::Off;
+};
+
+// The cuda:0 a device test runs on, for its lifetime: the real one where this build has CUDA and
+// the process sees a GPU, else a StandInDevice (TESSERA_TEST_DEVICE=stand-in asks for the
+// stand-in even with a GPU). On a real GPU, kernels with no CUDA implementation run on host
+// copies (kernels::HostFallback::Missing) and CUDA communicates through the host-staged backend
+// when no other is registered, so the same test checks real device memory, copies and staging;
+// results then equal the CPU's bit for bit only as long as the kernels run are the CPU's.
+class TestDevice {
+ public:
+  TestDevice();
+  ~TestDevice();
+  TestDevice(const TestDevice&) = delete;
+  TestDevice& operator=(const TestDevice&) = delete;
+
+  bool is_stand_in() const { return stand_in_ != nullptr; }
+  // "cuda:0 (stand-in)" or "cuda:0 (GPU)", for test output.
+  std::string str() const;
+
+ private:
+  std::unique_ptr<StandInDevice> stand_in_;
   kernels::HostFallback old_fallback_ = kernels::HostFallback::Off;
 };
 
