@@ -11,6 +11,7 @@
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
 #include "tessera/core/kernels/optim.h"
+#include "tessera/core/kernels/views.h"
 
 namespace tessera {
 
@@ -277,8 +278,10 @@ void AdamW::step() {
 
 namespace {
 
-double sum_squares(const Tensor& grad) {
-  return kernels::sum_of_squares(grad.detach()).item<double>();
+// Adds the squared sum of `grad` into `acc` (float64 [1] on the gradient's device), so that a
+// device's sums reach the host once per group, not once per parameter.
+void add_squares(Tensor& acc, const Tensor& grad) {
+  kernels::add_(acc, kernels::reshape(kernels::sum_of_squares(grad.detach()), {1}));
 }
 
 // Parameters whose gradients are split over the same mesh dims of the same mesh: their squared
@@ -286,7 +289,7 @@ double sum_squares(const Tensor& grad) {
 struct NormGroup {
   DeviceMesh mesh;
   std::vector<int64_t> shard_dims;
-  double sum = 0;
+  Tensor sum;  // float64 [1] on the mesh's device
 };
 
 }  // namespace
@@ -294,13 +297,14 @@ struct NormGroup {
 double clip_grad_norm_(const std::vector<Parameter*>& params, double max_norm) {
   NoGradGuard no_grad;
   check_grads_ready("clip_grad_norm_", params);
-  double total = 0;  // plain parameters: every rank holds the same gradient
+  Tensor plain;  // plain parameters: every rank holds the same gradient
   std::vector<NormGroup> groups;
   for (Parameter* p : params) {
     if (p == nullptr || !p->defined()) continue;
-    const double s = p->grad().defined() ? sum_squares(p->grad()) : 0.0;
     if (!p->is_dtensor()) {
-      total += s;
+      if (!plain.defined())
+        plain = zeros({1}, TensorOptions(DType::Float64, p->stored().device()));
+      if (p->grad().defined()) add_squares(plain, p->grad());
       continue;
     }
     // Groups come from the parameters alone (not from which have gradients), so every rank
@@ -313,14 +317,16 @@ double clip_grad_norm_(const std::vector<Parameter*>& params, double max_norm) {
     NormGroup* g = nullptr;
     for (NormGroup& cand : groups)
       if (cand.mesh == spec.mesh && cand.shard_dims == dims) g = &cand;
-    if (g == nullptr) g = &groups.emplace_back(NormGroup{spec.mesh, dims, 0.0});
-    g->sum += s;
+    if (g == nullptr)
+      g = &groups.emplace_back(NormGroup{
+          spec.mesh, dims, zeros({1}, TensorOptions(DType::Float64, spec.mesh.device()))});
+    if (p->grad().defined()) add_squares(g->sum, p->grad());
   }
+  double total = plain.defined() ? plain.item<double>() : 0.0;
   for (NormGroup& g : groups) {
-    Tensor t = full({1}, g.sum, DType::Float64);
     for (int64_t m : g.shard_dims)
-      g.mesh.group(m)->all_reduce(t, ReduceOp::Sum)->wait();
-    total += t.item<double>();
+      g.mesh.group(m)->all_reduce(g.sum, ReduceOp::Sum)->wait();
+    total += g.sum.item<double>();
   }
   const double norm = std::sqrt(total);
   const double coef = max_norm / (norm + 1e-6);
