@@ -17,8 +17,10 @@
 
 namespace tessera::kernels {
 // Kernels behind Tensor methods rather than public calls: the strided, dtype-converting copy
-// between two tensors of one device (Tensor::copy_), and the Philox fill (philox_fill).
+// between two tensors of one device (Tensor::copy_), the fill with one value (Tensor::fill_),
+// and the Philox fill (philox_fill).
 void copy_(Tensor& dst, const Tensor& src);
+void fill_(Tensor& t, double value);
 void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed, uint64_t base,
                  const RandomWindow& window);
 }  // namespace tessera::kernels
@@ -128,6 +130,7 @@ void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed
     (x, lse, target, start, scale))                                                                \
   /* Tensor methods */                                                                             \
   X(copy_, void, (Tensor & dst, const Tensor& src), (dst, src))                                    \
+  X(fill_, void, (Tensor & t, double value), (t, value))                                           \
   X(philox_fill, void,                                                                             \
     (Tensor & out, RandomKind kind, double a, double b, uint64_t seed, uint64_t base,              \
      const RandomWindow& window),                                                                  \

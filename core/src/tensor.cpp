@@ -160,18 +160,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
 
 Tensor& Tensor::fill_(double value) {
   if (numel() == 0) return *this;
-  if (!device().is_cpu()) {
-    Tensor host = full(shape(), value, TensorOptions(dtype(), Device::cpu()));
-    return copy_(host);
-  }
-  dispatch_dtype(dtype(), [&]<class T>() {
-    T v = T(static_cast<compute_t<T>>(value));
-    T* p = static_cast<T*>(raw_data());
-    detail::for_each_run<1>(shape(), {&strides()}, [&](const detail::Run<1>& r) {
-      for (int64_t i = 0; i < r.length; ++i)
-        p[r.offset[0] + i * r.stride[0]] = v;
-    });
-  });
+  kernels::fill_(*this, value);
   return *this;
 }
 

@@ -302,8 +302,7 @@ double clip_grad_norm_(const std::vector<Parameter*>& params, double max_norm) {
   for (Parameter* p : params) {
     if (p == nullptr || !p->defined()) continue;
     if (!p->is_dtensor()) {
-      if (!plain.defined())
-        plain = zeros({1}, TensorOptions(DType::Float64, p->stored().device()));
+      if (!plain.defined()) plain = zeros({1}, TensorOptions(DType::Float64, p->stored().device()));
       if (p->grad().defined()) add_squares(plain, p->grad());
       continue;
     }

@@ -1,4 +1,5 @@
-// The CPU copy between two tensors of any strides and dtypes (Tensor::copy_ on the CPU).
+// The CPU copy between two tensors of any strides and dtypes (Tensor::copy_ on the CPU), and the
+// fill of one (Tensor::fill_).
 #include <cstring>
 #include <type_traits>
 
@@ -36,6 +37,18 @@ void copy_runs(const Tensor& dst, const Tensor& src) {
 void copy_(Tensor& dst, const Tensor& src) {
   dispatch_dtype(dst.dtype(), [&]<class D>() {
     dispatch_dtype(src.dtype(), [&]<class S>() { copy_runs<D, S>(dst, src); });
+  });
+}
+
+void fill_(Tensor& t, double value) {
+  dispatch_dtype(t.dtype(), [&]<class T>() {
+    T v = T(static_cast<compute_t<T>>(value));
+    T* p = static_cast<T*>(t.raw_data());
+    tessera::detail::for_each_run<1>(t.shape(), {&t.strides()},
+                                     [&](const tessera::detail::Run<1>& r) {
+                                       for (int64_t i = 0; i < r.length; ++i)
+                                         p[r.offset[0] + i * r.stride[0]] = v;
+                                     });
   });
 }
 
