@@ -3,6 +3,8 @@
 #include "tessera/core/kernels/dispatch.h"
 
 #include <atomic>
+#include <cstdio>
+#include <string>
 
 #include "cpu/kernels.h"
 #include "kernel.h"
@@ -34,6 +36,15 @@ HostFallback fallback_mode(DeviceType type) {
 
 void count_host_fallback_call() {
   g_fallback_calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+void warn_host_fallback(const char* op, Device device) {
+  std::string line;
+  if (error_rank() >= 0) line.append("[rank ").append(std::to_string(error_rank())).append("] ");
+  line.append("tessera: kernel '").append(op).append("' has no ").append(device.str());
+  line.append(" implementation in this build; it runs on host copies (HostFallback::Missing), ");
+  line.append("which is slow\n");
+  std::fputs(line.c_str(), stderr);
 }
 
 Tensor host_mirror(const Tensor& t) {

@@ -60,6 +60,8 @@ Tensor host_mirror(const Tensor& t);
 // Writes a mirror's bytes back over the span of the device tensor it mirrors.
 void write_back(const Tensor& host, Tensor& device_tensor);
 void count_host_fallback_call();
+// One line on stderr: `op` has no implementation for `device` and runs on host copies.
+void warn_host_fallback(const char* op, Device device);
 HostFallback fallback_mode(DeviceType type);
 
 template <class A>
@@ -140,8 +142,10 @@ class Kernel<R(A...)> {
     Fn fn = fns_[size_t(device.type)].load();
     if (fn && mode != HostFallback::All) return fn(args...);
     TESSERA_CHECK(mode != HostFallback::Off, name_, ": this build has no ", device.str(),
-                  " kernel for it; kernels::set_host_fallback(", device.str(),
-                  ", HostFallback::Missing) runs such kernels on host copies");
+                  " kernel for it; kernels::set_host_fallback(DeviceType::CUDA, "
+                  "HostFallback::Missing) runs such kernels on host copies");
+    // As PyTorch's MPS fallback, say once per kernel that a real device is computing on the host.
+    if (mode == HostFallback::Missing && !warned_.exchange(true)) warn_host_fallback(name_, device);
     return on_host(device, std::index_sequence_for<A...>{}, args...);
   }
 
@@ -170,6 +174,7 @@ class Kernel<R(A...)> {
 
   const char* name_;
   std::array<std::atomic<Fn>, kNumDeviceTypes> fns_{};
+  mutable std::atomic<bool> warned_{false};
 };
 
 }  // namespace tessera::kernels::registry

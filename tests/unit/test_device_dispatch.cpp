@@ -176,3 +176,16 @@ TEST(DeviceDispatch, TestDeviceIsTheStandInUnlessAGpuIsThere) {
   }
   unsetenv("TESSERA_TEST_DEVICE");
 }
+
+TEST(DeviceDispatch, MissingKernelsWarnOncePerKernel) {
+  StandInDevice device;
+  Tensor x = cuda(random_tensor({4}, 1, DType::Float32));
+  kernels::set_host_fallback(DeviceType::CUDA, kernels::HostFallback::Missing);
+  ::testing::internal::CaptureStderr();
+  kernels::amin(x, {0}, false);
+  kernels::amin(x, {0}, false);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  kernels::set_host_fallback(DeviceType::CUDA, kernels::HostFallback::All);
+  EXPECT_NE(err.find("kernel 'amin' has no cuda:0 implementation"), std::string::npos) << err;
+  EXPECT_EQ(err.find("amin"), err.rfind("amin")) << "warned twice: " << err;
+}
