@@ -1,11 +1,9 @@
 #include "tessera/core/random.h"
 
-#include <Random123/philox.h>
-#include <Random123/boxmuller.hpp>
-#include <Random123/uniform.hpp>
 #include <cmath>
 
 #include "cpu/kernels.h"
+#include "portable/element_ops.h"
 #include "tessera/core/detail/strided_loop.h"
 #include "tessera/core/factory.h"
 
@@ -18,42 +16,6 @@ Generator& default_generator() {
 void manual_seed(uint64_t seed) {
   default_generator().manual_seed(seed);
 }
-
-namespace {
-
-using Philox = r123::Philox4x32;
-
-// The 4 words Philox gives for counter block c of stream `kind` under `seed`.
-inline Philox::ctr_type block(uint64_t seed, RandomKind kind, uint64_t c) {
-  Philox::key_type key = {{uint32_t(seed), uint32_t(seed >> 32)}};
-  Philox::ctr_type ctr = {{uint32_t(c), uint32_t(c >> 32), uint32_t(kind), 0x7e55e7a}};
-  return Philox()(ctr, key);
-}
-
-// Value of logical element `i` (absolute stream position) of a draw. Uniform and Bernoulli use
-// one 32-bit word per element (4 per block); Normal uses a Box-Muller pair per 2 elements.
-inline double value_at(uint64_t seed, RandomKind kind, double a, double b, uint64_t i) {
-  switch (kind) {
-    case RandomKind::Uniform: {
-      auto r = block(seed, kind, i >> 2);
-      float u = r123::u01<float>(r.v[i & 3]);  // (0, 1]
-      return a + (b - a) * (1.0 - double(u));  // [a, b)
-    }
-    case RandomKind::Bernoulli: {
-      auto r = block(seed, kind, i >> 2);
-      float u = r123::u01<float>(r.v[i & 3]);
-      return (1.0 - double(u)) < a ? 1.0 : 0.0;
-    }
-    case RandomKind::Normal: {
-      auto r = block(seed, kind, i >> 1);
-      r123::float2 z = r123::boxmuller(r.v[0], r.v[1]);
-      return a + b * double((i & 1) ? z.y : z.x);
-    }
-  }
-  return 0;
-}
-
-}  // namespace
 
 void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed, uint64_t base,
                  const RandomWindow& window) {
@@ -92,7 +54,8 @@ void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed
       detail::for_each_run<2>(local, {&out.strides(), &gstrides}, [&](const detail::Run<2>& r) {
         for (int64_t i = 0; i < r.length; ++i) {
           uint64_t g = base + uint64_t(gbase + r.offset[1] + i * r.stride[1]);
-          p[r.offset[0] + i * r.stride[0]] = T(compute_t<T>(value_at(seed, kind, a, b, g)));
+          p[r.offset[0] + i * r.stride[0]] =
+              T(compute_t<T>(kernels::portable::philox_value(seed, kind, a, b, g)));
         }
       });
     }

@@ -5,6 +5,8 @@
 #include <limits>
 #include <type_traits>
 
+#include "../portable/element_checks.h"
+#include "../portable/element_ops.h"
 #include "elementwise_loop.h"
 #include "kernels.h"
 #include "tessera/core/factory.h"
@@ -18,109 +20,15 @@ namespace {
 
 using cpu::broadcast_strides;
 using cpu::check_cpu;
-using cpu::is_nan;
 using cpu::map_runs;
 
-const char* binary_name(BinaryOp op) {
-  switch (op) {
-    case BinaryOp::Add:
-      return "add";
-    case BinaryOp::Sub:
-      return "sub";
-    case BinaryOp::Mul:
-      return "mul";
-    case BinaryOp::Div:
-      return "div";
-    case BinaryOp::Pow:
-      return "pow";
-    case BinaryOp::Maximum:
-      return "maximum";
-    case BinaryOp::Minimum:
-      return "minimum";
-  }
-  return "binary";
-}
+using portable::binary_name;
+using portable::check_binary_dtype;
+using portable::compare_name;
+using portable::scalar_as;
 
-const char* compare_name(CompareOp op) {
-  switch (op) {
-    case CompareOp::Eq:
-      return "eq";
-    case CompareOp::Ne:
-      return "ne";
-    case CompareOp::Lt:
-      return "lt";
-    case CompareOp::Le:
-      return "le";
-    case CompareOp::Gt:
-      return "gt";
-    case CompareOp::Ge:
-      return "ge";
-  }
-  return "compare";
-}
-
-bool is_int(DType dt) {
-  return dt == DType::Int64 || dt == DType::Int32;
-}
-bool int_op(BinaryOp op) {
-  return op != BinaryOp::Div && op != BinaryOp::Pow;
-}
-
-void check_binary_dtype(const char* name, BinaryOp op, DType dt, const Tensor& a, const Tensor& b) {
-  TESSERA_CHECK(is_floating(dt) || (is_int(dt) && int_op(op)), name, ": unsupported dtypes ",
-                dtype_name(a.dtype()), " ", shape_str(a.shape()), " and ", dtype_name(b.dtype()),
-                " ", shape_str(b.shape()), " (expected floating dtypes",
-                int_op(op) ? " or int32/int64" : "", ")");
-}
-
-// The scalar in the tensor's compute type. Integer tensors keep their dtype, so the scalar must
-// be an integer they can hold; anything else is an error rather than a silent truncation.
-template <class C>
-C scalar_as(const char* name, DType dt, double s) {
-  if constexpr (std::is_integral_v<C>) {
-    TESSERA_CHECK(std::isfinite(s) && s == std::trunc(s) &&
-                      s >= double(std::numeric_limits<C>::lowest()) &&
-                      s <= double(std::numeric_limits<C>::max()),
-                  name, ": scalar ", s, " cannot be applied to a ", dtype_name(dt),
-                  " tensor (needs an integer in range; cast the tensor to a floating dtype)");
-  } else {
-    (void)name;
-    (void)dt;
-  }
-  return C(s);
-}
-
-template <BinaryOp kOp, class C>
-inline C apply_binary(C a, C b) {
-  if constexpr (std::is_integral_v<C>) {
-    // Unsigned arithmetic wraps like PyTorch's integer ops instead of being undefined.
-    using U = std::make_unsigned_t<C>;
-    if constexpr (kOp == BinaryOp::Add) return C(U(a) + U(b));
-    if constexpr (kOp == BinaryOp::Sub) return C(U(a) - U(b));
-    if constexpr (kOp == BinaryOp::Mul) return C(U(a) * U(b));
-  } else {
-    if constexpr (kOp == BinaryOp::Add) return a + b;
-    if constexpr (kOp == BinaryOp::Sub) return a - b;
-    if constexpr (kOp == BinaryOp::Mul) return a * b;
-    if constexpr (kOp == BinaryOp::Div) return a / b;
-    if constexpr (kOp == BinaryOp::Pow) return std::pow(a, b);
-  }
-  // maximum/minimum propagate NaN, like torch.maximum.
-  if constexpr (kOp == BinaryOp::Maximum) return is_nan(a) || b < a ? a : b;
-  if constexpr (kOp == BinaryOp::Minimum) return is_nan(a) || a < b ? a : b;
-  return C(0);
-}
-
-template <CompareOp kOp, class C>
-inline bool apply_compare(C a, C b) {
-  if constexpr (kOp == CompareOp::Eq) return a == b;
-  if constexpr (kOp == CompareOp::Ne) return a != b;
-  if constexpr (kOp == CompareOp::Lt) return a < b;
-  if constexpr (kOp == CompareOp::Le) return a <= b;
-  if constexpr (kOp == CompareOp::Gt) return a > b;
-  if constexpr (kOp == CompareOp::Ge) return a >= b;
-  return false;
-}
+using portable::apply_binary;
+using portable::apply_compare;
 
 // Calls f.template operator()<kOp>() for the runtime op, for integer element types only with
 // the ops integers support (the others are rejected before dispatch).
@@ -174,10 +82,7 @@ Tensor scalar_op(BinaryOp op, const Tensor& a, double s, bool reversed) {
   const char* name = binary_name(op);
   check_cpu(name, a);
   const DType dt = a.dtype();
-  TESSERA_CHECK(is_floating(dt) || (is_int(dt) && int_op(op)), name, ": unsupported dtype ",
-                dtype_name(dt), " for tensor of shape ", shape_str(a.shape()),
-                " with a scalar (expected a floating dtype", int_op(op) ? " or int32/int64" : "",
-                ")");
+  portable::check_scalar_dtype(name, op, a);
   Tensor out = empty(a.shape(), dt);
   dispatch_dtype(dt, [&]<class T>() {
     if constexpr (kArithmetic<T>) {
@@ -339,30 +244,14 @@ void add_runs(Tensor& dst, const Tensor& src, const Shape& src_strides, double a
                           });
 }
 
-// In-place ops write each element once, which a destination with stride 0 along a dim of size
-// > 1 (an expanded view) cannot honour.
-void check_writable(const char* op, const Tensor& dst) {
-  for (int64_t d = 0; d < dst.dim(); ++d)
-    TESSERA_CHECK(dst.size(d) <= 1 || dst.stride(d) != 0, op, ": destination ", dst.str(),
-                  " with strides ", shape_str(dst.strides()),
-                  " has overlapping elements (an expanded view); clone it first");
-}
-
 }  // namespace
 
 void add_(Tensor& dst, const Tensor& src, double alpha) {
   check_cpu("add_", dst);
   check_cpu("add_", src);
   const DType dt = dst.dtype();
-  TESSERA_CHECK(is_floating(dt) || is_int(dt), "add_: unsupported destination dtype ",
-                dtype_name(dt), " (expected a floating dtype or int32/int64)");
-  TESSERA_CHECK(is_floating(dt) || !is_floating(src.dtype()), "add_: cannot add a ",
-                dtype_name(src.dtype()), " source into a ", dtype_name(dt),
-                " destination without losing the fraction");
   const Shape shape = broadcast_shapes(dst.shape(), src.shape(), "add_");
-  TESSERA_CHECK(shape == dst.shape(), "add_: source shape ", shape_str(src.shape()),
-                " does not broadcast to destination shape ", shape_str(dst.shape()));
-  check_writable("add_", dst);
+  portable::check_add_(dst, src, shape);
   if (dst.numel() == 0) return;
   dispatch_dtype(dt, [&]<class D>() {
     if constexpr (kArithmetic<D>) {
@@ -388,10 +277,7 @@ void add_(Tensor& dst, const Tensor& src, double alpha) {
 void mul_scalar_(Tensor& dst, double s) {
   check_cpu("mul_scalar_", dst);
   const DType dt = dst.dtype();
-  TESSERA_CHECK(is_floating(dt) || is_int(dt), "mul_scalar_: unsupported dtype ", dtype_name(dt),
-                " for tensor of shape ", shape_str(dst.shape()),
-                " (expected a floating dtype or int32/int64)");
-  check_writable("mul_scalar_", dst);
+  portable::check_mul_scalar_(dst);
   dispatch_dtype(dt, [&]<class T>() {
     if constexpr (kArithmetic<T>) {
       using C = compute_t<T>;
@@ -442,8 +328,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   check_cpu("where", cond);
   check_cpu("where", a);
   check_cpu("where", b);
-  TESSERA_CHECK(cond.dtype() == DType::Bool, "where: condition must be bool, got ",
-                dtype_name(cond.dtype()), " ", shape_str(cond.shape()));
+  portable::check_bool_mask("where", "condition", cond);
   const DType dt = promote_types(a.dtype(), b.dtype());
   const Shape shape =
       broadcast_shapes(broadcast_shapes(cond.shape(), a.shape(), "where"), b.shape(), "where");
@@ -476,8 +361,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
 Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
   check_cpu("masked_fill", x);
   check_cpu("masked_fill", mask);
-  TESSERA_CHECK(mask.dtype() == DType::Bool, "masked_fill: mask must be bool, got ",
-                dtype_name(mask.dtype()), " ", shape_str(mask.shape()));
+  portable::check_bool_mask("masked_fill", "mask", mask);
   const Shape shape = broadcast_shapes(x.shape(), mask.shape(), "masked_fill");
   TESSERA_CHECK(shape == x.shape(), "masked_fill: mask shape ", shape_str(mask.shape()),
                 " does not broadcast to input shape ", shape_str(x.shape()));

@@ -29,16 +29,6 @@ inline Shape broadcast_strides(const Tensor& t, const Shape& shape) {
   return st;
 }
 
-template <class T>
-constexpr bool is_nan(T v) {
-  if constexpr (std::is_floating_point_v<T>) {
-    return v != v;
-  } else {
-    (void)v;
-    return false;
-  }
-}
-
 // One 1-D run of map_runs: direct when contiguous and unconverted, else through buffers.
 template <class T, class TO, size_t N, class Kernel>
 void map_run(TO* o, const std::array<const T*, N>& base, const detail::Run<N + 1>& r,

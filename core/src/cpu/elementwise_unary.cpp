@@ -14,6 +14,8 @@
 #include <type_traits>
 #include <unsupported/Eigen/SpecialFunctions>
 
+#include "../portable/element_checks.h"
+#include "../portable/element_ops.h"
 #include "elementwise_loop.h"
 #include "kernels.h"
 #include "tessera/core/factory.h"
@@ -26,53 +28,12 @@ namespace {
 using cpu::check_cpu;
 using cpu::map_runs;
 
-constexpr double kSqrt1_2 = 0.70710678118654752440;      // 1/sqrt(2)
-constexpr double kInvSqrt2Pi = 0.39894228040143267794;   // 1/sqrt(2*pi)
-constexpr double kSqrt2OverPi = 0.79788456080286535588;  // sqrt(2/pi)
-constexpr double kGeluCubic = 0.044715;
+using portable::kGeluCubic;
+using portable::kInvSqrt2Pi;
+using portable::kSqrt1_2;
+using portable::kSqrt2OverPi;
 
-const char* unary_name(UnaryOp op) {
-  switch (op) {
-    case UnaryOp::Neg:
-      return "neg";
-    case UnaryOp::Exp:
-      return "exp";
-    case UnaryOp::Log:
-      return "log";
-    case UnaryOp::Sqrt:
-      return "sqrt";
-    case UnaryOp::Rsqrt:
-      return "rsqrt";
-    case UnaryOp::Tanh:
-      return "tanh";
-    case UnaryOp::Sigmoid:
-      return "sigmoid";
-    case UnaryOp::Relu:
-      return "relu";
-    case UnaryOp::Gelu:
-      return "gelu";
-    case UnaryOp::GeluTanh:
-      return "gelu(tanh)";
-    case UnaryOp::Silu:
-      return "silu";
-    case UnaryOp::Abs:
-      return "abs";
-    case UnaryOp::Sin:
-      return "sin";
-    case UnaryOp::Cos:
-      return "cos";
-    case UnaryOp::Square:
-      return "square";
-    case UnaryOp::Reciprocal:
-      return "reciprocal";
-  }
-  return "unary";
-}
-
-// Ops that are exact on integers; everything else needs a floating dtype.
-bool integer_ok(UnaryOp op) {
-  return op == UnaryOp::Neg || op == UnaryOp::Abs || op == UnaryOp::Square || op == UnaryOp::Relu;
-}
+using portable::unary_name;
 
 template <class C>
 using Arr = Eigen::Array<C, Eigen::Dynamic, 1>;
@@ -274,10 +235,7 @@ Tensor unary(UnaryOp op, const Tensor& x) {
   const char* name = unary_name(op);
   check_cpu(name, x);
   const DType dt = x.dtype();
-  TESSERA_CHECK(is_floating(dt) || ((dt == DType::Int64 || dt == DType::Int32) && integer_ok(op)),
-                name, ": unsupported dtype ", dtype_name(dt), " for input of shape ",
-                shape_str(x.shape()), " (expected a floating dtype",
-                integer_ok(op) ? " or int32/int64" : "", ")");
+  portable::check_unary_dtype(name, op, x);
   Tensor out = empty(x.shape(), dt);
   dispatch_dtype(dt, [&]<class T>() {
     using C = compute_t<T>;
@@ -300,11 +258,7 @@ Tensor unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x) {
   const char* name = unary_name(op);
   check_cpu(name, grad);
   check_cpu(name, x);
-  TESSERA_CHECK(grad.shape() == x.shape(), name, " backward: gradient shape ",
-                shape_str(grad.shape()), " does not match input shape ", shape_str(x.shape()));
-  TESSERA_CHECK(is_floating(grad.dtype()) && is_floating(x.dtype()), name,
-                " backward: needs floating tensors, got gradient ", dtype_name(grad.dtype()),
-                " and input ", dtype_name(x.dtype()));
+  portable::check_unary_backward(name, grad, x);
   const DType dt = promote_types(grad.dtype(), x.dtype());
   Tensor g = grad.to(dt), xc = x.to(dt);
   Tensor out = empty(x.shape(), dt);

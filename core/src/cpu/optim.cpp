@@ -3,7 +3,9 @@
 #include <cmath>
 #include <utility>
 
-#include "float_dispatch.h"
+#include "../portable/element_checks.h"
+#include "../portable/element_ops.h"
+#include "../portable/float_dispatch.h"
 #include "kernels.h"
 #include "tessera/core/factory.h"
 
@@ -11,61 +13,44 @@ namespace tessera::kernels::cpu {
 
 namespace {
 
-void check_update(const char* op, const Tensor& param, const Tensor& t, const char* what) {
-  TESSERA_CHECK(
-      t.defined() && t.shape() == param.shape() && t.dtype() == param.dtype() && t.is_contiguous(),
-      op, ": ", what, " ", t.defined() ? t.str() : std::string("(undefined)"),
-      " must be contiguous with the parameter's shape and dtype ", param.str());
-}
-
 template <class F>
 void float_dispatch(const char* op, const Tensor& param, F&& f) {
   TESSERA_CHECK(param.is_contiguous(), op, ": parameter ", param.str(), " must be contiguous");
-  dispatch_float32_or_64(op, "parameter", param, std::forward<F>(f));
+  portable::dispatch_float32_or_64(op, "parameter", param, std::forward<F>(f));
 }
 
 }  // namespace
 
 void adamw_update_(Tensor& param, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& grad,
                    const AdamWStep& s) {
-  check_update("adamw_update_", param, grad, "gradient");
-  check_update("adamw_update_", param, exp_avg, "exp_avg");
-  check_update("adamw_update_", param, exp_avg_sq, "exp_avg_sq");
+  portable::check_update_operand("adamw_update_", param, grad, "gradient");
+  portable::check_update_operand("adamw_update_", param, exp_avg, "exp_avg");
+  portable::check_update_operand("adamw_update_", param, exp_avg_sq, "exp_avg_sq");
   float_dispatch("adamw_update_", param, [&]<class T>() {
     T* pw = param.data<T>();
     const T* pg = grad.data<T>();
     T* m = exp_avg.data<T>();
     T* v = exp_avg_sq.data<T>();
-    const T tdecay = T(s.decay), one_b1 = T(1 - s.beta1), tb2 = T(s.beta2), one_b2 = T(1 - s.beta2);
-    const T tstep = T(s.step_size), tbc2 = T(s.bias_correction2_sqrt), teps = T(s.eps);
-    for (int64_t j = 0; j < param.numel(); ++j) {
-      const T gj = pg[j];
-      pw[j] *= tdecay;
-      m[j] += one_b1 * (gj - m[j]);  // PyTorch's lerp
-      v[j] = tb2 * v[j] + one_b2 * gj * gj;
-      const T denom = std::sqrt(v[j]) / tbc2 + teps;
-      pw[j] -= tstep * (m[j] / denom);
-    }
+    const portable::AdamWScalars<T> ts{T(s.decay),     T(1 - s.beta1), T(s.beta2),
+                                       T(1 - s.beta2), T(s.step_size), T(s.bias_correction2_sqrt),
+                                       T(s.eps)};
+    for (int64_t j = 0; j < param.numel(); ++j)
+      portable::adamw_element(pw[j], m[j], v[j], pg[j], ts);
   });
 }
 
 void sgd_update_(Tensor& param, Tensor& momentum_buffer, const Tensor& grad, const SgdStep& s) {
-  check_update("sgd_update_", param, grad, "gradient");
-  if (s.momentum != 0) check_update("sgd_update_", param, momentum_buffer, "momentum buffer");
+  portable::check_update_operand("sgd_update_", param, grad, "gradient");
+  if (s.momentum != 0)
+    portable::check_update_operand("sgd_update_", param, momentum_buffer, "momentum buffer");
   float_dispatch("sgd_update_", param, [&]<class T>() {
     T* pw = param.data<T>();
     const T* pg = grad.data<T>();
     T* buf = s.momentum != 0 ? momentum_buffer.data<T>() : nullptr;
-    const T tlr = T(s.lr), tmom = T(s.momentum), twd = T(s.weight_decay);
-    for (int64_t j = 0; j < param.numel(); ++j) {
-      T d = pg[j];
-      if (s.weight_decay != 0) d += twd * pw[j];
-      if (buf) {
-        buf[j] = s.first ? d : tmom * buf[j] + d;
-        d = buf[j];
-      }
-      pw[j] -= tlr * d;
-    }
+    const portable::SgdScalars<T> ts{T(s.lr), T(s.momentum), T(s.weight_decay), s.weight_decay != 0,
+                                     s.first};
+    for (int64_t j = 0; j < param.numel(); ++j)
+      portable::sgd_element(pw[j], buf ? buf + j : nullptr, pg[j], ts);
   });
 }
 

@@ -3,7 +3,7 @@
 #include <limits>
 #include <utility>
 
-#include "float_dispatch.h"
+#include "../portable/float_dispatch.h"
 #include "kernels.h"
 #include "tessera/core/factory.h"
 
@@ -15,7 +15,7 @@ template <class F>
 void float_rows(const char* op, const Tensor& x, F&& f) {
   TESSERA_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x ", x.str(),
                 " must be a contiguous [N, n] tensor");
-  dispatch_float32_or_64(op, "x", x, std::forward<F>(f));
+  portable::dispatch_float32_or_64(op, "x", x, std::forward<F>(f));
 }
 
 void check_rows(const char* op, const Tensor& t, const char* what, int64_t rows, DType dtype) {

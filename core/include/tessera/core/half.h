@@ -1,28 +1,39 @@
 #pragma once
 // 16-bit floating types are storage formats: arithmetic converts to float32 and back with
-// round-to-nearest-even, which is what every kernel does.
+// round-to-nearest-even, which is what every kernel does, on the host and on a device alike.
 #include <cstdint>
 #include <cstring>
 
+#include "tessera/core/host_device.h"
+
 namespace tessera {
 
-inline uint32_t float_bits(float f) {
+TESSERA_HOST_DEVICE inline uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return u;
+#endif
 }
-inline float bits_float(uint32_t u) {
+TESSERA_HOST_DEVICE inline float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+#endif
 }
 
 struct BFloat16 {
   uint16_t bits = 0;
   BFloat16() = default;
-  BFloat16(float f) : bits(from_float(f)) {}  // NOLINT: implicit like a numeric type
-  operator float() const { return bits_float(uint32_t(bits) << 16); }
-  static uint16_t from_float(float f) {
+  TESSERA_HOST_DEVICE BFloat16(float f)
+      : bits(from_float(f)) {}  // NOLINT: implicit like a numeric type
+  TESSERA_HOST_DEVICE operator float() const { return bits_float(uint32_t(bits) << 16); }
+  TESSERA_HOST_DEVICE static uint16_t from_float(float f) {
     uint32_t u = float_bits(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
     uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
@@ -33,10 +44,10 @@ struct BFloat16 {
 struct Float16 {
   uint16_t bits = 0;
   Float16() = default;
-  Float16(float f) : bits(from_float(f)) {}  // NOLINT
-  operator float() const { return to_float(bits); }
+  TESSERA_HOST_DEVICE Float16(float f) : bits(from_float(f)) {}  // NOLINT
+  TESSERA_HOST_DEVICE operator float() const { return to_float(bits); }
 
-  static uint16_t from_float(float f) {
+  TESSERA_HOST_DEVICE static uint16_t from_float(float f) {
     uint32_t x = float_bits(f);
     uint32_t sign = (x >> 16) & 0x8000u;
     uint32_t ax = x & 0x7fffffffu;
@@ -60,7 +71,7 @@ struct Float16 {
     r += rounding;
     return uint16_t(sign | (r >> 13));
   }
-  static float to_float(uint16_t h) {
+  TESSERA_HOST_DEVICE static float to_float(uint16_t h) {
     uint32_t sign = uint32_t(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu;
     uint32_t mant = h & 0x3ffu;

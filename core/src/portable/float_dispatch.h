@@ -1,11 +1,11 @@
 #pragma once
-// Private to the CPU kernels that compute only in float32 or float64 (the optimizer updates, the
-// vocabulary-parallel cross-entropy): runs f<float> or f<double> for t's dtype, and names `op`,
-// `what` and t otherwise.
+// Private to the kernels that compute only in float32 or float64 (the optimizer updates, the
+// vocabulary-parallel cross-entropy), on any device: runs f<float> or f<double> for t's dtype, and
+// names `op`, `what` and t otherwise.
 #include "tessera/core/error.h"
 #include "tessera/core/tensor.h"
 
-namespace tessera::kernels::cpu {
+namespace tessera::kernels::portable {
 
 template <class F>
 void dispatch_float32_or_64(const char* op, const char* what, const Tensor& t, F&& f) {
@@ -17,4 +17,4 @@ void dispatch_float32_or_64(const char* op, const char* what, const Tensor& t, F
     TESSERA_FAIL(op, ": ", what, " ", t.str(), " must be float32 or float64");
 }
 
-}  // namespace tessera::kernels::cpu
+}  // namespace tessera::kernels::portable
