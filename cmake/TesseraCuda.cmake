@@ -14,6 +14,13 @@ if(NOT TESSERA_WITH_CUDA STREQUAL "OFF")
       set(CMAKE_CUDA_ARCHITECTURES 80)
     endif()
     set(CMAKE_CUDA_STANDARD 20)
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    set(CMAKE_CUDA_EXTENSIONS OFF)
+    # CMake 3.25 does not know that nvcc 12+ takes C++20 and would silently compile C++17 (the
+    # kernels use C++20); say it directly where CMake cannot.
+    if(NOT "cuda_std_20" IN_LIST CMAKE_CUDA_COMPILE_FEATURES)
+      add_compile_options($<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>)
+    endif()
   elseif(TESSERA_WITH_CUDA STREQUAL "ON")
     message(FATAL_ERROR "TESSERA_WITH_CUDA=ON but no CUDA compiler was found")
   endif()

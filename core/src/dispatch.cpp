@@ -8,6 +8,7 @@
 
 #include "cpu/kernels.h"
 #include "kernel.h"
+#include "kernel_table.h"
 #include "tessera/core/detail/cuda_copy.h"
 #include "tessera/core/factory.h"
 
@@ -84,6 +85,36 @@ namespace {
 TESSERA_KERNELS(TESSERA_KERNEL_ROW)
 #undef TESSERA_KERNEL_ROW
 }  // namespace
+
+namespace registry {
+
+KernelTable kernel_table(DeviceType type) {
+  KernelTable table;
+#define TESSERA_KERNEL_GET(name, result, params, args) table.name = name##_kernel.get(type);
+  TESSERA_KERNELS(TESSERA_KERNEL_GET)
+#undef TESSERA_KERNEL_GET
+  return table;
+}
+
+void set_kernel_table(DeviceType type, const KernelTable& table) {
+  TESSERA_CHECK(type != DeviceType::CPU, "set_kernel_table: the cpu kernels are fixed");
+#define TESSERA_KERNEL_SET(name, result, params, args) name##_kernel.set(type, table.name);
+  TESSERA_KERNELS(TESSERA_KERNEL_SET)
+#undef TESSERA_KERNEL_SET
+}
+
+}  // namespace registry
+
+#if defined(TESSERA_WITH_CUDA)
+namespace cuda {
+registry::KernelTable kernels();  // cuda/kernels.cu
+}
+namespace {
+// After the rows above, in this file, so they exist when the CUDA column is installed.
+const bool g_cuda_kernels_installed =
+    (registry::set_kernel_table(DeviceType::CUDA, cuda::kernels()), true);
+}  // namespace
+#endif
 
 }  // namespace tessera::kernels
 

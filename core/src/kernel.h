@@ -132,6 +132,7 @@ class Kernel<R(A...)> {
   const char* name() const { return name_; }
   // Registers a device type's implementation (a device backend does this once, at start-up).
   void set(DeviceType type, Fn fn) { fns_[size_t(type)].store(fn); }
+  Fn get(DeviceType type) const { return fns_[size_t(type)].load(); }
 
   R operator()(A... args) const {
     CommonDevice common(name_);

@@ -1,0 +1,59 @@
+// The host executor for the portable device kernels: the launch of a stand-in device.
+#include "tessera/core/detail/emulated_kernels.h"
+
+#include <atomic>
+
+#include "kernel_table.h"
+#include "portable/kernels.h"
+
+namespace tessera::detail {
+
+namespace {
+
+std::atomic<EmulatedMemory*> g_memory{nullptr};
+std::atomic<int64_t> g_launches{0};
+
+// Runs the functor for every element in order, as one GPU thread per element would (the
+// functors write disjoint elements, so order does not matter to the result).
+struct HostExec {
+  template <class F>
+  static void for_each(const char* op, Device device, int64_t n, const F& f) {
+    EmulatedMemory* memory = g_memory.load();
+    TESSERA_CHECK(memory != nullptr, op, ": emulated kernel launched on ", device.str(),
+                  " with no emulated device alive");
+    g_launches.fetch_add(1, std::memory_order_relaxed);
+    memory->open();
+    for (int64_t i = 0; i < n; ++i)
+      f(i);
+    memory->close();
+  }
+};
+
+}  // namespace
+
+struct EmulatedDeviceKernels::Saved {
+  kernels::registry::KernelTable table;
+};
+
+EmulatedDeviceKernels::EmulatedDeviceKernels(DeviceType type, EmulatedMemory* memory)
+    : type_(type), saved_(std::make_unique<Saved>()) {
+  TESSERA_CHECK(memory != nullptr, "EmulatedDeviceKernels: needs the device's memory");
+  EmulatedMemory* none = nullptr;
+  TESSERA_CHECK(g_memory.compare_exchange_strong(none, memory),
+                "EmulatedDeviceKernels: one is alive already");
+  saved_->table = kernels::registry::kernel_table(type);
+  kernels::registry::KernelTable table = saved_->table;
+  kernels::portable::Kernels<HostExec>::fill_table(table);
+  kernels::registry::set_kernel_table(type, table);
+}
+
+EmulatedDeviceKernels::~EmulatedDeviceKernels() {
+  kernels::registry::set_kernel_table(type_, saved_->table);
+  g_memory.store(nullptr);
+}
+
+int64_t emulated_launches() {
+  return g_launches.load();
+}
+
+}  // namespace tessera::detail
