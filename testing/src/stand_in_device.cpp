@@ -51,6 +51,18 @@ class ProtectedBlocks {
     std::lock_guard<std::mutex> lock(mutex_);
     return int64_t(blocks_.size());
   }
+  // Every block readable and writable until close_all, as device memory is to a kernel; the
+  // lock is held in between so the staged group's copies wait for the kernel.
+  void open_all() {
+    mutex_.lock();
+    for (const auto& [start, len] : blocks_)
+      mprotect(reinterpret_cast<void*>(start), len, PROT_READ | PROT_WRITE);
+  }
+  void close_all() {
+    for (const auto& [start, len] : blocks_)
+      mprotect(reinterpret_cast<void*>(start), len, PROT_NONE);
+    mutex_.unlock();
+  }
 
  private:
   static size_t page() {
@@ -78,6 +90,13 @@ class ProtectedBlocks {
 };
 
 ProtectedBlocks g_blocks;
+
+class StandInMemory final : public tessera::detail::EmulatedMemory {
+ public:
+  void open() override { g_blocks.open_all(); }
+  void close() override { g_blocks.close_all(); }
+};
+StandInMemory g_memory;
 std::atomic<int64_t> g_to_device{0};
 std::atomic<int64_t> g_to_host{0};
 std::atomic<bool> g_alive{false};
@@ -110,20 +129,27 @@ void stand_in_copy(void* dst, Device dst_device, const void* src, Device src_dev
 
 }  // namespace
 
-StandInDevice::StandInDevice() {
+StandInDevice::StandInDevice(KernelsOn kernels) {
   TESSERA_CHECK(!g_alive.exchange(true), "StandInDevice: one is alive already");
   g_to_device = 0;
   g_to_host = 0;
   old_allocator_ = set_allocator(DeviceType::CUDA, &g_allocator);
   old_copy_ = set_device_copy(&stand_in_copy);
   old_fallback_ = kernels::host_fallback(DeviceType::CUDA);
-  kernels::set_host_fallback(DeviceType::CUDA, kernels::HostFallback::All);
+  if (kernels == KernelsOn::Device) {
+    emulated_ =
+        std::make_unique<tessera::detail::EmulatedDeviceKernels>(DeviceType::CUDA, &g_memory);
+    kernels::set_host_fallback(DeviceType::CUDA, kernels::HostFallback::Missing);
+  } else {
+    kernels::set_host_fallback(DeviceType::CUDA, kernels::HostFallback::All);
+  }
   if (backend_name(DeviceType::CUDA).empty()) {
     register_backend(DeviceType::CUDA, "mpi", host_staged_backend());
   }
 }
 
 StandInDevice::~StandInDevice() {
+  emulated_.reset();
   kernels::set_host_fallback(DeviceType::CUDA, old_fallback_);
   set_device_copy(old_copy_);
   set_allocator(DeviceType::CUDA, old_allocator_);
@@ -147,13 +173,15 @@ bool stand_in_asked() {
 }
 }  // namespace
 
-TestDevice::TestDevice() {
+TestDevice::TestDevice(KernelsOn kernels) : kernels_(kernels) {
   if (cuda_device_count() == 0 || stand_in_asked()) {
-    stand_in_ = std::make_unique<StandInDevice>();
+    stand_in_ = std::make_unique<StandInDevice>(kernels);
     return;
   }
   old_fallback_ = kernels::host_fallback(DeviceType::CUDA);
-  kernels::set_host_fallback(DeviceType::CUDA, kernels::HostFallback::Missing);
+  kernels::set_host_fallback(DeviceType::CUDA, kernels == KernelsOn::Device
+                                                   ? kernels::HostFallback::Missing
+                                                   : kernels::HostFallback::All);
   if (backend_name(DeviceType::CUDA).empty()) {
     register_backend(DeviceType::CUDA, "mpi", host_staged_backend());
   }
@@ -164,7 +192,9 @@ TestDevice::~TestDevice() {
 }
 
 std::string TestDevice::str() const {
-  return stand_in_ ? "cuda:0 (stand-in)" : "cuda:0 (GPU)";
+  std::string s = stand_in_ ? "cuda:0 (stand-in" : "cuda:0 (GPU";
+  return s.append(kernels_ == KernelsOn::Device ? ", device kernels)"
+                                                : ", kernels on host copies)");
 }
 
 }  // namespace tessera::testing

@@ -172,7 +172,7 @@ TEST(DeviceDispatch, TestDeviceIsTheStandInUnlessAGpuIsThere) {
   {
     tessera::testing::TestDevice device;
     EXPECT_TRUE(device.is_stand_in());
-    EXPECT_EQ(device.str(), "cuda:0 (stand-in)");
+    EXPECT_EQ(device.str(), "cuda:0 (stand-in, kernels on host copies)");
   }
   unsetenv("TESSERA_TEST_DEVICE");
 }

@@ -1,11 +1,12 @@
 // A decoder trained on cuda:0 tensors gives the CPU run's losses and parameters bit for bit. The
 // device is testing::TestDevice: a real GPU where there is one, else the stand-in, whose memory
-// the CPU may not touch. Every kernel runs on host copies there (on a GPU, every kernel without a
-// CUDA implementation), so what this proves is the plumbing: every tensor of forward, backward,
+// the CPU may not touch. Every kernel runs on host copies there (KernelsOn::HostCopies, on a GPU
+// too), so what this proves is the plumbing: every tensor of forward, backward,
 // loss and AdamW is made on, and stays on, the parameters' device, and nothing reads device
 // memory from the CPU (that would crash).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <memory>
 #include <string>
@@ -13,7 +14,9 @@
 
 #include "common/affine_batch.h"
 #include "common/small_decoder.h"
+#include "tessera/core/detail/emulated_kernels.h"
 #include "tessera/tessera.h"
+#include "tessera/testing/checks.h"
 #include "tessera/testing/expect_error.h"
 #include "tessera/testing/stand_in_device.h"
 
@@ -88,4 +91,23 @@ TEST(DeviceTraining, InputsOnAnotherDeviceAreAnErrorNamingBoth) {
   net->to(Device::cuda(0));
   Batch b = affine_batch(0, 2, 8, small_decoder_config().vocab_size);
   tessera::testing::expect_error([&] { (*net)(b.ids); }, {"embedding", "cpu", "cuda:0"});
+}
+
+// The same decoder with the device's own kernels (KernelsOn::Device): on a GPU its CUDA kernels,
+// on the stand-in that device code emulated on the host; kernels the device lacks run on host
+// copies. The loss curve follows the CPU's within 1e-4 and the parameters within 1e-4.
+TEST(DeviceTraining, WithDeviceKernelsTheLossCurveFollowsTheCpu) {
+  const TrainingRun cpu = train(Device::cpu(), false, 4);
+  TestDevice device(tessera::testing::KernelsOn::Device);
+  const int64_t launches = tessera::detail::emulated_launches();
+  const TrainingRun cuda = train(Device::cuda(0), false, 4);
+  if (device.is_stand_in()) {
+    EXPECT_GT(tessera::detail::emulated_launches(), launches + 100);
+  }
+  ASSERT_EQ(cuda.losses.size(), cpu.losses.size());
+  for (size_t s = 0; s < cpu.losses.size(); ++s)
+    EXPECT_NEAR(cuda.losses[s], cpu.losses[s], 1e-4 * std::abs(cpu.losses[s]))
+        << "step " << s << " on " << device.str();
+  for (const auto& [name, t] : cpu.final_state)
+    tessera::testing::expect_close(cuda.final_state.at(name), t, 1e-4, name);
 }

@@ -7,8 +7,14 @@
 //   GPU, crashes here too (SIGSEGV);
 // - bytes move to and from it only through the device copy (Tensor::to, copy_), which opens the
 //   pages for the copy;
-// - every kernel on cuda:0 tensors runs on host copies (kernels::HostFallback::All), so results
-//   are the CPU's bit for bit;
+// - with KernelsOn::HostCopies (the default) every kernel on cuda:0 tensors runs on host
+//   copies (kernels::HostFallback::All), so results are the CPU's bit for bit;
+// - with KernelsOn::Device the kernels core implements for devices run that device code
+//   on the host over the opened device memory (detail::EmulatedDeviceKernels): the code a CUDA
+//   build launches on the GPU, minus the launch and the device's math library. The others run
+//   on host copies (kernels::HostFallback::Missing, which says so once per kernel on stderr).
+//   Results match the CPU's within rounding where the device formulas call std:: functions
+//   the CPU computes in vectorised form;
 // - DeviceType::CUDA communicates through host_staged_group over the CPU's world (registered on
 //   first construction when no backend for CUDA is registered yet; a registration stays).
 // One at a time; construct it before making device tensors and drop them before it dies.
@@ -17,13 +23,20 @@
 #include <string>
 
 #include "tessera/core/allocator.h"
+#include "tessera/core/detail/emulated_kernels.h"
 #include "tessera/core/kernels/dispatch.h"
 
 namespace tessera::testing {
 
+// Where a device test's kernels run. HostCopies: every kernel is the CPU's, on host copies of the
+// device tensors (results are the CPU's bit for bit; what is tested is the plumbing). Device: the
+// device's own kernels where core has them (on the stand-in, that device code emulated on the
+// host), the others on host copies.
+enum class KernelsOn : uint8_t { HostCopies, Device };
+
 class StandInDevice {
  public:
-  StandInDevice();
+  explicit StandInDevice(KernelsOn kernels = KernelsOn::HostCopies);
   ~StandInDevice();
   StandInDevice(const StandInDevice&) = delete;
   StandInDevice& operator=(const StandInDevice&) = delete;
@@ -38,26 +51,30 @@ class StandInDevice {
   Allocator* old_allocator_ = nullptr;
   DeviceCopyFn old_copy_ = nullptr;
   kernels::HostFallback old_fallback_ = kernels::HostFallback::Off;
+  std::unique_ptr<tessera::detail::EmulatedDeviceKernels> emulated_;
 };
 
 // The cuda:0 a device test runs on, for its lifetime: the real one where this build has CUDA and
 // the process sees a GPU, else a StandInDevice (TESSERA_TEST_DEVICE=stand-in asks for the
-// stand-in even with a GPU). On a real GPU, kernels with no CUDA implementation run on host
-// copies (kernels::HostFallback::Missing) and CUDA communicates through the host-staged backend
-// when no other is registered, so the same test checks real device memory, copies and staging;
-// results then equal the CPU's bit for bit only as long as the kernels run are the CPU's.
+// stand-in even with a GPU). CUDA communicates through the host-staged backend when no other is
+// registered. With KernelsOn::HostCopies (the default) every kernel is the CPU's on host copies
+// (kernels::HostFallback::All), on a GPU too: the same test then checks real device memory,
+// copies and staging, and results equal the CPU's bit for bit. With KernelsOn::Device a GPU runs
+// its CUDA kernels (the rest on host copies, HostFallback::Missing) and the stand-in emulates
+// them; results then match the CPU's within rounding.
 class TestDevice {
  public:
-  TestDevice();
+  explicit TestDevice(KernelsOn kernels = KernelsOn::HostCopies);
   ~TestDevice();
   TestDevice(const TestDevice&) = delete;
   TestDevice& operator=(const TestDevice&) = delete;
 
   bool is_stand_in() const { return stand_in_ != nullptr; }
-  // "cuda:0 (stand-in)" or "cuda:0 (GPU)", for test output.
+  // e.g. "cuda:0 (stand-in, device kernels)", for test output.
   std::string str() const;
 
  private:
+  KernelsOn kernels_;
   std::unique_ptr<StandInDevice> stand_in_;
   kernels::HostFallback old_fallback_ = kernels::HostFallback::Off;
 };
