@@ -14,7 +14,8 @@ std::atomic<EmulatedMemory*> g_memory{nullptr};
 std::atomic<int64_t> g_launches{0};
 
 // Runs the functor for every element in order, as one GPU thread per element would (the
-// functors write disjoint elements, so order does not matter to the result).
+// functors write disjoint elements, so order does not matter to the result), and gemm by the
+// reference loop.
 struct HostExec {
   template <class F>
   static void for_each(const char* op, Device device, int64_t n, const F& f) {
@@ -25,6 +26,19 @@ struct HostExec {
     memory->open();
     for (int64_t i = 0; i < n; ++i)
       f(i);
+    memory->close();
+  }
+
+  static void gemm(const char* op, Device device, const kernels::portable::GemmCall& call) {
+    EmulatedMemory* memory = g_memory.load();
+    TESSERA_CHECK(memory != nullptr, op, ": emulated gemm on ", device.str(),
+                  " with no emulated device alive");
+    g_launches.fetch_add(1, std::memory_order_relaxed);
+    memory->open();
+    if (call.dtype == DType::Float64)
+      kernels::portable::reference_gemm<double>(call);
+    else
+      kernels::portable::reference_gemm<float>(call);
     memory->close();
   }
 };
@@ -43,7 +57,7 @@ EmulatedDeviceKernels::EmulatedDeviceKernels(DeviceType type, EmulatedMemory* me
                 "EmulatedDeviceKernels: one is alive already");
   saved_->table = kernels::registry::kernel_table(type);
   kernels::registry::KernelTable table = saved_->table;
-  kernels::portable::Kernels<HostExec>::fill_table(table);
+  kernels::portable::fill_device_table<HostExec>(table);
   kernels::registry::set_kernel_table(type, table);
 }
 

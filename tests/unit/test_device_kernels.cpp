@@ -337,3 +337,60 @@ TEST(DeviceKernels, RunOnTheDeviceNotOnHostCopies) {
     EXPECT_EQ(tessera::detail::emulated_launches(), launches + 2);
   }
 }
+
+TEST(DeviceKernels, MatrixProductsInEveryLayoutFollowTheCpu) {
+  TestDevice device(KernelsOn::Device);
+  // Accumulation order differs from the CPU's blocked products: a few ulps of the sum.
+  auto tol = [](DType dt) {
+    return dt == DType::Float64 ? Tolerance{1e-12, 1e-12} : rounding_of(dt);
+  };
+  for (DType dt : kFloatDtypes) {
+    for (bool ta : {false, true}) {
+      for (bool tb : {false, true}) {
+        const std::string what = std::string(dtype_name(dt)) + (ta ? " a^T" : " a") +
+                                 (tb ? " b^T" : " b") + " on " + device.str();
+        // Batched with broadcast batch dims: [2, 1, m, k] x [3, k, n].
+        const Tensor a = random_tensor(ta ? Shape{2, 1, 5, 4} : Shape{2, 1, 4, 5}, 81, dt);
+        const Tensor b = random_tensor(tb ? Shape{3, 6, 5} : Shape{3, 5, 6}, 82, dt);
+        expect_matches(kernels::matmul(cuda(a), cuda(b), ta, tb), kernels::matmul(a, b, ta, tb),
+                       tol(dt), what + " batched");
+        // One a for every b: a's batch stride is 0, not the stride of its size-1 dim.
+        const Tensor a1 = random_tensor(ta ? Shape{1, 5, 4} : Shape{1, 4, 5}, 80, dt);
+        expect_matches(kernels::matmul(cuda(a1), cuda(b), ta, tb), kernels::matmul(a1, b, ta, tb),
+                       tol(dt), what + " one a for a batch of b");
+        // 2-D views no BLAS layout fits (both strides above 1), and a column-major view.
+        const Tensor sa = random_tensor({12, 10}, 83, dt);
+        const Tensor va = sa.as_strided({4, 5}, {20, 2}, 1);
+        const Tensor va_dev = cuda(sa).as_strided({4, 5}, {20, 2}, 1);
+        const Tensor sb = random_tensor({6, 5}, 84, dt);
+        const Tensor vb =
+            sb.as_strided(tb ? Shape{6, 5} : Shape{5, 6}, tb ? Shape{5, 1} : Shape{1, 5}, 0);
+        const Tensor vb_dev =
+            cuda(sb).as_strided(tb ? Shape{6, 5} : Shape{5, 6}, tb ? Shape{5, 1} : Shape{1, 5}, 0);
+        expect_matches(kernels::matmul(va_dev, vb_dev, false, tb),
+                       kernels::matmul(va, vb, false, tb), tol(dt), what + " strided views");
+      }
+    }
+    const Tensor x = random_tensor({2, 3, 8}, 85, dt), w = random_tensor({5, 8}, 86, dt),
+                 bias = random_tensor({5}, 87, dt);
+    expect_matches(kernels::linear(cuda(x), cuda(w), cuda(bias)), kernels::linear(x, w, bias),
+                   tol(dt), std::string("linear ") + dtype_name(dt));
+    expect_matches(kernels::linear(cuda(x), cuda(w)), kernels::linear(x, w), tol(dt),
+                   std::string("linear without bias ") + dtype_name(dt));
+    const Tensor c = random_tensor({1, 5}, 88, dt);
+    const Tensor m = random_tensor({6, 8}, 89, dt);
+    expect_matches(kernels::addmm(cuda(c), cuda(m), cuda(w), 0.5, 2.0, false, true),
+                   kernels::addmm(c, m, w, 0.5, 2.0, false, true), tol(dt),
+                   std::string("addmm ") + dtype_name(dt));
+    if (is_half(dt)) continue;
+    Tensor acc = random_tensor({6, 5}, 90, dt);
+    Tensor acc_dev = cuda(acc);
+    kernels::matmul_accumulate_(acc_dev, cuda(m), cuda(w), -1.5, false, true);
+    kernels::matmul_accumulate_(acc, m, w, -1.5, false, true);
+    expect_matches(acc_dev, acc, tol(dt), std::string("matmul_accumulate_ ") + dtype_name(dt));
+  }
+  const Tensor a = cuda(random_tensor({3, 4}, 91, DType::Float32));
+  expect_error([&] { kernels::matmul(a, a); }, {"matmul", "inner dimensions", "[3, 4]"});
+  expect_error([&] { kernels::matmul(a, a.to(DType::Float64), false, true); },
+               {"matmul", "dtype mismatch"});
+}

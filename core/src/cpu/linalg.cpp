@@ -7,6 +7,7 @@
 
 #include <Eigen/Core>
 
+#include "../portable/linalg_checks.h"
 #include "kernels.h"
 #include "tessera/core/detail/strided_loop.h"
 #include "tessera/core/factory.h"
@@ -127,36 +128,10 @@ Shape batch_strides(const Tensor& x, const Shape& batch) {
   return st;
 }
 
-void check_operands(const char* op, const Tensor& a, const Tensor& b) {
-  TESSERA_CHECK(a.defined() && b.defined(), op, ": undefined operand");
-  TESSERA_CHECK(a.dim() >= 2 && b.dim() >= 2, op, ": operands must have at least 2 dims, got a ",
-                shape_str(a.shape()), " and b ", shape_str(b.shape()),
-                " (reshape a vector to [1, k] or [k, 1] first)");
-  TESSERA_CHECK(a.dtype() == b.dtype(), op, ": dtype mismatch, a is ", dtype_name(a.dtype()), " ",
-                shape_str(a.shape()), " and b is ", dtype_name(b.dtype()), " ",
-                shape_str(b.shape()));
-  TESSERA_CHECK(is_floating(a.dtype()), op, ": needs floating-point operands, got ",
-                dtype_name(a.dtype()));
-  TESSERA_CHECK(a.device().is_cpu() && b.device().is_cpu(), op, ": the CPU kernel got operands on ",
-                a.device().str(), " and ", b.device().str());
-}
+using portable::check_matmul_operands;
+using portable::product_dims;
+using portable::ProductDims;
 
-struct ProductDims {
-  int64_t m, n, k;
-};
-
-ProductDims product_dims(const char* op, const Tensor& a, const Tensor& b, bool trans_a,
-                         bool trans_b) {
-  int64_t m = trans_a ? a.size(-1) : a.size(-2), k = trans_a ? a.size(-2) : a.size(-1);
-  int64_t kb = trans_b ? b.size(-1) : b.size(-2), n = trans_b ? b.size(-2) : b.size(-1);
-  TESSERA_CHECK(k == kb, op, ": inner dimensions differ: a ", shape_str(a.shape()),
-                trans_a ? " (transposed)" : "", " x b ", shape_str(b.shape()),
-                trans_b ? " (transposed)" : "", ": the columns of ", trans_a ? "a^T" : "a", " (", k,
-                ") must equal the rows of ", trans_b ? "b^T" : "b", " (", kb, ")");
-  return {m, n, k};
-}
-
-// Collapses (sizes, strides) to a single stride if the dims are one evenly strided run.
 bool single_stride(const Shape& sizes, const Shape& strides, int64_t& stride) {
   stride = 0;
   int64_t expected = -1;
@@ -206,7 +181,7 @@ void batched_matmul(const Operand& a, const Operand& b, const Shape& batch, Tens
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
-  check_operands("matmul", a, b);
+  check_matmul_operands("matmul", a, b);
   ProductDims d = product_dims("matmul", a, b, trans_a, trans_b);
   Shape batch = broadcast_shapes(Shape(a.shape().begin(), a.shape().end() - 2),
                                  Shape(b.shape().begin(), b.shape().end() - 2), "matmul");
@@ -228,20 +203,12 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
 
 Tensor addmm(const Tensor& c, const Tensor& a, const Tensor& b, double beta, double alpha,
              bool trans_a, bool trans_b) {
-  check_operands("addmm", a, b);
-  TESSERA_CHECK(a.dim() == 2 && b.dim() == 2, "addmm: needs 2-D operands, got a ",
-                shape_str(a.shape()), " and b ", shape_str(b.shape()));
+  check_matmul_operands("addmm", a, b);
+  portable::check_two_dims("addmm", a, b);
   ProductDims d = product_dims("addmm", a, b, trans_a, trans_b);
   Shape out_shape{d.m, d.n};
   bool use_c = beta != 0.0;
-  if (use_c) {
-    TESSERA_CHECK(c.defined(), "addmm: c is undefined but beta is ", beta);
-    TESSERA_CHECK(c.dtype() == a.dtype(), "addmm: c is ", dtype_name(c.dtype()),
-                  " but the operands are ", dtype_name(a.dtype()));
-    TESSERA_CHECK(c.dim() <= 2 && broadcast_shapes(c.shape(), out_shape, "addmm") == out_shape,
-                  "addmm: c ", shape_str(c.shape()), " does not broadcast to the product's shape ",
-                  shape_str(out_shape));
-  }
+  if (use_c) portable::check_addmm_c(c, a, out_shape, beta);
   if (is_half(a.dtype())) {
     Tensor c32 = use_c ? c.to(DType::Float32) : c;
     return addmm(c32, a.to(DType::Float32), b.to(DType::Float32), beta, alpha, trans_a, trans_b)
@@ -272,15 +239,10 @@ Tensor addmm(const Tensor& c, const Tensor& a, const Tensor& b, double beta, dou
 
 void matmul_accumulate_(Tensor& c, const Tensor& a, const Tensor& b, double alpha, bool trans_a,
                         bool trans_b) {
-  check_operands("matmul_accumulate_", a, b);
-  TESSERA_CHECK(a.dim() == 2 && b.dim() == 2, "matmul_accumulate_: needs 2-D operands, got a ",
-                shape_str(a.shape()), " and b ", shape_str(b.shape()));
+  check_matmul_operands("matmul_accumulate_", a, b);
+  portable::check_two_dims("matmul_accumulate_", a, b);
   ProductDims d = product_dims("matmul_accumulate_", a, b, trans_a, trans_b);
-  TESSERA_CHECK(c.defined() && c.is_contiguous() && c.shape() == Shape({d.m, d.n}) &&
-                    c.dtype() == a.dtype() && !is_half(a.dtype()),
-                "matmul_accumulate_: c ", c.defined() ? c.str() : std::string("(undefined)"),
-                " must be a contiguous ", dtype_name(a.dtype()), " [", d.m, ", ", d.n,
-                "] (float32 or float64)");
+  portable::check_accumulate_target(c, a, d);
   if (c.numel() == 0) return;
   Operand oa = prepare(a, trans_a), ob = prepare(b, trans_b);
   auto run = [&]<class T>() {
@@ -294,17 +256,7 @@ void matmul_accumulate_(Tensor& c, const Tensor& a, const Tensor& b, double alph
 }
 
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias) {
-  TESSERA_CHECK(x.defined() && w.defined(), "linear: undefined input or weight");
-  TESSERA_CHECK(w.dim() == 2, "linear: weight must be [out_features, in_features], got ",
-                shape_str(w.shape()));
-  TESSERA_CHECK(x.dim() >= 1 && x.size(-1) == w.size(1), "linear: input ", shape_str(x.shape()),
-                " has ", x.dim() >= 1 ? x.size(-1) : 0, " features but weight ",
-                shape_str(w.shape()), " expects in_features = ", w.size(1));
-  if (bias.defined()) {
-    TESSERA_CHECK(bias.dim() == 1 && bias.size(0) == w.size(0), "linear: bias ",
-                  shape_str(bias.shape()), " does not match weight ", shape_str(w.shape()),
-                  " (expected [", w.size(0), "])");
-  }
+  portable::check_linear(x, w, bias);
   int64_t in = w.size(1), out_features = w.size(0);
   int64_t rows =
       in == 0 ? shape_numel(Shape(x.shape().begin(), x.shape().end() - 1)) : x.numel() / in;

@@ -1,10 +1,14 @@
 // The CUDA executor for the portable device kernels (portable/kernels.h): one thread per
-// element, grid-stride, on the legacy default stream, which orders them with the caching
-// allocator's frees and with cudaMemcpy. Compiled wherever the toolkit is; it runs only where a
-// GPU is.
+// element, grid-stride, and cuBLAS for gemm, all on the legacy default stream, which orders them
+// with the caching allocator's frees and with cudaMemcpy. Compiled wherever the toolkit is; it
+// runs only where a GPU is.
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
+#include <climits>
+#include <mutex>
 
 #include "../kernel_table.h"
 #include "../portable/kernels.h"
@@ -25,6 +29,54 @@ void check_launch(cudaError_t err, const char* op, Device device, const char* wh
                 " failed: ", cudaGetErrorString(err));
 }
 
+const char* cublas_status_name(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_SUCCESS:
+      return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED:
+      return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED:
+      return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE:
+      return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH:
+      return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_EXECUTION_FAILED:
+      return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+      return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default:
+      return "cuBLAS error";
+  }
+}
+
+void check_cublas(cublasStatus_t s, const char* op, Device device, const char* what) {
+  TESSERA_CHECK(s == CUBLAS_STATUS_SUCCESS, op, " on ", device.str(), ": ", what,
+                " failed: ", cublas_status_name(s), " (", int(s), ")");
+}
+
+// One cuBLAS handle per device, made on first use. Its math mode stays CUBLAS_DEFAULT_MATH, which
+// never lowers float32 to TF32, so float32 products keep float32 precision as on the CPU.
+cublasHandle_t cublas_handle(const char* op, Device device) {
+  static std::mutex mutex;
+  static std::array<cublasHandle_t, 64> handles{};
+  TESSERA_CHECK(device.index >= 0 && device.index < int(handles.size()), op, ": ", device.str(),
+                " is beyond the ", handles.size(), " devices Tessera keeps cuBLAS handles for");
+  std::lock_guard<std::mutex> lock(mutex);
+  cublasHandle_t& h = handles[size_t(device.index)];
+  if (!h) {
+    check_cublas(cublasCreate(&h), op, device, "cublasCreate");
+    check_cublas(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), op, device, "cublasSetMathMode");
+  }
+  return h;
+}
+
+int as_int(int64_t v, const char* op, Device device, const char* what) {
+  TESSERA_CHECK(v >= 0 && v <= INT_MAX, op, " on ", device.str(), ": ", what, " = ", v,
+                " exceeds what cuBLAS takes (", INT_MAX, ")");
+  return int(v);
+}
+
 struct CudaExec {
   static constexpr int kThreads = 256;
   // Enough blocks to fill any current GPU several times; larger launches loop.
@@ -37,13 +89,39 @@ struct CudaExec {
     for_each_element<<<unsigned(blocks), kThreads>>>(n, f);
     check_launch(cudaGetLastError(), op, device, "kernel launch");
   }
+
+  static void gemm(const char* op, Device device, const portable::GemmCall& g) {
+    check_launch(cudaSetDevice(device.index), op, device, "cudaSetDevice");
+    cublasHandle_t h = cublas_handle(op, device);
+    const cublasOperation_t ta = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t tb = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const int m = as_int(g.m, op, device, "m"), n = as_int(g.n, op, device, "n");
+    const int k = as_int(g.k, op, device, "k"), batch = as_int(g.batch, op, device, "batch");
+    const int lda = as_int(g.lda, op, device, "lda"), ldb = as_int(g.ldb, op, device, "ldb");
+    const int ldc = as_int(g.ldc, op, device, "ldc");
+    if (g.dtype == DType::Float64) {
+      const double alpha = g.alpha, beta = g.beta;
+      check_cublas(cublasDgemmStridedBatched(
+                       h, ta, tb, m, n, k, &alpha, static_cast<const double*>(g.a), lda, g.stride_a,
+                       static_cast<const double*>(g.b), ldb, g.stride_b, &beta,
+                       static_cast<double*>(g.c), ldc, g.stride_c, batch),
+                   op, device, "cublasDgemmStridedBatched");
+    } else {
+      const float alpha = float(g.alpha), beta = float(g.beta);
+      check_cublas(
+          cublasSgemmStridedBatched(h, ta, tb, m, n, k, &alpha, static_cast<const float*>(g.a), lda,
+                                    g.stride_a, static_cast<const float*>(g.b), ldb, g.stride_b,
+                                    &beta, static_cast<float*>(g.c), ldc, g.stride_c, batch),
+          op, device, "cublasSgemmStridedBatched");
+    }
+  }
 };
 
 }  // namespace
 
 registry::KernelTable kernels() {
   registry::KernelTable table;
-  portable::Kernels<CudaExec>::fill_table(table);
+  portable::fill_device_table<CudaExec>(table);
   return table;
 }
 
