@@ -7,7 +7,9 @@
 // math library and the CPU's vectorised one round differently.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tessera/core/detail/emulated_kernels.h"
@@ -393,4 +395,67 @@ TEST(DeviceKernels, MatrixProductsInEveryLayoutFollowTheCpu) {
   expect_error([&] { kernels::matmul(a, a); }, {"matmul", "inner dimensions", "[3, 4]"});
   expect_error([&] { kernels::matmul(a, a.to(DType::Float64), false, true); },
                {"matmul", "dtype mismatch"});
+}
+
+TEST(DeviceKernels, ReductionsOverAnyDimsFollowTheCpu) {
+  TestDevice device(KernelsOn::Device);
+  // Sums add in float64 on both sides, in different orders: within one rounding of the result.
+  auto sum_tol = [](DType dt) {
+    return is_integer(dt) || dt == DType::Bool ? Tolerance{} : Tolerance{1e-6, 1e-9};
+  };
+  const std::vector<std::vector<int64_t>> dim_sets = {{}, {0}, {1}, {-1}, {0, 2}};
+  for (DType dt : {DType::Float32, DType::Float64, DType::BFloat16, DType::Int64, DType::Bool}) {
+    const Tensor base = random_tensor({3, 4, 5}, 101, DType::Float64, 5.0).to(dt);
+    // Also a permuted view, so reduced elements are not contiguous.
+    const Tensor perm = random_tensor({5, 4, 3}, 102, DType::Float64, 5.0).to(dt);
+    for (const auto& [name, x, x_dev] :
+         {std::tuple<std::string, Tensor, Tensor>{"contiguous", base, cuda(base)},
+          {"permuted", perm.as_strided({3, 4, 5}, {1, 3, 12}, 0),
+           cuda(perm).as_strided({3, 4, 5}, {1, 3, 12}, 0)}}) {
+      for (const auto& dims : dim_sets) {
+        for (bool keep : {false, true}) {
+          const std::string what = std::string(dtype_name(dt)) + " " + name + " dims " +
+                                   shape_str(dims) + (keep ? " keepdim" : "");
+          expect_matches(kernels::sum(x_dev, dims, keep), kernels::sum(x, dims, keep), sum_tol(dt),
+                         "sum " + what);
+          if (dt == DType::Bool) continue;
+          expect_matches(kernels::amax(x_dev, dims, keep), kernels::amax(x, dims, keep), {},
+                         "amax " + what);
+          expect_matches(kernels::amin(x_dev, dims, keep), kernels::amin(x, dims, keep), {},
+                         "amin " + what);
+          if (!is_integer(dt))
+            expect_matches(kernels::mean(x_dev, dims, keep), kernels::mean(x, dims, keep),
+                           sum_tol(dt), "mean " + what);
+        }
+      }
+      if (dt == DType::Bool) continue;
+      for (int64_t d : {0, 1, 2}) {
+        const auto dev = kernels::max(x_dev, d, false);
+        const auto cpu = kernels::max(x, d, false);
+        expect_matches(dev.values, cpu.values, {}, std::string("max values ") + dtype_name(dt));
+        expect_matches(dev.indices, cpu.indices, {}, std::string("max indices ") + dtype_name(dt));
+        expect_matches(kernels::argmax(x_dev, d, true), kernels::argmax(x, d, true), {},
+                       std::string("argmax ") + dtype_name(dt));
+      }
+    }
+  }
+  // Few outputs over many elements: the chunked sums, and the squared norm.
+  const Tensor wide = random_tensor({3, 20000}, 103, DType::Float32);
+  expect_matches(kernels::sum(cuda(wide), {1}, false), kernels::sum(wide, {1}, false), {1e-6, 1e-9},
+                 "chunked sum");
+  expect_matches(kernels::mean(cuda(wide), {}, false), kernels::mean(wide, {}, false), {1e-6, 1e-9},
+                 "chunked mean of everything");
+  expect_matches(kernels::sum_of_squares(cuda(wide)), kernels::sum_of_squares(wide), {1e-12, 0},
+                 "sum_of_squares");
+  // Ties and NaN: the first maximum wins, NaN beats everything.
+  const Tensor ties = from_vector<float>({1, 3, 3, 2, std::nanf(""), 5}, {2, 3});
+  expect_matches(kernels::argmax(cuda(ties), 1, false), kernels::argmax(ties, 1, false), {},
+                 "argmax with ties and NaN");
+  const Tensor g = random_tensor({2, 3, 4}, 104, DType::Float32);
+  expect_matches(kernels::sum_to_shape(cuda(g), {3, 1}), kernels::sum_to_shape(g, {3, 1}),
+                 {1e-6, 1e-9}, "sum_to_shape");
+  expect_error([&] { kernels::sum_to_shape(cuda(g), {2, 4}); }, {"sum_to_shape", "[2, 4]"});
+  expect_error([&] { kernels::amax(cuda(empty({0, 3})), {0}, false); }, {"amax", "no elements"});
+  expect_error([&] { kernels::mean(cuda(full({2}, 1.0, DType::Int64)), {}, false); },
+               {"mean", "int64"});
 }

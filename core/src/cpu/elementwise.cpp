@@ -401,20 +401,7 @@ Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
 Tensor sum_to_shape(const Tensor& x, const Shape& shape) {
   check_cpu("sum_to_shape", x);
   if (x.shape() == shape) return x;
-  const Shape& xs = x.shape();
-  bool ok = shape.size() <= xs.size();
-  const size_t lead = ok ? xs.size() - shape.size() : 0;
-  std::vector<int64_t> dims;
-  for (size_t i = 0; i < lead; ++i)
-    dims.push_back(int64_t(i));
-  for (size_t i = 0; ok && i < shape.size(); ++i) {
-    if (shape[i] == xs[lead + i]) continue;
-    ok = shape[i] == 1;
-    dims.push_back(int64_t(lead + i));
-  }
-  TESSERA_CHECK(ok, "sum_to_shape: cannot sum a tensor of shape ", shape_str(xs), " down to ",
-                shape_str(shape), " (", shape_str(shape), " does not broadcast to ", shape_str(xs),
-                ")");
+  const std::vector<int64_t> dims = portable::sum_to_shape_dims(x.shape(), shape);
   Tensor r = dims.empty() ? x : sum(x, dims, /*keepdim=*/true);
   if (r.dtype() != x.dtype()) r = r.to(x.dtype());
   return reshape(r, shape);

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "tessera/core/error.h"
 #include "tessera/core/kernels/elementwise.h"
@@ -181,6 +182,25 @@ inline void check_mul_scalar_(const Tensor& dst) {
 inline void check_bool_mask(const char* op, const char* what, const Tensor& mask) {
   TESSERA_CHECK(mask.dtype() == DType::Bool, op, ": ", what, " must be bool, got ",
                 dtype_name(mask.dtype()), " ", shape_str(mask.shape()));
+}
+
+// The dims sum_to_shape reduces (keeping them) to take a tensor of shape `xs` down to `shape`,
+// the inverse of broadcasting `shape` to `xs`.
+inline std::vector<int64_t> sum_to_shape_dims(const Shape& xs, const Shape& shape) {
+  bool ok = shape.size() <= xs.size();
+  const size_t lead = ok ? xs.size() - shape.size() : 0;
+  std::vector<int64_t> dims;
+  for (size_t i = 0; i < lead; ++i)
+    dims.push_back(int64_t(i));
+  for (size_t i = 0; ok && i < shape.size(); ++i) {
+    if (shape[i] == xs[lead + i]) continue;
+    ok = shape[i] == 1;
+    dims.push_back(int64_t(lead + i));
+  }
+  TESSERA_CHECK(ok, "sum_to_shape: cannot sum a tensor of shape ", shape_str(xs), " down to ",
+                shape_str(shape), " (", shape_str(shape), " does not broadcast to ", shape_str(xs),
+                ")");
+  return dims;
 }
 
 // An optimizer update's operand: contiguous, with the parameter's shape and dtype.

@@ -17,6 +17,7 @@
 #include "../kernel_table.h"
 #include "elementwise.h"
 #include "linalg.h"
+#include "reduce.h"
 
 namespace tessera::kernels::portable {
 
@@ -25,6 +26,7 @@ template <class Exec>
 void fill_device_table(registry::KernelTable& table) {
   Elementwise<Exec>::fill_table(table);
   Linalg<Exec>::fill_table(table);
+  Reduce<Exec>::fill_table(table);
 }
 
 }  // namespace tessera::kernels::portable

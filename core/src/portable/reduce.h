@@ -1,0 +1,312 @@
+#pragma once
+// Private to core: reductions on devices (see kernels.h for executors). One thread per output
+// element walks its reduced elements in row-major order. Sums accumulate as the CPU's do
+// (float64 for floating inputs, int64 for integers and bools), so results agree within one
+// rounding of the exact sum. A few outputs over many elements (a loss, a squared norm) would
+// leave all but a few threads idle; there each output's elements are cut into chunks summed by
+// separate threads, and a second pass adds the chunks in order, so the result does not depend
+// on timing.
+#include <algorithm>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "../kernel_table.h"
+#include "element_checks.h"
+#include "strided_index.h"
+#include "tessera/core/factory.h"
+#include "tessera/core/kernels/reduce.h"
+#include "tessera/core/kernels/views.h"
+
+namespace tessera::kernels::portable {
+
+// Where each output's elements are: `kept` maps an output number (row-major over keep_shape) to
+// the output's offset (operand 0) and its first input element (operand 1); `reduced` maps a
+// number in [0, count) to the offset of one reduced element from there.
+struct ReduceGeometry {
+  Shape keep_shape, out_shape;
+  int64_t count = 1;
+  StridedIndex<2> kept;
+  StridedIndex<1> reduced;
+};
+
+inline ReduceGeometry reduce_geometry(const Tensor& x, const std::vector<int64_t>& dims,
+                                      bool keepdim, const char* op) {
+  const int64_t nd = x.dim();
+  std::vector<bool> is_reduced(size_t(nd), dims.empty());
+  for (int64_t d : dims) {
+    const int64_t w = wrap_dim(d, nd, op);
+    if (nd == 0) continue;  // a 0-d tensor accepts dim 0/-1 and has nothing to reduce
+    TESSERA_CHECK(!is_reduced[size_t(w)], op, ": dim ", d, " appears more than once in dims ",
+                  shape_str(dims));
+    is_reduced[size_t(w)] = true;
+  }
+  ReduceGeometry g;
+  g.keep_shape = x.shape();
+  Shape reduced_shape(size_t(nd), 1);
+  for (int64_t d = 0; d < nd; ++d) {
+    if (!is_reduced[size_t(d)]) {
+      g.out_shape.push_back(x.size(d));
+      continue;
+    }
+    g.count *= x.size(d);
+    g.keep_shape[size_t(d)] = 1;
+    reduced_shape[size_t(d)] = x.size(d);
+    if (keepdim) g.out_shape.push_back(1);
+  }
+  const Shape out_strides = contiguous_strides(g.keep_shape);
+  g.kept = make_index<2>(op, g.keep_shape, {&out_strides, &x.strides()});
+  g.reduced = make_index<1>(op, reduced_shape, {&x.strides()});
+  return g;
+}
+
+// Floating inputs sum in double, integers and bools in int64.
+template <class T>
+using SumAcc = std::conditional_t<std::is_floating_point_v<compute_t<T>>, double, int64_t>;
+
+// Partial sums: thread t sums chunk t % chunks of output t / chunks into partial[t].
+template <class T>
+struct PartialSumFn {
+  StridedIndex<2> kept;
+  StridedIndex<1> reduced;
+  const T* x;
+  SumAcc<T>* partial;
+  int64_t count, chunks, chunk;
+  bool squares;
+  TESSERA_HOST_DEVICE void operator()(int64_t t) const {
+    const int64_t o = t / chunks, c = t - o * chunks;
+    int64_t off[2], roff[1];
+    kept.offsets(o, off);
+    SumAcc<T> acc = 0;
+    const int64_t end = (c + 1) * chunk < count ? (c + 1) * chunk : count;
+    for (int64_t r = c * chunk; r < end; ++r) {
+      reduced.offsets(r, roff);
+      const SumAcc<T> v = SumAcc<T>(x[off[1] + roff[0]]);
+      acc += squares ? v * v : v;
+    }
+    partial[t] = acc;
+  }
+};
+
+// out[o] = (sum of its chunks) * scale, in the output's type.
+template <class A, class TO>
+struct FinishSumFn {
+  const A* partial;
+  TO* out;
+  int64_t chunks;
+  double scale;
+  TESSERA_HOST_DEVICE void operator()(int64_t o) const {
+    A acc = 0;
+    for (int64_t c = 0; c < chunks; ++c)
+      acc += partial[o * chunks + c];
+    if constexpr (std::is_floating_point_v<A>) {
+      out[o] = TO(compute_t<TO>(acc * scale));
+    } else {
+      out[o] = TO(acc);
+    }
+  }
+};
+
+// The largest (or smallest) element, NaN winning as in torch.amax.
+template <class T, bool kMax>
+struct ExtremeFn {
+  StridedIndex<2> kept;
+  StridedIndex<1> reduced;
+  const T* x;
+  T* out;
+  int64_t count;
+  TESSERA_HOST_DEVICE void operator()(int64_t o) const {
+    using C = compute_t<T>;
+    int64_t off[2], roff[1];
+    kept.offsets(o, off);
+    reduced.offsets(0, roff);
+    C best = C(x[off[1] + roff[0]]);
+    for (int64_t r = 1; r < count; ++r) {
+      reduced.offsets(r, roff);
+      const C v = C(x[off[1] + roff[0]]);
+      const bool better = kMax ? v > best : v < best;
+      if (better || v != v) best = v;
+    }
+    out[off[0]] = T(best);
+  }
+};
+
+// Max along one dim with the index of its first occurrence (NaN counts as the largest).
+template <class T>
+struct MaxFn {
+  StridedIndex<2> kept;  // operand 0: values/indices (contiguous over keep_shape), 1: x
+  const T* x;
+  T* values;
+  int64_t* indices;
+  int64_t n, stride;
+  TESSERA_HOST_DEVICE void operator()(int64_t o) const {
+    using C = compute_t<T>;
+    int64_t off[2];
+    kept.offsets(o, off);
+    C best = C(x[off[1]]);
+    int64_t bi = 0;
+    for (int64_t k = 1; k < n; ++k) {
+      const C v = C(x[off[1] + k * stride]);
+      if (v > best || (v != v && best == best)) {
+        best = v;
+        bi = k;
+      }
+    }
+    values[off[0]] = T(best);
+    indices[off[0]] = bi;
+  }
+};
+
+template <class Exec>
+struct Reduce {
+  template <class F>
+  static void run(const char* op, Device device, int64_t n, const F& f) {
+    if (n > 0) Exec::for_each(op, device, n, f);
+  }
+
+  // Elements a chunk covers when outputs are too few to keep a device busy.
+  static constexpr int64_t kChunk = 4096;
+  static constexpr int64_t kBusyThreads = int64_t(1) << 14;
+
+  // sum (or sum of squares) of x over g, times scale, as a tensor of dtype `out_dtype`.
+  template <class T>
+  static Tensor sum_over(const char* op, const Tensor& x, const ReduceGeometry& g, DType out_dtype,
+                         double scale, bool squares) {
+    using A = SumAcc<T>;
+    Tensor out = empty(g.out_shape, TensorOptions(out_dtype, x.device()));
+    const int64_t n_out = shape_numel(g.keep_shape);
+    if (n_out == 0) return out;
+    int64_t chunks = 1;
+    if (n_out < kBusyThreads && g.count > kChunk)
+      chunks = std::min((g.count + kChunk - 1) / kChunk, kBusyThreads / n_out + 1);
+    const int64_t chunk = std::max<int64_t>((g.count + chunks - 1) / chunks, 1);
+    Tensor partial = empty({n_out * chunks}, TensorOptions(DTypeOf<A>::value, x.device()));
+    run(op, x.device(), n_out * chunks,
+        PartialSumFn<T>{g.kept, g.reduced, static_cast<const T*>(x.raw_data()),
+                        static_cast<A*>(partial.raw_data()), g.count, chunks, chunk, squares});
+    dispatch_dtype(out_dtype, [&]<class TO>() {
+      run(op, x.device(), n_out,
+          FinishSumFn<A, TO>{static_cast<const A*>(partial.raw_data()),
+                             static_cast<TO*>(out.raw_data()), chunks, scale});
+    });
+    return out;
+  }
+
+  static Tensor sum_impl(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim,
+                         bool mean) {
+    const char* op = mean ? "mean" : "sum";
+    const DType dt = x.dtype();
+    if (mean) {
+      TESSERA_CHECK(is_floating(dt), "mean: unsupported dtype ", dtype_name(dt),
+                    " for input of shape ", shape_str(x.shape()),
+                    " (expected a floating dtype; cast integers first)");
+    }
+    const ReduceGeometry g = reduce_geometry(x, dims, keepdim, op);
+    Tensor out;
+    dispatch_dtype(dt, [&]<class T>() {
+      if constexpr (std::is_floating_point_v<compute_t<T>>) {
+        const double scale = !mean          ? 1.0
+                             : g.count == 0 ? std::numeric_limits<double>::quiet_NaN()
+                                            : 1.0 / double(g.count);
+        out = sum_over<T>(op, x, g, dt, scale, false);
+      } else {
+        out = sum_over<T>(op, x, g, DType::Int64, 1.0, false);
+      }
+    });
+    return out;
+  }
+
+  static Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+    return sum_impl(x, dims, keepdim, false);
+  }
+  static Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+    return sum_impl(x, dims, keepdim, true);
+  }
+
+  template <bool kMax>
+  static Tensor extreme(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+    const char* op = kMax ? "amax" : "amin";
+    const ReduceGeometry g = reduce_geometry(x, dims, keepdim, op);
+    const int64_t n_out = shape_numel(g.keep_shape);
+    TESSERA_CHECK(g.count > 0 || n_out == 0, op, ": reducing dims ", shape_str(dims),
+                  " of a tensor of shape ", shape_str(x.shape()),
+                  " that have no elements; the result would be undefined");
+    Tensor out = empty(g.out_shape, TensorOptions(x.dtype(), x.device()));
+    dispatch_dtype(x.dtype(), [&]<class T>() {
+      run(op, x.device(), n_out,
+          ExtremeFn<T, kMax>{g.kept, g.reduced, static_cast<const T*>(x.raw_data()),
+                             static_cast<T*>(out.raw_data()), g.count});
+    });
+    return out;
+  }
+  static Tensor amax(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+    return extreme<true>(x, dims, keepdim);
+  }
+  static Tensor amin(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+    return extreme<false>(x, dims, keepdim);
+  }
+
+  static MaxResult max(const Tensor& x, int64_t dim, bool keepdim) {
+    const int64_t nd = x.dim();
+    const int64_t d = wrap_dim(dim, nd, "max");
+    if (nd == 0) return {x.clone(), zeros({}, TensorOptions(DType::Int64, x.device()))};
+    const int64_t n = x.size(d);
+    TESSERA_CHECK(n > 0, "max: dim ", dim, " of a tensor of shape ", shape_str(x.shape()),
+                  " has no elements to take the maximum of");
+    Shape keep_shape = x.shape();
+    keep_shape[size_t(d)] = 1;
+    Tensor values = empty(keep_shape, TensorOptions(x.dtype(), x.device()));
+    Tensor indices = empty(keep_shape, TensorOptions(DType::Int64, x.device()));
+    const Shape out_strides = contiguous_strides(keep_shape);
+    const StridedIndex<2> kept = make_index<2>("max", keep_shape, {&out_strides, &x.strides()});
+    dispatch_dtype(x.dtype(), [&]<class T>() {
+      run("max", x.device(), values.numel(),
+          MaxFn<T>{kept, static_cast<const T*>(x.raw_data()), static_cast<T*>(values.raw_data()),
+                   static_cast<int64_t*>(indices.raw_data()), n, x.stride(d)});
+    });
+    if (!keepdim) {
+      Shape outer = x.shape();
+      outer.erase(outer.begin() + d);
+      values = reshape(values, outer);
+      indices = reshape(indices, outer);
+    }
+    return {values, indices};
+  }
+
+  static Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) {
+    return max(x, dim, keepdim).indices;
+  }
+
+  static Tensor sum_of_squares(const Tensor& x) {
+    const ReduceGeometry g = reduce_geometry(x, {}, false, "sum_of_squares");
+    Tensor out;
+    dispatch_dtype(x.dtype(), [&]<class T>() {
+      if constexpr (std::is_floating_point_v<compute_t<T>>)
+        out = sum_over<T>("sum_of_squares", x, g, DType::Float64, 1.0, true);
+      else
+        TESSERA_FAIL("sum_of_squares: needs a floating tensor, got ", x.str());
+    });
+    return out;
+  }
+
+  static Tensor sum_to_shape(const Tensor& x, const Shape& shape) {
+    if (x.shape() == shape) return x;
+    const std::vector<int64_t> dims = sum_to_shape_dims(x.shape(), shape);
+    Tensor r = dims.empty() ? x : kernels::sum(x, dims, /*keepdim=*/true);
+    if (r.dtype() != x.dtype()) r = r.to(x.dtype());
+    return reshape(r, shape);
+  }
+
+  static void fill_table(registry::KernelTable& table) {
+    table.sum = &sum;
+    table.mean = &mean;
+    table.amax = &amax;
+    table.amin = &amin;
+    table.max = &max;
+    table.argmax = &argmax;
+    table.sum_of_squares = &sum_of_squares;
+    table.sum_to_shape = &sum_to_shape;
+  }
+};
+
+}  // namespace tessera::kernels::portable
