@@ -5,6 +5,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "../portable/composite.h"
 #include "../portable/element_checks.h"
 #include "../portable/element_ops.h"
 #include "elementwise_loop.h"
@@ -400,11 +401,7 @@ Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
 
 Tensor sum_to_shape(const Tensor& x, const Shape& shape) {
   check_cpu("sum_to_shape", x);
-  if (x.shape() == shape) return x;
-  const std::vector<int64_t> dims = portable::sum_to_shape_dims(x.shape(), shape);
-  Tensor r = dims.empty() ? x : sum(x, dims, /*keepdim=*/true);
-  if (r.dtype() != x.dtype()) r = r.to(x.dtype());
-  return reshape(r, shape);
+  return portable::sum_to_shape(x, shape);
 }
 
 }  // namespace tessera::kernels::cpu

@@ -7,6 +7,7 @@
 
 #include <Eigen/Core>
 
+#include "../portable/composite.h"
 #include "../portable/linalg_checks.h"
 #include "kernels.h"
 #include "tessera/core/detail/strided_loop.h"
@@ -256,16 +257,7 @@ void matmul_accumulate_(Tensor& c, const Tensor& a, const Tensor& b, double alph
 }
 
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias) {
-  portable::check_linear(x, w, bias);
-  int64_t in = w.size(1), out_features = w.size(0);
-  int64_t rows =
-      in == 0 ? shape_numel(Shape(x.shape().begin(), x.shape().end() - 1)) : x.numel() / in;
-  Tensor x2 = reshape(x, {rows, in});
-  Tensor y =
-      bias.defined() ? addmm(bias, x2, w, 1.0, 1.0, false, true) : matmul(x2, w, false, true);
-  Shape out_shape = x.shape();
-  out_shape.back() = out_features;
-  return view(y, out_shape);
+  return portable::linear(x, w, bias);
 }
 
 }  // namespace tessera::kernels::cpu

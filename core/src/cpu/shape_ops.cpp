@@ -1,5 +1,5 @@
-// Concatenation and indexing along one dim. cat/stack copy each input into its window of the
-// output through Tensor::copy_, which already handles any strides and dtype conversion.
+// Concatenation and indexing along one dim. cat/stack are compositions shared with devices
+// (portable/composite.h).
 // index_select/index_add view their operands as [outer, size, inner] and move whole inner
 // blocks at a time.
 #include <algorithm>
@@ -7,6 +7,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../portable/composite.h"
 #include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/shape_ops.h"
@@ -15,21 +16,6 @@
 namespace tessera::kernels::cpu {
 
 namespace {
-
-void check_same_device(const char* op, const std::vector<Tensor>& tensors) {
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    TESSERA_CHECK(tensors[i].defined(), op, ": tensor ", i, " is undefined");
-    TESSERA_CHECK(tensors[i].device() == tensors[0].device(), op, ": tensor ", i, " is on ",
-                  tensors[i].device().str(), " but tensor 0 is on ", tensors[0].device().str());
-  }
-}
-
-DType common_dtype(const std::vector<Tensor>& tensors) {
-  DType dt = tensors[0].dtype();
-  for (const Tensor& t : tensors)
-    dt = promote_types(dt, t.dtype());
-  return dt;
-}
 
 // Index values as int64, each checked against `size`.
 std::vector<int64_t> checked_indices(const char* op, const Tensor& index, int64_t size,
@@ -80,48 +66,11 @@ void gather_blocks(const U* src, U* dst, const Blocks& b, int64_t src_size,
 }  // namespace
 
 Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
-  TESSERA_CHECK(!tensors.empty(), "cat: expected a non-empty list of tensors");
-  check_same_device("cat", tensors);
-  const Tensor& first = tensors[0];
-  TESSERA_CHECK(first.dim() > 0, "cat: zero-dimensional tensor 0 cannot be concatenated");
-  dim = wrap_dim(dim, first.dim(), "cat");
-  Shape out_shape = first.shape();
-  out_shape[size_t(dim)] = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const Shape& s = tensors[i].shape();
-    bool ok = s.size() == out_shape.size();
-    for (size_t d = 0; ok && d < s.size(); ++d)
-      ok = int64_t(d) == dim || s[d] == first.size(d);
-    TESSERA_CHECK(ok, "cat: tensor ", i, " has shape ", shape_str(s), " but tensor 0 has ",
-                  shape_str(first.shape()), "; all sizes but dim ", dim, " must match");
-    out_shape[size_t(dim)] += s[size_t(dim)];
-  }
-  Tensor out = empty(out_shape, TensorOptions(common_dtype(tensors), first.device()));
-  int64_t offset = 0;
-  for (const Tensor& t : tensors) {
-    int64_t len = t.size(dim);
-    if (len > 0) narrow(out, dim, offset, len).copy_(t);
-    offset += len;
-  }
-  return out;
+  return portable::cat(tensors, dim);
 }
 
 Tensor stack(const std::vector<Tensor>& tensors, int64_t dim) {
-  TESSERA_CHECK(!tensors.empty(), "stack: expected a non-empty list of tensors");
-  check_same_device("stack", tensors);
-  const Shape& shape = tensors[0].shape();
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    TESSERA_CHECK(tensors[i].shape() == shape, "stack: tensor ", i, " has shape ",
-                  shape_str(tensors[i].shape()), " but tensor 0 has ", shape_str(shape),
-                  "; all shapes must match");
-  }
-  dim = wrap_dim(dim, int64_t(shape.size()) + 1, "stack");
-  Shape out_shape = shape;
-  out_shape.insert(out_shape.begin() + dim, int64_t(tensors.size()));
-  Tensor out = empty(out_shape, TensorOptions(common_dtype(tensors), tensors[0].device()));
-  for (size_t i = 0; i < tensors.size(); ++i)
-    select(out, dim, int64_t(i)).copy_(tensors[i]);
-  return out;
+  return portable::stack(tensors, dim);
 }
 
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {

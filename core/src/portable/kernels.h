@@ -15,6 +15,7 @@
 // cuBLAS; emulated_kernels.cpp with a host loop and a reference gemm over a stand-in device's
 // memory, which is how a machine without a GPU tests everything here but the launch and cuBLAS.
 #include "../kernel_table.h"
+#include "composite.h"
 #include "elementwise.h"
 #include "linalg.h"
 #include "reduce.h"
@@ -27,6 +28,12 @@ void fill_device_table(registry::KernelTable& table) {
   Elementwise<Exec>::fill_table(table);
   Linalg<Exec>::fill_table(table);
   Reduce<Exec>::fill_table(table);
+  table.cat = &cat;
+  table.stack = &stack;
+  table.embedding = &embedding;
+  table.embedding_backward = &embedding_backward;
+  table.linear = &linear;
+  table.sum_to_shape = &sum_to_shape;
 }
 
 }  // namespace tessera::kernels::portable

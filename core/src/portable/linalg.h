@@ -169,25 +169,10 @@ struct Linalg {
     run_gemm<Exec>("matmul_accumulate_", c, a, b, trans_a, trans_b, {}, d, alpha, 1.0);
   }
 
-  // The CPU's composition, through the dispatching kernels so each part runs on the device.
-  static Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias) {
-    check_linear(x, w, bias);
-    const int64_t in = w.size(1), out_features = w.size(0);
-    const int64_t rows =
-        in == 0 ? shape_numel(Shape(x.shape().begin(), x.shape().end() - 1)) : x.numel() / in;
-    const Tensor x2 = reshape(x, {rows, in});
-    const Tensor y = bias.defined() ? kernels::addmm(bias, x2, w, 1.0, 1.0, false, true)
-                                    : kernels::matmul(x2, w, false, true);
-    Shape out_shape = x.shape();
-    out_shape.back() = out_features;
-    return view(y, out_shape);
-  }
-
   static void fill_table(registry::KernelTable& table) {
     table.matmul = &matmul;
     table.addmm = &addmm;
     table.matmul_accumulate_ = &matmul_accumulate_;
-    table.linear = &linear;
   }
 };
 

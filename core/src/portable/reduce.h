@@ -289,14 +289,6 @@ struct Reduce {
     return out;
   }
 
-  static Tensor sum_to_shape(const Tensor& x, const Shape& shape) {
-    if (x.shape() == shape) return x;
-    const std::vector<int64_t> dims = sum_to_shape_dims(x.shape(), shape);
-    Tensor r = dims.empty() ? x : kernels::sum(x, dims, /*keepdim=*/true);
-    if (r.dtype() != x.dtype()) r = r.to(x.dtype());
-    return reshape(r, shape);
-  }
-
   static void fill_table(registry::KernelTable& table) {
     table.sum = &sum;
     table.mean = &mean;
@@ -305,7 +297,6 @@ struct Reduce {
     table.max = &max;
     table.argmax = &argmax;
     table.sum_of_squares = &sum_of_squares;
-    table.sum_to_shape = &sum_to_shape;
   }
 };
 
