@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 
+#include "../portable/nn_checks.h"
 #include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/nn.h"
@@ -25,46 +26,13 @@ using MatMap = Eigen::Map<RowMat<C>>;
 template <class C>
 using ConstMatMap = Eigen::Map<const RowMat<C>>;
 
-struct Dims {
-  int64_t batch, heads, t, s, d, dv;
-  // Queries see keys j <= i + (s - t): the causal diagonal is aligned at the end, so a query
-  // block that continues a cached prefix of keys sees the whole prefix.
-  int64_t visible(int64_t i, bool causal) const {
-    if (!causal) return s;
-    return std::clamp<int64_t>(i + (s - t) + 1, 0, s);
-  }
-};
-
-Dims check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, double scale) {
-  TESSERA_CHECK(q.defined() && k.defined() && v.defined(), op, ": q, k and v must be defined");
-  TESSERA_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), op, ": q ",
-                q.str(), ", k ", k.str(), ", v ", v.str(), " must be cpu tensors in this build");
-  TESSERA_CHECK(is_floating(q.dtype()) && k.dtype() == q.dtype() && v.dtype() == q.dtype(), op,
-                ": q, k and v must share one floating dtype, got ", dtype_name(q.dtype()), ", ",
-                dtype_name(k.dtype()), ", ", dtype_name(v.dtype()));
-  TESSERA_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op,
-                ": expected q [B, H, T, D] and k/v [B, H, S, D], got q ", shape_str(q.shape()),
-                ", k ", shape_str(k.shape()), ", v ", shape_str(v.shape()));
-  TESSERA_CHECK(q.size(0) == k.size(0) && q.size(0) == v.size(0) && q.size(1) == k.size(1) &&
-                    q.size(1) == v.size(1),
-                op, ": batch and head dims differ between q ", shape_str(q.shape()), ", k ",
-                shape_str(k.shape()), " and v ", shape_str(v.shape()));
-  TESSERA_CHECK(q.size(3) == k.size(3), op, ": head dim mismatch between q ", shape_str(q.shape()),
-                " (D=", q.size(3), ") and k ", shape_str(k.shape()), " (D=", k.size(3), ")");
-  TESSERA_CHECK(k.size(2) == v.size(2), op, ": k ", shape_str(k.shape()), " and v ",
-                shape_str(v.shape()), " must have the same number of keys S");
-  TESSERA_CHECK(std::isfinite(scale) && scale > 0, op, ": scale must be finite and > 0, got ",
-                scale, " (the autograd op turns scale <= 0 into 1/sqrt(D); the kernel does not)");
-  return {q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
-}
-
 Tensor in_compute(const Tensor& t, DType cdt) {
   return t.to(cdt).contiguous();
 }
 
 template <class C>
-void forward_rows(const Dims& n, const C* q, const C* k, const C* v, C* out, C* lse, bool causal,
-                  C scale) {
+void forward_rows(const portable::AttentionDims& n, const C* q, const C* k, const C* v, C* out,
+                  C* lse, bool causal, C scale) {
   RowMat<C> p(n.t, n.s);
   const C neg_inf = -std::numeric_limits<C>::infinity();
   for (int64_t bh = 0; bh < n.batch * n.heads; ++bh) {
@@ -95,8 +63,9 @@ void forward_rows(const Dims& n, const C* q, const C* k, const C* v, C* out, C* 
 }
 
 template <class C>
-void backward_rows(const Dims& n, const C* go, const C* q, const C* k, const C* v, const C* out,
-                   const C* lse, C* dq, C* dk, C* dv, bool causal, C scale) {
+void backward_rows(const portable::AttentionDims& n, const C* go, const C* q, const C* k,
+                   const C* v, const C* out, const C* lse, C* dq, C* dk, C* dv, bool causal,
+                   C scale) {
   RowMat<C> p(n.t, n.s), dp(n.t, n.s);
   Eigen::Matrix<C, Eigen::Dynamic, 1> delta(n.t);
   for (int64_t bh = 0; bh < n.batch * n.heads; ++bh) {
@@ -137,7 +106,8 @@ void dispatch_compute(DType cdt, F&& f) {
 
 AttentionResult scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                              bool causal, double scale) {
-  const Dims n = check_inputs("scaled_dot_product_attention", q, k, v, scale);
+  const portable::AttentionDims n =
+      portable::check_attention_inputs("scaled_dot_product_attention", q, k, v, scale);
   const DType cdt = compute_dtype(q.dtype());
   Tensor qc = in_compute(q, cdt), kc = in_compute(k, cdt), vc = in_compute(v, cdt);
   Tensor out = empty({n.batch, n.heads, n.t, n.dv}, cdt);
@@ -154,17 +124,8 @@ AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad_out, con
                                                      const Tensor& out, const Tensor& lse,
                                                      bool causal, double scale) {
   const char* op = "scaled_dot_product_attention_backward";
-  const Dims n = check_inputs(op, q, k, v, scale);
-  const Shape out_shape{n.batch, n.heads, n.t, n.dv}, lse_shape{n.batch, n.heads, n.t};
-  TESSERA_CHECK(grad_out.defined() && out.defined() && lse.defined(), op,
-                ": grad_out, out and lse must be defined");
-  TESSERA_CHECK(grad_out.shape() == out_shape && out.shape() == out_shape, op, ": grad_out ",
-                shape_str(grad_out.shape()), " and out ", shape_str(out.shape()),
-                " must be [B, H, T, Dv] = ", shape_str(out_shape));
-  TESSERA_CHECK(lse.shape() == lse_shape, op, ": lse ", shape_str(lse.shape()), " must be ",
-                shape_str(lse_shape));
-  TESSERA_CHECK(grad_out.device().is_cpu() && out.device().is_cpu() && lse.device().is_cpu(), op,
-                ": grad_out, out and lse must be cpu tensors in this build");
+  const portable::AttentionDims n = portable::check_attention_inputs(op, q, k, v, scale);
+  portable::check_attention_backward(op, n, grad_out, out, lse);
   const DType cdt = compute_dtype(q.dtype());
   Tensor qc = in_compute(q, cdt), kc = in_compute(k, cdt), vc = in_compute(v, cdt),
          gc = in_compute(grad_out, cdt), oc = in_compute(out, cdt), lc = in_compute(lse, cdt);

@@ -5,6 +5,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../portable/nn_checks.h"
 #include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/nn.h"
@@ -13,50 +14,7 @@ namespace tessera::kernels::cpu {
 
 namespace {
 
-const char* reduction_name(Reduction r) {
-  switch (r) {
-    case Reduction::None:
-      return "none";
-    case Reduction::Mean:
-      return "mean";
-    case Reduction::Sum:
-      return "sum";
-  }
-  return "?";
-}
-
-void check_args(const char* op, const Tensor& logits, const Tensor& target) {
-  TESSERA_CHECK(logits.defined() && target.defined(), op, ": undefined logits or target");
-  TESSERA_CHECK(logits.dim() == 2 && is_floating(logits.dtype()), op,
-                ": logits must be a floating-point [N, C] tensor, got ", logits.str());
-  TESSERA_CHECK(target.dtype() == DType::Int64, op, ": target must be int64 class indices, got ",
-                target.str());
-  TESSERA_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), op, ": target shape ",
-                shape_str(target.shape()), " does not match logits ", shape_str(logits.shape()),
-                " (expected [", logits.size(0), "])");
-  TESSERA_CHECK(logits.device().is_cpu() && target.device().is_cpu(), op,
-                ": the CPU kernel got logits on ", logits.device().str(), " and target on ",
-                target.device().str());
-}
-
 // Validated targets; -1 marks an ignored row.
-std::vector<int64_t> class_indices(const char* op, const Tensor& target, int64_t num_classes,
-                                   int64_t ignore_index, int64_t& kept) {
-  std::vector<int64_t> t = target.to_vector<int64_t>();
-  kept = 0;
-  for (size_t i = 0; i < t.size(); ++i) {
-    if (t[i] == ignore_index) {
-      t[i] = -1;
-      continue;
-    }
-    TESSERA_CHECK(t[i] >= 0 && t[i] < num_classes, op, ": target ", t[i], " at row ", i,
-                  " is out of range for ", num_classes, " classes (ignore_index is ", ignore_index,
-                  ")");
-    ++kept;
-  }
-  return t;
-}
-
 // log(sum(exp(row))) computed stably.
 template <class T>
 compute_t<T> logsumexp(const T* row, int64_t c) {
@@ -76,10 +34,10 @@ compute_t<T> logsumexp(const T* row, int64_t c) {
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index,
                      Reduction reduction) {
   const char* op = "cross_entropy";
-  check_args(op, logits, target);
+  portable::check_cross_entropy_args(op, logits, target);
   const int64_t n = logits.size(0), c = logits.size(1);
   int64_t kept = 0;
-  std::vector<int64_t> t = class_indices(op, target, c, ignore_index, kept);
+  std::vector<int64_t> t = portable::class_indices(op, target, c, ignore_index, kept);
   Tensor x = logits.contiguous();
   Tensor out =
       reduction == Reduction::None ? empty({n}, logits.dtype()) : empty({}, logits.dtype());
@@ -112,7 +70,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_
 Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
                               int64_t ignore_index, Reduction reduction) {
   const char* op = "cross_entropy_backward";
-  check_args(op, logits, target);
+  portable::check_cross_entropy_args(op, logits, target);
   const int64_t n = logits.size(0), c = logits.size(1);
   TESSERA_CHECK(grad_loss.defined(), op, ": undefined grad_loss");
   if (reduction == Reduction::None) {
@@ -120,10 +78,10 @@ Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, con
                   " for reduction none must be [", n, "]");
   } else {
     TESSERA_CHECK(grad_loss.numel() == 1, op, ": grad_loss ", shape_str(grad_loss.shape()),
-                  " for reduction ", reduction_name(reduction), " must hold one value");
+                  " for reduction ", portable::reduction_name(reduction), " must hold one value");
   }
   int64_t kept = 0;
-  std::vector<int64_t> t = class_indices(op, target, c, ignore_index, kept);
+  std::vector<int64_t> t = portable::class_indices(op, target, c, ignore_index, kept);
   std::vector<double> gl = grad_loss.to_vector<double>();
   Tensor x = logits.contiguous();
   Tensor gx = empty(logits.shape(), logits.dtype());

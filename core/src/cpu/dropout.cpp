@@ -3,6 +3,7 @@
 // (seed, offset), hence reproducible from those two numbers alone.
 #include <cmath>
 
+#include "../portable/nn_checks.h"
 #include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/nn.h"
@@ -10,13 +11,7 @@
 namespace tessera::kernels::cpu {
 
 DropoutResult dropout(const Tensor& x, double p, Generator& gen) {
-  TESSERA_CHECK(x.defined(), "dropout: x is undefined");
-  TESSERA_CHECK(x.device().is_cpu(), "dropout: x ", x.str(), " is on ", x.device().str(),
-                ", which has no kernel in this build");
-  TESSERA_CHECK(is_floating(x.dtype()), "dropout: x must be floating, got ", x.str());
-  TESSERA_CHECK(std::isfinite(p) && p >= 0 && p < 1,
-                "dropout: probability p must be in [0, 1), got ", p, " for x ",
-                shape_str(x.shape()));
+  portable::check_dropout(x, p);
   Tensor mask = empty(x.shape(), x.dtype());
   const uint64_t base = gen.advance(uint64_t(x.numel()));
   tessera::philox_fill(mask, RandomKind::Bernoulli, 1.0 - p, 0.0, gen.seed(), base,

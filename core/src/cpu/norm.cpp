@@ -8,6 +8,7 @@
 #include <Eigen/Core>
 #include <cmath>
 
+#include "../portable/nn_checks.h"
 #include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/nn.h"
@@ -32,52 +33,6 @@ void dispatch_compute(DType cdt, F&& f) {
   }
 }
 
-struct RowLayout {
-  Shape lead;  // x's leading dims: the shape of the per-row statistics
-  int64_t rows;
-  int64_t d;
-};
-
-void check_param(const char* op, const char* name, const Tensor& p, const Tensor& x) {
-  if (!p.defined()) return;
-  TESSERA_CHECK(p.device() == x.device(), op, ": ", name, " ", p.str(), " is not on x's device ",
-                x.device().str());
-  TESSERA_CHECK(is_floating(p.dtype()), op, ": ", name, " must be floating, got ", p.str());
-  TESSERA_CHECK(p.shape() == Shape{x.size(-1)}, op, ": ", name, " of shape ", shape_str(p.shape()),
-                " does not match the normalised dim of x ", shape_str(x.shape()), " (expected [",
-                x.size(-1), "])");
-}
-
-RowLayout check_input(const char* op, const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  TESSERA_CHECK(x.defined(), op, ": x is undefined");
-  TESSERA_CHECK(x.device().is_cpu(), op, ": x ", x.str(), " is on ", x.device().str(),
-                ", which has no kernel in this build");
-  TESSERA_CHECK(is_floating(x.dtype()), op, ": x must be floating, got ", x.str());
-  TESSERA_CHECK(x.dim() >= 1, op, ": x must have at least one dim to normalise over, got ",
-                x.str());
-  TESSERA_CHECK(x.size(-1) > 0, op, ": the normalised (last) dim of x ", shape_str(x.shape()),
-                " is empty");
-  check_param(op, "weight", weight, x);
-  check_param(op, "bias", bias, x);
-  RowLayout r;
-  r.lead.assign(x.shape().begin(), x.shape().end() - 1);
-  r.rows = shape_numel(r.lead);
-  r.d = x.size(-1);
-  return r;
-}
-
-void check_backward(const char* op, const Tensor& grad_out, const Tensor& x, const Tensor& stat,
-                    const char* stat_name, const RowLayout& r) {
-  TESSERA_CHECK(grad_out.defined() && grad_out.shape() == x.shape(), op, ": grad_out ",
-                grad_out.defined() ? shape_str(grad_out.shape()) : std::string("undefined"),
-                " does not match x ", shape_str(x.shape()));
-  TESSERA_CHECK(grad_out.device() == x.device(), op, ": grad_out ", grad_out.str(),
-                " is not on x's device");
-  TESSERA_CHECK(stat.defined() && stat.shape() == r.lead, op, ": ", stat_name, " ",
-                stat.defined() ? shape_str(stat.shape()) : std::string("undefined"),
-                " does not match x's leading dims ", shape_str(r.lead));
-}
-
 // Contiguous copy (or x itself) in the compute dtype; undefined stays undefined.
 Tensor in_compute(const Tensor& t, DType cdt) {
   return t.defined() ? t.to(cdt).contiguous() : Tensor();
@@ -94,7 +49,7 @@ Tensor from_accumulator(const Vec<double>& acc, DType dtype) {
 }  // namespace
 
 NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps) {
-  RowLayout r = check_input("rms_norm", x, weight, Tensor());
+  portable::RowLayout r = portable::check_norm_input("rms_norm", x, weight, Tensor());
   TESSERA_CHECK(eps >= 0, "rms_norm: eps must be >= 0, got ", eps);
   DType cdt = compute_dtype(x.dtype());
   Tensor xc = in_compute(x, cdt), wc = in_compute(weight, cdt);
@@ -121,8 +76,8 @@ NormResult rms_norm(const Tensor& x, const Tensor& weight, double eps) {
 
 NormGrads rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
                             const Tensor& rstd) {
-  RowLayout r = check_input("rms_norm_backward", x, weight, Tensor());
-  check_backward("rms_norm_backward", grad_out, x, rstd, "rstd", r);
+  portable::RowLayout r = portable::check_norm_input("rms_norm_backward", x, weight, Tensor());
+  portable::check_norm_backward("rms_norm_backward", grad_out, x, rstd, "rstd", r);
   DType cdt = compute_dtype(x.dtype());
   Tensor gc = in_compute(grad_out, cdt), xc = in_compute(x, cdt), wc = in_compute(weight, cdt),
          rc = in_compute(rstd, cdt);
@@ -156,7 +111,7 @@ NormGrads rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tenso
 }
 
 NormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
-  RowLayout r = check_input("layer_norm", x, weight, bias);
+  portable::RowLayout r = portable::check_norm_input("layer_norm", x, weight, bias);
   TESSERA_CHECK(eps >= 0, "layer_norm: eps must be >= 0, got ", eps);
   DType cdt = compute_dtype(x.dtype());
   Tensor xc = in_compute(x, cdt), wc = in_compute(weight, cdt), bc = in_compute(bias, cdt);
@@ -187,9 +142,9 @@ NormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias,
 
 NormGrads layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
                               const Tensor& mean, const Tensor& rstd) {
-  RowLayout r = check_input("layer_norm_backward", x, weight, Tensor());
-  check_backward("layer_norm_backward", grad_out, x, mean, "mean", r);
-  check_backward("layer_norm_backward", grad_out, x, rstd, "rstd", r);
+  portable::RowLayout r = portable::check_norm_input("layer_norm_backward", x, weight, Tensor());
+  portable::check_norm_backward("layer_norm_backward", grad_out, x, mean, "mean", r);
+  portable::check_norm_backward("layer_norm_backward", grad_out, x, rstd, "rstd", r);
   DType cdt = compute_dtype(x.dtype());
   Tensor gc = in_compute(grad_out, cdt), xc = in_compute(x, cdt), wc = in_compute(weight, cdt),
          mc = in_compute(mean, cdt), rc = in_compute(rstd, cdt);

@@ -2,6 +2,7 @@
 // every head at position t is rotated by the angle t * theta^(-2i/D).
 #include <cmath>
 
+#include "../portable/nn_checks.h"
 #include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/nn.h"
@@ -38,23 +39,8 @@ void rotate(const C* x, const C* cos, const C* sin, C* out, int64_t batch, int64
 }  // namespace
 
 Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse) {
-  TESSERA_CHECK(x.defined() && cos.defined() && sin.defined(),
-                "rope: x, cos and sin must all be defined");
-  TESSERA_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(), "rope: x ",
-                x.str(), ", cos ", cos.str(), ", sin ", sin.str(),
-                " must be cpu tensors in this build");
-  TESSERA_CHECK(is_floating(x.dtype()) && is_floating(cos.dtype()) && is_floating(sin.dtype()),
-                "rope: x ", x.str(), ", cos ", cos.str(), ", sin ", sin.str(), " must be floating");
-  TESSERA_CHECK(x.dim() == 4, "rope: x must be [B, T, H, D], got ", shape_str(x.shape()));
-  const int64_t batch = x.size(0), seq = x.size(1), heads = x.size(2), d = x.size(3);
-  TESSERA_CHECK(d % 2 == 0, "rope: head dim D=", d, " of x ", shape_str(x.shape()),
-                " is odd; rotary pairs (2i, 2i+1) need an even D");
-  const int64_t half = d / 2;
-  TESSERA_CHECK(cos.dim() == 2 && sin.shape() == cos.shape(), "rope: cos ", shape_str(cos.shape()),
-                " and sin ", shape_str(sin.shape()), " must both be [T, D/2]");
-  TESSERA_CHECK(cos.size(1) == half && cos.size(0) >= seq, "rope: tables ", shape_str(cos.shape()),
-                " do not fit x ", shape_str(x.shape()), " (expected [>=", seq, ", ", half, "])");
-
+  const portable::RopeDims r = portable::check_rope(x, cos, sin);
+  const int64_t batch = r.batch, seq = r.seq, heads = r.heads, half = r.half;
   DType cdt = compute_dtype(x.dtype());
   // Only the first T rows of a longer table are used; viewing them avoids converting the rest.
   auto rows = [&](const Tensor& table) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../portable/composite.h"
+#include "../portable/nn_checks.h"
 #include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/shape_ops.h"
@@ -16,21 +17,6 @@
 namespace tessera::kernels::cpu {
 
 namespace {
-
-// Index values as int64, each checked against `size`.
-std::vector<int64_t> checked_indices(const char* op, const Tensor& index, int64_t size,
-                                     int64_t dim) {
-  TESSERA_CHECK(index.defined(), op, ": undefined index");
-  TESSERA_CHECK(index.dtype() == DType::Int64 || index.dtype() == DType::Int32, op,
-                ": index must be int64 or int32, got ", index.str());
-  TESSERA_CHECK(index.dim() <= 1, op, ": index must be 1-D, got ", shape_str(index.shape()));
-  std::vector<int64_t> idx = index.to_vector<int64_t>();
-  for (size_t i = 0; i < idx.size(); ++i) {
-    TESSERA_CHECK(idx[i] >= 0 && idx[i] < size, op, ": index ", idx[i], " at position ", i,
-                  " is out of range for dim ", dim, " of size ", size);
-  }
-  return idx;
-}
 
 struct Blocks {
   int64_t outer = 1, inner = 1;
@@ -79,7 +65,7 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   // A 0-d tensor behaves as 1-D of size 1, as in PyTorch.
   if (x.dim() == 0) return view(index_select(view(x, {1}), 0, index), {});
   dim = wrap_dim(dim, x.dim(), "index_select");
-  std::vector<int64_t> idx = checked_indices("index_select", index, x.size(dim), dim);
+  std::vector<int64_t> idx = portable::checked_indices("index_select", index, x.size(dim), dim);
   Shape out_shape = x.shape();
   out_shape[size_t(dim)] = int64_t(idx.size());
   Tensor out = empty(out_shape, x.dtype());
@@ -124,7 +110,7 @@ Tensor index_add(const Shape& shape, int64_t dim, const Tensor& index, const Ten
     return view(index_add({1}, 0, index, src.dim() == 0 ? view(src, {1}) : src), {});
   }
   dim = wrap_dim(dim, int64_t(shape.size()), "index_add");
-  std::vector<int64_t> idx = checked_indices("index_add", index, shape[size_t(dim)], dim);
+  std::vector<int64_t> idx = portable::checked_indices("index_add", index, shape[size_t(dim)], dim);
   Shape expected = shape;
   expected[size_t(dim)] = int64_t(idx.size());
   TESSERA_CHECK(src.shape() == expected, "index_add: source ", shape_str(src.shape()),

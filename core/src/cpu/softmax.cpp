@@ -7,6 +7,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../portable/nn_checks.h"
 #include "kernels.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/nn.h"
@@ -15,25 +16,8 @@ namespace tessera::kernels::cpu {
 
 namespace {
 
-struct Geometry {
-  int64_t outer = 1, n = 1, inner = 1;
-};
-
-Geometry geometry(const Shape& shape, int64_t dim) {
-  Geometry g;
-  g.n = shape.empty() ? 1 : shape[size_t(dim)];
-  for (int64_t i = 0; i < dim; ++i)
-    g.outer *= shape[size_t(i)];
-  for (size_t i = size_t(dim) + 1; i < shape.size(); ++i)
-    g.inner *= shape[i];
-  return g;
-}
-
-void check_input(const char* op, const Tensor& x) {
-  TESSERA_CHECK(x.defined(), op, ": undefined input");
-  TESSERA_CHECK(is_floating(x.dtype()), op, ": needs a floating-point tensor, got ", x.str());
-  TESSERA_CHECK(x.device().is_cpu(), op, ": the CPU kernel got ", x.str());
-}
+using portable::Geometry;
+using portable::geometry;
 
 // y = softmax(x) or log_softmax(x) along n, for x and y contiguous [outer, n, inner].
 template <class T, bool kLog>
@@ -137,7 +121,7 @@ void softmax_backward_impl(const T* gy, const T* y, T* gx, const Geometry& g) {
 
 template <bool kLog>
 Tensor softmax_common(const char* op, const Tensor& x, int64_t dim) {
-  check_input(op, x);
+  portable::check_softmax_input(op, x);
   dim = wrap_dim(dim, x.dim(), op);
   Tensor xc = x.contiguous();
   Tensor out = empty(x.shape(), x.dtype());
@@ -153,7 +137,7 @@ Tensor softmax_common(const char* op, const Tensor& x, int64_t dim) {
 template <bool kLog>
 Tensor softmax_backward_common(const char* op, const Tensor& grad_out, const Tensor& out,
                                int64_t dim) {
-  check_input(op, out);
+  portable::check_softmax_input(op, out);
   TESSERA_CHECK(grad_out.defined() && grad_out.shape() == out.shape(), op, ": grad_out ",
                 grad_out.defined() ? shape_str(grad_out.shape()) : "undefined",
                 " does not match the forward output ", shape_str(out.shape()));
