@@ -18,6 +18,9 @@ if(NOT TESSERA_WITH_CUDA STREQUAL "OFF")
     set(CMAKE_CUDA_EXTENSIONS OFF)
     # CMake 3.25 does not know that nvcc 12+ takes C++20 and would silently compile C++17 (the
     # kernels use C++20); say it directly where CMake cannot.
+    # Device code is compiled on machines that cannot run it: a warning there (a host-only call
+    # from a kernel) is a bug nobody would see until a GPU runs it, so it stops the build.
+    add_compile_options("$<$<COMPILE_LANGUAGE:CUDA>:SHELL:--Werror all-warnings>")
     if(NOT "cuda_std_20" IN_LIST CMAKE_CUDA_COMPILE_FEATURES)
       add_compile_options($<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>)
     endif()

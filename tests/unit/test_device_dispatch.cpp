@@ -47,12 +47,15 @@ TEST(DeviceDispatch, MixedDevicesNameTheKernelAndBothTensors) {
 }
 
 TEST(DeviceDispatch, WithoutFallbackAMissingDeviceKernelIsAnErrorNamingIt) {
-  StandInDevice device;
-  Tensor x = cuda(random_tensor({4}, 1, DType::Float32));
+  // The device's own kernels (emulated); vocab_ce_loss has none yet (pick another when it does).
+  StandInDevice device(tessera::testing::KernelsOn::Device);
+  const Tensor stats = cuda(full({3, 2}, 1.0)), row_max = cuda(full({3}, 0.0));
+  const Tensor target = cuda(full({3}, 1.0, DType::Int64));
   kernels::set_host_fallback(DeviceType::CUDA, kernels::HostFallback::Off);
-  const std::string err = tessera::testing::error_of([&] { kernels::softmax(x, 0); });
-  kernels::set_host_fallback(DeviceType::CUDA, kernels::HostFallback::All);
-  EXPECT_NE(err.find("softmax"), std::string::npos) << err;
+  const std::string err =
+      tessera::testing::error_of([&] { kernels::vocab_ce_loss(stats, row_max, target, 3); });
+  kernels::set_host_fallback(DeviceType::CUDA, kernels::HostFallback::Missing);
+  EXPECT_NE(err.find("vocab_ce_loss"), std::string::npos) << err;
   EXPECT_NE(err.find("cuda:0"), std::string::npos) << err;
   EXPECT_NE(err.find("HostFallback::Missing"), std::string::npos) << err;
 }

@@ -459,3 +459,154 @@ TEST(DeviceKernels, ReductionsOverAnyDimsFollowTheCpu) {
   expect_error([&] { kernels::mean(cuda(full({2}, 1.0, DType::Int64)), {}, false); },
                {"mean", "int64"});
 }
+
+TEST(DeviceKernels, SoftmaxNormsRopeAndDropoutFollowTheCpu) {
+  TestDevice device(KernelsOn::Device);
+  for (DType dt : kFloatDtypes) {
+    const Tolerance tol = rounding_of(dt);
+    const std::string dn = dtype_name(dt);
+    const Tensor x = random_tensor({3, 4, 5}, 111, dt, 3.0);
+    const Tensor g = random_tensor({3, 4, 5}, 112, dt);
+    for (int64_t dim : {0, 1, 2}) {
+      const std::string what = dn + " dim " + std::to_string(dim);
+      const Tensor y = kernels::softmax(x, dim), ly = kernels::log_softmax(x, dim);
+      expect_matches(kernels::softmax(cuda(x), dim), y, tol, "softmax " + what);
+      expect_matches(kernels::log_softmax(cuda(x), dim), ly, tol, "log_softmax " + what);
+      expect_matches(kernels::softmax_backward(cuda(g), cuda(y), dim),
+                     kernels::softmax_backward(g, y, dim), tol, "softmax_backward " + what);
+      expect_matches(kernels::log_softmax_backward(cuda(g), cuda(ly), dim),
+                     kernels::log_softmax_backward(g, ly, dim), tol,
+                     "log_softmax_backward " + what);
+    }
+    const Tensor w = random_tensor({5}, 113, dt), b = random_tensor({5}, 114, dt);
+    for (const Tensor& weight : {w, Tensor()}) {
+      const std::string what = dn + (weight.defined() ? " with weight" : " without weight");
+      const auto cpu = kernels::rms_norm(x, weight, 1e-5);
+      const auto dev = kernels::rms_norm(cuda(x), weight.defined() ? cuda(weight) : weight, 1e-5);
+      expect_matches(dev.out, cpu.out, tol, "rms_norm " + what);
+      expect_matches(dev.rstd, cpu.rstd, tol, "rms_norm rstd " + what);
+      const auto gcpu = kernels::rms_norm_backward(g, x, weight, cpu.rstd);
+      const auto gdev = kernels::rms_norm_backward(
+          cuda(g), cuda(x), weight.defined() ? cuda(weight) : weight, dev.rstd);
+      expect_matches(gdev.grad_x, gcpu.grad_x, tol, "rms_norm grad_x " + what);
+      if (weight.defined())
+        expect_matches(gdev.grad_weight, gcpu.grad_weight, tol, "rms_norm grad_weight " + what);
+      const auto lcpu = kernels::layer_norm(x, weight, b, 1e-5);
+      const auto ldev =
+          kernels::layer_norm(cuda(x), weight.defined() ? cuda(weight) : weight, cuda(b), 1e-5);
+      expect_matches(ldev.out, lcpu.out, tol, "layer_norm " + what);
+      const auto lgcpu = kernels::layer_norm_backward(g, x, weight, lcpu.mean, lcpu.rstd);
+      const auto lgdev = kernels::layer_norm_backward(
+          cuda(g), cuda(x), weight.defined() ? cuda(weight) : weight, ldev.mean, ldev.rstd);
+      expect_matches(lgdev.grad_x, lgcpu.grad_x, tol, "layer_norm grad_x " + what);
+      expect_matches(lgdev.grad_bias, lgcpu.grad_bias, tol, "layer_norm grad_bias " + what);
+      if (weight.defined())
+        expect_matches(lgdev.grad_weight, lgcpu.grad_weight, tol, "layer_norm grad_weight " + what);
+    }
+    // rope on [B, T, H, D] with tables longer than T, forward and inverse.
+    const auto [cos, sin] = kernels::rope_tables(7, 6, 10000.0, dt);
+    const Tensor q = random_tensor({2, 5, 3, 6}, 115, dt);
+    for (bool inverse : {false, true})
+      expect_matches(kernels::rope(cuda(q), cuda(cos), cuda(sin), inverse),
+                     kernels::rope(q, cos, sin, inverse), tol, "rope " + dn);
+    Generator g1(9), g2(9);
+    const auto ddev = kernels::dropout(cuda(x), 0.3, g1);
+    const auto dcpu = kernels::dropout(x, 0.3, g2);
+    expect_matches(ddev.mask, dcpu.mask, {}, "dropout mask " + dn);
+    expect_matches(ddev.out, dcpu.out, {}, "dropout " + dn);
+  }
+}
+
+TEST(DeviceKernels, CrossEntropyAndGathersFollowTheCpu) {
+  TestDevice device(KernelsOn::Device);
+  for (DType dt : kFloatDtypes) {
+    const Tolerance tol = rounding_of(dt);
+    const std::string dn = dtype_name(dt);
+    const Tensor logits = random_tensor({6, 9}, 121, dt, 3.0);
+    const Tensor target = from_vector<int64_t>({3, -100, 0, 8, 8, 2}, {6});
+    for (auto red : {kernels::Reduction::None, kernels::Reduction::Mean, kernels::Reduction::Sum}) {
+      const std::string what = dn + " reduction " + std::to_string(int(red));
+      expect_matches(kernels::cross_entropy(cuda(logits), cuda(target), -100, red),
+                     kernels::cross_entropy(logits, target, -100, red), tol, "ce " + what);
+      const Tensor gl =
+          red == kernels::Reduction::None ? random_tensor({6}, 122, dt) : full({}, 0.7, dt);
+      expect_matches(
+          kernels::cross_entropy_backward(cuda(gl), cuda(logits), cuda(target), -100, red),
+          kernels::cross_entropy_backward(gl, logits, target, -100, red), tol,
+          "ce backward " + what);
+    }
+    // A mean over no kept rows is NaN, as on the CPU.
+    const Tensor all_ignored = full({6}, -100.0, DType::Int64);
+    const Tensor none_kept =
+        kernels::cross_entropy(cuda(logits), cuda(all_ignored), -100, kernels::Reduction::Mean);
+    EXPECT_TRUE(std::isnan(none_kept.to(Device::cpu()).to(DType::Float64).item<double>())) << dn;
+  }
+  const Tensor logits = cuda(random_tensor({2, 4}, 123, DType::Float32));
+  expect_error(
+      [&] {
+        kernels::cross_entropy(logits, cuda(from_vector<int64_t>({1, 4}, {2})));
+      },
+      {"cross_entropy", "target 4", "row 1", "4 classes"});
+  // Gathers and scatters move bits (exact), with repeated indices added in order.
+  for (DType dt : {DType::Float32, DType::BFloat16, DType::Int64, DType::Bool}) {
+    const Tensor x = random_tensor({4, 5, 3}, 124, DType::Float64, 4.0).to(dt);
+    const Tensor idx = from_vector<int64_t>({2, 0, 2, 3}, {4});
+    for (int64_t dim : {0, 1, 2}) {
+      const Tensor id = dim == 2 ? from_vector<int64_t>({2, 0, 2}, {3}) : idx;
+      expect_matches(kernels::index_select(cuda(x), dim, cuda(id)),
+                     kernels::index_select(x, dim, id), {},
+                     std::string("index_select ") + dtype_name(dt) + " dim " + std::to_string(dim));
+    }
+    // A transposed source.
+    const Tensor xt = x.as_strided({5, 4, 3}, {3, 15, 1}, 0);
+    expect_matches(
+        kernels::index_select(cuda(x).as_strided({5, 4, 3}, {3, 15, 1}, 0), 1, cuda(idx)),
+        kernels::index_select(xt, 1, idx), {},
+        std::string("index_select of a view ") + dtype_name(dt));
+    if (dt == DType::Bool) continue;
+    const Tensor src = random_tensor({3, 4, 2}, 125, DType::Float64, 4.0).to(dt);
+    expect_matches(kernels::index_add({3, 6, 2}, 1, cuda(idx), cuda(src)),
+                   kernels::index_add({3, 6, 2}, 1, idx, src), {},
+                   std::string("index_add ") + dtype_name(dt));
+  }
+  const Tensor w = random_tensor({7, 3}, 126, DType::Float32);
+  const Tensor ids = from_vector<int64_t>({1, 6, 1, 0, 2, 6}, {2, 3});
+  expect_matches(kernels::embedding(cuda(w), cuda(ids)), kernels::embedding(w, ids), {},
+                 "embedding");
+  const Tensor gy = random_tensor({2, 3, 3}, 127, DType::Float32);
+  expect_matches(kernels::embedding_backward(cuda(gy), cuda(ids), 7),
+                 kernels::embedding_backward(gy, ids, 7), {}, "embedding_backward");
+  expect_error([&] { kernels::embedding(cuda(w), cuda(from_vector<int64_t>({7}, {1}))); },
+               {"embedding", "index 7", "num_embeddings 7"});
+  const Tensor parts = random_tensor({2, 3}, 128, DType::Float32);
+  expect_matches(kernels::cat({cuda(parts), cuda(parts)}, 1), kernels::cat({parts, parts}, 1), {},
+                 "cat");
+  expect_matches(kernels::stack({cuda(parts), cuda(parts)}, 0), kernels::stack({parts, parts}, 0),
+                 {}, "stack");
+}
+
+TEST(DeviceKernels, AttentionForwardAndBackwardFollowTheCpu) {
+  TestDevice device(KernelsOn::Device);
+  for (DType dt : {DType::Float32, DType::Float64, DType::BFloat16}) {
+    for (bool causal : {false, true}) {
+      // T = 4 queries over S = 6 keys: with causal, the first query sees 3 keys.
+      const Tensor q = random_tensor({2, 3, 4, 5}, 131, dt),
+                   k = random_tensor({2, 3, 6, 5}, 132, dt),
+                   v = random_tensor({2, 3, 6, 7}, 133, dt);
+      const std::string what = std::string(dtype_name(dt)) + (causal ? " causal" : "");
+      const auto cpu = kernels::scaled_dot_product_attention(q, k, v, causal, 0.4);
+      const auto dev =
+          kernels::scaled_dot_product_attention(cuda(q), cuda(k), cuda(v), causal, 0.4);
+      expect_matches(dev.out, cpu.out, rounding_of(dt), "attention out " + what);
+      expect_matches(dev.lse, cpu.lse, rounding_of(dt), "attention lse " + what);
+      const Tensor go = random_tensor({2, 3, 4, 7}, 134, dt);
+      const auto gcpu = kernels::scaled_dot_product_attention_backward(go, q, k, v, cpu.out,
+                                                                       cpu.lse, causal, 0.4);
+      const auto gdev = kernels::scaled_dot_product_attention_backward(
+          cuda(go), cuda(q), cuda(k), cuda(v), dev.out, dev.lse, causal, 0.4);
+      expect_matches(gdev.dq, gcpu.dq, rounding_of(dt), "attention dq " + what);
+      expect_matches(gdev.dk, gcpu.dk, rounding_of(dt), "attention dk " + what);
+      expect_matches(gdev.dv, gcpu.dv, rounding_of(dt), "attention dv " + what);
+    }
+  }
+}

@@ -94,13 +94,16 @@ TEST(DeviceTraining, InputsOnAnotherDeviceAreAnErrorNamingBoth) {
 }
 
 // The same decoder with the device's own kernels (KernelsOn::Device): on a GPU its CUDA kernels,
-// on the stand-in that device code emulated on the host; kernels the device lacks run on host
-// copies. The loss curve follows the CPU's within 1e-4 and the parameters within 1e-4.
+// on the stand-in that device code emulated on the host. None of its kernels runs on host copies,
+// and the loss curve and the parameters follow the CPU's within 1e-4.
 TEST(DeviceTraining, WithDeviceKernelsTheLossCurveFollowsTheCpu) {
   const TrainingRun cpu = train(Device::cpu(), false, 4);
   TestDevice device(tessera::testing::KernelsOn::Device);
   const int64_t launches = tessera::detail::emulated_launches();
+  const int64_t fallbacks = kernels::host_fallback_calls();
   const TrainingRun cuda = train(Device::cuda(0), false, 4);
+  EXPECT_EQ(kernels::host_fallback_calls(), fallbacks)
+      << "every kernel of forward, loss, backward, clipping and AdamW has a device implementation";
   if (device.is_stand_in()) {
     EXPECT_GT(tessera::detail::emulated_launches(), launches + 100);
   }

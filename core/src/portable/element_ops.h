@@ -17,6 +17,13 @@
 
 namespace tessera::kernels::portable {
 
+// +infinity of a floating type, callable from device code (std::numeric_limits is host-only
+// there).
+template <class C>
+TESSERA_HOST_DEVICE inline C infinity() {
+  return C(HUGE_VAL);
+}
+
 template <class C>
 TESSERA_HOST_DEVICE constexpr bool is_nan(C v) {
   if constexpr (std::is_floating_point_v<C>) {

@@ -15,9 +15,11 @@
 // cuBLAS; emulated_kernels.cpp with a host loop and a reference gemm over a stand-in device's
 // memory, which is how a machine without a GPU tests everything here but the launch and cuBLAS.
 #include "../kernel_table.h"
+#include "attention.h"
 #include "composite.h"
 #include "elementwise.h"
 #include "linalg.h"
+#include "nn.h"
 #include "reduce.h"
 
 namespace tessera::kernels::portable {
@@ -28,6 +30,8 @@ void fill_device_table(registry::KernelTable& table) {
   Elementwise<Exec>::fill_table(table);
   Linalg<Exec>::fill_table(table);
   Reduce<Exec>::fill_table(table);
+  Nn<Exec>::fill_table(table);
+  Attention<Exec>::fill_table(table);
   table.cat = &cat;
   table.stack = &stack;
   table.embedding = &embedding;
