@@ -3,33 +3,15 @@
 #include <limits>
 #include <utility>
 
-#include "../portable/float_dispatch.h"
+#include "../portable/vocab.h"
 #include "kernels.h"
 #include "tessera/core/factory.h"
 
 namespace tessera::kernels::cpu {
 
-namespace {
-
-template <class F>
-void float_rows(const char* op, const Tensor& x, F&& f) {
-  TESSERA_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x ", x.str(),
-                " must be a contiguous [N, n] tensor");
-  portable::dispatch_float32_or_64(op, "x", x, std::forward<F>(f));
-}
-
-void check_rows(const char* op, const Tensor& t, const char* what, int64_t rows, DType dtype) {
-  TESSERA_CHECK(t.numel() == rows && t.dtype() == dtype && t.is_contiguous(), op, ": ", what, " ",
-                t.str(), " must be a contiguous ", dtype_name(dtype), " tensor of ", rows,
-                " elements");
-}
-
-template <class C>
-C shift_of(C row_max) {
-  return std::isfinite(row_max) ? row_max : C(0);
-}
-
-}  // namespace
+using portable::check_vocab_rows;
+using portable::vocab_float_rows;
+using portable::vocab_shift;
 
 VocabShardIds vocab_shard_ids(const Tensor& ids_in, int64_t start, int64_t rows, int64_t vocab) {
   const Tensor ids = ids_in.to(DType::Int64).contiguous();
@@ -40,10 +22,8 @@ VocabShardIds vocab_shard_ids(const Tensor& ids_in, int64_t start, int64_t rows,
   const int64_t* id = ids.data<int64_t>();
   int64_t* sh = shifted.data<int64_t>();
   bool* fo = foreign.data<bool>();
+  portable::checked_vocab_ids(ids, vocab);
   for (int64_t i = 0; i < ids.numel(); ++i) {
-    TESSERA_CHECK(id[i] >= 0 && id[i] < vocab, "embedding: id ", id[i], " at position ", i,
-                  " of ids ", shape_str(ids.shape()), " is out of range for a vocabulary of ",
-                  vocab);
     const bool mine = id[i] >= start && id[i] < start + rows;
     sh[i] = mine ? id[i] - start : 0;
     fo[i] = !mine;
@@ -53,17 +33,17 @@ VocabShardIds vocab_shard_ids(const Tensor& ids_in, int64_t start, int64_t rows,
 
 Tensor vocab_ce_stats(const Tensor& x, const Tensor& row_max, const Tensor& target, int64_t start) {
   Tensor stats;
-  float_rows("vocab_ce_stats", x, [&]<class C>() {
+  vocab_float_rows("vocab_ce_stats", x, [&]<class C>() {
     const int64_t rows = x.size(0), n = x.size(1);
-    check_rows("vocab_ce_stats", row_max, "row_max", rows, x.dtype());
-    check_rows("vocab_ce_stats", target, "target", rows, DType::Int64);
+    check_vocab_rows("vocab_ce_stats", row_max, "row_max", rows, x.dtype());
+    check_vocab_rows("vocab_ce_stats", target, "target", rows, DType::Int64);
     stats = zeros({rows, 2}, x.dtype());
     const C* px = x.data<C>();
     const C* pm = row_max.data<C>();
     const int64_t* pt = target.data<int64_t>();
     C* ps = stats.data<C>();
     for (int64_t i = 0; i < rows; ++i) {
-      const C shift = shift_of(pm[i]);
+      const C shift = vocab_shift(pm[i]);
       C acc = 0;
       for (int64_t j = 0; j < n; ++j)
         acc += std::exp(px[i * n + j] - shift);
@@ -78,10 +58,10 @@ Tensor vocab_ce_stats(const Tensor& x, const Tensor& row_max, const Tensor& targ
 VocabCrossEntropy vocab_ce_loss(const Tensor& stats, const Tensor& row_max, const Tensor& target,
                                 int64_t kept) {
   VocabCrossEntropy out;
-  float_rows("vocab_ce_loss", stats, [&]<class C>() {
+  vocab_float_rows("vocab_ce_loss", stats, [&]<class C>() {
     const int64_t rows = stats.size(0);
-    check_rows("vocab_ce_loss", row_max, "row_max", rows, stats.dtype());
-    check_rows("vocab_ce_loss", target, "target", rows, DType::Int64);
+    check_vocab_rows("vocab_ce_loss", row_max, "row_max", rows, stats.dtype());
+    check_vocab_rows("vocab_ce_loss", target, "target", rows, DType::Int64);
     out.lse = empty({rows}, stats.dtype());
     const C* ps = stats.data<C>();
     const C* pm = row_max.data<C>();
@@ -89,7 +69,7 @@ VocabCrossEntropy vocab_ce_loss(const Tensor& stats, const Tensor& row_max, cons
     C* pl = out.lse.data<C>();
     double total = 0;
     for (int64_t i = 0; i < rows; ++i) {
-      pl[i] = std::log(ps[2 * i]) + shift_of(pm[i]);
+      pl[i] = std::log(ps[2 * i]) + vocab_shift(pm[i]);
       if (pt[i] >= 0) total += double(pl[i] - ps[2 * i + 1]);
     }
     const double mean = kept ? total / double(kept) : std::numeric_limits<double>::quiet_NaN();
@@ -101,10 +81,10 @@ VocabCrossEntropy vocab_ce_loss(const Tensor& stats, const Tensor& row_max, cons
 Tensor vocab_ce_backward(const Tensor& x, const Tensor& lse, const Tensor& target, int64_t start,
                          double scale) {
   Tensor out;
-  float_rows("vocab_ce_backward", x, [&]<class C>() {
+  vocab_float_rows("vocab_ce_backward", x, [&]<class C>() {
     const int64_t rows = x.size(0), n = x.size(1);
-    check_rows("vocab_ce_backward", lse, "lse", rows, x.dtype());
-    check_rows("vocab_ce_backward", target, "target", rows, DType::Int64);
+    check_vocab_rows("vocab_ce_backward", lse, "lse", rows, x.dtype());
+    check_vocab_rows("vocab_ce_backward", target, "target", rows, DType::Int64);
     out = zeros({rows, n}, x.dtype());
     const C* px = x.data<C>();
     const C* pl = lse.data<C>();

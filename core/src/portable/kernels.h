@@ -21,6 +21,7 @@
 #include "linalg.h"
 #include "nn.h"
 #include "reduce.h"
+#include "vocab.h"
 
 namespace tessera::kernels::portable {
 
@@ -32,6 +33,7 @@ void fill_device_table(registry::KernelTable& table) {
   Reduce<Exec>::fill_table(table);
   Nn<Exec>::fill_table(table);
   Attention<Exec>::fill_table(table);
+  Vocab<Exec>::fill_table(table);
   table.cat = &cat;
   table.stack = &stack;
   table.embedding = &embedding;
