@@ -103,6 +103,17 @@ void set_kernel_table(DeviceType type, const KernelTable& table) {
 #undef TESSERA_KERNEL_SET
 }
 
+void clear_slot(KernelTable& table, std::string_view name) {
+#define TESSERA_KERNEL_CLEAR(kname, result, params, args) \
+  if (name == #kname) {                                   \
+    table.kname = nullptr;                                \
+    return;                                               \
+  }
+  TESSERA_KERNELS(TESSERA_KERNEL_CLEAR)
+#undef TESSERA_KERNEL_CLEAR
+  TESSERA_FAIL("no kernel is called '", name, "' (see kernel_list.h)");
+}
+
 }  // namespace registry
 
 #if defined(TESSERA_WITH_CUDA)

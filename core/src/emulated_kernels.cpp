@@ -49,15 +49,19 @@ struct EmulatedDeviceKernels::Saved {
   kernels::registry::KernelTable table;
 };
 
-EmulatedDeviceKernels::EmulatedDeviceKernels(DeviceType type, EmulatedMemory* memory)
+EmulatedDeviceKernels::EmulatedDeviceKernels(DeviceType type, EmulatedMemory* memory,
+                                             const std::vector<std::string>& leave_out)
     : type_(type), saved_(std::make_unique<Saved>()) {
   TESSERA_CHECK(memory != nullptr, "EmulatedDeviceKernels: needs the device's memory");
-  EmulatedMemory* none = nullptr;
-  TESSERA_CHECK(g_memory.compare_exchange_strong(none, memory),
-                "EmulatedDeviceKernels: one is alive already");
+  // Everything that can fail comes before anything global changes.
   saved_->table = kernels::registry::kernel_table(type);
   kernels::registry::KernelTable table = saved_->table;
   kernels::portable::fill_device_table<HostExec>(table);
+  for (const std::string& name : leave_out)
+    kernels::registry::clear_slot(table, name);
+  EmulatedMemory* none = nullptr;
+  TESSERA_CHECK(g_memory.compare_exchange_strong(none, memory),
+                "EmulatedDeviceKernels: one is alive already");
   kernels::registry::set_kernel_table(type, table);
 }
 

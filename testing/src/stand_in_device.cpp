@@ -129,16 +129,24 @@ void stand_in_copy(void* dst, Device dst_device, const void* src, Device src_dev
 
 }  // namespace
 
-StandInDevice::StandInDevice(KernelsOn kernels) {
+StandInDevice::StandInDevice(KernelsOn kernels, const std::vector<std::string>& without) {
   TESSERA_CHECK(!g_alive.exchange(true), "StandInDevice: one is alive already");
+  if (kernels == KernelsOn::Device) {
+    // First, as it may refuse `without`; nothing else has changed then.
+    try {
+      emulated_ = std::make_unique<tessera::detail::EmulatedDeviceKernels>(DeviceType::CUDA,
+                                                                           &g_memory, without);
+    } catch (...) {
+      g_alive = false;
+      throw;
+    }
+  }
   g_to_device = 0;
   g_to_host = 0;
   old_allocator_ = set_allocator(DeviceType::CUDA, &g_allocator);
   old_copy_ = set_device_copy(&stand_in_copy);
   old_fallback_ = kernels::host_fallback(DeviceType::CUDA);
   if (kernels == KernelsOn::Device) {
-    emulated_ =
-        std::make_unique<tessera::detail::EmulatedDeviceKernels>(DeviceType::CUDA, &g_memory);
     kernels::set_host_fallback(DeviceType::CUDA, kernels::HostFallback::Missing);
   } else {
     kernels::set_host_fallback(DeviceType::CUDA, kernels::HostFallback::All);

@@ -47,8 +47,8 @@ TEST(DeviceDispatch, MixedDevicesNameTheKernelAndBothTensors) {
 }
 
 TEST(DeviceDispatch, WithoutFallbackAMissingDeviceKernelIsAnErrorNamingIt) {
-  // The device's own kernels (emulated); vocab_ce_loss has none yet (pick another when it does).
-  StandInDevice device(tessera::testing::KernelsOn::Device);
+  // The device's own kernels (emulated) except vocab_ce_loss.
+  StandInDevice device(tessera::testing::KernelsOn::Device, {"vocab_ce_loss"});
   const Tensor stats = cuda(full({3, 2}, 1.0)), row_max = cuda(full({3}, 0.0));
   const Tensor target = cuda(full({3}, 1.0, DType::Int64));
   kernels::set_host_fallback(DeviceType::CUDA, kernels::HostFallback::Off);
@@ -163,6 +163,12 @@ TEST(DeviceDispatchDeathTest, TheCpuCannotReadStandInMemory) {
       segfaulted, "^$|SEGV");
 }
 
+TEST(DeviceDispatch, LeavingOutAnUnknownKernelIsAnError) {
+  expect_error([] { StandInDevice device(tessera::testing::KernelsOn::Device, {"softmaxx"}); },
+               {"no kernel", "softmaxx"});
+  StandInDevice after;  // the refused one left nothing behind
+}
+
 TEST(DeviceDispatch, TestDeviceIsTheStandInUnlessAGpuIsThere) {
   {
     tessera::testing::TestDevice device;
@@ -181,9 +187,8 @@ TEST(DeviceDispatch, TestDeviceIsTheStandInUnlessAGpuIsThere) {
 }
 
 TEST(DeviceDispatch, MissingKernelsWarnOncePerKernel) {
-  // The device kernels (emulated), with HostFallback::Missing for the rest; vocab_ce_loss is one
-  // that has no device implementation yet (pick another when it gets one).
-  StandInDevice device(tessera::testing::KernelsOn::Device);
+  // The device kernels (emulated) except vocab_ce_loss, with HostFallback::Missing.
+  StandInDevice device(tessera::testing::KernelsOn::Device, {"vocab_ce_loss"});
   const Tensor stats = cuda(full({3, 2}, 1.0)), row_max = cuda(full({3}, 0.0));
   const Tensor target = cuda(full({3}, 1.0, DType::Int64));
   ::testing::internal::CaptureStderr();

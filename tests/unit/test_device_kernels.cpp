@@ -610,3 +610,39 @@ TEST(DeviceKernels, AttentionForwardAndBackwardFollowTheCpu) {
     }
   }
 }
+
+TEST(DeviceKernels, VocabularyParallelStagesFollowTheCpu) {
+  TestDevice device(KernelsOn::Device);
+  const Tensor ids = from_vector<int64_t>({0, 5, 9, 3, 4, 7}, {2, 3});
+  const auto sd = kernels::vocab_shard_ids(cuda(ids), 3, 4, 10);
+  const auto sc = kernels::vocab_shard_ids(ids, 3, 4, 10);
+  expect_matches(sd.local, sc.local, {}, "vocab_shard_ids local");
+  expect_matches(sd.foreign, sc.foreign, {}, "vocab_shard_ids foreign");
+  expect_error([&] { kernels::vocab_shard_ids(cuda(ids), 3, 4, 9); },
+               {"embedding", "id 9", "vocabulary of 9"});
+  for (DType dt : {DType::Float32, DType::Float64}) {
+    const Tolerance tol = rounding_of(dt);
+    // This rank holds columns [4, 9) of a vocabulary; rows 1 and 2 are ignored, row 3's target
+    // is elsewhere, row 1 is all -inf (its shift is 0).
+    Tensor x = random_tensor({4, 5}, 141, dt, 3.0);
+    x.as_strided({5}, {1}, 5).fill_(-INFINITY);
+    const Tensor target = from_vector<int64_t>({4, -1, -1, 1}, {4});
+    const Tensor row_max = kernels::amax(x, {1}, false);
+    const Tensor stats = kernels::vocab_ce_stats(x, row_max, target, 4);
+    expect_matches(kernels::vocab_ce_stats(cuda(x), cuda(row_max), cuda(target), 4), stats, tol,
+                   std::string("vocab_ce_stats ") + dtype_name(dt));
+    const auto lc = kernels::vocab_ce_loss(stats, row_max, target, 2);
+    const auto ld = kernels::vocab_ce_loss(cuda(stats), cuda(row_max), cuda(target), 2);
+    expect_matches(ld.lse, lc.lse, tol, std::string("vocab_ce_loss lse ") + dtype_name(dt));
+    expect_matches(ld.loss, lc.loss, tol, std::string("vocab_ce_loss ") + dtype_name(dt));
+    const Tensor finite = random_tensor({4, 5}, 142, dt);
+    const Tensor lse =
+        kernels::vocab_ce_loss(
+            kernels::vocab_ce_stats(finite, kernels::amax(finite, {1}, false), target, 4),
+            kernels::amax(finite, {1}, false), target, 2)
+            .lse;
+    expect_matches(kernels::vocab_ce_backward(cuda(finite), cuda(lse), cuda(target), 4, 0.25),
+                   kernels::vocab_ce_backward(finite, lse, target, 4, 0.25), tol,
+                   std::string("vocab_ce_backward ") + dtype_name(dt));
+  }
+}

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "tessera/core/allocator.h"
 #include "tessera/core/detail/emulated_kernels.h"
@@ -36,7 +37,10 @@ enum class KernelsOn : uint8_t { HostCopies, Device };
 
 class StandInDevice {
  public:
-  explicit StandInDevice(KernelsOn kernels = KernelsOn::HostCopies);
+  // With KernelsOn::Device, the kernels named in `without` (as in kernels/*.h) have no device
+  // implementation, as on a device that lacks them: they go through host fallback.
+  explicit StandInDevice(KernelsOn kernels = KernelsOn::HostCopies,
+                         const std::vector<std::string>& without = {});
   ~StandInDevice();
   StandInDevice(const StandInDevice&) = delete;
   StandInDevice& operator=(const StandInDevice&) = delete;

@@ -9,6 +9,8 @@
 // formulas: everything except the launch and the device's own math library.
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "tessera/core/device.h"
 
@@ -24,8 +26,11 @@ class EmulatedMemory {
 
 class EmulatedDeviceKernels {
  public:
-  // `memory` must outlive this object. One at a time per process.
-  EmulatedDeviceKernels(DeviceType type, EmulatedMemory* memory);
+  // `memory` must outlive this object. One at a time per process. The kernels named in
+  // `leave_out` (as in kernels/*.h) get no implementation, as on a device that lacks them, so
+  // that a test can see host fallback at work.
+  EmulatedDeviceKernels(DeviceType type, EmulatedMemory* memory,
+                        const std::vector<std::string>& leave_out = {});
   ~EmulatedDeviceKernels();
   EmulatedDeviceKernels(const EmulatedDeviceKernels&) = delete;
   EmulatedDeviceKernels& operator=(const EmulatedDeviceKernels&) = delete;
