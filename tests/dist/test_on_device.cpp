@@ -1,11 +1,12 @@
 // DTensor, redistribution and FSDP on cuda:0 tensors over the host-staged MPI backend, against
 // the same work on CPU tensors. The device is testing::TestDevice: a real GPU where there is one,
 // else the stand-in, whose memory is host pages the CPU may not touch. Kernels run on host copies
-// (on a GPU, those without a CUDA implementation), so results must equal the CPU's bit for bit,
-// and any code that reads device data directly, or hands a device tensor to the CPU's MPI group,
-// fails as it would on a GPU.
+// (KernelsOn::HostCopies), so results must equal the CPU's bit for bit, and any code that reads
+// device data directly, or hands a device tensor to the CPU's MPI group, fails as it would on a
+// GPU. One test runs the device's own kernels instead and compares within rounding.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <memory>
 #include <string>
@@ -269,6 +270,39 @@ TEST(OnDevice, TensorParallelTrainingMatchesTheCpuBitForBit) {
     for (const auto& [name, t] : cpu.final_state)
       EXPECT_EQ(values(cuda.final_state.at(name)), values(t)) << what << ": " << name;
   }
+}
+
+namespace {
+
+void expect_close_run(const TrainingRun& device, const TrainingRun& cpu, const std::string& what) {
+  ASSERT_EQ(device.losses.size(), cpu.losses.size()) << what;
+  for (size_t s = 0; s < cpu.losses.size(); ++s)
+    EXPECT_NEAR(device.losses[s], cpu.losses[s], 1e-4 * std::abs(cpu.losses[s]))
+        << what << ": step " << s;
+  for (const auto& [name, t] : cpu.final_state)
+    tessera::testing::expect_close(device.final_state.at(name), t, 1e-4, what + ": " + name);
+}
+
+}  // namespace
+
+// With the device's own kernels (on the stand-in, emulated), FSDP and TP training follow the CPU
+// within 1e-4, and no kernel of theirs runs on host copies.
+TEST(OnDevice, WithDeviceKernelsFsdpAndTensorParallelTrainingFollowTheCpu) {
+  const int n = world_size();
+  const int tp = n % 2 == 0 ? 2 : 1;
+  const DecoderTPOptions opts{true, true};
+  const TrainingRun fsdp_cpu = train_fully_sharded(DeviceMesh(Shape{n}, {"dp"}), 3);
+  const TrainingRun tp_cpu =
+      train_tensor_parallel(DeviceMesh(Shape{n / tp, tp}, {"dp", "tp"})["tp"], opts, 3);
+  TestDevice device(tessera::testing::KernelsOn::Device);
+  const int64_t fallbacks = kernels::host_fallback_calls();
+  expect_close_run(train_fully_sharded(DeviceMesh(DeviceType::CUDA, Shape{n}, {"dp"}), 3), fsdp_cpu,
+                   "FSDP on " + device.str());
+  expect_close_run(
+      train_tensor_parallel(DeviceMesh(DeviceType::CUDA, Shape{n / tp, tp}, {"dp", "tp"})["tp"],
+                            opts, 3),
+      tp_cpu, "TP (sequence and loss parallel) on " + device.str());
+  EXPECT_EQ(kernels::host_fallback_calls(), fallbacks);
 }
 
 namespace {
