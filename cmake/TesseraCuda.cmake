@@ -13,17 +13,22 @@ if(NOT TESSERA_WITH_CUDA STREQUAL "OFF")
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
       set(CMAKE_CUDA_ARCHITECTURES 80)
     endif()
+    # The kernels are C++20. CMake 3.25 does not know that nvcc 12+ takes it (3.26 does), and
+    # stops: with the targets' C++ standard at 20 it requires CUDA 20 too. Tell it what a newer
+    # CMake knows.
+    if(NOT "cuda_std_20" IN_LIST CMAKE_CUDA_COMPILE_FEATURES AND
+       CMAKE_CUDA_COMPILER_ID STREQUAL "NVIDIA" AND CMAKE_CUDA_COMPILER_VERSION VERSION_GREATER_EQUAL 12)
+      set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+      set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+      set(CMAKE_CUDA20_COMPILE_FEATURES cuda_std_20)
+      list(APPEND CMAKE_CUDA_COMPILE_FEATURES cuda_std_20)
+    endif()
     set(CMAKE_CUDA_STANDARD 20)
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
     set(CMAKE_CUDA_EXTENSIONS OFF)
-    # CMake 3.25 does not know that nvcc 12+ takes C++20 and would silently compile C++17 (the
-    # kernels use C++20); say it directly where CMake cannot.
     # Device code is compiled on machines that cannot run it: a warning there (a host-only call
     # from a kernel) is a bug nobody would see until a GPU runs it, so it stops the build.
     add_compile_options("$<$<COMPILE_LANGUAGE:CUDA>:SHELL:--Werror all-warnings>")
-    if(NOT "cuda_std_20" IN_LIST CMAKE_CUDA_COMPILE_FEATURES)
-      add_compile_options($<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>)
-    endif()
   elseif(TESSERA_WITH_CUDA STREQUAL "ON")
     message(FATAL_ERROR "TESSERA_WITH_CUDA=ON but no CUDA compiler was found")
   endif()
