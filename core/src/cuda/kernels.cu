@@ -4,11 +4,13 @@
 // runs only where a GPU is.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <array>
 #include <climits>
 #include <mutex>
+#include <string>
 
 #include "../kernel_table.h"
 #include "../portable/kernels.h"
@@ -55,6 +57,35 @@ void check_cublas(cublasStatus_t s, const char* op, Device device, const char* w
                 " failed: ", cublas_status_name(s), " (", int(s), ")");
 }
 
+// cuBLAS is loaded on first use rather than linked: its libraries are over half a gigabyte, and
+// loading them at the start of every process (every test rank, on machines without a GPU too)
+// cost about 50 ms each.
+struct Cublas {
+  decltype(&cublasCreate_v2) create = nullptr;
+  decltype(&cublasSetMathMode) set_math_mode = nullptr;
+  decltype(&cublasSgemmStridedBatched) sgemm = nullptr;
+  decltype(&cublasDgemmStridedBatched) dgemm = nullptr;
+};
+
+const Cublas& cublas(const char* op, Device device) {
+  static const Cublas api = [] {
+    Cublas c;
+    const std::string name = "libcublas.so." + std::to_string(CUBLAS_VER_MAJOR);
+    void* lib = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return c;
+    c.create = reinterpret_cast<decltype(c.create)>(dlsym(lib, "cublasCreate_v2"));
+    c.set_math_mode = reinterpret_cast<decltype(c.set_math_mode)>(dlsym(lib, "cublasSetMathMode"));
+    c.sgemm = reinterpret_cast<decltype(c.sgemm)>(dlsym(lib, "cublasSgemmStridedBatched"));
+    c.dgemm = reinterpret_cast<decltype(c.dgemm)>(dlsym(lib, "cublasDgemmStridedBatched"));
+    return c;
+  }();
+  TESSERA_CHECK(api.create && api.set_math_mode && api.sgemm && api.dgemm, op, " on ", device.str(),
+                ": cannot load cuBLAS (libcublas.so.", CUBLAS_VER_MAJOR,
+                " with cublasCreate_v2, cublasSetMathMode, cublas[SD]gemmStridedBatched); is the "
+                "CUDA toolkit's lib64 on the library path?");
+  return api;
+}
+
 // One cuBLAS handle per device, made on first use. Its math mode stays CUBLAS_DEFAULT_MATH, which
 // never lowers float32 to TF32, so float32 products keep float32 precision as on the CPU.
 cublasHandle_t cublas_handle(const char* op, Device device) {
@@ -65,8 +96,9 @@ cublasHandle_t cublas_handle(const char* op, Device device) {
   std::lock_guard<std::mutex> lock(mutex);
   cublasHandle_t& h = handles[size_t(device.index)];
   if (!h) {
-    check_cublas(cublasCreate(&h), op, device, "cublasCreate");
-    check_cublas(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), op, device, "cublasSetMathMode");
+    check_cublas(cublas(op, device).create(&h), op, device, "cublasCreate");
+    check_cublas(cublas(op, device).set_math_mode(h, CUBLAS_DEFAULT_MATH), op, device,
+                 "cublasSetMathMode");
   }
   return h;
 }
@@ -101,18 +133,18 @@ struct CudaExec {
     const int ldc = as_int(g.ldc, op, device, "ldc");
     if (g.dtype == DType::Float64) {
       const double alpha = g.alpha, beta = g.beta;
-      check_cublas(cublasDgemmStridedBatched(
-                       h, ta, tb, m, n, k, &alpha, static_cast<const double*>(g.a), lda, g.stride_a,
-                       static_cast<const double*>(g.b), ldb, g.stride_b, &beta,
-                       static_cast<double*>(g.c), ldc, g.stride_c, batch),
+      check_cublas(cublas(op, device)
+                       .dgemm(h, ta, tb, m, n, k, &alpha, static_cast<const double*>(g.a), lda,
+                              g.stride_a, static_cast<const double*>(g.b), ldb, g.stride_b, &beta,
+                              static_cast<double*>(g.c), ldc, g.stride_c, batch),
                    op, device, "cublasDgemmStridedBatched");
     } else {
       const float alpha = float(g.alpha), beta = float(g.beta);
-      check_cublas(
-          cublasSgemmStridedBatched(h, ta, tb, m, n, k, &alpha, static_cast<const float*>(g.a), lda,
-                                    g.stride_a, static_cast<const float*>(g.b), ldb, g.stride_b,
-                                    &beta, static_cast<float*>(g.c), ldc, g.stride_c, batch),
-          op, device, "cublasSgemmStridedBatched");
+      check_cublas(cublas(op, device)
+                       .sgemm(h, ta, tb, m, n, k, &alpha, static_cast<const float*>(g.a), lda,
+                              g.stride_a, static_cast<const float*>(g.b), ldb, g.stride_b, &beta,
+                              static_cast<float*>(g.c), ldc, g.stride_c, batch),
+                   op, device, "cublasSgemmStridedBatched");
     }
   }
 };
