@@ -5,6 +5,7 @@
 #include <array>
 #include <type_traits>
 
+#include "../portable/elementwise.h"
 #include "tessera/core/detail/strided_loop.h"
 #include "tessera/core/tensor.h"
 
@@ -20,14 +21,7 @@ inline void check_cpu(const char* op, const Tensor& t) {
                 " is not a cpu tensor; the cpu kernels need cpu inputs");
 }
 
-// Strides that read `t` as if it had been broadcast to `shape` (0 along broadcast dims).
-inline Shape broadcast_strides(const Tensor& t, const Shape& shape) {
-  Shape st(shape.size(), 0);
-  const size_t lead = shape.size() - size_t(t.dim());
-  for (size_t i = 0; i < size_t(t.dim()); ++i)
-    if (t.sizes()[i] != 1) st[lead + i] = t.strides()[i];
-  return st;
-}
+using portable::broadcast_strides;
 
 // One 1-D run of map_runs: direct when contiguous and unconverted, else through buffers.
 template <class T, class TO, size_t N, class Kernel>

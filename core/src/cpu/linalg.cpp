@@ -8,6 +8,7 @@
 #include <Eigen/Core>
 
 #include "../portable/composite.h"
+#include "../portable/linalg.h"
 #include "../portable/linalg_checks.h"
 #include "kernels.h"
 #include "tessera/core/detail/strided_loop.h"
@@ -132,21 +133,7 @@ Shape batch_strides(const Tensor& x, const Shape& batch) {
 using portable::check_matmul_operands;
 using portable::product_dims;
 using portable::ProductDims;
-
-bool single_stride(const Shape& sizes, const Shape& strides, int64_t& stride) {
-  stride = 0;
-  int64_t expected = -1;
-  for (size_t i = sizes.size(); i-- > 0;) {
-    if (sizes[i] == 1) continue;
-    if (expected < 0)
-      stride = strides[i];
-    else if (strides[i] != expected)
-      return false;
-    expected = strides[i] * sizes[i];
-  }
-  return true;
-}
-
+using portable::single_stride;
 template <class T>
 void batched_matmul(const Operand& a, const Operand& b, const Shape& batch, Tensor& out) {
   const int64_t m = a.mat.rows, k = a.mat.cols, n = b.mat.cols;

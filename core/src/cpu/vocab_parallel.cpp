@@ -2,6 +2,7 @@
 #include <cmath>
 #include <limits>
 #include <utility>
+#include <vector>
 
 #include "../portable/vocab.h"
 #include "kernels.h"
@@ -11,7 +12,6 @@ namespace tessera::kernels::cpu {
 
 using portable::check_vocab_rows;
 using portable::vocab_float_rows;
-using portable::vocab_shift;
 
 VocabShardIds vocab_shard_ids(const Tensor& ids_in, int64_t start, int64_t rows, int64_t vocab) {
   const Tensor ids = ids_in.to(DType::Int64).contiguous();
@@ -37,20 +37,12 @@ Tensor vocab_ce_stats(const Tensor& x, const Tensor& row_max, const Tensor& targ
     const int64_t rows = x.size(0), n = x.size(1);
     check_vocab_rows("vocab_ce_stats", row_max, "row_max", rows, x.dtype());
     check_vocab_rows("vocab_ce_stats", target, "target", rows, DType::Int64);
-    stats = zeros({rows, 2}, x.dtype());
-    const C* px = x.data<C>();
-    const C* pm = row_max.data<C>();
-    const int64_t* pt = target.data<int64_t>();
-    C* ps = stats.data<C>();
-    for (int64_t i = 0; i < rows; ++i) {
-      const C shift = vocab_shift(pm[i]);
-      C acc = 0;
-      for (int64_t j = 0; j < n; ++j)
-        acc += std::exp(px[i * n + j] - shift);
-      ps[2 * i] = acc;
-      const int64_t lt = pt[i] >= start && pt[i] < start + n ? pt[i] - start : -1;
-      if (lt >= 0) ps[2 * i + 1] = px[i * n + lt];
-    }
+    stats = empty({rows, 2}, x.dtype());
+    // The device kernel's row body (portable/vocab.h), run row by row.
+    const portable::VocabStatsFn<C> row{
+        x.data<C>(), row_max.data<C>(), target.data<int64_t>(), stats.data<C>(), n, start};
+    for (int64_t i = 0; i < rows; ++i)
+      row(i);
   });
   return stats;
 }
@@ -63,14 +55,14 @@ VocabCrossEntropy vocab_ce_loss(const Tensor& stats, const Tensor& row_max, cons
     check_vocab_rows("vocab_ce_loss", row_max, "row_max", rows, stats.dtype());
     check_vocab_rows("vocab_ce_loss", target, "target", rows, DType::Int64);
     out.lse = empty({rows}, stats.dtype());
-    const C* ps = stats.data<C>();
-    const C* pm = row_max.data<C>();
-    const int64_t* pt = target.data<int64_t>();
-    C* pl = out.lse.data<C>();
+    std::vector<double> partial(static_cast<size_t>(rows));
+    const portable::VocabLossRowFn<C> row{stats.data<C>(), row_max.data<C>(),
+                                          target.data<int64_t>(), out.lse.data<C>(),
+                                          partial.data()};
     double total = 0;
     for (int64_t i = 0; i < rows; ++i) {
-      pl[i] = std::log(ps[2 * i]) + vocab_shift(pm[i]);
-      if (pt[i] >= 0) total += double(pl[i] - ps[2 * i + 1]);
+      row(i);
+      total += partial[size_t(i)];
     }
     const double mean = kept ? total / double(kept) : std::numeric_limits<double>::quiet_NaN();
     out.loss = scalar_tensor(double(C(mean)), stats.dtype());
@@ -85,19 +77,11 @@ Tensor vocab_ce_backward(const Tensor& x, const Tensor& lse, const Tensor& targe
     const int64_t rows = x.size(0), n = x.size(1);
     check_vocab_rows("vocab_ce_backward", lse, "lse", rows, x.dtype());
     check_vocab_rows("vocab_ce_backward", target, "target", rows, DType::Int64);
-    out = zeros({rows, n}, x.dtype());
-    const C* px = x.data<C>();
-    const C* pl = lse.data<C>();
-    const int64_t* pt = target.data<int64_t>();
-    C* po = out.data<C>();
-    for (int64_t i = 0; i < rows; ++i) {
-      if (pt[i] < 0) continue;
-      const int64_t lt = pt[i] >= start && pt[i] < start + n ? pt[i] - start : -1;
-      for (int64_t j = 0; j < n; ++j) {
-        const C p = std::exp(px[i * n + j] - pl[i]) - (j == lt ? C(1) : C(0));
-        po[i * n + j] = C(p * C(scale));
-      }
-    }
+    out = empty({rows, n}, x.dtype());
+    const portable::VocabBackwardFn<C> row{
+        x.data<C>(), lse.data<C>(), target.data<int64_t>(), out.data<C>(), n, start, C(scale)};
+    for (int64_t i = 0; i < rows; ++i)
+      row(i);
   });
   return out;
 }

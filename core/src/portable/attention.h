@@ -10,6 +10,7 @@
 
 #include "../kernel_table.h"
 #include "element_ops.h"
+#include "launch.h"
 #include "linalg.h"
 #include "nn_checks.h"
 #include "tessera/core/factory.h"
@@ -104,20 +105,8 @@ template <class Exec>
 struct Attention {
   template <class F>
   static void run(const char* op, Device device, int64_t n, const F& f) {
-    if (n > 0) Exec::for_each(op, device, n, f);
+    launch<Exec>(op, device, n, f);
   }
-  template <class C>
-  static C* at(const Tensor& t) {
-    return static_cast<C*>(const_cast<void*>(t.raw_data()));
-  }
-  template <class F>
-  static void on_compute(DType cdt, F&& f) {
-    if (cdt == DType::Float64)
-      f.template operator()<double>();
-    else
-      f.template operator()<float>();
-  }
-  static Tensor in_compute(const Tensor& t, DType cdt) { return t.to(cdt).contiguous(); }
 
   static AttentionResult forward(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                                  double scale) {
@@ -129,7 +118,7 @@ struct Attention {
     Tensor lse = empty({n.batch, n.heads, n.t}, TensorOptions(cdt, q.device()));
     on_compute(cdt, [&]<class C>() {
       run(op, q.device(), n.batch * n.heads * n.t,
-          AttentionSoftmaxFn<C>{at<C>(p), at<C>(lse), n.t, n.s, causal, C(scale)});
+          AttentionSoftmaxFn<C>{data_of<C>(p), data_of<C>(lse), n.t, n.s, causal, C(scale)});
     });
     const Tensor out = Linalg<Exec>::matmul(p, vc, false, false);
     return {out.to(q.dtype()), lse};
@@ -151,10 +140,11 @@ struct Attention {
     Tensor dp = Linalg<Exec>::matmul(gc, vc, false, true);  // [B, H, T, S]
     on_compute(cdt, [&]<class C>() {
       run(op, q.device(), rows * n.s,
-          AttentionProbsFn<C>{at<C>(p), at<C>(lc), n.t, n.s, causal, C(scale)});
-      run(op, q.device(), rows, RowDotFn<C>{at<C>(gc), at<C>(oc), at<C>(delta), n.dv});
+          AttentionProbsFn<C>{data_of<C>(p), data_of<C>(lc), n.t, n.s, causal, C(scale)});
+      run(op, q.device(), rows,
+          RowDotFn<C>{data_of<C>(gc), data_of<C>(oc), data_of<C>(delta), n.dv});
       run(op, q.device(), rows * n.s,
-          AttentionScoreGradFn<C>{at<C>(dp), at<C>(p), at<C>(delta), n.s, C(scale)});
+          AttentionScoreGradFn<C>{data_of<C>(dp), data_of<C>(p), data_of<C>(delta), n.s, C(scale)});
     });
     const Tensor dv = Linalg<Exec>::matmul(p, gc, true, false);
     const Tensor dq = Linalg<Exec>::matmul(dp, kc, false, false);

@@ -13,6 +13,7 @@
 #include "element_checks.h"
 #include "element_ops.h"
 #include "float_dispatch.h"
+#include "launch.h"
 #include "strided_index.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
@@ -22,15 +23,6 @@ namespace tessera::kernels::portable {
 template <class T>
 TESSERA_HOST_DEVICE inline compute_t<T> load(const T* p, int64_t i) {
   return compute_t<T>(p[i]);
-}
-
-template <class T>
-T* data_of(const Tensor& t) {
-  return static_cast<T*>(const_cast<void*>(t.raw_data()));
-}
-
-inline Tensor empty_on(const Shape& shape, DType dt, Device device) {
-  return empty(shape, TensorOptions(dt, device));
 }
 
 // Strides that read `t` as broadcast to `shape` (0 along broadcast dims).
@@ -252,20 +244,6 @@ struct SgdFn {
 
 // ---- dispatch helpers -------------------------------------------------------------------------
 
-template <class F>
-void dispatch_width(size_t bytes, F&& f) {
-  switch (bytes) {
-    case 1:
-      return f.template operator()<uint8_t>();
-    case 2:
-      return f.template operator()<uint16_t>();
-    case 4:
-      return f.template operator()<uint32_t>();
-    default:
-      return f.template operator()<uint64_t>();
-  }
-}
-
 template <class T>
 constexpr bool kArithmetic = !std::is_same_v<T, bool>;
 
@@ -275,7 +253,7 @@ template <class Exec>
 struct Elementwise {
   template <class F>
   static void run(const char* op, const Tensor& where, int64_t n, const F& f) {
-    if (n > 0) Exec::for_each(op, where.device(), n, f);
+    launch<Exec>(op, where.device(), n, f);
   }
 
   template <class T, class TO, class Fn>

@@ -7,6 +7,7 @@
 // 16-bit operands go through float32 copies, as on the CPU.
 #include <algorithm>
 
+#include "../kernel_table.h"
 #include "linalg_checks.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/views.h"

@@ -12,6 +12,7 @@
 #include "../kernel_table.h"
 #include "element_ops.h"
 #include "elementwise.h"
+#include "launch.h"
 #include "nn_checks.h"
 #include "reduce.h"
 #include "strided_index.h"
@@ -21,11 +22,6 @@
 #include "tessera/core/random.h"
 
 namespace tessera::kernels::portable {
-
-template <class T>
-T* ptr(const Tensor& t) {
-  return static_cast<T*>(const_cast<void*>(t.raw_data()));
-}
 
 // ---- softmax --------------------------------------------------------------------------------
 
@@ -355,22 +351,11 @@ template <class Exec>
 struct Nn {
   template <class F>
   static void run(const char* op, Device device, int64_t n, const F& f) {
-    if (n > 0) Exec::for_each(op, device, n, f);
-  }
-
-  template <class F>
-  static void on_compute(DType cdt, F&& f) {
-    if (cdt == DType::Float64)
-      f.template operator()<double>();
-    else
-      f.template operator()<float>();
+    launch<Exec>(op, device, n, f);
   }
 
   static Tensor on(const Tensor& like, const Shape& shape, DType dt) {
     return empty(shape, TensorOptions(dt, like.device()));
-  }
-  static Tensor in_compute(const Tensor& t, DType cdt) {
-    return t.defined() ? t.to(cdt).contiguous() : Tensor();
   }
   // A host vector of int64 as a tensor on `like`'s device.
   static Tensor to_device(const std::vector<int64_t>& v, const Tensor& like) {
@@ -386,7 +371,8 @@ struct Nn {
     const Geometry g = geometry(x.shape(), dim);
     dispatch_dtype(x.dtype(), [&]<class T>() {
       if constexpr (std::is_floating_point_v<compute_t<T>>)
-        run(op, x.device(), g.outer * g.inner, SoftmaxFn<T>{ptr<T>(xc), ptr<T>(out), g, log});
+        run(op, x.device(), g.outer * g.inner,
+            SoftmaxFn<T>{data_of<T>(xc), data_of<T>(out), g, log});
     });
     return out;
   }
@@ -413,7 +399,7 @@ struct Nn {
     dispatch_dtype(out.dtype(), [&]<class T>() {
       if constexpr (std::is_floating_point_v<compute_t<T>>)
         run(op, out.device(), g.outer * g.inner,
-            SoftmaxBackwardFn<T>{ptr<T>(gc), ptr<T>(yc), ptr<T>(gx), g, log});
+            SoftmaxBackwardFn<T>{data_of<T>(gc), data_of<T>(yc), data_of<T>(gx), g, log});
     });
     return gx;
   }
@@ -432,8 +418,8 @@ struct Nn {
     Tensor out = on(x, x.shape(), cdt), rstd = on(x, r.lead, cdt);
     on_compute(cdt, [&]<class C>() {
       run("rms_norm", x.device(), r.rows,
-          RmsNormFn<C>{ptr<C>(xc), wc.defined() ? ptr<C>(wc) : nullptr, ptr<C>(out), ptr<C>(rstd),
-                       r.d, C(eps)});
+          RmsNormFn<C>{data_of<C>(xc), wc.defined() ? data_of<C>(wc) : nullptr, data_of<C>(out),
+                       data_of<C>(rstd), r.d, C(eps)});
     });
     return {out.to(x.dtype()), Tensor(), rstd};
   }
@@ -444,9 +430,10 @@ struct Nn {
                             const Tensor& rstd, const RowLayout& r, DType dtype) {
     Tensor acc = on(g, {r.d}, DType::Float64);
     run(op, g.device(), r.d,
-        NormColumnFn<C>{ptr<C>(g), x.defined() ? ptr<C>(x) : nullptr,
-                        mean.defined() ? ptr<C>(mean) : nullptr,
-                        rstd.defined() ? ptr<C>(rstd) : nullptr, ptr<double>(acc), r.rows, r.d});
+        NormColumnFn<C>{data_of<C>(g), x.defined() ? data_of<C>(x) : nullptr,
+                        mean.defined() ? data_of<C>(mean) : nullptr,
+                        rstd.defined() ? data_of<C>(rstd) : nullptr, data_of<double>(acc), r.rows,
+                        r.d});
     return acc.to(dtype);
   }
 
@@ -462,8 +449,9 @@ struct Nn {
     NormGrads grads;
     on_compute(cdt, [&]<class C>() {
       run(op, x.device(), r.rows,
-          RmsNormBackwardFn<C>{ptr<C>(gc), ptr<C>(xc), wc.defined() ? ptr<C>(wc) : nullptr,
-                               ptr<C>(rc), ptr<C>(grad_x), r.d});
+          RmsNormBackwardFn<C>{data_of<C>(gc), data_of<C>(xc),
+                               wc.defined() ? data_of<C>(wc) : nullptr, data_of<C>(rc),
+                               data_of<C>(grad_x), r.d});
       if (weight.defined())
         grads.grad_weight = norm_column<C>(op, gc, xc, Tensor(), rc, r, weight.dtype());
     });
@@ -480,9 +468,9 @@ struct Nn {
     Tensor out = on(x, x.shape(), cdt), mean = on(x, r.lead, cdt), rstd = on(x, r.lead, cdt);
     on_compute(cdt, [&]<class C>() {
       run("layer_norm", x.device(), r.rows,
-          LayerNormFn<C>{ptr<C>(xc), wc.defined() ? ptr<C>(wc) : nullptr,
-                         bc.defined() ? ptr<C>(bc) : nullptr, ptr<C>(out), ptr<C>(mean),
-                         ptr<C>(rstd), r.d, C(eps)});
+          LayerNormFn<C>{data_of<C>(xc), wc.defined() ? data_of<C>(wc) : nullptr,
+                         bc.defined() ? data_of<C>(bc) : nullptr, data_of<C>(out), data_of<C>(mean),
+                         data_of<C>(rstd), r.d, C(eps)});
     });
     return {out.to(x.dtype()), mean, rstd};
   }
@@ -503,8 +491,9 @@ struct Nn {
     NormGrads grads;
     on_compute(cdt, [&]<class C>() {
       run(op, x.device(), r.rows,
-          LayerNormBackwardFn<C>{ptr<C>(gc), ptr<C>(xc), wc.defined() ? ptr<C>(wc) : nullptr,
-                                 ptr<C>(mc), ptr<C>(rc), ptr<C>(grad_x), r.d});
+          LayerNormBackwardFn<C>{data_of<C>(gc), data_of<C>(xc),
+                                 wc.defined() ? data_of<C>(wc) : nullptr, data_of<C>(mc),
+                                 data_of<C>(rc), data_of<C>(grad_x), r.d});
       if (weight.defined()) grads.grad_weight = norm_column<C>(op, gc, xc, mc, rc, r, param_dtype);
       grads.grad_bias = norm_column<C>(op, gc, Tensor(), Tensor(), Tensor(), r, param_dtype);
     });
@@ -526,15 +515,17 @@ struct Nn {
       if constexpr (std::is_floating_point_v<compute_t<T>>) {
         if (none) {
           run(op, x.device(), n,
-              CrossEntropyRowFn<T>{ptr<T>(x), ptr<int64_t>(t), ptr<T>(out), nullptr, c});
+              CrossEntropyRowFn<T>{data_of<T>(x), data_of<int64_t>(t), data_of<T>(out), nullptr,
+                                   c});
           return;
         }
         const Tensor losses = on(logits, {n}, DType::Float64);
         run(op, x.device(), n,
-            CrossEntropyRowFn<T>{ptr<T>(x), ptr<int64_t>(t), nullptr, ptr<double>(losses), c});
+            CrossEntropyRowFn<T>{data_of<T>(x), data_of<int64_t>(t), nullptr,
+                                 data_of<double>(losses), c});
         const Tensor total = Reduce<Exec>::sum(losses, {}, false);
         const double divisor = reduction == Reduction::Sum ? 1.0 : double(kept);
-        run(op, x.device(), 1, DivideTotalFn<T>{ptr<double>(total), ptr<T>(out), divisor});
+        run(op, x.device(), 1, DivideTotalFn<T>{data_of<double>(total), data_of<T>(out), divisor});
       }
     });
     return out;
@@ -563,8 +554,8 @@ struct Nn {
     dispatch_dtype(logits.dtype(), [&]<class T>() {
       if constexpr (std::is_floating_point_v<compute_t<T>>)
         run(op, x.device(), n,
-            CrossEntropyBackwardFn<T>{ptr<T>(x), ptr<int64_t>(t), ptr<double>(gl), ptr<T>(gx), c,
-                                      reduction == Reduction::None, divisor});
+            CrossEntropyBackwardFn<T>{data_of<T>(x), data_of<int64_t>(t), data_of<double>(gl),
+                                      data_of<T>(gx), c, reduction == Reduction::None, divisor});
     });
     return gx;
   }
@@ -581,8 +572,8 @@ struct Nn {
     Tensor out = on(x, x.shape(), cdt);
     on_compute(cdt, [&]<class C>() {
       run("rope", x.device(), r.batch * r.seq * r.heads * r.half,
-          RopeFn<C>{ptr<C>(xc), ptr<C>(cc), ptr<C>(sc), ptr<C>(out), r.seq, r.heads, r.half,
-                    inverse ? C(-1) : C(1)});
+          RopeFn<C>{data_of<C>(xc), data_of<C>(cc), data_of<C>(sc), data_of<C>(out), r.seq, r.heads,
+                    r.half, inverse ? C(-1) : C(1)});
     });
     return out.to(x.dtype());
   }
@@ -599,7 +590,7 @@ struct Nn {
       if constexpr (std::is_floating_point_v<compute_t<T>>) {
         using C = compute_t<T>;
         run("dropout", x.device(), x.numel(),
-            DropoutFn<T>{ptr<T>(xc), ptr<T>(mask), ptr<T>(out), T(C(1.0 / (1.0 - p)))});
+            DropoutFn<T>{data_of<T>(xc), data_of<T>(mask), data_of<T>(out), T(C(1.0 / (1.0 - p)))});
       }
     });
     return {out, mask};
@@ -623,8 +614,8 @@ struct Nn {
     const StridedIndex<2> ix = make_index<2>("index_select", out_shape, {&out.strides(), &xs});
     dispatch_width(x.element_size(), [&]<class W>() {
       run("index_select", x.device(), out.numel(),
-          IndexSelectFn<W>{ix, ptr<W>(x), ptr<W>(out), ptr<int64_t>(id), inner, int64_t(idx.size()),
-                           x.stride(dim)});
+          IndexSelectFn<W>{ix, data_of<W>(x), data_of<W>(out), data_of<int64_t>(id), inner,
+                           int64_t(idx.size()), x.stride(dim)});
     });
     return out;
   }
@@ -652,7 +643,7 @@ struct Nn {
     dispatch_dtype(src.dtype(), [&]<class T>() {
       if constexpr (!std::is_same_v<T, bool>)
         run("index_add", src.device(), outer * inner,
-            IndexAddFn<T>{ptr<T>(s), ptr<compute_t<T>>(acc), ptr<int64_t>(id), inner,
+            IndexAddFn<T>{data_of<T>(s), data_of<compute_t<T>>(acc), data_of<int64_t>(id), inner,
                           int64_t(idx.size()), shape[size_t(dim)]});
     });
     return acc.to(src.dtype());

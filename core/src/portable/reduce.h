@@ -13,6 +13,7 @@
 
 #include "../kernel_table.h"
 #include "element_checks.h"
+#include "launch.h"
 #include "strided_index.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/reduce.h"
@@ -161,7 +162,7 @@ template <class Exec>
 struct Reduce {
   template <class F>
   static void run(const char* op, Device device, int64_t n, const F& f) {
-    if (n > 0) Exec::for_each(op, device, n, f);
+    launch<Exec>(op, device, n, f);
   }
 
   // Elements a chunk covers when outputs are too few to keep a device busy.
@@ -182,12 +183,11 @@ struct Reduce {
     const int64_t chunk = std::max<int64_t>((g.count + chunks - 1) / chunks, 1);
     Tensor partial = empty({n_out * chunks}, TensorOptions(DTypeOf<A>::value, x.device()));
     run(op, x.device(), n_out * chunks,
-        PartialSumFn<T>{g.kept, g.reduced, static_cast<const T*>(x.raw_data()),
-                        static_cast<A*>(partial.raw_data()), g.count, chunks, chunk, squares});
+        PartialSumFn<T>{g.kept, g.reduced, data_of<T>(x), data_of<A>(partial), g.count, chunks,
+                        chunk, squares});
     dispatch_dtype(out_dtype, [&]<class TO>() {
       run(op, x.device(), n_out,
-          FinishSumFn<A, TO>{static_cast<const A*>(partial.raw_data()),
-                             static_cast<TO*>(out.raw_data()), chunks, scale});
+          FinishSumFn<A, TO>{data_of<A>(partial), data_of<TO>(out), chunks, scale});
     });
     return out;
   }
@@ -234,8 +234,7 @@ struct Reduce {
     Tensor out = empty(g.out_shape, TensorOptions(x.dtype(), x.device()));
     dispatch_dtype(x.dtype(), [&]<class T>() {
       run(op, x.device(), n_out,
-          ExtremeFn<T, kMax>{g.kept, g.reduced, static_cast<const T*>(x.raw_data()),
-                             static_cast<T*>(out.raw_data()), g.count});
+          ExtremeFn<T, kMax>{g.kept, g.reduced, data_of<T>(x), data_of<T>(out), g.count});
     });
     return out;
   }
@@ -261,8 +260,8 @@ struct Reduce {
     const StridedIndex<2> kept = make_index<2>("max", keep_shape, {&out_strides, &x.strides()});
     dispatch_dtype(x.dtype(), [&]<class T>() {
       run("max", x.device(), values.numel(),
-          MaxFn<T>{kept, static_cast<const T*>(x.raw_data()), static_cast<T*>(values.raw_data()),
-                   static_cast<int64_t*>(indices.raw_data()), n, x.stride(d)});
+          MaxFn<T>{kept, data_of<T>(x), data_of<T>(values), data_of<int64_t>(indices), n,
+                   x.stride(d)});
     });
     if (!keepdim) {
       Shape outer = x.shape();

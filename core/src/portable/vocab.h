@@ -10,6 +10,7 @@
 #include "../kernel_table.h"
 #include "element_ops.h"
 #include "float_dispatch.h"
+#include "launch.h"
 #include "reduce.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/vocab_parallel.h"
@@ -118,11 +119,7 @@ template <class Exec>
 struct Vocab {
   template <class F>
   static void run(const char* op, Device device, int64_t n, const F& f) {
-    if (n > 0) Exec::for_each(op, device, n, f);
-  }
-  template <class T>
-  static T* at(const Tensor& t) {
-    return static_cast<T*>(const_cast<void*>(t.raw_data()));
+    launch<Exec>(op, device, n, f);
   }
 
   static VocabShardIds shard_ids(const Tensor& ids_in, int64_t start, int64_t rows, int64_t vocab) {
@@ -133,7 +130,8 @@ struct Vocab {
     mask_shape.push_back(1);
     Tensor foreign = empty(mask_shape, TensorOptions(DType::Bool, ids.device()));
     run("vocab_shard_ids", ids.device(), ids.numel(),
-        ShardIdsFn{at<int64_t>(ids), at<int64_t>(local), at<bool>(foreign), start, rows});
+        ShardIdsFn{data_of<int64_t>(ids), data_of<int64_t>(local), data_of<bool>(foreign), start,
+                   rows});
     return {local, foreign};
   }
 
@@ -145,7 +143,8 @@ struct Vocab {
       check_vocab_rows("vocab_ce_stats", target, "target", rows, DType::Int64);
       out = empty({rows, 2}, TensorOptions(x.dtype(), x.device()));
       run("vocab_ce_stats", x.device(), rows,
-          VocabStatsFn<C>{at<C>(x), at<C>(row_max), at<int64_t>(target), at<C>(out), n, start});
+          VocabStatsFn<C>{data_of<C>(x), data_of<C>(row_max), data_of<int64_t>(target),
+                          data_of<C>(out), n, start});
     });
     return out;
   }
@@ -160,13 +159,13 @@ struct Vocab {
       out.lse = empty({rows}, TensorOptions(stats.dtype(), stats.device()));
       const Tensor partial = empty({rows}, TensorOptions(DType::Float64, stats.device()));
       run("vocab_ce_loss", stats.device(), rows,
-          VocabLossRowFn<C>{at<C>(stats), at<C>(row_max), at<int64_t>(target), at<C>(out.lse),
-                            at<double>(partial)});
+          VocabLossRowFn<C>{data_of<C>(stats), data_of<C>(row_max), data_of<int64_t>(target),
+                            data_of<C>(out.lse), data_of<double>(partial)});
       const Tensor total = Reduce<Exec>::sum(partial, {}, false);
       out.loss = empty({}, TensorOptions(stats.dtype(), stats.device()));
       const double divisor = kept ? double(kept) : std::numeric_limits<double>::quiet_NaN();
       run("vocab_ce_loss", stats.device(), 1,
-          VocabMeanFn<C>{at<double>(total), at<C>(out.loss), divisor});
+          VocabMeanFn<C>{data_of<double>(total), data_of<C>(out.loss), divisor});
     });
     return out;
   }
@@ -180,8 +179,8 @@ struct Vocab {
       check_vocab_rows("vocab_ce_backward", target, "target", rows, DType::Int64);
       out = empty({rows, n}, TensorOptions(x.dtype(), x.device()));
       run("vocab_ce_backward", x.device(), rows,
-          VocabBackwardFn<C>{at<C>(x), at<C>(lse), at<int64_t>(target), at<C>(out), n, start,
-                             C(scale)});
+          VocabBackwardFn<C>{data_of<C>(x), data_of<C>(lse), data_of<int64_t>(target),
+                             data_of<C>(out), n, start, C(scale)});
     });
     return out;
   }

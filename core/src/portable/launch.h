@@ -1,0 +1,57 @@
+#pragma once
+// Private to core: what every device kernel's host code does around a launch: reach a tensor's
+// memory as a typed pointer (to hand to a functor, never to read on the host), launch only when
+// there is work, make results on the inputs' device, and pick the compute type.
+#include <cstdint>
+
+#include "tessera/core/factory.h"
+#include "tessera/core/tensor.h"
+
+namespace tessera::kernels::portable {
+
+// t's first element as T*, for a functor; the host never dereferences it.
+template <class T>
+T* data_of(const Tensor& t) {
+  return static_cast<T*>(const_cast<void*>(t.raw_data()));
+}
+
+inline Tensor empty_on(const Shape& shape, DType dt, Device device) {
+  return empty(shape, TensorOptions(dt, device));
+}
+
+// Runs f over [0, n) on `device` through the executor; nothing when n is 0.
+template <class Exec, class F>
+void launch(const char* op, Device device, int64_t n, const F& f) {
+  if (n > 0) Exec::for_each(op, device, n, f);
+}
+
+// f<float> or f<double> for a compute dtype (16-bit types compute in float32).
+template <class F>
+void on_compute(DType cdt, F&& f) {
+  if (cdt == DType::Float64)
+    f.template operator()<double>();
+  else
+    f.template operator()<float>();
+}
+
+// t in the compute dtype, contiguous (undefined stays undefined).
+inline Tensor in_compute(const Tensor& t, DType cdt) {
+  return t.defined() ? t.to(cdt).contiguous() : Tensor();
+}
+
+// Selection moves bits: f<W> with W an unsigned word of the element's size.
+template <class F>
+void dispatch_width(size_t bytes, F&& f) {
+  switch (bytes) {
+    case 1:
+      return f.template operator()<uint8_t>();
+    case 2:
+      return f.template operator()<uint16_t>();
+    case 4:
+      return f.template operator()<uint32_t>();
+    default:
+      return f.template operator()<uint64_t>();
+  }
+}
+
+}  // namespace tessera::kernels::portable
