@@ -72,14 +72,7 @@ Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, con
   const char* op = "cross_entropy_backward";
   portable::check_cross_entropy_args(op, logits, target);
   const int64_t n = logits.size(0), c = logits.size(1);
-  TESSERA_CHECK(grad_loss.defined(), op, ": undefined grad_loss");
-  if (reduction == Reduction::None) {
-    TESSERA_CHECK(grad_loss.shape() == Shape{n}, op, ": grad_loss ", shape_str(grad_loss.shape()),
-                  " for reduction none must be [", n, "]");
-  } else {
-    TESSERA_CHECK(grad_loss.numel() == 1, op, ": grad_loss ", shape_str(grad_loss.shape()),
-                  " for reduction ", portable::reduction_name(reduction), " must hold one value");
-  }
+  portable::check_cross_entropy_grad(op, grad_loss, n, reduction);
   int64_t kept = 0;
   std::vector<int64_t> t = portable::class_indices(op, target, c, ignore_index, kept);
   std::vector<double> gl = grad_loss.to_vector<double>();

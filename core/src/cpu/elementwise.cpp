@@ -8,6 +8,7 @@
 #include "../portable/composite.h"
 #include "../portable/element_checks.h"
 #include "../portable/element_ops.h"
+#include "../portable/launch.h"
 #include "elementwise_loop.h"
 #include "kernels.h"
 #include "tessera/core/factory.h"
@@ -302,21 +303,9 @@ void mul_scalar_(Tensor& dst, double s) {
 namespace {
 
 // Selection only moves bits, so it runs on unsigned words of the element's size (one
-// instantiation per width), reading masks as bytes: that form compiles to vector blends, where a
-// data-dependent branch would mispredict on random masks.
-template <class F>
-void dispatch_width(size_t bytes, F&& f) {
-  switch (bytes) {
-    case 1:
-      return f.template operator()<uint8_t>();
-    case 2:
-      return f.template operator()<uint16_t>();
-    case 4:
-      return f.template operator()<uint32_t>();
-    default:
-      return f.template operator()<uint64_t>();
-  }
-}
+// instantiation per width, portable::dispatch_width), reading masks as bytes: that form compiles
+// to vector blends, where a data-dependent branch would mispredict on random masks.
+using portable::dispatch_width;
 
 template <class W>
 inline W blend(uint8_t take_x, W x, W y) {

@@ -537,14 +537,7 @@ struct Nn {
     const char* op = "cross_entropy_backward";
     check_cross_entropy_args(op, logits, target);
     const int64_t n = logits.size(0), c = logits.size(1);
-    TESSERA_CHECK(grad_loss.defined(), op, ": undefined grad_loss");
-    if (reduction == Reduction::None) {
-      TESSERA_CHECK(grad_loss.shape() == Shape{n}, op, ": grad_loss ", shape_str(grad_loss.shape()),
-                    " for reduction none must be [", n, "]");
-    } else {
-      TESSERA_CHECK(grad_loss.numel() == 1, op, ": grad_loss ", shape_str(grad_loss.shape()),
-                    " for reduction ", reduction_name(reduction), " must hold one value");
-    }
+    check_cross_entropy_grad(op, grad_loss, n, reduction);
     int64_t kept = 0;
     const Tensor t = to_device(class_indices(op, target, c, ignore_index, kept), logits);
     const Tensor gl = grad_loss.to(DType::Float64).contiguous();

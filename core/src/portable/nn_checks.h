@@ -102,6 +102,19 @@ inline void check_cross_entropy_args(const char* op, const Tensor& logits, const
                 " (expected [", logits.size(0), "])");
 }
 
+// cross_entropy_backward's grad_loss: [N] for reduction none, one value otherwise.
+inline void check_cross_entropy_grad(const char* op, const Tensor& grad_loss, int64_t n,
+                                     Reduction reduction) {
+  TESSERA_CHECK(grad_loss.defined(), op, ": undefined grad_loss");
+  if (reduction == Reduction::None) {
+    TESSERA_CHECK(grad_loss.shape() == Shape{n}, op, ": grad_loss ", shape_str(grad_loss.shape()),
+                  " for reduction none must be [", n, "]");
+  } else {
+    TESSERA_CHECK(grad_loss.numel() == 1, op, ": grad_loss ", shape_str(grad_loss.shape()),
+                  " for reduction ", reduction_name(reduction), " must hold one value");
+  }
+}
+
 // Target classes read to the host and checked; ignored rows become -1, `kept` counts the rest.
 inline std::vector<int64_t> class_indices(const char* op, const Tensor& target, int64_t num_classes,
                                           int64_t ignore_index, int64_t& kept) {
