@@ -103,6 +103,15 @@ void set_kernel_table(DeviceType type, const KernelTable& table) {
 #undef TESSERA_KERNEL_SET
 }
 
+std::vector<std::string> empty_slots(const KernelTable& table) {
+  std::vector<std::string> names;
+#define TESSERA_KERNEL_EMPTY(kname, result, params, args) \
+  if (!table.kname) names.push_back(#kname);
+  TESSERA_KERNELS(TESSERA_KERNEL_EMPTY)
+#undef TESSERA_KERNEL_EMPTY
+  return names;
+}
+
 void clear_slot(KernelTable& table, std::string_view name) {
 #define TESSERA_KERNEL_CLEAR(kname, result, params, args) \
   if (name == #kname) {                                   \

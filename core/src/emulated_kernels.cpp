@@ -70,6 +70,12 @@ EmulatedDeviceKernels::~EmulatedDeviceKernels() {
   g_memory.store(nullptr);
 }
 
+std::vector<std::string> kernels_without_device_code() {
+  kernels::registry::KernelTable table;
+  kernels::portable::fill_device_table<HostExec>(table);
+  return kernels::registry::empty_slots(table);
+}
+
 int64_t emulated_launches() {
   return g_launches.load();
 }

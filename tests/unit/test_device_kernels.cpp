@@ -327,6 +327,10 @@ TEST(DeviceKernels, RefuseWhatTheCpuRefusesNamingTheOp) {
                {"neg", "[2, 2, 2, 2, 2, 2, 2, 2, 2]", "8"});
 }
 
+TEST(DeviceKernels, EveryKernelOfTheListHasDeviceCode) {
+  EXPECT_EQ(tessera::detail::kernels_without_device_code(), std::vector<std::string>{});
+}
+
 TEST(DeviceKernels, RunOnTheDeviceNotOnHostCopies) {
   TestDevice device(KernelsOn::Device);
   const Tensor a = cuda(random_tensor({64}, 71, DType::Float32));

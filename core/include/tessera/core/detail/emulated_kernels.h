@@ -41,6 +41,10 @@ class EmulatedDeviceKernels {
   std::unique_ptr<Saved> saved_;
 };
 
+// The kernels of the list (kernel_list.h) that have no device implementation: each would run on
+// host copies (host fallback) on a device. Empty today; a test keeps it so.
+std::vector<std::string> kernels_without_device_code();
+
 // Emulated launches since the process started (a test checks that device kernels, not host
 // fallback, ran).
 int64_t emulated_launches();
