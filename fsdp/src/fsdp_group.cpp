@@ -1,6 +1,7 @@
 #include "fsdp_group.h"
 
 #include <chrono>
+#include <vector>
 
 #include "registry.h"
 #include "schedule.h"
@@ -335,6 +336,8 @@ void FSDPGroup::start_reduce() {
       opts_.mp_policy.reduce_dtype.value_or(opts_.mp_policy.param_dtype.value_or(flat_.dtype()));
   PendingReduce pr;
   pr.send = zeros(Shape{k * block}, TensorOptions(reduce_dtype, flat_.device()));
+  const int64_t n_params = int64_t(params_.size());
+  std::vector<float> has_grad(params_.size(), 0.0f);
   for (size_t p = 0; p < params_.size(); ++p) {
     ParamInfo& i = params_[p];
     if (!i.param->requires_grad()) continue;
@@ -345,14 +348,18 @@ void FSDPGroup::start_reduce() {
     TESSERA_CHECK(g.shape() == i.unsharded_shape, "fully_shard: gradient of '", i.name, "' is ",
                   g.str(), "; expected the unsharded shape ", shape_str(i.unsharded_shape));
     g = g.contiguous();
+    has_grad[p] = 1.0f;
     for (int64_t r = 0; r < k; ++r) {
       const Chunk c = chunk_of(i.rows, k, r);
-      flat_window(pr.send, r * block + padded_size_ + int64_t(p), 1).fill_(1.0);
       if (c.length == 0) continue;
       flat_window(pr.send, r * block + i.offset, c.length * i.row_numel)
           .copy_(flat_window(g, c.start * i.row_numel, c.length * i.row_numel));
     }
   }
+  // The flags of every rank's block at once: one copy from the host, not one fill per parameter
+  // and rank (each a kernel launch on a device).
+  pr.send.as_strided({k, n_params}, {block, 1}, padded_size_)
+      .copy_(kernels::expand(from_vector<float>(has_grad, {1, n_params}), {k, n_params}));
   // The unsharded gradients are packed: free them before the transfer.
   free_leaves_after_backward();
   reshard();
