@@ -12,6 +12,7 @@
 #include <numeric>
 #include <type_traits>
 
+#include "../portable/reduce.h"
 #include "kernels.h"
 #include "tessera/core/detail/strided_loop.h"
 #include "tessera/core/factory.h"
@@ -48,14 +49,7 @@ struct ReducePlan {
 ReducePlan plan_reduce(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim,
                        const char* op) {
   const int64_t nd = x.dim();
-  std::vector<bool> reduced(size_t(nd), dims.empty());
-  for (int64_t d : dims) {
-    const int64_t w = wrap_dim(d, nd, op);
-    if (nd == 0) continue;  // a 0-d tensor accepts dim 0/-1 and has nothing to reduce
-    TESSERA_CHECK(!reduced[size_t(w)], op, ": dim ", d, " appears more than once in dims ",
-                  shape_str(dims));
-    reduced[size_t(w)] = true;
-  }
+  const std::vector<bool> reduced = portable::reduced_dims(x, dims, op);
   ReducePlan p;
   p.keep_shape = x.shape();
   for (int64_t d = 0; d < nd; ++d) {

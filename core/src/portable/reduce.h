@@ -31,8 +31,10 @@ struct ReduceGeometry {
   StridedIndex<1> reduced;
 };
 
-inline ReduceGeometry reduce_geometry(const Tensor& x, const std::vector<int64_t>& dims,
-                                      bool keepdim, const char* op) {
+// Which of x's dims a reduction over `dims` folds (all of them when `dims` is empty); a dim
+// named twice is an error. Shared with the CPU's reduction plan.
+inline std::vector<bool> reduced_dims(const Tensor& x, const std::vector<int64_t>& dims,
+                                      const char* op) {
   const int64_t nd = x.dim();
   std::vector<bool> is_reduced(size_t(nd), dims.empty());
   for (int64_t d : dims) {
@@ -42,6 +44,13 @@ inline ReduceGeometry reduce_geometry(const Tensor& x, const std::vector<int64_t
                   shape_str(dims));
     is_reduced[size_t(w)] = true;
   }
+  return is_reduced;
+}
+
+inline ReduceGeometry reduce_geometry(const Tensor& x, const std::vector<int64_t>& dims,
+                                      bool keepdim, const char* op) {
+  const int64_t nd = x.dim();
+  const std::vector<bool> is_reduced = reduced_dims(x, dims, op);
   ReduceGeometry g;
   g.keep_shape = x.shape();
   Shape reduced_shape(size_t(nd), 1);
