@@ -37,6 +37,7 @@ class ThenWork final : public Work {
   }
   bool needs_polling() override { return inner_->needs_polling(); }
   bool poll() override { return inner_->poll(); }
+  std::string abort() override { return inner_->abort(); }
 
  private:
   void finish() {

@@ -16,6 +16,17 @@ namespace {
 constexpr int kPollsPerDepartureLook = 16;
 constexpr int kFirstDepartureLook = 64;
 
+// Stops what the work still runs on a device before the job ends; "; <what it did>" for the
+// message. A failure to stop must not keep the job from ending.
+std::string stopped(Work& work) {
+  try {
+    const std::string what = work.abort();
+    return what.empty() ? "" : "; " + what;
+  } catch (const std::exception& e) {
+    return std::string("; stopping its transfers failed too: ") + e.what();
+  }
+}
+
 }  // namespace
 
 std::string describe(const CallInfo& call, const GroupInfo& group) {
@@ -30,7 +41,7 @@ void watched_wait(Work& work, const std::function<std::string()>& what, const Gr
     const int polls = backoff.polls();
     if (seq >= 0 && polls >= kFirstDepartureLook && polls % kPollsPerDepartureLook == 0) {
       const std::string gone = departed_before(group.id, group.world_ranks, group.name, seq);
-      if (!gone.empty()) abort_job(what() + " cannot complete: " + gone);
+      if (!gone.empty()) abort_job(what() + " cannot complete: " + gone + stopped(work));
     }
     if (std::chrono::duration<double>(backoff.waited()).count() > timeout) {
       char buf[64];
@@ -38,7 +49,8 @@ void watched_wait(Work& work, const std::function<std::string()>& what, const Gr
       abort_job(what() + " did not complete within the collective timeout of " + buf +
                 ": a rank of the group has not called it, or called a different operation "
                 "(TESSERA_DEBUG_COLLECTIVES=1 checks that every rank calls the same one; "
-                "TESSERA_COLLECTIVE_TIMEOUT sets the timeout)");
+                "TESSERA_COLLECTIVE_TIMEOUT sets the timeout)" +
+                stopped(work));
     }
   }
   work.wait();  // completed: reports nothing new, but keeps wait()'s contract for any backend

@@ -45,6 +45,7 @@ class WatchedWork final : public Work {
   bool is_completed() override { return inner_->is_completed(); }
   bool needs_polling() override { return inner_->needs_polling(); }
   bool poll() override { return inner_->poll(); }
+  std::string abort() override { return inner_->abort(); }
 
  private:
   WorkPtr inner_;

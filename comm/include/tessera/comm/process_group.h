@@ -54,6 +54,11 @@ class Work {
   // or failed: wait() then reports the error). It must not run what wait() runs after the
   // transfers (copying staged results, dividing for Avg): that stays on the caller's thread.
   virtual bool poll() { return true; }
+  // What the timeout watchdog calls before it ends the job over this work: a backend whose
+  // transfers run on a device stops them there (NCCL aborts its communicator), so that no kernel
+  // is left waiting for a peer that will never come. Returns what it did, for the watchdog's
+  // message ("" when there was nothing to stop: MPI's transfers end with the job).
+  virtual std::string abort() { return ""; }
 };
 using WorkPtr = std::shared_ptr<Work>;
 
