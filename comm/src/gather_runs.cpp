@@ -30,6 +30,22 @@ std::string where(const ProcessGroup& g) {
          std::to_string(g.size()) + ")";
 }
 
+// Copies `length` elements from element `src_at` of `src` to element `dst_at` of `dst` (both
+// contiguous): memcpy on the host, a device copy of two one-dimensional views elsewhere (one
+// launch per run; the host cannot touch device memory).
+void copy_run(Tensor& dst, int64_t dst_at, const Tensor& src, int64_t src_at, int64_t length) {
+  if (length == 0) return;
+  if (dst.device().is_cpu() && src.device().is_cpu()) {
+    const size_t es = src.element_size();
+    std::memcpy(static_cast<unsigned char*>(dst.raw_data()) + size_t(dst_at) * es,
+                static_cast<const unsigned char*>(src.raw_data()) + size_t(src_at) * es,
+                size_t(length) * es);
+    return;
+  }
+  Tensor to = dst.as_strided({length}, {1}, dst.storage_offset() + dst_at);
+  to.copy_(src.as_strided({length}, {1}, src.storage_offset() + src_at));
+}
+
 }  // namespace
 
 void check_gather_runs(const ProcessGroup& group, const Tensor& out, const Tensor& in,
@@ -65,30 +81,25 @@ WorkPtr ProcessGroup::all_gather_runs(Tensor& out, const Tensor& in,
   int64_t piece = 1;  // all_gather_into_tensor takes no empty dims: at least one element
   for (const auto& r : runs)
     piece = std::max(piece, run_total(r));
-  const size_t es = in.element_size();
-  Tensor send = zeros({piece}, in.dtype());
-  {
-    auto* to = static_cast<unsigned char*>(send.raw_data());
-    const auto* from = static_cast<const unsigned char*>(in.raw_data());
-    for (const GatherRun& g : runs[size_t(rank())]) {
-      std::memcpy(to, from + size_t(g.src) * es, size_t(g.length) * es);
-      to += size_t(g.length) * es;
-    }
+  // The pieces live where the tensors do: a device backend gathers device memory.
+  Tensor send = zeros({piece}, {in.dtype(), in.device()});
+  int64_t at = 0;
+  for (const GatherRun& g : runs[size_t(rank())]) {
+    copy_run(send, at, in, g.src, g.length);
+    at += g.length;
   }
-  Tensor gathered = empty({piece * size()}, in.dtype());
+  Tensor gathered = empty({piece * size()}, {in.dtype(), in.device()});
   WorkPtr inner = all_gather_into_tensor(gathered, send);
-  return std::make_shared<detail::ThenWork>(
-      std::move(inner), [out, send, gathered, runs, piece, es]() mutable {
-        const auto* all = static_cast<const unsigned char*>(gathered.raw_data());
-        auto* dst = static_cast<unsigned char*>(out.raw_data());
-        for (size_t r = 0; r < runs.size(); ++r) {
-          const unsigned char* from = all + r * size_t(piece) * es;
-          for (const GatherRun& g : runs[r]) {
-            std::memcpy(dst + size_t(g.dst) * es, from, size_t(g.length) * es);
-            from += size_t(g.length) * es;
-          }
-        }
-      });
+  return std::make_shared<detail::ThenWork>(std::move(inner),
+                                            [out, send, gathered, runs, piece]() mutable {
+                                              for (size_t r = 0; r < runs.size(); ++r) {
+                                                int64_t from = int64_t(r) * piece;
+                                                for (const GatherRun& g : runs[r]) {
+                                                  copy_run(out, g.dst, gathered, from, g.length);
+                                                  from += g.length;
+                                                }
+                                              }
+                                            });
 }
 
 }  // namespace tessera
