@@ -105,7 +105,7 @@ std::vector<ProcessGroupPtr> covering_groups(const DeviceMesh& mesh) {
   if (mesh.size() == world_size()) return {world_group()};
   std::vector<ProcessGroupPtr> groups;
   for (int64_t m = 0; m < mesh.ndim(); ++m)
-    groups.push_back(mesh.group(m));
+    groups.push_back(mesh.host_group(m));
   return groups;
 }
 

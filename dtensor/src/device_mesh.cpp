@@ -16,6 +16,9 @@ struct DeviceMesh::Impl {
   std::vector<int> ranks;           // world ranks, row-major
   std::vector<int64_t> coordinate;  // empty when this rank is not a member
   std::vector<ProcessGroupPtr> groups;
+  // CPU groups over the same lines of ranks, for host data: `groups` itself on a CPU mesh; empty
+  // on a mesh of another device type made by from_group (not collective, so none can be made).
+  std::vector<ProcessGroupPtr> host_groups;
 };
 
 namespace {
@@ -34,6 +37,19 @@ int64_t ravel(const std::vector<int64_t>& c, const Shape& shape) {
   for (size_t d = 0; d < shape.size(); ++d)
     index = index * shape[d] + c[d];
   return index;
+}
+
+// The host twins of a device mesh's groups: the CPU world split as `groups` were, so that
+// `colors[m]` and `keys[m]` give the same lines of ranks. Collective over the world.
+std::vector<ProcessGroupPtr> host_lines(DeviceType type, const std::vector<ProcessGroupPtr>& groups,
+                                        const std::vector<int>& colors,
+                                        const std::vector<int>& keys,
+                                        const std::vector<std::string>& names) {
+  if (type == DeviceType::CPU) return groups;
+  std::vector<ProcessGroupPtr> host;
+  for (size_t m = 0; m < colors.size(); ++m)
+    host.push_back(world_group()->split(colors[m], keys[m], "mesh." + names[m] + ".host"));
+  return host;
 }
 
 // Checks a mesh shape and its dim names, filling in "dim0", "dim1", ... when none are given.
@@ -73,12 +89,15 @@ DeviceMesh::DeviceMesh(DeviceType device_type, Shape shape, std::vector<std::str
   impl->coordinate = unravel(world->rank(), shape);
   // One group per mesh dim: ranks that agree on every other coordinate. Every rank makes the
   // same sequence of splits, so this is collective over the world.
+  std::vector<int> colors, keys;
   for (size_t m = 0; m < shape.size(); ++m) {
     std::vector<int64_t> others = impl->coordinate;
     others[m] = 0;
-    int color = int(ravel(others, shape));
-    impl->groups.push_back(world->split(color, int(impl->coordinate[m]), "mesh." + impl->names[m]));
+    colors.push_back(int(ravel(others, shape)));
+    keys.push_back(int(impl->coordinate[m]));
+    impl->groups.push_back(world->split(colors[m], keys[m], "mesh." + impl->names[m]));
   }
+  impl->host_groups = host_lines(device_type, impl->groups, colors, keys, impl->names);
   impl_ = std::move(impl);
 }
 
@@ -92,6 +111,7 @@ DeviceMesh DeviceMesh::from_group(ProcessGroupPtr group, const std::string& dim_
   impl->ranks = group->world_ranks();
   impl->coordinate = {group->rank()};
   impl->groups = {std::move(group)};
+  if (device_type == DeviceType::CPU) impl->host_groups = impl->groups;
   return DeviceMesh(std::shared_ptr<const Impl>(std::move(impl)));
 }
 
@@ -155,6 +175,14 @@ DeviceMesh DeviceMesh::from_groups(std::vector<ProcessGroupPtr> groups,
                 "mesh: ", problem.empty() ? "another rank's groups do not fit" : problem,
                 " (groups[d] must be this rank's group along mesh dim d, its rank there the "
                 "coordinate along d)");
+  std::vector<int> colors, keys;
+  for (int64_t d = 0; d < nd; ++d) {
+    std::vector<int64_t> others = impl->coordinate;
+    others[size_t(d)] = 0;
+    colors.push_back(int(ravel(others, impl->shape)));
+    keys.push_back(int(impl->coordinate[size_t(d)]));
+  }
+  impl->host_groups = host_lines(device_type, groups, colors, keys, impl->names);
   impl->ranks = std::move(at);
   impl->groups = std::move(groups);
   return DeviceMesh(std::shared_ptr<const Impl>(std::move(impl)));
@@ -222,6 +250,14 @@ const ProcessGroupPtr& DeviceMesh::group(int64_t mesh_dim) const {
   return impl_->groups[size_t(wrap_dim(mesh_dim, ndim(), "DeviceMesh::group"))];
 }
 
+const ProcessGroupPtr& DeviceMesh::host_group(int64_t mesh_dim) const {
+  const int64_t m = wrap_dim(mesh_dim, ndim(), "DeviceMesh::host_group");
+  TESSERA_CHECK(!impl_->host_groups.empty(), "DeviceMesh::host_group: ", str(),
+                " was made by from_group over a group of its device, which cannot make a CPU "
+                "group without every rank; make it with from_groups or DeviceMesh(type, shape)");
+  return impl_->host_groups[size_t(m)];
+}
+
 DeviceMesh DeviceMesh::operator[](const std::string& name) const {
   return (*this)[std::vector<std::string>{name}];
 }
@@ -243,6 +279,7 @@ DeviceMesh DeviceMesh::operator[](const std::vector<std::string>& names) const {
     impl->names.push_back(impl_->names[size_t(d)]);
     impl->coordinate.push_back(me[size_t(d)]);
     impl->groups.push_back(impl_->groups[size_t(d)]);
+    if (!impl_->host_groups.empty()) impl->host_groups.push_back(impl_->host_groups[size_t(d)]);
   }
   // Ranks of the sub-mesh: this rank's coordinate with the chosen dims varying.
   for (int64_t i = 0; i < shape_numel(impl->shape); ++i) {
@@ -269,6 +306,8 @@ DeviceMesh DeviceMesh::flatten(const std::string& name) const {
   int color = *std::min_element(impl_->ranks.begin(), impl_->ranks.end());
   impl->groups = {
       world_group(impl_->device_type)->split(color, int(impl->coordinate[0]), "mesh." + flat)};
+  impl->host_groups =
+      host_lines(impl->device_type, impl->groups, {color}, {int(impl->coordinate[0])}, {flat});
   return DeviceMesh(std::shared_ptr<const Impl>(std::move(impl)));
 }
 

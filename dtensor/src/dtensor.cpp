@@ -34,7 +34,7 @@ Tensor window_of(const Tensor& global, const LocalLayout& l) {
 bool any_rank(const DeviceMesh& mesh, bool flag) {
   Tensor f = from_vector<int64_t>({flag ? 1 : 0});
   for (int64_t m = 0; m < mesh.ndim(); ++m)
-    mesh.group(m)->all_reduce(f, ReduceOp::Max)->wait();
+    mesh.host_group(m)->all_reduce(f, ReduceOp::Max)->wait();
   return f.item<int64_t>() != 0;
 }
 

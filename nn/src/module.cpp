@@ -24,7 +24,7 @@ Shape global_shape_of(const Tensor& x, const DeviceMesh& mesh, const Placements&
                     "module input layouts ", placements_str(placements),
                     " shard one dim over several mesh dims; not supported for module inputs");
     Tensor n = from_vector<int64_t>({x.size(d)});
-    mesh.group(m)->all_reduce(n, ReduceOp::Sum)->wait();
+    mesh.host_group(m)->all_reduce(n, ReduceOp::Sum)->wait();
     g[size_t(d)] = n.item<int64_t>();
   }
   return g;

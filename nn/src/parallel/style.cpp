@@ -20,7 +20,7 @@ DTensor local_to_dtensor(const Tensor& x, const DeviceMesh& mesh, const Placemen
     if (!placements[size_t(m)].is_shard()) continue;
     const int64_t d = wrap_dim(placements[size_t(m)].dim(), x.dim(), "tensor-parallel hook");
     Tensor n = from_vector<int64_t>({x.size(d)});
-    mesh.group(m)->all_reduce(n, ReduceOp::Sum)->wait();
+    mesh.host_group(m)->all_reduce(n, ReduceOp::Sum)->wait();
     global[size_t(d)] = n.item<int64_t>();
   }
   return DTensor::from_local(x, mesh, placements, global);

@@ -20,13 +20,15 @@ class DeviceMesh {
   // The same over the world group of `device_type`'s backend (an error naming the device type
   // when none is registered).
   DeviceMesh(DeviceType device_type, Shape shape, std::vector<std::string> dim_names = {});
-  // A 1-D mesh over an existing group (PyTorch's DeviceMesh.from_group); not collective.
+  // A 1-D mesh over an existing group (PyTorch's DeviceMesh.from_group); not collective, so a
+  // device type other than the CPU gets no host_group().
   static DeviceMesh from_group(ProcessGroupPtr group, const std::string& dim_name = "dim0",
                                DeviceType device_type = DeviceType::CPU);
   // An n-D mesh over existing groups that together span every world rank: groups[d] is this
   // rank's group along mesh dim d, and this rank's coordinate along d is its rank there.
   // Collective over the CPU world group, which carries the layout check (the groups themselves
-  // carry nothing): an error on every rank when the groups do not form such a mesh.
+  // carry nothing) and, for another device type, makes the host groups: an error on every rank
+  // when the groups do not form such a mesh.
   static DeviceMesh from_groups(std::vector<ProcessGroupPtr> groups,
                                 std::vector<std::string> dim_names = {},
                                 DeviceType device_type = DeviceType::CPU);
@@ -55,6 +57,11 @@ class DeviceMesh {
   // The group of ranks that differ from this one only along `mesh_dim`.
   const ProcessGroupPtr& group(int64_t mesh_dim) const;
   const ProcessGroupPtr& group(const std::string& name) const { return group(dim_index(name)); }
+  // The CPU group along `mesh_dim`, for host data that decides what every rank does next (sizes,
+  // flags, agreement texts): group(mesh_dim) itself on a CPU mesh; on a mesh of another device
+  // type, whose backend may move device tensors only (NCCL), a CPU group over the same ranks
+  // made with it. A mesh that from_group made over a device group has none (an error).
+  const ProcessGroupPtr& host_group(int64_t mesh_dim) const;
 
   // Sub-mesh of the named dims through this rank (shares this mesh's groups).
   DeviceMesh operator[](const std::string& name) const;
