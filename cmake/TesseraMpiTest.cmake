@@ -1,5 +1,5 @@
 # tessera_add_mpi_test(<target> SOURCES <files...> RANKS <world sizes...> [TIMEOUT <seconds>]
-#                      [NAME <test name>] [ARGS <arguments...>]
+#                      [NAME <test name>] [ARGS <arguments...>] [ENV <VAR=value...>]
 #                      [FIXTURES_SETUP <fixture>] [FIXTURES_REQUIRED <fixture>]
 #                      [SANITIZE <world sizes...>] [SANITIZE_ARGS <arguments...>])
 #
@@ -12,7 +12,8 @@
 # SANITIZE_ARGS appended (a --gtest_filter leaving out what is slow under the sanitizers and
 # checks nothing the other tests do not). Without SOURCES it registers more tests of an existing target (other ARGS,
 # such as a --gtest_filter, and fixtures that order stages across world sizes). Installed with
-# the package: find_package(tessera) defines it when GoogleTest is found.
+# the package: find_package(tessera) defines it when GoogleTest is found. ENV sets environment
+# variables for the ranks (a second registration of a target run another way, say).
 include_guard(GLOBAL)
 
 # OpenMPI refuses to run as root and to start more ranks than cores unless told; other MPIs do
@@ -35,7 +36,7 @@ endif()
 
 function(tessera_add_mpi_test target)
   cmake_parse_arguments(ARG "" "TIMEOUT;NAME;FIXTURES_SETUP;FIXTURES_REQUIRED"
-                        "SOURCES;RANKS;ARGS;SANITIZE;SANITIZE_ARGS" ${ARGN})
+                        "SOURCES;RANKS;ARGS;ENV;SANITIZE;SANITIZE_ARGS" ${ARGN})
   if(NOT ARG_SOURCES AND NOT TARGET ${target})
     message(FATAL_ERROR "tessera_add_mpi_test(${target}): SOURCES is required for a new target")
   endif()
@@ -79,7 +80,7 @@ function(tessera_add_mpi_test target)
     # ranks per core: on 2 cores the suite took 66 s instead of 76 s with one rank per core.
     math(EXPR cores "(${n} + 1) / 2")
     set_tests_properties(${test_name} PROPERTIES TIMEOUT ${ARG_TIMEOUT} LABELS "${labels}"
-                         PROCESSORS ${cores} ENVIRONMENT "OMP_NUM_THREADS=1")
+                         PROCESSORS ${cores} ENVIRONMENT "OMP_NUM_THREADS=1;${ARG_ENV}")
     if(ARG_FIXTURES_SETUP)
       set_tests_properties(${test_name} PROPERTIES FIXTURES_SETUP ${ARG_FIXTURES_SETUP})
     endif()

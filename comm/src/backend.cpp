@@ -72,9 +72,16 @@ ProcessGroupPtr world_group(DeviceType type) {
   {
     std::lock_guard<std::mutex> guard(r.mutex);
     auto it = r.backends.find(type);
+    if (it == r.backends.end() && type == DeviceType::CUDA) {
+      const std::string why = nccl_unavailable();
+      TESSERA_CHECK(why.empty(), "world_group(cuda): no communication backend for cuda tensors ",
+                    "is registered and NCCL is not usable (", why,
+                    "); register one, e.g. register_backend(DeviceType::CUDA, \"mpi\", ",
+                    "host_staged_backend()), which carries them through host memory");
+      it = r.backends.emplace(type, Backend{"nccl", nccl_backend(), nullptr}).first;
+    }
     TESSERA_CHECK(it != r.backends.end(), "world_group(", type_name(type),
-                  "): no communication backend for ", type_name(type),
-                  " tensors is registered (this build has: cpu -> mpi)");
+                  "): no communication backend for ", type_name(type), " tensors is registered");
     if (it->second.world) return it->second.world;
     make = it->second.make_world;
   }

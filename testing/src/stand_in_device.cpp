@@ -91,6 +91,11 @@ class ProtectedBlocks {
 
 ProtectedBlocks g_blocks;
 
+bool nccl_asked() {
+  const char* v = std::getenv("TESSERA_TEST_CUDA_BACKEND");
+  return v != nullptr && std::string(v) == "nccl";
+}
+
 class StandInMemory final : public tessera::detail::EmulatedMemory {
  public:
   void open() override { g_blocks.open_all(); }
@@ -151,9 +156,24 @@ StandInDevice::StandInDevice(KernelsOn kernels, const std::vector<std::string>& 
   } else {
     kernels::set_host_fallback(DeviceType::CUDA, kernels::HostFallback::All);
   }
-  if (backend_name(DeviceType::CUDA).empty()) {
+  if (nccl_asked()) {
+    use_emulated_nccl();
+  } else if (backend_name(DeviceType::CUDA).empty()) {
     register_backend(DeviceType::CUDA, "mpi", host_staged_backend());
   }
+}
+
+tessera::detail::EmulatedNccl& use_emulated_nccl() {
+  // Kept for the process: the world group made over it lives until finalize().
+  static tessera::detail::EmulatedNccl* emulated = [] {
+    const std::string had = backend_name(DeviceType::CUDA);
+    TESSERA_CHECK(had.empty(), "use_emulated_nccl: the CUDA backend '", had,
+                  "' is registered already");
+    auto* e = new tessera::detail::EmulatedNccl(&g_memory);
+    register_backend(DeviceType::CUDA, "nccl", nccl_backend());
+    return e;
+  }();
+  return *emulated;
 }
 
 StandInDevice::~StandInDevice() {
@@ -191,7 +211,11 @@ TestDevice::TestDevice(KernelsOn kernels) : kernels_(kernels) {
                                                    ? kernels::HostFallback::Missing
                                                    : kernels::HostFallback::All);
   if (backend_name(DeviceType::CUDA).empty()) {
-    register_backend(DeviceType::CUDA, "mpi", host_staged_backend());
+    if (nccl_asked()) {
+      register_backend(DeviceType::CUDA, "nccl", nccl_backend());
+    } else {
+      register_backend(DeviceType::CUDA, "mpi", host_staged_backend());
+    }
   }
 }
 

@@ -14,6 +14,8 @@
 //             promptly, naming rank 1 and the collective it never started
 //   broadcast_roots  each rank broadcasts as root: completes, each keeping its own value (only
 //                    the debug check catches it)
+//   nccl_timeout  as timeout, on cuda:0 tensors over the NCCL backend (emulated NCCL on the
+//                 stand-in device): the watchdog must abort the communicator, then the job
 // "env" leaves the timeout to TESSERA_COLLECTIVE_TIMEOUT.
 #include <chrono>
 #include <cstdio>
@@ -23,14 +25,15 @@
 
 #include "tessera/comm/comm.h"
 #include "tessera/core/factory.h"
+#include "tessera/testing/stand_in_device.h"
 
 int main(int argc, char** argv) {
   tessera::Runtime runtime(argc, argv);
   if (argc != 3) {
     std::fprintf(
         stderr,
-        "usage: %s ok|timeout|throw|mismatch|exit|exit_all|skip|gather_shapes|broadcast_roots "
-        "<timeout seconds|env>\n",
+        "usage: %s ok|timeout|throw|mismatch|exit|exit_all|skip|gather_shapes|broadcast_roots|"
+        "nccl_timeout <timeout seconds|env>\n",
         argv[0]);
     return 2;
   }
@@ -42,6 +45,18 @@ int main(int argc, char** argv) {
   const int64_t cols = mode == "mismatch" && rank == 1 ? 5 : 4;
   tessera::Tensor t = tessera::full({4, cols}, rank + 1, tessera::DType::Float32);
 
+  if (mode == "nccl_timeout") {
+    tessera::testing::use_emulated_nccl();
+    tessera::testing::StandInDevice device;
+    auto cuda = tessera::world_group(tessera::DeviceType::CUDA)->split(0, rank, "stuck_group");
+    tessera::Tensor d = t.to(tessera::Device::cuda(0));
+    if (rank == 1) {
+      std::this_thread::sleep_for(std::chrono::seconds(120));
+      return 0;
+    }
+    cuda->all_reduce(d, tessera::ReduceOp::Sum)->wait();
+    return 0;
+  }
   if (rank == 1 && mode == "timeout") {
     // Outlives any sane timeout: only an abort of the whole job ends this rank early.
     std::this_thread::sleep_for(std::chrono::seconds(120));

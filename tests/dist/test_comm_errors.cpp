@@ -280,6 +280,17 @@ TEST_F(ChildJob, CollectiveTimeoutAbortsTheJob) {
   TESSERA_EXPECT_CONTAINS(r.output, "did not complete within the collective timeout of 2 s");
 }
 
+TEST_F(ChildJob, CollectiveTimeoutOnNcclAbortsTheCommunicatorThenTheJob) {
+  if (!launcher()) return;
+  ChildResult r = run_child("nccl_timeout", "2");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 30) << r.output;
+  TESSERA_EXPECT_CONTAINS(r.output, "[rank 0] tessera: all_reduce(sum) float32 [4, 4]");
+  TESSERA_EXPECT_CONTAINS(r.output, "did not complete within the collective timeout of 2 s");
+  TESSERA_EXPECT_CONTAINS(
+      r.output, "aborted the NCCL communicator of group 'stuck_group' (rank 0 of 2, cuda:0, NCCL)");
+}
+
 TEST_F(ChildJob, UncaughtExceptionAbortsTheJob) {
   if (!launcher()) return;
   // A long collective timeout: only the terminate handler can end the job this early.

@@ -37,8 +37,21 @@ ProcessGroupPtr host_staged_group(ProcessGroupPtr host_group);
 // register_backend(DeviceType::CUDA, "mpi", host_staged_backend()).
 BackendFactory host_staged_backend();
 
+// The NCCL backend for CUDA tensors (c10d's "nccl"): one NCCL communicator per group, made over
+// the CPU group with the same members (its rank 0's unique id, broadcast over MPI), on the device
+// current_device(DeviceType::CUDA) names when the group is made; operations run on a stream of
+// the group's own, ordered after the kernels queued before them, and wait() blocks until they
+// are done. A timeout aborts the communicator before the job ends. NCCL needs a GPU per rank:
+// making a group whose members share one is an error on every member. Where NCCL is usable
+// (nccl_unavailable() is ""), world_group(DeviceType::CUDA) uses it unless another backend was
+// registered first. Sends and receives match in issue order: NCCL has no tags.
+BackendFactory nccl_backend();
+// Why nccl_backend() cannot run here (no CUDA in this build, no libnccl.so.2), "" when it can.
+std::string nccl_unavailable();
+
 // The world group of the backend for `type` (made on first use, collectively; dropped at
-// finalize()). An error naming the device type when no backend is registered for it.
+// finalize()). CUDA with no backend registered takes NCCL where it is usable; otherwise an error
+// naming the device type and the choices.
 ProcessGroupPtr world_group(DeviceType type);
 
 }  // namespace tessera

@@ -16,13 +16,16 @@
 //   Results match the CPU's within rounding where the device formulas call std:: functions
 //   the CPU computes in vectorised form;
 // - DeviceType::CUDA communicates through host_staged_group over the CPU's world (registered on
-//   first construction when no backend for CUDA is registered yet; a registration stays).
+//   first construction when no backend for CUDA is registered yet; a registration stays), or,
+//   with TESSERA_TEST_CUDA_BACKEND=nccl, through the NCCL backend over emulated NCCL
+//   (use_emulated_nccl).
 // One at a time; construct it before making device tensors and drop them before it dies.
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "tessera/comm/detail/emulated_nccl.h"
 #include "tessera/core/allocator.h"
 #include "tessera/core/detail/emulated_kernels.h"
 #include "tessera/core/kernels/dispatch.h"
@@ -58,10 +61,18 @@ class StandInDevice {
   std::unique_ptr<tessera::detail::EmulatedDeviceKernels> emulated_;
 };
 
+// Registers the NCCL backend for DeviceType::CUDA over NCCL emulated by MPI on the stand-in's
+// memory (detail::EmulatedNccl), for the rest of the process, and returns the emulation (to make
+// a call fail, count aborts). The first call makes it, collectively over the world; later calls
+// return it. An error when another backend for CUDA is registered already. StandInDevice and
+// TestDevice on the stand-in call it when TESSERA_TEST_CUDA_BACKEND=nccl.
+tessera::detail::EmulatedNccl& use_emulated_nccl();
+
 // The cuda:0 a device test runs on, for its lifetime: the real one where this build has CUDA and
 // the process sees a GPU, else a StandInDevice (TESSERA_TEST_DEVICE=stand-in asks for the
 // stand-in even with a GPU). CUDA communicates through the host-staged backend when no other is
-// registered. With KernelsOn::HostCopies (the default) every kernel is the CPU's on host copies
+// registered (TESSERA_TEST_CUDA_BACKEND=nccl: the NCCL backend, libnccl's on a GPU, emulated on
+// the stand-in). With KernelsOn::HostCopies (the default) every kernel is the CPU's on host copies
 // (kernels::HostFallback::All), on a GPU too: the same test then checks real device memory,
 // copies and staging, and results equal the CPU's bit for bit. With KernelsOn::Device a GPU runs
 // its CUDA kernels (the rest on host copies, HostFallback::Missing) and the stand-in emulates
