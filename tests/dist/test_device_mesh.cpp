@@ -146,6 +146,31 @@ TEST(DeviceMeshBackends, ABackendGetsTheChecksEveryBackendShares) {
   }
 }
 
+// Host data (sizes, flags, agreement texts) travels on CPU groups over the same lines of ranks.
+TEST(DeviceMeshBackends, EveryMeshHasCpuGroupsForHostData) {
+  const int n = world_size();
+  const Shape shape = n % 2 == 0 ? Shape{n / 2, 2} : Shape{n, 1};
+  DeviceMesh cpu(shape, {"a", "b"});
+  DeviceMesh cuda(DeviceType::CUDA, shape, {"a", "b"});
+  for (int64_t m = 0; m < 2; ++m) {
+    EXPECT_EQ(cpu.host_group(m), cpu.group(m)) << "a CPU mesh's own groups";
+    const ProcessGroupPtr& host = cuda.host_group(m);
+    EXPECT_NE(host, cuda.group(m));
+    EXPECT_EQ(host->world_ranks(), cuda.group(m)->world_ranks());
+    EXPECT_EQ(host->name(), "mesh." + cuda.dim_names()[size_t(m)] + ".host");
+    Tensor rank = from_vector<int64_t>({int64_t(world_rank())});
+    host->all_reduce(rank, ReduceOp::Max)->wait();  // a CPU tensor on a CPU group
+    EXPECT_EQ(rank.item<int64_t>(), cuda.group(m)->world_ranks().back());
+  }
+  EXPECT_EQ(cuda["b"].host_group(0), cuda.host_group(1)) << "sub-meshes share them";
+  EXPECT_EQ(cuda.flatten().host_group(0)->world_ranks(), cuda.world_ranks());
+  const DeviceMesh over_groups =
+      DeviceMesh::from_groups({cuda.group(0), cuda.group(1)}, {"a", "b"}, DeviceType::CUDA);
+  EXPECT_EQ(over_groups.host_group(1)->world_ranks(), cuda.group(1)->world_ranks());
+  const DeviceMesh one = DeviceMesh::from_group(cuda.group(0), "a", DeviceType::CUDA);
+  expect_error([&] { one.host_group(0); }, {"made by from_group", "from_groups"});
+}
+
 TEST(DeviceMeshFromGroups, AOneDimMeshOverAGroup) {
   const int n = world_size();
   const DeviceMesh mesh = DeviceMesh::from_group(world_group(), "x");
