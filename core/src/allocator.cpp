@@ -67,6 +67,7 @@ class CpuAllocator final : public Allocator {
 CpuAllocator g_cpu_allocator;
 std::atomic<Allocator*> g_cpu_override{nullptr};
 std::atomic<Allocator*> g_cuda_override{nullptr};
+std::atomic<Allocator*> g_pinned_override{nullptr};
 
 }  // namespace
 
@@ -89,6 +90,23 @@ Allocator& allocator_for(Device device) {
 Allocator* set_allocator(DeviceType type, Allocator* allocator) {
   return type == DeviceType::CPU ? g_cpu_override.exchange(allocator)
                                  : g_cuda_override.exchange(allocator);
+}
+
+#ifdef TESSERA_WITH_CUDA
+Allocator* cuda_pinned_allocator();  // cuda/cuda_runtime.cpp: nullptr without a GPU
+#endif
+
+Allocator* pinned_allocator() {
+  if (Allocator* a = g_pinned_override.load()) return a;
+#ifdef TESSERA_WITH_CUDA
+  return cuda_pinned_allocator();
+#else
+  return nullptr;
+#endif
+}
+
+Allocator* set_pinned_allocator(Allocator* allocator) {
+  return g_pinned_override.exchange(allocator);
 }
 
 MemoryStats memory_stats(Device device) {
@@ -117,7 +135,12 @@ void record_free(Device device, size_t nbytes) {
 }  // namespace detail
 
 StorageImpl::StorageImpl(size_t nbytes, Device device)
-    : nbytes_(nbytes), device_(device), allocator_(&allocator_for(device)) {
+    : StorageImpl(nbytes, device, &allocator_for(device)) {}
+
+StorageImpl::StorageImpl(size_t nbytes, Device device, Allocator* allocator)
+    : nbytes_(nbytes), device_(device), allocator_(allocator) {
+  TESSERA_CHECK(allocator_ != nullptr && allocator_->device().type == device.type,
+                "Storage: no allocator for ", device.str());
   data_ = allocator_->allocate(nbytes);
 }
 

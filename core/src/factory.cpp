@@ -3,12 +3,25 @@
 #include <cmath>
 #include <cstring>
 
+#include "tessera/core/allocator.h"
+#include "tessera/core/storage.h"
+
 namespace tessera {
 
 Tensor empty(const Shape& shape, TensorOptions opts) {
   for (int64_t d : shape)
     TESSERA_CHECK(d >= 0, "empty: negative dimension in ", shape_str(shape));
-  Storage storage(size_t(shape_numel(shape)) * element_size(opts.dtype), opts.device);
+  const size_t nbytes = size_t(shape_numel(shape)) * element_size(opts.dtype);
+  if (opts.pinned) {
+    TESSERA_CHECK(opts.device.is_cpu(), "empty: pinned memory is host memory; asked for ",
+                  opts.device.str());
+    Allocator* pinned = pinned_allocator();
+    TESSERA_CHECK(pinned != nullptr, "empty(", shape_str(shape),
+                  ", pinned): nothing can pin host memory here (it needs a CUDA build and a GPU)");
+    return Tensor::make(Storage(nbytes, opts.device, pinned), shape, contiguous_strides(shape), 0,
+                        opts.dtype);
+  }
+  Storage storage(nbytes, opts.device);
   return Tensor::make(std::move(storage), shape, contiguous_strides(shape), 0, opts.dtype);
 }
 

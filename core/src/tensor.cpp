@@ -137,6 +137,20 @@ Tensor Tensor::to(Device dev) const {
   return out;
 }
 
+Tensor Tensor::pin_memory() const {
+  TESSERA_CHECK(device().is_cpu(), "pin_memory: ", str(), " is not on the host");
+  if (is_pinned()) return *this;
+  Tensor out = empty(shape(), TensorOptions(dtype()).pin_memory());
+  out.copy_(*this);
+  return out;
+}
+
+bool Tensor::is_pinned() const {
+  const Allocator* pinned = pinned_allocator();
+  return pinned != nullptr && storage().impl() != nullptr &&
+         storage().impl()->allocator() == pinned;
+}
+
 Tensor& Tensor::copy_(const Tensor& src) {
   TESSERA_CHECK(src.shape() == shape(), "copy_: source shape ", shape_str(src.shape()),
                 " does not match destination shape ", shape_str(shape()));

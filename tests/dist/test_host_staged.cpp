@@ -203,6 +203,37 @@ TEST_F(HostStaged, ResultsLandOnCompletionOrWhenTheWorkIsDropped) {
   expect_same(e, full({3}, double(n)), "after dropping the work");
 }
 
+namespace {
+// Host memory standing in for a pinned pool (a GPU's cudaHostAlloc), counting its blocks.
+class CountingPinned final : public Allocator {
+ public:
+  void* allocate(size_t nbytes) override {
+    ++allocations;
+    return nbytes ? std::malloc(nbytes) : nullptr;
+  }
+  void deallocate(void* ptr, size_t) override { std::free(ptr); }
+  Device device() const override { return Device::cpu(); }
+  int allocations = 0;
+};
+}  // namespace
+
+// Where something can pin, the host buffers are pinned (both copies then run at full speed).
+TEST_F(HostStaged, StagingBuffersArePinnedWhereSomethingCanPin) {
+  CountingPinned pool;
+  Allocator* before = set_pinned_allocator(&pool);
+  Tensor c = values({2, 3}), d = on_device(c);
+  cpu_->all_reduce(c, ReduceOp::Sum)->wait();
+  EXPECT_EQ(pool.allocations, 0) << "CPU tensors are not staged";
+  staged_->all_reduce(d, ReduceOp::Sum)->wait();
+  EXPECT_EQ(pool.allocations, 1) << "one pinned buffer, read and written in place";
+  expect_same(d, c, "all_reduce through a pinned buffer");
+  const int n = world_size();
+  Tensor out = on_device(zeros({2 * n, 3}));
+  staged_->all_gather_into_tensor(out, on_device(values({2, 3})))->wait();
+  EXPECT_EQ(pool.allocations, 3) << "one buffer for the input, one for the output";
+  set_pinned_allocator(before);
+}
+
 TEST_F(HostStaged, HostTensorsPassThroughWithoutCopies) {
   const int64_t before = g_copied_bytes;
   Tensor c = values({64});

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tessera/core/caching_allocator.h"
+#include "tessera/core/factory.h"
 #include "tessera/testing/expect_error.h"
 
 namespace {
@@ -287,3 +288,48 @@ TEST(CachingAllocator, RandomUseKeepsBlocksDisjointAndFiguresExact) {
 }
 
 }  // namespace
+
+namespace {
+
+// Host memory standing in for a pinned pool, counting what it hands out.
+class CountingPinned final : public tessera::Allocator {
+ public:
+  void* allocate(size_t nbytes) override {
+    ++allocations;
+    return nbytes ? std::malloc(nbytes) : nullptr;
+  }
+  void deallocate(void* ptr, size_t) override { std::free(ptr); }
+  Device device() const override { return Device::cpu(); }
+  int allocations = 0;
+};
+
+}  // namespace
+
+TEST(PinnedMemory, PinMemoryCopiesIntoThePinnedPoolOrSaysWhyItCannot) {
+  using namespace tessera;
+  const Tensor t = from_vector<float>({1, 2, 3, 4, 5, 6}, {2, 3});
+  EXPECT_FALSE(t.is_pinned());
+  if (pinned_allocator() == nullptr) {
+    // No GPU here (or no CUDA in this build): nothing can pin, and pinning says so.
+    tessera::testing::expect_error([&] { (void)t.pin_memory(); },
+                                   {"nothing can pin host memory here", "a GPU"});
+  }
+  CountingPinned pool;
+  Allocator* before = set_pinned_allocator(&pool);
+  {
+    const Tensor transposed = t.as_strided({3, 2}, {1, 3}, 0);
+    const Tensor p = transposed.pin_memory();
+    EXPECT_TRUE(p.is_pinned());
+    EXPECT_TRUE(p.is_contiguous());
+    EXPECT_EQ(pool.allocations, 1);
+    EXPECT_EQ(p.to_vector<float>(), transposed.to_vector<float>());
+    EXPECT_TRUE(p.pin_memory().is_same(p)) << "pinned already: itself";
+    EXPECT_EQ(pool.allocations, 1);
+    const Tensor e = empty({4}, TensorOptions(DType::Int64).pin_memory());
+    EXPECT_TRUE(e.is_pinned());
+    tessera::testing::expect_error(
+        [] { (void)empty({4}, TensorOptions(DType::Float32, Device::cuda(0)).pin_memory()); },
+        {"pinned memory is host memory", "cuda:0"});
+  }
+  set_pinned_allocator(before);
+}

@@ -14,9 +14,10 @@
 
 namespace tessera::detail {
 
-namespace {
+// Named, not anonymous: EmulatedNccl::Library, a class with linkage, holds these.
+namespace emulated_nccl {
 
-size_t type_size(NcclType t) {
+size_t nccl_type_size(NcclType t) {
   switch (t) {
     case NcclType::Uint8:
       return 1;
@@ -36,7 +37,7 @@ size_t type_size(NcclType t) {
 }
 
 template <class F>
-void with_type(NcclType t, F&& f) {
+void with_nccl_type(NcclType t, F&& f) {
   switch (t) {
     case NcclType::Uint8:
       return f.template operator()<uint8_t, uint8_t>();
@@ -58,7 +59,7 @@ void with_type(NcclType t, F&& f) {
 // out[i] = op over the n terms terms[k * stride + i], combined in rank order.
 void reduce_terms(void* out, const char* terms, size_t stride_bytes, int n, size_t count,
                   NcclType type, NcclOp op) {
-  with_type(type, [&]<class T, class C>() {
+  with_nccl_type(type, [&]<class T, class C>() {
     T* o = static_cast<T*>(out);
     for (size_t i = 0; i < count; ++i) {
       C acc = C(reinterpret_cast<const T*>(terms)[i]);
@@ -96,14 +97,14 @@ struct EmulatedComm {
 
 // What one call (or one group of calls) left pending: MPI's requests, the host buffers they
 // use, and the steps that move results into device memory once they complete.
-struct Pending {
+struct PendingCalls {
   std::vector<MPI_Request> requests;
   std::vector<std::shared_ptr<std::vector<char>>> buffers;
   std::vector<std::function<void()>> after;
 };
 
 struct QueuedStream {
-  std::deque<Pending> queue;
+  std::deque<PendingCalls> queue;
   uint64_t issued = 0;
   uint64_t finished = 0;
 };
@@ -113,11 +114,13 @@ struct QueuedEvent {
   uint64_t target = 0;
 };
 
-MPI_Comm comm_of(void* c) {
+MPI_Comm mpi_comm_of(void* c) {
   return static_cast<EmulatedComm*>(c)->comm;
 }
 
-}  // namespace
+}  // namespace emulated_nccl
+
+using namespace emulated_nccl;
 
 class EmulatedNccl::Library final : public NcclLibrary {
  public:
@@ -188,14 +191,14 @@ class EmulatedNccl::Library final : public NcclLibrary {
     TESSERA_CHECK(in_group_, "ncclGroupEnd without ncclGroupStart (emulated NCCL)");
     in_group_ = false;
     if (group_stream_) push(*group_stream_, std::move(group_));
-    group_ = Pending{};
+    group_ = PendingCalls{};
     group_stream_ = nullptr;
   }
 
   void all_reduce(const void* in, void* out, size_t count, NcclType type, NcclOp op,
                   NcclLibrary::Comm c, NcclLibrary::Stream s) override {
     if (fails(c)) return;
-    const size_t bytes = count * type_size(type);
+    const size_t bytes = count * nccl_type_size(type);
     auto mine = host_copy(in, bytes);
     auto all = buffer(bytes * size_t(size_of(c)));
     const int n = size_of(c);
@@ -204,7 +207,7 @@ class EmulatedNccl::Library final : public NcclLibrary {
         [&](std::vector<MPI_Request>& r) {
           r.emplace_back();
           return MPI_Iallgather(mine->data(), int(bytes), MPI_BYTE, all->data(), int(bytes),
-                                MPI_BYTE, comm_of(c), &r.back());
+                                MPI_BYTE, mpi_comm_of(c), &r.back());
         },
         [=, this] {
           std::vector<char> result(bytes);
@@ -215,7 +218,7 @@ class EmulatedNccl::Library final : public NcclLibrary {
   void all_gather(const void* in, void* out, size_t count, NcclType type, NcclLibrary::Comm c,
                   NcclLibrary::Stream s) override {
     if (fails(c)) return;
-    const size_t bytes = count * type_size(type);
+    const size_t bytes = count * nccl_type_size(type);
     auto mine = host_copy(in, bytes);
     const size_t total = bytes * size_t(size_of(c));
     auto all = buffer(total);
@@ -224,7 +227,7 @@ class EmulatedNccl::Library final : public NcclLibrary {
         [&](std::vector<MPI_Request>& r) {
           r.emplace_back();
           return MPI_Iallgather(mine->data(), int(bytes), MPI_BYTE, all->data(), int(bytes),
-                                MPI_BYTE, comm_of(c), &r.back());
+                                MPI_BYTE, mpi_comm_of(c), &r.back());
         },
         [=, this] { to_device(out, all->data(), total); });
   }
@@ -233,7 +236,7 @@ class EmulatedNccl::Library final : public NcclLibrary {
     if (fails(c)) return;
     const int n = size_of(c);
     const int me = rank_of(c);
-    const size_t block = count * type_size(type);
+    const size_t block = count * nccl_type_size(type);
     const size_t whole = block * size_t(n);
     auto mine = host_copy(in, whole);
     auto all = buffer(whole * size_t(n));
@@ -242,7 +245,7 @@ class EmulatedNccl::Library final : public NcclLibrary {
         [&](std::vector<MPI_Request>& r) {
           r.emplace_back();
           return MPI_Iallgather(mine->data(), int(whole), MPI_BYTE, all->data(), int(whole),
-                                MPI_BYTE, comm_of(c), &r.back());
+                                MPI_BYTE, mpi_comm_of(c), &r.back());
         },
         [=, this] {
           std::vector<char> result(block);
@@ -253,20 +256,20 @@ class EmulatedNccl::Library final : public NcclLibrary {
   void broadcast(const void* in, void* out, size_t count, NcclType type, int root,
                  NcclLibrary::Comm c, NcclLibrary::Stream s) override {
     if (fails(c)) return;
-    const size_t bytes = count * type_size(type);
+    const size_t bytes = count * nccl_type_size(type);
     auto buf = rank_of(c) == root ? host_copy(in, bytes) : buffer(bytes);
     issue(
         s, {buf},
         [&](std::vector<MPI_Request>& r) {
           r.emplace_back();
-          return MPI_Ibcast(buf->data(), int(bytes), MPI_BYTE, root, comm_of(c), &r.back());
+          return MPI_Ibcast(buf->data(), int(bytes), MPI_BYTE, root, mpi_comm_of(c), &r.back());
         },
         [=, this] { to_device(out, buf->data(), bytes); });
   }
   void reduce(const void* in, void* out, size_t count, NcclType type, NcclOp op, int root,
               NcclLibrary::Comm c, NcclLibrary::Stream s) override {
     if (fails(c)) return;
-    const size_t bytes = count * type_size(type);
+    const size_t bytes = count * nccl_type_size(type);
     const int n = size_of(c);
     const bool is_root = rank_of(c) == root;
     auto mine = host_copy(in, bytes);
@@ -276,7 +279,7 @@ class EmulatedNccl::Library final : public NcclLibrary {
         [&](std::vector<MPI_Request>& r) {
           r.emplace_back();
           return MPI_Igather(mine->data(), int(bytes), MPI_BYTE, all->data(), int(bytes), MPI_BYTE,
-                             root, comm_of(c), &r.back());
+                             root, mpi_comm_of(c), &r.back());
         },
         [=, this] {
           if (!is_root) return;
@@ -288,26 +291,26 @@ class EmulatedNccl::Library final : public NcclLibrary {
   void send(const void* buf, size_t count, NcclType type, int peer, NcclLibrary::Comm c,
             NcclLibrary::Stream s) override {
     if (fails(c)) return;
-    const size_t bytes = count * type_size(type);
+    const size_t bytes = count * nccl_type_size(type);
     auto mine = host_copy(buf, bytes);
     issue(
         s, {mine},
         [&](std::vector<MPI_Request>& r) {
           r.emplace_back();
-          return MPI_Isend(mine->data(), int(bytes), MPI_BYTE, peer, 0, comm_of(c), &r.back());
+          return MPI_Isend(mine->data(), int(bytes), MPI_BYTE, peer, 0, mpi_comm_of(c), &r.back());
         },
         nullptr);
   }
   void recv(void* buf, size_t count, NcclType type, int peer, NcclLibrary::Comm c,
             NcclLibrary::Stream s) override {
     if (fails(c)) return;
-    const size_t bytes = count * type_size(type);
+    const size_t bytes = count * nccl_type_size(type);
     auto got = buffer(bytes);
     issue(
         s, {got},
         [&](std::vector<MPI_Request>& r) {
           r.emplace_back();
-          return MPI_Irecv(got->data(), int(bytes), MPI_BYTE, peer, 0, comm_of(c), &r.back());
+          return MPI_Irecv(got->data(), int(bytes), MPI_BYTE, peer, 0, mpi_comm_of(c), &r.back());
         },
         [=, this] { to_device(buf, got->data(), bytes); });
   }
@@ -357,8 +360,8 @@ class EmulatedNccl::Library final : public NcclLibrary {
              const std::function<int(std::vector<MPI_Request>&)>& start,
              std::function<void()> after) {
     auto* stream = static_cast<QueuedStream*>(s);
-    Pending single;
-    Pending& p = in_group_ ? group_ : single;
+    PendingCalls single;
+    PendingCalls& p = in_group_ ? group_ : single;
     {
       auto guard = mpi::lock();
       mpi::check(start(p.requests), "a non-blocking MPI call", "emulated NCCL");
@@ -374,14 +377,14 @@ class EmulatedNccl::Library final : public NcclLibrary {
       push(*stream, std::move(single));
     }
   }
-  static void push(QueuedStream& s, Pending p) {
+  static void push(QueuedStream& s, PendingCalls p) {
     s.queue.push_back(std::move(p));
     ++s.issued;
   }
   // Completes the stream's operations in order, as far as MPI has carried them.
   void progress(QueuedStream& s) {
     while (!s.queue.empty()) {
-      Pending& p = s.queue.front();
+      PendingCalls& p = s.queue.front();
       int done = 0;
       {
         auto guard = mpi::lock();
@@ -402,7 +405,7 @@ class EmulatedNccl::Library final : public NcclLibrary {
   int world_rank_ = 0;
   int64_t ids_made_ = 0;
   bool in_group_ = false;
-  Pending group_;
+  PendingCalls group_;
   QueuedStream* group_stream_ = nullptr;
 };
 

@@ -69,7 +69,41 @@ class CudaDeviceMemory final : public DeviceMemory {
   int index_;
 };
 
+// Page-locked host memory for the caching allocator: cudaHostAlloc is slow (it maps the pages
+// for the device), so freed blocks are kept for reuse as device blocks are. Portable: usable
+// with every device of the process.
+class PinnedHostMemory final : public DeviceMemory {
+ public:
+  Device device() const override { return Device::cpu(); }
+  void* raw_allocate(size_t nbytes) override {
+    void* p = nullptr;
+    cudaError_t err = cudaHostAlloc(&p, nbytes, cudaHostAllocPortable);
+    if (err == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    check_cuda(err, "cudaHostAlloc", 0);
+    return p;
+  }
+  void raw_free(void* ptr) override { check_cuda(cudaFreeHost(ptr), "cudaFreeHost", 0); }
+  // Copies to and from pinned blocks are synchronous (cudaMemcpy), so nothing on a stream can
+  // still use a block that is freed: no events are needed.
+  StreamId current_stream() const override { return 0; }
+  void* record_event(StreamId) override { return nullptr; }
+  bool event_done(void*) override { return true; }
+  void release_event(void*) override {}
+  void synchronize() override {}
+};
+
 }  // namespace
+
+// nullptr without a GPU: cudaHostAlloc needs a device.
+Allocator* cuda_pinned_allocator() {
+  static CachingAllocator* pinned = cuda_device_count() > 0
+                                        ? new CachingAllocator(std::make_unique<PinnedHostMemory>())
+                                        : nullptr;
+  return pinned;
+}
 
 int cuda_device_count() {
   int n = 0;

@@ -37,6 +37,15 @@ using DeviceCopyFn = void (*)(void* dst, Device dst_device, const void* src, Dev
                               size_t nbytes);
 DeviceCopyFn set_device_copy(DeviceCopyFn copy);
 
+// Page-locked ("pinned") host memory, which a GPU copies to and from at full speed: what
+// PyTorch's pin_memory gives. A CUDA build's is a caching allocator over cudaHostAlloc, there
+// when the process sees a GPU; nullptr where nothing can pin (no CUDA, no GPU). Its bytes count
+// in memory_stats(Device::cpu()).
+Allocator* pinned_allocator();
+// Replaces it (nullptr restores the default): how tests stand a pinned pool in where there is no
+// GPU. Returns the previous one.
+Allocator* set_pinned_allocator(Allocator* allocator);
+
 MemoryStats memory_stats(Device device = Device::cpu());
 // Sets the peak to the current value, so a later peak measures one phase.
 void reset_peak_memory(Device device = Device::cpu());

@@ -9,9 +9,16 @@ namespace tessera {
 struct TensorOptions {
   DType dtype = DType::Float32;
   Device device = Device::cpu();
+  // Host memory from pinned_allocator() (PyTorch's pin_memory=True); CPU tensors only, and an
+  // error where nothing can pin.
+  bool pinned = false;
   TensorOptions() = default;
   TensorOptions(DType dt) : dtype(dt) {}  // NOLINT: lets `empty(shape, DType::Float64)` read well
   TensorOptions(DType dt, Device dev) : dtype(dt), device(dev) {}
+  TensorOptions& pin_memory(bool pin = true) {
+    pinned = pin;
+    return *this;
+  }
 };
 
 Tensor empty(const Shape& shape, TensorOptions opts = {});

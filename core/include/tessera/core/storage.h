@@ -13,6 +13,8 @@ class Allocator;
 class StorageImpl {
  public:
   StorageImpl(size_t nbytes, Device device);
+  // From `allocator` instead of the device's (pinned host memory, say).
+  StorageImpl(size_t nbytes, Device device, Allocator* allocator);
   ~StorageImpl();
   StorageImpl(const StorageImpl&) = delete;
   StorageImpl& operator=(const StorageImpl&) = delete;
@@ -20,6 +22,7 @@ class StorageImpl {
   void* data() const { return data_; }
   size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
+  Allocator* allocator() const { return allocator_; }
   // Frees the bytes while tensors keep referring to the storage (PyTorch's resize_(0) of an
   // untyped storage): FSDP frees gathered parameters that the autograd graph still holds, and
   // refills them before backward. Touching a released storage's data is an error.
@@ -39,6 +42,8 @@ class Storage {
  public:
   Storage() = default;
   Storage(size_t nbytes, Device device) : impl_(std::make_shared<StorageImpl>(nbytes, device)) {}
+  Storage(size_t nbytes, Device device, Allocator* allocator)
+      : impl_(std::make_shared<StorageImpl>(nbytes, device, allocator)) {}
 
   bool defined() const { return impl_ != nullptr; }
   void* data() const { return impl_ ? impl_->data() : nullptr; }

@@ -80,6 +80,10 @@ class Tensor {
   Tensor clone() const;       // always a fresh contiguous copy
   Tensor to(DType dtype) const;
   Tensor to(Device device) const;
+  // A copy in pinned host memory (pinned_allocator()), self when pinned already: device copies
+  // from and to it run at full speed. An error for a device tensor or where nothing can pin.
+  Tensor pin_memory() const;
+  bool is_pinned() const;
   // Copies src (same shape, any dtype, any strides) into this tensor's elements.
   Tensor& copy_(const Tensor& src);
   Tensor& fill_(double value);
