@@ -101,6 +101,9 @@ bool cuda_compiled() {
 int cuda_device_count() {
   return 0;
 }
+void synchronize(Device device) {
+  TESSERA_CHECK(device.is_cpu(), "synchronize(", device.str(), "): this build has no CUDA support");
+}
 #endif
 
 }  // namespace tessera

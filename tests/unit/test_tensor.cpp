@@ -148,6 +148,15 @@ TEST(Tensor, CudaWithoutBuildIsAClearError) {
             std::string::npos);
 }
 
+TEST(Tensor, SynchronizeWaitsForNothingOnTheCpuAndNamesAMissingDevice) {
+  synchronize(Device::cpu());  // CPU kernels finish before they return
+  if (cuda_device_count() > 0) {
+    synchronize(Device::cuda(0));
+    return;
+  }
+  EXPECT_NE(error_of([] { synchronize(Device::cuda(0)); }).find("cuda:0"), std::string::npos);
+}
+
 TEST(Tensor, StorageReleaseFreesBytesUnderLiveTensors) {
   Tensor a = full({256, 256}, 2.0);
   Tensor view = kernels::narrow(a, 0, 1, 3);

@@ -105,6 +105,12 @@ Allocator* cuda_pinned_allocator() {
   return pinned;
 }
 
+void synchronize(Device device) {
+  if (device.is_cpu()) return;
+  check_cuda(cudaSetDevice(device.index), "cudaSetDevice", device.index);
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize", device.index);
+}
+
 int cuda_device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

@@ -29,5 +29,9 @@ bool cuda_compiled();
 // The CUDA devices this process can use: 0 without CUDA support, without a driver or without a
 // GPU (never an error).
 int cuda_device_count();
+// Waits until the work queued on `device` so far has finished (torch.cuda.synchronize): what a
+// timing of device work ends with. Nothing to wait for on the CPU, whose kernels finish before
+// they return.
+void synchronize(Device device);
 
 }  // namespace tessera
