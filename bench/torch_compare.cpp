@@ -48,9 +48,13 @@ Preset preset(const std::string& name) {
 
 // Milliseconds of each timed step, sorted, after `warmup` untimed ones; every step starts and
 // ends with the device idle.
-std::vector<double> step_ms(const Preset& p, Device device, int warmup, int steps) {
+std::vector<double> step_ms(const Preset& p, Device device, int warmup, int steps,
+                            int64_t& parameters) {
   auto model = std::make_shared<Decoder>(p.cfg);
   model->to(device);
+  parameters = 0;
+  for (Parameter* param : model->parameters())
+    parameters += param->local().numel();
   const bench::TokenBatch tokens =
       bench::random_tokens(p.batch, p.cfg.max_seq_len, p.cfg.vocab_size, 11);
   const Tensor inputs = tokens.inputs.to(device), targets = tokens.targets.to(device);
@@ -138,16 +142,21 @@ int main(int argc, char** argv) {
   }
   const Preset p = preset(preset_name);
   const int warmup = 3;
-  const std::vector<double> ours = step_ms(p, device, warmup, steps);
+  int64_t parameters = 0;
+  const std::vector<double> ours = step_ms(p, device, warmup, steps, parameters);
   const std::string theirs = run_torch(python, p, device_name, warmup, steps);
   const double ours_ms = ours[ours.size() / 2];
   const double torch_ms = theirs.empty() ? -1 : json_number(theirs, "median_ms");
+  // The same model: the same parameters, tensor for tensor, so the same count.
+  TESSERA_CHECK(theirs.empty() || int64_t(json_number(theirs, "parameters")) == parameters,
+                "torch_compare: PyTorch's model has ", json_number(theirs, "parameters"),
+                " parameters, Tessera's ", parameters, ": they are not the same model");
   std::printf(
       "{\"benchmark\": \"torch_compare\", \"device\": \"%s\", \"preset\": \"%s\", \"batch\": "
-      "%lld, \"seq\": %lld, \"steps\": %d, \"tessera_ms\": %.3f, \"tessera_min_ms\": %.3f, "
-      "\"tessera_max_ms\": %.3f, ",
+      "%lld, \"seq\": %lld, \"parameters\": %lld, \"steps\": %d, \"tessera_ms\": %.3f, "
+      "\"tessera_min_ms\": %.3f, \"tessera_max_ms\": %.3f, ",
       device.str().c_str(), preset_name.c_str(), (long long)p.batch, (long long)p.cfg.max_seq_len,
-      steps, ours_ms, ours.front(), ours.back());
+      (long long)parameters, steps, ours_ms, ours.front(), ours.back());
   if (torch_ms > 0) {
     std::printf("\"pytorch\": %s, \"tessera_over_pytorch\": %.3f}\n", theirs.c_str(),
                 ours_ms / torch_ms);

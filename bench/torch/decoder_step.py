@@ -7,7 +7,7 @@ The model is nn::Decoder layer for layer: token embedding, n_layers blocks of
 RMSNorm, SwiGLU feed-forward) with residuals, a final RMSNorm and an output projection,
 all without biases; cross-entropy over every token; AdamW (lr 1e-3, weight decay 1e-2).
 float32 with TF32 off, as Tessera computes. Prints one JSON line:
-{"torch": version, "device": ..., "median_ms": ..., "step_ms": [...]}.
+{"torch": version, "device": ..., "parameters": ..., "median_ms": ..., "step_ms": [...]}.
 """
 import argparse
 import json
@@ -156,6 +156,7 @@ def main():
         print("decoder_step.py: the loss is not finite", file=sys.stderr)
         return 1
     print(json.dumps({"torch": torch.__version__, "device": str(device),
+                      "parameters": sum(p.numel() for p in model.parameters()),
                       "median_ms": statistics.median(times),
                       "step_ms": [round(t, 3) for t in times]}))
     return 0
