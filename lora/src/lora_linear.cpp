@@ -222,7 +222,7 @@ void LoraLinear::merge_slot(int64_t i, bool unmerge) {
 
 LoraLinear::Batch LoraLinear::batch(int64_t rows, Device device) const {
   Batch b;
-  const bool mixed = routing_->sample_slots.defined();
+  const bool mixed = routing_->sample_slots.has_value();
   if (!mixed) {
     const int64_t s = routing_->active_slot;
     if (s >= 0 && s < num_slots() && !slots_[size_t(s)].adapter.empty() &&
@@ -232,12 +232,11 @@ LoraLinear::Batch LoraLinear::batch(int64_t rows, Device device) const {
     }
     return b;
   }
-  const Tensor& ids = routing_->sample_slots;
-  TESSERA_CHECK(ids.dim() == 1 && ids.size(0) == rows, "LoRA: the batch's adapter ids ", ids.str(),
-                " must hold one entry per row of this rank's batch (", rows, " rows)");
+  std::vector<int64_t> v = *routing_->sample_slots;
+  TESSERA_CHECK(int64_t(v.size()) == rows, "LoRA: the batch's adapter ids hold ", v.size(),
+                " entries but this rank's batch has ", rows, " rows (one entry per row)");
   // LoraModel checked the ids; an adapter that does not target this layer leaves its samples
   // to the base layer here.
-  std::vector<int64_t> v = ids.to_vector<int64_t>();
   for (int64_t& s : v) {
     TESSERA_CHECK(s < num_slots(), "LoRA: adapter id ", s, " out of range (", num_slots(),
                   " slots)");

@@ -119,18 +119,21 @@ int64_t LoraModel::adapter_id(const std::string& name) const {
 }
 
 void LoraModel::set_batch_adapters(const Tensor& ids) {
-  if (ids.defined()) {
-    TESSERA_CHECK(ids.dtype() == DType::Int64 && ids.dim() == 1,
-                  "LoRA set_batch_adapters: ids must be int64 [rows], got ", ids.str());
-    for (int64_t id : ids.to_vector<int64_t>()) {
-      bool known = id == -1;
-      for (const auto& [n, a] : adapters_)
-        known |= a.slot == id;
-      TESSERA_CHECK(known, "LoRA set_batch_adapters: id ", id, " is no adapter's (",
-                    join(adapters()), " have ids from adapter_id(); -1 is the base model)");
-    }
+  if (!ids.defined()) {
+    routing_->sample_slots.reset();
+    return;
   }
-  routing_->sample_slots = ids.defined() ? ids.contiguous() : Tensor();
+  TESSERA_CHECK(ids.dtype() == DType::Int64 && ids.dim() == 1,
+                "LoRA set_batch_adapters: ids must be int64 [rows], got ", ids.str());
+  std::vector<int64_t> host = ids.to_vector<int64_t>();  // once per batch, not per layer
+  for (int64_t id : host) {
+    bool known = id == -1;
+    for (const auto& [n, a] : adapters_)
+      known |= a.slot == id;
+    TESSERA_CHECK(known, "LoRA set_batch_adapters: id ", id, " is no adapter's (", join(adapters()),
+                  " have ids from adapter_id(); -1 is the base model)");
+  }
+  routing_->sample_slots = std::move(host);
 }
 
 std::vector<Parameter*> LoraModel::adapter_parameters(const std::string& name) {

@@ -20,6 +20,7 @@
 // Gradients of replicated adapter matrices come out summed over the ranks that share them by
 // these DTensor rules, with nothing LoRA-specific in the backward.
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,8 +33,9 @@ namespace tessera {
 // sample (a mixed batch). Shared by every LoraLinear of a model.
 struct LoraRouting {
   int64_t active_slot = -1;  // -1: none (the base model alone)
-  // A mixed batch: int64 [rows of this rank's batch], the slot of each sample (-1: none).
-  Tensor sample_slots;
+  // A mixed batch: the slot of each sample of this rank's batch (-1: none), read to the host once
+  // when set, so that each layer's forward builds its masks without reading device memory.
+  std::optional<std::vector<int64_t>> sample_slots;
 };
 
 // One adapter matrix, a module of its own so that its name reads lora_A.<slot>.weight.
