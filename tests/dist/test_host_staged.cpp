@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/counting_allocator.h"
 #include "tessera/tessera.h"
 #include "tessera/testing/expect_error.h"
 
@@ -203,23 +204,9 @@ TEST_F(HostStaged, ResultsLandOnCompletionOrWhenTheWorkIsDropped) {
   expect_same(e, full({3}, double(n)), "after dropping the work");
 }
 
-namespace {
-// Host memory standing in for a pinned pool (a GPU's cudaHostAlloc), counting its blocks.
-class CountingPinned final : public Allocator {
- public:
-  void* allocate(size_t nbytes) override {
-    ++allocations;
-    return nbytes ? std::malloc(nbytes) : nullptr;
-  }
-  void deallocate(void* ptr, size_t) override { std::free(ptr); }
-  Device device() const override { return Device::cpu(); }
-  int allocations = 0;
-};
-}  // namespace
-
 // Where something can pin, the host buffers are pinned (both copies then run at full speed).
 TEST_F(HostStaged, StagingBuffersArePinnedWhereSomethingCanPin) {
-  CountingPinned pool;
+  tessera::testing::CountingHostAllocator pool;
   Allocator* before = set_pinned_allocator(&pool);
   Tensor c = values({2, 3}), d = on_device(c);
   cpu_->all_reduce(c, ReduceOp::Sum)->wait();

@@ -10,6 +10,7 @@
 #include <set>
 #include <vector>
 
+#include "common/counting_allocator.h"
 #include "tessera/core/caching_allocator.h"
 #include "tessera/core/factory.h"
 #include "tessera/testing/expect_error.h"
@@ -289,22 +290,6 @@ TEST(CachingAllocator, RandomUseKeepsBlocksDisjointAndFiguresExact) {
 
 }  // namespace
 
-namespace {
-
-// Host memory standing in for a pinned pool, counting what it hands out.
-class CountingPinned final : public tessera::Allocator {
- public:
-  void* allocate(size_t nbytes) override {
-    ++allocations;
-    return nbytes ? std::malloc(nbytes) : nullptr;
-  }
-  void deallocate(void* ptr, size_t) override { std::free(ptr); }
-  Device device() const override { return Device::cpu(); }
-  int allocations = 0;
-};
-
-}  // namespace
-
 TEST(PinnedMemory, PinMemoryCopiesIntoThePinnedPoolOrSaysWhyItCannot) {
   using namespace tessera;
   const Tensor t = from_vector<float>({1, 2, 3, 4, 5, 6}, {2, 3});
@@ -314,7 +299,7 @@ TEST(PinnedMemory, PinMemoryCopiesIntoThePinnedPoolOrSaysWhyItCannot) {
     tessera::testing::expect_error([&] { (void)t.pin_memory(); },
                                    {"nothing can pin host memory here", "a GPU"});
   }
-  CountingPinned pool;
+  tessera::testing::CountingHostAllocator pool;
   Allocator* before = set_pinned_allocator(&pool);
   {
     const Tensor transposed = t.as_strided({3, 2}, {1, 3}, 0);

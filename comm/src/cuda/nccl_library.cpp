@@ -287,15 +287,6 @@ NcclLibrary& system_nccl_library() {
   return *lib;
 }
 
-#else  // no nccl.h where this build found CUDA
-
-std::string system_nccl_unavailable() {
-  return "this build found the CUDA toolkit but no nccl.h";
-}
-NcclLibrary& system_nccl_library() {
-  TESSERA_FAIL("NCCL is not usable here: ", system_nccl_unavailable());
-}
-
-#endif
+#endif  // no nccl.h: nccl/nccl_library.cpp says so
 
 }  // namespace tessera::detail

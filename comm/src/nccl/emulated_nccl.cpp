@@ -199,59 +199,33 @@ class EmulatedNccl::Library final : public NcclLibrary {
                   NcclLibrary::Comm c, NcclLibrary::Stream s) override {
     if (fails(c)) return;
     const size_t bytes = count * nccl_type_size(type);
-    auto mine = host_copy(in, bytes);
-    auto all = buffer(bytes * size_t(size_of(c)));
     const int n = size_of(c);
-    issue(
-        s, {mine, all},
-        [&](std::vector<MPI_Request>& r) {
-          r.emplace_back();
-          return MPI_Iallgather(mine->data(), int(bytes), MPI_BYTE, all->data(), int(bytes),
-                                MPI_BYTE, mpi_comm_of(c), &r.back());
-        },
-        [=, this] {
-          std::vector<char> result(bytes);
-          reduce_terms(result.data(), all->data(), bytes, n, count, type, op);
-          to_device(out, result.data(), bytes);
-        });
+    gather_then(s, c, in, bytes, [=, this](const char* all) {
+      std::vector<char> result(bytes);
+      reduce_terms(result.data(), all, bytes, n, count, type, op);
+      to_device(out, result.data(), bytes);
+    });
   }
   void all_gather(const void* in, void* out, size_t count, NcclType type, NcclLibrary::Comm c,
                   NcclLibrary::Stream s) override {
     if (fails(c)) return;
     const size_t bytes = count * nccl_type_size(type);
-    auto mine = host_copy(in, bytes);
     const size_t total = bytes * size_t(size_of(c));
-    auto all = buffer(total);
-    issue(
-        s, {mine, all},
-        [&](std::vector<MPI_Request>& r) {
-          r.emplace_back();
-          return MPI_Iallgather(mine->data(), int(bytes), MPI_BYTE, all->data(), int(bytes),
-                                MPI_BYTE, mpi_comm_of(c), &r.back());
-        },
-        [=, this] { to_device(out, all->data(), total); });
+    gather_then(s, c, in, bytes, [=, this](const char* all) { to_device(out, all, total); });
   }
+  // Every rank's whole input gathered, this rank's block reduced: simple, not lean.
   void reduce_scatter(const void* in, void* out, size_t count, NcclType type, NcclOp op,
                       NcclLibrary::Comm c, NcclLibrary::Stream s) override {
     if (fails(c)) return;
     const int n = size_of(c);
-    const int me = rank_of(c);
     const size_t block = count * nccl_type_size(type);
     const size_t whole = block * size_t(n);
-    auto mine = host_copy(in, whole);
-    auto all = buffer(whole * size_t(n));
-    issue(
-        s, {mine, all},
-        [&](std::vector<MPI_Request>& r) {
-          r.emplace_back();
-          return MPI_Iallgather(mine->data(), int(whole), MPI_BYTE, all->data(), int(whole),
-                                MPI_BYTE, mpi_comm_of(c), &r.back());
-        },
-        [=, this] {
-          std::vector<char> result(block);
-          reduce_terms(result.data(), all->data() + size_t(me) * block, whole, n, count, type, op);
-          to_device(out, result.data(), block);
-        });
+    const size_t mine = size_t(rank_of(c)) * block;
+    gather_then(s, c, in, whole, [=, this](const char* all) {
+      std::vector<char> result(block);
+      reduce_terms(result.data(), all + mine, whole, n, count, type, op);
+      to_device(out, result.data(), block);
+    });
   }
   void broadcast(const void* in, void* out, size_t count, NcclType type, int root,
                  NcclLibrary::Comm c, NcclLibrary::Stream s) override {
@@ -352,6 +326,22 @@ class EmulatedNccl::Library final : public NcclLibrary {
     memory_->open();
     std::memcpy(p, src, bytes);
     memory_->close();
+  }
+
+  // Gathers `bytes` of every member's `in` (read now) and runs `after` on the members' bytes
+  // side by side once they have arrived.
+  void gather_then(NcclLibrary::Stream s, NcclLibrary::Comm c, const void* in, size_t bytes,
+                   std::function<void(const char*)> after) {
+    Buffer mine = host_copy(in, bytes);
+    Buffer all = buffer(bytes * size_t(size_of(c)));
+    issue(
+        s, {mine, all},
+        [&](std::vector<MPI_Request>& r) {
+          r.emplace_back();
+          return MPI_Iallgather(mine->data(), int(bytes), MPI_BYTE, all->data(), int(bytes),
+                                MPI_BYTE, mpi_comm_of(c), &r.back());
+        },
+        [all, after = std::move(after)] { after(all->data()); });
   }
 
   // Starts the MPI calls `start` makes and queues them with `after` on stream `s` (on the open
