@@ -1,6 +1,7 @@
 #include "tessera/dtensor/device_mesh.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "tessera/comm/backend.h"
 #include "tessera/comm/runtime.h"
@@ -37,6 +38,20 @@ int64_t ravel(const std::vector<int64_t>& c, const Shape& shape) {
   for (size_t d = 0; d < shape.size(); ++d)
     index = index * shape[d] + c[d];
   return index;
+}
+
+// The line of ranks along each mesh dim through `coordinate`, as MPI_Comm_split's color and key:
+// ranks that agree on every other coordinate share a color, ordered by their coordinate there.
+std::pair<std::vector<int>, std::vector<int>> lines_through(const std::vector<int64_t>& coordinate,
+                                                            const Shape& shape) {
+  std::vector<int> colors, keys;
+  for (size_t m = 0; m < shape.size(); ++m) {
+    std::vector<int64_t> others = coordinate;
+    others[m] = 0;
+    colors.push_back(int(ravel(others, shape)));
+    keys.push_back(int(coordinate[m]));
+  }
+  return {colors, keys};
 }
 
 // The host twins of a device mesh's groups: the CPU world split as `groups` were, so that
@@ -87,16 +102,11 @@ DeviceMesh::DeviceMesh(DeviceType device_type, Shape shape, std::vector<std::str
   for (int r = 0; r < world->size(); ++r)
     impl->ranks.push_back(world->world_ranks()[size_t(r)]);
   impl->coordinate = unravel(world->rank(), shape);
-  // One group per mesh dim: ranks that agree on every other coordinate. Every rank makes the
-  // same sequence of splits, so this is collective over the world.
-  std::vector<int> colors, keys;
-  for (size_t m = 0; m < shape.size(); ++m) {
-    std::vector<int64_t> others = impl->coordinate;
-    others[m] = 0;
-    colors.push_back(int(ravel(others, shape)));
-    keys.push_back(int(impl->coordinate[m]));
+  // One group per mesh dim. Every rank makes the same sequence of splits, so this is collective
+  // over the world.
+  const auto [colors, keys] = lines_through(impl->coordinate, shape);
+  for (size_t m = 0; m < shape.size(); ++m)
     impl->groups.push_back(world->split(colors[m], keys[m], "mesh." + impl->names[m]));
-  }
   impl->host_groups = host_lines(device_type, impl->groups, colors, keys, impl->names);
   impl_ = std::move(impl);
 }
@@ -175,13 +185,7 @@ DeviceMesh DeviceMesh::from_groups(std::vector<ProcessGroupPtr> groups,
                 "mesh: ", problem.empty() ? "another rank's groups do not fit" : problem,
                 " (groups[d] must be this rank's group along mesh dim d, its rank there the "
                 "coordinate along d)");
-  std::vector<int> colors, keys;
-  for (int64_t d = 0; d < nd; ++d) {
-    std::vector<int64_t> others = impl->coordinate;
-    others[size_t(d)] = 0;
-    colors.push_back(int(ravel(others, impl->shape)));
-    keys.push_back(int(impl->coordinate[size_t(d)]));
-  }
+  const auto [colors, keys] = lines_through(impl->coordinate, impl->shape);
   impl->host_groups = host_lines(device_type, groups, colors, keys, impl->names);
   impl->ranks = std::move(at);
   impl->groups = std::move(groups);

@@ -91,8 +91,9 @@ NcclLibrary& nccl_library();
 // Installs `library` for groups made from now on (nullptr restores libnccl); returns the
 // previous one. Groups keep the library they were made with.
 NcclLibrary* set_nccl_library(NcclLibrary* library);
-// Why libnccl cannot be used here, "" when it can (cuda/nccl_library.cpp, or the stub of a build
-// without CUDA).
+// Why libnccl cannot be used here, "" when it can; and the library bound to it (an error saying
+// why where it cannot be). Defined by cuda/nccl_library.cpp, or by nccl_library.cpp in a build
+// that cannot bind libnccl (no CUDA, no nccl.h), where the answer is always why not.
 std::string system_nccl_unavailable();
 NcclLibrary& system_nccl_library();
 
