@@ -2,6 +2,9 @@
 #include "tessera/core/detail/emulated_kernels.h"
 
 #include <atomic>
+#include <barrier>
+#include <thread>
+#include <vector>
 
 #include "kernel_table.h"
 #include "portable/kernels.h"
@@ -13,9 +16,46 @@ namespace {
 std::atomic<EmulatedMemory*> g_memory{nullptr};
 std::atomic<int64_t> g_launches{0};
 
+// A row's team on the host: kLanes threads, one per lane, meeting at a barrier to combine. Each
+// lane leaves its value in its slot; after the barrier every lane combines all slots in lane
+// order (so all get the same result), and a second barrier keeps the slots until all have read.
+class HostTeam {
+ public:
+  static constexpr int kLanes = 4;
+  struct Shared {
+    std::barrier<> meet{kLanes};
+    double slots[kLanes] = {};
+  };
+  HostTeam(int lane, Shared* shared) : lane_(lane), shared_(shared) {}
+  int lane() const { return lane_; }
+  int size() const { return kLanes; }
+  template <class C>
+  C sum(C v) {
+    return combine(v, [](C a, C b) { return a + b; });
+  }
+  template <class C>
+  C max(C v) {
+    return combine(v, [](C a, C b) { return b > a ? b : a; });
+  }
+
+ private:
+  template <class C, class Op>
+  C combine(C v, Op op) {
+    shared_->slots[lane_] = double(v);  // exact for float and double
+    shared_->meet.arrive_and_wait();
+    C acc = C(shared_->slots[0]);
+    for (int l = 1; l < kLanes; ++l)
+      acc = op(acc, C(shared_->slots[l]));
+    shared_->meet.arrive_and_wait();
+    return acc;
+  }
+  int lane_;
+  Shared* shared_;
+};
+
 // Runs the functor for every element in order, as one GPU thread per element would (the
-// functors write disjoint elements, so order does not matter to the result), and gemm by the
-// reference loop.
+// functors write disjoint elements, so order does not matter to the result); every row by a team
+// of host threads, as a block of GPU threads shares it; and gemm by the reference loop.
 struct HostExec {
   template <class F>
   static void for_each(const char* op, Device device, int64_t n, const F& f) {
@@ -26,6 +66,28 @@ struct HostExec {
     memory->open();
     for (int64_t i = 0; i < n; ++i)
       f(i);
+    memory->close();
+  }
+
+  template <class F>
+  static void for_each_row(const char* op, Device device, int64_t rows, const F& f) {
+    EmulatedMemory* memory = g_memory.load();
+    TESSERA_CHECK(memory != nullptr, op, ": emulated kernel launched on ", device.str(),
+                  " with no emulated device alive");
+    g_launches.fetch_add(1, std::memory_order_relaxed);
+    HostTeam::Shared shared;
+    auto lane = [&](int l) {
+      HostTeam team(l, &shared);
+      for (int64_t r = 0; r < rows; ++r)
+        f(r, team);
+    };
+    memory->open();
+    std::vector<std::thread> others;
+    for (int l = 1; l < HostTeam::kLanes; ++l)
+      others.emplace_back(lane, l);
+    lane(0);
+    for (std::thread& t : others)
+      t.join();
     memory->close();
   }
 

@@ -38,11 +38,12 @@ Tensor vocab_ce_stats(const Tensor& x, const Tensor& row_max, const Tensor& targ
     check_vocab_rows("vocab_ce_stats", row_max, "row_max", rows, x.dtype());
     check_vocab_rows("vocab_ce_stats", target, "target", rows, DType::Int64);
     stats = empty({rows, 2}, x.dtype());
-    // The device kernel's row body (portable/vocab.h), run row by row.
+    // The device kernel's row body (portable/vocab.h), run row by row by a team of one.
     const portable::VocabStatsFn<C> row{
         x.data<C>(), row_max.data<C>(), target.data<int64_t>(), stats.data<C>(), n, start};
+    portable::SerialTeam team;
     for (int64_t i = 0; i < rows; ++i)
-      row(i);
+      row(i, team);
   });
   return stats;
 }
@@ -78,10 +79,10 @@ Tensor vocab_ce_backward(const Tensor& x, const Tensor& lse, const Tensor& targe
     check_vocab_rows("vocab_ce_backward", lse, "lse", rows, x.dtype());
     check_vocab_rows("vocab_ce_backward", target, "target", rows, DType::Int64);
     out = empty({rows, n}, x.dtype());
-    const portable::VocabBackwardFn<C> row{
+    const portable::VocabBackwardFn<C> element{
         x.data<C>(), lse.data<C>(), target.data<int64_t>(), out.data<C>(), n, start, C(scale)};
-    for (int64_t i = 0; i < rows; ++i)
-      row(i);
+    for (int64_t t = 0; t < rows * n; ++t)
+      element(t);
   });
   return out;
 }

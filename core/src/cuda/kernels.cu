@@ -1,7 +1,7 @@
 // The CUDA executor for the portable device kernels (portable/kernels.h): one thread per
-// element, grid-stride, and cuBLAS for gemm, all on the legacy default stream, which orders them
-// with the caching allocator's frees and with cudaMemcpy. Compiled wherever the toolkit is; it
-// runs only where a GPU is.
+// element, grid-stride; a block per row for row kernels; and cuBLAS for gemm, all on the legacy
+// default stream, which orders them with the caching allocator's frees and with cudaMemcpy.
+// Compiled wherever the toolkit is; it runs only where a GPU is.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -24,6 +24,83 @@ __global__ void for_each_element(int64_t n, F f) {
   const int64_t step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step)
     f(i);
+}
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+struct SumOp {
+  template <class C>
+  __device__ C operator()(C a, C b) const {
+    return a + b;
+  }
+};
+struct MaxOp {
+  template <class C>
+  __device__ C operator()(C a, C b) const {
+    return b > a ? b : a;
+  }
+};
+
+// The threads of one block sharing a row (portable/launch.h: launch_rows). A combine folds each
+// warp with shuffles, then thread 0 folds the warps' results in order and hands the total to
+// every thread through shared memory. Host versions exist only so that the row functors'
+// host-device bodies compile; nothing calls them.
+struct BlockTeam {
+  double* slots;  // kWarps + 1
+  TESSERA_HOST_DEVICE int lane() const {
+#ifdef __CUDA_ARCH__
+    return int(threadIdx.x);
+#else
+    return 0;
+#endif
+  }
+  TESSERA_HOST_DEVICE int size() const {
+#ifdef __CUDA_ARCH__
+    return int(blockDim.x);
+#else
+    return 1;
+#endif
+  }
+  template <class C>
+  TESSERA_HOST_DEVICE C sum(C v) {
+    return combine(v, SumOp{});
+  }
+  template <class C>
+  TESSERA_HOST_DEVICE C max(C v) {
+    return combine(v, MaxOp{});
+  }
+
+ private:
+  template <class C, class Op>
+  TESSERA_HOST_DEVICE C combine(C v, Op op) {
+#ifdef __CUDA_ARCH__
+    for (int offset = 16; offset > 0; offset /= 2)
+      v = op(v, __shfl_down_sync(0xffffffffu, v, offset));
+    const int warp = int(threadIdx.x) / 32;
+    __syncthreads();  // the slots of the previous combine have been read
+    if (threadIdx.x % 32 == 0) slots[warp] = double(v);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      C total = C(slots[0]);
+      for (int w = 1; w < kWarps; ++w)
+        total = op(total, C(slots[w]));
+      slots[kWarps] = double(total);
+    }
+    __syncthreads();
+    return C(slots[kWarps]);
+#else
+    return v;
+#endif
+  }
+};
+
+template <class F>
+__global__ void for_each_row_block(int64_t rows, F f) {
+  __shared__ double slots[kWarps + 1];
+  BlockTeam team{slots};
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
+    f(r, team);
 }
 
 void check_launch(cudaError_t err, const char* op, Device device, const char* what) {
@@ -110,7 +187,6 @@ int as_int(int64_t v, const char* op, Device device, const char* what) {
 }
 
 struct CudaExec {
-  static constexpr int kThreads = 256;
   // Enough blocks to fill any current GPU several times; larger launches loop.
   static constexpr int64_t kMaxBlocks = int64_t(1) << 16;
 
@@ -119,6 +195,15 @@ struct CudaExec {
     check_launch(cudaSetDevice(device.index), op, device, "cudaSetDevice");
     const int64_t blocks = std::min((n + kThreads - 1) / kThreads, kMaxBlocks);
     for_each_element<<<unsigned(blocks), kThreads>>>(n, f);
+    check_launch(cudaGetLastError(), op, device, "kernel launch");
+  }
+
+  // Every thread of a block runs every row the block takes, so the team's combines line up.
+  template <class F>
+  static void for_each_row(const char* op, Device device, int64_t rows, const F& f) {
+    check_launch(cudaSetDevice(device.index), op, device, "cudaSetDevice");
+    const int64_t blocks = std::min(rows, kMaxBlocks);
+    for_each_row_block<<<unsigned(blocks), kThreads>>>(rows, f);
     check_launch(cudaGetLastError(), op, device, "kernel launch");
   }
 

@@ -7,13 +7,18 @@
 //     // elements).
 //     template <class F>
 //     static void for_each(const char* op, Device device, int64_t n, const F& f);
+//     // f(row, team) for every row in [0, rows), each row shared by a team of lanes
+//     // (launch.h: launch_rows).
+//     template <class F>
+//     static void for_each_row(const char* op, Device device, int64_t rows, const F& f);
 //     // One column-major strided-batched gemm (linalg.h).
 //     static void gemm(const char* op, Device device, const GemmCall& call);
 //   };
 //
-// cuda/kernels.cu instantiates the kernels with a CUDA launch (one thread per element) and
-// cuBLAS; emulated_kernels.cpp with a host loop and a reference gemm over a stand-in device's
-// memory, which is how a machine without a GPU tests everything here but the launch and cuBLAS.
+// cuda/kernels.cu instantiates the kernels with a CUDA launch (one thread per element, a block
+// per row) and cuBLAS; emulated_kernels.cpp with a host loop (a row's lanes as host threads) and
+// a reference gemm over a stand-in device's memory, which is how a machine without a GPU tests
+// everything here but the launch, the block's own combining and cuBLAS.
 #include "../kernel_table.h"
 #include "attention.h"
 #include "composite.h"

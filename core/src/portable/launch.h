@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "tessera/core/factory.h"
+#include "tessera/core/host_device.h"
 #include "tessera/core/tensor.h"
 
 namespace tessera::kernels::portable {
@@ -24,6 +25,31 @@ template <class Exec, class F>
 void launch(const char* op, Device device, int64_t n, const F& f) {
   if (n > 0) Exec::for_each(op, device, n, f);
 }
+
+// Runs f(row, team) for every row in [0, rows) through the executor. A row's work is shared by
+// the lanes of a team (lane team.lane() of team.size(): a block of threads on a GPU), which
+// stride over the row's elements and meet at team.sum(v) and team.max(v): every lane calls
+// them alike, in the same order, and gets the combination of all lanes' values (lanes in order).
+// The control flow around such a call must be the same on every lane of the row.
+template <class Exec, class F>
+void launch_rows(const char* op, Device device, int64_t rows, const F& f) {
+  if (rows > 0) Exec::for_each_row(op, device, rows, f);
+}
+
+// The team of one: how the CPU runs a row functor row by row (its sums then add in the order of
+// the row, as the CPU's own loops do).
+struct SerialTeam {
+  TESSERA_HOST_DEVICE int lane() const { return 0; }
+  TESSERA_HOST_DEVICE int size() const { return 1; }
+  template <class C>
+  TESSERA_HOST_DEVICE C sum(C v) {
+    return v;
+  }
+  template <class C>
+  TESSERA_HOST_DEVICE C max(C v) {
+    return v;
+  }
+};
 
 // f<float> or f<double> for a compute dtype (16-bit types compute in float32).
 template <class F>

@@ -1,10 +1,11 @@
 #pragma once
 // Private to core: the nn kernels on devices (see kernels.h for executors): softmax and
 // log-softmax, RMSNorm and LayerNorm, cross-entropy, rotary embedding, dropout, and the row
-// gather/scatter under embedding. Row-wise kernels run one thread per row (or per [outer, inner]
-// column of a softmax); the weight gradients of the norms one thread per feature, adding rows in
-// order. The checks are the CPU's (nn_checks.h), and so is each formula and its precision:
-// 16-bit inputs compute in float32, norm weight gradients accumulate in float64.
+// gather/scatter under embedding. Row-wise kernels share each row (or [outer, inner] column of a
+// softmax) among the lanes of a team (launch.h: launch_rows), which stride over it and combine
+// their partial maxima and sums; the weight gradients of the norms run one thread per feature,
+// adding rows in order. The checks are the CPU's (nn_checks.h), and so is each formula and its
+// precision: 16-bit inputs compute in float32, norm weight gradients accumulate in float64.
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -31,24 +32,27 @@ struct SoftmaxFn {
   T* y;
   Geometry g;
   bool log;
-  TESSERA_HOST_DEVICE void operator()(int64_t t) const {
+  template <class Team>
+  TESSERA_HOST_DEVICE void operator()(int64_t t, Team& team) const {
     using C = compute_t<T>;
     const int64_t o = t / g.inner, i = t - o * g.inner, base = o * g.n * g.inner + i;
     C m = -infinity<C>();
-    for (int64_t j = 0; j < g.n; ++j) {
+    for (int64_t j = team.lane(); j < g.n; j += team.size()) {
       const C v = C(x[base + j * g.inner]);
       m = v > m ? v : m;
     }
+    m = team.max(m);
     C s = 0;
-    for (int64_t j = 0; j < g.n; ++j)
+    for (int64_t j = team.lane(); j < g.n; j += team.size())
       s += std::exp(C(x[base + j * g.inner]) - m);
+    s = team.sum(s);
     if (log) {
       const C lse = m + std::log(s);
-      for (int64_t j = 0; j < g.n; ++j)
+      for (int64_t j = team.lane(); j < g.n; j += team.size())
         y[base + j * g.inner] = T(C(x[base + j * g.inner]) - lse);
     } else {
       const C inv = C(1) / s;
-      for (int64_t j = 0; j < g.n; ++j)
+      for (int64_t j = team.lane(); j < g.n; j += team.size())
         y[base + j * g.inner] = T(std::exp(C(x[base + j * g.inner]) - m) * inv);
     }
   }
@@ -62,15 +66,17 @@ struct SoftmaxBackwardFn {
   T* gx;
   Geometry g;
   bool log;
-  TESSERA_HOST_DEVICE void operator()(int64_t t) const {
+  template <class Team>
+  TESSERA_HOST_DEVICE void operator()(int64_t t, Team& team) const {
     using C = compute_t<T>;
     const int64_t o = t / g.inner, i = t - o * g.inner, base = o * g.n * g.inner + i;
     C acc = 0;
-    for (int64_t j = 0; j < g.n; ++j) {
+    for (int64_t j = team.lane(); j < g.n; j += team.size()) {
       const int64_t p = base + j * g.inner;
       acc += log ? C(gy[p]) : C(gy[p]) * C(y[p]);
     }
-    for (int64_t j = 0; j < g.n; ++j) {
+    acc = team.sum(acc);
+    for (int64_t j = team.lane(); j < g.n; j += team.size()) {
       const int64_t p = base + j * g.inner;
       gx[p] = log ? T(C(gy[p]) - std::exp(C(y[p])) * acc) : T(C(y[p]) * (C(gy[p]) - acc));
     }
@@ -87,14 +93,16 @@ struct RmsNormFn {
   C* rstd;
   int64_t d;
   C eps;
-  TESSERA_HOST_DEVICE void operator()(int64_t r) const {
+  template <class Team>
+  TESSERA_HOST_DEVICE void operator()(int64_t r, Team& team) const {
     const C* xi = x + r * d;
     C ss = 0;
-    for (int64_t j = 0; j < d; ++j)
+    for (int64_t j = team.lane(); j < d; j += team.size())
       ss += xi[j] * xi[j];
+    ss = team.sum(ss);
     const C rs = C(1) / std::sqrt(ss / C(d) + eps);
-    rstd[r] = rs;
-    for (int64_t j = 0; j < d; ++j)
+    if (team.lane() == 0) rstd[r] = rs;
+    for (int64_t j = team.lane(); j < d; j += team.size())
       out[r * d + j] = w ? xi[j] * rs * w[j] : xi[j] * rs;
   }
 };
@@ -107,15 +115,17 @@ struct RmsNormBackwardFn {
   const C* rstd;
   C* gx;
   int64_t d;
-  TESSERA_HOST_DEVICE void operator()(int64_t r) const {
+  template <class Team>
+  TESSERA_HOST_DEVICE void operator()(int64_t r, Team& team) const {
     const C* gi = g + r * d;
     const C* xi = x + r * d;
     const C rs = rstd[r];
     C dot = 0;
-    for (int64_t j = 0; j < d; ++j)
+    for (int64_t j = team.lane(); j < d; j += team.size())
       dot += (w ? gi[j] * w[j] : gi[j]) * xi[j];
+    dot = team.sum(dot);
     const C k = rs * rs * rs * dot / C(d);
-    for (int64_t j = 0; j < d; ++j)
+    for (int64_t j = team.lane(); j < d; j += team.size())
       gx[r * d + j] = rs * (w ? gi[j] * w[j] : gi[j]) - k * xi[j];
   }
 };
@@ -130,19 +140,23 @@ struct LayerNormFn {
   C* rstd;
   int64_t d;
   C eps;
-  TESSERA_HOST_DEVICE void operator()(int64_t r) const {
+  template <class Team>
+  TESSERA_HOST_DEVICE void operator()(int64_t r, Team& team) const {
     const C* xi = x + r * d;
     C s = 0;
-    for (int64_t j = 0; j < d; ++j)
+    for (int64_t j = team.lane(); j < d; j += team.size())
       s += xi[j];
-    const C mu = s / C(d);
+    const C mu = team.sum(s) / C(d);
     C ss = 0;
-    for (int64_t j = 0; j < d; ++j)
+    for (int64_t j = team.lane(); j < d; j += team.size())
       ss += (xi[j] - mu) * (xi[j] - mu);
+    ss = team.sum(ss);
     const C rs = C(1) / std::sqrt(ss / C(d) + eps);
-    mean[r] = mu;
-    rstd[r] = rs;
-    for (int64_t j = 0; j < d; ++j) {
+    if (team.lane() == 0) {
+      mean[r] = mu;
+      rstd[r] = rs;
+    }
+    for (int64_t j = team.lane(); j < d; j += team.size()) {
       C v = (xi[j] - mu) * rs;
       if (w) v *= w[j];
       if (b) v += b[j];
@@ -160,18 +174,19 @@ struct LayerNormBackwardFn {
   const C* rstd;
   C* gx;
   int64_t d;
-  TESSERA_HOST_DEVICE void operator()(int64_t r) const {
+  template <class Team>
+  TESSERA_HOST_DEVICE void operator()(int64_t r, Team& team) const {
     const C* gi = g + r * d;
     const C* xi = x + r * d;
     const C rs = rstd[r], mu = mean[r];
     C sum_g = 0, sum_gx = 0;
-    for (int64_t j = 0; j < d; ++j) {
+    for (int64_t j = team.lane(); j < d; j += team.size()) {
       const C gh = w ? gi[j] * w[j] : gi[j];
       sum_g += gh;
       sum_gx += gh * (xi[j] - mu) * rs;
     }
-    const C mean_g = sum_g / C(d), mean_gx = sum_gx / C(d);
-    for (int64_t j = 0; j < d; ++j) {
+    const C mean_g = team.sum(sum_g) / C(d), mean_gx = team.sum(sum_gx) / C(d);
+    for (int64_t j = team.lane(); j < d; j += team.size()) {
       const C gh = w ? gi[j] * w[j] : gi[j];
       gx[r * d + j] = rs * (gh - mean_g - (xi[j] - mu) * rs * mean_gx);
     }
@@ -206,16 +221,18 @@ struct NormColumnFn {
 
 // ---- cross-entropy --------------------------------------------------------------------------
 
-template <class C, class T>
-TESSERA_HOST_DEVICE inline C row_logsumexp(const T* row, int64_t c) {
+// Every lane of the row's team returns the same value.
+template <class C, class T, class Team>
+TESSERA_HOST_DEVICE inline C row_logsumexp(const T* row, int64_t c, Team& team) {
   C m = -infinity<C>();
-  for (int64_t j = 0; j < c; ++j)
+  for (int64_t j = team.lane(); j < c; j += team.size())
     m = C(row[j]) > m ? C(row[j]) : m;
+  m = team.max(m);
   if (std::isinf(m)) return m;
   C s = 0;
-  for (int64_t j = 0; j < c; ++j)
+  for (int64_t j = team.lane(); j < c; j += team.size())
     s += std::exp(C(row[j]) - m);
-  return m + std::log(s);
+  return m + std::log(team.sum(s));
 }
 
 // Per row: the loss (0 for ignored rows, target -1) as T, or as float64 for a reduction.
@@ -226,10 +243,12 @@ struct CrossEntropyRowFn {
   T* loss;          // reduction none
   double* partial;  // reductions sum and mean
   int64_t c;
-  TESSERA_HOST_DEVICE void operator()(int64_t i) const {
+  template <class Team>
+  TESSERA_HOST_DEVICE void operator()(int64_t i, Team& team) const {
     using C = compute_t<T>;
     C l = 0;
-    if (target[i] >= 0) l = row_logsumexp<C>(x + i * c, c) - C(x[i * c + target[i]]);
+    if (target[i] >= 0) l = row_logsumexp<C>(x + i * c, c, team) - C(x[i * c + target[i]]);
+    if (team.lane() != 0) return;
     if (loss) {
       loss[i] = T(l);
     } else {
@@ -257,20 +276,21 @@ struct CrossEntropyBackwardFn {
   int64_t c;
   bool per_row;
   double divisor;  // 1, or the kept rows for a mean
-  TESSERA_HOST_DEVICE void operator()(int64_t i) const {
+  template <class Team>
+  TESSERA_HOST_DEVICE void operator()(int64_t i, Team& team) const {
     using C = compute_t<T>;
     T* grow = gx + i * c;
     const int64_t ti = target[i];
     if (ti < 0) {
-      for (int64_t j = 0; j < c; ++j)
+      for (int64_t j = team.lane(); j < c; j += team.size())
         grow[j] = T(C(0));
       return;
     }
     const double w = per_row ? grad_loss[i] : grad_loss[0] / divisor;
     const T* row = x + i * c;
-    const C lse = row_logsumexp<C>(row, c);
+    const C lse = row_logsumexp<C>(row, c, team);
     const C scale = C(w);
-    for (int64_t j = 0; j < c; ++j) {
+    for (int64_t j = team.lane(); j < c; j += team.size()) {
       const C p = std::exp(C(row[j]) - lse) - (j == ti ? C(1) : C(0));
       grow[j] = T(p * scale);
     }
@@ -353,6 +373,10 @@ struct Nn {
   static void run(const char* op, Device device, int64_t n, const F& f) {
     launch<Exec>(op, device, n, f);
   }
+  template <class F>
+  static void run_rows(const char* op, Device device, int64_t rows, const F& f) {
+    launch_rows<Exec>(op, device, rows, f);
+  }
 
   static Tensor on(const Tensor& like, const Shape& shape, DType dt) {
     return empty(shape, TensorOptions(dt, like.device()));
@@ -371,8 +395,8 @@ struct Nn {
     const Geometry g = geometry(x.shape(), dim);
     dispatch_dtype(x.dtype(), [&]<class T>() {
       if constexpr (std::is_floating_point_v<compute_t<T>>)
-        run(op, x.device(), g.outer * g.inner,
-            SoftmaxFn<T>{data_of<T>(xc), data_of<T>(out), g, log});
+        run_rows(op, x.device(), g.outer * g.inner,
+                 SoftmaxFn<T>{data_of<T>(xc), data_of<T>(out), g, log});
     });
     return out;
   }
@@ -398,8 +422,8 @@ struct Nn {
     const Geometry g = geometry(out.shape(), dim);
     dispatch_dtype(out.dtype(), [&]<class T>() {
       if constexpr (std::is_floating_point_v<compute_t<T>>)
-        run(op, out.device(), g.outer * g.inner,
-            SoftmaxBackwardFn<T>{data_of<T>(gc), data_of<T>(yc), data_of<T>(gx), g, log});
+        run_rows(op, out.device(), g.outer * g.inner,
+                 SoftmaxBackwardFn<T>{data_of<T>(gc), data_of<T>(yc), data_of<T>(gx), g, log});
     });
     return gx;
   }
@@ -417,9 +441,9 @@ struct Nn {
     const Tensor xc = in_compute(x, cdt), wc = in_compute(weight, cdt);
     Tensor out = on(x, x.shape(), cdt), rstd = on(x, r.lead, cdt);
     on_compute(cdt, [&]<class C>() {
-      run("rms_norm", x.device(), r.rows,
-          RmsNormFn<C>{data_of<C>(xc), wc.defined() ? data_of<C>(wc) : nullptr, data_of<C>(out),
-                       data_of<C>(rstd), r.d, C(eps)});
+      run_rows("rms_norm", x.device(), r.rows,
+               RmsNormFn<C>{data_of<C>(xc), wc.defined() ? data_of<C>(wc) : nullptr,
+                            data_of<C>(out), data_of<C>(rstd), r.d, C(eps)});
     });
     return {out.to(x.dtype()), Tensor(), rstd};
   }
@@ -448,10 +472,10 @@ struct Nn {
     Tensor grad_x = on(x, x.shape(), cdt);
     NormGrads grads;
     on_compute(cdt, [&]<class C>() {
-      run(op, x.device(), r.rows,
-          RmsNormBackwardFn<C>{data_of<C>(gc), data_of<C>(xc),
-                               wc.defined() ? data_of<C>(wc) : nullptr, data_of<C>(rc),
-                               data_of<C>(grad_x), r.d});
+      run_rows(op, x.device(), r.rows,
+               RmsNormBackwardFn<C>{data_of<C>(gc), data_of<C>(xc),
+                                    wc.defined() ? data_of<C>(wc) : nullptr, data_of<C>(rc),
+                                    data_of<C>(grad_x), r.d});
       if (weight.defined())
         grads.grad_weight = norm_column<C>(op, gc, xc, Tensor(), rc, r, weight.dtype());
     });
@@ -467,10 +491,10 @@ struct Nn {
     const Tensor xc = in_compute(x, cdt), wc = in_compute(weight, cdt), bc = in_compute(bias, cdt);
     Tensor out = on(x, x.shape(), cdt), mean = on(x, r.lead, cdt), rstd = on(x, r.lead, cdt);
     on_compute(cdt, [&]<class C>() {
-      run("layer_norm", x.device(), r.rows,
-          LayerNormFn<C>{data_of<C>(xc), wc.defined() ? data_of<C>(wc) : nullptr,
-                         bc.defined() ? data_of<C>(bc) : nullptr, data_of<C>(out), data_of<C>(mean),
-                         data_of<C>(rstd), r.d, C(eps)});
+      run_rows("layer_norm", x.device(), r.rows,
+               LayerNormFn<C>{data_of<C>(xc), wc.defined() ? data_of<C>(wc) : nullptr,
+                              bc.defined() ? data_of<C>(bc) : nullptr, data_of<C>(out),
+                              data_of<C>(mean), data_of<C>(rstd), r.d, C(eps)});
     });
     return {out.to(x.dtype()), mean, rstd};
   }
@@ -490,10 +514,10 @@ struct Nn {
     const DType param_dtype = weight.defined() ? weight.dtype() : x.dtype();
     NormGrads grads;
     on_compute(cdt, [&]<class C>() {
-      run(op, x.device(), r.rows,
-          LayerNormBackwardFn<C>{data_of<C>(gc), data_of<C>(xc),
-                                 wc.defined() ? data_of<C>(wc) : nullptr, data_of<C>(mc),
-                                 data_of<C>(rc), data_of<C>(grad_x), r.d});
+      run_rows(op, x.device(), r.rows,
+               LayerNormBackwardFn<C>{data_of<C>(gc), data_of<C>(xc),
+                                      wc.defined() ? data_of<C>(wc) : nullptr, data_of<C>(mc),
+                                      data_of<C>(rc), data_of<C>(grad_x), r.d});
       if (weight.defined()) grads.grad_weight = norm_column<C>(op, gc, xc, mc, rc, r, param_dtype);
       grads.grad_bias = norm_column<C>(op, gc, Tensor(), Tensor(), Tensor(), r, param_dtype);
     });
@@ -514,15 +538,15 @@ struct Nn {
     dispatch_dtype(logits.dtype(), [&]<class T>() {
       if constexpr (std::is_floating_point_v<compute_t<T>>) {
         if (none) {
-          run(op, x.device(), n,
-              CrossEntropyRowFn<T>{data_of<T>(x), data_of<int64_t>(t), data_of<T>(out), nullptr,
-                                   c});
+          run_rows(op, x.device(), n,
+                   CrossEntropyRowFn<T>{data_of<T>(x), data_of<int64_t>(t), data_of<T>(out),
+                                        nullptr, c});
           return;
         }
         const Tensor losses = on(logits, {n}, DType::Float64);
-        run(op, x.device(), n,
-            CrossEntropyRowFn<T>{data_of<T>(x), data_of<int64_t>(t), nullptr,
-                                 data_of<double>(losses), c});
+        run_rows(op, x.device(), n,
+                 CrossEntropyRowFn<T>{data_of<T>(x), data_of<int64_t>(t), nullptr,
+                                      data_of<double>(losses), c});
         const Tensor total = Reduce<Exec>::sum(losses, {}, false);
         const double divisor = reduction == Reduction::Sum ? 1.0 : double(kept);
         run(op, x.device(), 1, DivideTotalFn<T>{data_of<double>(total), data_of<T>(out), divisor});
@@ -546,7 +570,8 @@ struct Nn {
     const double divisor = reduction == Reduction::Mean ? double(kept) : 1.0;
     dispatch_dtype(logits.dtype(), [&]<class T>() {
       if constexpr (std::is_floating_point_v<compute_t<T>>)
-        run(op, x.device(), n,
+        run_rows(
+            op, x.device(), n,
             CrossEntropyBackwardFn<T>{data_of<T>(x), data_of<int64_t>(t), data_of<double>(gl),
                                       data_of<T>(gx), c, reduction == Reduction::None, divisor});
     });

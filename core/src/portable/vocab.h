@@ -1,7 +1,7 @@
 #pragma once
-// Private to core: the vocabulary-parallel kernels (kernels/vocab_parallel.h) on devices, one
-// thread per row, with the checks and formulas the CPU's (cpu/vocab_parallel.cpp) shares from
-// here.
+// Private to core: the vocabulary-parallel kernels (kernels/vocab_parallel.h) on devices (a
+// team per row for the sums, a thread per element for the gradient), with the checks and
+// formulas the CPU's (cpu/vocab_parallel.cpp) shares from here.
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -66,11 +66,14 @@ struct VocabStatsFn {
   const int64_t* target;
   C* stats;
   int64_t n, start;
-  TESSERA_HOST_DEVICE void operator()(int64_t i) const {
+  template <class Team>
+  TESSERA_HOST_DEVICE void operator()(int64_t i, Team& team) const {
     const C shift = vocab_shift(row_max[i]);
     C acc = 0;
-    for (int64_t j = 0; j < n; ++j)
+    for (int64_t j = team.lane(); j < n; j += team.size())
       acc += std::exp(x[i * n + j] - shift);
+    acc = team.sum(acc);
+    if (team.lane() != 0) return;
     stats[2 * i] = acc;
     const int64_t lt = target[i] >= start && target[i] < start + n ? target[i] - start : -1;
     stats[2 * i + 1] = lt >= 0 ? x[i * n + lt] : C(0);
@@ -98,6 +101,7 @@ struct VocabMeanFn {
   TESSERA_HOST_DEVICE void operator()(int64_t) const { out[0] = C(total[0] / divisor); }
 };
 
+// One element t = i * n + j of the gradient.
 template <class C>
 struct VocabBackwardFn {
   const C* x;
@@ -106,12 +110,11 @@ struct VocabBackwardFn {
   C* out;
   int64_t n, start;
   C scale;
-  TESSERA_HOST_DEVICE void operator()(int64_t i) const {
+  TESSERA_HOST_DEVICE void operator()(int64_t t) const {
+    const int64_t i = t / n, j = t - i * n;
     const int64_t lt = target[i] >= start && target[i] < start + n ? target[i] - start : -1;
-    for (int64_t j = 0; j < n; ++j) {
-      const C p = target[i] < 0 ? C(0) : std::exp(x[i * n + j] - lse[i]) - (j == lt ? C(1) : C(0));
-      out[i * n + j] = target[i] < 0 ? C(0) : C(p * scale);
-    }
+    const C p = target[i] < 0 ? C(0) : std::exp(x[t] - lse[i]) - (j == lt ? C(1) : C(0));
+    out[t] = target[i] < 0 ? C(0) : C(p * scale);
   }
 };
 
@@ -142,9 +145,9 @@ struct Vocab {
       check_vocab_rows("vocab_ce_stats", row_max, "row_max", rows, x.dtype());
       check_vocab_rows("vocab_ce_stats", target, "target", rows, DType::Int64);
       out = empty({rows, 2}, TensorOptions(x.dtype(), x.device()));
-      run("vocab_ce_stats", x.device(), rows,
-          VocabStatsFn<C>{data_of<C>(x), data_of<C>(row_max), data_of<int64_t>(target),
-                          data_of<C>(out), n, start});
+      launch_rows<Exec>("vocab_ce_stats", x.device(), rows,
+                        VocabStatsFn<C>{data_of<C>(x), data_of<C>(row_max),
+                                        data_of<int64_t>(target), data_of<C>(out), n, start});
     });
     return out;
   }
@@ -178,7 +181,7 @@ struct Vocab {
       check_vocab_rows("vocab_ce_backward", lse, "lse", rows, x.dtype());
       check_vocab_rows("vocab_ce_backward", target, "target", rows, DType::Int64);
       out = empty({rows, n}, TensorOptions(x.dtype(), x.device()));
-      run("vocab_ce_backward", x.device(), rows,
+      run("vocab_ce_backward", x.device(), rows * n,
           VocabBackwardFn<C>{data_of<C>(x), data_of<C>(lse), data_of<int64_t>(target),
                              data_of<C>(out), n, start, C(scale)});
     });
