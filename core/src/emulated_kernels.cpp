@@ -31,16 +31,14 @@ class HostTeam {
   int size() const { return kLanes; }
   template <class C>
   C sum(C v) {
-    return combine(v, [](C a, C b) { return a + b; });
+    return reduce(v, [](C a, C b) { return a + b; });
   }
   template <class C>
   C max(C v) {
-    return combine(v, [](C a, C b) { return b > a ? b : a; });
+    return reduce(v, [](C a, C b) { return b > a ? b : a; });
   }
-
- private:
   template <class C, class Op>
-  C combine(C v, Op op) {
+  C reduce(C v, Op op) {
     shared_->slots[lane_] = double(v);  // exact for float and double
     shared_->meet.arrive_and_wait();
     C acc = C(shared_->slots[0]);
@@ -49,6 +47,8 @@ class HostTeam {
     shared_->meet.arrive_and_wait();
     return acc;
   }
+
+ private:
   int lane_;
   Shared* shared_;
 };

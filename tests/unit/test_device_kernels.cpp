@@ -451,6 +451,41 @@ TEST(DeviceKernels, ReductionsOverAnyDimsFollowTheCpu) {
                  "chunked mean of everything");
   expect_matches(kernels::sum_of_squares(cuda(wide)), kernels::sum_of_squares(wide), {1e-12, 0},
                  "sum_of_squares");
+  // Long rows, whose float maxima and minima a team of lanes shares, with NaN in some rows (it
+  // must win wherever a lane meets it) and a permuted view (elements not contiguous). Equal bit
+  // for bit, NaN where the CPU has NaN.
+  auto expect_same_or_nan = [](const Tensor& dev, const Tensor& cpu, const std::string& what) {
+    ASSERT_TRUE(dev.device().is_cuda()) << what;
+    EXPECT_EQ(dev.shape(), cpu.shape()) << what;
+    const std::vector<double> got = dev.to(Device::cpu()).to(DType::Float64).to_vector<double>();
+    const std::vector<double> want = cpu.to(DType::Float64).to_vector<double>();
+    ASSERT_EQ(got.size(), want.size()) << what;
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (std::isnan(want[i])) {
+        EXPECT_TRUE(std::isnan(got[i])) << what << ": element " << i;
+      } else {
+        EXPECT_EQ(got[i], want[i]) << what << ": element " << i;
+      }
+    }
+  };
+  for (DType dt : {DType::Float32, DType::BFloat16, DType::Float64}) {
+    Tensor longrows = random_tensor({4, 3000}, 105, DType::Float64, 5.0);
+    std::vector<double> v = longrows.to_vector<double>();
+    v[1 * 3000 + 2999] = std::nan("");  // the last element of row 1
+    v[3 * 3000 + 6] = std::nan("");     // early in row 3
+    longrows = from_vector<double>(v, {4, 3000}).to(dt);
+    for (const auto& [name, x, x_dev] :
+         {std::tuple<std::string, Tensor, Tensor>{"rows", longrows, cuda(longrows)},
+          {"columns", longrows.as_strided({3000, 4}, {1, 3000}, 0),
+           cuda(longrows).as_strided({3000, 4}, {1, 3000}, 0)}}) {
+      const int64_t dim = name == "rows" ? 1 : 0;
+      const std::string what = std::string(dtype_name(dt)) + " long " + name;
+      expect_same_or_nan(kernels::amax(x_dev, {dim}, false), kernels::amax(x, {dim}, false),
+                         "amax " + what);
+      expect_same_or_nan(kernels::amin(x_dev, {dim}, true), kernels::amin(x, {dim}, true),
+                         "amin " + what);
+    }
+  }
   // Ties and NaN: the first maximum wins, NaN beats everything.
   const Tensor ties = from_vector<float>({1, 3, 3, 2, std::nanf(""), 5}, {2, 3});
   expect_matches(kernels::argmax(cuda(ties), 1, false), kernels::argmax(ties, 1, false), {},

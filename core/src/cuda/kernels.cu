@@ -64,16 +64,14 @@ struct BlockTeam {
   }
   template <class C>
   TESSERA_HOST_DEVICE C sum(C v) {
-    return combine(v, SumOp{});
+    return reduce(v, SumOp{});
   }
   template <class C>
   TESSERA_HOST_DEVICE C max(C v) {
-    return combine(v, MaxOp{});
+    return reduce(v, MaxOp{});
   }
-
- private:
   template <class C, class Op>
-  TESSERA_HOST_DEVICE C combine(C v, Op op) {
+  TESSERA_HOST_DEVICE C reduce(C v, Op op) {
 #ifdef __CUDA_ARCH__
     for (int offset = 16; offset > 0; offset /= 2)
       v = op(v, __shfl_down_sync(0xffffffffu, v, offset));

@@ -29,7 +29,8 @@ void launch(const char* op, Device device, int64_t n, const F& f) {
 // Runs f(row, team) for every row in [0, rows) through the executor. A row's work is shared by
 // the lanes of a team (lane team.lane() of team.size(): a block of threads on a GPU), which
 // stride over the row's elements and meet at team.sum(v) and team.max(v): every lane calls
-// them alike, in the same order, and gets the combination of all lanes' values (lanes in order).
+// them alike, in the same order, and gets the combination of all lanes' values (lanes in order);
+// team.reduce(v, op) combines with any associative op (a functor callable on host and device).
 // The control flow around such a call must be the same on every lane of the row.
 template <class Exec, class F>
 void launch_rows(const char* op, Device device, int64_t rows, const F& f) {
@@ -47,6 +48,10 @@ struct SerialTeam {
   }
   template <class C>
   TESSERA_HOST_DEVICE C max(C v) {
+    return v;
+  }
+  template <class C, class Op>
+  TESSERA_HOST_DEVICE C reduce(C v, Op) {
     return v;
   }
 };

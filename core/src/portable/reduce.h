@@ -1,7 +1,8 @@
 #pragma once
 // Private to core: reductions on devices (see kernels.h for executors). One thread per output
-// element walks its reduced elements in row-major order. Sums accumulate as the CPU's do
-// (float64 for floating inputs, int64 for integers and bools), so results agree within one
+// element walks its reduced elements in row-major order, except for the float maxima and minima
+// of long rows, which a team of lanes shares (launch.h: launch_rows). Sums accumulate as the CPU's
+// do (float64 for floating inputs, int64 for integers and bools), so results agree within one
 // rounding of the exact sum. A few outputs over many elements (a loss, a squared norm) would
 // leave all but a few threads idle; there each output's elements are cut into chunks summed by
 // separate threads, and a second pass adds the chunks in order, so the result does not depend
@@ -141,6 +142,43 @@ struct ExtremeFn {
   }
 };
 
+// The better of two candidates for a maximum (kMax) or minimum, NaN winning: associative, so
+// the lanes of a team may combine their bests in any grouping.
+template <bool kMax>
+struct PickExtreme {
+  template <class C>
+  TESSERA_HOST_DEVICE C operator()(C a, C b) const {
+    return (kMax ? b > a : b < a) || b != b ? b : a;
+  }
+};
+
+// ExtremeFn with each output's elements shared by a team: each lane keeps the best of the
+// elements it strides over (a lane beyond the count starts from element 0, which repeats it
+// harmlessly), then the team combines them.
+template <class T, bool kMax>
+struct ExtremeRowFn {
+  StridedIndex<2> kept;
+  StridedIndex<1> reduced;
+  const T* x;
+  T* out;
+  int64_t count;
+  template <class Team>
+  TESSERA_HOST_DEVICE void operator()(int64_t o, Team& team) const {
+    using C = compute_t<T>;
+    int64_t off[2], roff[1];
+    kept.offsets(o, off);
+    const int64_t first = team.lane() < count ? team.lane() : 0;
+    reduced.offsets(first, roff);
+    C best = C(x[off[1] + roff[0]]);
+    for (int64_t r = first + team.size(); r < count; r += team.size()) {
+      reduced.offsets(r, roff);
+      best = PickExtreme<kMax>{}(best, C(x[off[1] + roff[0]]));
+    }
+    best = team.reduce(best, PickExtreme<kMax>{});
+    if (team.lane() == 0) out[off[0]] = T(best);
+  }
+};
+
 // Max along one dim with the index of its first occurrence (NaN counts as the largest).
 template <class T>
 struct MaxFn {
@@ -174,6 +212,8 @@ struct Reduce {
     launch<Exec>(op, device, n, f);
   }
 
+  // Elements per output from which a team shares each float maximum or minimum.
+  static constexpr int64_t kTeamCount = 1024;
   // Elements a chunk covers when outputs are too few to keep a device busy.
   static constexpr int64_t kChunk = 4096;
   static constexpr int64_t kBusyThreads = int64_t(1) << 14;
@@ -242,6 +282,14 @@ struct Reduce {
                   " that have no elements; the result would be undefined");
     Tensor out = empty(g.out_shape, TensorOptions(x.dtype(), x.device()));
     dispatch_dtype(x.dtype(), [&]<class T>() {
+      if constexpr (std::is_floating_point_v<compute_t<T>>) {
+        if (g.count >= kTeamCount) {
+          launch_rows<Exec>(
+              op, x.device(), n_out,
+              ExtremeRowFn<T, kMax>{g.kept, g.reduced, data_of<T>(x), data_of<T>(out), g.count});
+          return;
+        }
+      }
       run(op, x.device(), n_out,
           ExtremeFn<T, kMax>{g.kept, g.reduced, data_of<T>(x), data_of<T>(out), g.count});
     });
