@@ -57,12 +57,18 @@ class HostTeam {
 // functors write disjoint elements, so order does not matter to the result); every row by a team
 // of host threads, as a block of GPU threads shares it; and gemm by the reference loop.
 struct HostExec {
-  template <class F>
-  static void for_each(const char* op, Device device, int64_t n, const F& f) {
+  // The memory of the emulated device a launch runs on, counting the launch.
+  static EmulatedMemory& launch_on(const char* op, Device device, const char* what) {
     EmulatedMemory* memory = g_memory.load();
-    TESSERA_CHECK(memory != nullptr, op, ": emulated kernel launched on ", device.str(),
+    TESSERA_CHECK(memory != nullptr, op, ": emulated ", what, " on ", device.str(),
                   " with no emulated device alive");
     g_launches.fetch_add(1, std::memory_order_relaxed);
+    return *memory;
+  }
+
+  template <class F>
+  static void for_each(const char* op, Device device, int64_t n, const F& f) {
+    EmulatedMemory* memory = &launch_on(op, device, "kernel launched");
     memory->open();
     for (int64_t i = 0; i < n; ++i)
       f(i);
@@ -71,10 +77,7 @@ struct HostExec {
 
   template <class F>
   static void for_each_row(const char* op, Device device, int64_t rows, const F& f) {
-    EmulatedMemory* memory = g_memory.load();
-    TESSERA_CHECK(memory != nullptr, op, ": emulated kernel launched on ", device.str(),
-                  " with no emulated device alive");
-    g_launches.fetch_add(1, std::memory_order_relaxed);
+    EmulatedMemory* memory = &launch_on(op, device, "kernel launched");
     HostTeam::Shared shared;
     auto lane = [&](int l) {
       HostTeam team(l, &shared);
@@ -92,10 +95,7 @@ struct HostExec {
   }
 
   static void gemm(const char* op, Device device, const kernels::portable::GemmCall& call) {
-    EmulatedMemory* memory = g_memory.load();
-    TESSERA_CHECK(memory != nullptr, op, ": emulated gemm on ", device.str(),
-                  " with no emulated device alive");
-    g_launches.fetch_add(1, std::memory_order_relaxed);
+    EmulatedMemory* memory = &launch_on(op, device, "gemm");
     memory->open();
     if (call.dtype == DType::Float64)
       kernels::portable::reference_gemm<double>(call);

@@ -56,6 +56,16 @@ struct SerialTeam {
   }
 };
 
+// A row functor as an element functor: row i by a team of one, for rows too short to share.
+template <class F>
+struct OneLaneRows {
+  F f;
+  TESSERA_HOST_DEVICE void operator()(int64_t i) const {
+    SerialTeam team;
+    f(i, team);
+  }
+};
+
 // f<float> or f<double> for a compute dtype (16-bit types compute in float32).
 template <class F>
 void on_compute(DType cdt, F&& f) {

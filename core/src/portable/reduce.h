@@ -118,30 +118,6 @@ struct FinishSumFn {
   }
 };
 
-// The largest (or smallest) element, NaN winning as in torch.amax.
-template <class T, bool kMax>
-struct ExtremeFn {
-  StridedIndex<2> kept;
-  StridedIndex<1> reduced;
-  const T* x;
-  T* out;
-  int64_t count;
-  TESSERA_HOST_DEVICE void operator()(int64_t o) const {
-    using C = compute_t<T>;
-    int64_t off[2], roff[1];
-    kept.offsets(o, off);
-    reduced.offsets(0, roff);
-    C best = C(x[off[1] + roff[0]]);
-    for (int64_t r = 1; r < count; ++r) {
-      reduced.offsets(r, roff);
-      const C v = C(x[off[1] + roff[0]]);
-      const bool better = kMax ? v > best : v < best;
-      if (better || v != v) best = v;
-    }
-    out[off[0]] = T(best);
-  }
-};
-
 // The better of two candidates for a maximum (kMax) or minimum, NaN winning: associative, so
 // the lanes of a team may combine their bests in any grouping.
 template <bool kMax>
@@ -152,9 +128,9 @@ struct PickExtreme {
   }
 };
 
-// ExtremeFn with each output's elements shared by a team: each lane keeps the best of the
-// elements it strides over (a lane beyond the count starts from element 0, which repeats it
-// harmlessly), then the team combines them.
+// The largest (or smallest) element, NaN winning as in torch.amax, of each output's elements
+// shared by a team: each lane keeps the best of the elements it strides over (a lane beyond the
+// count starts from element 0, which repeats it harmlessly), then the team combines them.
 template <class T, bool kMax>
 struct ExtremeRowFn {
   StridedIndex<2> kept;
@@ -282,6 +258,7 @@ struct Reduce {
                   " that have no elements; the result would be undefined");
     Tensor out = empty(g.out_shape, TensorOptions(x.dtype(), x.device()));
     dispatch_dtype(x.dtype(), [&]<class T>() {
+      // Teams combine through float slots (and warp shuffles on CUDA): floats only.
       if constexpr (std::is_floating_point_v<compute_t<T>>) {
         if (g.count >= kTeamCount) {
           launch_rows<Exec>(
@@ -291,7 +268,8 @@ struct Reduce {
         }
       }
       run(op, x.device(), n_out,
-          ExtremeFn<T, kMax>{g.kept, g.reduced, data_of<T>(x), data_of<T>(out), g.count});
+          OneLaneRows<ExtremeRowFn<T, kMax>>{
+              {g.kept, g.reduced, data_of<T>(x), data_of<T>(out), g.count}});
     });
     return out;
   }
