@@ -542,6 +542,23 @@ TEST(DeviceKernels, SoftmaxNormsRopeAndDropoutFollowTheCpu) {
       if (weight.defined())
         expect_matches(lgdev.grad_weight, lgcpu.grad_weight, tol, "layer_norm grad_weight " + what);
     }
+    // Many rows: the weight gradients add chunks of rows, then the chunks in order.
+    {
+      const std::string what = dn + " over 600 rows";
+      const Tensor xs = random_tensor({600, 8}, 116, dt, 3.0);
+      const Tensor gs = random_tensor({600, 8}, 117, dt);
+      const Tensor ws = random_tensor({8}, 118, dt), bs = random_tensor({8}, 119, dt);
+      const auto cpu = kernels::rms_norm(xs, ws, 1e-5);
+      const auto gcpu = kernels::rms_norm_backward(gs, xs, ws, cpu.rstd);
+      const auto gdev = kernels::rms_norm_backward(cuda(gs), cuda(xs), cuda(ws), cuda(cpu.rstd));
+      expect_matches(gdev.grad_weight, gcpu.grad_weight, tol, "rms_norm grad_weight " + what);
+      const auto lcpu = kernels::layer_norm(xs, ws, bs, 1e-5);
+      const auto lgcpu = kernels::layer_norm_backward(gs, xs, ws, lcpu.mean, lcpu.rstd);
+      const auto lgdev = kernels::layer_norm_backward(cuda(gs), cuda(xs), cuda(ws), cuda(lcpu.mean),
+                                                      cuda(lcpu.rstd));
+      expect_matches(lgdev.grad_weight, lgcpu.grad_weight, tol, "layer_norm grad_weight " + what);
+      expect_matches(lgdev.grad_bias, lgcpu.grad_bias, tol, "layer_norm grad_bias " + what);
+    }
     // rope on [B, T, H, D] with tables longer than T, forward and inverse.
     const auto [cos, sin] = kernels::rope_tables(7, 6, 10000.0, dt);
     const Tensor q = random_tensor({2, 5, 3, 6}, 115, dt);

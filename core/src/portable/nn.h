@@ -3,9 +3,11 @@
 // log-softmax, RMSNorm and LayerNorm, cross-entropy, rotary embedding, dropout, and the row
 // gather/scatter under embedding. Row-wise kernels share each row (or [outer, inner] column of a
 // softmax) among the lanes of a team (launch.h: launch_rows), which stride over it and combine
-// their partial maxima and sums; the weight gradients of the norms run one thread per feature,
-// adding rows in order. The checks are the CPU's (nn_checks.h), and so is each formula and its
-// precision: 16-bit inputs compute in float32, norm weight gradients accumulate in float64.
+// their partial maxima and sums; the weight gradients of the norms run a thread per feature and
+// chunk of rows, adding the chunks in order. The checks are the CPU's (nn_checks.h), and so is each
+// formula and its precision: 16-bit inputs compute in float32, norm weight gradients accumulate in
+// float64.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -193,8 +195,9 @@ struct LayerNormBackwardFn {
   }
 };
 
-// A norm weight's (or bias's) gradient: column j summed over the rows in order, in float64.
-// term(g, x, r, j) is the row's contribution.
+// A norm weight's (or bias's) gradient: column j summed over the rows in order, in float64, by
+// chunks of rows: thread t sums chunk t / d of column t % d into out[t] (with one chunk, the
+// gradient itself), so that many rows keep many threads busy; ColumnChunksFn adds the chunks.
 template <class C>
 struct NormColumnFn {
   const C* g;
@@ -202,10 +205,12 @@ struct NormColumnFn {
   const C* mean;  // null for RMSNorm and for the bias
   const C* rstd;  // null for the bias
   double* out;
-  int64_t rows, d;
-  TESSERA_HOST_DEVICE void operator()(int64_t j) const {
+  int64_t rows, d, chunk;
+  TESSERA_HOST_DEVICE void operator()(int64_t t) const {
+    const int64_t c = t / d, j = t - c * d;
+    const int64_t end = (c + 1) * chunk < rows ? (c + 1) * chunk : rows;
     double acc = 0;
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = c * chunk; r < end; ++r) {
       const C gv = g[r * d + j];
       if (!rstd) {
         acc += double(gv);
@@ -215,6 +220,19 @@ struct NormColumnFn {
                     : double(gv * x[r * d + j] * rstd[r]);
       }
     }
+    out[t] = acc;
+  }
+};
+
+// out[j] = the chunks of column j added in order.
+struct ColumnChunksFn {
+  const double* partial;  // [chunks, d]
+  double* out;
+  int64_t chunks, d;
+  TESSERA_HOST_DEVICE void operator()(int64_t j) const {
+    double acc = 0;
+    for (int64_t c = 0; c < chunks; ++c)
+      acc += partial[c * d + j];
     out[j] = acc;
   }
 };
@@ -448,16 +466,24 @@ struct Nn {
     return {out.to(x.dtype()), Tensor(), rstd};
   }
 
+  // Rows a thread adds into one column of a norm's weight gradient.
+  static constexpr int64_t kColumnChunk = 256;
+
   // Column sums of a norm's weight (or bias) gradient, as `dtype`.
   template <class C>
   static Tensor norm_column(const char* op, const Tensor& g, const Tensor& x, const Tensor& mean,
                             const Tensor& rstd, const RowLayout& r, DType dtype) {
-    Tensor acc = on(g, {r.d}, DType::Float64);
-    run(op, g.device(), r.d,
+    const int64_t chunks = std::max<int64_t>((r.rows + kColumnChunk - 1) / kColumnChunk, 1);
+    Tensor partial = on(g, {chunks * r.d}, DType::Float64);
+    run(op, g.device(), chunks * r.d,
         NormColumnFn<C>{data_of<C>(g), x.defined() ? data_of<C>(x) : nullptr,
                         mean.defined() ? data_of<C>(mean) : nullptr,
-                        rstd.defined() ? data_of<C>(rstd) : nullptr, data_of<double>(acc), r.rows,
-                        r.d});
+                        rstd.defined() ? data_of<C>(rstd) : nullptr, data_of<double>(partial),
+                        r.rows, r.d, kColumnChunk});
+    if (chunks == 1) return partial.to(dtype);
+    Tensor acc = on(g, {r.d}, DType::Float64);
+    run(op, g.device(), r.d,
+        ColumnChunksFn{data_of<double>(partial), data_of<double>(acc), chunks, r.d});
     return acc.to(dtype);
   }
 
