@@ -451,6 +451,15 @@ TEST(DeviceKernels, ReductionsOverAnyDimsFollowTheCpu) {
                  "chunked mean of everything");
   expect_matches(kernels::sum_of_squares(cuda(wide)), kernels::sum_of_squares(wide), {1e-12, 0},
                  "sum_of_squares");
+  // Rows too short to cut into chunks but long enough for a team per output.
+  const Tensor rows = random_tensor({64, 2048}, 106, DType::Float32);
+  expect_matches(kernels::sum(cuda(rows), {1}, false), kernels::sum(rows, {1}, false), {1e-6, 1e-9},
+                 "sum by teams");
+  expect_matches(kernels::mean(cuda(rows), {1}, true), kernels::mean(rows, {1}, true), {1e-6, 1e-9},
+                 "mean by teams");
+  const Tensor cols = rows.as_strided({2048, 64}, {1, 2048}, 0);
+  expect_matches(kernels::sum(cuda(rows).as_strided({2048, 64}, {1, 2048}, 0), {0}, false),
+                 kernels::sum(cols, {0}, false), {1e-6, 1e-9}, "sum by teams over columns");
   // Long rows, whose float maxima and minima a team of lanes shares, with NaN in some rows (it
   // must win wherever a lane meets it) and a permuted view (elements not contiguous). Equal bit
   // for bit, NaN where the CPU has NaN.

@@ -1,8 +1,8 @@
 #pragma once
 // Private to core: reductions on devices (see kernels.h for executors). One thread per output
-// element walks its reduced elements in row-major order, except for the float maxima and minima
-// of long rows, which a team of lanes shares (launch.h: launch_rows). Sums accumulate as the CPU's
-// do (float64 for floating inputs, int64 for integers and bools), so results agree within one
+// element walks its reduced elements in row-major order, except for the float maxima, minima and
+// sums of long rows, which a team of lanes shares (launch.h: launch_rows). Sums accumulate as the
+// CPU's do (float64 for floating inputs, int64 for integers and bools), so results agree within one
 // rounding of the exact sum. A few outputs over many elements (a loss, a squared norm) would
 // leave all but a few threads idle; there each output's elements are cut into chunks summed by
 // separate threads, and a second pass adds the chunks in order, so the result does not depend
@@ -99,6 +99,32 @@ struct PartialSumFn {
   }
 };
 
+// out[o] = (sum of output o's elements) * scale, the elements shared by a team of lanes that
+// each add theirs in float64, then combine (floating inputs only: teams combine floats).
+template <class T, class TO>
+struct SumRowFn {
+  StridedIndex<2> kept;
+  StridedIndex<1> reduced;
+  const T* x;
+  TO* out;
+  int64_t count;
+  double scale;
+  bool squares;
+  template <class Team>
+  TESSERA_HOST_DEVICE void operator()(int64_t o, Team& team) const {
+    int64_t off[2], roff[1];
+    kept.offsets(o, off);
+    double acc = 0;
+    for (int64_t r = team.lane(); r < count; r += team.size()) {
+      reduced.offsets(r, roff);
+      const double v = double(x[off[1] + roff[0]]);
+      acc += squares ? v * v : v;
+    }
+    acc = team.sum(acc);
+    if (team.lane() == 0) out[o] = TO(compute_t<TO>(acc * scale));
+  }
+};
+
 // out[o] = (sum of its chunks) * scale, in the output's type.
 template <class A, class TO>
 struct FinishSumFn {
@@ -188,7 +214,7 @@ struct Reduce {
     launch<Exec>(op, device, n, f);
   }
 
-  // Elements per output from which a team shares each float maximum or minimum.
+  // Elements per output from which a team shares each float maximum, minimum or sum.
   static constexpr int64_t kTeamCount = 1024;
   // Elements a chunk covers when outputs are too few to keep a device busy.
   static constexpr int64_t kChunk = 4096;
@@ -203,8 +229,20 @@ struct Reduce {
     const int64_t n_out = shape_numel(g.keep_shape);
     if (n_out == 0) return out;
     int64_t chunks = 1;
-    if (n_out < kBusyThreads && g.count > kChunk)
+    if (n_out < kBusyThreads && g.count > kChunk) {
       chunks = std::min((g.count + kChunk - 1) / kChunk, kBusyThreads / n_out + 1);
+    } else if (g.count >= kTeamCount) {
+      // Outputs enough to fill a device, or too few elements each to cut into chunks: a team
+      // per output instead of one thread walking them all (floats: teams combine floats).
+      if constexpr (std::is_floating_point_v<A>) {
+        dispatch_dtype(out_dtype, [&]<class TO>() {
+          launch_rows<Exec>(op, x.device(), n_out,
+                            SumRowFn<T, TO>{g.kept, g.reduced, data_of<T>(x), data_of<TO>(out),
+                                            g.count, scale, squares});
+        });
+        return out;
+      }
+    }
     const int64_t chunk = std::max<int64_t>((g.count + chunks - 1) / chunks, 1);
     Tensor partial = empty({n_out * chunks}, TensorOptions(DTypeOf<A>::value, x.device()));
     run(op, x.device(), n_out * chunks,
