@@ -193,6 +193,13 @@ TEST(ProcessGroup, AllGatherIntoTensorInPlace) {
     for (int64_t i = 0; i < 6; ++i)
       expected.push_back(r * 100.0 + i);
   EXPECT_EQ(values(out), expected);
+
+  // An input lying in another rank's slot is read before any slot is written.
+  Tensor out2 = zeros({2 * n, 3}, DType::Float32);
+  Tensor next_slot = kernels::narrow(out2, 0, 2 * ((g->rank() + 1) % n), 2);
+  next_slot.copy_(make(DType::Float32, {2, 3}, [&](int64_t i) { return g->rank() * 100.0 + i; }));
+  g->all_gather_into_tensor(out2, next_slot)->wait();
+  EXPECT_EQ(values(out2), expected);
 }
 
 TEST(ProcessGroup, ReduceScatterTensorEveryDTypeAndOp) {
