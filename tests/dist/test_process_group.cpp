@@ -408,6 +408,39 @@ TEST(ProcessGroup, AllToAllStridedViews) {
   }
 }
 
+// Outputs that are column blocks of one matrix (interleaved in memory, sharing no element) are
+// received where they lie; an input that is this rank's own output needs no copy, and one lying
+// in another rank's output is read before that output is written.
+TEST(ProcessGroup, AllGatherIntoViewsOfOneTensor) {
+  auto g = world();
+  const int n = g->size();
+  const int me = g->rank();
+  auto v = [](int r, int64_t i) { return 100.0 * r + double(i); };
+  auto expect_gathered = [&](const std::vector<Tensor>& outputs) {
+    for (int r = 0; r < n; ++r) {
+      std::vector<double> expected;
+      for (int64_t i = 0; i < 6; ++i)
+        expected.push_back(v(r, i));
+      EXPECT_EQ(values(outputs[size_t(r)]), expected) << "from rank " << r;
+    }
+  };
+  for (int own : {-1, 0, 1}) {  // the input: separate, this rank's block, the next rank's block
+    SCOPED_TRACE("input " + std::to_string(own));
+    Tensor matrix = full({3, 2 * n}, -1, DType::Float32);
+    std::vector<Tensor> blocks;
+    for (int r = 0; r < n; ++r)
+      blocks.push_back(kernels::narrow(matrix, 1, 2 * r, 2));
+    Tensor mine = make(DType::Float32, {3, 2}, [&](int64_t i) { return v(me, i); });
+    Tensor in = mine;
+    if (own >= 0) {
+      in = blocks[size_t((me + own) % n)];
+      in.copy_(mine);
+    }
+    g->all_gather(blocks, in)->wait();
+    expect_gathered(blocks);
+  }
+}
+
 // Pieces need only agree in element count (row-major order), also for this rank's own piece;
 // and an all-to-all may run in place, inputs and outputs being the same rows of one tensor.
 TEST(ProcessGroup, AllToAllReshapesAndInPlace) {

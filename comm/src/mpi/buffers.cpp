@@ -194,6 +194,11 @@ bool share_memory(const Tensor& a, const Tensor& b) {
   return lattices_meet(dims, 0, b.storage_offset() - a.storage_offset());
 }
 
+bool same_elements(const Tensor& a, const Tensor& b) {
+  return a.is_contiguous() && b.is_contiguous() && a.numel() == b.numel() &&
+         (a.numel() == 0 || a.raw_data() == b.raw_data());
+}
+
 FlatList flat_send(const std::vector<Tensor>& pieces, DType dtype, bool consecutive,
                    const char* op) {
   FlatList flat;
@@ -203,21 +208,6 @@ FlatList flat_send(const std::vector<Tensor>& pieces, DType dtype, bool consecut
     if (pieces[r].numel() > 0) staged_piece(flat, r, pieces[r].shape()).copy_(pieces[r]);
   }
   return flat;
-}
-
-FlatList flat_recv(const std::vector<Tensor>& pieces, DType dtype, const char* op) {
-  FlatList flat;
-  if (flat_in_place(pieces, false, flat) && !pieces_overlap(flat.ranges)) return flat;
-  return staged(pieces, dtype, op);
-}
-
-void unpack(const FlatList& flat, const std::vector<Tensor>& pieces) {
-  if (!flat.staging.defined()) return;
-  for (size_t r = 0; r < pieces.size(); ++r) {
-    if (pieces[r].numel() == 0) continue;
-    Tensor dst = pieces[r];
-    dst.copy_(staged_piece(flat, r, pieces[r].shape()));
-  }
 }
 
 }  // namespace tessera::mpi

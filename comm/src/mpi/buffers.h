@@ -35,10 +35,6 @@ struct FlatList {
 // Send side. `consecutive` demands rank-ordered pieces without gaps (reduce_scatter's input).
 FlatList flat_send(const std::vector<Tensor>& pieces, DType dtype, bool consecutive,
                    const char* op);
-// Receive side; pieces used in place must not overlap one another.
-FlatList flat_recv(const std::vector<Tensor>& pieces, DType dtype, const char* op);
-// Copies a staged receive into the pieces; nothing when they were used in place.
-void unpack(const FlatList& flat, const std::vector<Tensor>& pieces);
 
 // True when two of the (non-empty) ranges overlap.
 bool pieces_overlap(const std::vector<ByteRange>& ranges);
@@ -49,5 +45,7 @@ bool writable_in_place(const Tensor& t);
 // storage with the same strides (the column blocks of a matrix interleave in memory but share
 // nothing); otherwise true whenever their byte ranges overlap.
 bool share_memory(const Tensor& a, const Tensor& b);
+// Whether `a` and `b` are the same contiguous elements (shapes may differ).
+bool same_elements(const Tensor& a, const Tensor& b);
 
 }  // namespace tessera::mpi

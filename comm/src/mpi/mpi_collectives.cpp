@@ -55,51 +55,18 @@ WorkPtr MpiProcessGroup::all_gather_into_tensor(Tensor& out, const Tensor& in) {
   check_cpu(in, kOp, "the input");
   CallInfo call = tensor_call(OpKind::AllGatherIntoTensor, in.dtype(), in.shape());
   call.out_shape = out.shape();
-  const int64_t count = in.numel();
-  to_count(count, kOp);
   to_count(out.numel(), kOp);
-
+  // The slots of a contiguous output; FSDP's shard is a view of its own slot, which then needs
+  // no copy at all.
   Tensor recv = out.is_contiguous() ? out : empty(out.shape(), out.dtype());
   const Tensor flat = kernels::reshape(recv, {recv.numel()});
-  auto slot = [&](int r) { return kernels::narrow(flat, 0, int64_t(r) * count, count); };
-  Tensor own = slot(rank());
-  // FSDP gathers a shard that is a view of its own slot in the output: nothing to copy. Any
-  // other overlap would alias MPI's buffers, so the input is copied.
-  const bool in_place = count > 0 && in.is_contiguous() && in.raw_data() == own.raw_data();
-  Tensor send = in;
-  if (!in_place && !(in.is_contiguous() && !overlaps(byte_range(in), byte_range(recv))))
-    send = in.clone();
-
-  // Through MPI_Ialltoallw rather than MPI_Iallgather: Open MPI's non-blocking all-gather took
-  // 1.4-1.6x its blocking one at 1 MiB on 2 ranks (1.03-1.15x at 4-64 MiB), and an exchange of
-  // the same pieces with this rank's own piece copied after it, not during it, matches the
-  // blocking one (a rank busy copying does not answer its peer's single-copy handshake).
-  const size_t n = size_t(size()), me = size_t(rank());
-  auto args = std::make_shared<AllToAllW>(n);
-  auto work = make_work(std::move(call));
-  {
-    auto guard = lock();
-    if (count > 0) {
-      const MPI_Datatype piece = args->types.add(send);
-      for (size_t r = 0; r < n; ++r) {
-        if (r == me) continue;
-        args->send_types[r] = piece;
-        args->send_counts[r] = 1;
-        args->recv_types[r] = args->types.add(slot(int(r)));
-        args->recv_counts[r] = 1;
-      }
-    }
-    check(MPI_Ialltoallw(MPI_BOTTOM, args->send_counts.data(), args->displs.data(),
-                         args->send_types.data(), MPI_BOTTOM, args->recv_counts.data(),
-                         args->displs.data(), args->recv_types.data(), comm_->comm,
-                         work->new_request()),
-          "MPI_Ialltoallw", where(kOp));
+  std::vector<Tensor> slots;
+  for (int r = 0; r < size(); ++r)
+    slots.push_back(kernels::narrow(flat, 0, int64_t(r) * in.numel(), in.numel()));
+  auto work = start_exchange(kOp, std::move(call), std::vector<Tensor>(size_t(size()), in), slots);
+  if (!recv.is_same(out)) {
+    work->then([recv, out](const std::vector<MPI_Status>&) mutable { out.copy_(recv); });
   }
-  // The lambda keeps MPI's arguments and the buffers until MPI is done with them.
-  work->then([args, send, own, recv, out, in_place](const std::vector<MPI_Status>&) mutable {
-    if (!in_place) own.copy_(kernels::reshape(send, own.shape()));
-    if (!recv.is_same(out)) out.copy_(recv);
-  });
   return work;
 }
 
@@ -110,29 +77,7 @@ WorkPtr MpiProcessGroup::all_gather(std::vector<Tensor>& outputs, const Tensor& 
   check_cpu(outputs, kOp, "outputs");
   CallInfo call = tensor_call(OpKind::AllGather, in.dtype(), in.shape());
   call.pieces = int64_t(outputs.size());
-  const int count = to_count(in.numel(), kOp);
-
-  auto recv = std::make_shared<FlatList>(flat_recv(outputs, in.dtype(), kOp));
-  const char* mine = static_cast<const char*>(recv->base) +
-                     int64_t(recv->displs[size_t(rank())]) * int64_t(in.element_size());
-  Tensor send;
-  const void* send_ptr = MPI_IN_PLACE;
-  if (!(count > 0 && !recv->staging.defined() && in.is_contiguous() && in.raw_data() == mine)) {
-    send = in.is_contiguous() && !any_overlap({byte_range(in)}, recv->ranges) ? in : in.clone();
-    send_ptr = send.raw_data();
-  }
-  auto work = make_work(std::move(call));
-  {
-    auto guard = lock();
-    const MPI_Datatype type = datatype(in.dtype());
-    check(MPI_Iallgatherv(send_ptr, count, type, recv->base, recv->counts.data(),
-                          recv->displs.data(), type, comm_->comm, work->new_request()),
-          "MPI_Iallgatherv", where(kOp));
-  }
-  work->keep_alive(send);
-  // Copies of the tensor handles, so the caller's vector need not outlive the work.
-  work->then([recv, outs = outputs](const std::vector<MPI_Status>&) { unpack(*recv, outs); });
-  return work;
+  return start_exchange(kOp, std::move(call), std::vector<Tensor>(size_t(size()), in), outputs);
 }
 
 WorkPtr MpiProcessGroup::reduce_scatter_tensor(Tensor& out, const Tensor& in, ReduceOp op) {
@@ -194,56 +139,75 @@ WorkPtr MpiProcessGroup::all_to_all(std::vector<Tensor>& outputs,
   enter(kOp);
   check_cpu(inputs, kOp, "inputs");
   check_cpu(outputs, kOp, "outputs");
-  const DType dt = inputs[0].dtype();
-  const size_t me = size_t(rank());
-  CallInfo call = tensor_call(OpKind::AllToAll, dt, inputs[me].shape());
+  CallInfo call = tensor_call(OpKind::AllToAll, inputs[0].dtype(), inputs[size_t(rank())].shape());
   call.pieces = int64_t(inputs.size());
+  return start_exchange(kOp, std::move(call), inputs, outputs);
+}
 
+std::shared_ptr<MpiWork> MpiProcessGroup::start_exchange(const char* op, CallInfo call,
+                                                         const std::vector<Tensor>& inputs,
+                                                         const std::vector<Tensor>& outputs) const {
+  const DType dt = inputs[0].dtype();
+  const size_t n = inputs.size(), me = size_t(rank());
   // Pieces go to MPI where they lie, described by datatypes, rather than packed into one
   // buffer: the strided pieces of a reshard (a column block of each row) would otherwise cost a
-  // full extra copy. Inputs that overlap an output, or that datatypes cannot describe, are
-  // copied first; outputs MPI must not write in place are received into fresh tensors.
-  std::vector<ByteRange> in_ranges, out_ranges;
-  for (size_t r = 0; r < inputs.size(); ++r) {
-    in_ranges.push_back(byte_range(inputs[r]));
+  // full extra copy. This rank's own piece is copied by us after the exchange: through MPI it
+  // would be packed and unpacked, and copied while the others travel it delays them (a rank busy
+  // copying does not answer its peer's single-copy handshake; Open MPI's MPI_Iallgather, which
+  // does that, took 1.4-1.6x its blocking all-gather at 1 MiB on 2 ranks).
+  std::vector<ByteRange> out_ranges;
+  for (size_t r = 0; r < n; ++r) {
+    to_count(inputs[r].numel(), op);
+    to_count(outputs[r].numel(), op);
     out_ranges.push_back(byte_range(outputs[r]));
-    to_count(inputs[r].numel(), kOp);
-    to_count(outputs[r].numel(), kOp);
   }
   // Byte ranges first (cheap); interleaved views of one tensor (its column blocks) overlap there
   // without sharing elements, which the exact pairwise test tells apart.
-  auto any_shared = [](const std::vector<Tensor>& x, const std::vector<Tensor>& y, bool same) {
-    for (size_t i = 0; i < x.size(); ++i) {
-      for (size_t j = same ? i + 1 : 0; j < y.size(); ++j) {
-        if (share_memory(x[i], y[j])) return true;
-      }
+  auto shares_with_others = [&](const Tensor& t, size_t skip) {
+    const ByteRange range = byte_range(t);
+    for (size_t r = 0; r < n; ++r) {
+      if (r != skip && overlaps(range, out_ranges[r]) && share_memory(t, outputs[r])) return true;
     }
     return false;
   };
-  const bool copy_inputs = any_overlap(in_ranges, out_ranges) && any_shared(inputs, outputs, false);
   // Outputs that share memory are written in rank order, the last piece winning, which MPI
-  // cannot promise.
-  const bool stage_outputs = pieces_overlap(out_ranges) && any_shared(outputs, outputs, true);
+  // cannot promise: they are received into fresh tensors, as are outputs MPI cannot write where
+  // they lie.
+  bool stage_outputs = false;
+  if (pieces_overlap(out_ranges)) {
+    for (size_t r = 0; r < n && !stage_outputs; ++r)
+      stage_outputs = shares_with_others(outputs[r], r);
+  }
   std::vector<Tensor> sends = inputs, recvs = outputs;
-  for (size_t r = 0; r < inputs.size(); ++r) {
-    bool negative = false;
-    for (int64_t d = 0; d < inputs[r].dim(); ++d)
-      negative = negative || (inputs[r].stride(d) < 0 && inputs[r].size(d) > 1);
-    if (copy_inputs || negative) sends[r] = inputs[r].clone();
+  for (size_t r = 0; r < n; ++r) {
+    if (r > 0 && inputs[r].is_same(inputs[r - 1])) {
+      sends[r] = sends[r - 1];  // an all-gather's one input, decided (and copied) once
+    } else {
+      bool negative = false;
+      for (int64_t d = 0; d < inputs[r].dim(); ++d)
+        negative = negative || (inputs[r].stride(d) < 0 && inputs[r].size(d) > 1);
+      // An input must not share memory with what MPI writes (every other rank's output); the
+      // one copied to this rank's own output after the exchange must be that output or apart
+      // from it.
+      const bool copied_after = inputs[r].is_same(inputs[me]);
+      const bool shared = shares_with_others(inputs[r], me) ||
+                          (copied_after && share_memory(inputs[r], outputs[me]) &&
+                           !same_elements(inputs[r], outputs[me]));
+      if (negative || shared) sends[r] = inputs[r].clone();
+    }
     if (stage_outputs || !writable_in_place(outputs[r])) recvs[r] = empty(outputs[r].shape(), dt);
   }
 
-  const size_t n = size_t(size());
   auto args = std::make_shared<AllToAllW>(n);
   auto work = make_work(std::move(call));
   {
     auto guard = lock();
     for (size_t r = 0; r < n; ++r) {
-      // This rank's own piece is copied below, straight from input to output, while the
-      // others travel; through MPI it would be packed and unpacked.
       if (r == me) continue;
       if (sends[r].numel() > 0) {
-        args->send_types[r] = args->types.add(sends[r]);
+        args->send_types[r] = r > 0 && sends[r].is_same(sends[r - 1]) && args->send_counts[r - 1]
+                                  ? args->send_types[r - 1]
+                                  : args->types.add(sends[r]);
         args->send_counts[r] = 1;
       }
       if (recvs[r].numel() > 0) {
@@ -255,14 +219,14 @@ WorkPtr MpiProcessGroup::all_to_all(std::vector<Tensor>& outputs,
                          args->send_types.data(), MPI_BOTTOM, args->recv_counts.data(),
                          args->displs.data(), args->recv_types.data(), comm_->comm,
                          work->new_request()),
-          "MPI_Ialltoallw", where(kOp));
+          "MPI_Ialltoallw", where(op));
   }
-  // Only the element counts of the two must agree, as for the pieces that travel.
-  recvs[me].copy_(sends[me].shape() == recvs[me].shape()
-                      ? sends[me]
-                      : kernels::reshape(sends[me], recvs[me].shape()));
   // The lambda keeps the copied inputs, staged outputs and MPI's arguments until MPI is done.
-  work->then([args, sends, recvs, outs = outputs](const std::vector<MPI_Status>&) mutable {
+  work->then([args, sends, recvs, me, outs = outputs](const std::vector<MPI_Status>&) mutable {
+    if (!same_elements(sends[me], recvs[me]))
+      recvs[me].copy_(sends[me].shape() == recvs[me].shape()
+                          ? sends[me]
+                          : kernels::reshape(sends[me], recvs[me].shape()));
     for (size_t r = 0; r < outs.size(); ++r) {
       if (!recvs[r].is_same(outs[r])) outs[r].copy_(recvs[r]);
     }

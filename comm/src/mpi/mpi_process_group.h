@@ -39,6 +39,14 @@ class MpiProcessGroup final : public ProcessGroup {
  private:
   MpiProcessGroup(CommunicatorPtr comm, std::vector<int> world_ranks, int tag_ub);
 
+  // One MPI_Ialltoallw: inputs[r] to rank r and rank r's piece into outputs[r], each where it
+  // lies (strided views included, described by datatypes); this rank's own piece is copied by
+  // us once the others have arrived. Inputs and outputs are copied or staged only where memory
+  // they share would make the result depend on MPI's order. Pieces of one pair need only agree
+  // on their element counts. Backs all_to_all and both all-gathers.
+  std::shared_ptr<MpiWork> start_exchange(const char* op, CallInfo call,
+                                          const std::vector<Tensor>& inputs,
+                                          const std::vector<Tensor>& outputs) const;
   // Common entry of every operation: MPI usable.
   void enter(const char* op) const;
   std::shared_ptr<MpiWork> make_work(CallInfo call) const;

@@ -108,6 +108,18 @@ MPI_Request* MpiWork::new_request() {
   return &requests_.back();
 }
 
+void MpiWork::then(Completion fn) {
+  if (!completion_) {
+    completion_ = std::move(fn);
+    return;
+  }
+  completion_ = [first = std::move(completion_),
+                 second = std::move(fn)](const std::vector<MPI_Status>& statuses) {
+    first(statuses);
+    second(statuses);
+  };
+}
+
 std::string MpiWork::what() const {
   return describe(call_, *comm_);
 }

@@ -61,10 +61,11 @@ class MpiWork final : public Work {
   ~MpiWork() override;
 
   // Setup, before the work is returned: the slot for the next request, buffers to keep alive,
-  // and the step run once after completion.
+  // and the steps run once after completion.
   MPI_Request* new_request();
   void keep_alive(Tensor t) { keep_alive_.push_back(std::move(t)); }
-  void then(Completion fn) { completion_ = std::move(fn); }
+  // Steps given by several calls run in the order given.
+  void then(Completion fn);
 
   void wait() override;
   bool is_completed() override;
