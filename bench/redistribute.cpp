@@ -13,6 +13,8 @@
 // down to multiples of the world size N (at N = 3: cols 1023, so that every rank's piece and every
 // pair's block is the same size and the raw collectives apply). The baselines:
 //   S(0) -> R     MPI_Allgather
+//   S(1) -> R     MPI_Allgather of each rank's columns as one contiguous block (tessera must also
+//                 interleave them into rows; that is part of what is measured)
 //   P -> R        MPI_Allreduce (sum)
 //   P -> S(0)     MPI_Reduce_scatter_block (sum)
 //   S(0) -> S(1)  MPI_Alltoall of contiguous blocks of the size each pair exchanges (tessera
@@ -103,7 +105,10 @@ Timing run_case(const Case& c, const tessera::DeviceMesh& mesh, int64_t mib) {
   tessera::Generator gen(7);
   // Partial sources hold a term of the global shape on every rank; sharded ones their rows.
   const bool partial = c.from[0].is_partial();
-  const tessera::Shape local_shape = partial ? global : tessera::Shape{rows / n, cols_total};
+  const bool columns_shard = c.from[0].is_shard(1);
+  const tessera::Shape local_shape = partial         ? global
+                                     : columns_shard ? tessera::Shape{rows, cols_total / n}
+                                                     : tessera::Shape{rows / n, cols_total};
   gen.set_offset(uint64_t(rank) * uint64_t(rows * cols_total));
   Tensor local = tessera::rand(local_shape, gen);
   DTensor src = DTensor::from_local(local, mesh, c.from, global);
@@ -113,7 +118,7 @@ Timing run_case(const Case& c, const tessera::DeviceMesh& mesh, int64_t mib) {
   const int64_t local_numel = local.numel();
   std::vector<float> out;
   std::function<void()> raw;
-  if (name == "S(0)->R") {
+  if (name == "S(0)->R" || name == "S(1)->R") {
     out.resize(size_t(local_numel * n));
     raw = [&] {
       MPI_Allgather(in, int(local_numel), MPI_FLOAT, out.data(), int(local_numel), MPI_FLOAT,
@@ -174,6 +179,14 @@ Timing run_case(const Case& c, const tessera::DeviceMesh& mesh, int64_t mib) {
   // The raw all-to-all moves other elements than the reshard (its blocks are pre-packed), so
   // the reshard is checked against its columns of the gathered matrix instead.
   std::vector<float> expected = out;
+  if (name == "S(1)->R") {  // rank r's block of every row comes from its r-th piece
+    const int64_t cols = cols_total / n;
+    for (int r = 0; r < n; ++r)
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j)
+          expected[size_t(i * cols_total + r * cols + j)] =
+              out[size_t(r * local_numel + i * cols + j)];
+  }
   if (name == "S(0)->S(1)") {
     std::vector<float> full(size_t(local_numel * n));
     MPI_Allgather(in, int(local_numel), MPI_FLOAT, full.data(), int(local_numel), MPI_FLOAT,
@@ -252,6 +265,7 @@ int main(int argc, char** argv) {
   tessera::DeviceMesh mesh({n}, {"x"});
   const std::vector<Case> cases = {
       {"S(0)->R", {tessera::Shard(0)}, {tessera::Replicate()}},
+      {"S(1)->R", {tessera::Shard(1)}, {tessera::Replicate()}},
       {"P->R", {tessera::Partial()}, {tessera::Replicate()}},
       {"P->S(0)", {tessera::Partial()}, {tessera::Shard(0)}},
       {"S(0)->S(1)", {tessera::Shard(0)}, {tessera::Shard(1)}},

@@ -16,6 +16,7 @@
 #include "tessera/core/error.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
+#include "tessera/core/kernels/views.h"
 
 namespace tessera::detail {
 
@@ -136,7 +137,9 @@ class NcclProcessGroup final : public ProcessGroup {
     });
   }
 
-  // Shapes may differ by rank: one broadcast per rank, rooted there, issued together.
+  // Shapes may differ by rank: one broadcast per rank, rooted there, issued together. Pieces of
+  // one size are gathered by one all-gather into a buffer, copied out to the caller's pieces
+  // (which may be strided views of one tensor, as DTensor's gathers along inner dims pass).
   WorkPtr all_gather(std::vector<Tensor>& outputs, const Tensor& in) override {
     CallInfo call = tensor_call(OpKind::AllGather, in.dtype(), in.shape());
     call.pieces = int64_t(outputs.size());
@@ -144,6 +147,20 @@ class NcclProcessGroup final : public ProcessGroup {
     check_list(call, outputs, "outputs");
     Buffers b;
     const void* src = b.in(in);
+    const int64_t count = in.numel();
+    bool even = count > 0;
+    for (const Tensor& o : outputs)
+      even = even && o.numel() == count;
+    if (even) {
+      Tensor all = empty({int64_t(outputs.size()) * count}, {in.dtype(), in.device()});
+      void* dst = b.out(all);
+      for (size_t r = 0; r < outputs.size(); ++r)
+        b.back.emplace_back(outputs[r],
+                            kernels::reshape(kernels::narrow(all, 0, int64_t(r) * count, count),
+                                             outputs[r].shape()));
+      return run(call, b,
+                 [&] { lib().all_gather(src, dst, size_t(count), type(in), comm(), stream()); });
+    }
     std::vector<void*> dst;
     for (Tensor& o : outputs)
       dst.push_back(b.out(o));

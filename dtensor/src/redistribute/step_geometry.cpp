@@ -38,30 +38,19 @@ Tensor gather_pieces(const Tensor& local, const StepGeometry& g, const ProcessGr
   TESSERA_CHECK(in.size(g.dim) == g.lengths[size_t(g.index)], "redistribute: local piece ",
                 in.str(), " has ", in.size(g.dim), " rows on dim ", g.dim, " where ",
                 g.lengths[size_t(g.index)], " were expected");
-  if (g.even()) {
-    if (g.dim == 0) {
-      Tensor out = empty(full_shape, TensorOptions(in.dtype(), in.device()));
-      group->all_gather_into_tensor(out, in)->wait();
-      return out;
-    }
-    Shape stacked = in.shape();
-    stacked[0] *= g.parts;
-    Tensor buf = empty(stacked, TensorOptions(in.dtype(), in.device()));
-    group->all_gather_into_tensor(buf, in)->wait();
-    // narrow, not chunk: chunk of a buffer with no rows gives one piece, not `parts`.
-    std::vector<Tensor> pieces;
-    for (int64_t r = 0; r < g.parts; ++r)
-      pieces.push_back(kernels::narrow(buf, 0, r * in.size(0), in.size(0)));
-    return kernels::cat(pieces, g.dim);
+  Tensor out = empty(full_shape, TensorOptions(in.dtype(), in.device()));
+  if (g.even() && g.dim == 0) {
+    group->all_gather_into_tensor(out, in)->wait();
+    return out;
   }
+  // Each rank's piece goes straight to its place in the result: views along g.dim, strided
+  // unless it is the outermost dim, which the group receives where they lie (no gather into a
+  // buffer and concatenation after).
   std::vector<Tensor> pieces;
-  for (int64_t r = 0; r < g.parts; ++r) {
-    Shape s = in.shape();
-    s[size_t(g.dim)] = g.lengths[size_t(r)];
-    pieces.push_back(empty(s, TensorOptions(in.dtype(), in.device())));
-  }
+  for (int64_t r = 0; r < g.parts; ++r)
+    pieces.push_back(kernels::narrow(out, g.dim, g.starts[size_t(r)], g.lengths[size_t(r)]));
   group->all_gather(pieces, in)->wait();
-  return kernels::cat(pieces, g.dim);
+  return out;
 }
 
 Tensor own_chunk(const Tensor& full, const StepGeometry& g) {
