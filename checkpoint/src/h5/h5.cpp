@@ -372,17 +372,14 @@ void write_block(const Id& dataset, DType dtype, const Shape& offset, const Shap
         what);
 }
 
-void read_block(const Id& dataset, DType dtype, const Shape& offset, const Shape& shape, void* data,
-                bool active, Transfer transfer) {
+void read_block(const Id& dataset, DType dtype, const Shape& offset, const Shape& shape,
+                void* data) {
   MpiLock g;
   const std::string what = "reading a block";
-  Spaces s = block_spaces(dataset, offset, shape, active, what);
+  Spaces s = block_spaces(dataset, offset, shape, /*active=*/true, what);
   Id type = type_of(dtype);
-  Id dxpl = transfer_list(transfer, what);
-  char dummy = 0;
-  check(H5Dread(dataset.get(), type.get(), s.memory.get(), s.file.get(), dxpl.get(),
-                data != nullptr ? data : &dummy),
-        what);
+  Id dxpl = transfer_list(Transfer::Independent, what);
+  check(H5Dread(dataset.get(), type.get(), s.memory.get(), s.file.get(), dxpl.get(), data), what);
 }
 
 Id create_u64_dataset(const Id& loc, const std::string& path, int64_t n) {
