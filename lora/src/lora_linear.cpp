@@ -247,19 +247,30 @@ LoraLinear::Batch LoraLinear::batch(int64_t rows, Device device) const {
     if (std::find(b.slots.begin(), b.slots.end(), s) == b.slots.end()) b.slots.push_back(s);
   }
   if (b.slots.empty()) return b;
-  const int64_t k = int64_t(b.slots.size());
-  std::vector<float> scale(size_t(rows * k * max_rank_), 0.0f), drop(size_t(rows), 0.0f);
-  for (int64_t row = 0; row < rows; ++row) {
-    const int64_t s = v[size_t(row)];
-    if (s < 0) continue;
-    const int64_t j = std::find(b.slots.begin(), b.slots.end(), s) - b.slots.begin();
-    for (int64_t c = 0; c < max_rank_; ++c)
-      scale[size_t((row * k + j) * max_rank_ + c)] = 1.0f;
-    drop[size_t(row)] = float(slots_[size_t(s)].dropout);
+  // The masks follow from the batch's ids and this layer's slots (ids of adapters it lacks are
+  // -1 above, and its slots are in order of first use), so the key names them.
+  LoraRouting::MaskKey key{device.str(), rows, max_rank_, {}};
+  for (int64_t s : b.slots) {
+    key.slots.emplace_back(s, slots_[size_t(s)].dropout);
     b.any_dropout |= slots_[size_t(s)].dropout > 0 && is_training();
   }
-  b.h_scale = from_vector<float>(scale, {rows, k * max_rank_}).to(device);
-  b.dropout = from_vector<float>(drop, {rows}).to(device);
+  auto [it, made] = routing_->masks.try_emplace(std::move(key));
+  if (made) {
+    const int64_t k = int64_t(b.slots.size());
+    std::vector<float> scale(size_t(rows * k * max_rank_), 0.0f), drop(size_t(rows), 0.0f);
+    for (int64_t row = 0; row < rows; ++row) {
+      const int64_t s = v[size_t(row)];
+      if (s < 0) continue;
+      const int64_t j = std::find(b.slots.begin(), b.slots.end(), s) - b.slots.begin();
+      for (int64_t c = 0; c < max_rank_; ++c)
+        scale[size_t((row * k + j) * max_rank_ + c)] = 1.0f;
+      drop[size_t(row)] = float(slots_[size_t(s)].dropout);
+    }
+    it->second.h_scale = from_vector<float>(scale, {rows, k * max_rank_}).to(device);
+    it->second.dropout = from_vector<float>(drop, {rows}).to(device);
+  }
+  b.h_scale = it->second.h_scale;
+  b.dropout = it->second.dropout;
   return b;
 }
 

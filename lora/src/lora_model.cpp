@@ -119,6 +119,7 @@ int64_t LoraModel::adapter_id(const std::string& name) const {
 }
 
 void LoraModel::set_batch_adapters(const Tensor& ids) {
+  routing_->masks.clear();
   if (!ids.defined()) {
     routing_->sample_slots.reset();
     return;

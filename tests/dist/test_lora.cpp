@@ -327,6 +327,48 @@ TEST(Lora, MixedBatchesRouteEachSampleToItsAdapter) {
   }
 }
 
+// The masks of a mixed batch are made once per batch and set of adapters, not once per layer:
+// layers holding the same adapters share them (on a device each copy would be a transfer).
+TEST(Lora, MixedBatchMasksAreSharedByLayersWithTheSameAdapters) {
+  auto routing = std::make_shared<LoraRouting>();
+  Generator gen(5);
+  LoraConfig config;
+  config.r = 4;
+  config.init_lora_weights = LoraInit::Random;
+  config.target_modules = {"layer"};
+  std::vector<std::shared_ptr<LoraLinear>> layers;
+  for (int i = 0; i < 3; ++i) {
+    layers.push_back(std::make_shared<LoraLinear>(
+        Linear(8, 8, false, gen), LoraSlots{.max_adapters = 2, .max_rank = 4}, routing));
+    layers.back()->init_slot(0, "a", config, "layer" + std::to_string(i));
+    // The third layer lacks adapter "b": its samples of "b" use the base layer there.
+    if (i < 2) layers.back()->init_slot(1, "b", config, "layer" + std::to_string(i));
+  }
+  routing->sample_slots = std::vector<int64_t>{1, 0, -1, 1};
+  Tensor x = randn({4, 8}, gen);
+  std::vector<Tensor> ys;
+  for (auto& l : layers)
+    ys.push_back(l->forward(x));
+  EXPECT_EQ(routing->masks.size(), 2u);
+  // Each layer's rows are its adapters' (or the base layer's): a layer without masks of its own
+  // still routes right.
+  for (size_t i = 0; i < layers.size(); ++i) {
+    std::vector<Tensor> rows;
+    for (int64_t r = 0; r < 4; ++r) {
+      const int64_t s = (*routing->sample_slots)[size_t(r)];
+      const bool has = s == 0 || (s == 1 && i < 2);
+      Tensor xr = kernels::narrow(x, 0, r, 1);
+      Tensor base = linear(xr, layers[i]->weight.local());
+      Tensor want = has ? add(base, mul(linear(linear(xr, layers[i]->lora_A(s).local()),
+                                               layers[i]->lora_B(s).local()),
+                                        layers[i]->slot(s).scale))
+                        : base;
+      expect_close(kernels::narrow(ys[i], 0, r, 1), want, 1e-6,
+                   "layer " + std::to_string(i) + " row " + std::to_string(r));
+    }
+  }
+}
+
 // merge folds scale B A into each rank's own window of W (W is never gathered): the merged model
 // gives the unmerged output within 1e-5, and unmerge restores W within 1e-6.
 TEST(Lora, MergeAndUnmerge) {

@@ -19,9 +19,12 @@
 //    B's gradient needs no sum).
 // Gradients of replicated adapter matrices come out summed over the ranks that share them by
 // these DTensor rules, with nothing LoRA-specific in the backward.
+#include <compare>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tessera/lora/config.h"
@@ -36,6 +39,22 @@ struct LoraRouting {
   // A mixed batch: the slot of each sample of this rank's batch (-1: none), read to the host once
   // when set, so that each layer's forward builds its masks without reading device memory.
   std::optional<std::vector<int64_t>> sample_slots;
+
+  // A mixed batch's per-sample masks, made on their device by the first layer that needs them
+  // and reused by every layer with the same adapters (slot and dropout), rank and device, which
+  // would each copy the same masks to the device otherwise. Whoever changes sample_slots
+  // empties it (LoraModel::set_batch_adapters does).
+  struct MaskKey {
+    std::string device;
+    int64_t rows = 0, max_rank = 0;
+    std::vector<std::pair<int64_t, double>> slots;  // (slot, dropout) in the masks' order
+    auto operator<=>(const MaskKey&) const = default;
+  };
+  struct Masks {
+    Tensor h_scale;  // float [rows, slots * max_rank]: 1 where a sample uses that slot
+    Tensor dropout;  // float [rows]: each sample's adapter's dropout
+  };
+  std::map<MaskKey, Masks> masks;
 };
 
 // One adapter matrix, a module of its own so that its name reads lora_A.<slot>.weight.
