@@ -12,6 +12,7 @@
 #include "tessera/comm/runtime.h"
 #include "tessera/core/error.h"
 #include "tessera/core/factory.h"
+#include "tessera/core/kernels/shape_ops.h"
 #include "then_work.h"
 
 namespace tessera {
@@ -28,22 +29,6 @@ int64_t run_total(const std::vector<GatherRun>& runs) {
 std::string where(const ProcessGroup& g) {
   return "all_gather_runs on group '" + g.name() + "' (rank " + std::to_string(g.rank()) + " of " +
          std::to_string(g.size()) + ")";
-}
-
-// Copies `length` elements from element `src_at` of `src` to element `dst_at` of `dst` (both
-// contiguous): memcpy on the host, a device copy of two one-dimensional views elsewhere (one
-// launch per run; the host cannot touch device memory).
-void copy_run(Tensor& dst, int64_t dst_at, const Tensor& src, int64_t src_at, int64_t length) {
-  if (length == 0) return;
-  if (dst.device().is_cpu() && src.device().is_cpu()) {
-    const size_t es = src.element_size();
-    std::memcpy(static_cast<unsigned char*>(dst.raw_data()) + size_t(dst_at) * es,
-                static_cast<const unsigned char*>(src.raw_data()) + size_t(src_at) * es,
-                size_t(length) * es);
-    return;
-  }
-  Tensor to = dst.as_strided({length}, {1}, dst.storage_offset() + dst_at);
-  to.copy_(src.as_strided({length}, {1}, src.storage_offset() + src_at));
 }
 
 }  // namespace
@@ -81,25 +66,30 @@ WorkPtr ProcessGroup::all_gather_runs(Tensor& out, const Tensor& in,
   int64_t piece = 1;  // all_gather_into_tensor takes no empty dims: at least one element
   for (const auto& r : runs)
     piece = std::max(piece, run_total(r));
-  // The pieces live where the tensors do: a device backend gathers device memory.
+  // The pieces live where the tensors do: a device backend gathers device memory. Packing and
+  // unpacking are one copy kernel each, whatever the number of runs.
   Tensor send = zeros({piece}, {in.dtype(), in.device()});
+  std::vector<kernels::CopyRun> pack;
   int64_t at = 0;
   for (const GatherRun& g : runs[size_t(rank())]) {
-    copy_run(send, at, in, g.src, g.length);
+    pack.push_back({g.src, at, g.length});
     at += g.length;
+  }
+  kernels::copy_runs_(send, in, pack);
+  std::vector<kernels::CopyRun> unpack;
+  for (size_t r = 0; r < runs.size(); ++r) {
+    int64_t from = int64_t(r) * piece;
+    for (const GatherRun& g : runs[r]) {
+      unpack.push_back({from, g.dst, g.length});
+      from += g.length;
+    }
   }
   Tensor gathered = empty({piece * size()}, {in.dtype(), in.device()});
   WorkPtr inner = all_gather_into_tensor(gathered, send);
-  return std::make_shared<detail::ThenWork>(std::move(inner),
-                                            [out, send, gathered, runs, piece]() mutable {
-                                              for (size_t r = 0; r < runs.size(); ++r) {
-                                                int64_t from = int64_t(r) * piece;
-                                                for (const GatherRun& g : runs[r]) {
-                                                  copy_run(out, g.dst, gathered, from, g.length);
-                                                  from += g.length;
-                                                }
-                                              }
-                                            });
+  return std::make_shared<detail::ThenWork>(
+      std::move(inner), [out, send, gathered, unpack = std::move(unpack)]() mutable {
+        kernels::copy_runs_(out, gathered, unpack);
+      });
 }
 
 }  // namespace tessera

@@ -105,6 +105,8 @@ void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed
   X(cat, Tensor, (const std::vector<Tensor>& tensors, int64_t dim), (tensors, dim))                \
   X(stack, Tensor, (const std::vector<Tensor>& tensors, int64_t dim), (tensors, dim))              \
   X(index_select, Tensor, (const Tensor& x, int64_t dim, const Tensor& index), (x, dim, index))    \
+  X(copy_runs_, void, (Tensor & dst, const Tensor& src, const std::vector<CopyRun>& runs),         \
+    (dst, src, runs))                                                                              \
   X(index_add, Tensor, (const Shape& shape, int64_t dim, const Tensor& index, const Tensor& src),  \
     (shape, dim, index, src))                                                                      \
   /* optim.h */                                                                                    \

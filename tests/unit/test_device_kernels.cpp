@@ -305,6 +305,31 @@ TEST(DeviceKernels, OptimizerUpdatesFollowTheCpu) {
   }
 }
 
+// The pack and unpack of a gather of scattered pieces: every run in one launch, bit for bit.
+TEST(DeviceKernels, CopyRunsMoveEveryRunInOneLaunch) {
+  TestDevice device(KernelsOn::Device);
+  const std::vector<kernels::CopyRun> runs = {{0, 10, 5}, {20, 0, 7}, {5, 30, 0}, {33, 40, 7}};
+  for (DType dt : {DType::Float32, DType::Float64, DType::BFloat16, DType::Bool}) {
+    const Tensor src = random_tensor({40}, 43, DType::Float64, 10.0).to(dt);
+    Tensor want = full({50}, 1.0, dt);
+    kernels::copy_runs_(want, src, runs);
+    Tensor dst = cuda(full({50}, 1.0, dt));
+    const Tensor src_dev = cuda(src);
+    const int64_t launches = tessera::detail::emulated_launches();
+    kernels::copy_runs_(dst, src_dev, runs);
+    if (device.is_stand_in()) {
+      EXPECT_EQ(tessera::detail::emulated_launches(), launches + 1);
+    }
+    expect_matches(dst, want, {}, dtype_name(dt));
+  }
+  Tensor dst = cuda(zeros({8}));
+  expect_error(
+      [&] {
+        kernels::copy_runs_(dst, cuda(zeros({8})), {{0, 2, 3}, {4, 4, 2}});
+      },
+      {"copy_runs_", "overlap"});
+}
+
 TEST(DeviceKernels, RefuseWhatTheCpuRefusesNamingTheOp) {
   TestDevice device(KernelsOn::Device);
   const Tensor i = cuda(full({3}, 2.0, DType::Int64));

@@ -292,3 +292,41 @@ TEST(ShapeOpsAutograd, CatGradientOnlyToInputsThatNeedIt) {
   EXPECT_EQ(a.grad().to_vector<double>(), std::vector<double>(4, 1.0));
   EXPECT_FALSE(b.grad().defined());
 }
+
+TEST(CopyRuns, MovesEveryRunAndLeavesTheRestAlone) {
+  for (DType dt : {DType::Float32, DType::BFloat16, DType::Int64, DType::Bool}) {
+    SCOPED_TRACE(dtype_name(dt));
+    Tensor src = random_tensor({40}, 3, DType::Float64, 10.0).to(dt);
+    Tensor dst = full({50}, 1.0, dt);
+    kernels::copy_runs_(dst, src, {{0, 10, 5}, {20, 0, 7}, {5, 30, 0}, {33, 40, 7}});
+    const std::vector<double> s = src.to(DType::Float64).to_vector<double>();
+    std::vector<double> want = full({50}, 1.0, dt).to(DType::Float64).to_vector<double>();
+    for (int64_t i = 0; i < 5; ++i)
+      want[size_t(10 + i)] = s[size_t(i)];
+    for (int64_t i = 0; i < 7; ++i) {
+      want[size_t(i)] = s[size_t(20 + i)];
+      want[size_t(40 + i)] = s[size_t(33 + i)];
+    }
+    EXPECT_EQ(dst.to(DType::Float64).to_vector<double>(), want);
+  }
+}
+
+TEST(CopyRuns, RefusesRunsThatDoNotFitOrOverlap) {
+  Tensor src = zeros({8});
+  Tensor dst = zeros({8});
+  auto fails = [&](Tensor& d, const Tensor& s, std::vector<kernels::CopyRun> runs) {
+    return error_of([&] { kernels::copy_runs_(d, s, runs); });
+  };
+  Tensor ints = zeros({8}, DType::Int32);
+  EXPECT_NE(fails(ints, src, {}).find("differ in dtype"), std::string::npos);
+  Tensor strided = zeros({16}).as_strided({8}, {2}, 0);
+  EXPECT_NE(fails(strided, src, {}).find("contiguous"), std::string::npos);
+  Tensor half = src.as_strided({4}, {1}, 4);
+  EXPECT_NE(fails(half, src, {}).find("share storage"), std::string::npos);
+  const std::string past = fails(dst, src, {{6, 0, 3}});
+  EXPECT_NE(past.find("run {src 6, dst 0, length 3} does not fit"), std::string::npos) << past;
+  const std::string overlap = fails(dst, src, {{0, 0, 4}, {4, 3, 2}});
+  EXPECT_NE(overlap.find("runs {src 0, dst 0, length 4} and {src 4, dst 3, length 2} overlap"),
+            std::string::npos)
+      << overlap;
+}

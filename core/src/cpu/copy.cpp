@@ -3,6 +3,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "../portable/copy_checks.h"
 #include "kernels.h"
 #include "tessera/core/detail/strided_loop.h"
 
@@ -50,6 +51,16 @@ void fill_(Tensor& t, double value) {
                                          p[r.offset[0] + i * r.stride[0]] = v;
                                      });
   });
+}
+
+void copy_runs_(Tensor& dst, const Tensor& src, const std::vector<CopyRun>& runs) {
+  portable::check_copy_runs(dst, src, runs);
+  const size_t es = dst.element_size();
+  auto* d = static_cast<unsigned char*>(dst.raw_data());
+  const auto* s = static_cast<const unsigned char*>(src.raw_data());
+  for (const CopyRun& r : runs)
+    if (r.length > 0)
+      std::memcpy(d + size_t(r.dst) * es, s + size_t(r.src) * es, size_t(r.length) * es);
 }
 
 }  // namespace tessera::kernels::cpu

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "../kernel_table.h"
+#include "copy_checks.h"
 #include "element_checks.h"
 #include "element_ops.h"
 #include "float_dispatch.h"
@@ -126,6 +127,23 @@ struct CopyFn {
     int64_t off[2];
     ix.offsets(i, off);
     dst[off[0]] = D(load(src, off[1]));
+  }
+};
+
+// Run r of a copy_runs_ table (src, dst, length per run), shared by a team's lanes; elements move
+// as words of their width.
+template <class W>
+struct CopyRunsFn {
+  W* dst;
+  const W* src;
+  const int64_t* runs;
+  template <class Team>
+  TESSERA_HOST_DEVICE void operator()(int64_t r, Team& team) const {
+    const int64_t* run = runs + 3 * r;
+    const W* from = src + run[0];
+    W* to = dst + run[1];
+    for (int64_t i = team.lane(); i < run[2]; i += team.size())
+      to[i] = from[i];
   }
 };
 
@@ -279,6 +297,23 @@ struct Elementwise {
                        data_of<D>(dst), data_of<S>(src)};
         run("copy_", dst, dst.numel(), f);
       });
+    });
+  }
+
+  // One team per run; the table of runs travels to the device once per call.
+  static void copy_runs_(Tensor& dst, const Tensor& src, const std::vector<CopyRun>& runs) {
+    check_copy_runs(dst, src, runs);
+    std::vector<int64_t> table;
+    for (const CopyRun& r : runs) {
+      if (r.length == 0) continue;
+      table.insert(table.end(), {r.src, r.dst, r.length});
+    }
+    if (table.empty()) return;
+    const int64_t k = int64_t(table.size() / 3);
+    const Tensor on_device = from_vector<int64_t>(table, {k, 3}).to(dst.device());
+    dispatch_width(dst.element_size(), [&]<class W>() {
+      CopyRunsFn<W> f{data_of<W>(dst), data_of<W>(src), data_of<int64_t>(on_device)};
+      launch_rows<Exec>("copy_runs_", dst.device(), k, f);
     });
   }
 
@@ -527,6 +562,7 @@ struct Elementwise {
   static void fill_table(registry::KernelTable& table) {
     table.copy_ = &copy_;
     table.fill_ = &fill_;
+    table.copy_runs_ = &copy_runs_;
     table.unary = &unary;
     table.unary_backward = &unary_backward;
     table.binary = &binary;
