@@ -10,8 +10,20 @@ if(NOT TESSERA_WITH_CUDA STREQUAL "OFF")
     enable_language(CUDA)
     find_package(CUDAToolkit REQUIRED)
     set(TESSERA_CUDA_ENABLED ON)
+    # The GPU this machine has, where it has one: code for another architecture would be
+    # compiled from PTX by every process at its first launch. Without a GPU (CI) the kernels are
+    # only compiled, for sm_80.
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
       set(CMAKE_CUDA_ARCHITECTURES 80)
+      find_program(TESSERA_NVIDIA_SMI nvidia-smi)
+      if(TESSERA_NVIDIA_SMI)
+        execute_process(COMMAND ${TESSERA_NVIDIA_SMI} --query-gpu=compute_cap --format=csv,noheader
+                        OUTPUT_VARIABLE tessera_cap RESULT_VARIABLE tessera_smi_rc ERROR_QUIET)
+        string(REGEX MATCH "^[0-9]+\\.[0-9]+" tessera_cap "${tessera_cap}")
+        if(tessera_smi_rc EQUAL 0 AND tessera_cap)
+          string(REPLACE "." "" CMAKE_CUDA_ARCHITECTURES "${tessera_cap}")
+        endif()
+      endif()
     endif()
     # The kernels are C++20. CMake 3.25 does not know that nvcc 12+ takes it (3.26 does), and
     # stops: with the targets' C++ standard at 20 it requires CUDA 20 too. Tell it what a newer
@@ -29,6 +41,9 @@ if(NOT TESSERA_WITH_CUDA STREQUAL "OFF")
     # Device code is compiled on machines that cannot run it: a warning there (a host-only call
     # from a kernel) is a bug nobody would see until a GPU runs it, so it stops the build.
     add_compile_options("$<$<COMPILE_LANGUAGE:CUDA>:SHELL:--Werror all-warnings>")
+    # No fused multiply-adds: the CPU build rounds a * b + c twice, and the device kernels must
+    # give its bits (tests/unit/test_device_kernels.cpp).
+    add_compile_options("$<$<COMPILE_LANGUAGE:CUDA>:--fmad=false>")
   elseif(TESSERA_WITH_CUDA STREQUAL "ON")
     message(FATAL_ERROR "TESSERA_WITH_CUDA=ON but no CUDA compiler was found")
   endif()

@@ -223,7 +223,9 @@ TEST(DeviceKernels, InPlaceAddAndScaleFollowTheCpu) {
       Tensor dst = random_tensor({3, 4}, 51, DType::Float64, 8.0).to(dt);
       const Tensor src = random_tensor({4}, 52, DType::Float64, 8.0).to(src_dt);  // broadcast
       Tensor dst_dev = cuda(dst);
-      const double alpha = is_integer(dt) ? 3.0 : 0.5;
+      // An inexact alpha: a device that fused the multiply into the add would round once where
+      // the CPU rounds twice.
+      const double alpha = is_integer(dt) ? 3.0 : 0.1;
       kernels::add_(dst_dev, cuda(src), alpha);
       kernels::add_(dst, src, alpha);
       expect_matches(dst_dev, dst, {},
@@ -250,9 +252,13 @@ TEST(DeviceKernels, PhiloxDrawsAreTheCpusForAnyWindow) {
       Tensor dev_storage = empty({5, 3}, TensorOptions(dt, Device::cuda(0)));
       Tensor host_view = host_storage.as_strided({3, 5}, {1, 3}, 0);
       Tensor dev_view = dev_storage.as_strided({3, 5}, {1, 3}, 0);
-      const double a = kind == RandomKind::Bernoulli ? 0.3 : -1.0;
-      philox_fill(dev_view, kind, a, 2.0, 1234, 77, window);
-      philox_fill(host_view, kind, a, 2.0, 1234, 77, window);
+      // Uniform's bounds make (b - a) * u inexact, so a fused multiply-add would show.
+      const double a = kind == RandomKind::Bernoulli ? 0.3
+                       : kind == RandomKind::Uniform ? -0.3
+                                                     : -1.0;
+      const double b = kind == RandomKind::Uniform ? 2.1 : 2.0;
+      philox_fill(dev_view, kind, a, b, 1234, 77, window);
+      philox_fill(host_view, kind, a, b, 1234, 77, window);
       // Uniform and Bernoulli are integer arithmetic on the Philox words; Box-Muller calls log,
       // sqrt and sincospi, which a GPU rounds its own way.
       const Tolerance tol = kind == RandomKind::Normal ? rounding_of(dt) : Tolerance{};
