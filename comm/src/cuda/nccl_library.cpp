@@ -34,7 +34,6 @@ struct Entry {
   decltype(&::ncclGetLastError) last_error = nullptr;
   decltype(&::ncclGetUniqueId) get_unique_id = nullptr;
   decltype(&::ncclCommInitRank) comm_init_rank = nullptr;
-  decltype(&::ncclCommDestroy) comm_destroy = nullptr;
   decltype(&::ncclCommAbort) comm_abort = nullptr;
   decltype(&::ncclCommGetAsyncError) comm_async_error = nullptr;
   decltype(&::ncclGroupStart) group_start = nullptr;
@@ -70,7 +69,6 @@ struct Opened {
     find(entry.last_error, "ncclGetLastError");
     find(entry.get_unique_id, "ncclGetUniqueId");
     find(entry.comm_init_rank, "ncclCommInitRank");
-    find(entry.comm_destroy, "ncclCommDestroy");
     find(entry.comm_abort, "ncclCommAbort");
     find(entry.comm_async_error, "ncclCommGetAsyncError");
     find(entry.group_start, "ncclGroupStart");
@@ -155,6 +153,9 @@ class SystemNccl final : public NcclLibrary {
     }
     return s;
   }
+  void set_device(int device) override {
+    check_cuda(cudaSetDevice(device), "cudaSetDevice", device);
+  }
   // Tessera's kernels and copies run on the legacy default stream.
   Stream compute_stream(int) override { return nullptr; }
   Stream create_stream(int device) override {
@@ -165,7 +166,8 @@ class SystemNccl final : public NcclLibrary {
     return s;
   }
   void destroy_stream(Stream stream) override {
-    (void)cudaStreamDestroy(stream_of(stream));  // at teardown: nothing left to tell
+    // At teardown: nothing left to tell, and no error left behind for the next check to find.
+    if (cudaStreamDestroy(stream_of(stream)) != cudaSuccess) (void)cudaGetLastError();
   }
   Event record_event(Stream stream) override {
     cudaEvent_t ev = nullptr;
@@ -175,12 +177,17 @@ class SystemNccl final : public NcclLibrary {
   }
   bool event_done(Event event) override {
     cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event));
-    if (err == cudaErrorNotReady) return false;
+    if (err == cudaErrorNotReady) {
+      // The runtime keeps it as the thread's last error, which the next kernel launch's check
+      // would report as its own failure.
+      (void)cudaGetLastError();
+      return false;
+    }
     check_cuda(err, "cudaEventQuery", device());
     return true;
   }
   void destroy_event(Event event) override {
-    (void)cudaEventDestroy(static_cast<cudaEvent_t>(event));
+    if (cudaEventDestroy(static_cast<cudaEvent_t>(event)) != cudaSuccess) (void)cudaGetLastError();
   }
   void stream_wait(Stream stream, Event event) override {
     check_cuda(cudaStreamWaitEvent(stream_of(stream), static_cast<cudaEvent_t>(event), 0),
@@ -203,7 +210,7 @@ class SystemNccl final : public NcclLibrary {
     check(e_.comm_init_rank(&comm, nranks, nid, rank), "ncclCommInitRank", nullptr);
     return comm;
   }
-  void destroy(Comm comm) override { (void)e_.comm_destroy(comm_of(comm)); }
+  void destroy(Comm comm) override { (void)e_.comm_abort(comm_of(comm)); }
   void abort(Comm comm) override { check(e_.comm_abort(comm_of(comm)), "ncclCommAbort", nullptr); }
   std::string async_error(Comm comm) override {
     ncclResult_t res = ncclSuccess;

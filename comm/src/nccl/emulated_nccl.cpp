@@ -137,6 +137,8 @@ class EmulatedNccl::Library final : public NcclLibrary {
 
   std::string name() const override { return "emulated NCCL (MPI on host memory)"; }
 
+  // The stand-in device's kernels run on the host: nothing is current.
+  void set_device(int) override {}
   std::string device_uuid(int device) override {
     const int owner = one_gpu_ ? 0 : world_rank_;
     return "stand-in-" + std::to_string(owner) + ":" + std::to_string(device);

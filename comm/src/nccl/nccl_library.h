@@ -38,6 +38,9 @@ class NcclLibrary {
   virtual std::string name() const = 0;
 
   // --- devices and streams
+  // Makes `device` the calling thread's current device: events are made, and the compute stream
+  // is, on the current device.
+  virtual void set_device(int device) = 0;
   // Names the physical device behind `device` (its UUID): equal for two processes on one GPU.
   virtual std::string device_uuid(int device) = 0;
   // The stream Tessera's kernels and copies on `device` run on.
@@ -56,6 +59,9 @@ class NcclLibrary {
   virtual NcclId unique_id() = 0;
   // Collective over the `nranks` processes passing the same id, each with its own `rank`.
   virtual Comm init_rank(int device, int nranks, const NcclId& id, int rank) = 0;
+  // Frees a communicator with nothing pending, without waiting for the other ranks: NCCL's own
+  // destroy is collective within a node, and ranks that free their groups in different orders
+  // would hang in it (so the system library aborts the idle communicator, as PyTorch does).
   virtual void destroy(Comm comm) = 0;
   // Stops the communicator's pending operations, whatever state they are in.
   virtual void abort(Comm comm) = 0;

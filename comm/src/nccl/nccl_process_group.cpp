@@ -369,10 +369,15 @@ class NcclProcessGroup final : public ProcessGroup {
     NcclChannel& ch = *ch_;
     TESSERA_CHECK(!ch.aborted.load(), where(call),
                   ": the group's communicator was aborted; make a new group");
+    bool issued = false;
     try {
+      // The compute stream and the events are the current device's: make it the group's, which
+      // another thread's (or a multi-GPU process's) current device need not be.
+      ch.lib.set_device(ch.device.index);
       NcclLibrary::Event ready = ch.lib.record_event(ch.compute);
       ch.lib.stream_wait(ch.stream, ready);
       ch.lib.destroy_event(ready);
+      issued = true;
       issue();
       NcclLibrary::Event done = ch.lib.record_event(ch.stream);
       auto finish = [then = std::move(then), back = std::move(b.back)]() mutable {
@@ -383,7 +388,10 @@ class NcclProcessGroup final : public ProcessGroup {
       return std::make_shared<NcclWork>(ch_, to_string(call), done, std::move(b.keep),
                                         std::move(finish));
     } catch (const std::exception& e) {
-      TESSERA_FAIL(where(call), ": ", e.what());
+      // Operations may be in flight on the buffers about to be freed: stop them first.
+      if (issued) ch.abort();
+      TESSERA_FAIL(where(call), ": ", e.what(),
+                   issued ? " (the communicator was aborted; make a new group)" : "");
     }
   }
 
