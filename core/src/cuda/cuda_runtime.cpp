@@ -7,6 +7,7 @@
 
 #include "tessera/core/allocator.h"
 #include "tessera/core/caching_allocator.h"
+#include "tessera/core/device.h"
 #include "tessera/core/error.h"
 
 namespace tessera {
@@ -76,6 +77,10 @@ class PinnedHostMemory final : public DeviceMemory {
  public:
   Device device() const override { return Device::cpu(); }
   void* raw_allocate(size_t nbytes) override {
+    // On the process's own device: cudaHostAlloc makes the current device's context, and device
+    // 0's by default would put one from every rank of a node on GPU 0.
+    const int index = current_device(DeviceType::CUDA).index;
+    check_cuda(cudaSetDevice(index), "cudaSetDevice", index);
     void* p = nullptr;
     cudaError_t err = cudaHostAlloc(&p, nbytes, cudaHostAllocPortable);
     if (err == cudaErrorMemoryAllocation) {
@@ -137,8 +142,11 @@ void cuda_memcpy(void* dst, Device dst_device, const void* src, Device src_devic
   cudaMemcpyKind kind = dst_device.is_cpu()   ? cudaMemcpyDeviceToHost
                         : src_device.is_cpu() ? cudaMemcpyHostToDevice
                                               : cudaMemcpyDeviceToDevice;
-  check_cuda(cudaMemcpy(dst, src, nbytes, kind), "cudaMemcpy",
-             dst_device.is_cpu() ? src_device.index : dst_device.index);
+  const int index = dst_device.is_cpu() ? src_device.index : dst_device.index;
+  // cudaMemcpy runs on the current device's legacy stream: the tensor's device, so that the copy
+  // follows the kernels that wrote it.
+  check_cuda(cudaSetDevice(index), "cudaSetDevice", index);
+  check_cuda(cudaMemcpy(dst, src, nbytes, kind), "cudaMemcpy", index);
 }
 }  // namespace detail
 
