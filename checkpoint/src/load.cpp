@@ -239,9 +239,9 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
   if (!entries.empty()) pg->all_reduce(unmapped, ReduceOp::Max)->wait();
   if (unmapped.item<int64_t>() != 0) mapped.reset();
   // One agreed step for all entries: each rank reads its own windows with no collective call (a
-  // mapping, or HDF5's independent reads), so no rank can wait on another inside it. An
-  // agreement per entry (16 of them) took the 4-rank load on 2 cores from 1.30-1.32x the raw
-  // read to 1.39-1.40x.
+  // mapping, or HDF5's independent reads), so no rank can wait on another inside it. With an
+  // agreement per entry (16 of them) a load on 4 ranks sharing 2 cores took 1.45-1.47x the raw
+  // read, with one 1.29-1.30x.
   steps.run("reading the tensors", [&] {
     for (size_t i = 0; i < entries.size(); ++i) {
       const Entry& e = entries[i];
