@@ -20,8 +20,8 @@
 //   load unverified, load transactional: the same with LoadOptions verify = false, and with
 //                transactional = true
 //   load columns tessera::load of the rows file into the columns layout
-//   load hdf5, load columns hdf5: load and load columns with memory_map = false (HDF5 reads over
-//                MPI-IO; collective for the columns)
+//   load hdf5, load columns hdf5: load and load columns with memory_map = false (independent HDF5
+//                reads over MPI-IO)
 //   load from columns: a file saved from the columns layout, loaded into the rows layout (the
 //                file does not depend on the layout that saved it)
 //   async        tessera::async_save: the time until it returns (the training thread is free

@@ -4,8 +4,8 @@
 // Loads copy each window out of the mapping, adding its checksums in the same pass. Reading
 // through HDF5 instead copies the bytes from the page cache into the tensor and then reads them
 // once more for the checksums; the mapping makes verification nearly free, and windows that are
-// not runs of the file (a column window) cost one strided copy instead of MPI-IO's two-phase
-// exchange. The file must not shrink while mapped: reading a page past its end raises SIGBUS, so
+// not runs of the file (a column window) cost one strided copy instead of a read per row piece.
+// The file must not shrink while mapped: reading a page past its end raises SIGBUS, so
 // every range is checked against the file's size when it is mapped.
 #include <cstdint>
 #include <string>
