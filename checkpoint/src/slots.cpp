@@ -218,7 +218,8 @@ IncompatibleKeys set_from_rank0(const std::vector<Slot>& slots,
       for (int r = 1; r < pg->size(); ++r) {
         const Window& w = windows[size_t(r)][i];
         if (shape_numel(w.shape) == 0) continue;
-        keep.push_back(window_of(full, w).to(s.dtype).contiguous());
+        // The group moves host memory: a device value travels through a host copy.
+        keep.push_back(window_of(full, w).to(s.dtype).to(Device::cpu()).contiguous());
         sends.push_back(pg->send(keep.back(), r, kTag));
       }
       copy_local(s.local, window_of(full, windows[0][i]));
@@ -286,7 +287,9 @@ void get_slots(const std::vector<Slot>& slots, const StateDictOptions& options, 
       continue;
     }
     Tensor f = s.sharded() ? DTensor(s.spec, s.local).full_tensor() : s.local;
-    if (keep) out[s.key] = f;
+    // cpu_offload: rank 0 keeps host copies, so that a model sharded because it does not fit on
+    // one device never has its whole state there (each device full tensor goes with `f`).
+    if (keep) out[s.key] = options.full_state_dict && options.cpu_offload ? f.to(Device::cpu()) : f;
   }
 }
 

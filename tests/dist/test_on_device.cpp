@@ -172,6 +172,39 @@ TEST(OnDevice, FullyShardRefusesAModuleLeftOnTheCpu) {
                {"fully_shard(Decoder)", "is on cpu", "holds its shards on cuda:0", "Module::to"});
 }
 
+// Full state dicts of device shards: cpu_offload gives rank 0 host tensors equal to the CPU
+// model's, and broadcast_from_rank0 takes rank 0's device tensors through the CPU group.
+TEST(OnDevice, FullStateDictsOfDeviceShardsOffloadAndBroadcast) {
+  const int n = world_size();
+  const StateDictOptions offload{.full_state_dict = true, .cpu_offload = true};
+  const StateDict want =
+      get_model_state_dict(*sharded_decoder(DeviceMesh(Shape{n}, {"dp"})), offload);
+  TestDevice device;
+  const DeviceMesh mesh(DeviceType::CUDA, Shape{n}, {"dp"});
+  auto net = sharded_decoder(mesh);
+  const StateDict got = get_model_state_dict(*net, offload);
+  EXPECT_EQ(got.size(), world_rank() == 0 ? want.size() : 0u);
+  for (const auto& [key, v] : got) {
+    const Tensor& t = std::get<Tensor>(v);
+    EXPECT_TRUE(t.device().is_cpu()) << key << " on " << t.device().str();
+    tessera::testing::expect_identical(t, std::get<Tensor>(want.at(key)), key);
+  }
+  // Rank 0 holds device tensors (a full state dict without offload), changed so that loading
+  // them shows.
+  StateDict full = get_model_state_dict(*net, {.full_state_dict = true});
+  if (world_rank() != 0) full.clear();
+  for (auto& [key, v] : full)
+    v = add(std::get<Tensor>(v), 1.0);
+  auto other = sharded_decoder(mesh);
+  const IncompatibleKeys k =
+      set_model_state_dict(*other, full, {.full_state_dict = true, .broadcast_from_rank0 = true});
+  EXPECT_TRUE(k.empty()) << k.str();
+  const StateDict back = get_model_state_dict(*other, offload);
+  for (const auto& [key, v] : back)
+    tessera::testing::expect_identical(std::get<Tensor>(v),
+                                       add(std::get<Tensor>(want.at(key)), 1.0), key);
+}
+
 // A checkpoint saved from device shards holds the same bytes as one saved from CPU shards, and
 // loads back into device shards (and into CPU ones) that then train on alike.
 TEST(OnDevice, CheckpointsOfDeviceShardsAreTheCpuOnes) {

@@ -33,8 +33,8 @@ using StateDict = std::map<std::string, StateValue>;
 struct StateDictOptions {
   // Global tensors (gathered, in logical order) instead of DTensors with their placements.
   bool full_state_dict = false;
-  // With full_state_dict, get_*: only rank 0 keeps the tensors; the other ranks get an empty
-  // dict (each tensor is gathered, kept or dropped, one at a time).
+  // With full_state_dict, get_*: only rank 0 keeps the tensors, in host memory; the other ranks
+  // get an empty dict (each tensor is gathered, kept or dropped, one at a time).
   bool cpu_offload = false;
   // With full_state_dict, set_*: only rank 0's dict is read (the others pass an empty one) and
   // each rank receives just its window of one tensor at a time, so no rank holds two full tensors.
