@@ -25,8 +25,11 @@ GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)
   for (size_t i = 0; i < inputs.size(); ++i) {
     const Tensor& x = inputs[i];
     if (!x.defined() || !x.requires_grad()) continue;
-    TESSERA_CHECK(x.dtype() == DType::Float64 && x.is_contiguous() && x.is_leaf(),
-                  "gradcheck: input ", i, " must be a contiguous float64 leaf, got ", x.str());
+    // Inputs are perturbed in place through host pointers.
+    TESSERA_CHECK(
+        x.dtype() == DType::Float64 && x.is_contiguous() && x.is_leaf() && x.device().is_cpu(),
+        "gradcheck: input ", i, " must be a contiguous float64 leaf on the CPU, got ", x.str(),
+        " on ", x.device().str());
     const_cast<Tensor&>(x).set_grad(Tensor());
   }
   Tensor out;

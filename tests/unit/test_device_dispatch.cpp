@@ -208,3 +208,13 @@ TEST(DeviceDispatch, MissingKernelsWarnOncePerKernel) {
       << err;
   EXPECT_EQ(err.find("vocab_ce_loss"), err.rfind("vocab_ce_loss")) << "warned twice: " << err;
 }
+
+// gradcheck perturbs its inputs through host pointers: a device input is refused, not written.
+TEST(DeviceDispatch, GradcheckRefusesDeviceInputs) {
+  StandInDevice device;
+  Tensor x = random_tensor({3}, 5, DType::Float64).to(Device::cuda(0));
+  x.set_requires_grad(true);
+  expect_error(
+      [&] { gradcheck([](const std::vector<Tensor>& in) { return mul(in[0], in[0]); }, {x}); },
+      {"gradcheck", "input 0", "on the CPU", "cuda:0"});
+}
