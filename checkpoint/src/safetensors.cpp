@@ -182,53 +182,6 @@ nlohmann::json parse_header(const char* text, uint64_t n, const std::string& fil
   }
 }
 
-template <class Word>
-void gather(const Tensor& t, unsigned char* out) {
-  const auto* src = static_cast<const unsigned char*>(t.raw_data());
-  const Shape& size = t.shape();
-  const Shape& stride = t.strides();
-  const size_t nd = size.size();
-  const int64_t inner = nd ? size[nd - 1] : 1, inner_stride = nd ? stride[nd - 1] : 0;
-  const int64_t rows = t.numel() / inner;
-  std::vector<int64_t> idx(nd ? nd - 1 : 0, 0);
-  int64_t at = 0;  // element offset of row idx
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < inner; ++i, out += sizeof(Word))
-      std::memcpy(out, src + (at + i * inner_stride) * int64_t(sizeof(Word)), sizeof(Word));
-    for (size_t d = idx.size(); d-- > 0;) {
-      if (++idx[d] < size[d]) {
-        at += stride[d];
-        break;
-      }
-      at -= (size[d] - 1) * stride[d];
-      idx[d] = 0;
-    }
-  }
-}
-
-// The elements in row-major order, bit for bit. Tensor::contiguous() is not: a strided copy of a
-// 16-bit float goes through float32, which rewrites NaN payloads.
-Tensor dense_bits(const Tensor& t) {
-  if (t.is_contiguous() || t.numel() == 0) return t.contiguous();
-  Tensor out = empty(t.shape(), t.dtype());
-  auto* dst = static_cast<unsigned char*>(out.raw_data());
-  switch (t.element_size()) {
-    case 1:
-      gather<uint8_t>(t, dst);
-      break;
-    case 2:
-      gather<uint16_t>(t, dst);
-      break;
-    case 4:
-      gather<uint32_t>(t, dst);
-      break;
-    default:
-      gather<uint64_t>(t, dst);
-      break;
-  }
-  return out;
-}
-
 bool valid_utf8(const std::string& s) {
   try {
     (void)nlohmann::json(s).dump();
@@ -340,7 +293,8 @@ void save_safetensors(const std::string& path, const std::map<std::string, Tenso
                   " is not valid UTF-8 (JSON strings are Unicode)");
     TESSERA_CHECK(t.defined(), "save_safetensors: tensor ", shown(name), " is undefined");
     // As safetensors' save_file, a device tensor is copied to the host to be written.
-    Tensor c = dense_bits(t.device().is_cpu() ? t : t.to(Device::cpu()));
+    // Tensor copies within one dtype move bits: NaN payloads survive.
+    Tensor c = t.to(Device::cpu()).contiguous();
     const uint64_t nbytes = c.nbytes();
     header[name] = {
         {"dtype", name_of(c.dtype())}, {"shape", c.shape()}, {"data_offsets", {at, at + nbytes}}};

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -212,6 +213,22 @@ TEST(DeviceKernels, CopiesConvertBetweenEveryPairOfDtypes) {
       want.copy_(src.as_strided({6, 4}, {1, 6}, 0));
       expect_matches(dst, want, {}, what);
     }
+  }
+}
+
+// Within one dtype a device copy moves bits, as the CPU's does: 16-bit NaN payloads survive a
+// strided copy.
+TEST(DeviceKernels, StridedCopiesWithinADtypeMoveBits) {
+  TestDevice device(KernelsOn::Device);
+  for (DType dt : {DType::Float16, DType::BFloat16}) {
+    const std::vector<uint16_t> bits = {0x7c01, 0x7d55, 0xfe01, 0x7f81, 0x7fc1, 0xffa5};
+    Tensor base = empty({2, 3}, dt);
+    std::memcpy(base.raw_data(), bits.data(), bits.size() * 2);
+    const Tensor moved = cuda(base).as_strided({3, 2}, {1, 3}, 0).contiguous().to(Device::cpu());
+    const auto* got = static_cast<const uint16_t*>(moved.raw_data());
+    for (int64_t r = 0; r < 3; ++r)
+      for (int64_t c = 0; c < 2; ++c)
+        EXPECT_EQ(got[r * 2 + c], bits[size_t(c * 3 + r)]) << dtype_name(dt);
   }
 }
 

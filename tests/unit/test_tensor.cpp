@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 #include "tessera/tessera.h"
 #include "tessera/testing/expect_error.h"
@@ -169,4 +171,20 @@ TEST(Tensor, StorageReleaseFreesBytesUnderLiveTensors) {
   EXPECT_EQ(memory_stats().current_bytes, before);
   view.fill_(5.0);
   EXPECT_EQ(a.to_vector<float>()[256], 5.0f);
+}
+
+// A copy within one dtype moves bits, strided or not: 16-bit NaN payloads and signalling NaNs
+// survive (converting through float32 would quiet or rewrite them).
+TEST(Tensor, StridedCopyWithinADtypeKeepsNaNPayloads) {
+  for (DType dt : {DType::Float16, DType::BFloat16}) {
+    const std::vector<uint16_t> bits = {0x7c01, 0x7d55, 0xfe01, 0x7f81, 0x7fc1, 0xffa5};
+    Tensor base = empty({2, 3}, dt);
+    std::memcpy(base.raw_data(), bits.data(), bits.size() * 2);
+    const Tensor t = base.as_strided({3, 2}, {1, 3}, 0).contiguous();
+    const auto* got = static_cast<const uint16_t*>(t.raw_data());
+    for (int64_t r = 0; r < 3; ++r)
+      for (int64_t c = 0; c < 2; ++c)
+        EXPECT_EQ(got[r * 2 + c], bits[size_t(c * 3 + r)])
+            << dtype_name(dt) << " [" << r << ", " << c << "]";
+  }
 }

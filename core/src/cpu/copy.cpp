@@ -28,8 +28,15 @@ void copy_runs(const Tensor& dst, const Tensor& src) {
                               }
                               return;
                             }
-                            for (int64_t i = 0; i < r.length; ++i)
-                              dp[i * r.stride[0]] = D(to_compute(sp[i * r.stride[1]]));
+                            // Within one dtype the bits move as they are (a 16-bit NaN keeps
+                            // its payload), as the contiguous memcpy above does.
+                            if constexpr (std::is_same_v<D, S>) {
+                              for (int64_t i = 0; i < r.length; ++i)
+                                dp[i * r.stride[0]] = sp[i * r.stride[1]];
+                            } else {
+                              for (int64_t i = 0; i < r.length; ++i)
+                                dp[i * r.stride[0]] = D(to_compute(sp[i * r.stride[1]]));
+                            }
                           });
 }
 

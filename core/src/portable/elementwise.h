@@ -118,6 +118,8 @@ struct Map2 {
   }
 };
 
+// A copy within one dtype moves the element's bits (a 16-bit NaN keeps its payload); across
+// dtypes it converts through the compute type, as the CPU does.
 template <class D, class S>
 struct CopyFn {
   StridedIndex<2> ix;
@@ -126,7 +128,11 @@ struct CopyFn {
   TESSERA_HOST_DEVICE void operator()(int64_t i) const {
     int64_t off[2];
     ix.offsets(i, off);
-    dst[off[0]] = D(load(src, off[1]));
+    if constexpr (std::is_same_v<D, S>) {
+      dst[off[0]] = src[off[1]];
+    } else {
+      dst[off[0]] = D(load(src, off[1]));
+    }
   }
 };
 
