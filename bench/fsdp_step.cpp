@@ -1,14 +1,16 @@
-// Step time of the decoder under FSDP on 2 ranks against the same model, ranks and global batch
+// Step time of the decoder under FSDP on N ranks against the same model, ranks and global batch
 // with parameters replicated (HSDP with a shard group of one: gradients all-reduced), in one run;
 // and how much of the all-gather time prefetch hides (FSDP with prefetch on against off), and the
-// CPU time per step of the communication progress thread (which shares the rank's core here).
-// Run under mpirun -np 2.
+// CPU time per step of the communication progress thread, with the CPUs it ran on (empty: its
+// rank's own; see tessera/comm/progress.h). Run under mpirun -np N, N = 2, 4 or 8 (the global
+// batch of 8 sequences is split evenly).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
 #include "cli.h"
 #include "decoder_step.h"
+#include "tessera/comm/detail/progress_cpus.h"
 
 using namespace tessera;
 
@@ -70,15 +72,17 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   Runtime runtime(argc, argv);
-  TESSERA_CHECK(world_size() == 2, "bench/fsdp_step runs on 2 ranks (mpirun -np 2)");
+  const int n = world_size();
+  TESSERA_CHECK(n >= 2 && 8 % n == 0, "bench/fsdp_step runs on 2, 4 or 8 ranks (mpirun -np N), ",
+                "which split its global batch of 8 sequences evenly; got ", n);
   TESSERA_CHECK(argc <= 3, "usage: fsdp_step [STEPS [ROUNDS]]");
   const int steps = argc > 1 ? int(cli::parse_int("fsdp_step: STEPS", argv[1], 1, 100000)) : 10;
   const int rounds = argc > 2 ? int(cli::parse_int("fsdp_step: ROUNDS", argv[2], 1, 1000)) : 3;
-  const int64_t rows = 4, seq = 128;  // global batch 8 x 128
+  const int64_t rows = 8 / n, seq = 128;  // global batch 8 x 128
   const bench::TokenBatch tokens = bench::random_tokens(
       rows, seq, bench::decoder_config().vocab_size, 11 + uint64_t(world_rank()));
-  DeviceMesh fsdp_mesh({2}, {"dp"});
-  DeviceMesh replicated_mesh({2, 1}, {"replicate", "shard"});
+  DeviceMesh fsdp_mesh({n}, {"dp"});
+  DeviceMesh replicated_mesh({n, 1}, {"replicate", "shard"});
   // Interleaved rounds, so a noisy moment of the machine hits every configuration alike.
   std::vector<double> rep, on, off, wait_on, wait_off, progress_on, progress_off, polls_on;
   double gathers = 0;
@@ -99,16 +103,18 @@ int main(int argc, char** argv) {
   const double w_on = median(wait_on), w_off = median(wait_off);
   if (world_rank() == 0) {
     std::printf(
-        "{\"benchmark\": \"fsdp_step\", \"ranks\": 2, \"global_batch\": %lld, \"seq\": %lld, "
+        "{\"benchmark\": \"fsdp_step\", \"ranks\": %d, \"global_batch\": %lld, \"seq\": %lld, "
         "\"rounds\": %d, \"replicated_ms\": %.2f, \"fsdp_ms\": %.2f, "
         "\"fsdp_over_replicated\": %.3f, \"fsdp_no_prefetch_ms\": %.2f, "
         "\"all_gathers_per_step\": %.0f, \"all_gather_wait_ms_prefetch_off\": %.3f, "
         "\"all_gather_wait_ms_prefetch_on\": %.3f, \"all_gather_hidden_share\": %.3f, "
         "\"step_prefetch_on_over_off\": %.3f, \"progress_thread_cpu_ms_prefetch_off\": %.3f, "
-        "\"progress_thread_cpu_ms_prefetch_on\": %.3f, \"progress_polls_prefetch_on\": %.0f}\n",
-        (long long)(2 * rows), (long long)seq, rounds, t_rep * 1e3, t_on * 1e3, t_on / t_rep,
+        "\"progress_thread_cpu_ms_prefetch_on\": %.3f, \"progress_polls_prefetch_on\": %.0f, "
+        "\"progress_cpus_rank0\": \"%s\"}\n",
+        n, (long long)(n * rows), (long long)seq, rounds, t_rep * 1e3, t_on * 1e3, t_on / t_rep,
         t_off * 1e3, gathers, w_off * 1e3, w_on * 1e3, w_off > 0 ? 1.0 - w_on / w_off : 0.0,
-        t_on / t_off, median(progress_off) * 1e3, median(progress_on) * 1e3, median(polls_on));
+        t_on / t_off, median(progress_off) * 1e3, median(progress_on) * 1e3, median(polls_on),
+        detail::format_cpu_list(progress_stats().cpus).c_str());
   }
   return 0;
 }

@@ -1,5 +1,6 @@
 # tessera_add_mpi_test(<target> SOURCES <files...> RANKS <world sizes...> [TIMEOUT <seconds>]
 #                      [NAME <test name>] [ARGS <arguments...>] [ENV <VAR=value...>]
+#                      [LAUNCH_ARGS <mpirun arguments...>]
 #                      [FIXTURES_SETUP <fixture>] [FIXTURES_REQUIRED <fixture>]
 #                      [SANITIZE <world sizes...>] [SANITIZE_ARGS <arguments...>])
 #
@@ -13,7 +14,8 @@
 # checks nothing the other tests do not). Without SOURCES it registers more tests of an existing target (other ARGS,
 # such as a --gtest_filter, and fixtures that order stages across world sizes). Installed with
 # the package: find_package(tessera) defines it when GoogleTest is found. ENV sets environment
-# variables for the ranks (a second registration of a target run another way, say).
+# variables for the ranks (a second registration of a target run another way, say); LAUNCH_ARGS
+# go to mpirun itself, before the program (a binding to test what the ranks do with it).
 include_guard(GLOBAL)
 
 # OpenMPI refuses to run as root and to start more ranks than cores unless told; other MPIs do
@@ -36,7 +38,7 @@ endif()
 
 function(tessera_add_mpi_test target)
   cmake_parse_arguments(ARG "" "TIMEOUT;NAME;FIXTURES_SETUP;FIXTURES_REQUIRED"
-                        "SOURCES;RANKS;ARGS;ENV;SANITIZE;SANITIZE_ARGS" ${ARGN})
+                        "SOURCES;RANKS;ARGS;ENV;SANITIZE;SANITIZE_ARGS;LAUNCH_ARGS" ${ARGN})
   if(NOT ARG_SOURCES AND NOT TARGET ${target})
     message(FATAL_ERROR "tessera_add_mpi_test(${target}): SOURCES is required for a new target")
   endif()
@@ -70,7 +72,7 @@ function(tessera_add_mpi_test target)
     endif()
     add_test(NAME ${test_name}
              COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${n} ${TESSERA_MPIEXEC_EXTRA_FLAGS}
-                     ${MPIEXEC_PREFLAGS} $<TARGET_FILE:${target}> ${MPIEXEC_POSTFLAGS} ${args})
+                     ${ARG_LAUNCH_ARGS} ${MPIEXEC_PREFLAGS} $<TARGET_FILE:${target}> ${MPIEXEC_POSTFLAGS} ${args})
     set(labels dist)
     if(n IN_LIST ARG_SANITIZE)
       list(APPEND labels sanitize)

@@ -1,5 +1,7 @@
 #include "progress_thread.h"
 
+#include <pthread.h>
+#include <sched.h>
 #include <time.h>
 
 #include <chrono>
@@ -9,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "tessera/comm/detail/progress_cpus.h"
 #include "tessera/comm/progress.h"
 
 namespace tessera::detail {
@@ -27,8 +30,34 @@ double thread_cpu_seconds() {
   return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
 }
 
+// Moves the calling thread onto `cpus`; the CPUs it may then run on, or empty when it stays
+// where it was (nothing planned, or the system refused).
+CpuList move_to(const CpuList& cpus) {
+  if (cpus.empty()) return {};
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cpus)
+    if (c >= 0 && c < CPU_SETSIZE) CPU_SET(c, &set);
+  if (pthread_setaffinity_np(pthread_self(), sizeof(set), &set) != 0) return {};
+  CPU_ZERO(&set);
+  if (pthread_getaffinity_np(pthread_self(), sizeof(set), &set) != 0) return {};
+  CpuList now;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) now.push_back(c);
+  return now;
+}
+
 class ProgressThread {
  public:
+  void plan(CpuList cpus) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    planned_ = std::move(cpus);
+  }
+  CpuList planned() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return planned_;
+  }
+
   ProgressStats stats() {
     std::lock_guard<std::mutex> guard(mutex_);
     return stats_;
@@ -55,6 +84,10 @@ class ProgressThread {
 
  private:
   void run() {
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      stats_.cpus = move_to(planned_);
+    }
     std::vector<std::weak_ptr<Work>> batch;
     for (;;) {
       {
@@ -88,6 +121,7 @@ class ProgressThread {
   std::vector<std::weak_ptr<Work>> works_;
   std::thread thread_;
   bool stopped_ = false;
+  CpuList planned_;
   ProgressStats stats_;  // the thread's CPU time as of its last poll
 };
 
@@ -102,6 +136,14 @@ ProgressThread& progress_thread() {
 
 void stop_progress() {
   progress_thread().stop();
+}
+
+void set_planned_progress_cpus(std::vector<int> cpus) {
+  progress_thread().plan(std::move(cpus));
+}
+
+CpuList planned_progress_cpus() {
+  return progress_thread().planned();
 }
 
 }  // namespace tessera::detail

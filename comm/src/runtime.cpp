@@ -18,6 +18,7 @@
 #include "mpi/mpi_process_group.h"
 #include "mpi/mpi_state.h"
 #include "mpi/mpi_types.h"
+#include "mpi/progress_placement.h"
 #include "progress_thread.h"
 #include "tessera/core/error.h"
 
@@ -68,6 +69,15 @@ bool parse_flag(const char* name, const char* text) {
   if (v.empty() || v == "0" || v == "false" || v == "off" || v == "no") return false;
   if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
   TESSERA_FAIL(name, "='", v, "' is not a switch: use 1/0, true/false, on/off or yes/no");
+}
+
+// TESSERA_PROGRESS_CPUS: true for "auto" (the default), false for "inherit".
+bool parse_progress_cpus(const char* text) {
+  if (!text || std::string(text) == "auto") return true;
+  TESSERA_CHECK(std::string(text) == "inherit", "TESSERA_PROGRESS_CPUS='", text,
+                "' is not a placement: use auto (the progress thread runs on CPUs no rank of the ",
+                "node is bound to, when there are any) or inherit (it stays on its rank's CPUs)");
+  return false;
 }
 
 // Error messages carry "[rank r] " already; abort_job adds it again, so drop the inner one.
@@ -162,6 +172,7 @@ void init(int* argc, char*** argv) {
   if (const char* d = std::getenv("TESSERA_DEBUG_COLLECTIVES")) {
     debug = parse_flag("TESSERA_DEBUG_COLLECTIVES", d);
   }
+  const bool move_progress = parse_progress_cpus(std::getenv("TESSERA_PROGRESS_CPUS"));
 
   int mpi_initialized = 0;
   MPI_Initialized(&mpi_initialized);
@@ -217,6 +228,7 @@ void init(int* argc, char*** argv) {
   // Only when tessera also ends MPI: departing waits for every rank, which an application that
   // keeps using MPI after tessera::finalize() would not expect.
   if (g_owns_mpi.load()) mpi::open_departures();
+  mpi::place_progress_thread(move_progress);
 }
 
 ProcessGroupPtr detail::debug_world_group() {

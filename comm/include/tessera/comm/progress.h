@@ -4,6 +4,8 @@
 // prefetching all-gather, a reduce-scatter left running during backward) would otherwise sit
 // idle until wait() and hide nothing. c10d's MPI backend answers this with a worker thread that
 // runs blocking collectives; here the collectives stay non-blocking and one thread polls them.
+#include <vector>
+
 #include "tessera/comm/process_group.h"
 
 namespace tessera {
@@ -17,11 +19,18 @@ namespace tessera {
 void progress_in_background(const WorkPtr& work);
 
 // What the progress thread has cost since the process started: the CPU time it used (polling,
-// and the copies MPI makes inside its polls), and how many polls it made. A rank with one core
-// pays this time out of its computation; benchmarks report it per step.
+// and the copies MPI makes inside its polls), and how many polls it made. A rank whose thread
+// shares its core pays this time out of its computation; benchmarks report it per step.
+//
+// Where it runs: a rank bound to CPUs of its own (Open MPI binds each rank to a core when it
+// starts 2 or fewer) would bind the thread with it while other CPUs sit idle, so tessera::init
+// gives the thread a share of the CPUs of the job that no rank on the node is bound to
+// (TESSERA_PROGRESS_CPUS=auto, the default; =inherit keeps it on the rank's CPUs). `cpus` lists
+// the CPUs it was moved to, once started; empty while it runs on the rank's own.
 struct ProgressStats {
   double cpu_seconds = 0;
   int64_t polls = 0;
+  std::vector<int> cpus;
 };
 ProgressStats progress_stats();
 
