@@ -155,6 +155,32 @@ TEST(DTensorOps, BatchedMatmulHeadSharded) {
   }
 }
 
+// a cut on a batch dim and a batched b cut elsewhere: b's batches must be cut alike (a
+// batch-cut a times a full-batch b would not even multiply), or a gathered when b is larger.
+TEST(DTensorOps, BatchedMatmulWithOperandsShardedOnDifferentDims) {
+  for (const DeviceMesh& mesh0 : meshes()) {
+    DeviceMesh mesh = mesh0["tp"];
+    struct Case {
+      Shape a, b;
+      Placement pa, pb;
+    };
+    for (const Case& c : {Case{{2, 5, 3, 4}, {2, 5, 4, 3}, Shard(1), Shard(3)},
+                          Case{{2, 5, 3, 4}, {2, 5, 4, 3}, Shard(0), Shard(2)},
+                          Case{{2, 5, 3, 4}, {2, 5, 4, 9}, Shard(1), Shard(3)}}) {
+      SCOPED_TRACE(shape_str(c.a) + " " + c.pa.str() + " @ " + shape_str(c.b) + " " + c.pb.str());
+      Tensor ag = global_randn(c.a, 25), bg = global_randn(c.b, 26);
+      DTensor a = leaf(ag, mesh, {c.pa}), b = leaf(bg, mesh, {c.pb});
+      DTensor s = matmul(a, b);
+      Tensor ra = leaf(ag), rb = leaf(bg);
+      Tensor rs = matmul(ra, rb);
+      expect_close(s.full_tensor(), rs, 1e-12, "product");
+      backward_weighted(s, rs, 27);
+      expect_close(a.grad().full_tensor(), ra.grad(), 1e-12, "da");
+      expect_close(b.grad().full_tensor(), rb.grad(), 1e-12, "db");
+    }
+  }
+}
+
 TEST(DTensorOps, ElementwiseBroadcastAndPartialAddition) {
   for (const DeviceMesh& mesh0 : meshes()) {
     DeviceMesh mesh = mesh0["tp"];

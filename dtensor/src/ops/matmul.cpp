@@ -55,9 +55,11 @@ PerDim decide(const MatmulDims& d, Placement pa, Placement pb, int64_t a_numel, 
       return {Shard(d.a_k()), Shard(d.b_k()), Partial()};
   }
   if (a_batch) {
-    int64_t bd = pa.dim() - (d.a_nd - d.b_nd);  // the matching batch dim of b
-    if (!d.b_batched()) return {pa, Replicate(), pa};
-    if (pb.is_replicate() || pb.is_shard(bd)) return {pa, Shard(bd), pa};
+    const int64_t bd = pa.dim() - (d.a_nd - d.b_nd);  // the matching batch dim of b, if any
+    if (!d.b_batched() || bd < 0) return {pa, Replicate(), pa};
+    // A batched b must be cut on the same batches as a; when b is the larger operand and cut
+    // elsewhere, the rules below gather a instead.
+    if (pb.is_replicate() || pb.is_shard(bd) || a_numel >= b_numel) return {pa, Shard(bd), pa};
   }
   if (b_batch && pa.is_replicate()) {
     int64_t ad = pb.dim() + (d.a_nd - d.b_nd);
@@ -67,8 +69,8 @@ PerDim decide(const MatmulDims& d, Placement pa, Placement pb, int64_t a_numel, 
   if (b_n && pa.is_replicate()) return {Replicate(), pb, Shard(d.a_nd - 1)};
   if (pa.is_replicate() && pb.is_replicate()) return {pa, pb, Replicate()};
   // Both sharded in ways that cannot combine: keep the larger operand's shard, gather the other.
-  if (a_numel >= b_numel && pa.is_shard() && !a_k)
-    return {pa, Replicate(), a_batch ? pa : Shard(d.a_m())};
+  if (a_numel >= b_numel && pa.is_shard() && !a_k && !a_batch)
+    return {pa, Replicate(), Shard(d.a_m())};
   if (b_n) return {Replicate(), pb, Shard(d.a_nd - 1)};
   return {Replicate(), Replicate(), Replicate()};
 }
