@@ -61,6 +61,17 @@ void FSDPGroup::unshard(bool async_op) {
     start_gather();
     return;
   }
+  if (backward_pending_ && !params_.empty() && params_.front().leaf.defined()) {
+    // Used again before this step's backward (a module called twice in one forward): the graph
+    // holds the first use's leaves. Both uses must read and accumulate into the same leaves, so
+    // one gradient holds both; fresh leaves would leave the first use's gradient unreduced.
+    if (leaves_released_ || (pending_gather_ && pending_gather_->reuse))
+      finish_gather(/*fresh=*/false);
+    else
+      drop_pending_gather();  // the leaves still hold what it would gather
+    set_unsharded_params();
+    return;
+  }
   drop_leaves();
   finish_gather(/*fresh=*/true);
   grads_ready_ = 0;
@@ -214,9 +225,9 @@ Tensor FSDPGroup::pre_forward(const Tensor& x) {
   // post_forward) starts that group's backward. This one goes first (prepended), as in PyTorch's
   // FSDP2: this group packs its gradients and frees its weights before the previous group
   // prefetches the one before it, so their buffers never coexist.
-  input_grad_pending_ = false;
+  if (!backward_pending_) input_grad_pending_ = 0;
   if (grad_enabled() && in.defined() && in.requires_grad()) {
-    input_grad_pending_ = true;
+    ++input_grad_pending_;
     std::weak_ptr<FSDPGroup> weak = weak_from_this();
     register_hook(
         in,
@@ -278,19 +289,21 @@ void FSDPGroup::on_grad_ready() {
   int64_t expected = 0;
   for (const ParamInfo& i : params_)
     expected += i.leaf.defined() && i.leaf.requires_grad();
-  if (grads_ready_ < expected || input_grad_pending_) return;
+  if (grads_ready_ < expected || input_grad_pending_ > 0) return;
   grads_ready_for_reduce_ = true;
   schedule_->issue_ready_reduces();
 }
 
 void FSDPGroup::on_input_grad() {
-  if (!input_grad_pending_) return;
-  input_grad_pending_ = false;
+  if (input_grad_pending_ == 0) return;
+  if (--input_grad_pending_ > 0) return;  // another use's input still waits for its gradient
   int64_t expected = 0;
   for (const ParamInfo& i : params_)
     expected += i.leaf.defined() && i.leaf.requires_grad();
-  // A group without trainable parameters has nothing to reduce; the end of backward reshards it.
-  if (expected == 0 || grads_ready_ < expected) return;
+  if (grads_ready_ < expected) return;
+  // Ready, also with nothing to reduce (frozen parameters only): reduces go out in backward
+  // order, so one that never became ready would hold back every group after it until the end
+  // of backward, each keeping its gathered weights and gradients.
   begin_backward();
   grads_ready_for_reduce_ = true;
   schedule_->issue_ready_reduces();
@@ -307,11 +320,17 @@ void FSDPGroup::start_reduce() {
   backward_pending_ = false;
   grads_ready_for_reduce_ = false;
   grads_ready_ = 0;
+  const DType reduce_dtype =
+      opts_.mp_policy.reduce_dtype.value_or(opts_.mp_policy.param_dtype.value_or(flat_.dtype()));
   if (!requires_gradient_sync_) {
+    // Summed in the reduce dtype, as the reduction would: micro-batches summed in a 16-bit
+    // param_dtype lose the precision that a float32 reduce_dtype asks for.
     for (ParamInfo& i : params_) {
       if (!i.leaf.defined() || !i.leaf.grad().defined()) continue;
-      Tensor g = i.leaf.grad();
-      i.accum_grad = i.accum_grad.defined() ? add(i.accum_grad, g) : g.contiguous().clone();
+      Tensor g = i.leaf.grad().to(reduce_dtype);
+      i.accum_grad = i.accum_grad.defined()     ? add(i.accum_grad, g)
+                     : g.is_same(i.leaf.grad()) ? g.contiguous().clone()
+                                                : g.contiguous();
     }
     free_leaves_after_backward();
     reshard();
@@ -332,8 +351,6 @@ void FSDPGroup::start_reduce() {
   // rank learns which parameters got a gradient anywhere without another collective.
   const int64_t k = reduce_pg_->size();
   const int64_t block = padded_size_ + int64_t(params_.size());
-  const DType reduce_dtype =
-      opts_.mp_policy.reduce_dtype.value_or(opts_.mp_policy.param_dtype.value_or(flat_.dtype()));
   PendingReduce pr;
   pr.send = zeros(Shape{k * block}, TensorOptions(reduce_dtype, flat_.device()));
   const int64_t n_params = int64_t(params_.size());
@@ -342,7 +359,8 @@ void FSDPGroup::start_reduce() {
     ParamInfo& i = params_[p];
     if (!i.param->requires_grad()) continue;
     Tensor g = i.leaf.defined() ? i.leaf.grad() : Tensor();
-    if (i.accum_grad.defined()) g = g.defined() ? add(i.accum_grad, g) : i.accum_grad;
+    if (i.accum_grad.defined())
+      g = g.defined() ? add(i.accum_grad, g.to(reduce_dtype)) : i.accum_grad;
     i.accum_grad = Tensor();
     if (!g.defined()) continue;
     TESSERA_CHECK(g.shape() == i.unsharded_shape, "fully_shard: gradient of '", i.name, "' is ",

@@ -106,9 +106,10 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   bool backward_pending_ = false;
   bool leaves_released_ = false;  // resharded after forward: the graph holds empty storage
   bool grads_ready_for_reduce_ = false;
-  // Set by a forward whose input requires grad, until that input's gradient is computed: only
-  // then has this group's backward finished using its (frozen ones included) gathered weights.
-  bool input_grad_pending_ = false;
+  // The forwards of this step whose input requires grad and whose input's gradient is not yet
+  // computed: only then has this group's backward finished using its (frozen ones included)
+  // gathered weights. More than one when the module runs more than once in a forward.
+  int64_t input_grad_pending_ = 0;
   int64_t grads_ready_ = 0;
   FSDPCommStats stats_;
   std::optional<PendingGather> pending_gather_;

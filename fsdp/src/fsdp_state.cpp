@@ -1,5 +1,6 @@
 // FSDPState, the public handle: each call acts on every dtype group of its fully_shard call.
 #include "fsdp_group.h"
+#include "registry.h"
 
 namespace tessera {
 
@@ -33,9 +34,13 @@ void FSDPState::reshard() {
     g->reshard();
 }
 
-void FSDPState::set_requires_gradient_sync(bool sync) {
+void FSDPState::set_requires_gradient_sync(bool sync, bool recurse) {
   for (const auto& g : groups_)
     g->requires_gradient_sync_ = sync;
+  if (!recurse) return;
+  if (auto m = groups_.front()->module_.lock())
+    for (const auto& g : detail::groups_inside(detail::live_groups(), *m))
+      g->requires_gradient_sync_ = sync;
 }
 
 void FSDPState::set_reshard_after_forward(bool r) {

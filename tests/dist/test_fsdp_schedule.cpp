@@ -194,6 +194,118 @@ TEST(FSDPSchedule, GroupWithGradientsOnSomeRanksOnlyStaysInStep) {
   }
 }
 
+// A group used twice in one forward, as PyTorch's FSDP2 allows: both uses must add to its
+// gradients. `mode` 0: blk(blk(stem(x))); 1: blk(h) + blk(h) on one input; 2: blk(blk(x)) on an
+// input that needs no gradient.
+class Reuse : public Module {
+ public:
+  explicit Reuse(int mode) : Module("Reuse"), mode_(mode) {
+    Generator gen(33);
+    stem = std::make_shared<Linear>(6, 6, true, gen);
+    blk = std::make_shared<Linear>(6, 6, true, gen);
+    head = std::make_shared<Linear>(6, 3, true, gen);
+    register_module("stem", stem);
+    register_module("blk", blk);
+    register_module("head", head);
+  }
+  Tensor forward(const Tensor& x) override {
+    Tensor h;
+    if (mode_ == 0) h = (*blk)(silu((*blk)((*stem)(x))));
+    if (mode_ == 1) {
+      Tensor s = (*stem)(x);
+      h = add((*blk)(s), silu((*blk)(s)));
+    }
+    if (mode_ == 2) h = (*blk)(silu((*blk)(x)));
+    return (*head)(h);
+  }
+  std::shared_ptr<Linear> stem, blk, head;
+
+ private:
+  int mode_;
+};
+
+TEST(FSDPSchedule, GroupUsedTwiceInOneForwardGetsBothGradients) {
+  for (int mode = 0; mode < 3; ++mode) {
+    for (bool reshard : {true, false}) {
+      auto ref = std::make_shared<Reuse>(mode);
+      auto net = std::make_shared<Reuse>(mode);
+      FSDPOptions opts;
+      opts.reshard_after_forward = reshard;
+      fully_shard(net->blk, dp_mesh(), opts);
+      fully_shard(net->head, dp_mesh(), opts);
+      fully_shard(net, dp_mesh(), opts);
+      SGD ref_opt(ref->parameters(), SGDOptions{.lr = 0.1});
+      SGD opt(net->parameters(), SGDOptions{.lr = 0.1});
+      for (int s = 0; s < 2; ++s) {
+        Generator gen(uint64_t(700 + s));  // the same batch on every rank
+        Tensor x = randn({4, 6}, gen);
+        backward(mean(square((*ref)(x))));
+        ref_opt.step();
+        ref_opt.zero_grad();
+        backward(mean(square((*net)(x))));
+        opt.step();
+        opt.zero_grad();
+      }
+      const auto got = net->state_dict(), want = ref->state_dict();
+      for (const auto& [name, t] : want) {
+        auto g = got.at(name).to_vector<double>(), w = t.to_vector<double>();
+        ASSERT_EQ(g.size(), w.size()) << name;
+        double worst = 0;
+        for (size_t i = 0; i < g.size(); ++i)
+          worst = std::max(worst, std::abs(g[i] - w[i]));
+        EXPECT_LT(worst, 1e-5) << "mode " << mode << ", reshard_after_forward " << reshard << ": "
+                               << name << " differs from one process by " << worst;
+      }
+    }
+  }
+}
+
+// A frozen group between trainable ones has nothing to reduce, but must not hold back the
+// reduce-scatters after it in backward order: the block below it reduces, and frees its gathered
+// weights, as soon as its own backward is done, not at the end of backward.
+class FrozenMiddle : public Module {
+ public:
+  FrozenMiddle() : Module("FrozenMiddle") {
+    Generator gen(41);
+    stem = std::make_shared<Linear>(6, 6, true, gen);
+    low = std::make_shared<Linear>(6, 6, true, gen);
+    frozen = std::make_shared<Linear>(6, 6, true, gen);
+    high = std::make_shared<Linear>(6, 6, true, gen);
+    register_module("stem", stem);
+    register_module("low", low);
+    register_module("frozen", frozen);
+    register_module("high", high);
+    for (Parameter* p : frozen->parameters())
+      p->set_requires_grad(false);
+  }
+  Tensor forward(const Tensor& x) override {
+    Tensor h = (*stem)(x);
+    // Runs once `low`'s backward is done (its own input-gradient hook goes first).
+    register_hook(h, [this](const Tensor&) {
+      low_unsharded_after_its_backward = low_state->is_unsharded();
+      return Tensor();
+    });
+    return (*high)(silu((*frozen)(silu((*low)(h)))));
+  }
+  std::shared_ptr<Linear> stem, low, frozen, high;
+  std::shared_ptr<FSDPState> low_state;
+  bool low_unsharded_after_its_backward = true;
+};
+
+TEST(FSDPSchedule, FrozenGroupDoesNotHoldBackTheReducesAfterIt) {
+  auto net = std::make_shared<FrozenMiddle>();
+  net->low_state = fully_shard(net->low, dp_mesh());
+  fully_shard(net->frozen, dp_mesh());
+  fully_shard(net->high, dp_mesh());
+  fully_shard(net, dp_mesh());
+  Generator gen(9);
+  Tensor x = randn({4, 6}, gen);
+  backward(mean(square((*net)(x))));
+  EXPECT_FALSE(net->low_unsharded_after_its_backward)
+      << "the group below the frozen one kept its gathered weights after its backward";
+  EXPECT_TRUE(net->low->weight.grad().defined());
+}
+
 // A stem (the root's), a trunk of two blocks and two heads, each block and head its own group.
 // Every rank runs every forward, but rank r's loss uses head 0 only (r % 4 == 0), head 1 only
 // (1), both (2) or neither (3): the ranks skip different groups, and the first group in

@@ -58,9 +58,10 @@ class FSDPState {
   void unshard(bool async_op = false);
   // Points each Parameter back at its stored shard.
   void reshard();
-  // Off: backward keeps summing the unsharded gradients across micro-batches; the next
-  // synced backward reduce-scatters the sum.
-  void set_requires_gradient_sync(bool sync);
+  // Off: backward keeps summing the unsharded gradients across micro-batches (in the reduce
+  // dtype); the next synced backward reduce-scatters the sum. `recurse` (PyTorch's default) sets
+  // it on every fully_shard'ed module inside this one too.
+  void set_requires_gradient_sync(bool sync, bool recurse = true);
   void set_reshard_after_forward(bool r);
   // Explicit prefetch targets (PyTorch's FSDPModule methods of these names): the groups whose
   // all-gather this group issues when its forward (backward) starts. Replaces the implicit
