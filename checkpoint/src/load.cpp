@@ -242,7 +242,7 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
   // mapping, or HDF5's independent reads), so no rank can wait on another inside it. With an
   // agreement per entry (16 of them) a load on 4 ranks sharing 2 cores took 1.45-1.47x the raw
   // read, with one 1.29-1.30x.
-  steps.run("reading the tensors", [&] {
+  steps.run_local("reading the tensors", [&] {
     for (size_t i = 0; i < entries.size(); ++i) {
       const Entry& e = entries[i];
       const Found& f = found[i];

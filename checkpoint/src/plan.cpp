@@ -59,8 +59,43 @@ std::string attribute_of(const std::string& key) {
 
 namespace {
 
+// Keys and string values travel between the ranks as JSON and are stored as HDF5 strings,
+// both UTF-8 text.
+bool valid_utf8(const std::string& s) {
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const size_t n = c < 0x80           ? 1
+                     : (c >> 5) == 0x6  ? 2
+                     : (c >> 4) == 0xE  ? 3
+                     : (c >> 3) == 0x1E ? 4
+                                        : 0;
+    if (n == 0 || i + n > s.size()) return false;
+    uint32_t cp = n == 1 ? c : c & (0x7F >> n);
+    for (size_t k = 1; k < n; ++k) {
+      const auto d = static_cast<unsigned char>(s[i + k]);
+      if ((d >> 6) != 0x2) return false;
+      cp = (cp << 6) | (d & 0x3F);
+    }
+    // No overlong forms, surrogates or code points past U+10FFFF.
+    const uint32_t least[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < least[n] || (cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF) return false;
+    i += n;
+  }
+  return true;
+}
+
+void check_text(const std::string& text, const std::string& key, const char* what,
+                const std::string& context) {
+  TESSERA_CHECK(text.find('\0') == std::string::npos, context, ": ", what, " of '", key,
+                "' holds a NUL byte (checkpoint strings are text; store bytes as a tensor)");
+  TESSERA_CHECK(valid_utf8(text), context, ": ", what, " of '", key,
+                "' is not valid UTF-8 (checkpoint strings are UTF-8 text; store bytes as a "
+                "tensor)");
+}
+
 void check_key(const std::string& key, const std::string& context) {
   TESSERA_CHECK(!key.empty(), context, ": an empty key");
+  TESSERA_CHECK(valid_utf8(key), context, ": a key is not valid UTF-8 (", key.size(), " bytes)");
   size_t start = 0;
   while (true) {
     const size_t slash = key.find('/', start);
@@ -110,9 +145,8 @@ Entry describe_tensor(const std::string& key, const StateValue& v, const std::st
     e.placements = placements_str(s.placements);
   } else {
     const Tensor& t = std::get<Tensor>(v);
+    // A tensor on a device is written from, and read into, a host copy.
     TESSERA_CHECK(t.defined(), context, ": '", key, "' is an undefined tensor");
-    TESSERA_CHECK(t.device().type == DeviceType::CPU, context, ": '", key, "' is on ",
-                  t.device().str(), "; checkpoints read and write CPU tensors");
     e.dtype = t.dtype();
     e.global_shape = t.shape();
     e.window = {Shape(t.shape().size(), 0), t.shape()};
@@ -277,6 +311,8 @@ std::vector<Entry> describe(const StateDict& state, const std::string& context, 
     if (kind_of(v) == ValueKind::Tensor) {
       out.push_back(describe_tensor(key, v, context, for_load));
     } else {
+      if (const auto* text = std::get_if<std::string>(&v))
+        check_text(*text, key, "the string value", context);
       Entry e;
       e.key = key;
       e.kind = kind_of(v);

@@ -78,12 +78,14 @@ SaveJob prepare_save(const StateDict& state, const std::string& path, const Save
   });
   agree_on_entries(job.entries, pg, ctx);
   NoGradGuard no_grad;
-  job.blocks.resize(job.entries.size());
+  // First what every rank does together (reducing Partial values), then each rank's own copies,
+  // which can fail on one rank alone (out of memory while staging a large state): agreed, so
+  // that the others learn of it instead of waiting for that rank in the next step.
+  std::vector<Tensor> locals(job.entries.size());
   for (size_t i = 0; i < job.entries.size(); ++i) {
     const Entry& e = job.entries[i];
     if (e.kind != ValueKind::Tensor) continue;
     const StateValue& v = state.at(e.key);
-    Tensor local;
     if (const auto* d = std::get_if<DTensor>(&v)) {
       DTensor dt = d->detach();
       if (dt.spec().has_partial()) {
@@ -93,17 +95,25 @@ SaveJob prepare_save(const StateDict& state, const std::string& path, const Save
           if (x.is_partial()) x = Replicate();
         dt = dt.redistribute(p);
       }
-      local = dt.to_local();
+      locals[i] = dt.to_local();
     } else {
-      local = std::get<Tensor>(v).detach();
+      locals[i] = std::get<Tensor>(v).detach();
     }
-    if (!e.owner || shape_numel(e.window.shape) == 0) continue;
-    // HDF5 reads host memory: a device piece is copied to the host, which stages it as well.
-    if (!local.device().is_cpu())
-      job.blocks[i] = local.to(Device::cpu());
-    else
-      job.blocks[i] = stage ? local.clone() : local.contiguous();
   }
+  job.blocks.resize(job.entries.size());
+  run_agreed(pg, ctx, [&] {
+    fault_point("staging the values");
+    for (size_t i = 0; i < job.entries.size(); ++i) {
+      const Entry& e = job.entries[i];
+      if (e.kind != ValueKind::Tensor || !e.owner || shape_numel(e.window.shape) == 0) continue;
+      const Tensor& local = locals[i];
+      // HDF5 reads host memory: a device piece is copied to the host, which stages it as well.
+      if (!local.device().is_cpu())
+        job.blocks[i] = local.to(Device::cpu());
+      else
+        job.blocks[i] = stage ? local.clone() : local.contiguous();
+    }
+  });
   return job;
 }
 

@@ -6,9 +6,11 @@
 #include <gtest/gtest.h>
 #include <hdf5.h>
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "dist/checkpoint_util.h"
 #include "fault.h"        // checkpoint/src: the hook the failure tests throw from
@@ -221,6 +223,70 @@ TEST(CheckpointDamage, ASaveFailingOnOneRankFailsOnEveryRankAndKeepsThePreviousF
   load(sd, path);
   expect_state(sd, 1, "previous checkpoint");
   EXPECT_FALSE(fs::exists(path + ".tessera-tmp"));
+}
+
+// Staging copies a rank's owned pieces (all of them, for async_save): running out of memory
+// there on one rank is an error on every rank, not the others waiting in the next step.
+TEST(CheckpointDamage, AStagingFailureOnOneRankFailsOnEveryRank) {
+  const std::string path = dir() + "/staging.h5";
+  save(make_state(1), path);
+  const int victim = world_size() - 1;
+  ckpt::set_fault_hook([victim](const std::string& step) {
+    if (step == "staging the values" && world_rank() == victim) throw std::bad_alloc();
+  });
+  for (bool async : {false, true}) {
+    expect_error(
+        [&] {
+          if (async)
+            async_save(make_state(2), path).wait();
+          else
+            save(make_state(2), path);
+        },
+        {"checkpoint save to", "[rank " + std::to_string(victim) + "]"});
+  }
+  ckpt::set_fault_hook(nullptr);
+  StateDict sd = zero_state();
+  load(sd, path);
+  expect_state(sd, 1, "previous checkpoint");
+}
+
+// Reading makes no collective call, so no rank can wait inside it for another: a read slower
+// than the collective timeout (slow storage) is not a hang, and must not abort the job.
+TEST(CheckpointDamage, ReadsSlowerThanTheCollectiveTimeoutAreNotAHang) {
+  const std::string path = dir() + "/slow.h5";
+  save(make_state(1), path);
+  const double timeout = collective_timeout_seconds();
+  set_collective_timeout_seconds(0.2);
+  ckpt::set_fault_hook([](const std::string& step) {
+    if (step == "reading the tensors") std::this_thread::sleep_for(std::chrono::seconds(1));
+  });
+  StateDict sd = zero_state();
+  load(sd, path);
+  ckpt::set_fault_hook(nullptr);
+  set_collective_timeout_seconds(timeout);
+  expect_state(sd, 1, "slow load");
+}
+
+// Strings are stored as UTF-8 text: bytes that are not text are refused on every rank, naming
+// the key, where they were truncated at a NUL or stopped the ranks' exchange of descriptions.
+TEST(CheckpointDamage, StringValuesThatAreNotTextAreRefused) {
+  const std::string path = dir() + "/strings.h5";
+  for (const auto& [value, why] :
+       {std::pair<std::string, std::string>{std::string("ab\0cd", 5), "holds a NUL byte"},
+        {std::string("\xff\xfe"), "is not valid UTF-8"},
+        {std::string("\xc0\x80"), "is not valid UTF-8"}}) {
+    StateDict sd = make_state(1);
+    sd["extras/name"] = value;
+    expect_error([&] { save(sd, path); }, {"'extras/name'", why});
+  }
+  StateDict sd = make_state(1);
+  sd["extras/name"] = std::string("caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x99\x82");  // é € and an emoji
+  save(sd, path);
+  StateDict back = zero_state();
+  back["extras/name"] = std::string();
+  load(back, path);
+  EXPECT_EQ(std::get<std::string>(back.at("extras/name")),
+            std::get<std::string>(sd.at("extras/name")));
 }
 
 TEST(CheckpointDamage, AsyncSaveWritesTheSnapshotTakenAtTheCall) {

@@ -249,6 +249,33 @@ TEST(OnDevice, CheckpointsOfDeviceShardsAreTheCpuOnes) {
     EXPECT_EQ(values(cuda.final_state.at(name)), values(t)) << name;
 }
 
+// A model on the device without any sharding (one GPU, or the norms tensor parallelism leaves
+// whole): its state dict holds plain device tensors, which save from and load into host copies,
+// as PyTorch's checkpoints take CUDA tensors.
+TEST(OnDevice, CheckpointsOfPlainDeviceTensors) {
+  TestDevice device;
+  const std::string path = tessera::testing::scratch_dir("on_device") + "/plain_np" +
+                           std::to_string(world_size()) + ".h5";
+  DecoderConfig cfg = small_decoder_config();
+  auto net = std::make_shared<Decoder>(cfg);
+  net->to(Device::cuda(0));
+  StateDict sd;
+  insert_state_dict(sd, "model", get_model_state_dict(*net));
+  save(sd, path);
+  cfg.seed += 1;
+  auto other = std::make_shared<Decoder>(cfg);
+  other->to(Device::cuda(0));
+  StateDict back;
+  insert_state_dict(back, "model", get_model_state_dict(*other));
+  EXPECT_TRUE(load(back, path).empty());
+  set_model_state_dict(*other, sub_state_dict(back, "model"));
+  const auto want = net->state_dict();
+  for (const auto& [name, t] : other->state_dict()) {
+    EXPECT_EQ(t.device(), Device::cuda(0)) << name;
+    tessera::testing::expect_identical(t.to(Device::cpu()), want.at(name).to(Device::cpu()), name);
+  }
+}
+
 namespace {
 
 // The decoder under the TP plan on a 1-D mesh, every rank on the whole batch.

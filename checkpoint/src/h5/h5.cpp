@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <bit>
 #include <cstring>
 
 #include "tessera/comm/mpi_interop.h"
@@ -178,6 +179,11 @@ void check(int64_t rc, const std::string& what) {
   const std::string stack = error_stack();
   TESSERA_FAIL(what, " failed", stack.empty() ? "" : " (HDF5: " + stack + ")");
 }
+
+// The memory types below are the file's little-endian ones, so HDF5 converts nothing: on a
+// big-endian host the bytes would be written under a little-endian label.
+static_assert(std::endian::native == std::endian::little,
+              "checkpoint HDF5 I/O assumes a little-endian host");
 
 Id type_of(DType dt) {
   MpiLock g;
