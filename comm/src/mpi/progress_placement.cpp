@@ -40,9 +40,9 @@ detail::CpuList job_cpus() {
   detail::CpuList parent;
   for (std::string line; std::getline(status, line);) {
     const std::string key = "Cpus_allowed_list:";
-    if (line.compare(0, key.size(), key) == 0)
-      parent = detail::parse_cpu_list(line.substr(line.find_first_not_of(" \t", key.size())),
-                                      "the launcher's Cpus_allowed_list");
+    const size_t value = line.find_first_not_of(" \t", key.size());
+    if (line.compare(0, key.size(), key) == 0 && value != std::string::npos)
+      parent = detail::parse_cpu_list(line.substr(value), "the launcher's Cpus_allowed_list");
   }
   const std::string online_text = read_file("/sys/devices/system/cpu/online");
   if (parent.empty() || online_text.empty()) return {};
