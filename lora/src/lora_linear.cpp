@@ -157,6 +157,10 @@ void LoraLinear::init_slot(int64_t i, const std::string& adapter, const LoraConf
                            const std::string& path) {
   check_slot(i, "init_slot");
   config.validate();
+  // The merged values would stay in the weight, with nothing left to unmerge them.
+  TESSERA_CHECK(!slots_[size_t(i)].merged, "LoraLinear '", path, "': slot ", i, " (adapter '",
+                slots_[size_t(i)].adapter, "') is merged into the weight; unmerge it before '",
+                adapter, "' takes the slot");
   TESSERA_CHECK(config.r <= max_rank_, "LoraLinear '", path, "': adapter '", adapter, "' has r ",
                 config.r, " but the slots hold at most rank ", max_rank_,
                 " (LoraSlots::max_rank, fixed when LoRA was applied)");
@@ -220,9 +224,29 @@ void LoraLinear::merge_slot(int64_t i, bool unmerge) {
   s.merged = !unmerge;
 }
 
+// The weight carries every merged slot into every sample's output: only the active adapter of a
+// batch that is not mixed may be merged. LoraModel keeps to this; the check guards direct use.
+void LoraLinear::check_merged(bool mixed) const {
+  const int64_t active = routing_->active_slot;
+  const bool has_active =
+      active >= 0 && active < num_slots() && !slots_[size_t(active)].adapter.empty();
+  for (int64_t i = 0; i < num_slots(); ++i) {
+    const Slot& s = slots_[size_t(i)];
+    if (!s.merged || (!mixed && i == active)) continue;
+    TESSERA_CHECK(!mixed, "LoRA: adapter '", s.adapter,
+                  "' is merged into the weight, which would apply it to every sample of the mixed "
+                  "batch; unmerge it first");
+    TESSERA_FAIL(
+        "LoRA: adapter '", s.adapter, "' is merged into the weight but is not the active adapter (",
+        has_active ? "'" + slots_[size_t(active)].adapter + "' is" : std::string("none is"),
+        "), so it would apply to every sample; unmerge it first");
+  }
+}
+
 LoraLinear::Batch LoraLinear::batch(int64_t rows, Device device) const {
   Batch b;
   const bool mixed = routing_->sample_slots.has_value();
+  check_merged(mixed);
   if (!mixed) {
     const int64_t s = routing_->active_slot;
     if (s >= 0 && s < num_slots() && !slots_[size_t(s)].adapter.empty() &&
@@ -242,8 +266,6 @@ LoraLinear::Batch LoraLinear::batch(int64_t rows, Device device) const {
                   " slots)");
     if (s >= 0 && slots_[size_t(s)].adapter.empty()) s = -1;
     if (s < 0) continue;
-    TESSERA_CHECK(!slots_[size_t(s)].merged, "LoRA: adapter '", slots_[size_t(s)].adapter,
-                  "' is merged into the weights; a mixed batch needs it unmerged");
     if (std::find(b.slots.begin(), b.slots.end(), s) == b.slots.end()) b.slots.push_back(s);
   }
   if (b.slots.empty()) return b;

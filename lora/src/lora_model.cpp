@@ -50,6 +50,18 @@ const LoraModel::Adapter& LoraModel::find(const std::string& name, const char* o
   return it->second;
 }
 
+// The layers merge and unmerge an adapter together, so its first layer speaks for all.
+bool LoraModel::merged(const Adapter& a) const {
+  return layers_[a.layers.front()].second->slot(a.slot).merged;
+}
+
+std::vector<std::string> LoraModel::merged_adapters() const {
+  std::vector<std::string> out;
+  for (const std::string& name : adapters())
+    if (merged(adapters_.at(name))) out.push_back(name);
+  return out;
+}
+
 const LoraConfig& LoraModel::config(const std::string& adapter) const {
   return find(adapter, "config").config;
 }
@@ -103,6 +115,8 @@ void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
 
 void LoraModel::delete_adapter(const std::string& name) {
   const Adapter& a = find(name, "delete_adapter");
+  // Freed while merged, the slot would leave its values in the base weight for good.
+  if (merged(a)) unmerge_adapter(name);
   for (size_t i : a.layers)
     layers_[i].second->clear_slot(a.slot);
   if (active_ == name) set_adapter("");
@@ -110,7 +124,11 @@ void LoraModel::delete_adapter(const std::string& name) {
 }
 
 void LoraModel::set_adapter(const std::string& name) {
-  routing_->active_slot = name.empty() ? -1 : find(name, "set_adapter").slot;
+  const int64_t slot = name.empty() ? -1 : find(name, "set_adapter").slot;
+  // A merged adapter is in the weight of every sample's layer: it would apply under `name` too.
+  for (const std::string& m : merged_adapters())
+    if (m != name) unmerge_adapter(m);
+  routing_->active_slot = slot;
   active_ = name;
 }
 
@@ -119,13 +137,17 @@ int64_t LoraModel::adapter_id(const std::string& name) const {
 }
 
 void LoraModel::set_batch_adapters(const Tensor& ids) {
-  routing_->masks.clear();
   if (!ids.defined()) {
+    routing_->masks.clear();
     routing_->sample_slots.reset();
     return;
   }
   TESSERA_CHECK(ids.dtype() == DType::Int64 && ids.dim() == 1,
                 "LoRA set_batch_adapters: ids must be int64 [rows], got ", ids.str());
+  const std::vector<std::string> merged = merged_adapters();
+  TESSERA_CHECK(merged.empty(), "LoRA set_batch_adapters: '", join(merged),
+                "' is merged into the base weights and would apply to every sample; call "
+                "unmerge_adapter first");
   std::vector<int64_t> host = ids.to_vector<int64_t>();  // once per batch, not per layer
   for (int64_t id : host) {
     bool known = id == -1;
@@ -134,6 +156,7 @@ void LoraModel::set_batch_adapters(const Tensor& ids) {
     TESSERA_CHECK(known, "LoRA set_batch_adapters: id ", id, " is no adapter's (", join(adapters()),
                   " have ids from adapter_id(); -1 is the base model)");
   }
+  routing_->masks.clear();
   routing_->sample_slots = std::move(host);
 }
 
@@ -159,6 +182,16 @@ std::vector<Parameter*> LoraModel::parameters() {
 
 void LoraModel::merge_adapter(const std::string& name) {
   const Adapter& a = find(name, "merge_adapter");
+  // Merged, an adapter applies to every sample: on top of the active adapter, or of the others
+  // in a mixed batch.
+  TESSERA_CHECK(name == active_, "LoRA merge_adapter '", name, "': it is not the active adapter (",
+                active_.empty() ? std::string("none is") : "'" + active_ + "'",
+                "), and merged it would apply to every sample on top of the active one; call "
+                "set_adapter(\"",
+                name, "\") first");
+  TESSERA_CHECK(!routing_->sample_slots, "LoRA merge_adapter '", name,
+                "': a mixed batch is set, whose every sample it would apply to once merged; "
+                "clear it with set_batch_adapters(Tensor()) first");
   for (size_t i : a.layers)
     layers_[i].second->merge_slot(a.slot, /*unmerge=*/false);
 }
@@ -185,6 +218,11 @@ std::map<std::string, Tensor> LoraModel::read_adapter(const std::string& name) {
 void LoraModel::write_adapter(const std::string& name,
                               const std::map<std::string, Tensor>& tensors) {
   const Adapter& a = find(name, "write_adapter");
+  // unmerge_adapter subtracts scale B A from the values the adapter then holds: new values would
+  // leave the difference in the base weight.
+  TESSERA_CHECK(!merged(a), "LoRA write_adapter '", name,
+                "': the adapter is merged into the base weights; call unmerge_adapter(\"", name,
+                "\") first");
   const int64_t r = a.config.r;
   struct Target {
     std::string key;

@@ -397,6 +397,109 @@ TEST(Lora, MergeAndUnmerge) {
   }
 }
 
+namespace {
+
+// Every parameter of the base model (not the adapters'), as global tensors.
+std::map<std::string, Tensor> base_weights(Module& m) {
+  std::map<std::string, Tensor> out;
+  for (auto& [name, p] : m.named_parameters())
+    if (name.find("lora_") == std::string::npos) out[name] = p->full().clone();
+  return out;
+}
+
+double largest_change(Module& m, const std::map<std::string, Tensor>& before) {
+  double d = 0;
+  for (const auto& [name, t] : base_weights(m))
+    d = std::max(d, max_abs_diff(t, before.at(name)));
+  return d;
+}
+
+}  // namespace
+
+// A merged adapter reaches neither the base model nor another adapter's samples: set_adapter
+// unmerges it first; merging an adapter that is not the active one, or during a mixed batch, is
+// refused, and so are a mixed batch and writing its values while it is merged, each refusal
+// leaving the model as it was; deleting it unmerges it first.
+TEST(Lora, MergedAdapterReachesNoOtherAdapterNorTheBase) {
+  const DecoderConfig cfg = lora_decoder_config();
+  const Batch batch = affine_batch(2, 4, cfg.max_seq_len, cfg.vocab_size);
+  for (const LoraLayout& l : lora_layouts({.max_adapters = 2, .max_rank = 4})) {
+    LoraRun run = l.build(cfg, lora_test_config(LoraInit::Random));
+    LoraConfig b = lora_test_config(LoraInit::Random);
+    b.seed = 21;
+    run.lora->add_adapter("b", b);
+    std::map<std::string, Tensor> want;
+    for (const std::string name : {"", "b", "default"}) {
+      run.lora->set_adapter(name);
+      want[name] = run.logits(batch.ids);
+    }
+    const auto base = base_weights(*run.model);
+    auto expect_output = [&](const std::string& of, const std::string& what) {
+      expect_close(run.logits(batch.ids), want.at(of), 1e-5, l.name + ": " + what);
+    };
+    run.lora->merge_adapter("default");
+    expect_output("default", "merged");
+    run.lora->set_adapter("");
+    expect_output("", "the base model after merging default");
+    EXPECT_LE(largest_change(*run.model, base), 1e-6) << l.name << ": set_adapter(\"\") unmerges";
+    run.lora->set_adapter("default");
+    run.lora->merge_adapter("default");
+    run.lora->set_adapter("b");
+    expect_output("b", "adapter b after merging default");
+    expect_error([&] { run.lora->merge_adapter("default"); },
+                 {"merge_adapter 'default'", "not the active adapter ('b')",
+                  "set_adapter(\"default\") first"});
+    expect_output("b", "adapter b after the refused merge");
+    EXPECT_LE(largest_change(*run.model, base), 1e-6) << l.name << ": the refused merge";
+    const Tensor ids = from_vector<int64_t>({run.lora->adapter_id("b"), -1, 0, -1}, {4});
+    run.lora->set_adapter("default");
+    run.lora->set_batch_adapters(ids);
+    expect_error([&] { run.lora->merge_adapter("default"); },
+                 {"merge_adapter 'default'", "mixed batch", "set_batch_adapters(Tensor())"});
+    run.lora->set_batch_adapters(Tensor());
+    run.lora->merge_adapter("default");
+    const auto merged = base_weights(*run.model);
+    expect_error([&] { run.lora->set_batch_adapters(ids); },
+                 {"set_batch_adapters", "'default' is merged", "unmerge"});
+    expect_error([&] { run.lora->write_adapter("default", run.lora->read_adapter("default")); },
+                 {"write_adapter 'default'", "merged", "unmerge_adapter(\"default\") first"});
+    expect_output("default", "merged, after the refused mixed batch and write");
+    EXPECT_EQ(largest_change(*run.model, merged), 0.0) << l.name << ": a refusal changed weights";
+    run.lora->delete_adapter("default");
+    EXPECT_LE(largest_change(*run.model, base), 1e-6) << l.name << ": delete_adapter unmerges";
+    EXPECT_EQ(run.lora->active_adapter(), "");
+    expect_output("", "the base model after deleting the merged adapter");
+  }
+}
+
+// The layer itself refuses to run while an adapter other than the active one is merged into its
+// weight (it would apply to every sample), naming it, for a whole batch and a mixed one: the
+// last guard for code that drives LoraLinear directly.
+TEST(Lora, LayerRefusesAMergedAdapterThatIsNotActive) {
+  auto routing = std::make_shared<LoraRouting>();
+  Generator gen(5);
+  LoraConfig config;
+  config.r = 4;
+  config.init_lora_weights = LoraInit::Random;
+  config.target_modules = {"layer"};
+  auto layer = std::make_shared<LoraLinear>(Linear(8, 8, false, gen),
+                                            LoraSlots{.max_adapters = 2, .max_rank = 4}, routing);
+  layer->init_slot(0, "a", config, "layer");
+  layer->init_slot(1, "b", config, "layer");
+  const Tensor x = randn({2, 8}, gen);
+  routing->active_slot = 0;
+  const Tensor with_a = layer->forward(x);
+  layer->merge_slot(0, /*unmerge=*/false);
+  expect_close(layer->forward(x), with_a, 1e-6, "the merged adapter, active");
+  for (int64_t active : {int64_t(1), int64_t(-1)}) {
+    routing->active_slot = active;
+    expect_error([&] { layer->forward(x); }, {"adapter 'a' is merged", "not the active"});
+  }
+  routing->active_slot = 0;
+  routing->sample_slots = std::vector<int64_t>{1, -1};
+  expect_error([&] { layer->forward(x); }, {"adapter 'a' is merged", "mixed batch"});
+}
+
 // PEFT's files: written from one layout, loaded into every other (a second adapter slot), with
 // PEFT's keys and config; a file for other shapes is an error naming the key.
 TEST(Lora, PeftFilesLoadOntoAnyMesh) {

@@ -96,19 +96,21 @@ class LoraLinear : public Linear {
   Parameter& lora_B(int64_t i);
 
   // Puts an adapter in slot i with its initial values, drawn from (config.seed, adapter,
-  // path) alone. Not collective for plain and tensor-parallel layers.
+  // path) alone; refused for a merged slot. Not collective for plain and tensor-parallel layers.
   void init_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
                  const std::string& path);
   // Frees slot i (its matrices set to zero: a free slot changes nothing).
   void clear_slot(int64_t i);
   // W += scale B A (unmerge: -=) where W lives: each rank updates exactly its own window of W,
   // from the adapter matrices' global values (A and B are small; W is never gathered).
-  // Collective over the adapter matrices' meshes.
+  // Collective over the adapter matrices' meshes. A merged slot applies to every sample, so a
+  // forward refuses one that is not the routing's active slot, and any during a mixed batch.
   void merge_slot(int64_t i, bool unmerge);
 
  private:
   struct Batch;
   void check_slot(int64_t i, const char* op) const;
+  void check_merged(bool mixed) const;
   Batch batch(int64_t rows, Device device) const;
   static Tensor activation_mask(const Batch& bt, int64_t ndim);
   std::vector<std::shared_ptr<LoraWeight>> a_, b_;

@@ -26,17 +26,19 @@ class LoraModel {
   // among the modules apply_lora wrapped. Works after fully_shard (the slots were preallocated).
   // Collective when the layers are sharded by FSDP.
   void add_adapter(const std::string& name, const LoraConfig& config);
-  // Frees its slot (zeroes its matrices). The optimizer keeps the slot's state: reset it with
+  // Frees its slot (zeroes its matrices), unmerging the adapter first if it is merged. The
+  // optimizer keeps the slot's state: reset it with
   // Optimizer::reset_state(adapter_parameters(name)) before reusing the slot.
   void delete_adapter(const std::string& name);
-  // The adapter every sample uses ("" for none: the base model alone). PEFT's set_adapter.
+  // The adapter every sample uses ("" for none: the base model alone). PEFT's set_adapter: a
+  // merged adapter other than `name` is unmerged first (collective then).
   void set_adapter(const std::string& name);
   const std::string& active_adapter() const { return active_; }
   // The id of an adapter in a mixed batch (its slot).
   int64_t adapter_id(const std::string& name) const;
   // A mixed batch: `ids` int64 [rows of this rank's batch], each sample's adapter id (-1: none),
   // used by every forward until cleared with an undefined tensor. Only adapters that appear get
-  // gradients.
+  // gradients. Refused while an adapter is merged (it would apply to every sample).
   void set_batch_adapters(const Tensor& ids);
   // An adapter's A and B in every layer it targets (what its optimizer updates).
   std::vector<Parameter*> adapter_parameters(const std::string& name);
@@ -45,7 +47,8 @@ class LoraModel {
 
   // --- merge ---
   // W += scale B A in every layer (unmerge: -=), each rank updating its own window of W; the
-  // forward then skips the adapter. Collective over the adapters' meshes.
+  // forward then skips the adapter. Collective over the adapters' meshes. Only the active
+  // adapter merges, and not while a mixed batch is set: merged, it applies to every sample.
   void merge_adapter(const std::string& name);
   void unmerge_adapter(const std::string& name);
 
@@ -55,7 +58,7 @@ class LoraModel {
   std::map<std::string, Tensor> read_adapter(const std::string& name);
   // The same keys and global shapes, each rank copying its window; every key is checked first
   // (missing, unexpected, wrong shapes — a local shard's shape named as such), nothing is written
-  // on an error.
+  // on an error. Refused for a merged adapter (unmerging would then subtract the new values).
   void write_adapter(const std::string& name, const std::map<std::string, Tensor>& tensors);
 
   // --- PEFT files (peft.cpp) ---
@@ -75,6 +78,8 @@ class LoraModel {
     std::vector<size_t> layers;  // indices into layers_
   };
   const Adapter& find(const std::string& name, const char* op) const;
+  bool merged(const Adapter& a) const;
+  std::vector<std::string> merged_adapters() const;
   std::vector<size_t> targets(const LoraConfig& config) const;
 
   ModulePtr model_;
