@@ -221,6 +221,27 @@ TEST(Lora, AdaptersAddNoCollectives) {
   }
 }
 
+// A model put in eval mode before apply_lora stays so in the layers LoRA wraps: dropout does not
+// run at inference (two forwards agree bit for bit), and does again in train mode.
+TEST(Lora, WrappedLayersKeepTheModelsEvalMode) {
+  const DecoderConfig cfg = lora_decoder_config();
+  const Batch batch = affine_batch(0, 2, cfg.max_seq_len, cfg.vocab_size);
+  LoraConfig lc = lora_test_config(LoraInit::Random);  // B nonzero: dropout shows in the output
+  lc.lora_dropout = 0.1;
+  auto model = std::make_shared<Decoder>(cfg);
+  model->eval();
+  auto lora = apply_lora(model, lc);
+  std::vector<std::string> training;
+  for (const auto& [path, layer] : lora->layers())
+    if (layer->is_training()) training.push_back(path);
+  EXPECT_EQ(training.size(), 0u) << "wrapped layers in train mode after model->eval()";
+  const Tensor first = (*model)(batch.ids);
+  expect_identical((*model)(batch.ids), first, "a second forward in eval mode");
+  model->train();
+  const Tensor a = (*model)(batch.ids), b = (*model)(batch.ids);
+  EXPECT_GT(max_abs_diff(a, b), 1e-4) << "two forwards in train mode: dropout did not run";
+}
+
 // read_adapter gives global tensors; write_adapter takes global tensors only (each rank copies
 // its window) and refuses a local shard, naming the key and both shapes; read, write, read is the
 // identity under every layout.

@@ -347,6 +347,28 @@ TEST(LayerModules, TrainEvalIsRecursive) {
   EXPECT_TRUE(block->norm->is_training());
 }
 
+namespace {
+
+// A layer that takes another over, as the LoRA wrapper does, through Linear's wrapping
+// constructor.
+class WrappingLinear : public Linear {
+ public:
+  explicit WrappingLinear(const Linear& base) : Linear("WrappingLinear", base) {}
+};
+
+}  // namespace
+
+// The wrapper runs in the training mode of the layer it replaces (layers with dropout behave
+// differently in each).
+TEST(LayerModules, WrappingALinearKeepsItsMode) {
+  Generator gen(1);
+  auto lin = std::make_shared<Linear>(3, 2, true, gen);
+  lin->eval();
+  EXPECT_FALSE(std::make_shared<WrappingLinear>(*lin)->is_training());
+  lin->train();
+  EXPECT_TRUE(std::make_shared<WrappingLinear>(*lin)->is_training());
+}
+
 TEST(LayerModules, ZeroGradClearsEveryLayer) {
   Generator gen(1);
   auto block = std::make_shared<Block>(gen);

@@ -90,6 +90,10 @@ class Module : public std::enable_shared_from_this<Module> {
   const std::optional<DTensorIO>& dtensor_io() const { return dtensor_io_; }
 
  protected:
+  // For a module built to take another's place (a wrapper): it runs in `other`'s training mode.
+  // Not train(), which walks the module tree through shared pointers a constructor lacks; this
+  // module's children keep their own flags.
+  void copy_training_from(const Module& other) { training_ = other.training_; }
   void register_parameter(const std::string& name, Parameter* slot);
   void register_buffer(const std::string& name, Tensor* slot);
   template <class T>
