@@ -37,6 +37,7 @@ Linear::Linear(std::string type_name, const Linear& base)
   if (bias.defined()) register_parameter("bias", &bias);
   if (base.dtensor_io()) set_dtensor_io(*base.dtensor_io());
   copy_training_from(base);
+  copy_hooks_from(base);
 }
 
 void Linear::reset_parameters(Generator& gen) {

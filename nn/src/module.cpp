@@ -189,6 +189,11 @@ void Module::register_forward_hook(ForwardHook hook) {
   hooks_.push_back(std::move(hook));
 }
 
+void Module::copy_hooks_from(const Module& other) {
+  pre_hooks_.insert(pre_hooks_.end(), other.pre_hooks_.begin(), other.pre_hooks_.end());
+  hooks_.insert(hooks_.end(), other.hooks_.begin(), other.hooks_.end());
+}
+
 Module& Module::to(Device device) {
   for (Parameter* p : parameters())
     p->to(device);

@@ -242,6 +242,36 @@ TEST(Lora, WrappedLayersKeepTheModelsEvalMode) {
   EXPECT_GT(max_abs_diff(a, b), 1e-4) << "two forwards in train mode: dropout did not run";
 }
 
+// apply_lora keeps the forward hooks of the layers it wraps (a plan's PrepareModuleInput, the
+// user's own), so LoRA after parallelize_module gives the model LoRA before it gives: each rank
+// passes its rows, the pre-hook gathers the batch, the user's hook adds 1.
+TEST(Lora, WrappedLayersKeepTheirHooks) {
+  const int64_t n = world_size();
+  DeviceMesh mesh(Shape{n}, {"tp"});
+  PrepareModuleInput gather;
+  gather.input_layouts = {Shard(0)};
+  gather.desired_input_layouts = {Replicate()};
+  LoraConfig cfg = lora_test_config(LoraInit::Random);
+  cfg.target_modules = {"proj"};
+  Generator gx(5);
+  const Tensor x = rand({2 * n, 16}, gx);
+  const Tensor mine = kernels::narrow(x, 0, 2 * world_rank(), 2).contiguous();
+  Generator gen(1);
+  auto ref = std::make_shared<OneLayer>(std::make_shared<Linear>(16, 24, false, gen));
+  apply_lora(ref, cfg);
+  const Tensor want = add((*ref)(x), 1.0);
+  for (bool lora_first : {false, true}) {
+    Generator g(1);
+    auto m = std::make_shared<OneLayer>(std::make_shared<Linear>(16, 24, false, g));
+    m->proj->register_forward_hook(
+        [](Module&, const Tensor&, const Tensor& y) { return add(y, 1.0); });
+    if (lora_first) apply_lora(m, cfg);
+    parallelize_module(m, mesh, {{"proj", std::make_shared<PrepareModuleInput>(gather)}});
+    if (!lora_first) apply_lora(m, cfg);
+    expect_close((*m)(mine), want, 1e-6, lora_first ? "LoRA first" : "LoRA after the plan");
+  }
+}
+
 // read_adapter gives global tensors; write_adapter takes global tensors only (each rank copies
 // its window) and refuses a local shard, naming the key and both shapes; read, write, read is the
 // identity under every layout.

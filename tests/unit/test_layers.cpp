@@ -369,6 +369,18 @@ TEST(LayerModules, WrappingALinearKeepsItsMode) {
   EXPECT_TRUE(std::make_shared<WrappingLinear>(*lin)->is_training());
 }
 
+// The wrapper runs through the forward pre-hooks and hooks of the layer it replaces (a parallel
+// plan's, or the user's), not only with its parameters.
+TEST(LayerModules, WrappingALinearKeepsItsHooks) {
+  Generator gen(1);
+  auto lin = std::make_shared<Linear>(3, 2, true, gen);
+  lin->register_forward_pre_hook([](Module&, const Tensor& in) { return mul(in, 2.0); });
+  lin->register_forward_hook(
+      [](Module&, const Tensor&, const Tensor& out) { return add(out, 1.0); });
+  const Tensor x = random_tensor({2, 3}, 6, DType::Float32);
+  expect_equal((*std::make_shared<WrappingLinear>(*lin))(x), (*lin)(x), "the wrapper's forward");
+}
+
 TEST(LayerModules, ZeroGradClearsEveryLayer) {
   Generator gen(1);
   auto block = std::make_shared<Block>(gen);

@@ -94,6 +94,9 @@ class Module : public std::enable_shared_from_this<Module> {
   // Not train(), which walks the module tree through shared pointers a constructor lacks; this
   // module's children keep their own flags.
   void copy_training_from(const Module& other) { training_ = other.training_; }
+  // The same for `other`'s forward pre-hooks and hooks (a parallel plan's, the user's), appended
+  // to this module's own: they then run around this module's forward, with it as their module.
+  void copy_hooks_from(const Module& other);
   void register_parameter(const std::string& name, Parameter* slot);
   void register_buffer(const std::string& name, Tensor* slot);
   template <class T>
