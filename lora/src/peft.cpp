@@ -97,6 +97,12 @@ LoraConfig from_peft(const nlohmann::json& j, const std::string& file) {
     c.use_rslora = j["use_rslora"].is_boolean() && j["use_rslora"].get<bool>();
   if (j.contains("use_dora") && j["use_dora"].is_boolean() && j["use_dora"].get<bool>())
     bad("use_dora is set: DoRA adapters are not supported");
+  // PEFT's per-module overrides of r and lora_alpha: read with the global ones instead, a module
+  // would load with the wrong scale or be refused as mis-shaped for a reason the file hides.
+  for (const char* field : {"rank_pattern", "alpha_pattern"})
+    if (j.contains(field) && !j[field].is_null() && !(j[field].is_object() && j[field].empty()))
+      bad(std::string(field) + " is not empty: per-module ranks and alphas are not supported " +
+          "(every module takes r and lora_alpha)");
   if (j.contains("fan_in_fan_out") && j["fan_in_fan_out"].is_boolean() &&
       j["fan_in_fan_out"].get<bool>())
     bad("fan_in_fan_out is set: Tessera's Linear weights are [out, in]");

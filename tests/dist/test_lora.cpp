@@ -618,6 +618,46 @@ TEST(Lora, PeftFilesLoadOntoAnyMesh) {
   EXPECT_EQ(run.lora->adapters(), (std::vector<std::string>{"default"}));
 }
 
+// PEFT's per-module ranks and alphas (rank_pattern, alpha_pattern) are refused, naming the field
+// and the file, where they would otherwise load with the global r and lora_alpha (a wrong scale)
+// or fail with a shape mismatch; empty patterns, as PEFT writes them, load.
+TEST(Lora, PeftPerModuleRanksAndAlphasAreRefused) {
+  const std::string dir = scratch_dir("lora_peft_patterns_np" + std::to_string(world_size()));
+  const DecoderConfig cfg = lora_decoder_config();
+  LoraRun run = lora_layouts({.max_adapters = 2, .max_rank = 4})
+                    .front()
+                    .build(cfg, lora_test_config(LoraInit::Random));
+  run.lora->save_adapter(dir + "/adapter", "default");
+  // The saved files with one field of the config replaced.
+  auto variant = [&](const std::string& name, const std::string& from, const std::string& to) {
+    if (world_rank() == 0) {
+      std::filesystem::create_directories(dir + "/" + name);
+      std::filesystem::copy_file(dir + "/adapter/adapter_model.safetensors",
+                                 dir + "/" + name + "/adapter_model.safetensors",
+                                 std::filesystem::copy_options::overwrite_existing);
+      std::ifstream in(dir + "/adapter/adapter_config.json");
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      const size_t at = text.find(from);
+      EXPECT_NE(at, std::string::npos) << from << " in " << text;
+      if (at != std::string::npos) text.replace(at, from.size(), to);
+      std::ofstream(dir + "/" + name + "/adapter_config.json") << text;
+    }
+    world_group()->barrier()->wait();
+    return dir + "/" + name;
+  };
+  const std::string alpha =
+      variant("alpha", "\"alpha_pattern\": {}", "\"alpha_pattern\": {\"wq\": 32}");
+  expect_error([&] { run.lora->load_adapter(alpha, "alpha"); },
+               {"alpha/adapter_config.json'", "alpha_pattern", "per-module"});
+  const std::string rank = variant("rank", "\"rank_pattern\": {}", "\"rank_pattern\": {\"wq\": 2}");
+  expect_error([&] { run.lora->load_adapter(rank, "rank"); },
+               {"rank/adapter_config.json'", "rank_pattern", "per-module"});
+  EXPECT_EQ(run.lora->adapters(), (std::vector<std::string>{"default"}));
+  // The files as saved, with both patterns empty.
+  run.lora->load_adapter(dir + "/adapter", "loaded");
+  EXPECT_EQ(run.lora->adapters(), (std::vector<std::string>{"default", "loaded"}));
+}
+
 TEST(Lora, BadUseIsAClearError) {
   const DecoderConfig cfg = lora_decoder_config();
   auto m = std::make_shared<Decoder>(cfg);
