@@ -400,11 +400,16 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
   // layer's one reduction; B then applies to replicated activations.
   const DTensor yp = linear(x, w, bd);
   const DTensor low_in = xl.defined() ? xl : x;
-  DTensor hp = linear(low_in.dtype() == a.dtype() ? low_in : cast(low_in, a.dtype()), a);
-  if (hp.dtype() != yp.dtype()) hp = cast(hp, yp.dtype());
+  const DTensor hp = linear(low_in.dtype() == a.dtype() ? low_in : cast(low_in, a.dtype()), a);
+  // The reduction runs in the wider dtype: h (and A's gradient through it) stays float32 under
+  // a bfloat16 base, as on one rank, at the cost of sending the base's part in float32 too.
+  const DType zt = promote_types(yp.dtype(), hp.dtype());
+  auto in_zt = [zt](const DTensor& t) { return t.dtype() == zt ? t : cast(t, zt); };
+  const DTensor z =
+      cat({in_zt(yp), in_zt(hp)}, -1).redistribute(Placements(size_t(mesh.ndim()), Replicate()));
   const int64_t out = out_features(), rank = a.size(0);
-  const DTensor z = cat({yp, hp}, -1).redistribute(Placements(size_t(mesh.ndim()), Replicate()));
   DTensor y = narrow(z, -1, 0, out);
+  if (y.dtype() != yp.dtype()) y = cast(y, yp.dtype());
   DTensor h = narrow(z, -1, out, rank);
   if (h.dtype() != b.dtype()) h = cast(h, b.dtype());
   if (h_scale.defined())

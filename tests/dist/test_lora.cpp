@@ -272,6 +272,52 @@ TEST(Lora, WrappedLayersKeepTheirHooks) {
   }
 }
 
+// A row-parallel layer with a bfloat16 base keeps the adapter activations h = x A^T in float32
+// through its reduction, as one process does: B's gradient (from h) and A's (through h) at TP =
+// world size agree with one rank's to float32 rounding; bfloat16 would be off by about 2^-9.
+TEST(Lora, RowParallelBfloat16BaseKeepsAdapterActivationsInFloat32) {
+  if (world_size() == 1) GTEST_SKIP() << "row parallelism needs two ranks";
+  const int64_t n = world_size();
+  LoraConfig cfg = lora_test_config(LoraInit::Random);
+  cfg.target_modules = {"proj"};
+  Generator gx(5);
+  const Tensor x = randn({4, 64}, gx).to(DType::BFloat16);
+  const Tensor g = randn({4, 16}, gx);
+  struct Result {
+    Tensor y, grad_a, grad_b;
+  };
+  auto run = [&](bool parallel) {
+    Generator gen(1);
+    auto lin = std::make_shared<Linear>(64, 16, false, gen);
+    lin->weight = Parameter(lin->weight.full().to(DType::BFloat16), false);
+    auto m = std::make_shared<OneLayer>(lin);
+    auto lora = apply_lora(m, cfg);
+    Tensor in = x;
+    if (parallel) {
+      parallelize_module(m, DeviceMesh(Shape{n}, {"tp"}),
+                         {{"proj", std::make_shared<RowwiseParallel>()}});
+      in = kernels::narrow(x, 1, world_rank() * (64 / n), 64 / n).contiguous();
+    }
+    Result r;
+    r.y = (*m)(in);
+    backward(sum(mul(cast(r.y, DType::Float32), g)));
+    LoraLinear& l = *lora->layers().front().second;
+    r.grad_a =
+        l.lora_A(0).is_dtensor() ? l.lora_A(0).grad_dtensor().full_tensor() : l.lora_A(0).grad();
+    r.grad_b =
+        l.lora_B(0).is_dtensor() ? l.lora_B(0).grad_dtensor().full_tensor() : l.lora_B(0).grad();
+    return r;
+  };
+  const Result one = run(false), tp = run(true);
+  expect_close(tp.grad_b, one.grad_b, 1e-5, "B's gradient");
+  expect_close(tp.grad_a, one.grad_a, 1e-5, "A's gradient");
+  expect_close(cast(tp.y, DType::Float32), cast(one.y, DType::Float32), 1e-2, "output");
+  if (world_rank() == 0)
+    std::printf("[lora bf16 row] tp%lld: B's gradient within %.2e, A's within %.2e of one rank\n",
+                (long long)n, max_abs_diff(tp.grad_b, one.grad_b),
+                max_abs_diff(tp.grad_a, one.grad_a));
+}
+
 // read_adapter gives global tensors; write_adapter takes global tensors only (each rank copies
 // its window) and refuses a local shard, naming the key and both shapes; read, write, read is the
 // identity under every layout.
