@@ -52,7 +52,7 @@ const LoraModel::Adapter& LoraModel::find(const std::string& name, const char* o
 
 // The layers merge and unmerge an adapter together, so its first layer speaks for all.
 bool LoraModel::merged(const Adapter& a) const {
-  return layers_[a.layers.front()].second->slot(a.slot).merged;
+  return !a.layers.empty() && layers_[a.layers.front()].second->slot(a.slot).merged;
 }
 
 std::vector<std::string> LoraModel::merged_adapters() const {
