@@ -157,10 +157,13 @@ int run(int argc, char** argv) {
     const double t0 = now_seconds();
     lm::Corpus::Batch b = corpus.batch(step, o.batch, o.seq, row0, row0 + rows, o.seed);
     Tensor logits = (*model)(b.inputs);
-    Tensor loss = loss_parallel ? vocab_parallel_cross_entropy(
-                                      DTensor::from_local(logits, tp_mesh, {Shard(-1)}), b.targets)
-                                      .to_local()
-                                : cross_entropy(logits, b.targets);
+    // The global shape: the vocabulary need not split evenly over the tp ranks.
+    const Shape global{logits.size(0), logits.size(1), cfg.vocab_size};
+    Tensor loss = loss_parallel
+                      ? vocab_parallel_cross_entropy(
+                            DTensor::from_local(logits, tp_mesh, {Shard(-1)}, global), b.targets)
+                            .to_local()
+                      : cross_entropy(logits, b.targets);
     backward(loss);
     if (!fsdp) average_gradients(model->parameters(), mesh.group("dp"));
     if (o.clip > 0) clip_grad_norm_(model->parameters(), o.clip);

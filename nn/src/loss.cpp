@@ -75,6 +75,29 @@ class VocabParallelCrossEntropy final : public autograd::Function {
   DType dtype_ = DType::Float32;
 };
 
+// The ranks sharing the vocabulary must agree on its size: each places its columns by it, and
+// `from_local` without a global shape guesses it from the local width, which differs between
+// ranks when the vocabulary does not split evenly (8, 8, 8 and 6 columns guess 32 and 24). Every
+// rank then fails alike, rather than one on a target beyond its own guess while the others wait
+// in the loss's collectives, or all going on with overlapping columns.
+void agree_on_vocabulary(const VocabShard& shard, bool local_shape_ok, Device device) {
+  for (const ProcessGroupPtr& g : shard.groups) {
+    Tensor v =
+        from_vector<int64_t>({shard.vocab_size, -shard.vocab_size, local_shape_ok ? 0 : 1}, {3})
+            .to(device);
+    g->all_reduce(v, ReduceOp::Max)->wait();
+    const std::vector<int64_t> r = v.to_vector<int64_t>();
+    TESSERA_CHECK(r[0] == -r[1], kOp, ": the ranks disagree on the vocabulary size (from ", -r[1],
+                  " to ", r[0], ", this rank ", shard.vocab_size,
+                  "): pass the global shape to DTensor::from_local when the vocabulary does not "
+                  "split evenly over the ranks");
+    TESSERA_CHECK(r[2] == 0, kOp,
+                  ": some rank's local logits do not match its piece of the "
+                  "vocabulary",
+                  local_shape_ok ? "" : " (this one's)");
+  }
+}
+
 }  // namespace
 
 DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target,
@@ -115,6 +138,8 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
   const LocalLayout layout = spec.local_layout();
   shard.start = layout.global_offset.back();
   shard.length = layout.local_shape.back();
+  agree_on_vocabulary(shard, logits.to_local().shape() == layout.local_shape,
+                      logits.to_local().device());
   TESSERA_CHECK(logits.to_local().shape() == layout.local_shape, kOp, ": local logits ",
                 shape_str(logits.to_local().shape()), " do not match the local shape ",
                 shape_str(layout.local_shape), " of ", spec.str());

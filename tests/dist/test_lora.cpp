@@ -426,13 +426,19 @@ TEST(Lora, MixedBatchesRouteEachSampleToItsAdapter) {
 
 // The masks of a mixed batch are made once per batch and set of adapters, not once per layer:
 // layers holding the same adapters share them (on a device each copy would be a transfer).
-TEST(Lora, MixedBatchMasksAreSharedByLayersWithTheSameAdapters) {
-  auto routing = std::make_shared<LoraRouting>();
-  Generator gen(5);
+// Rank 4, random B (so that an adapter changes the output), on modules named "layer".
+LoraConfig random_layer_config() {
   LoraConfig config;
   config.r = 4;
   config.init_lora_weights = LoraInit::Random;
   config.target_modules = {"layer"};
+  return config;
+}
+
+TEST(Lora, MixedBatchMasksAreSharedByLayersWithTheSameAdapters) {
+  auto routing = std::make_shared<LoraRouting>();
+  Generator gen(5);
+  const LoraConfig config = random_layer_config();
   std::vector<std::shared_ptr<LoraLinear>> layers;
   for (int i = 0; i < 3; ++i) {
     layers.push_back(std::make_shared<LoraLinear>(
@@ -575,10 +581,7 @@ TEST(Lora, MergedAdapterReachesNoOtherAdapterNorTheBase) {
 TEST(Lora, LayerRefusesAMergedAdapterThatIsNotActive) {
   auto routing = std::make_shared<LoraRouting>();
   Generator gen(5);
-  LoraConfig config;
-  config.r = 4;
-  config.init_lora_weights = LoraInit::Random;
-  config.target_modules = {"layer"};
+  const LoraConfig config = random_layer_config();
   auto layer = std::make_shared<LoraLinear>(Linear(8, 8, false, gen),
                                             LoraSlots{.max_adapters = 2, .max_rank = 4}, routing);
   layer->init_slot(0, "a", config, "layer");

@@ -141,6 +141,19 @@ TEST(VocabParallelLoss, ErrorsNameTheProblem) {
   expect_error([&] { vocab_parallel_cross_entropy(partial, target); }, "redistribute Partial");
 }
 
+// Logits wrapped by from_local without their global shape, on a vocabulary that does not split
+// evenly: each rank guesses another size, and all must fail together (one alone would leave the
+// others waiting in the loss's collectives).
+TEST(VocabParallelLoss, RanksGuessingDifferentVocabularySizesFailTogether) {
+  DeviceMesh mesh(Shape{world_size()}, {"tp"});
+  if (world_size() == 1 || 13 % world_size() == 0) GTEST_SKIP() << "the vocabulary splits evenly";
+  Tensor full = global_randn({4, 13}, 8);
+  Tensor local = distribute_tensor(full, mesh, {Shard(1)}).to_local();
+  DTensor guessed = DTensor::from_local(local, mesh, {Shard(1)});
+  expect_error([&] { vocab_parallel_cross_entropy(guessed, targets({4}, 13, -100, 9)); },
+               "the ranks disagree on the vocabulary size");
+}
+
 // Under the tensor-parallel plan wq/wk/wv hand the attention a slice of the heads and wo sums
 // the ranks' outputs: the attention must find its local head counts from the local weights and
 // give the unsplit module's output and gradients at every degree.
