@@ -274,6 +274,19 @@ TEST(NnDTensor, EmbeddingWithSequenceShardedIdsSumsReplicatedWeightGradient) {
   expect_close(emb.weight.grad(), ref.weight.grad(), 1e-12, "dW summed over sequence shards");
 }
 
+// Ids that stay sharded are looked up where they lie: an out-of-range id held by one rank must
+// fail every rank (the others would go on to their next collective and wait there).
+TEST(NnDTensor, SequenceShardedIdsOutOfRangeFailOnEveryRank) {
+  DeviceMesh mesh = world_mesh();
+  Generator gen(12);
+  auto emb = std::make_shared<Embedding>(6, 3, gen);
+  // The last position belongs to the last rank only.
+  Tensor ids = from_vector<int64_t>({0, 1, 2, 3, 4, 5, 9}, {1, 7});
+  DTensor idd = distribute_tensor(ids, mesh, {Shard(1)});
+  expect_error([&] { emb->forward_dtensor(idd); },
+               {"embedding: ", " 9 ", "out of range for num_embeddings 6"});
+}
+
 TEST(NnDTensor, EmbeddingOnTwoDimMesh) {
   if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
   DeviceMesh mesh({2, 2}, {"dp", "tp"});

@@ -3,6 +3,9 @@
 // the full lookup (Partial), and the backward scatters only into the rows this rank owns.
 #include "tessera/dtensor/nn_ops.h"
 
+#include <algorithm>
+#include <limits>
+
 #include "dispatch.h"
 #include "tessera/autograd/function.h"
 #include "tessera/autograd/ops.h"
@@ -85,6 +88,27 @@ ShardingDecision embedding_decision(const DTensor& ids, const DTensor& weight) {
   return dec;
 }
 
+// Ids that stay sharded are looked up where they lie, each rank checking only its own: a bad id
+// must fail every rank, not one while the others go on to their next collective.
+void agree_ids_in_range(const DTensor& ids, const Placements& kept, int64_t vocab) {
+  std::vector<int64_t> dims;
+  for (int64_t m = 0; m < ids.mesh().ndim(); ++m)
+    if (kept[size_t(m)].is_shard() && ids.mesh().size(m) > 1) dims.push_back(m);
+  if (dims.empty()) return;
+  int64_t found = 0, bad = std::numeric_limits<int64_t>::min();
+  for (int64_t id : ids.to_local().to(DType::Int64).to_vector<int64_t>())
+    if (id < 0 || id >= vocab) {
+      found = 1;
+      bad = std::max(bad, id);
+    }
+  Tensor flag = from_vector<int64_t>({found, bad}, {2}).to(ids.mesh().device());
+  for (int64_t m : dims)
+    ids.mesh().group(m)->all_reduce(flag, ReduceOp::Max)->wait();
+  const std::vector<int64_t> f = flag.to_vector<int64_t>();
+  TESSERA_CHECK(f[0] == 0, "embedding: id ", f[1], " (", found ? "on this rank" : "on another rank",
+                ") is out of range for num_embeddings ", vocab, " (ids ", ids.str(), ")");
+}
+
 ShardingDecision norm_decision(const DTensor& x, size_t n_params) {
   ShardingDecision dec;
   dec.inputs.resize(1 + n_params);
@@ -125,9 +149,11 @@ DTensor embedding(const DTensor& ids, const DTensor& weight) {
   bool vocab_sharded = false;
   for (const Placement& p : dec.inputs[1])
     vocab_sharded = vocab_sharded || p.is_shard(0);
-  if (!vocab_sharded)
+  if (!vocab_sharded) {
+    agree_ids_in_range(ids, dec.inputs[0], weight.size(0));
     return dtensor_ops::run("embedding", {ids, weight}, dec, out,
                             [](const std::vector<Tensor>& l) { return embedding(l[0], l[1]); });
+  }
   // The rows this rank holds once the weight has the placements the rule asks for.
   const DTensorSpec wspec(weight.mesh(), dec.inputs[1], weight.shape(), weight.dtype());
   const int64_t start = wspec.local_layout().global_offset[0];
