@@ -2,10 +2,12 @@
 
 #include <atomic>
 #include <map>
+#include <optional>
 #include <queue>
 #include <unordered_map>
 
 #include "tessera/autograd/deferred_reduction.h"
+#include "tessera/autograd/grad_mode.h"
 #include "tessera/autograd/node.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
@@ -145,6 +147,9 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
     ~Reset() { t_task = nullptr; }
   } reset;
 
+  // Backward formulas and hooks record no history (PyTorch's engine without create_graph): a
+  // hook computing with a tensor that requires grad would otherwise build a graph nobody runs.
+  std::optional<NoGradGuard> no_grad(std::in_place);
   std::priority_queue<std::shared_ptr<Node>, std::vector<std::shared_ptr<Node>>, ByLatest> ready;
   {
     std::unordered_map<Node*, bool> queued;
@@ -198,6 +203,7 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
     }
     task.deferred.clear();
   }
+  no_grad.reset();
   // Callbacks may queue further callbacks; run until none are left.
   for (size_t i = 0; i < task.callbacks.size(); ++i) {
     auto cb = std::move(task.callbacks[i]);
@@ -228,7 +234,7 @@ void retain_grad(const Tensor& t) {
   if (meta.retains_grad) return;
   meta.retains_grad = true;
   std::weak_ptr<AutogradMeta> weak = t.impl()->autograd;
-  t.grad_fn()->add_pre_hook(t.output_nr(), [weak](const Tensor& g) {
+  t.grad_fn()->set_retain_hook(t.output_nr(), [weak](const Tensor& g) {
     if (auto m = weak.lock()) {
       m->grad = m->grad.defined() ? kernels::binary(kernels::BinaryOp::Add, m->grad, g) : g.clone();
     }

@@ -26,12 +26,20 @@ GradientReductionPtr Node::incoming_reduction(uint32_t output_nr) const {
   return it == incoming_.end() ? nullptr : it->second;
 }
 
+void Node::set_retain_hook(uint32_t output_nr, GradHook hook) {
+  retain_hooks_[output_nr] = std::move(hook);
+}
+
 std::vector<Tensor> Node::run_pre_hooks(std::vector<Tensor>&& grads) {
-  for (auto& [nr, hook] : pre_hooks_) {
-    if (nr >= grads.size() || !grads[nr].defined()) continue;
+  auto run = [&grads](uint32_t nr, GradHook& hook) {
+    if (nr >= grads.size() || !grads[nr].defined()) return;
     Tensor replaced = hook(grads[nr]);
     if (replaced.defined()) grads[nr] = replaced;
-  }
+  };
+  for (auto& [nr, hook] : pre_hooks_)
+    run(nr, hook);
+  for (auto& [nr, hook] : retain_hooks_)
+    run(nr, hook);
   return std::move(grads);
 }
 

@@ -329,7 +329,9 @@ double clip_grad_norm_(const std::vector<Parameter*>& params, double max_norm) {
   }
   const double norm = std::sqrt(total);
   const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
+  // Not `coef < 1`: a NaN norm (a NaN gradient anywhere) must reach every gradient, as PyTorch's
+  // clamped coefficient does, rather than leave the others to take an unclipped step.
+  if (!(coef >= 1.0)) {
     for (Parameter* p : params) {
       if (p == nullptr || !p->defined() || !p->grad().defined()) continue;
       Tensor g = p->grad();

@@ -152,6 +152,36 @@ TEST(AutogradEngine, NonLeafHookAndRetainGrad) {
   EXPECT_DOUBLE_EQ(x.grad().item<double>(), 18.0 * 6.0);
 }
 
+// As in PyTorch, .grad of a non-leaf is the gradient after all of its hooks, also those
+// registered (or prepended) after retain_grad.
+TEST(AutogradEngine, RetainedGradIsTheGradientAfterEveryHook) {
+  Tensor x = leaf({3.0});
+  Tensor y = loop_square(x);
+  retain_grad(y);
+  register_hook(y, [](const Tensor& g) { return mul(g, 10.0); });
+  register_hook(
+      y, [](const Tensor& g) { return add(g, 1.0); }, /*prepend=*/true);
+  backward(loop_square(y));  // 2y = 18, then + 1, then * 10
+  EXPECT_DOUBLE_EQ(y.grad().item<double>(), 190.0);
+  EXPECT_DOUBLE_EQ(x.grad().item<double>(), 190.0 * 6.0);
+}
+
+// Backward records no history: a hook computing with a tensor that requires grad builds no graph.
+TEST(AutogradEngine, BackwardRecordsNoHistory) {
+  Tensor x = leaf({3.0});
+  Tensor scale = leaf({2.0});
+  bool recorded = true;
+  register_hook(x, [&](const Tensor& g) {
+    Tensor scaled = mul(g, scale);
+    recorded = scaled.requires_grad() || grad_enabled();
+    return scaled;
+  });
+  backward(loop_square(x));
+  EXPECT_FALSE(recorded);
+  EXPECT_DOUBLE_EQ(x.grad().item<double>(), 12.0);
+  EXPECT_TRUE(grad_enabled()) << "grad mode is back on after backward";
+}
+
 TEST(AutogradEngine, HooksRunInRegistrationOrderAndPrependGoesFirst) {
   // On a non-leaf (hooks of its grad_fn) and on a leaf (its own list).
   for (bool on_leaf : {false, true}) {

@@ -101,6 +101,17 @@ TEST(Dropout, IdentityInEvalOrWithZeroP) {
   EXPECT_EQ(gen.offset(), 0u);  // no numbers were drawn
 }
 
+// Everything dropped, as in PyTorch: zeros (x times 0) and a zero gradient, no numbers drawn.
+TEST(Dropout, ProbabilityOneDropsEverything) {
+  Tensor x = random_tensor({4, 4}, 6, DType::Float32).set_requires_grad(true);
+  Generator gen(3);
+  Tensor y = dropout(x, 1.0, true, gen);
+  EXPECT_EQ(y.to_vector<float>(), std::vector<float>(16, 0.0f));
+  backward(sum(y));
+  EXPECT_EQ(x.grad().to_vector<float>(), std::vector<float>(16, 0.0f));
+  EXPECT_EQ(gen.offset(), 0u);
+}
+
 TEST(Dropout, GradcheckFloat64) {
   Tensor x = random_tensor({5, 6}, 7, DType::Float64).set_requires_grad(true);
   // Each evaluation replays the same (seed, offset), so the function is deterministic.
@@ -119,7 +130,7 @@ TEST(Dropout, RejectsBadProbability) {
   expect_error([&] { kernels::dropout(x, 1.0, gen); }, "p must be in [0, 1), got 1");
   expect_error([&] { kernels::dropout(x, -0.1, gen); }, "p must be in [0, 1), got -0.1");
   expect_error([&] { kernels::dropout(x, std::nan(""), gen); }, "p must be in [0, 1)");
-  expect_error([&] { dropout(x, 1.5, false, gen); }, "p must be in [0, 1), got 1.5");
+  expect_error([&] { dropout(x, 1.5, false, gen); }, "p must be in [0, 1], got 1.5");
   expect_error([&] { kernels::dropout(arange(3), 0.5, gen); }, "x must be floating");
   EXPECT_EQ(gen.offset(), 0u);
 }

@@ -252,6 +252,16 @@ TEST(ClipGradNorm, ScalesWhenAboveMaxNorm) {
   expect_near_all(b.grad(), {12 * coef}, 1e-15, "b unchanged");
 }
 
+// A NaN anywhere makes the norm NaN, and every gradient then NaN (PyTorch's clamped coefficient),
+// rather than the others taking an unclipped step.
+TEST(ClipGradNorm, NanNormReachesEveryGradient) {
+  Parameter a = make_param({0, 0}), b = make_param({0});
+  set_grad(a, {std::nan(""), 1.0});
+  set_grad(b, {100.0});
+  EXPECT_TRUE(std::isnan(clip_grad_norm_({&a, &b}, 1.0)));
+  EXPECT_TRUE(std::isnan(b.grad().item<double>()));
+}
+
 TEST(ClipGradNorm, Float32Gradients) {
   Vec g = random_vec(100, 11);
   Parameter p = make_param(Vec(100, 0.0), DType::Float32);

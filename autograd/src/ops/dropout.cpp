@@ -40,9 +40,11 @@ class DropoutFunction final : public autograd::Function {
 
 Tensor dropout(const Tensor& x, double p, bool training, Generator& gen) {
   // p is validated even when it has no effect, so a bad value fails in evaluation too.
-  TESSERA_CHECK(p >= 0 && p < 1, "dropout: probability p must be in [0, 1), got ", p, " for x ",
+  TESSERA_CHECK(p >= 0 && p <= 1, "dropout: probability p must be in [0, 1], got ", p, " for x ",
                 x.defined() ? shape_str(x.shape()) : std::string("undefined"));
   if (!training || p == 0) return x;
+  // Everything dropped: zeros and a zero gradient, by multiplying as PyTorch does (no 1 / (1 - p)).
+  if (p == 1) return mul(x, 0.0);
   return autograd::Function::apply<DropoutFunction>({x}, p, gen)[0];
 }
 

@@ -47,6 +47,9 @@ class Node : public std::enable_shared_from_this<Node> {
   // Runs `hook` on the gradient of output `output_nr` before apply(), after the hooks added
   // before it (or before them, with `prepend`).
   void add_pre_hook(uint32_t output_nr, GradHook hook, bool prepend = false);
+  // retain_grad's hook: runs after all the others of its output, prepended ones included, so
+  // that .grad holds the gradient as the hooks left it (PyTorch's order).
+  void set_retain_hook(uint32_t output_nr, GradHook hook);
   std::vector<Tensor> run_pre_hooks(std::vector<Tensor>&& grads);
   bool has_pre_hooks(uint32_t output_nr) const { return pre_hooks_.count(output_nr) != 0; }
 
@@ -69,6 +72,7 @@ class Node : public std::enable_shared_from_this<Node> {
   uint32_t num_outputs_ = 1;
   uint64_t sequence_nr_;
   std::multimap<uint32_t, GradHook> pre_hooks_;
+  std::map<uint32_t, GradHook> retain_hooks_;
   std::map<uint32_t, GradientReductionPtr> incoming_;
 };
 

@@ -100,10 +100,14 @@ Tensor embedding(const Tensor& indices, const Tensor& weight);
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
 Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin);
-// q [B, H, T, D], k/v [B, H, S, D]; scale <= 0 means 1/sqrt(D).
+// q [B, H, T, D], k/v [B, H, S, D]; scale <= 0 means 1/sqrt(D). `causal` aligns the mask at
+// the bottom right: query i sees keys j <= i + (S - T), the last query every key (the KV-cache
+// convention, PyTorch's causal_lower_right). PyTorch's is_causal = true aligns it at the top
+// left instead; the two agree when T == S. With T > S the first T - S queries see no key and
+// give zeros.
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     bool causal = true, double scale = 0.0);
-// Identity when !training or p == 0.
+// Identity when !training or p == 0; zeros (times x, as PyTorch) when p == 1.
 Tensor dropout(const Tensor& x, double p, bool training, Generator& gen);
 Tensor cat(const std::vector<Tensor>& tensors, int64_t dim);
 Tensor stack(const std::vector<Tensor>& tensors, int64_t dim);

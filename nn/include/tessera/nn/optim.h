@@ -103,7 +103,8 @@ class AdamW : public Optimizer {
 };
 
 // Scales all gradients so that their global L2 norm is at most max_norm; returns the norm before
-// clipping. Sharded gradients contribute the sum over their shards, replicated ones once.
+// clipping. Sharded gradients contribute the sum over their shards, replicated ones once. A
+// non-finite norm scales every gradient by NaN (an infinite one: by 0), as PyTorch does.
 double clip_grad_norm_(const std::vector<Parameter*>& params, double max_norm);
 
 }  // namespace tessera
