@@ -50,7 +50,7 @@ class Optimizer {
 };
 
 struct SGDOptions {
-  double lr = 1e-2;
+  double lr = 1e-3;  // torch.optim.SGD's default
   double momentum = 0.0;
   double weight_decay = 0.0;  // L2, added to the gradient (PyTorch SGD)
 };
