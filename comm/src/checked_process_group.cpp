@@ -113,7 +113,7 @@ WorkPtr CheckedProcessGroup::all_reduce(Tensor& t, ReduceOp op) {
   check_reduce(op, t.dtype(), kOp);
   CallInfo call = tensor_call(OpKind::AllReduce, t.dtype(), t.shape());
   call.reduce = op;
-  call = start_collective({call, {}, {}, t.numel()});
+  call = start_collective({call, {}, {}, t.numel(), {}});
   return watched(inner_->all_reduce(t, op), std::move(call));
 }
 
@@ -132,7 +132,7 @@ WorkPtr CheckedProcessGroup::all_gather_into_tensor(Tensor& out, const Tensor& i
                 shape_str(in.shape()), " on dim 0)");
   CallInfo call = tensor_call(OpKind::AllGatherIntoTensor, in.dtype(), in.shape());
   call.out_shape = out.shape();
-  call = start_collective({call, {}, {}, in.numel()});
+  call = start_collective({call, {}, {}, in.numel(), {}});
   return watched(inner_->all_gather_into_tensor(out, in), std::move(call));
 }
 
@@ -170,10 +170,13 @@ WorkPtr CheckedProcessGroup::all_gather_runs(Tensor& out, const Tensor& in,
       n += r.length;
     return n;
   };
-  std::vector<int64_t> send_counts(size_t(size()), total(runs[size_t(rank())])), recv_counts;
-  for (const auto& r : runs)
-    recv_counts.push_back(total(r));
-  call = start_collective({call, send_counts, recv_counts, in.numel()});
+  Signature sig{call, {}, {}, in.numel(), {}};
+  sig.send_counts.assign(size_t(size()), total(runs[size_t(rank())]));
+  for (const auto& r : runs) {
+    sig.recv_counts.push_back(total(r));
+    sig.list_hashes.push_back(runs_hash(r));
+  }
+  call = start_collective(std::move(sig));
   return watched(inner_->all_gather_runs(out, in, runs), std::move(call));
 }
 
@@ -194,7 +197,7 @@ WorkPtr CheckedProcessGroup::reduce_scatter_tensor(Tensor& out, const Tensor& in
   CallInfo call = tensor_call(OpKind::ReduceScatterTensor, in.dtype(), in.shape());
   call.reduce = op;
   call.out_shape = out.shape();
-  call = start_collective({call, {}, {}, in.numel()});
+  call = start_collective({call, {}, {}, in.numel(), {}});
   return watched(inner_->reduce_scatter_tensor(out, in, op), std::move(call));
 }
 
@@ -252,7 +255,7 @@ WorkPtr CheckedProcessGroup::broadcast(Tensor& t, int root) {
   check_root(root, kOp, "root");
   CallInfo call = tensor_call(OpKind::Broadcast, t.dtype(), t.shape());
   call.root = root;
-  call = start_collective({call, {}, {}, t.numel()});
+  call = start_collective({call, {}, {}, t.numel(), {}});
   return watched(inner_->broadcast(t, root), std::move(call));
 }
 
@@ -307,7 +310,7 @@ WorkPtr CheckedProcessGroup::barrier() {
   enter(kOp);
   CallInfo call;
   call.op = OpKind::Barrier;
-  call = start_collective({call, {}, {}, 0});
+  call = start_collective({call, {}, {}, 0, {}});
   return watched(inner_->barrier(), std::move(call));
 }
 
@@ -318,7 +321,7 @@ std::shared_ptr<ProcessGroup> CheckedProcessGroup::split(int color, int key,
   TESSERA_CHECK(!name.empty(), where(kOp), ": the new group needs a name");
   CallInfo call;
   call.op = OpKind::Split;
-  call = start_collective({call, {}, {}, 0});
+  call = start_collective({call, {}, {}, 0, {}});
   // A backend's split may block with no timeout (MPI_Comm_split); a watched barrier first makes
   // sure every rank has arrived, so the split itself cannot hang.
   watched_wait(

@@ -7,7 +7,7 @@ namespace tessera::detail {
 
 namespace {
 
-// One rank's signature as a fixed-size header of int64 plus its per-rank counts.
+// One rank's signature as a fixed-size header of int64 plus its per-rank counts and list hashes.
 constexpr int64_t kMagic = 0x7e55e7a0c011ec7L;
 constexpr int kMaxDims = 8;
 enum Field : int {
@@ -28,17 +28,24 @@ enum Field : int {
   kHeaderSize,
 };
 
+constexpr uint64_t kFnvBasis = 1469598103934665603ull;
+constexpr uint64_t kFnvPrime = 1099511628211ull;
+
+// FNV-1a, one int64 at a time. The hashes sent drop the top bit: non-negative, they never equal
+// the -1 of an empty slot.
+uint64_t fnv_add(uint64_t h, int64_t v) {
+  return (h ^ uint64_t(v)) * kFnvPrime;
+}
+
 int64_t shape_hash(const Shape& shape) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the dims
-  for (int64_t d : shape) {
-    h ^= uint64_t(d);
-    h *= 1099511628211ull;
-  }
+  uint64_t h = kFnvBasis;
+  for (int64_t d : shape)
+    h = fnv_add(h, d);
   return int64_t(h >> 1);
 }
 
 std::vector<int64_t> encode(const Signature& sig, int size) {
-  std::vector<int64_t> rec(size_t(kHeaderSize + 2 * size), -1);
+  std::vector<int64_t> rec(size_t(kHeaderSize + 3 * size), -1);
   const CallInfo& c = sig.call;
   rec[kFieldMagic] = kMagic;
   rec[kFieldOp] = int64_t(c.op);
@@ -67,6 +74,8 @@ std::vector<int64_t> encode(const Signature& sig, int size) {
   for (int r = 0; r < size && !sig.recv_counts.empty(); ++r) {
     rec[kHeaderSize + size + r] = sig.recv_counts[r];
   }
+  for (int r = 0; r < size && !sig.list_hashes.empty(); ++r)
+    rec[kHeaderSize + 2 * size + r] = sig.list_hashes[r];
   return rec;
 }
 
@@ -78,6 +87,7 @@ class Table {
   int64_t field(int q, int f) const { return rec(q)[f]; }
   int64_t send(int q, int r) const { return rec(q)[kHeaderSize + r]; }
   int64_t recv(int q, int r) const { return rec(q)[kHeaderSize + size_ + r]; }
+  int64_t list_hash(int q, int r) const { return rec(q)[kHeaderSize + 2 * size_ + r]; }
 
   CallInfo call(int q) const {
     CallInfo c;
@@ -129,7 +139,7 @@ class Table {
   }
 
  private:
-  size_t stride() const { return size_t(kHeaderSize + 2 * size_); }
+  size_t stride() const { return size_t(kHeaderSize + 3 * size_); }
   std::vector<int64_t> data_;
   int size_;
 };
@@ -149,7 +159,9 @@ std::string pairing_errors(const Table& t, OpKind op, int size) {
         add(rq + " expects " + std::to_string(t.recv(q, s)) + " elements from " + rs +
             ", whose input has " + std::to_string(t.field(s, kFieldNumel)));
       }
-      if (op == OpKind::AllToAll && t.recv(q, s) != t.send(s, q)) {
+      // all_gather_runs: what rank q's runs[s] gather against what rank s's runs[s] send.
+      const bool exchange = op == OpKind::AllToAll || op == OpKind::AllGatherRuns;
+      if (exchange && t.recv(q, s) != t.send(s, q)) {
         add(rq + " expects " + std::to_string(t.recv(q, s)) + " elements from " + rs +
             ", which sends " + std::to_string(t.send(s, q)));
       }
@@ -170,7 +182,33 @@ std::string pairing_errors(const Table& t, OpKind op, int size) {
   return errs;
 }
 
+// all_gather_runs takes the runs given alike on every rank; "" when each rank's hash of each
+// runs[s] matches rank 0's. The totals (recv) say whether lengths or only places differ.
+std::string runs_errors(const Table& t, int size) {
+  std::string errs;
+  for (int q = 1; q < size; ++q) {
+    for (int s = 0; s < size; ++s) {
+      if (t.list_hash(q, s) == t.list_hash(0, s)) continue;
+      const int64_t mine = t.recv(q, s), first = t.recv(0, s);
+      if (!errs.empty()) errs += "; ";
+      errs +=
+          "rank " + std::to_string(q) + "'s runs[" + std::to_string(s) + "] differ from rank 0's (";
+      errs += mine == first ? std::to_string(mine) + " elements in both: other places or splits"
+                            : std::to_string(mine) + " elements, rank 0's " + std::to_string(first);
+      errs += ")";
+    }
+  }
+  return errs;
+}
+
 }  // namespace
+
+int64_t runs_hash(const std::vector<GatherRun>& runs) {
+  uint64_t h = fnv_add(kFnvBasis, int64_t(runs.size()));
+  for (const GatherRun& r : runs)
+    h = fnv_add(fnv_add(fnv_add(h, r.src), r.dst), r.length);
+  return int64_t(h >> 1);
+}
 
 void check_signatures(ProcessGroup& debug, const std::string& group_name, const Signature& mine,
                       const std::function<void(const WorkPtr&, const CallInfo&)>& wait) {
@@ -217,6 +255,12 @@ void check_signatures(ProcessGroup& debug, const std::string& group_name, const 
   const std::string errs = pairing_errors(t, op, size);
   TESSERA_CHECK(errs.empty(), "collective mismatch on group ", group, ": ", op_kind_name(op),
                 " sizes do not pair up: ", errs, " (calls: ", t.calls(), ")");
+  if (op == OpKind::AllGatherRuns) {
+    const std::string diff = runs_errors(t, size);
+    TESSERA_CHECK(diff.empty(), "collective mismatch on group ", group,
+                  ": all_gather_runs needs the same runs on every rank, but ", diff,
+                  " (calls: ", t.calls(), ")");
+  }
 }
 
 }  // namespace tessera::detail

@@ -21,7 +21,13 @@ struct Signature {
   std::vector<int64_t> send_counts;
   std::vector<int64_t> recv_counts;
   int64_t numel = 0;  // of call.shape
+  // One hash per group rank of a list every rank must pass alike (all_gather_runs' runs[r]),
+  // empty when the op has none: the check compares them across ranks.
+  std::vector<int64_t> list_hashes;
 };
+
+// A hash of every run's src, dst and length, in order, for Signature::list_hashes.
+int64_t runs_hash(const std::vector<GatherRun>& runs);
 
 // Throws tessera::Error on every rank when the signatures of the group's ranks do not fit. `debug`
 // carries the exchange (CPU int64 tensors); `wait` waits for its work (with the timeout);

@@ -126,6 +126,49 @@ TEST_F(DebugCollectives, UnevenCountsThatDoNotPairUpThrow) {
   TESSERA_EXPECT_CONTAINS(msg, "rank 0 expects 3 elements from rank 1, which sends 2");
 }
 
+namespace {
+
+// all_gather_runs of 10 elements per rank into 10 * (size + 1): runs[s] puts rank s's input at
+// 10 * s. `edit` changes this rank's copy of the runs before the call.
+std::string gather_runs_error(
+    const std::function<void(std::vector<std::vector<GatherRun>>&)>& edit) {
+  auto g = world_group();
+  const int n = g->size();
+  std::vector<std::vector<GatherRun>> runs;
+  for (int s = 0; s < n; ++s)
+    runs.push_back({{0, 10 * s, 10}});
+  edit(runs);
+  Tensor in = full({10}, g->rank() + 1, DType::Float32);
+  Tensor out = zeros({10 * (n + 1)}, DType::Float32);
+  return error_of([&] { g->all_gather_runs(out, in, runs)->wait(); });
+}
+
+}  // namespace
+
+// The runs must be given alike on every rank: rank 1's list for its own input totals 8 elements
+// where every other rank's totals 10, so they would keep 2 stale elements.
+TEST_F(DebugCollectives, GatherRunsWhoseTotalsDifferThrowOnEveryRank) {
+  if (world_group()->size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  const std::string msg = gather_runs_error([](auto& runs) {
+    if (world_group()->rank() == 1) runs[1][0].length = 8;
+  });
+  TESSERA_EXPECT_CONTAINS(msg, "collective mismatch on group 'world'");
+  TESSERA_EXPECT_CONTAINS(msg, "all_gather_runs sizes do not pair up");
+  TESSERA_EXPECT_CONTAINS(msg, "rank 0 expects 10 elements from rank 1, which sends 8");
+}
+
+// Same totals, another place: rank 1 puts its own piece at the spare end of the output.
+TEST_F(DebugCollectives, GatherRunsThatDifferInPlaceThrowOnEveryRank) {
+  if (world_group()->size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  const int n = world_group()->size();
+  const std::string msg = gather_runs_error([n](auto& runs) {
+    if (world_group()->rank() == 1) runs[1][0].dst = 10 * n;
+  });
+  TESSERA_EXPECT_CONTAINS(msg, "collective mismatch on group 'world'");
+  TESSERA_EXPECT_CONTAINS(msg, "all_gather_runs needs the same runs on every rank");
+  TESSERA_EXPECT_CONTAINS(msg, "rank 1's runs[1] differ from rank 0's (10 elements in both");
+}
+
 // Uneven collectives legitimately differ in shape: the check must let them through.
 TEST_F(DebugCollectives, MatchingUnevenCallsPass) {
   auto g = world_group();
@@ -138,6 +181,7 @@ TEST_F(DebugCollectives, MatchingUnevenCallsPass) {
   for (int r = 0; r < n; ++r) {
     EXPECT_EQ(outputs[size_t(r)].to_vector<int64_t>(), std::vector<int64_t>(size_t(r + 1), r));
   }
+  EXPECT_EQ(gather_runs_error([](auto&) {}), "");
   auto sub = g->split(g->rank() % 2, g->rank(), "halves");
   ASSERT_NE(sub, nullptr);
   EXPECT_EQ(error_of([&] { sub->barrier()->wait(); }), "");
