@@ -1,6 +1,7 @@
 #pragma once
 // A Work that finishes with a step of its own: what a group built on another group's operations
 // (the generic all_gather_runs, the host-staged group) returns.
+#include <atomic>
 #include <exception>
 #include <functional>
 #include <mutex>
@@ -19,19 +20,32 @@ class ThenWork final : public Work {
       : inner_(std::move(inner)), then_(std::move(then)) {}
   ~ThenWork() override {
     // Like any work dropped unfinished: its step still runs (gathered pieces reach their places,
-    // staged outputs their device tensors).
+    // staged outputs their device tensors). One whose failure a caller already got is not
+    // waited for again: that would throw it once more and end the job over a handled error.
     try {
-      if (!done_) wait();
+      if (!done_ && !failed_.load()) wait();
     } catch (const std::exception& e) {
       abort_job(std::string("a Work destroyed before completion failed: ") + e.what());
     }
   }
   void wait() override {
-    inner_->wait();
+    try {
+      inner_->wait();
+    } catch (...) {
+      failed_.store(true);
+      throw;
+    }
     finish();
   }
   bool is_completed() override {
-    if (!inner_->is_completed()) return false;
+    bool complete = false;
+    try {
+      complete = inner_->is_completed();
+    } catch (...) {
+      failed_.store(true);
+      throw;
+    }
+    if (!complete) return false;
     finish();
     return true;
   }
@@ -51,6 +65,7 @@ class ThenWork final : public Work {
   std::function<void()> then_;
   std::mutex mutex_;
   bool done_ = false;
+  std::atomic<bool> failed_{false};  // `inner` threw to a caller; `then` never runs
 };
 
 }  // namespace tessera::detail

@@ -66,6 +66,16 @@ WatchedWork::~WatchedWork() {
   }
 }
 
+bool WatchedWork::is_completed() {
+  try {
+    return inner_->is_completed();
+  } catch (...) {
+    // The caller has the failure; waiting again at destruction would only throw it once more.
+    waited_.store(true);
+    throw;
+  }
+}
+
 void WatchedWork::wait() {
   waited_.store(true);
   watched_wait(

@@ -39,10 +39,11 @@ class WatchedWork final : public Work {
   WatchedWork(WorkPtr inner, CallInfo call, GroupInfoPtr group)
       : inner_(std::move(inner)), call_(std::move(call)), group_(std::move(group)) {}
   // A work dropped without a wait() is waited for, under the watchdog, before the backend's own
-  // destructor (which waits without one) runs. One whose wait() failed is the backend's to end.
+  // destructor (which waits without one) runs. One whose wait() was called, or whose
+  // is_completed() threw, is the backend's to end.
   ~WatchedWork() override;
   void wait() override;
-  bool is_completed() override { return inner_->is_completed(); }
+  bool is_completed() override;
   bool needs_polling() override { return inner_->needs_polling(); }
   bool poll() override { return inner_->poll(); }
   std::string abort() override { return inner_->abort(); }
@@ -51,7 +52,7 @@ class WatchedWork final : public Work {
   WorkPtr inner_;
   CallInfo call_;
   GroupInfoPtr group_;
-  std::atomic<bool> waited_{false};
+  std::atomic<bool> waited_{false};  // or a failure was thrown to the caller
 };
 
 }  // namespace tessera::detail

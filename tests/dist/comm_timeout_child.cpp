@@ -16,10 +16,18 @@
 //                    the debug check catches it)
 //   nccl_timeout  as timeout, on cuda:0 tensors over the NCCL backend (emulated NCCL on the
 //                 stand-in device): the watchdog must abort the communicator, then the job
+//   failed_wait_progress  as gather_shapes, but rank 0 catches the error its wait() throws (the
+//                         progress thread found it first), drops the work, and both ranks then
+//                         all_reduce: exits 0 with "child ok: 3"
+//   failed_wait_direct    the same with the error found by wait() itself
+//   failed_wait_polled    the same with the error thrown by is_completed()
+//   failed_wait_staged    the same over the host-staged group on the stand-in cuda:0
 // "env" leaves the timeout to TESSERA_COLLECTIVE_TIMEOUT.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -27,13 +35,64 @@
 #include "tessera/core/factory.h"
 #include "tessera/testing/stand_in_device.h"
 
+namespace {
+
+using tessera::DType;
+using tessera::ProcessGroupPtr;
+using tessera::Tensor;
+using tessera::WorkPtr;
+
+// Lets the progress thread poll `work` until it needs no more polling (its transfers ended, or
+// failed), so that the failure, if any, is the one the thread stored.
+void progress_until_done(const WorkPtr& work) {
+  tessera::progress_in_background(work);
+  while (work->needs_polling())
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+// failed_wait_<how>: rank 0 all-gathers 2 elements per rank, rank 1 gathers 3, so rank 0's
+// wait() throws MPI's truncation. Rank 0 catches it and drops the work; the job must go on.
+int failed_wait(const ProcessGroupPtr& group, const std::string& how) {
+  const int rank = group->rank();
+  std::optional<tessera::testing::StandInDevice> device;
+  if (how == "staged") device.emplace();
+  {
+    const ProcessGroupPtr g = how == "staged" ? tessera::host_staged_group(group) : group;
+    const int64_t n = rank == 0 ? 2 : 3;
+    Tensor in = tessera::full({n}, rank + 1, DType::Float32);
+    Tensor out = tessera::empty({2 * n}, DType::Float32);
+    if (device) {
+      in = in.to(tessera::Device::cuda(0));
+      out = out.to(tessera::Device::cuda(0));
+    }
+    WorkPtr work = g->all_gather_into_tensor(out, in);
+    if (how != "direct" && how != "polled") progress_until_done(work);
+    try {
+      // polled: the caller asks is_completed() until it is, or throws.
+      while (how == "polled" && !work->is_completed())
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      work->wait();
+      std::printf("rank %d gathered\n", rank);
+    } catch (const std::exception& e) {
+      std::printf("rank %d caught: %s\n", rank, e.what());
+    }
+  }  // the work is dropped here
+  Tensor t = tessera::full({4}, rank + 1, DType::Float32);
+  group->all_reduce(t, tessera::ReduceOp::Sum)->wait();
+  if (rank == 0) std::printf("child ok: %g\n", double(t.to_vector<float>()[0]));
+  return 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   tessera::Runtime runtime(argc, argv);
   if (argc != 3) {
     std::fprintf(
         stderr,
         "usage: %s ok|timeout|throw|mismatch|exit|exit_all|skip|gather_shapes|broadcast_roots|"
-        "nccl_timeout <timeout seconds|env>\n",
+        "nccl_timeout|failed_wait_progress|failed_wait_direct|failed_wait_polled|"
+        "failed_wait_staged <timeout seconds|env>\n",
         argv[0]);
     return 2;
   }
@@ -45,6 +104,7 @@ int main(int argc, char** argv) {
   const int64_t cols = mode == "mismatch" && rank == 1 ? 5 : 4;
   tessera::Tensor t = tessera::full({4, cols}, rank + 1, tessera::DType::Float32);
 
+  if (mode.rfind("failed_wait_", 0) == 0) return failed_wait(group, mode.substr(12));
   if (mode == "nccl_timeout") {
     tessera::testing::use_emulated_nccl();
     tessera::testing::StandInDevice device;

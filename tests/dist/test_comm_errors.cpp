@@ -431,3 +431,19 @@ TEST_F(ChildJob, DifferentBroadcastRootsNeedTheDebugCheck) {
   TESSERA_EXPECT_CONTAINS(r.output, "rank 0: broadcast(root 0)");
   TESSERA_EXPECT_CONTAINS(r.output, "rank 1: broadcast(root 1)");
 }
+
+// A work whose wait() threw has told its caller: dropping it must not end the job, whether the
+// progress thread found the error first, wait() or is_completed() found it itself, or the
+// host-staged group's work wraps the failed one. Rank 0 catches MPI's truncation, and both ranks
+// then all_reduce.
+TEST_F(ChildJob, DroppingAWorkWhoseErrorWasCaughtKeepsTheJobGoing) {
+  if (!launcher()) return;
+  for (const std::string how : {"progress", "direct", "polled", "staged"}) {
+    ChildResult r = run_child("failed_wait_" + how, "30");
+    EXPECT_EQ(r.exit_code, 0) << how << ": " << r.output;
+    TESSERA_EXPECT_CONTAINS(r.output, "rank 0 caught: [rank 0] all_gather_into_tensor float32");
+    TESSERA_EXPECT_CONTAINS(r.output, "the ranks called this collective with different shapes");
+    TESSERA_EXPECT_CONTAINS(r.output, "child ok: 3");
+    EXPECT_EQ(r.output.find("destroyed before completion"), std::string::npos) << r.output;
+  }
+}

@@ -90,11 +90,13 @@ MpiWork::MpiWork(CommunicatorPtr comm, CallInfo call)
 
 MpiWork::~MpiWork() {
   std::lock_guard<std::mutex> guard(mutex_);
-  if (done_ || !active()) return;
+  // A failure thrown to a caller was handled there; ending the job over it again would punish
+  // the caller for catching it.
+  if (done_ || error_reported_ || !active()) return;
   // Freeing the buffers now would let MPI write into released memory; and a caller that drops
   // the work without waiting still gets its staged outputs copied back.
   try {
-    if (poll_error_) std::rethrow_exception(poll_error_);
+    if (error_) std::rethrow_exception(error_);
     finish_requests();
     complete();
   } catch (const std::exception& e) {
@@ -138,12 +140,30 @@ void MpiWork::finish_requests() {
   requests_done_ = true;
 }
 
+bool MpiWork::finish_or_throw(bool block) {
+  if (!error_ && !requests_done_) {
+    try {
+      if (block) {
+        finish_requests();
+      } else {
+        requests_done_ = test_all(requests_, statuses_, [this] { return what(); });
+      }
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+  }
+  if (error_) {
+    error_reported_ = true;
+    std::rethrow_exception(error_);
+  }
+  return requests_done_;
+}
+
 void MpiWork::wait() {
   std::lock_guard<std::mutex> guard(mutex_);
   if (done_) return;
   require_usable(op_kind_name(call_.op));
-  if (poll_error_) std::rethrow_exception(poll_error_);
-  finish_requests();
+  finish_or_throw(true);
   complete();
 }
 
@@ -151,11 +171,7 @@ bool MpiWork::is_completed() {
   std::lock_guard<std::mutex> guard(mutex_);
   if (done_) return true;
   require_usable(op_kind_name(call_.op));
-  if (poll_error_) std::rethrow_exception(poll_error_);
-  if (!requests_done_) {
-    if (!test_all(requests_, statuses_, [this] { return what(); })) return false;
-    requests_done_ = true;
-  }
+  if (!finish_or_throw(false)) return false;
   complete();
   return true;
 }
@@ -164,12 +180,12 @@ bool MpiWork::poll() {
   std::unique_lock<std::mutex> guard(mutex_, std::try_to_lock);
   // A waiter holds the lock and polls the requests itself; look again next round.
   if (!guard.owns_lock()) return false;
-  if (done_ || requests_done_ || poll_error_) return true;
+  if (done_ || requests_done_ || error_) return true;
   if (!active()) return true;
   try {
     requests_done_ = test_all(requests_, statuses_, [this] { return what(); });
   } catch (...) {
-    poll_error_ = std::current_exception();
+    error_ = std::current_exception();
     return true;
   }
   return requests_done_;
@@ -178,7 +194,7 @@ bool MpiWork::poll() {
 bool MpiWork::needs_polling() {
   if (!active() || !threads_may_communicate()) return false;
   std::lock_guard<std::mutex> guard(mutex_);
-  return !(done_ || requests_done_ || poll_error_);
+  return !(done_ || requests_done_ || error_);
 }
 
 }  // namespace tessera::mpi

@@ -57,7 +57,8 @@ class MpiWork final : public Work {
   using Completion = std::function<void(const std::vector<MPI_Status>&)>;
 
   MpiWork(CommunicatorPtr comm, CallInfo call);
-  // Waits for pending requests: MPI may still write into buffers this work keeps alive.
+  // Waits for pending requests: MPI may still write into buffers this work keeps alive. Ends the
+  // job over an error only when wait() or is_completed() has not thrown it to a caller yet.
   ~MpiWork() override;
 
   // Setup, before the work is returned: the slot for the next request, buffers to keep alive,
@@ -80,6 +81,9 @@ class MpiWork final : public Work {
   // Completes the requests, unless the progress thread already did (its statuses are kept).
   void finish_requests();
   void complete();
+  // Finishes the requests as wait() and is_completed() do: true once done; an error (found now
+  // or by the progress thread) is kept, marked as reported, and thrown.
+  bool finish_or_throw(bool block);
   std::string what() const;
 
   CommunicatorPtr comm_;
@@ -90,7 +94,10 @@ class MpiWork final : public Work {
   Completion completion_;
   std::mutex mutex_;
   bool requests_done_ = false;
-  std::exception_ptr poll_error_;  // from the progress thread, rethrown by wait()
+  // The requests' failure (its one request completed with an error, so MPI no longer touches
+  // the buffers); thrown by every later wait() and is_completed().
+  std::exception_ptr error_;
+  bool error_reported_ = false;  // a caller got it: the destructor need not end the job
   bool done_ = false;
 };
 
