@@ -23,7 +23,9 @@ class ThenWork final : public Work {
     // staged outputs their device tensors). One whose failure a caller already got is not
     // waited for again: that would throw it once more and end the job over a handled error.
     try {
-      if (!done_ && !failed_.load()) wait();
+      // After finalize() nothing can communicate: waiting would only fail, and end the job.
+      if (done_ || failed_.load() || !is_initialized()) return;
+      wait();
     } catch (const std::exception& e) {
       abort_job(std::string("a Work destroyed before completion failed: ") + e.what());
     }

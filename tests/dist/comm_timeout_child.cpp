@@ -22,6 +22,8 @@
 //   failed_wait_direct    the same with the error found by wait() itself
 //   failed_wait_polled    the same with the error thrown by is_completed()
 //   failed_wait_staged    the same over the host-staged group on the stand-in cuda:0
+//   work_past_finalize    each rank keeps a completed but unwaited host-staged work (stand-in
+//                         cuda:0) until after tessera::finalize(), then drops it: exits 0
 // "env" leaves the timeout to TESSERA_COLLECTIVE_TIMEOUT.
 #include <chrono>
 #include <cstdio>
@@ -83,6 +85,20 @@ int failed_wait(const ProcessGroupPtr& group, const std::string& how) {
   return 0;
 }
 
+// work_past_finalize: a completed host-staged work that nobody waited for outlives the runtime.
+int work_past_finalize(const ProcessGroupPtr& group) {
+  const int rank = group->rank();
+  tessera::testing::StandInDevice device;
+  {
+    Tensor d = tessera::full({4}, rank + 1, DType::Float32).to(tessera::Device::cuda(0));
+    WorkPtr work = tessera::host_staged_group(group)->all_reduce(d, tessera::ReduceOp::Sum);
+    progress_until_done(work);
+    tessera::finalize();
+    std::printf("rank %d finalized with an unwaited work\n", rank);
+  }  // the work is dropped here
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -92,7 +108,7 @@ int main(int argc, char** argv) {
         stderr,
         "usage: %s ok|timeout|throw|mismatch|exit|exit_all|skip|gather_shapes|broadcast_roots|"
         "nccl_timeout|failed_wait_progress|failed_wait_direct|failed_wait_polled|"
-        "failed_wait_staged <timeout seconds|env>\n",
+        "failed_wait_staged|work_past_finalize <timeout seconds|env>\n",
         argv[0]);
     return 2;
   }
@@ -105,6 +121,7 @@ int main(int argc, char** argv) {
   tessera::Tensor t = tessera::full({4, cols}, rank + 1, tessera::DType::Float32);
 
   if (mode.rfind("failed_wait_", 0) == 0) return failed_wait(group, mode.substr(12));
+  if (mode == "work_past_finalize") return work_past_finalize(group);
   if (mode == "nccl_timeout") {
     tessera::testing::use_emulated_nccl();
     tessera::testing::StandInDevice device;

@@ -447,3 +447,13 @@ TEST_F(ChildJob, DroppingAWorkWhoseErrorWasCaughtKeepsTheJobGoing) {
     EXPECT_EQ(r.output.find("destroyed before completion"), std::string::npos) << r.output;
   }
 }
+
+// A completed host-staged work that nobody waited for, dropped after tessera::finalize(): there
+// is nothing left to communicate, and its destructor must not try (and end the job).
+TEST_F(ChildJob, AWorkDroppedAfterFinalizeIsANormalEnd) {
+  if (!launcher()) return;
+  ChildResult r = run_child("work_past_finalize", "30");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  TESSERA_EXPECT_CONTAINS(r.output, "rank 0 finalized with an unwaited work");
+  TESSERA_EXPECT_CONTAINS(r.output, "rank 1 finalized with an unwaited work");
+}
