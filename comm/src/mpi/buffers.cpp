@@ -84,6 +84,12 @@ bool flat_in_place(const std::vector<Tensor>& pieces, bool consecutive, FlatList
     flat.ranges[r] = byte_range(p);
   }
   if (consecutive) {
+    // MPI takes the sum of the counts as the buffer's length, in an int: a larger total goes to
+    // the staged path, which refuses it with a message.
+    int64_t total = 0;
+    for (int c : flat.counts)
+      total += c;
+    if (total > INT_MAX) return false;
     // Empty leading pieces let offsets start anywhere; rebase so displacements are prefix sums.
     int acc = 0;
     for (size_t r = 0; r < n; ++r) {
@@ -98,15 +104,21 @@ bool flat_in_place(const std::vector<Tensor>& pieces, bool consecutive, FlatList
 FlatList staged(const std::vector<Tensor>& pieces, DType dtype, const char* op) {
   FlatList flat;
   const size_t n = pieces.size();
+  int64_t total = 0;
+  for (const Tensor& p : pieces)
+    total += p.numel();
+  // Checked before anything is allocated: every count and displacement then fits an int too.
+  TESSERA_CHECK(total <= INT_MAX, op, ": the ", n, " pieces total ", total,
+                " elements, more than MPI's count limit of ", INT_MAX,
+                " for one buffer; split the tensors");
   flat.counts.resize(n);
   flat.displs.resize(n);
-  int64_t total = 0;
+  int64_t at = 0;
   for (size_t r = 0; r < n; ++r) {
-    flat.counts[r] = to_count(pieces[r].numel(), op);
-    flat.displs[r] = to_count(total, op);
-    total += pieces[r].numel();
+    flat.counts[r] = int(pieces[r].numel());
+    flat.displs[r] = int(at);
+    at += pieces[r].numel();
   }
-  to_count(total, op);
   flat.staging = empty({total}, dtype);
   flat.base = flat.staging.raw_data();
   flat.ranges.push_back(byte_range(flat.staging));

@@ -118,7 +118,7 @@ WorkPtr MpiProcessGroup::reduce_scatter(Tensor& out, const std::vector<Tensor>& 
   call.pieces = int64_t(inputs.size());
   to_count(out.numel(), kOp);
 
-  auto send = std::make_shared<FlatList>(flat_send(inputs, out.dtype(), true, kOp));
+  auto send = std::make_shared<FlatList>(flat_send(inputs, out.dtype(), true, where(kOp).c_str()));
   Tensor recv = receive_buffer(out, send->ranges);
   auto work = make_work(std::move(call));
   {

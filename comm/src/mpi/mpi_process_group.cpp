@@ -132,7 +132,7 @@ WorkPtr MpiProcessGroup::scatter(Tensor& out, const std::vector<Tensor>& inputs,
 
   const int count = to_count(out.numel(), kOp);
   auto send = std::make_shared<FlatList>();
-  if (is_root) *send = flat_send(inputs, dt, false, kOp);
+  if (is_root) *send = flat_send(inputs, dt, false, where(kOp).c_str());
   void* recv_ptr = nullptr;
   Tensor recv;
   const char* base = static_cast<const char*>(send->base);
