@@ -326,8 +326,11 @@ std::shared_ptr<ProcessGroup> CheckedProcessGroup::split(int color, int key,
   // sure every rank has arrived, so the split itself cannot hang.
   watched_wait(
       *inner_->barrier(), [&] { return describe(call, *info_); }, *info_, call.seq);
-  ProcessGroupPtr inner = inner_->split(color, key, name);
+  // The debug group first: its split involves every rank of the group and fails on none. A
+  // backend's split may throw on the members of one new group only (NCCL's bootstrap runs among
+  // them), and had it come first, the other ranks would wait in this one for ranks that left.
   ProcessGroupPtr debug = debug_->split(color, key, name);
+  ProcessGroupPtr inner = inner_->split(color, key, name);
   if (!inner) return nullptr;
   return wrap(std::move(inner), std::move(debug));
 }

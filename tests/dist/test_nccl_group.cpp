@@ -251,6 +251,30 @@ TEST_F(NcclGroup, RanksSharingOneGpuAreRefusedOnEveryRank) {
   nccl_.pretend_one_gpu(false);
 }
 
+// A split whose NCCL bootstrap fails on the members of one new group only (ranks 0 and 1 report
+// one GPU, the others a GPU each): those members throw and catch it, and the others must not be
+// left waiting for them in a split of their own. Were they, the short collective timeout would
+// end the job at the barrier below instead of letting it hang.
+TEST_F(NcclGroup, ASplitThatFailsOnSomeMembersLeavesTheOthersFree) {
+  const int n = world_size(), me = world_rank();
+  if (n < 3) GTEST_SKIP() << "needs three ranks";
+  const double timeout = collective_timeout_seconds();
+  set_collective_timeout_seconds(20);
+  nccl_.pretend_one_gpu(me < 2);
+  if (me < 2) {
+    expect_error([&] { cuda_->split(0, me, "pair"); }, {"ranks 0 and 1 both drive GPU"});
+  } else {
+    ProcessGroupPtr rest = cuda_->split(1, me, "rest");
+    EXPECT_NE(rest, nullptr);
+    Tensor d = on_device(ones({2}));
+    if (rest) rest->all_reduce(d, ReduceOp::Sum)->wait();
+    EXPECT_EQ(d.to(Device::cpu()).to_vector<float>(), std::vector<float>(2, float(n - 2)));
+  }
+  nccl_.pretend_one_gpu(false);
+  cpu_->barrier()->wait();
+  set_collective_timeout_seconds(timeout);
+}
+
 TEST_F(NcclGroup, AFailedTransferAbortsTheCommunicatorAndNamesTheOperation) {
   const int me = world_rank(), n = world_size();
   ProcessGroupPtr doomed = cuda_->split(0, me, "doomed");
