@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
@@ -33,6 +34,14 @@ namespace {
 
 std::vector<double> values(const Tensor& t) {
   return t.to(DType::Float64).to_vector<double>();
+}
+
+// A scratch folder of this registration's own: the suite runs once per backend, and ctest runs
+// the registrations of one world size side by side, which must not write the same files.
+std::string device_scratch_dir() {
+  const char* backend = std::getenv("TESSERA_TEST_CUDA_BACKEND");
+  return tessera::testing::scratch_dir(std::string("on_device") +
+                                       (backend ? std::string("_") + backend : std::string()));
 }
 
 std::vector<Placements> placements_1d() {
@@ -209,7 +218,7 @@ TEST(OnDevice, FullStateDictsOfDeviceShardsOffloadAndBroadcast) {
 // loads back into device shards (and into CPU ones) that then train on alike.
 TEST(OnDevice, CheckpointsOfDeviceShardsAreTheCpuOnes) {
   const int n = world_size();
-  const std::string dir = tessera::testing::scratch_dir("on_device");
+  const std::string dir = device_scratch_dir();
   const std::string cpu_path = dir + "/cpu_np" + std::to_string(n) + ".h5";
   const std::string cuda_path = dir + "/cuda_np" + std::to_string(n) + ".h5";
   const DeviceMesh cpu_mesh(Shape{n}, {"dp"});
@@ -254,8 +263,8 @@ TEST(OnDevice, CheckpointsOfDeviceShardsAreTheCpuOnes) {
 // as PyTorch's checkpoints take CUDA tensors.
 TEST(OnDevice, CheckpointsOfPlainDeviceTensors) {
   TestDevice device;
-  const std::string path = tessera::testing::scratch_dir("on_device") + "/plain_np" +
-                           std::to_string(world_size()) + ".h5";
+  const std::string path =
+      device_scratch_dir() + "/plain_np" + std::to_string(world_size()) + ".h5";
   DecoderConfig cfg = small_decoder_config();
   auto net = std::make_shared<Decoder>(cfg);
   net->to(Device::cuda(0));
