@@ -255,6 +255,27 @@ TEST(FSDPSchedule, GroupUsedTwiceInOneForwardGetsBothGradients) {
   }
 }
 
+// unshard() called by the user between forward and backward gathers into the leaves the graph
+// saved (their bytes were released after forward), not into fresh ones the graph never sees.
+TEST(FSDPSchedule, UnshardBetweenForwardAndBackwardKeepsTheSavedWeights) {
+  for (bool async : {false, true}) {
+    auto ref = std::make_shared<Reuse>(0);
+    auto net = std::make_shared<Reuse>(0);
+    auto blk = fully_shard(net->blk, dp_mesh());
+    fully_shard(net, dp_mesh());
+    Generator gen(71);
+    Tensor x = randn({4, 6}, gen);
+    backward(mean(square((*ref)(x))));
+    Tensor loss = mean(square((*net)(x)));
+    EXPECT_FALSE(blk->is_unsharded()) << "resharded after forward";
+    blk->unshard(async);
+    backward(loss);
+    tessera::testing::expect_close(net->blk->weight.grad_dtensor().full_tensor(),
+                                   ref->blk->weight.grad(), 1e-6,
+                                   async ? "async unshard" : "unshard");
+  }
+}
+
 // A frozen group between trainable ones has nothing to reduce, but must not hold back the
 // reduce-scatters after it in backward order: the block below it reduces, and frees its gathered
 // weights, as soon as its own backward is done, not at the end of backward.
