@@ -294,7 +294,8 @@ struct NormGroup {
 
 }  // namespace
 
-double clip_grad_norm_(const std::vector<Parameter*>& params, double max_norm) {
+double clip_grad_norm_(const std::vector<Parameter*>& params, double max_norm,
+                       bool error_if_nonfinite) {
   NoGradGuard no_grad;
   check_grads_ready("clip_grad_norm_", params);
   Tensor plain;  // plain parameters: every rank holds the same gradient
@@ -328,6 +329,8 @@ double clip_grad_norm_(const std::vector<Parameter*>& params, double max_norm) {
     total += g.sum.item<double>();
   }
   const double norm = std::sqrt(total);
+  TESSERA_CHECK(!error_if_nonfinite || std::isfinite(norm), "clip_grad_norm_: the total norm of ",
+                "the gradients is ", norm, ", so they cannot be clipped (error_if_nonfinite)");
   const double coef = max_norm / (norm + 1e-6);
   // Not `coef < 1`: a NaN norm (a NaN gradient anywhere) must reach every gradient, as PyTorch's
   // clamped coefficient does, rather than leave the others to take an unclipped step.

@@ -258,6 +258,12 @@ TEST(ClipGradNorm, NanNormReachesEveryGradient) {
   Parameter a = make_param({0, 0}), b = make_param({0});
   set_grad(a, {std::nan(""), 1.0});
   set_grad(b, {100.0});
+  expect_error(
+      [&] {
+        clip_grad_norm_({&a, &b}, 1.0, /*error_if_nonfinite=*/true);
+      },
+      "clip_grad_norm_: the total norm of the gradients is nan");
+  EXPECT_EQ(b.grad().item<double>(), 100.0) << "nothing scaled by the refused call";
   EXPECT_TRUE(std::isnan(clip_grad_norm_({&a, &b}, 1.0)));
   EXPECT_TRUE(std::isnan(b.grad().item<double>()));
 }

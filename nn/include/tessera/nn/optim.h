@@ -104,7 +104,9 @@ class AdamW : public Optimizer {
 
 // Scales all gradients so that their global L2 norm is at most max_norm; returns the norm before
 // clipping. Sharded gradients contribute the sum over their shards, replicated ones once. A
-// non-finite norm scales every gradient by NaN (an infinite one: by 0), as PyTorch does.
-double clip_grad_norm_(const std::vector<Parameter*>& params, double max_norm);
+// non-finite norm scales every gradient by NaN (an infinite one: by 0), as PyTorch does, or with
+// error_if_nonfinite is an error (on every rank: they all computed the same norm), nothing scaled.
+double clip_grad_norm_(const std::vector<Parameter*>& params, double max_norm,
+                       bool error_if_nonfinite = false);
 
 }  // namespace tessera
