@@ -41,9 +41,9 @@ struct LoadOptions {
   bool transactional = false;
   // Read by mapping the file into memory (POSIX mmap) and copying each window out of it, adding
   // its checksum in the same pass; windows that are not runs of the file (column shards) are
-  // strided copies. With false, or where any rank cannot map the file, windows are read through
-  // HDF5 and MPI-IO (collectively where they are not runs). The file must not be truncated while
-  // it is loaded: a mapped page past its end raises SIGBUS.
+  // strided copies. With false, or where any rank cannot map the file, each rank reads its
+  // windows through HDF5 and MPI-IO, independently. The file must not be truncated while it is
+  // loaded: a mapped page past its end raises SIGBUS.
   bool memory_map = true;
 };
 
