@@ -140,6 +140,22 @@ void FSDPGroup::finish_gather(bool fresh) {
 
 namespace {
 constexpr size_t kMaxReducesInFlightToPrefetch = 1;
+
+// What each rank's gradient terms are divided by before a float16 reduction (the sum by dp over
+// it after): float16 ends at 65504, and the sum of dp terms overflows long before their mean
+// would. A power of two near sqrt(dp), as PyTorch's FSDP2 picks it; 1 for other dtypes, whose
+// sums are divided by dp afterwards only.
+int64_t predivide_factor(int64_t dp, DType reduce_dtype) {
+  if (reduce_dtype != DType::Float16) return 1;
+  int64_t f = 1;
+  while (dp % f == 0 && dp / f > f)
+    f *= 2;
+  return f;
+}
+
+int64_t data_parallel_size(const ProcessGroupPtr& shard, const ProcessGroupPtr& replicate) {
+  return shard->size() * (replicate ? replicate->size() : 1);
+}
 }  // namespace
 
 void FSDPGroup::prefetch(bool forward) {
@@ -354,6 +370,7 @@ void FSDPGroup::start_reduce() {
   PendingReduce pr;
   pr.send = zeros(Shape{k * block}, TensorOptions(reduce_dtype, flat_.device()));
   const int64_t n_params = int64_t(params_.size());
+  const int64_t pre = predivide_factor(data_parallel_size(reduce_pg_, replicate_pg_), reduce_dtype);
   std::vector<float> has_grad(params_.size(), 0.0f);
   for (size_t p = 0; p < params_.size(); ++p) {
     ParamInfo& i = params_[p];
@@ -366,6 +383,7 @@ void FSDPGroup::start_reduce() {
     TESSERA_CHECK(g.shape() == i.unsharded_shape, "fully_shard: gradient of '", i.name, "' is ",
                   g.str(), "; expected the unsharded shape ", shape_str(i.unsharded_shape));
     g = g.contiguous();
+    if (pre != 1) g = mul(g, 1.0 / double(pre));  // before the cast to the reduce dtype
     has_grad[p] = 1.0f;
     for (int64_t r = 0; r < k; ++r) {
       const Chunk c = chunk_of(i.rows, k, r);
@@ -402,14 +420,15 @@ bool FSDPGroup::advance_reduce(bool block) {
       return advance_reduce(block);
     }
   }
-  int64_t dp = reduce_pg_->size() * (replicate_pg_ ? replicate_pg_->size() : 1);
+  const int64_t dp = data_parallel_size(reduce_pg_, replicate_pg_);
+  const int64_t pre = predivide_factor(dp, pr.reduced.dtype());
   const std::vector<double> flags =
       flat_window(pr.reduced, padded_size_, int64_t(params_.size())).to_vector<double>();
   // Each rank's loss is the mean over its own rows: averaging over the data-parallel ranks
   // gives the gradient of the mean loss over the global batch.
   const DType stored_dtype = flat_.dtype();
   Tensor averaged =
-      mul(flat_window(pr.reduced, 0, padded_size_).to(stored_dtype), 1.0 / double(dp));
+      mul(flat_window(pr.reduced, 0, padded_size_).to(stored_dtype), double(pre) / double(dp));
   pending_reduce_.reset();
   for (size_t p = 0; p < params_.size(); ++p) {
     ParamInfo& i = params_[p];

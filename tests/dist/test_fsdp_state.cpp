@@ -198,6 +198,24 @@ TEST(FullyShard, UnsyncedGradientsAccumulateInTheReduceDtype) {
     expect_close(accumulated.at(name), want, 1e-5, name);
 }
 
+// A float16 reduction divides the terms before summing, by a power of two near sqrt(ranks) as
+// PyTorch's FSDP2 does: every rank's gradient fits float16 (up to 65504) and so does the sum of
+// the divided terms, but not the plain sum (80000 over 2 ranks; 120000 and more over 4 and 8).
+TEST(FullyShard, Float16ReductionsDoNotOverflowOnTheSum) {
+  if (world_size() == 1) GTEST_SKIP() << "one term: no sum";
+  FSDPOptions opts;
+  opts.mp_policy.reduce_dtype = DType::Float16;
+  Generator gen(3);
+  auto net = std::make_shared<Linear>(4, 2, false, gen);
+  fully_shard(net, dp_mesh(), opts);
+  const double each = world_size() == 2 ? 40000 : 30000;
+  Tensor x = full(Shape{4, 4}, each / 4, DType::Float32);  // the same rows on every rank
+  backward(sum((*net)(x)));
+  const std::vector<float> g = net->weight.grad_dtensor().full_tensor().to_vector<float>();
+  for (float v : g)
+    EXPECT_EQ(v, float(each)) << "the mean of every rank's " << each;
+}
+
 // The mixed-precision figure: the decoder gathered and computed in bfloat16, gradients
 // reduced in float32, float32 masters: the loss curve stays within 2% of float32 for 30 steps.
 TEST(FullyShard, DecoderInBfloat16StaysWithinTwoPercentOfFloat32) {
