@@ -80,12 +80,26 @@ std::vector<Tensor> Function::apply(std::vector<Tensor>&& grad_outputs) {
 
 void Function::save_for_backward(std::vector<Tensor> tensors) {
   saved_ = std::move(tensors);
+  saved_versions_.clear();
+  for (const Tensor& t : saved_)
+    saved_versions_.push_back(t.defined() ? t.version() : 0);
 }
 
 const std::vector<Tensor>& Function::saved_tensors() const {
   TESSERA_CHECK(!saved_released_, name(),
                 ": saved tensors were already freed by a previous backward; pass "
                 "retain_graph=true to backward through the graph twice");
+  for (size_t i = 0; i < saved_.size(); ++i) {
+    if (!saved_[i].defined() || saved_[i].version() == saved_versions_[i]) continue;
+    TESSERA_FAIL(name(),
+                 ": one of the tensors needed for gradient computation has been modified "
+                 "by an in-place operation: saved tensor ",
+                 i, " (", saved_[i].str(), ") is at version ", saved_[i].version(),
+                 "; expected version ", saved_versions_[i],
+                 " instead. Something wrote it in place between forward and "
+                 "backward (copy_, fill_, zero_, an optimizer step, kernels::add_ ...); write "
+                 "into a clone() instead, or do the write after backward");
+  }
   return saved_;
 }
 

@@ -137,6 +137,7 @@ class Kernel<R(A...)> {
   R operator()(A... args) const {
     CommonDevice common(name_);
     (common.add(args), ...);
+    (bump_version_if_mutable<A>(args), ...);
     const Device device = common.device();
     if (device.is_cpu()) return fns_[0].load()(args...);
     const HostFallback mode = fallback_mode(device.type);
@@ -163,6 +164,15 @@ class Kernel<R(A...)> {
       (write_back_if_mutable<A>(std::get<I>(host), args), ...);
       to_device(out, device);
       return out;
+    }
+  }
+
+  // A kernel that takes a tensor by non-const reference writes it: that is an in-place write
+  // autograd must be able to see (StorageImpl::version).
+  template <class P, class Arg>
+  static void bump_version_if_mutable(Arg& arg) {
+    if constexpr (std::is_same_v<P, Tensor&>) {
+      if (arg.defined() && arg.storage().impl()) arg.storage().impl()->bump_version();
     }
   }
 

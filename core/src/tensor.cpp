@@ -64,6 +64,11 @@ bool Tensor::is_contiguous() const {
   return true;
 }
 
+uint32_t Tensor::version() const {
+  const StorageImpl* s = checked().storage.impl();
+  return s ? s->version() : 0;
+}
+
 void* Tensor::raw_data() const {
   const TensorImpl& t = checked();
   if (!t.storage.data()) {
@@ -163,6 +168,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
   // that device's own copy kernel.
   const Tensor packed = src.dtype() == dtype() ? src.contiguous() : src.to(dtype());
   if (is_contiguous()) {
+    storage().impl()->bump_version();  // no kernel runs here to count the write
     detail::device_copy(raw_data(), device(), packed.raw_data(), packed.device(), nbytes());
     return *this;
   }

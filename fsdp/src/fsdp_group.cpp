@@ -88,6 +88,7 @@ void FSDPGroup::start_gather() {
   // gather into its bytes again. Otherwise into a fresh buffer for fresh leaves.
   g.reuse = leaves_released_;
   if (g.reuse) {
+    g.saved_version = gathered_.version();
     gathered_.storage().impl()->reallocate();
     leaves_released_ = false;
     g.target = gathered_;
@@ -102,7 +103,10 @@ void FSDPGroup::start_gather() {
 void FSDPGroup::drop_pending_gather() {
   if (!pending_gather_) return;
   pending_gather_->work->wait();  // MPI may still be writing into the buffer
-  if (pending_gather_->reuse) release_unsharded();
+  if (pending_gather_->reuse) {
+    pending_gather_->target.storage().impl()->restore_version(pending_gather_->saved_version);
+    release_unsharded();
+  }
   pending_gather_.reset();
 }
 
@@ -120,6 +124,7 @@ void FSDPGroup::finish_gather(bool fresh) {
   pending_gather_.reset();
   ++stats_.all_gathers;
   stats_.all_gather_wait_seconds += wait_seconds(g.work);
+  if (g.reuse) g.target.storage().impl()->restore_version(g.saved_version);
   if (g.reuse && !fresh) return;  // the leaves are views of the bytes just gathered
   // Fresh leaves: views of the gathered buffer, one per parameter, each a new autograd leaf.
   gathered_ = g.target;

@@ -77,6 +77,10 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
     WorkPtr work;
     Tensor send, target;
     bool reuse = false;  // target is the released buffer the saved leaves view
+    // reuse: the buffer's version before the gather. The gather refills exactly what the graph
+    // saved, so it is no in-place change backward must refuse; some backends count it as one
+    // (a generic all_gather_runs copies out, a staged group copies back).
+    uint32_t saved_version = 0;
   };
   struct PendingReduce {
     WorkPtr work;

@@ -39,6 +39,8 @@ class Function : public Node {
   std::vector<Tensor> apply(std::vector<Tensor>&& grad_outputs) final;
 
  protected:
+  // Keeps tensors for backward with their versions: saved_tensors() refuses any that an
+  // in-place write changed since (PyTorch's "modified by an inplace operation" error).
   void save_for_backward(std::vector<Tensor> tensors);
   const std::vector<Tensor>& saved_tensors() const;
   bool needs_input_grad(size_t i) const;
@@ -50,6 +52,7 @@ class Function : public Node {
   std::vector<Tensor> run(const std::vector<Tensor>& inputs);
 
   std::vector<Tensor> saved_;
+  std::vector<uint32_t> saved_versions_;  // each saved tensor's version when it was saved
   bool saved_released_ = false;
   std::vector<bool> needs_input_grad_;
   bool materialize_grads_ = true;

@@ -1,7 +1,9 @@
 #pragma once
 // Storage is refcounted bytes on one device; tensors are views over it (shape, strides,
 // offset), so slicing and transposing never copy.
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 
 #include "tessera/core/device.h"
@@ -31,11 +33,26 @@ class StorageImpl {
   void reallocate();
   bool is_released() const { return data_ == nullptr && nbytes_ > 0; }
 
+  // The version counter (PyTorch's `_version`), one per storage so that every view of it shares
+  // it: each kernel that writes a tensor in place (Tensor::copy_, fill_, the optimizer updates,
+  // the random fills, kernels::add_, ...) increments it, and autograd compares it with the value
+  // recorded when a tensor was saved for backward, so a value changed under a saved graph is an
+  // error instead of a wrong gradient. Collectives and raw writes through data() do not count.
+  // Only changes are compared: what a fresh tensor starts at (a clone is filled by a copy) is not
+  // PyTorch's number.
+  uint32_t version() const { return version_.load(std::memory_order_relaxed); }
+  void bump_version() { version_.fetch_add(1, std::memory_order_relaxed); }
+  // Sets the counter back after refilling the bytes with exactly what a saved graph read (FSDP's
+  // re-gather into the storage it released after forward), as PyTorch's
+  // _unsafe_preserve_version_counter does. Anything else that calls it hides a real change.
+  void restore_version(uint32_t version) { version_.store(version, std::memory_order_relaxed); }
+
  private:
   void* data_ = nullptr;
   size_t nbytes_ = 0;
   Device device_;
   Allocator* allocator_ = nullptr;
+  std::atomic<uint32_t> version_{0};
 };
 
 class Storage {

@@ -57,6 +57,8 @@ class Tensor {
   size_t nbytes() const { return size_t(numel()) * element_size(); }
   const Storage& storage() const { return checked().storage; }
   bool is_contiguous() const;
+  // How many in-place writes the storage has seen (PyTorch's `_version`; see StorageImpl).
+  uint32_t version() const;
 
   // Pointer to the first element. data<T>() checks that T matches the dtype.
   void* raw_data() const;
