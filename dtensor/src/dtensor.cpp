@@ -197,13 +197,14 @@ namespace {
 
 constexpr int kMaxHeaderDims = 10;
 
-// src_rank is -1 (every rank holds the tensor) or a world rank of the mesh.
+// src_rank is kEveryRank (every rank holds the tensor) or a world rank of the mesh.
 void check_src_rank(const DeviceMesh& mesh, int src_rank) {
-  if (src_rank == -1) return;
+  if (src_rank == kEveryRank) return;
   const std::vector<int>& ranks = mesh.world_ranks();
   TESSERA_CHECK(std::find(ranks.begin(), ranks.end(), src_rank) != ranks.end(),
                 "distribute_tensor: src_rank ", src_rank,
-                " is neither -1 (every rank passes the global tensor) nor a world rank of ",
+                " is neither kMeshFirstRank (-2), kEveryRank (-1, every rank passes the global "
+                "tensor) nor a world rank of ",
                 detail::mesh_description(mesh));
 }
 
@@ -291,6 +292,7 @@ DTensor distribute_from(const Tensor& global, const DeviceMesh& mesh, const Plac
 
 DTensor distribute_tensor(const Tensor& global, const DeviceMesh& mesh,
                           const Placements& placements, int src_rank) {
+  if (src_rank == kMeshFirstRank) src_rank = mesh.world_ranks().front();
   // Every rank checks its own inputs, then the ranks agree on them, before any data moves: a
   // rank that passed something wrong or different makes every rank throw.
   const bool holds = src_rank == -1 || (world_size() > src_rank && world_rank() == src_rank);

@@ -143,13 +143,13 @@ void LoraLinear::after_tensor_parallel(const DeviceMesh& mesh) {
   const auto [pa, pb] = adapter_placements(weight.stored_dtensor());
   NoGradGuard no_grad;
   // The adapters hold the same values on every rank (their draws do not depend on the rank):
-  // each cuts its window.
+  // each cuts its window, with no data moving.
   for (size_t i = 0; i < a_.size(); ++i) {
     Parameter& a = a_[i]->weight;
     Parameter& b = b_[i]->weight;
     TESSERA_CHECK(!a.is_dtensor() && !b.is_dtensor(), "LoraLinear: adapters already distributed");
-    a = Parameter(distribute_tensor(a.full(), mesh, pa), a.requires_grad());
-    b = Parameter(distribute_tensor(b.full(), mesh, pb), b.requires_grad());
+    a = Parameter(distribute_tensor(a.full(), mesh, pa, kEveryRank), a.requires_grad());
+    b = Parameter(distribute_tensor(b.full(), mesh, pb, kEveryRank), b.requires_grad());
   }
 }
 

@@ -85,6 +85,9 @@ std::vector<std::string> split_module_path(const std::string& path) {
 }
 
 bool module_path_matches(const std::string& pattern, const std::string& path) {
+  // The root ("") is not one of its own submodules: a pattern of '*' names its children only,
+  // as PyTorch's parallelize_module matches plan keys against the children.
+  if (path.empty()) return pattern.empty();
   const std::vector<std::string> pat = split_path(pattern), p = split_path(path);
   return p.size() == pat.size() && matched_prefix(pat, p) == pat.size();
 }

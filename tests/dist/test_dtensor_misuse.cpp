@@ -34,7 +34,12 @@ TEST(DTensorMisuse, LocalShardPassedAsTheGlobalTensor) {
   Tensor piece =
       cut_window(global, reference_window(shape, mesh.shape(),
                                           mesh_coordinate(world_rank(), mesh.shape()), {Shard(0)}));
-  const std::string msg = error_of([&] { distribute_tensor(piece, mesh, {Shard(0)}); });
+  // From the first rank (the default): the last rank's shorter piece is not the source's shape.
+  const std::string from_first = error_of([&] { distribute_tensor(piece, mesh, {Shard(0)}); });
+  TESSERA_EXPECT_CONTAINS(from_first, "passed Tensor[");
+  TESSERA_EXPECT_CONTAINS(from_first, "the source rank 0 holds float64 [3, 5]");
+  // Each rank its own: the pieces' shapes differ between ranks.
+  const std::string msg = error_of([&] { distribute_tensor(piece, mesh, {Shard(0)}, kEveryRank); });
   TESSERA_EXPECT_CONTAINS(msg, "differ in global tensor");
   TESSERA_EXPECT_CONTAINS(msg, shape_str(piece.shape()));
   TESSERA_EXPECT_CONTAINS(msg, "every rank must pass the same global tensor");
@@ -236,7 +241,9 @@ Tensor nested_piece() {
 TEST(MisuseChild, DISABLED_DistributeNestedLocalPieces) {
   DeviceMesh mesh({2, 2}, {"dp", "tp"});
   Tensor piece = nested_piece();
-  const std::string msg = error_of([&] { distribute_tensor(piece, mesh, {Shard(0), Shard(0)}); });
+  const std::string msg = error_of([&] {
+    distribute_tensor(piece, mesh, {Shard(0), Shard(0)}, kEveryRank);
+  });
   TESSERA_EXPECT_CONTAINS(msg, "differ in global tensor");
 }
 
@@ -247,7 +254,7 @@ TEST(MisuseChild, DISABLED_DistributeLocalPiecesDifferingInEveryColumn) {
                                     {Shard(0), Replicate()});
   Tensor piece = cut_window(dyadic_tensor({3, 2}, 6), w);
   const std::string msg = error_of([&] {
-    distribute_tensor(piece, mesh, {Shard(0), Replicate()});
+    distribute_tensor(piece, mesh, {Shard(0), Replicate()}, kEveryRank);
   });
   TESSERA_EXPECT_CONTAINS(msg, "differ in global tensor");
 }
@@ -356,14 +363,14 @@ TEST(MisuseChild, DISABLED_DistributeFromSourceMisuse) {
                                         {Shard(0)}, 0);
                     }),
                     {"[rank 3] passed", "[2, 4]", "the source rank 0 holds float64 [8, 4]"});
-  // A src_rank that is neither -1 nor a rank of the mesh, on every rank or on one.
+  // A src_rank that is neither a constant nor a rank of the mesh, on every rank or on one.
   expect_everywhere(error_of([&] { distribute_tensor(global, line, {Shard(0)}, -5); }),
-                    {"src_rank -5 is neither -1", "DeviceMesh(x=4)"});
+                    {"src_rank -5 is neither kMeshFirstRank", "DeviceMesh(x=4)"});
   expect_everywhere(
       error_of([&] { distribute_tensor(global, line, {Shard(0)}, world_rank() == 1 ? -5 : 0); }),
-      {"[rank 1]", "src_rank -5 is neither -1", "differ in src_rank"});
+      {"[rank 1]", "src_rank -5 is neither kMeshFirstRank", "differ in src_rank"});
   expect_everywhere(error_of([&] { distribute_tensor(global, line, {Shard(0)}, 4); }),
-                    {"src_rank 4 is neither -1"});
+                    {"src_rank 4 is neither kMeshFirstRank"});
   // The control: undefined tensors off the source are fine.
   DTensor d = distribute_tensor(world_rank() == 0 ? global : Tensor(), line, {Shard(0)}, 0);
   EXPECT_EQ(tensor_mismatch(d.full_tensor(), global), "");

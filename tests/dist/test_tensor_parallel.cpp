@@ -272,6 +272,37 @@ TEST(TensorParallelStyles, PrepareModuleInputGathersTheInput) {
   expect_close(x.grad(), chunk_of(xr.grad(), 0, mesh), 1e-6, "input gradient is this rank's chunk");
 }
 
+// A plan key of '*' names the children, not the root (PyTorch matches keys against children).
+TEST(TensorParallelStyles, WildcardPlanKeyNamesChildrenNotTheRoot) {
+  struct TwoLinears : Module {
+    std::shared_ptr<Linear> a, b;
+    explicit TwoLinears(Generator& g) : Module("TwoLinears") {
+      a = std::make_shared<Linear>(4, 6, true, g);
+      b = std::make_shared<Linear>(4, 6, true, g);
+      register_module("a", a);
+      register_module("b", b);
+    }
+  };
+  DeviceMesh mesh = tp_mesh(world_size());
+  Generator g(4);
+  auto m = std::make_shared<TwoLinears>(g);
+  parallelize_module(m, mesh, {{"*", std::make_shared<ColwiseParallel>()}});
+  EXPECT_EQ(m->a->weight.dtensor().placements(), Placements{Shard(0)});
+  EXPECT_EQ(m->b->weight.dtensor().placements(), Placements{Shard(0)});
+}
+
+// As PyTorch's src_data_rank = 0: the parallel layer is the first rank's layer even where the
+// ranks initialised differently, and its replicated bias is equal on every rank.
+TEST(TensorParallelStyles, ParametersComeFromTheMeshsFirstRank) {
+  DeviceMesh mesh = tp_mesh(world_size());
+  Generator mine(100 + uint64_t(world_rank())), first(100);
+  auto row = std::make_shared<Linear>(8, 3, true, mine);
+  auto ref = std::make_shared<Linear>(8, 3, true, first);  // what rank 0 built
+  RowwiseParallel{}.apply(*row, mesh);
+  expect_close(row->weight.dtensor().full_tensor(), ref->weight.local(), 0, "weight");
+  expect_close(row->bias.dtensor().to_local(), ref->bias.local(), 0, "replicated bias");
+}
+
 // --- the decoder plan ---
 
 TEST(TensorParallel, PlanShardsTheProjectionsAndKeepsNames) {

@@ -58,8 +58,9 @@ void check_not_parallel(const Module& m, const std::string& style) {
                 placements_str(m.dtensor_io()->output_layouts), ")");
 }
 
-// Every rank built the same model from the same seed, so each holds the same full value and cuts
-// its own window without communication (src_rank = -1).
+// The mesh's first rank's value, sent to the others (PyTorch's src_data_rank = 0): ranks that
+// initialised the model differently (another seed, a forgotten seed) still get one model, where
+// cutting each rank's own copy would silently mix their windows and leave replicas unequal.
 void distribute_parameter(Parameter& p, const char* name, const DeviceMesh& mesh,
                           const Placements& placements, const std::string& style, const Module& m) {
   if (!p.defined()) return;

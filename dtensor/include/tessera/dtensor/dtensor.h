@@ -63,14 +63,23 @@ class DTensor {
   Tensor local_;
 };
 
-// Global -> DTensor. With src_rank >= 0 (a world rank of the mesh) only that rank's `global` is
-// read (others pass an undefined tensor or one of its shape and dtype) and each rank receives its
-// window. With src_rank = -1 every rank holds the same `global` and cuts its window locally.
-// Before any data moves the ranks agree on src_rank, placements, mesh and (with -1) the tensor's
-// shape and dtype; a wrong or differing input on any rank throws on every rank.
-// Partial placements keep the value on mesh coordinate 0 of that dim.
+// distribute_tensor's src_rank besides a world rank of the mesh (PyTorch's src_data_rank).
+// The mesh's first rank, coordinate 0 on every dim (the default, as PyTorch's 0): the result is
+// that rank's tensor whatever the others hold, so ranks that initialised differently still get
+// one model.
+inline constexpr int kMeshFirstRank = -2;
+// Every rank holds the same `global` and cuts its own window, with no data moving (PyTorch's
+// None); values that differ between ranks are not detected.
+inline constexpr int kEveryRank = -1;
+
+// Global -> DTensor. From a source rank only that rank's `global` is read (others pass an
+// undefined tensor or one of its shape and dtype) and each rank receives its window. With
+// kEveryRank each rank cuts its window from its own `global`. Before any data moves the ranks
+// agree on src_rank, placements, mesh and (with kEveryRank) the tensor's shape and dtype; a wrong
+// or differing input on any rank throws on every rank. Partial placements keep the value on
+// mesh coordinate 0 of that dim.
 DTensor distribute_tensor(const Tensor& global, const DeviceMesh& mesh,
-                          const Placements& placements, int src_rank = -1);
+                          const Placements& placements, int src_rank = kMeshFirstRank);
 
 // Text table of which mesh coordinates hold which global block.
 std::string visualize_sharding(const DTensor& dt);
