@@ -1,6 +1,7 @@
 #include "tessera/dtensor/dtensor.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "agreement.h"
 #include "tessera/autograd/ops.h"
@@ -105,15 +106,19 @@ std::shared_ptr<const DTensorSpec> from_local_spec(const Tensor& local, const De
 }
 
 // Whether the ranks of a Replicate mesh dim hold different values (a collective; the ranks have
-// agreed on dtype and shapes before).
+// agreed on dtype and shapes before). Bit patterns are compared with the first rank's, so equal
+// NaNs are equal and integers beyond 2^53 are told apart (a float64 max/min comparison did
+// neither).
 bool replicas_differ(const Tensor& local, const DeviceMesh& mesh, const Placements& placements) {
   bool values_differ = false;
+  const Tensor mine = local.contiguous().to(Device::cpu());
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
     if (!placements[size_t(m)].is_replicate()) continue;
-    Tensor hi = local.to(DType::Float64).clone(), lo = hi.clone();
-    mesh.group(m)->all_reduce(hi, ReduceOp::Max)->wait();
-    mesh.group(m)->all_reduce(lo, ReduceOp::Min)->wait();
-    values_differ = values_differ || hi.to_vector<double>() != lo.to_vector<double>();
+    Tensor first = local.clone();  // on the mesh's device: its group may move nothing else
+    mesh.group(m)->broadcast(first, 0)->wait();
+    const Tensor got = first.to(Device::cpu());
+    values_differ =
+        values_differ || std::memcmp(got.raw_data(), mine.raw_data(), mine.nbytes()) != 0;
   }
   return any_rank(mesh, values_differ);
 }

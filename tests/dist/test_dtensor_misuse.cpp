@@ -4,6 +4,8 @@
 // Also: the text of visualize_sharding.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -49,6 +51,20 @@ TEST(DTensorMisuse, LocalShardPassedAsTheGlobalTensor) {
   TESSERA_EXPECT_CONTAINS(copy, "copy_from_full");
   TESSERA_EXPECT_CONTAINS(copy, shape_str(d.to_local().shape()));
   TESSERA_EXPECT_CONTAINS(copy, shape_str(shape));
+}
+
+// run_check compares replicas bit for bit: equal NaNs pass, integers that differ beyond 2^53 (equal
+// as doubles) do not.
+TEST(DTensorMisuse, RunCheckComparesReplicasBitForBit) {
+  DeviceMesh mesh = line_mesh();
+  const Tensor nan = from_vector<float>({1.0f, std::nanf(""), 3.0f});
+  EXPECT_EQ(error_of([&] { DTensor::from_local(nan, mesh, {Replicate()}, std::nullopt, true); }),
+            "");
+  const int64_t big = int64_t(1) << 60;
+  const Tensor ids = from_vector<int64_t>({big + (world_rank() == 1 ? 1 : 0)});
+  const std::string msg =
+      error_of([&] { DTensor::from_local(ids, mesh, {Replicate()}, std::nullopt, true); });
+  TESSERA_EXPECT_CONTAINS(msg, "values differ across ranks");
 }
 
 TEST(DTensorMisuse, MeshLargerThanTheWorld) {
