@@ -2,35 +2,11 @@
 
 #include <set>
 
+#include "parallel/local_pieces.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/core/factory.h"
 
 namespace tessera {
-
-namespace {
-
-// The global shape of a local input sharded by `placements`: the local sizes of a sharded dim
-// are summed over its mesh dim, so uneven pieces (7 rows over 4 ranks) give the right shape on
-// every rank instead of each guessing from its own piece.
-Shape global_shape_of(const Tensor& x, const DeviceMesh& mesh, const Placements& placements) {
-  Shape g = x.shape();
-  for (int64_t m = 0; m < int64_t(placements.size()); ++m) {
-    const Placement& p = placements[size_t(m)];
-    if (!p.is_shard()) continue;
-    const int64_t d = wrap_dim(p.dim(), x.dim(), "module input");
-    for (int64_t k = 0; k < int64_t(placements.size()); ++k)
-      TESSERA_CHECK(k == m || !placements[size_t(k)].is_shard() ||
-                        wrap_dim(placements[size_t(k)].dim(), x.dim(), "module input") != d,
-                    "module input layouts ", placements_str(placements),
-                    " shard one dim over several mesh dims; not supported for module inputs");
-    Tensor n = from_vector<int64_t>({x.size(d)});
-    mesh.host_group(m)->all_reduce(n, ReduceOp::Sum)->wait();
-    g[size_t(d)] = n.item<int64_t>();
-  }
-  return g;
-}
-
-}  // namespace
 
 Tensor Module::operator()(const Tensor& x_in) {
   Tensor x = x_in;
@@ -41,8 +17,9 @@ Tensor Module::operator()(const Tensor& x_in) {
   Tensor y;
   if (dtensor_io_) {
     const DTensorIO& io = *dtensor_io_;
-    DTensor xd = DTensor::from_local(x, io.mesh, io.input_layouts,
-                                     global_shape_of(x, io.mesh, io.input_layouts));
+    DTensor xd = DTensor::from_local(
+        x, io.mesh, io.input_layouts,
+        detail::global_shape_of_pieces(x, io.mesh, io.input_layouts, type_name_ + " input"));
     if (!io.desired_input_layouts.empty()) xd = xd.redistribute(io.desired_input_layouts);
     DTensor yd = forward_dtensor(xd);
     if (!io.output_layouts.empty()) yd = yd.redistribute(io.output_layouts);

@@ -16,6 +16,7 @@
 using namespace tessera;
 using tessera::testing::affine_batch;
 using tessera::testing::Batch;
+using tessera::testing::error_of;
 using tessera::testing::expect_error;
 
 namespace {
@@ -301,6 +302,25 @@ TEST(TensorParallelStyles, ParametersComeFromTheMeshsFirstRank) {
   RowwiseParallel{}.apply(*row, mesh);
   expect_close(row->weight.dtensor().full_tensor(), ref->weight.local(), 0, "weight");
   expect_close(row->bias.dtensor().to_local(), ref->bias.local(), 0, "replicated bias");
+}
+
+// Pieces not cut as torch.chunk cuts them make every rank fail with the sizes, none wait.
+TEST(TensorParallelStyles, PiecesNotCutAsChunkFailOnEveryRank) {
+  const int n = world_size();
+  if (n == 1) GTEST_SKIP() << "one rank holds the whole sequence";
+  DeviceMesh mesh = tp_mesh(n);
+  Generator g(3);
+  auto lin = std::make_shared<Linear>(5, 3, false, g);
+  PrepareModuleInput s;
+  s.input_layouts = {Shard(0)};
+  s.desired_input_layouts = {Replicate()};
+  s.apply(*lin, mesh);
+  const int64_t total = 2 * n + 1;  // chunk: (3, 2) over 2 ranks, (3, 3, 3, 0) over 4
+  const int64_t rows = chunk_of(total, n, n - 1 - world_rank()).length;  // the chunks reversed
+  const std::string msg = error_of([&] { (*lin)(zeros({rows, 5})); });
+  TESSERA_EXPECT_CONTAINS(msg, "PrepareModuleInput on Linear: the ranks' pieces along dim 0");
+  TESSERA_EXPECT_CONTAINS(msg, n == 2 ? "sizes (2, 3)" : "sizes (0, 3, 3, 3)");
+  TESSERA_EXPECT_CONTAINS(msg, n == 2 ? "pieces (3, 2)" : "pieces (3, 3, 3, 0)");
 }
 
 // --- the decoder plan ---

@@ -4,6 +4,7 @@
 // forward_dtensor then insert the collectives (and their backwards) from the placements alone.
 #include "tessera/nn/parallel/style.h"
 
+#include "local_pieces.h"
 #include "tessera/core/factory.h"
 #include "tessera/nn/layers.h"
 
@@ -11,19 +12,11 @@ namespace tessera {
 
 namespace {
 
-// A hook's local tensor as a DTensor. A sharded dim's global size is the sum of the ranks' local
-// sizes, not this rank's size times the mesh size, so uneven pieces (a sequence of 15 over 4
-// ranks) give the same global shape on every rank.
-DTensor local_to_dtensor(const Tensor& x, const DeviceMesh& mesh, const Placements& placements) {
-  Shape global = x.shape();
-  for (int64_t m = 0; m < int64_t(placements.size()); ++m) {
-    if (!placements[size_t(m)].is_shard()) continue;
-    const int64_t d = wrap_dim(placements[size_t(m)].dim(), x.dim(), "tensor-parallel hook");
-    Tensor n = from_vector<int64_t>({x.size(d)});
-    mesh.host_group(m)->all_reduce(n, ReduceOp::Sum)->wait();
-    global[size_t(d)] = n.item<int64_t>();
-  }
-  return DTensor::from_local(x, mesh, placements, global);
+// A hook's local tensor as a DTensor (uneven pieces allowed where torch.chunk makes them).
+DTensor local_to_dtensor(const Tensor& x, const DeviceMesh& mesh, const Placements& placements,
+                         const std::string& what) {
+  return DTensor::from_local(x, mesh, placements,
+                             detail::global_shape_of_pieces(x, mesh, placements, what));
 }
 
 void check_hook_layouts(const Placements& have, const Placements& want, const char* have_name,
@@ -147,8 +140,10 @@ void PrepareModuleInput::apply(Module& module, const DeviceMesh& mesh) const {
   // A pre-hook, not DTensorIO: the module itself keeps running on local tensors (a block whose
   // children are the tensor-parallel ones), it only receives its input in another layout.
   module.register_forward_pre_hook(
-      [mesh, have = input_layouts, want = desired_input_layouts](Module&, const Tensor& x) {
-        return local_to_dtensor(x, mesh, have).redistribute(want).to_local();
+      [mesh, have = input_layouts, want = desired_input_layouts](Module& m, const Tensor& x) {
+        return local_to_dtensor(x, mesh, have, "PrepareModuleInput on " + m.type_name())
+            .redistribute(want)
+            .to_local();
       });
 }
 
@@ -164,8 +159,10 @@ class PrepareModuleOutput : public ParallelStyle {
     check_hook_layouts(have_, want_, "output_layouts", "desired_output_layouts", name(), module,
                        mesh);
     module.register_forward_hook(
-        [mesh, have = have_, want = want_](Module&, const Tensor&, const Tensor& y) {
-          return local_to_dtensor(y, mesh, have).redistribute(want).to_local();
+        [mesh, have = have_, want = want_](Module& m, const Tensor&, const Tensor& y) {
+          return local_to_dtensor(y, mesh, have, "PrepareModuleOutput on " + m.type_name())
+              .redistribute(want)
+              .to_local();
         });
   }
   std::string name() const override { return "PrepareModuleOutput"; }
