@@ -273,6 +273,19 @@ TEST(TensorParallelStyles, PrepareModuleInputGathersTheInput) {
   expect_close(x.grad(), chunk_of(xr.grad(), 0, mesh), 1e-6, "input gradient is this rank's chunk");
 }
 
+TEST(TensorParallelStyles, PrepareModuleOutputShardsTheOutput) {
+  DeviceMesh mesh = tp_mesh(world_size());
+  Generator g1(3), g2(3);
+  auto lin = std::make_shared<Linear>(5, 3, false, g1),
+       ref = std::make_shared<Linear>(5, 3, false, g2);
+  PrepareModuleOutput s;
+  s.output_layouts = {Replicate()};
+  s.desired_output_layouts = {Shard(0)};
+  parallelize_module(lin, mesh, {{"", std::make_shared<PrepareModuleOutput>(s)}});
+  Tensor x = global_randn({8, 5}, 14);
+  expect_close((*lin)(x), chunk_of((*ref)(x), 0, mesh), 0, "this rank's rows of the output");
+}
+
 // A plan key of '*' names the children, not the root (PyTorch matches keys against children).
 TEST(TensorParallelStyles, WildcardPlanKeyNamesChildrenNotTheRoot) {
   struct TwoLinears : Module {

@@ -8,13 +8,14 @@
 
 namespace tessera {
 
-namespace detail {
-// Defined in style.cpp with the other styles; it belongs in style.h as PrepareModuleOutput.
-ParallelStylePtr prepare_module_output(Placements output_layouts,
-                                       Placements desired_output_layouts);
-}  // namespace detail
-
 namespace {
+
+ParallelStylePtr prepare_module_output(Placements have, Placements want) {
+  PrepareModuleOutput s;
+  s.output_layouts = std::move(have);
+  s.desired_output_layouts = std::move(want);
+  return std::make_shared<const PrepareModuleOutput>(std::move(s));
+}
 
 template <class Style>
 ParallelStylePtr make(Style s) {
@@ -79,7 +80,7 @@ ParallelizePlan decoder_tp_plan(const DecoderConfig& cfg, const DeviceMesh& tp_m
     // Tied embeddings: the weight shared by the lookup and the output projection stays a plain
     // replicated tensor (sharding it one way would be wrong for the other use), so each rank
     // computes the full lookup and keeps its sequence chunk.
-    plan.emplace_back("tok_embeddings", detail::prepare_module_output({Replicate()}, {Shard(1)}));
+    plan.emplace_back("tok_embeddings", prepare_module_output({Replicate()}, {Shard(1)}));
   }
 
   ColwiseParallel col;
@@ -114,9 +115,9 @@ ParallelizePlan decoder_tp_plan(const DecoderConfig& cfg, const DeviceMesh& tp_m
     // The tied projection runs inside Decoder::forward on the full hidden states with the
     // replicated weight, so the final norm's output is gathered back to the whole sequence and,
     // with loss parallelism, each rank keeps its vocabulary slice of the (replicated) logits.
-    if (sp) plan.emplace_back("norm", detail::prepare_module_output({Shard(1)}, {Replicate()}));
+    if (sp) plan.emplace_back("norm", prepare_module_output({Shard(1)}, {Replicate()}));
     if (opts.loss_parallel)
-      plan.emplace_back("", detail::prepare_module_output({Replicate()}, {Shard(-1)}));
+      plan.emplace_back("", prepare_module_output({Replicate()}, {Shard(-1)}));
   }
   return plan;
 }

@@ -147,36 +147,15 @@ void PrepareModuleInput::apply(Module& module, const DeviceMesh& mesh) const {
       });
 }
 
-namespace detail {
-
-// PyTorch's PrepareModuleOutput, which style.h does not declare yet: the module's local output
-// is redistributed from output_layouts to desired_output_layouts by a forward hook.
-class PrepareModuleOutput : public ParallelStyle {
- public:
-  PrepareModuleOutput(Placements have, Placements want)
-      : have_(std::move(have)), want_(std::move(want)) {}
-  void apply(Module& module, const DeviceMesh& mesh) const override {
-    check_hook_layouts(have_, want_, "output_layouts", "desired_output_layouts", name(), module,
-                       mesh);
-    module.register_forward_hook(
-        [mesh, have = have_, want = want_](Module& m, const Tensor&, const Tensor& y) {
-          return local_to_dtensor(y, mesh, have, "PrepareModuleOutput on " + m.type_name())
-              .redistribute(want)
-              .to_local();
-        });
-  }
-  std::string name() const override { return "PrepareModuleOutput"; }
-
- private:
-  Placements have_, want_;
-};
-
-ParallelStylePtr prepare_module_output(Placements output_layouts,
-                                       Placements desired_output_layouts) {
-  return std::make_shared<const PrepareModuleOutput>(std::move(output_layouts),
-                                                     std::move(desired_output_layouts));
+void PrepareModuleOutput::apply(Module& module, const DeviceMesh& mesh) const {
+  check_hook_layouts(output_layouts, desired_output_layouts, "output_layouts",
+                     "desired_output_layouts", name(), module, mesh);
+  module.register_forward_hook([mesh, have = output_layouts, want = desired_output_layouts](
+                                   Module& m, const Tensor&, const Tensor& y) {
+    return local_to_dtensor(y, mesh, have, "PrepareModuleOutput on " + m.type_name())
+        .redistribute(want)
+        .to_local();
+  });
 }
-
-}  // namespace detail
 
 }  // namespace tessera

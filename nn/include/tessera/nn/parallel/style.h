@@ -52,4 +52,14 @@ struct PrepareModuleInput : ParallelStyle {
   std::string name() const override { return "PrepareModuleInput"; }
 };
 
+// Only changes how a module's output leaves it: redistributed from output_layouts to
+// desired_output_layouts by a forward hook (an embedding whose replicated output the next
+// layers want sequence-sharded).
+struct PrepareModuleOutput : ParallelStyle {
+  Placements output_layouts;
+  Placements desired_output_layouts;
+  void apply(Module& module, const DeviceMesh& mesh) const override;
+  std::string name() const override { return "PrepareModuleOutput"; }
+};
+
 }  // namespace tessera
