@@ -1,14 +1,38 @@
 #include "tessera/dtensor/random.h"
 
+#include <vector>
+
 #include "tessera/core/factory.h"
 
 namespace tessera {
 
 namespace {
 
+// The windows only fit together into one draw when every rank of the mesh draws from the same
+// seed and offset; a generator seeded by rank (common for data order) would give each rank a
+// window of a different draw and unequal replicas, silently. PyTorch syncs its DTensor RNG state
+// from rank 0; here the generator is the caller's, so the ranks check that they agree (one small
+// all-reduce per mesh dim), all failing together when they do not.
+void check_same_generator(const DTensorSpec& s, const Generator& gen, const char* op) {
+  const auto seed = int64_t(gen.seed()), offset = int64_t(gen.offset());
+  for (int64_t m = 0; m < s.mesh.ndim(); ++m) {
+    // ~x orders opposite to x without overflowing, so one Max gives both ends.
+    Tensor v = from_vector<int64_t>({seed, ~seed, offset, ~offset}).to(s.mesh.device());
+    s.mesh.group(m)->all_reduce(v, ReduceOp::Max)->wait();
+    const std::vector<int64_t> r = v.to_vector<int64_t>();
+    TESSERA_CHECK(r[0] == ~r[1] && r[2] == ~r[3], op, " on a DTensor over ", s.mesh.str(),
+                  ": the ranks along mesh dim ", m, " draw from different generator states (seed ",
+                  uint64_t(~r[1]), " to ", uint64_t(r[0]), ", offset ", uint64_t(~r[3]), " to ",
+                  uint64_t(r[2]), "; this rank: seed ", gen.seed(), ", offset ", gen.offset(),
+                  "); seed the Generator alike on every rank and draw the same sequence on each");
+  }
+}
+
 // Every rank reserves the whole logical draw, then fills only its window of it.
-DTensor& fill_window(DTensor& t, RandomKind kind, double a, double b, Generator& gen) {
+DTensor& fill_window(DTensor& t, RandomKind kind, double a, double b, Generator& gen,
+                     const char* op) {
   const DTensorSpec& s = t.spec();
+  check_same_generator(s, gen, op);
   uint64_t base = gen.advance(uint64_t(shape_numel(s.global_shape)));
   Tensor local = t.to_local();
   LocalLayout l = s.local_layout();
@@ -35,21 +59,21 @@ DTensor empty_dtensor(const Shape& global_shape, const DeviceMesh& mesh,
 DTensor rand(const Shape& global_shape, const DeviceMesh& mesh, const Placements& placements,
              Generator& gen, DType dtype) {
   DTensor t = empty_dtensor(global_shape, mesh, placements, dtype);
-  return uniform_(t, 0.0, 1.0, gen);
+  return fill_window(t, RandomKind::Uniform, 0.0, 1.0, gen, "rand");
 }
 
 DTensor randn(const Shape& global_shape, const DeviceMesh& mesh, const Placements& placements,
               Generator& gen, DType dtype) {
   DTensor t = empty_dtensor(global_shape, mesh, placements, dtype);
-  return normal_(t, 0.0, 1.0, gen);
+  return fill_window(t, RandomKind::Normal, 0.0, 1.0, gen, "randn");
 }
 
 DTensor& uniform_(DTensor& t, double low, double high, Generator& gen) {
-  return fill_window(t, RandomKind::Uniform, low, high, gen);
+  return fill_window(t, RandomKind::Uniform, low, high, gen, "uniform_");
 }
 
 DTensor& normal_(DTensor& t, double mean, double std, Generator& gen) {
-  return fill_window(t, RandomKind::Normal, mean, std, gen);
+  return fill_window(t, RandomKind::Normal, mean, std, gen, "normal_");
 }
 
 DTensor& kaiming_uniform_(DTensor& t, Generator& gen, double a, FanMode mode) {

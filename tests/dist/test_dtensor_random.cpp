@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "tessera/tessera.h"
+#include "tessera/testing.h"
 #include "test_redistribute_reference.h"
 
 using namespace tessera;
@@ -131,4 +132,27 @@ TEST(DTensorRandom, SameStateSameDrawOnAnyLayout) {
           << mesh.str() << " " << placements_str(p);
     }
   }
+}
+
+// Generators in different states (seeded by rank, or one rank having drawn more) would give each
+// rank a window of a different draw: every rank fails instead, naming the states.
+TEST(DTensorRandom, RanksWithDifferentGeneratorStatesFailTogether) {
+  if (world_size() == 1) GTEST_SKIP() << "one rank cannot disagree with itself";
+  DeviceMesh mesh({world_size()}, {"x"});
+  Generator by_rank(kSeed + uint64_t(world_rank()));
+  tessera::testing::expect_error(
+      [&] {
+        rand({4, 3}, mesh, {Replicate()}, by_rank);
+      },
+      {"rand on a DTensor over DeviceMesh(x=", "different generator states",
+       "seed " + std::to_string(kSeed) + " to "});
+  Generator ahead(kSeed);
+  if (world_rank() == 1) ahead.set_offset(12);
+  DTensor t = distribute_tensor(zeros({4, 3}), mesh, {Shard(0)});
+  tessera::testing::expect_error([&] { normal_(t, 0.0, 1.0, ahead); },
+                                 {"normal_ on a DTensor", "offset 0 to 12"});
+  // The same state on every rank is fine, and the check moves no generator.
+  Generator same(kSeed);
+  EXPECT_NO_THROW(rand({4, 3}, mesh, {Replicate()}, same));
+  EXPECT_EQ(same.offset(), 12u);
 }

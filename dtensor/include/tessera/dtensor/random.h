@@ -2,6 +2,8 @@
 // Shard-invariant random DTensors: each rank draws only its window of the logical draw, so
 // full_tensor() is bit-identical to a single process drawing the whole tensor with the same
 // generator state, for any mesh and placements. Every rank advances `gen` by the global numel.
+// The ranks of the mesh must hold the same generator state (seed and offset): each call checks
+// that with one small all-reduce per mesh dim and fails on every rank when they differ.
 #include "tessera/core/random.h"
 #include "tessera/dtensor/dtensor.h"
 
