@@ -10,6 +10,7 @@
 
 #include "tessera/autograd/function.h"
 #include "tessera/core/factory.h"
+#include "tessera/core/kernels/elementwise.h"
 #include "tessera/core/kernels/reduce.h"
 #include "tessera/core/kernels/views.h"
 #include "tessera/core/kernels/vocab_parallel.h"
@@ -32,8 +33,9 @@ struct VocabShard {
 class VocabParallelCrossEntropy final : public autograd::Function {
  public:
   // target: int64 [N] on the logits' device, -1 for ignored rows.
-  VocabParallelCrossEntropy(VocabShard shard, Tensor target, int64_t kept)
-      : shard_(std::move(shard)), target_(std::move(target)), kept_(kept) {}
+  VocabParallelCrossEntropy(VocabShard shard, Tensor target, int64_t kept,
+                            kernels::Reduction reduction)
+      : shard_(std::move(shard)), target_(std::move(target)), kept_(kept), reduction_(reduction) {}
 
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor& logits = in[0];
@@ -52,12 +54,28 @@ class VocabParallelCrossEntropy final : public autograd::Function {
     all_reduce(stats, ReduceOp::Sum);
     kernels::VocabCrossEntropy ce = kernels::vocab_ce_loss(stats, row_max, target_, kept_);
     save_for_backward({x, ce.lse});
-    return {ce.loss.to(dtype_)};
+    if (reduction_ == kernels::Reduction::Mean) return {ce.loss.to(dtype_)};
+    // Per row: lse - the target's logit, 0 on ignored rows.
+    const Tensor per_row = kernels::where(
+        kernels::compare_scalar(kernels::CompareOp::Eq, target_, -1.0),
+        zeros({}, TensorOptions(x.dtype(), x.device())),
+        kernels::binary(kernels::BinaryOp::Sub, ce.lse, kernels::select(stats, 1, 1)));
+    if (reduction_ == kernels::Reduction::Sum) return {kernels::sum(per_row, {}, false).to(dtype_)};
+    return {kernels::reshape(per_row, Shape(shape_.begin(), shape_.end() - 1)).to(dtype_)};
   }
 
   std::vector<Tensor> backward(const std::vector<Tensor>& g) override {
     const std::vector<Tensor>& s = saved_tensors();
-    const double scale = g[0].to(DType::Float64).item<double>() / double(kept_);
+    if (reduction_ == kernels::Reduction::None) {
+      // Each row's softmax - onehot scaled by that row's incoming gradient.
+      Tensor grad = kernels::vocab_ce_backward(s[0], s[1], target_, shard_.start, 1.0);
+      const Tensor per_row =
+          kernels::reshape(g[0].to(grad.dtype()).contiguous(), {grad.size(0), 1});
+      grad = kernels::binary(kernels::BinaryOp::Mul, grad, per_row);
+      return {kernels::reshape(grad, shape_).to(dtype_)};
+    }
+    double scale = g[0].to(DType::Float64).item<double>();
+    if (reduction_ == kernels::Reduction::Mean) scale /= double(kept_);
     Tensor grad = kernels::vocab_ce_backward(s[0], s[1], target_, shard_.start, scale);
     return {kernels::reshape(grad, shape_).to(dtype_)};
   }
@@ -71,6 +89,7 @@ class VocabParallelCrossEntropy final : public autograd::Function {
   VocabShard shard_;
   Tensor target_;
   int64_t kept_;
+  kernels::Reduction reduction_;
   Shape shape_;
   DType dtype_ = DType::Float32;
 };
@@ -101,7 +120,7 @@ void agree_on_vocabulary(const VocabShard& shard, bool local_shape_ok, Device de
 }  // namespace
 
 DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target,
-                                     int64_t ignore_index) {
+                                     int64_t ignore_index, kernels::Reduction reduction) {
   TESSERA_CHECK(logits.defined(), kOp, ": logits are undefined");
   TESSERA_CHECK(target.defined(), kOp, ": target is undefined");
   const DTensorSpec& spec = logits.spec();
@@ -131,8 +150,8 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
 
   if (shard.groups.empty()) {
     // Every rank holds the whole vocabulary: the plain loss is already replicated.
-    Tensor loss = cross_entropy(logits.to_local(), target, ignore_index);
-    return DTensor::from_local(loss, spec.mesh, Placements(spec.placements.size()), Shape{});
+    Tensor loss = tessera::cross_entropy(logits.to_local(), target, ignore_index, reduction);
+    return DTensor::from_local(loss, spec.mesh, Placements(spec.placements.size()), loss.shape());
   }
 
   const LocalLayout layout = spec.local_layout();
@@ -159,8 +178,8 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
 
   const Tensor local_target = from_vector(t).to(logits.to_local().device());
   Tensor loss = autograd::Function::apply<VocabParallelCrossEntropy>(
-      {logits.to_local()}, std::move(shard), local_target, kept)[0];
-  return DTensor::from_local(loss, spec.mesh, Placements(spec.placements.size()), Shape{});
+      {logits.to_local()}, std::move(shard), local_target, kept, reduction)[0];
+  return DTensor::from_local(loss, spec.mesh, Placements(spec.placements.size()), loss.shape());
 }
 
 }  // namespace tessera

@@ -34,6 +34,10 @@ Tensor targets(const Shape& s, int64_t vocab, int64_t ignore_index, uint64_t see
   return from_vector<int64_t>(t, s);
 }
 
+Tensor full_like_scalar(double v, DType dtype) {
+  return full({}, v, TensorOptions(dtype));
+}
+
 struct MeshCase {
   DeviceMesh mesh;
   Placements placements;
@@ -53,28 +57,33 @@ std::vector<MeshCase> mesh_cases() {
 }
 
 // Loss and logits gradient of the vocab-parallel loss against the plain loss on one rank.
-void check_against_plain(const Shape& shape, DType dtype, int64_t ignore_index, double tol) {
+void check_against_plain(const Shape& shape, DType dtype, int64_t ignore_index, double tol,
+                         kernels::Reduction reduction = kernels::Reduction::Mean) {
   const int64_t vocab = shape.back();
   Shape rows(shape.begin(), shape.end() - 1);
   Tensor full = global_randn(shape, 31, dtype).to(dtype);
   Tensor target = targets(rows, vocab, ignore_index, 32);
-  const double upstream = 1.75;
+  // A gradient that differs per row, so a per-row loss's backward shows any row mixed up.
+  const Tensor upstream = reduction == kernels::Reduction::None
+                              ? global_randn(rows, 33, dtype).to(dtype)
+                              : full_like_scalar(1.75, dtype);
+  const Shape loss_shape = reduction == kernels::Reduction::None ? rows : Shape{};
 
   Tensor ref_in = full.clone().set_requires_grad(true);
-  Tensor ref = cross_entropy(ref_in, target, ignore_index);
-  backward(mul(ref, upstream));
+  Tensor ref = cross_entropy(ref_in, target, ignore_index, reduction);
+  backward(sum(mul(ref, upstream)));
 
   for (const MeshCase& mc : mesh_cases()) {
     const std::string what = "logits " + shape_str(shape) + " " + dtype_name(dtype) + " on " +
                              mc.mesh.str() + " " + placements_str(mc.placements);
     DTensor logits = distribute_tensor(full, mc.mesh, mc.placements);
     logits.set_requires_grad(true);
-    DTensor loss = vocab_parallel_cross_entropy(logits, target, ignore_index);
-    EXPECT_EQ(loss.shape(), Shape{}) << what;
+    DTensor loss = vocab_parallel_cross_entropy(logits, target, ignore_index, reduction);
+    EXPECT_EQ(loss.shape(), loss_shape) << what;
     EXPECT_EQ(loss.placements(), Placements(mc.placements.size(), Replicate())) << what;
     EXPECT_EQ(loss.dtype(), dtype) << what;
     expect_close(loss.to_local(), ref.detach(), tol, what + ": loss");
-    backward(mul(loss.to_local(), upstream));
+    backward(sum(mul(loss.to_local(), upstream)));
     ASSERT_TRUE(logits.grad().defined()) << what;
     EXPECT_EQ(logits.grad().placements(), logits.placements()) << what;
     expect_close(logits.grad().full_tensor(), ref_in.grad(), tol, what + ": grad");
@@ -87,6 +96,14 @@ TEST(VocabParallelLoss, MatchesPlainCrossEntropyWithUnevenVocabulary) {
   // 13 classes: 7,6 / 5,5,3 / 4,4,4,1 per rank.
   check_against_plain({3, 5, 13}, DType::Float64, -100, 1e-12);
   check_against_plain({4, 13}, DType::Float32, -100, 1e-5);
+}
+
+TEST(VocabParallelLoss, SumAndPerRowReductionsMatchPlainCrossEntropy) {
+  for (kernels::Reduction r : {kernels::Reduction::Sum, kernels::Reduction::None}) {
+    check_against_plain({3, 5, 13}, DType::Float64, -100, 1e-12, r);
+    check_against_plain({4, 13}, DType::Float32, -100, 1e-5, r);
+    check_against_plain({6, 3}, DType::Float64, -1, 1e-12, r);  // an empty slice at 4 ranks
+  }
 }
 
 TEST(VocabParallelLoss, EmptyVocabularyShardsAndCustomIgnoreIndex) {

@@ -6,8 +6,12 @@ namespace tessera {
 
 // Loss-parallel cross-entropy: logits sharded on the vocabulary (last) dim, never gathered; each
 // rank reduces its slice and the row statistics (max, sum of exponentials, target logit) are
-// combined with all-reduces. target int64 [...] (Replicate). Returns the mean loss (Replicate).
+// combined with all-reduces. target int64 [...] (Replicate). Returns the loss (Replicate) as
+// PyTorch's cross_entropy under loss_parallel: the mean over the rows whose target is not
+// ignore_index (NaN when there are none), their sum, or with Reduction::None one loss per row of
+// the target's shape (0 on ignored rows).
 DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target,
-                                     int64_t ignore_index = -100);
+                                     int64_t ignore_index = -100,
+                                     kernels::Reduction reduction = kernels::Reduction::Mean);
 
 }  // namespace tessera

@@ -3,14 +3,22 @@
 #include "tessera/core/random.h"
 #include "tessera/core/tensor.h"
 
+namespace tessera {
+// A loss's reduction, as PyTorch's reduction="none"|"mean"|"sum". Declared outside kernels so
+// that argument-dependent lookup of an unqualified cross_entropy(logits, target, ignore_index,
+// Reduction::Sum) finds only the differentiable tessera::cross_entropy, not this kernel too.
+enum class Reduction : uint8_t { None, Mean, Sum };
+}  // namespace tessera
+
 namespace tessera::kernels {
+
+using tessera::Reduction;
 
 Tensor softmax(const Tensor& x, int64_t dim);
 Tensor log_softmax(const Tensor& x, int64_t dim);
 Tensor softmax_backward(const Tensor& grad_out, const Tensor& out, int64_t dim);
 Tensor log_softmax_backward(const Tensor& grad_out, const Tensor& out, int64_t dim);
 
-enum class Reduction : uint8_t { None, Mean, Sum };
 // logits [N, C], target int64 [N]; rows whose target is ignore_index contribute nothing and
 // Mean divides by the count of the others.
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
