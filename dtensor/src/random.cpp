@@ -3,6 +3,8 @@
 #include <vector>
 
 #include "tessera/core/factory.h"
+#include "tessera/core/kernels/elementwise.h"
+#include "tessera/dtensor/ops.h"
 
 namespace tessera {
 
@@ -74,6 +76,28 @@ DTensor& uniform_(DTensor& t, double low, double high, Generator& gen) {
 
 DTensor& normal_(DTensor& t, double mean, double std, Generator& gen) {
   return fill_window(t, RandomKind::Normal, mean, std, gen, "normal_");
+}
+
+DTensor dropout(const DTensor& x, double p, bool training, Generator& gen) {
+  TESSERA_CHECK(p >= 0 && p <= 1, "dropout: probability p must be in [0, 1], got ", p, " for x ",
+                x.defined() ? x.str() : std::string("undefined"));
+  if (!training || p == 0) return x;
+  if (p == 1) return mul(x, 0.0);
+  const DTensorSpec& s = x.spec();
+  TESSERA_CHECK(is_floating(s.dtype), "dropout: x must be floating point, got ", x.str());
+  check_same_generator(s, gen, "dropout");
+  const uint64_t base = gen.advance(uint64_t(shape_numel(s.global_shape)));
+  const LocalLayout l = s.local_layout();
+  Tensor keep = empty(l.local_shape, TensorOptions(s.dtype, s.mesh.device()));
+  philox_fill(keep, RandomKind::Bernoulli, 1.0 - p, 0.0, gen.seed(), base,
+              {s.global_shape, l.global_offset});
+  // 0 or 1/(1-p) rounded to x's dtype once, as the single-process kernel scales.
+  Tensor scale = kernels::binary_scalar(kernels::BinaryOp::Mul, keep, 1.0 / (1.0 - p));
+  // A Partial dim's ranks drew the same window: the mask is replicated there.
+  Placements mask_placements = s.placements;
+  for (Placement& q : mask_placements)
+    if (q.is_partial()) q = Replicate();
+  return mul(x, DTensor::from_local(scale, s.mesh, mask_placements, s.global_shape));
 }
 
 DTensor& kaiming_uniform_(DTensor& t, Generator& gen, double a, FanMode mode) {

@@ -253,6 +253,29 @@ TEST(TensorParallelStyles, SequenceParallelLayerNormSumsWeightGradients) {
   expect_close(ln->bias.grad_dtensor().full_tensor(), ref->bias.grad(), 1e-5, "dbias");
 }
 
+// Under SequenceParallel a Dropout draws the mask one process would draw for the whole sequence.
+TEST(TensorParallelStyles, SequenceParallelDropoutIsTheUnshardedDropout) {
+  DeviceMesh mesh = tp_mesh(world_size());
+  auto drop = std::make_shared<Dropout>(0.3);
+  SequenceParallel{}.apply(*drop, mesh);
+  Tensor x = global_randn({2, 9, 4}, 15), w = global_randn({2, 9, 4}, 16);  // 9: uneven chunks
+  manual_seed(77);
+  default_generator().set_offset(5);
+  Tensor xl = chunk_of(x, 1, mesh).set_requires_grad(true);
+  Tensor y = (*drop)(xl);
+  Generator ref_gen(77);
+  ref_gen.set_offset(5);
+  Tensor xr = x.clone().set_requires_grad(true);
+  Tensor y_ref = dropout(xr, 0.3, true, ref_gen);
+  expect_close(y, chunk_of(y_ref, 1, mesh), 0, "this rank's tokens of the unsharded dropout");
+  EXPECT_EQ(default_generator().offset(), ref_gen.offset());  // advanced by the global numel
+  backward(sum(mul(y, chunk_of(w, 1, mesh))));
+  backward(sum(mul(y_ref, w)));
+  expect_close(xl.grad(), chunk_of(xr.grad(), 1, mesh), 0, "input gradient");
+  drop->eval();
+  expect_close((*drop)(xl), xl, 0, "eval is the identity");
+}
+
 TEST(TensorParallelStyles, PrepareModuleInputGathersTheInput) {
   DeviceMesh mesh = tp_mesh(world_size());
   Generator g1(3), g2(3);
@@ -554,7 +577,7 @@ TEST(TensorParallelErrors, StyleOnTheWrongModuleType) {
       [&] {
         parallelize_module(net, mesh, {{"output", std::make_shared<SequenceParallel>()}});
       },
-      {"SequenceParallel", "RMSNorm or LayerNorm", "Linear"});
+      {"SequenceParallel", "RMSNorm, LayerNorm or Dropout", "Linear"});
   // A second style on an already sharded layer would cut its shards again.
   parallelize_module(net, mesh, {{"output", std::make_shared<ColwiseParallel>()}});
   expect_error(

@@ -6,6 +6,7 @@
 
 #include "local_pieces.h"
 #include "tessera/core/factory.h"
+#include "tessera/nn/dropout.h"
 #include "tessera/nn/layers.h"
 
 namespace tessera {
@@ -125,8 +126,8 @@ void SequenceParallel::apply(Module& module, const DeviceMesh& mesh) const {
   } else if (auto* ln = dynamic_cast<LayerNorm*>(&module)) {
     distribute_parameter(ln->weight, "weight", mesh, {Replicate()}, style, module);
     distribute_parameter(ln->bias, "bias", mesh, {Replicate()}, style, module);
-  } else {
-    wrong_module(style, "RMSNorm or LayerNorm", module);
+  } else if (dynamic_cast<Dropout*>(&module) == nullptr) {
+    wrong_module(style, "RMSNorm, LayerNorm or Dropout", module);
   }
   // Replicate weights (rather than plain tensors) against a sequence-sharded input are what make
   // the norm's backward sum their gradients over the ranks, each of which saw only its tokens.

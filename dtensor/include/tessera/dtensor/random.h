@@ -20,4 +20,10 @@ DTensor& kaiming_uniform_(DTensor& t, Generator& gen, double a = 2.2360679774997
                           FanMode mode = FanMode::FanIn);
 DTensor& xavier_uniform_(DTensor& t, Generator& gen, double gain = 1.0);
 
+// Inverted dropout with the mask one process would draw for the whole tensor (each rank draws its
+// window, as rand does), so a sequence-parallel dropout is the unsharded one, whatever the
+// layout. Identity when !training or p == 0; x * 0 when p == 1, as tessera::dropout. Ranks of a
+// Partial dim share one mask, which keeps the sum; the generator advances by the global numel.
+DTensor dropout(const DTensor& x, double p, bool training, Generator& gen);
+
 }  // namespace tessera

@@ -1,4 +1,5 @@
 #pragma once
+#include "tessera/nn/dropout.h"
 #include "tessera/nn/layers.h"
 #include "tessera/nn/loss.h"
 #include "tessera/nn/module.h"
