@@ -21,17 +21,59 @@ std::vector<std::string> split_path(const std::string& path) {
   }
 }
 
-// '*' matches any run of characters within one component (fnmatch on path atoms, as in PyTorch),
-// so "layers.*.attention" names every block's attention and "w*" every w-projection, but a '*'
-// never reaches across a '.'.
+// Whether c matches the bracket expression starting at pat[p] == '['; `end` gets the index after
+// its ']', or stays npos when there is none.
+bool match_bracket(const std::string& pat, size_t p, char c, size_t& end) {
+  size_t i = p + 1;
+  const bool negate = i < pat.size() && pat[i] == '!';
+  if (negate) ++i;
+  bool hit = false;
+  for (bool first = true; i < pat.size() && (first || pat[i] != ']'); first = false) {
+    if (i + 2 < pat.size() && pat[i + 1] == '-' && pat[i + 2] != ']') {
+      hit = hit || (pat[i] <= c && c <= pat[i + 2]);
+      i += 3;
+    } else {
+      hit = hit || pat[i] == c;
+      ++i;
+    }
+  }
+  end = i < pat.size() ? i + 1 : std::string::npos;
+  return hit != negate;
+}
+
+// fnmatch on one path component, as PyTorch's parallelize_module matches plan keys: '*' any run of
+// characters, '?' one character, '[seq]' / '[!seq]' one character in / not in seq (ranges as
+// a-z); a '[' without its ']' is itself. A '*' never reaches across a '.', since components are
+// matched one by one.
+
 bool match_component(const std::string& pat, const std::string& s) {
   size_t p = 0, i = 0, star = std::string::npos, mark = 0;
   while (i < s.size()) {
     if (p < pat.size() && pat[p] == '*') {
       star = p++;
       mark = i;
-    } else if (p < pat.size() && pat[p] == s[i]) {
-      ++p;
+      continue;
+    }
+    bool ok = false;
+    size_t next = p + 1;
+    if (p < pat.size()) {
+      if (pat[p] == '?') {
+        ok = true;
+      } else if (pat[p] == '[') {
+        size_t end = std::string::npos;
+        const bool hit = match_bracket(pat, p, s[i], end);
+        if (end != std::string::npos) {
+          ok = hit;
+          next = end;
+        } else {
+          ok = s[i] == '[';  // no closing ']': a plain character
+        }
+      } else {
+        ok = pat[p] == s[i];
+      }
+    }
+    if (ok) {
+      p = next;
       ++i;
     } else if (star != std::string::npos) {
       p = star + 1;

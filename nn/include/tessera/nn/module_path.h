@@ -11,9 +11,10 @@ namespace tessera {
 class Module;
 
 std::vector<std::string> split_module_path(const std::string& path);
-// Component by component; '*' matches any run of characters within one component (fnmatch on
-// path atoms, as in PyTorch), so "layers.*.attention" names every block's attention and "w*"
-// every w-projection, but a '*' never reaches across a '.'. The root's path "" matches only "".
+// Component by component, fnmatch on each (as PyTorch's parallelize_module): '*' any run of
+// characters, '?' one, '[0-3]' / '[!0-3]' one in / not in a set. "layers.*.attention" names every
+// block's attention, "w*" every w-projection, "layers.[0-1].mlp" the first two blocks' MLPs; a
+// '*' never reaches across a '.'. The root's path "" matches only "".
 bool module_path_matches(const std::string& pattern, const std::string& path);
 // For the error of a pattern that matches nothing: the names found where the pattern stopped
 // matching, which is usually where the typo is ("after 'layers.0.' there are: attention, ...").
