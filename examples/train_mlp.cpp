@@ -39,7 +39,7 @@ Tensor parameter(const Shape& shape, Generator& gen, bool bias) {
   if (bias) {
     p.zero_();
   } else {
-    kaiming_uniform_(p, gen);
+    kaiming_uniform_(p, gen, std::sqrt(5.0));  // nn.Linear's initialisation
   }
   return p.set_requires_grad(true);
 }

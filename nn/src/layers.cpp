@@ -41,7 +41,7 @@ Linear::Linear(std::string type_name, const Linear& base)
 }
 
 void Linear::reset_parameters(Generator& gen) {
-  weight.kaiming_uniform_(gen);
+  weight.kaiming_uniform_(gen, std::sqrt(5.0));
   if (bias.defined()) {
     const double bound = 1.0 / std::sqrt(double(in_));
     bias.uniform_(-bound, bound, gen);

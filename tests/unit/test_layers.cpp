@@ -391,3 +391,16 @@ TEST(LayerModules, ZeroGradClearsEveryLayer) {
   for (Parameter* p : block->parameters())
     EXPECT_FALSE(p->grad().defined()) << p->str();
 }
+
+// torch.nn.init.kaiming_uniform_'s default a = 0 gives bound sqrt(6 / fan_in); Linear keeps
+// nn.Linear's a = sqrt(5) (LinearLayer.InitDrawsWeightThenBiasFromTheGenerator).
+TEST(ParameterInit, KaimingUniformDefaultsToPyTorchsAZero) {
+  Generator gen(5), ref(5);
+  Parameter p(empty({4, 6}));
+  p.kaiming_uniform_(gen);
+  const double bound = kaiming_uniform_bound({4, 6}, 0.0, FanMode::FanIn);
+  EXPECT_NEAR(bound, std::sqrt(6.0 / 6.0), 1e-12);
+  Tensor want = empty({4, 6});
+  uniform_(want, -bound, bound, ref);
+  expect_equal(p.stored(), want, "kaiming_uniform_ with a = 0");
+}

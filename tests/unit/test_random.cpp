@@ -1,6 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <optional>
+#include <utility>
 
 #include "tessera/tessera.h"
 
@@ -79,16 +82,23 @@ TEST(Random, DistributionsHaveTheRightMoments) {
 }
 
 TEST(Random, KaimingUsesFansOfTheGlobalShape) {
-  Generator gen(3);
-  Tensor w = empty({64, 128});
-  kaiming_uniform_(w, gen);
-  double bound = 1.0 / std::sqrt(128.0);  // a = sqrt(5): gain * sqrt(3 / fan_in)
-  EXPECT_NEAR(kaiming_uniform_bound({64, 128}, std::sqrt(5.0), FanMode::FanIn), bound, 1e-12);
-  double mx = 0;
-  for (float v : w.to_vector<float>())
-    mx = std::max(mx, double(std::abs(v)));
-  EXPECT_LE(mx, bound);
-  EXPECT_GT(mx, 0.9 * bound);
+  // torch.nn.init.kaiming_uniform_'s default a = 0: bound sqrt(6 / fan_in).
+  for (const auto& [a, bound] :
+       {std::pair{std::optional<double>(), std::sqrt(6.0 / 128)},
+        std::pair{std::optional<double>(std::sqrt(5.0)), 1.0 / std::sqrt(128.0)}}) {
+    Generator gen(3);
+    Tensor w = empty({64, 128});
+    if (a)
+      kaiming_uniform_(w, gen, *a);
+    else
+      kaiming_uniform_(w, gen);
+    EXPECT_NEAR(kaiming_uniform_bound({64, 128}, a.value_or(0.0), FanMode::FanIn), bound, 1e-12);
+    double mx = 0;
+    for (float v : w.to_vector<float>())
+      mx = std::max(mx, double(std::abs(v)));
+    EXPECT_LE(mx, bound);
+    EXPECT_GT(mx, 0.9 * bound);
+  }
   EXPECT_NEAR(xavier_uniform_bound({64, 128}, 1.0), std::sqrt(6.0 / 192), 1e-12);
 }
 

@@ -64,11 +64,10 @@ struct Fans {
 Fans compute_fans(const Shape& global_shape);
 
 enum class FanMode : uint8_t { FanIn, FanOut };
-// PyTorch's kaiming_uniform_ with leaky_relu gain sqrt(2 / (1 + a^2)); the default a = sqrt(5)
-// is nn.Linear's initialisation.
+// PyTorch's kaiming_uniform_ with leaky_relu gain sqrt(2 / (1 + a^2)); the default a = 0 is
+// torch.nn.init's (bound sqrt(6 / fan_in)), a = sqrt(5) nn.Linear's initialisation.
 double kaiming_uniform_bound(const Shape& global_shape, double a, FanMode mode);
-Tensor& kaiming_uniform_(Tensor& t, Generator& gen, double a = 2.23606797749979,
-                         FanMode mode = FanMode::FanIn);
+Tensor& kaiming_uniform_(Tensor& t, Generator& gen, double a = 0.0, FanMode mode = FanMode::FanIn);
 double xavier_uniform_bound(const Shape& global_shape, double gain);
 Tensor& xavier_uniform_(Tensor& t, Generator& gen, double gain = 1.0);
 

@@ -16,7 +16,7 @@ DTensor randn(const Shape& global_shape, const DeviceMesh& mesh, const Placement
 DTensor& uniform_(DTensor& t, double low, double high, Generator& gen);
 DTensor& normal_(DTensor& t, double mean, double std, Generator& gen);
 // Fans come from the global shape.
-DTensor& kaiming_uniform_(DTensor& t, Generator& gen, double a = 2.23606797749979,
+DTensor& kaiming_uniform_(DTensor& t, Generator& gen, double a = 0.0,
                           FanMode mode = FanMode::FanIn);
 DTensor& xavier_uniform_(DTensor& t, Generator& gen, double gain = 1.0);
 

@@ -14,8 +14,9 @@ class Parameter {
   explicit Parameter(DTensor d, bool requires_grad = true);
 
   // Draws a fresh value: fills the parameter's window of a logical draw from `gen` (every rank
-  // advances `gen` by the global numel), so any sharding holds the same values.
-  void kaiming_uniform_(Generator& gen, double a = 2.23606797749979);
+  // advances `gen` by the global numel), so any sharding holds the same values. a = 0 as
+  // torch.nn.init.kaiming_uniform_; Linear passes sqrt(5).
+  void kaiming_uniform_(Generator& gen, double a = 0.0);
   void uniform_(double low, double high, Generator& gen);
   void normal_(double mean, double std, Generator& gen);
   void fill_(double value);
