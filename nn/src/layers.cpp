@@ -87,19 +87,21 @@ DTensor Embedding::forward_dtensor(const DTensor& ids) {
 
 // --- RMSNorm / LayerNorm ---
 
-RMSNorm::RMSNorm(int64_t dim, double eps) : Module("RMSNorm"), eps_(eps) {
+RMSNorm::RMSNorm(int64_t dim, std::optional<double> eps) : Module("RMSNorm"), eps_(eps) {
   TESSERA_CHECK(dim > 0, "RMSNorm: dim must be positive, got ", dim);
+  TESSERA_CHECK(!eps || *eps >= 0, "RMSNorm: eps must be >= 0, got ", *eps);
   weight = Parameter(empty({dim}));
   weight.fill_(1.0);
   register_parameter("weight", &weight);
 }
 
 Tensor RMSNorm::forward(const Tensor& x) {
-  return rms_norm(x, weight.whole_local(type_name(), "weight"), eps_);
+  return rms_norm(x, weight.whole_local(type_name(), "weight"),
+                  eps_.value_or(rms_norm_default_eps(x.dtype())));
 }
 
 DTensor RMSNorm::forward_dtensor(const DTensor& x) {
-  return rms_norm(x, weight.on_mesh(x.mesh()), eps_);
+  return rms_norm(x, weight.on_mesh(x.mesh()), eps_.value_or(rms_norm_default_eps(x.dtype())));
 }
 
 LayerNorm::LayerNorm(int64_t dim, double eps) : Module("LayerNorm"), eps_(eps) {

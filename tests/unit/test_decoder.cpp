@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -213,6 +214,17 @@ TEST(Decoder, ParameterNamesAndShapesFollowLlama) {
   auto tied_named = tied->named_parameters();
   ASSERT_EQ(tied_named.size(), want.size() - 1);
   EXPECT_EQ(tied_named.back().first, "norm.weight");
+}
+
+// RMSNorm's own default eps is the dtype's epsilon (PyTorch's); the decoder passes norm_eps.
+TEST(Decoder, NormsUseTheConfiguredEps) {
+  DecoderConfig cfg = tiny_config();
+  auto net = std::make_shared<Decoder>(cfg);
+  EXPECT_EQ(net->norm->eps(), std::optional<double>(1e-6));
+  for (auto& [name, m] : net->named_modules())
+    if (auto* norm = dynamic_cast<RMSNorm*>(m.get())) {
+      EXPECT_EQ(norm->eps(), std::optional<double>(1e-6)) << name;
+    }
 }
 
 TEST(Decoder, SubmodulePathsReachTheBlocks) {

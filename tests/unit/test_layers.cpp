@@ -392,6 +392,24 @@ TEST(LayerModules, ZeroGradClearsEveryLayer) {
     EXPECT_FALSE(p->grad().defined()) << p->str();
 }
 
+// PyTorch's nn.RMSNorm(eps=None) uses torch.finfo(x.dtype).eps: [1e-3, -1e-3] in float32 gives
+// 1e-3 / sqrt(1e-6 + 1.19e-7) = 0.9452 (with eps 1e-6: 0.7071).
+TEST(NormLayers, RMSNormDefaultEpsIsTheInputDtypesEpsilon) {
+  const Tensor x = from_vector<float>({1e-3f, -1e-3f});
+  const double want = 1e-3 / std::sqrt(1e-6 + 1.1920928955078125e-07);
+  expect_near_all((*std::make_shared<RMSNorm>(2))(x), {want, -want}, 1e-6, "float32 default");
+  EXPECT_NEAR(want, 0.9452, 1e-4);
+  EXPECT_FALSE(RMSNorm(2).eps().has_value());
+  const double with_1e6 = 1e-3 / std::sqrt(2e-6);
+  expect_near_all((*std::make_shared<RMSNorm>(2, 1e-6))(x), {with_1e6, -with_1e6}, 1e-6,
+                  "explicit 1e-6");
+  // The op alone, in bfloat16: eps 0.0078125, so 0.125 / sqrt(0.015625 + 0.0078125) = 0.8165.
+  const Tensor xb = from_vector<float>({0.125f, -0.125f}).to(DType::BFloat16);
+  const double wb = 0.125 / std::sqrt(0.015625 + 0.0078125);
+  expect_near_all(rms_norm(xb, Tensor()), {wb, -wb}, 4e-3, "bfloat16 default");
+  expect_near_all(rms_norm(x, Tensor()), {want, -want}, 1e-6, "float32 op default");
+}
+
 // torch.nn.init.kaiming_uniform_'s default a = 0 gives bound sqrt(6 / fan_in); Linear keeps
 // nn.Linear's a = sqrt(5) (LinearLayer.InitDrawsWeightThenBiasFromTheGenerator).
 TEST(ParameterInit, KaimingUniformDefaultsToPyTorchsAZero) {

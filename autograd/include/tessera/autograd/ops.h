@@ -97,7 +97,27 @@ Tensor log_softmax(const Tensor& x, int64_t dim);
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
                      kernels::Reduction reduction = kernels::Reduction::Mean);
 Tensor embedding(const Tensor& indices, const Tensor& weight);
-Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
+// rms_norm's eps when none is given, as F.rms_norm's eps=None: the input dtype's machine epsilon,
+// torch.finfo(dtype).eps (float32 1.19e-7, bfloat16 0.0078125, float16 0.000977). 0 for other
+// dtypes, which rms_norm refuses.
+inline double rms_norm_default_eps(DType dtype) {
+  switch (dtype) {
+    case DType::Float64:
+      return 2.220446049250313e-16;
+    case DType::Float32:
+      return 1.1920928955078125e-07;
+    case DType::BFloat16:
+      return 0.0078125;
+    case DType::Float16:
+      return 0.0009765625;
+    default:
+      return 0.0;
+  }
+}
+inline Tensor rms_norm(const Tensor& x, const Tensor& weight) {
+  return rms_norm(x, weight, x.defined() ? rms_norm_default_eps(x.dtype()) : 0.0);
+}
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
 Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin);
 // q [B, H, T, D], k/v [B, H, S, D]; scale <= 0 means 1/sqrt(D). `causal` aligns the mask at

@@ -3,6 +3,7 @@
 // Like the ops in ops.h, inputs are redistributed to what the rule asks and gradients come back
 // in the inputs' grad placements; a replicated weight used by sharded activations receives the
 // sum of every rank's contribution.
+#include "tessera/autograd/ops.h"
 #include "tessera/dtensor/dtensor.h"
 
 namespace tessera {
@@ -20,7 +21,11 @@ DTensor embedding(const DTensor& ids, const DTensor& weight);
 // Normalise the last dim, which must be whole on every rank: a shard of it (or a Partial input)
 // is gathered (reduced) to Replicate first. Other dims keep their shards (sequence parallel).
 // weight [D] and bias [D] (either may be undefined) are used replicated.
-DTensor rms_norm(const DTensor& x, const DTensor& weight, double eps = 1e-6);
+// Without eps: the input dtype's machine epsilon, as F.rms_norm's eps=None (rms_norm_default_eps).
+DTensor rms_norm(const DTensor& x, const DTensor& weight, double eps);
+inline DTensor rms_norm(const DTensor& x, const DTensor& weight) {
+  return rms_norm(x, weight, rms_norm_default_eps(x.dtype()));
+}
 DTensor layer_norm(const DTensor& x, const DTensor& weight, const DTensor& bias, double eps = 1e-5);
 
 }  // namespace tessera

@@ -1,6 +1,8 @@
 #pragma once
 // Basic layers. Each draws its initial values with the shard-invariant RNG in registration
 // order, so the same seed gives the same model under any parallelism.
+#include <optional>
+
 #include "tessera/nn/module.h"
 
 namespace tessera {
@@ -50,13 +52,16 @@ class Embedding : public Module {
 // Normalises the last dim. Supports SequenceParallel (input sharded on a non-normalised dim).
 class RMSNorm : public Module {
  public:
-  explicit RMSNorm(int64_t dim, double eps = 1e-6);
+  // No eps (PyTorch's eps=None) is the input dtype's machine epsilon at each call (1.19e-7 for
+  // float32, 0.0078125 for bfloat16), as nn.RMSNorm; DecoderConfig passes its norm_eps.
+  explicit RMSNorm(int64_t dim, std::optional<double> eps = std::nullopt);
   Tensor forward(const Tensor& x) override;
   DTensor forward_dtensor(const DTensor& x) override;
+  const std::optional<double>& eps() const { return eps_; }
   Parameter weight;  // ones
 
  private:
-  double eps_;
+  std::optional<double> eps_;
 };
 
 class LayerNorm : public Module {
