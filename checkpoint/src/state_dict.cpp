@@ -50,27 +50,6 @@ std::string state_key(const std::string& fqn, const std::string& name) {
 
 }  // namespace
 
-std::string IncompatibleKeys::str() const {
-  // A model of another size mismatches every key: the first few say it.
-  constexpr size_t kShown = 8;
-  auto join = [](const std::vector<std::string>& v) {
-    std::string s;
-    for (size_t i = 0; i < v.size() && i < kShown; ++i)
-      s += (s.empty() ? "" : ", ") + v[i];
-    if (v.size() > kShown) s += ", and " + std::to_string(v.size() - kShown) + " more";
-    return s;
-  };
-  std::string s;
-  auto add = [&](const char* what, const std::vector<std::string>& v) {
-    if (v.empty()) return;
-    s += (s.empty() ? "" : "; ") + std::string(what) + ": " + join(v);
-  };
-  add("missing keys", missing_keys);
-  add("unexpected keys", unexpected_keys);
-  add("mis-shaped keys", mismatched_keys);
-  return s.empty() ? "no incompatible keys" : s;
-}
-
 std::string state_value_str(const StateValue& v) {
   if (const auto* t = std::get_if<Tensor>(&v)) return t->defined() ? t->str() : "undefined Tensor";
   if (const auto* d = std::get_if<DTensor>(&v)) return d->str();

@@ -1,5 +1,6 @@
 // Full and sharded state dicts of a Module. Both check every key before writing anything, so a
 // failed load leaves the model as it was.
+#include <algorithm>
 #include <set>
 
 #include "tessera/autograd/grad_mode.h"
@@ -18,10 +19,12 @@ std::string join(const std::vector<std::string>& v) {
 }
 
 // Lists every missing, unexpected and mis-shaped key of `state` (a map whose values have
-// shape()) against the module's parameters and buffers, and throws when the load must not go on.
+// shape()) against the module's parameters and buffers, and throws when the load must not go on;
+// else returns the missing and unexpected keys.
 template <class Map>
-void check_keys(const char* op, const std::string& module, const Map& state,
-                const std::vector<std::pair<std::string, Shape>>& expected, bool strict) {
+IncompatibleKeys check_keys(const char* op, const std::string& module, const Map& state,
+                            const std::vector<std::pair<std::string, Shape>>& expected,
+                            bool strict) {
   std::vector<std::string> missing, unexpected, mismatched;
   std::set<std::string> known;
   for (const auto& [name, shape] : expected) {
@@ -41,6 +44,11 @@ void check_keys(const char* op, const std::string& module, const Map& state,
                 missing.empty() ? "" : "missing keys: " + join(missing) + "; ",
                 unexpected.empty() ? "" : "unexpected keys: " + join(unexpected) + "; ",
                 mismatched.empty() ? "" : "mis-shaped keys: " + join(mismatched));
+  std::sort(missing.begin(), missing.end());
+  IncompatibleKeys keys;
+  keys.missing_keys = std::move(missing);
+  keys.unexpected_keys = std::move(unexpected);
+  return keys;
 }
 
 std::vector<std::pair<std::string, Shape>> expected_shapes(
@@ -56,6 +64,27 @@ std::vector<std::pair<std::string, Shape>> expected_shapes(
 
 }  // namespace
 
+std::string IncompatibleKeys::str() const {
+  // A model of another size mismatches every key: the first few say it.
+  constexpr size_t kShown = 8;
+  auto join = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (size_t i = 0; i < v.size() && i < kShown; ++i)
+      s += (s.empty() ? "" : ", ") + v[i];
+    if (v.size() > kShown) s += ", and " + std::to_string(v.size() - kShown) + " more";
+    return s;
+  };
+  std::string s;
+  auto add = [&](const char* what, const std::vector<std::string>& v) {
+    if (v.empty()) return;
+    s += (s.empty() ? "" : "; ") + std::string(what) + ": " + join(v);
+  };
+  add("missing keys", missing_keys);
+  add("unexpected keys", unexpected_keys);
+  add("mis-shaped keys", mismatched_keys);
+  return s.empty() ? "no incompatible keys" : s;
+}
+
 std::map<std::string, Tensor> Module::state_dict() {
   std::map<std::string, Tensor> out;
   for (auto& [name, p] : named_parameters())
@@ -65,10 +94,11 @@ std::map<std::string, Tensor> Module::state_dict() {
   return out;
 }
 
-void Module::load_state_dict(const std::map<std::string, Tensor>& state, bool strict) {
+IncompatibleKeys Module::load_state_dict(const std::map<std::string, Tensor>& state, bool strict) {
   auto params = named_parameters();
   auto buffers = named_buffers();
-  check_keys("load_state_dict", type_name_, state, expected_shapes(params, buffers), strict);
+  IncompatibleKeys keys =
+      check_keys("load_state_dict", type_name_, state, expected_shapes(params, buffers), strict);
   for (auto& [name, p] : params) {
     auto it = state.find(name);
     if (it != state.end()) p->copy_from_full(it->second.to(p->dtype()));
@@ -77,6 +107,7 @@ void Module::load_state_dict(const std::map<std::string, Tensor>& state, bool st
     auto it = state.find(name);
     if (it != state.end()) b->copy_(it->second);
   }
+  return keys;
 }
 
 std::map<std::string, DTensor> Module::sharded_state_dict() {
@@ -96,12 +127,13 @@ std::map<std::string, DTensor> Module::sharded_state_dict() {
   return out;
 }
 
-void Module::load_sharded_state_dict(const std::map<std::string, DTensor>& state, bool strict) {
+IncompatibleKeys Module::load_sharded_state_dict(const std::map<std::string, DTensor>& state,
+                                                 bool strict) {
   NoGradGuard no_grad;
   auto params = named_parameters();
   auto buffers = named_buffers();
-  check_keys("load_sharded_state_dict", type_name_, state, expected_shapes(params, buffers),
-             strict);
+  IncompatibleKeys keys = check_keys("load_sharded_state_dict", type_name_, state,
+                                     expected_shapes(params, buffers), strict);
   for (auto& [name, p] : params) {
     auto it = state.find(name);
     if (it == state.end()) continue;
@@ -117,6 +149,7 @@ void Module::load_sharded_state_dict(const std::map<std::string, DTensor>& state
     auto it = state.find(name);
     if (it != state.end()) b->copy_(it->second.full_tensor());
   }
+  return keys;
 }
 
 }  // namespace tessera

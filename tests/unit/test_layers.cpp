@@ -392,6 +392,22 @@ TEST(LayerModules, ZeroGradClearsEveryLayer) {
     EXPECT_FALSE(p->grad().defined()) << p->str();
 }
 
+// PyTorch's load_state_dict(strict=False) returns the keys it did not take.
+TEST(LayerModules, NonStrictLoadReturnsMissingAndUnexpectedKeys) {
+  Generator gen(1);
+  auto m = std::make_shared<Block>(gen);
+  auto sd = m->state_dict();
+  EXPECT_TRUE(m->load_state_dict(sd).empty());
+  sd.erase("proj.bias");
+  sd.erase("norm.weight");
+  sd["zz.extra"] = zeros({1});
+  sd["aa.extra"] = zeros({1});
+  const IncompatibleKeys k = m->load_state_dict(sd, /*strict=*/false);
+  EXPECT_EQ(k.missing_keys, (std::vector<std::string>{"norm.weight", "proj.bias"}));
+  EXPECT_EQ(k.unexpected_keys, (std::vector<std::string>{"aa.extra", "zz.extra"}));
+  EXPECT_TRUE(k.mismatched_keys.empty());
+}
+
 // PyTorch's nn.RMSNorm(eps=None) uses torch.finfo(x.dtype).eps: [1e-3, -1e-3] in float32 gives
 // 1e-3 / sqrt(1e-6 + 1.19e-7) = 0.9452 (with eps 1e-6: 0.7071).
 TEST(NormLayers, RMSNormDefaultEpsIsTheInputDtypesEpsilon) {

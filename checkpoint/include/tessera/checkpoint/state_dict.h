@@ -46,18 +46,8 @@ struct StateDictOptions {
   bool strict = true;
 };
 
-// What a set_* or load did not take (PyTorch's _IncompatibleKeys, plus wrong shapes), each list
-// sorted. A wrong shape reads "key (expected [8, 4], got [4, 4])".
-struct IncompatibleKeys {
-  std::vector<std::string> missing_keys;
-  std::vector<std::string> unexpected_keys;
-  std::vector<std::string> mismatched_keys;
-  bool empty() const {
-    return missing_keys.empty() && unexpected_keys.empty() && mismatched_keys.empty();
-  }
-  // "missing keys: a, b; unexpected keys: c" (at most 8 keys of each kind, then how many more)
-  std::string str() const;
-};
+// set_* and load return what they did not take as IncompatibleKeys (tessera/nn/module.h, shared
+// with Module::load_state_dict).
 
 // Collective over the ranks that hold the model's DTensors (every rank for a full dict).
 StateDict get_model_state_dict(Module& model, const StateDictOptions& options = {});

@@ -28,6 +28,20 @@ struct DTensorIO {
   Placements output_layouts;
 };
 
+// What a load did not take: PyTorch's _IncompatibleKeys (missing_keys, unexpected_keys), plus
+// mis-shaped keys for the distributed checkpoint's loads, which return those too. Each list is
+// sorted; a wrong shape reads "key (expected [8, 4], got [4, 4])".
+struct IncompatibleKeys {
+  std::vector<std::string> missing_keys;
+  std::vector<std::string> unexpected_keys;
+  std::vector<std::string> mismatched_keys;
+  bool empty() const {
+    return missing_keys.empty() && unexpected_keys.empty() && mismatched_keys.empty();
+  }
+  // "missing keys: a, b; unexpected keys: c" (at most 8 keys of each kind, then how many more)
+  std::string str() const;
+};
+
 class Module : public std::enable_shared_from_this<Module> {
  public:
   explicit Module(std::string type_name) : type_name_(std::move(type_name)) {}
@@ -68,9 +82,11 @@ class Module : public std::enable_shared_from_this<Module> {
 
   // Global tensors under fully qualified names (DTensors are gathered), buffers included.
   std::map<std::string, Tensor> state_dict();
-  // Strict by default: missing, unexpected and mis-shaped keys are all listed in the error.
-  // Each rank copies its own window of every global tensor.
-  void load_state_dict(const std::map<std::string, Tensor>& state, bool strict = true);
+  // Strict by default: missing, unexpected and mis-shaped keys are all listed in the error, and
+  // nothing is written. Not strict, the keys that fit are loaded and the missing and unexpected
+  // ones returned (mis-shaped keys are still an error, as in PyTorch). Each rank copies its own
+  // window of every global tensor.
+  IncompatibleKeys load_state_dict(const std::map<std::string, Tensor>& state, bool strict = true);
   // The same names without gathering anything: each distributed parameter as its DTensor (the
   // stored shard, sharing its storage, as for checkpointing a sharded model), and each plain
   // parameter or buffer as a DTensor replicated on a 1-D mesh over the world. Collective.
@@ -78,7 +94,8 @@ class Module : public std::enable_shared_from_this<Module> {
   // Loads DTensors of the right global shapes in any placements and on any mesh: each parameter
   // takes its own piece (redistributed when the mesh is its own, else gathered and cut). Checked
   // like load_state_dict before anything is written. Collective.
-  void load_sharded_state_dict(const std::map<std::string, DTensor>& state, bool strict = true);
+  IncompatibleKeys load_sharded_state_dict(const std::map<std::string, DTensor>& state,
+                                           bool strict = true);
 
   void zero_grad();
   // PyTorch's module.to(device): moves every parameter (Parameter::to) and buffer, recursively.
