@@ -14,28 +14,31 @@ namespace {
 using ckpt::ScalarSlot;
 using ckpt::Slot;
 
+// Every name of a tied tensor or shared module, as PyTorch's get_model_state_dict (which is
+// model.state_dict()) has: a tied table is saved under each name and loaded from each.
 std::vector<Slot> model_slots(Module& model, const StateDictOptions& options) {
   std::vector<Slot> slots;
-  for (auto& [name, p] : model.named_parameters()) {
+  for (auto& [name, p] : model.named_parameters(true, /*remove_duplicate=*/false)) {
     if (options.ignore_frozen_params && !p->requires_grad()) continue;
     slots.push_back(ckpt::parameter_slot(name, *p));
   }
-  for (auto& [name, b] : model.named_buffers())
+  for (auto& [name, b] : model.named_buffers(true, /*remove_duplicate=*/false))
     slots.push_back(ckpt::plain_slot(name, *b));
   return slots;
 }
 
 // The optimizer's parameters by their names in `model`; frozen ones are left out (they get no
-// state). An optimizer parameter that is not the model's is an error naming its index.
+// state). A tied tensor's state is keyed by its first name, whichever of its Parameters the
+// optimizer holds. An optimizer parameter that is not the model's is an error naming its index.
 std::vector<std::pair<size_t, std::string>> optimizer_params(Module& model, Optimizer& opt,
                                                              const char* op) {
-  std::map<const Parameter*, std::string> names;
+  std::map<const TensorImpl*, std::string> names;
   for (auto& [name, p] : model.named_parameters())
-    names[p] = name;
+    names[p->stored().impl()] = name;
   std::vector<std::pair<size_t, std::string>> out;
   for (size_t i = 0; i < opt.params().size(); ++i) {
     const Parameter* p = opt.params()[i];
-    auto it = names.find(p);
+    auto it = names.find(p->stored().impl());
     TESSERA_CHECK(it != names.end(), op, ": optimizer parameter ", i, " ", p->str(),
                   " is not a parameter of the ", model.type_name(),
                   " (state is keyed by the model's parameter names)");

@@ -1,5 +1,6 @@
 #include "tessera/nn/module.h"
 
+#include <map>
 #include <set>
 
 #include "parallel/local_pieces.h"
@@ -76,33 +77,66 @@ std::vector<std::pair<std::string, ModulePtr>> Module::named_children() {
   return out;
 }
 
-std::vector<std::pair<std::string, ModulePtr>> Module::named_modules() {
-  TESSERA_CHECK(!weak_from_this().expired(), type_name_,
-                ": modules must be created with std::make_shared (names, parameters and state "
-                "dicts walk the module tree through shared pointers)");
-  std::vector<std::pair<std::string, ModulePtr>> out = {{"", shared_from_this()}};
-  for (auto& [name, child] : named_children())
-    for (auto& [sub, m] : child->named_modules())
-      out.emplace_back(sub.empty() ? name : name + "." + sub, m);
+namespace {
+
+// Walks the module tree depth first; with `seen`, a module reached again (registered under a
+// second name) is skipped with everything below it, as PyTorch's named_modules does.
+void walk_modules(const ModulePtr& m, const std::string& prefix, std::set<const Module*>* seen,
+                  std::vector<std::pair<std::string, ModulePtr>>& out) {
+  if (seen != nullptr && !seen->insert(m.get()).second) return;
+  out.emplace_back(prefix, m);
+  for (auto& [name, child] : m->named_children())
+    walk_modules(child, prefix.empty() ? name : prefix + "." + name, seen, out);
+}
+
+// The members `list` picks (params_ or buffers_) of this module, or of every module below it,
+// under their full names. With remove_duplicate a tensor already listed is skipped: two slots
+// holding one tensor (weights tied by assignment) are one parameter, however many Parameter
+// objects or names refer to it.
+template <class Slot, class Modules, class List>
+std::vector<std::pair<std::string, Slot*>> named_members(const Modules& modules,
+                                                         bool remove_duplicate, List&& list,
+                                                         const Tensor& (*tensor_of)(const Slot&)) {
+  std::vector<std::pair<std::string, Slot*>> out;
+  std::set<const TensorImpl*> seen;
+  for (auto& [prefix, m] : modules)
+    for (auto& [name, slot] : list(*m)) {
+      if (!tensor_of(*slot).defined()) continue;
+      if (remove_duplicate && !seen.insert(tensor_of(*slot).impl()).second) continue;
+      out.emplace_back(prefix.empty() ? name : prefix + "." + name, slot);
+    }
   return out;
 }
 
-std::vector<std::pair<std::string, Parameter*>> Module::named_parameters(bool recurse) {
-  std::vector<std::pair<std::string, Parameter*>> out;
-  std::set<const Tensor*> seen;  // a parameter shared by two modules is listed once
-  auto add = [&](const std::string& prefix, Module& m) {
-    for (auto& [name, p] : m.params_) {
-      if (!p->defined() || !seen.insert(&p->local()).second) continue;
-      out.emplace_back(prefix.empty() ? name : prefix + "." + name, p);
-    }
-  };
-  if (!recurse) {
-    add("", *this);
-    return out;
-  }
-  for (auto& [prefix, m] : named_modules())
-    add(prefix, *m);
+const Tensor& stored_of(const Parameter& p) {
+  return p.stored();
+}
+const Tensor& buffer_of(const Tensor& t) {
+  return t;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, ModulePtr>> Module::named_modules(bool remove_duplicate) {
+  TESSERA_CHECK(!weak_from_this().expired(), type_name_,
+                ": modules must be created with std::make_shared (names, parameters and state "
+                "dicts walk the module tree through shared pointers)");
+  std::vector<std::pair<std::string, ModulePtr>> out;
+  std::set<const Module*> seen;
+  walk_modules(shared_from_this(), "", remove_duplicate ? &seen : nullptr, out);
   return out;
+}
+
+std::vector<std::pair<std::string, Parameter*>> Module::named_parameters(bool recurse,
+                                                                         bool remove_duplicate) {
+  auto params = [](Module & m) -> auto& {
+    return m.params_;
+  };
+  if (!recurse)
+    return named_members<Parameter>(std::vector<std::pair<std::string, Module*>>{{"", this}},
+                                    remove_duplicate, params, &stored_of);
+  return named_members<Parameter>(named_modules(remove_duplicate), remove_duplicate, params,
+                                  &stored_of);
 }
 
 std::vector<Parameter*> Module::parameters(bool recurse) {
@@ -112,19 +146,16 @@ std::vector<Parameter*> Module::parameters(bool recurse) {
   return out;
 }
 
-std::vector<std::pair<std::string, Tensor*>> Module::named_buffers(bool recurse) {
-  std::vector<std::pair<std::string, Tensor*>> out;
-  auto add = [&](const std::string& prefix, Module& m) {
-    for (auto& [name, b] : m.buffers_)
-      if (b->defined()) out.emplace_back(prefix.empty() ? name : prefix + "." + name, b);
+std::vector<std::pair<std::string, Tensor*>> Module::named_buffers(bool recurse,
+                                                                   bool remove_duplicate) {
+  auto buffers = [](Module & m) -> auto& {
+    return m.buffers_;
   };
-  if (!recurse) {
-    add("", *this);
-    return out;
-  }
-  for (auto& [prefix, m] : named_modules())
-    add(prefix, *m);
-  return out;
+  if (!recurse)
+    return named_members<Tensor>(std::vector<std::pair<std::string, Module*>>{{"", this}},
+                                 remove_duplicate, buffers, &buffer_of);
+  return named_members<Tensor>(named_modules(remove_duplicate), remove_duplicate, buffers,
+                               &buffer_of);
 }
 
 ModulePtr Module::get_submodule(const std::string& path) {
@@ -172,10 +203,24 @@ void Module::copy_hooks_from(const Module& other) {
 }
 
 Module& Module::to(Device device) {
-  for (Parameter* p : parameters())
-    p->to(device);
-  for (auto& [name, buffer] : named_buffers())
-    if (buffer->defined()) *buffer = buffer->to(device);
+  // Every slot, not the deduplicated lists: a tensor held by several Parameters or buffers (tied
+  // weights) is moved once and the moved tensor given to each of them, which keeps them tied.
+  std::map<const TensorImpl*, Parameter*> moved_params;
+  for (auto& [name, p] : named_parameters(true, /*remove_duplicate=*/false)) {
+    auto [it, first] = moved_params.emplace(p->stored().impl(), p);
+    if (first)
+      p->to(device);
+    else if (!p->stored().is_same(it->second->stored()))
+      *p = *it->second;
+  }
+  std::map<const TensorImpl*, Tensor*> moved_buffers;
+  for (auto& [name, b] : named_buffers(true, /*remove_duplicate=*/false)) {
+    auto [it, first] = moved_buffers.emplace(b->impl(), b);
+    if (first)
+      *b = b->to(device);
+    else
+      *b = *it->second;
+  }
   return *this;
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <map>
 
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/core/factory.h"
@@ -24,9 +25,19 @@ void check_params(const char* opt, const std::vector<Parameter*>& params) {
   TESSERA_CHECK(!params.empty(), opt,
                 ": optimizer got an empty parameter list (no parameter to update; were all "
                 "parameters frozen, or collected before the layers were added?)");
-  for (size_t i = 0; i < params.size(); ++i)
+  // A tensor listed twice (the same Parameter twice, or two Parameters tied by assignment) would
+  // be updated twice per step with two states; PyTorch refuses it too.
+  std::map<const TensorImpl*, size_t> seen;
+  for (size_t i = 0; i < params.size(); ++i) {
     TESSERA_CHECK(params[i] != nullptr && params[i]->defined(), opt, ": parameter ", i, " of ",
                   params.size(), " is null or undefined");
+    auto [it, first] = seen.emplace(params[i]->stored().impl(), i);
+    TESSERA_CHECK(first, opt, ": parameter ", i, " of ", params.size(), " ", params[i]->str(),
+                  " is parameter ", it->second,
+                  " again (the same tensor; some parameters appear more than once, so each would "
+                  "be updated once per appearance): list each once, e.g. from parameters(), "
+                  "which lists tied weights once");
+  }
 }
 
 // FSDP writes a parameter's gradient when its reduce-scatter completes, at the latest when

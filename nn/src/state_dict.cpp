@@ -85,18 +85,20 @@ std::string IncompatibleKeys::str() const {
   return s.empty() ? "no incompatible keys" : s;
 }
 
+// State dicts walk every name (remove_duplicate = false), as PyTorch's do: a tied tensor is
+// saved under each of its names and loaded from each (the same value, written once per name).
 std::map<std::string, Tensor> Module::state_dict() {
   std::map<std::string, Tensor> out;
-  for (auto& [name, p] : named_parameters())
+  for (auto& [name, p] : named_parameters(true, /*remove_duplicate=*/false))
     out[name] = p->full();
-  for (auto& [name, b] : named_buffers())
+  for (auto& [name, b] : named_buffers(true, /*remove_duplicate=*/false))
     out[name] = b->detach();
   return out;
 }
 
 IncompatibleKeys Module::load_state_dict(const std::map<std::string, Tensor>& state, bool strict) {
-  auto params = named_parameters();
-  auto buffers = named_buffers();
+  auto params = named_parameters(true, /*remove_duplicate=*/false);
+  auto buffers = named_buffers(true, /*remove_duplicate=*/false);
   IncompatibleKeys keys =
       check_keys("load_state_dict", type_name_, state, expected_shapes(params, buffers), strict);
   for (auto& [name, p] : params) {
@@ -113,8 +115,8 @@ IncompatibleKeys Module::load_state_dict(const std::map<std::string, Tensor>& st
 std::map<std::string, DTensor> Module::sharded_state_dict() {
   NoGradGuard no_grad;
   std::map<std::string, DTensor> out;
-  auto params = named_parameters();
-  auto buffers = named_buffers();
+  auto params = named_parameters(true, /*remove_duplicate=*/false);
+  auto buffers = named_buffers(true, /*remove_duplicate=*/false);
   std::optional<DeviceMesh> world;
   auto replicated = [&](const Tensor& t) {
     if (!world) world.emplace(Shape{world_size()}, std::vector<std::string>{"world"});
@@ -130,8 +132,8 @@ std::map<std::string, DTensor> Module::sharded_state_dict() {
 IncompatibleKeys Module::load_sharded_state_dict(const std::map<std::string, DTensor>& state,
                                                  bool strict) {
   NoGradGuard no_grad;
-  auto params = named_parameters();
-  auto buffers = named_buffers();
+  auto params = named_parameters(true, /*remove_duplicate=*/false);
+  auto buffers = named_buffers(true, /*remove_duplicate=*/false);
   IncompatibleKeys keys = check_keys("load_sharded_state_dict", type_name_, state,
                                      expected_shapes(params, buffers), strict);
   for (auto& [name, p] : params) {

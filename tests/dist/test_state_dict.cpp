@@ -219,3 +219,55 @@ TEST(StateDict, AnOptimizerParameterOutsideTheModelIsAnError) {
   expect_error([&] { get_optimizer_state_dict(*p.model, opt); },
                {"optimizer parameter 0", "is not a parameter of the Decoder"});
 }
+
+namespace {
+
+// An embedding and an output projection tied by assignment (PyTorch's
+// `lm_head.weight = embed.weight`): two Parameters holding one tensor.
+class TiedLm : public Module {
+ public:
+  explicit TiedLm(uint64_t seed) : Module("TiedLm") {
+    Generator gen(seed);
+    embed = std::make_shared<Embedding>(6, 4, gen);
+    lm_head = std::make_shared<Linear>(4, 6, false, gen);
+    lm_head->weight = embed->weight;
+    register_module("embed", embed);
+    register_module("lm_head", lm_head);
+  }
+  std::shared_ptr<Embedding> embed;
+  std::shared_ptr<Linear> lm_head;
+};
+
+}  // namespace
+
+// As PyTorch's get_model_state_dict (model.state_dict()), a tied tensor has a key under each of
+// its names, and loading sets it from each; the optimizer's state is the tensor's, keyed by its
+// first name whichever of its Parameters the optimizer holds.
+TEST(StateDict, TiedWeightsHaveEveryNameAndStayTiedThroughACheckpoint) {
+  auto a = std::make_shared<TiedLm>(7);
+  for (bool full : {false, true}) {
+    const StateDict sd = get_model_state_dict(*a, {.full_state_dict = full});
+    ASSERT_EQ(sd.size(), 2u);
+    EXPECT_TRUE(sd.count("embed.weight") && sd.count("lm_head.weight"));
+  }
+  Tensor leaf = a->embed->weight.stored();
+  leaf.set_grad(full({6, 4}, 0.5));
+  AdamW opt({&a->lm_head->weight}, checkpoint_adamw());
+  opt.step();
+  const StateDict os = get_optimizer_state_dict(*a, opt);
+  EXPECT_TRUE(os.count("state/embed.weight/exp_avg"));
+  EXPECT_FALSE(os.count("state/lm_head.weight/exp_avg"));
+
+  const std::string path =
+      scratch_dir("state_dict_tied") + "/np" + std::to_string(world_size()) + ".h5";
+  save(get_model_state_dict(*a), path);
+  auto b = std::make_shared<TiedLm>(11);
+  StateDict into = get_model_state_dict(*b);
+  const IncompatibleKeys k = load(into, path);
+  EXPECT_TRUE(k.empty()) << k.str();
+  expect_identical(b->lm_head->weight.stored(), a->embed->weight.stored(), "loaded");
+  EXPECT_TRUE(b->lm_head->weight.stored().is_same(b->embed->weight.stored())) << "untied";
+  const IncompatibleKeys k2 = set_model_state_dict(
+      *b, get_model_state_dict(*a, {.full_state_dict = true}), {.full_state_dict = true});
+  EXPECT_TRUE(k2.empty()) << k2.str();
+}

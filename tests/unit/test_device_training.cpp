@@ -85,6 +85,30 @@ TEST(DeviceTraining, TiedEmbeddingsMoveOnceAndTrainAlike) {
   expect_same_run(train(Device::cuda(0), true, 3), cpu);
 }
 
+// Weights tied by assignment (two Parameters holding one tensor, as PyTorch's
+// `lm_head.weight = embed.weight`) stay one tensor on the device: moved once, given to both.
+TEST(DeviceTraining, WeightsTiedByAssignmentStayTiedWhenMoved) {
+  struct TiedLm : Module {
+    explicit TiedLm(Generator& gen)
+        : Module("TiedLm"),
+          embed(std::make_shared<Embedding>(6, 4, gen)),
+          head(std::make_shared<Linear>(4, 6, false, gen)) {
+      head->weight = embed->weight;
+      register_module("embed", embed);
+      register_module("head", head);
+    }
+    std::shared_ptr<Embedding> embed;
+    std::shared_ptr<Linear> head;
+  };
+  TestDevice device;
+  Generator gen(3);
+  auto net = std::make_shared<TiedLm>(gen);
+  net->to(Device::cuda(0));
+  EXPECT_EQ(net->embed->weight.stored().device(), Device::cuda(0));
+  EXPECT_TRUE(net->head->weight.stored().is_same(net->embed->weight.stored())) << "untied by to()";
+  EXPECT_EQ(net->parameters().size(), 1u);
+}
+
 TEST(DeviceTraining, InputsOnAnotherDeviceAreAnErrorNamingBoth) {
   TestDevice device;
   auto net = std::make_shared<Decoder>(small_decoder_config());

@@ -58,12 +58,19 @@ class Module : public std::enable_shared_from_this<Module> {
   const std::string& type_name() const { return type_name_; }
 
   // --- names (all in registration order, recursively, "a.b.c") ---
-  std::vector<std::pair<std::string, Parameter*>> named_parameters(bool recurse = true);
+  // With remove_duplicate (PyTorch's default), a module registered under two names and a tensor
+  // held by two Parameters or buffers (weights tied by assignment, `head->weight =
+  // emb->weight`) are listed once, under their first name: optimizers and clip_grad_norm_ must
+  // see each tensor once, or they update and count it once per name. state_dict() lists every
+  // name, as PyTorch's does.
+  std::vector<std::pair<std::string, Parameter*>> named_parameters(bool recurse = true,
+                                                                   bool remove_duplicate = true);
   std::vector<Parameter*> parameters(bool recurse = true);
-  std::vector<std::pair<std::string, Tensor*>> named_buffers(bool recurse = true);
+  std::vector<std::pair<std::string, Tensor*>> named_buffers(bool recurse = true,
+                                                             bool remove_duplicate = true);
   std::vector<std::pair<std::string, ModulePtr>> named_children();
   // Every module below and including this one ("" is this one).
-  std::vector<std::pair<std::string, ModulePtr>> named_modules();
+  std::vector<std::pair<std::string, ModulePtr>> named_modules(bool remove_duplicate = true);
   // The module at a dotted path ("layers.3.attention"); an error names the missing part.
   ModulePtr get_submodule(const std::string& path);
   // Replaces the child at `path` (apply_lora wraps layers this way); the new module must be
@@ -80,7 +87,9 @@ class Module : public std::enable_shared_from_this<Module> {
   void register_forward_pre_hook(ForwardPreHook hook);
   void register_forward_hook(ForwardHook hook);
 
-  // Global tensors under fully qualified names (DTensors are gathered), buffers included.
+  // Global tensors under fully qualified names (DTensors are gathered), buffers included. Every
+  // name of a shared module or tied tensor has its key ("embed.weight" and "lm_head.weight"),
+  // as in PyTorch, so that dicts load between the two strictly.
   std::map<std::string, Tensor> state_dict();
   // Strict by default: missing, unexpected and mis-shaped keys are all listed in the error, and
   // nothing is written. Not strict, the keys that fit are loaded and the missing and unexpected
