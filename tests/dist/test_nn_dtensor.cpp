@@ -3,6 +3,7 @@
 // equals the same computation on one rank with plain tensors. Shapes are uneven on purpose.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -482,7 +483,7 @@ struct ClipCase {
 };
 
 void check_clip(const DeviceMesh* mesh, const std::vector<ClipCase>& cases, double max_norm,
-                uint64_t seed) {
+                uint64_t seed, double norm_type = 2.0) {
   std::vector<Parameter> dist, plain;
   std::vector<Tensor> grads;
   for (size_t i = 0; i < cases.size(); ++i) {
@@ -507,14 +508,21 @@ void check_clip(const DeviceMesh* mesh, const std::vector<ClipCase>& cases, doub
     dp.push_back(&dist[i]);
     pp.push_back(&plain[i]);
   }
-  const double want = clip_grad_norm_(pp, max_norm);
-  const double got = clip_grad_norm_(dp, max_norm);
-  EXPECT_NEAR(got, want, 1e-12 * want);
+  const double want = clip_grad_norm_(pp, max_norm, norm_type);
+  const double got = clip_grad_norm_(dp, max_norm, norm_type);
+  EXPECT_NEAR(got, want, 1e-12 * want) << "norm_type " << norm_type;
+  // Every rank computed the same norm, bit for bit.
+  Tensor mine = from_vector<double>({got}), top = mine.clone(), bottom = mine.clone();
+  world_group()->all_reduce(top, ReduceOp::Max)->wait();
+  world_group()->all_reduce(bottom, ReduceOp::Min)->wait();
+  EXPECT_EQ(top.item<double>(), bottom.item<double>()) << "norm_type " << norm_type;
   double direct = 0;
   for (const Tensor& g : grads)
     for (double v : g.to_vector<double>())
-      direct += v * v;
-  EXPECT_NEAR(want, std::sqrt(direct), 1e-12 * want);
+      direct = std::isinf(norm_type) ? std::max(direct, std::abs(v))
+                                     : direct + std::pow(std::abs(v), norm_type);
+  if (!std::isinf(norm_type)) direct = std::pow(direct, 1.0 / norm_type);
+  EXPECT_NEAR(want, direct, 1e-12 * want) << "norm_type " << norm_type;
   for (size_t i = 0; i < cases.size(); ++i)
     expect_close(full_grad(dist[i]), plain[i].grad(), 1e-12, "clipped grad " + std::to_string(i));
 }
@@ -532,6 +540,11 @@ TEST(NnDTensor, ClipGradNormMixedPlacementsMatchesSingleRank) {
   };
   check_clip(&mesh, cases, 1.0, 90);  // clipped
   check_clip(&mesh, cases, 1e6, 91);  // not clipped
+  // The largest magnitude is a max over the shards, not a sum; any p sums |g|^p.
+  for (double p : {double(INFINITY), 1.0, 3.0}) {
+    check_clip(&mesh, cases, 0.5, 92, p);
+    check_clip(&mesh, cases, 1e6, 93, p);
+  }
 }
 
 TEST(NnDTensor, ClipGradNormOnTwoDimMesh) {
@@ -543,4 +556,6 @@ TEST(NnDTensor, ClipGradNormOnTwoDimMesh) {
       {{3}, {Replicate(), Replicate()}}, {{2}, {}},
   };
   check_clip(&mesh, cases, 0.5, 100);
+  check_clip(&mesh, cases, 0.5, 101, INFINITY);
+  check_clip(&mesh, cases, 0.5, 102, 3.0);
 }

@@ -476,6 +476,17 @@ TEST(TiedWeights, OptimizersRefuseATensorListedTwice) {
   expect_error([&] { AdamW({&p, &p}, {}); }, {"AdamW: parameter 1 of 2", "is parameter 0 again"});
 }
 
+TEST(TiedWeights, ClipGradNormCountsAndScalesATiedGradientOnce) {
+  Generator gen(1);
+  auto m = std::make_shared<TiedLm>(gen);
+  Tensor leaf = m->embed->weight.stored();
+  leaf.set_grad(full({5, 3}, 1.0, DType::Float32));
+  const double norm = clip_grad_norm_({&m->embed->weight, &m->lm_head->weight}, 1.0);
+  EXPECT_NEAR(norm, std::sqrt(15.0), 1e-6);
+  expect_near_all(m->embed->weight.grad(), std::vector<double>(15, 1.0 / std::sqrt(15.0)), 1e-6,
+                  "scaled once");
+}
+
 TEST(TiedWeights, StateDictHasEveryNameAndLoadsThemAll) {
   Generator g1(1), g2(2);
   auto a = std::make_shared<TiedLm>(g1);

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tessera/tessera.h"
@@ -260,13 +261,58 @@ TEST(ClipGradNorm, NanNormReachesEveryGradient) {
   set_grad(b, {100.0});
   expect_error(
       [&] {
-        clip_grad_norm_({&a, &b}, 1.0, /*error_if_nonfinite=*/true);
+        clip_grad_norm_({&a, &b}, 1.0, 2.0, /*error_if_nonfinite=*/true);
       },
       "clip_grad_norm_: the total norm of the gradients is nan");
   EXPECT_EQ(b.grad().item<double>(), 100.0) << "nothing scaled by the refused call";
   EXPECT_TRUE(std::isnan(clip_grad_norm_({&a, &b}, 1.0)));
   EXPECT_TRUE(std::isnan(b.grad().item<double>()));
 }
+
+// PyTorch's clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite): the total
+// p-norm is (sum over every element of |g|^p)^(1/p), for inf the largest |g|.
+TEST(ClipGradNorm, NormTypeInfinityAndGeneralP) {
+  const Vec ga = {3.0, 0.0, -4.0}, gb = {12.0};
+  const std::vector<std::pair<double, double>> norms = {
+      {INFINITY, 12.0}, {1.0, 19.0}, {3.0, std::cbrt(27.0 + 64.0 + 1728.0)}, {2.0, 13.0}};
+  for (const auto& [p, want] : norms) {
+    Parameter a = make_param({0, 0, 0}), b = make_param({0});
+    set_grad(a, ga);
+    set_grad(b, gb);
+    EXPECT_NEAR(clip_grad_norm_({&a, &b}, 100.0, p), want, 1e-12 * want) << "p = " << p;
+    expect_near_all(b.grad(), {12.0}, 0, "not clipped below max_norm");
+    EXPECT_NEAR(clip_grad_norm_({&a, &b}, 6.0, p), want, 1e-12 * want) << "p = " << p;
+    const double coef = 6.0 / (want + 1e-6);
+    expect_near_all(a.grad(), {3 * coef, 0, -4 * coef}, 1e-15, "a clipped");
+    expect_near_all(b.grad(), {12 * coef}, 1e-15, "b clipped");
+  }
+}
+
+TEST(ClipGradNorm, InfinityNormOfANanIsNan) {
+  Parameter a = make_param({0, 0}), b = make_param({0});
+  set_grad(a, {1.0, std::nan("")});
+  set_grad(b, {100.0});
+  EXPECT_TRUE(std::isnan(clip_grad_norm_({&a, &b}, 1.0, INFINITY)));
+  EXPECT_TRUE(std::isnan(b.grad().item<double>()));
+}
+
+TEST(ClipGradNorm, RefusesNormTypesThatAreNotNorms) {
+  Parameter a = make_param({1.0});
+  set_grad(a, {1.0});
+  for (double p : std::vector<double>{0.0, -1.0, -INFINITY, NAN})
+    expect_error([&] { clip_grad_norm_({&a}, 1.0, p); },
+                 {"clip_grad_norm_: norm_type", "is not supported"});
+  EXPECT_EQ(a.grad().item<double>(), 1.0);
+}
+
+// clip_grad_norm_(params, max_norm, true) was error_if_nonfinite before norm_type took the third
+// place; a bool there does not compile rather than read as norm_type 1.
+template <class T>
+constexpr bool clip_takes_third = requires(const std::vector<Parameter*>& ps, T third) {
+  clip_grad_norm_(ps, 1.0, third);
+};
+static_assert(!clip_takes_third<bool>);
+static_assert(clip_takes_third<double> && clip_takes_third<int> && clip_takes_third<float>);
 
 TEST(ClipGradNorm, Float32Gradients) {
   Vec g = random_vec(100, 11);

@@ -2,6 +2,7 @@
 // Optimizers update each parameter's local piece in place. Their state tensors have the
 // parameters' local shapes (for DTensor parameters: the same placements), so sharded parameters
 // have sharded state.
+#include <concepts>
 #include <map>
 #include <string>
 #include <vector>
@@ -102,11 +103,20 @@ class AdamW : public Optimizer {
   std::vector<Tensor> m_, v_;
 };
 
-// Scales all gradients so that their global L2 norm is at most max_norm; returns the norm before
-// clipping. Sharded gradients contribute the sum over their shards, replicated ones once. A
-// non-finite norm scales every gradient by NaN (an infinite one: by 0), as PyTorch does, or with
-// error_if_nonfinite is an error (on every rank: they all computed the same norm), nothing scaled.
+// Scales all gradients so that their global p-norm (norm_type: any p > 0, or INFINITY for the
+// largest magnitude) is at most max_norm; returns the norm before clipping. Arguments in PyTorch's
+// order. Sharded gradients contribute their shards' terms summed (for inf: their maximum),
+// replicated ones once, so every rank computes the same norm; a gradient listed twice (tied
+// weights) is counted and scaled once. A non-finite norm scales every gradient by NaN (an
+// infinite one: by 0), as PyTorch does, or with error_if_nonfinite is an error (on every rank:
+// they all computed the same norm), nothing scaled.
 double clip_grad_norm_(const std::vector<Parameter*>& params, double max_norm,
-                       bool error_if_nonfinite = false);
+                       double norm_type = 2.0, bool error_if_nonfinite = false);
+// A bool third argument, clip_grad_norm_(params, max_norm, true), is the old order's
+// error_if_nonfinite and would read as norm_type 1: refused at compile time.
+template <class B>
+requires std::same_as<B, bool>
+double clip_grad_norm_(const std::vector<Parameter*>& params, double max_norm, B norm_type,
+                       bool error_if_nonfinite = false) = delete;
 
 }  // namespace tessera
