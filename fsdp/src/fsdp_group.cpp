@@ -51,6 +51,7 @@ void FSDPGroup::set_unsharded_params() {
     DTensor dt;
     if (i.tp_mesh) dt = DTensor::from_local(i.leaf, *i.tp_mesh, i.tp_placements, i.tp_global_shape);
     i.param->set_unsharded(i.leaf, dt);
+    sync_aliases(i);
   }
   unsharded_ = true;
 }
@@ -196,8 +197,10 @@ bool FSDPGroup::needs_backward_gather() const {
 }
 
 void FSDPGroup::reshard() {
-  for (ParamInfo& i : params_)
+  for (ParamInfo& i : params_) {
     i.param->clear_unsharded();
+    sync_aliases(i);
+  }
   unsharded_ = false;
   if (!backward_pending_) {
     drop_pending_gather();
@@ -332,8 +335,10 @@ void FSDPGroup::on_input_grad() {
 
 void FSDPGroup::mark_grads_pending(bool pending) {
   if (pending && !requires_gradient_sync_) return;  // the stored gradients are not touched
-  for (ParamInfo& i : params_)
+  for (ParamInfo& i : params_) {
     i.param->set_grad_pending(pending && i.param->requires_grad());
+    sync_aliases(i);
+  }
 }
 
 void FSDPGroup::start_reduce() {
@@ -439,6 +444,7 @@ bool FSDPGroup::advance_reduce(bool block) {
     ParamInfo& i = params_[p];
     if (!i.param->requires_grad()) continue;
     i.param->set_grad_pending(false);
+    sync_aliases(i);
     if (flags[p] == 0) continue;  // no rank had a gradient: leave it undefined, as unsharded
     const Tensor& stored = i.param->stored();
     Tensor g = kernels::view(flat_window(averaged, i.offset, stored.numel()), stored.shape());

@@ -20,6 +20,10 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
  public:
   struct ParamInfo {
     Parameter* param = nullptr;
+    // Other slots of the module that held the same tensor when it was sharded (weights tied by
+    // assignment, `head->weight = emb->weight`): they follow `param` through every change
+    // (sync_aliases), so the tie holds, as FSDP2 keeps a parameter shared by two modules one.
+    std::vector<Parameter*> aliases;
     std::string name;
     Shape unsharded_shape;  // the global shape, or for FSDP x TP the TP-local shape
     int64_t rows = 0;       // unsharded_shape[0]
@@ -34,6 +38,12 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
     Tensor leaf;        // the gathered leaf forward and backward use
     Tensor accum_grad;  // unsynced gradient sum (unsharded)
   };
+
+  // Copies each parameter to its aliases (after it was sharded, unsharded or resharded).
+  static void sync_aliases(ParamInfo& i) {
+    for (Parameter* a : i.aliases)
+      *a = *i.param;
+  }
 
   FSDPGroup() = default;
   // Leaves the registry of live groups (registry.h).

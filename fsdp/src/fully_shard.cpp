@@ -59,14 +59,20 @@ struct Layout {
 
 // Builds the groups of one fully_shard call.
 struct GroupBuilder {
-  static Layout lay_out(FSDPGroup& state, const Module& module, const DeviceMesh& mesh,
+  static Layout lay_out(FSDPGroup& state, Module& module, const DeviceMesh& mesh,
                         const std::vector<std::pair<std::string, Parameter*>>& params, int64_t k) {
     Layout out;
     std::optional<DeviceMesh> tp_mesh;
+    // Every slot, duplicates included: the ones holding a listed parameter's tensor are its
+    // aliases.
+    const auto slots = module.named_parameters(true, /*remove_duplicate=*/false);
     for (const auto& [name, p] : params) {
       FSDPGroup::ParamInfo i;
       i.param = p;
       i.name = name;
+      for (const auto& [other_name, other] : slots)
+        if (other != p && other->defined() && other->stored().is_same(p->stored()))
+          i.aliases.push_back(other);
       Tensor src = p->stored().detach();
       if (p->is_dtensor()) {
         const DTensor& d = p->stored_dtensor();
@@ -151,6 +157,7 @@ struct GroupBuilder {
                               i.tp_mesh ? i.tp_global_shape : i.unsharded_shape);
       const bool rg = p.requires_grad();
       p = Parameter(dt, rg);
+      FSDPGroup::sync_aliases(i);
       TESSERA_CHECK(p.stored().storage().is_same(state->flat_.storage()),
                     "fully_shard: the stored shard of '", i.name,
                     "' is not a view of the flat buffer");

@@ -266,6 +266,51 @@ TEST(FullyShard, MlpWithoutMixedPrecisionMatchesExactly) {
     expect_close(t, want_state.at(name), 1e-5, name);
 }
 
+// Two layers whose weight is one tensor, tied by assignment (`b->weight = a->weight`).
+struct TiedPair : Module {
+  std::shared_ptr<Linear> a, b;
+  TiedPair() : Module("TiedPair") {
+    Generator g(21);
+    a = std::make_shared<Linear>(4, 4, false, g);
+    b = std::make_shared<Linear>(4, 4, false, g);
+    b->weight = a->weight;
+    register_module("a", a);
+    register_module("b", b);
+  }
+  Tensor forward(const Tensor& x) override { return (*b)(relu((*a)(x))); }
+};
+
+// Trains the pair with SGD on `rows` rows from `first` of a batch of 4 per rank; returns the
+// final weight.
+Tensor train_tied_pair(const std::shared_ptr<TiedPair>& m, int64_t first, int64_t rows) {
+  SGD opt(m->parameters(), {.lr = 0.1});
+  Generator g(22);
+  const Tensor x_all = randn({4 * int64_t(world_size()), 4}, g);
+  const Tensor x = kernels::narrow(x_all, 0, first, rows);
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    Tensor y = (*m)(x);
+    backward(mean(mul(y, y)));
+    opt.step();
+  }
+  return m->a->weight.full();
+}
+
+// A tie within one fully_shard call holds: both slots share the sharded parameter, and training
+// matches one process training the tied pair.
+TEST(FullyShard, WeightsTiedByAssignmentStayTied) {
+  DeviceMesh mesh = dp_mesh();
+  auto net = std::make_shared<TiedPair>();
+  fully_shard(net, mesh);
+  EXPECT_TRUE(net->a->weight.stored().is_same(net->b->weight.stored()));
+  EXPECT_EQ(net->parameters().size(), 1u);
+  const Tensor got = train_tied_pair(net, 4 * mesh.local_rank(0), 4);
+  EXPECT_TRUE(net->a->weight.stored().is_same(net->b->weight.stored()));
+  // The reference sees every rank's rows: the mean over them is the mean of the ranks' means.
+  const Tensor want = train_tied_pair(std::make_shared<TiedPair>(), 0, 4 * int64_t(world_size()));
+  expect_close(got, want, 1e-6, "tied weight after 3 steps");
+}
+
 TEST(FullyShard, RootKeepsParametersUnshardedThroughBackward) {
   DeviceMesh mesh = dp_mesh();
   auto net = std::make_shared<Decoder>(small_decoder_config());

@@ -18,12 +18,12 @@ struct Case {
 
 TEST(ModulePath, EachComponentMatchesAsFnmatch) {
   const std::vector<Case> cases = {
-      {"*", "w1", true},        {"w?", "w1", true},          {"w?", "w12", false},
-      {"w[13]", "w3", true},    {"w[13]", "w2", false},      {"w[!13]", "w2", true},
-      {"w[!13]", "w1", false},  {"[0-1]", "0", true},        {"[0-1]", "2", false},
-      {"[a-c]x", "bx", true},   {"[]]", "]", true},          {"[!]]", "a", true},
-      {"w[1", "w[1", true},     {"w[1", "w1", false},        {"a*b*c", "aXbYc", true},
-      {"a*b*c", "aXbY", false}, {"*[0-9]", "layer7", true},  {"*[0-9]", "layer", false}};
+      {"*", "w1", true},        {"w?", "w1", true},         {"w?", "w12", false},
+      {"w[13]", "w3", true},    {"w[13]", "w2", false},     {"w[!13]", "w2", true},
+      {"w[!13]", "w1", false},  {"[0-1]", "0", true},       {"[0-1]", "2", false},
+      {"[a-c]x", "bx", true},   {"[]]", "]", true},         {"[!]]", "a", true},
+      {"w[1", "w[1", true},     {"w[1", "w1", false},       {"a*b*c", "aXbYc", true},
+      {"a*b*c", "aXbY", false}, {"*[0-9]", "layer7", true}, {"*[0-9]", "layer", false}};
   for (const Case& c : cases)
     EXPECT_EQ(module_path_matches(c.pattern, c.component), c.matches)
         << "'" << c.pattern << "' against '" << c.component << "'";
