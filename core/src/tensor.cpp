@@ -4,6 +4,8 @@
 #include <ostream>
 
 #include "kernel_list.h"
+#include "overlap.h"
+#include "portable/element_checks.h"
 #include "tessera/core/allocator.h"
 #include "tessera/core/detail/cuda_copy.h"
 #include "tessera/core/detail/strided_loop.h"
@@ -160,8 +162,15 @@ Tensor& Tensor::copy_(const Tensor& src) {
   TESSERA_CHECK(src.shape() == shape(), "copy_: source shape ", shape_str(src.shape()),
                 " does not match destination shape ", shape_str(shape()));
   if (numel() == 0) return *this;
+  kernels::portable::check_writable("copy_", *this);
   if (src.device() == device()) {
-    kernels::copy_(*this, src);
+    if (detail::is_same_view(*this, src)) {
+      storage().impl()->bump_version();  // t.copy_(t) writes what is there: no kernel needed
+      return *this;
+    }
+    // A source the destination's writes could reach before they are read (x.copy_(x.t()),
+    // x[1:].copy_(x[:-1])) is read from a copy.
+    kernels::copy_(*this, detail::overlaps_partially(*this, src) ? src.clone() : src);
     return *this;
   }
   // Between devices bytes move as one block, so strides and dtype are settled on either side by

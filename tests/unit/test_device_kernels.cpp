@@ -375,6 +375,26 @@ TEST(DeviceKernels, RefuseWhatTheCpuRefusesNamingTheOp) {
                {"neg", "[2, 2, 2, 2, 2, 2, 2, 2, 2]", "8"});
 }
 
+// Writes whose source shares the destination's memory read the source as it was before the
+// call.
+TEST(DeviceKernels, OverlappingWritesAsTheCpu) {
+  TestDevice device(KernelsOn::Device);
+  const Tensor host = kernels::view(arange(0, 9, 1, DType::Float32), {3, 3});
+  Tensor m = cuda(host);
+  m.copy_(kernels::transpose(m, 0, 1));
+  expect_matches(m, kernels::transpose(host, 0, 1), {}, "copy_ of the transpose");
+  Tensor a = cuda(host);
+  kernels::add_(a, kernels::transpose(a, 0, 1));
+  expect_matches(a, kernels::binary(BinaryOp::Add, host, kernels::transpose(host, 0, 1)), {},
+                 "add_ of the transpose");
+  Tensor r = cuda(host);
+  kernels::add_(r, kernels::select(r, 0, 0));
+  expect_matches(r, kernels::binary(BinaryOp::Add, host, kernels::select(host, 0, 0)), {},
+                 "add_ of a row");
+  Tensor expanded = cuda(zeros({1})).as_strided({3}, {0}, 0);
+  expect_error([&] { expanded.copy_(cuda(ones({3}))); }, {"copy_", "more than one element"});
+}
+
 TEST(DeviceKernels, EveryKernelOfTheListHasDeviceCode) {
   EXPECT_EQ(tessera::detail::kernels_without_device_code(), std::vector<std::string>{});
 }

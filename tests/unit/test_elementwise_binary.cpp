@@ -18,6 +18,7 @@ using kernels::BinaryOp;
 using kernels::CompareOp;
 using kernels::UnaryOp;
 using tessera::testing::error_of;
+using tessera::testing::expect_error;
 
 // --- binary ---
 
@@ -346,6 +347,32 @@ TEST(InPlace, AddErrors) {
   EXPECT_NE(msg.find("float32"), std::string::npos) << msg;
   Tensor expanded = kernels::expand(zeros({1}), {3});
   EXPECT_THROW(kernels::add_(expanded, ones({3})), Error);
+}
+
+// A source sharing memory with the destination adds the values it had before the call.
+TEST(InPlace, AddFromAnOverlappingViewOfItself) {
+  Tensor m = kernels::view(arange(0, 9, 1, DType::Float32), {3, 3});
+  kernels::add_(m, kernels::transpose(m, 0, 1));
+  EXPECT_EQ(m.to_vector<float>(), (std::vector<float>{0, 4, 8, 4, 8, 12, 8, 12, 16}));
+  // A row of the destination, broadcast over all rows: rows after the first read its old values.
+  Tensor r = kernels::view(arange(0, 9, 1, DType::Float64), {3, 3});
+  kernels::add_(r, kernels::select(r, 0, 0), 2.0);
+  EXPECT_EQ(r.to_vector<double>(), (std::vector<double>{0, 3, 6, 3, 6, 9, 6, 9, 12}));
+  Tensor a = arange(0, 6, 1, DType::Int64);
+  Tensor tail = kernels::narrow(a, 0, 1, 5);
+  kernels::add_(tail, kernels::narrow(a, 0, 0, 5));
+  EXPECT_EQ(a.to_vector<int64_t>(), (std::vector<int64_t>{0, 1, 3, 5, 7, 9}));
+  // The same view doubles in place without a copy.
+  Tensor t = kernels::transpose(kernels::view(arange(0, 6, 1, DType::Float32), {2, 3}), 0, 1);
+  const int64_t before = memory_stats().num_allocations;
+  kernels::add_(t, t);
+  EXPECT_EQ(memory_stats().num_allocations, before);
+  EXPECT_EQ(t.contiguous().to_vector<float>(), (std::vector<float>{0, 6, 2, 8, 4, 10}));
+  // A destination with two elements at one address is refused before anything is written.
+  Tensor base = zeros({4});
+  Tensor twice = base.as_strided({2, 2}, {1, 1}, 0);
+  expect_error([&] { kernels::add_(twice, ones({2, 2})); }, {"add_", "more than one element"});
+  EXPECT_EQ(base.to_vector<float>(), std::vector<float>(4, 0.0f));
 }
 
 TEST(InPlace, MulScalar) {

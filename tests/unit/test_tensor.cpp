@@ -9,6 +9,7 @@
 
 using namespace tessera;
 using tessera::testing::error_of;
+using tessera::testing::expect_error;
 
 TEST(Tensor, ViewsShareStorage) {
   Tensor a = arange(0, 12, 1, DType::Float32);
@@ -115,6 +116,59 @@ TEST(Tensor, CopyAcrossStridesAndDtypes) {
   Tensor window = kernels::narrow(zeros({4, 4}), 1, 1, 2);
   window.fill_(7);
   EXPECT_EQ(window.contiguous().to_vector<float>(), std::vector<float>(8, 7.0f));
+}
+
+// A source sharing memory with the destination is read as it was before the copy, as if staged
+// through a temporary (the loops would otherwise read elements they had already overwritten).
+TEST(Tensor, CopyFromAnOverlappingViewOfItself) {
+  Tensor m = kernels::view(arange(0, 9, 1, DType::Float32), {3, 3});
+  m.copy_(kernels::transpose(m, 0, 1));
+  EXPECT_EQ(m.to_vector<float>(), (std::vector<float>{0, 3, 6, 1, 4, 7, 2, 5, 8}));
+
+  // Shifted by one element either way (contiguous: the memcpy path) and by one of a stride-2
+  // walk (the strided loop).
+  Tensor a = arange(0, 6, 1, DType::Int64);
+  kernels::narrow(a, 0, 1, 5).copy_(kernels::narrow(a, 0, 0, 5));
+  EXPECT_EQ(a.to_vector<int64_t>(), (std::vector<int64_t>{0, 0, 1, 2, 3, 4}));
+  kernels::narrow(a, 0, 0, 5).copy_(kernels::narrow(a, 0, 1, 5));
+  EXPECT_EQ(a.to_vector<int64_t>(), (std::vector<int64_t>{0, 1, 2, 3, 4, 4}));
+  Tensor b = arange(0, 10, 1, DType::Float64);
+  kernels::slice(b, 0, 2, 10, 2).copy_(kernels::slice(b, 0, 0, 8, 2));
+  EXPECT_EQ(b.to_vector<double>(), (std::vector<double>{0, 1, 0, 3, 2, 5, 4, 7, 6, 9}));
+
+  // The same view is left as it is, and counts as a write.
+  Tensor t = kernels::transpose(kernels::view(arange(0, 6, 1, DType::Float32), {2, 3}), 0, 1);
+  const uint32_t version = t.version();
+  t.copy_(t);
+  EXPECT_EQ(t.contiguous().to_vector<float>(), (std::vector<float>{0, 3, 1, 4, 2, 5}));
+  EXPECT_EQ(t.version(), version + 1);
+}
+
+// PyTorch: "more than one element of the written-to tensor refers to a single memory location".
+TEST(Tensor, CopyIntoSelfOverlappingDestinationIsAnError) {
+  Tensor one = zeros({1});
+  Tensor expanded = kernels::expand(one, {3});
+  expect_error(
+      [&] {
+        expanded.copy_(from_vector<float>({1, 2, 3}));
+      },
+      {"copy_", "[3]", "strides [0]", "more than one element"});
+  EXPECT_EQ(one.item<float>(), 0.0f);
+  // Overlap without a zero stride: elements {0, 1, 1, 2}.
+  Tensor base = zeros({4});
+  expect_error(
+      [&] {
+        base.as_strided({2, 2}, {1, 1}, 0).copy_(ones({2, 2}));
+      },
+      {"copy_", "[2, 2]", "more than one element"});
+  // Strides that do not nest but never meet (offsets 0, 3, 2, 5, 4, 7) are written.
+  Tensor spread = zeros({8});
+  spread.as_strided({3, 2}, {2, 3}, 0).copy_(from_vector<float>({1, 2, 3, 4, 5, 6}, {3, 2}));
+  EXPECT_EQ(spread.to_vector<float>(), (std::vector<float>{1, 0, 3, 2, 5, 4, 0, 6}));
+  // An expanded source is fine: only the destination is written.
+  Tensor dst = zeros({2, 3});
+  dst.copy_(kernels::expand(from_vector<float>({1, 2, 3}), {2, 3}));
+  EXPECT_EQ(dst.to_vector<float>(), (std::vector<float>{1, 2, 3, 1, 2, 3}));
 }
 
 TEST(Tensor, AllocatorCountsEveryByte) {

@@ -248,13 +248,14 @@ void add_runs(Tensor& dst, const Tensor& src, const Shape& src_strides, double a
 
 }  // namespace
 
-void add_(Tensor& dst, const Tensor& src, double alpha) {
+void add_(Tensor& dst, const Tensor& in, double alpha) {
   check_cpu("add_", dst);
-  check_cpu("add_", src);
+  check_cpu("add_", in);
   const DType dt = dst.dtype();
-  const Shape shape = broadcast_shapes(dst.shape(), src.shape(), "add_");
-  portable::check_add_(dst, src, shape);
+  const Shape shape = broadcast_shapes(dst.shape(), in.shape(), "add_");
+  portable::check_add_(dst, in, shape);
   if (dst.numel() == 0) return;
+  const Tensor src = portable::add_source(dst, in);
   dispatch_dtype(dt, [&]<class D>() {
     if constexpr (kArithmetic<D>) {
       using C = compute_t<D>;

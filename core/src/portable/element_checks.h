@@ -7,6 +7,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../overlap.h"
 #include "tessera/core/error.h"
 #include "tessera/core/kernels/elementwise.h"
 #include "tessera/core/tensor.h"
@@ -126,13 +127,20 @@ C scalar_as(const char* name, DType dt, double s) {
   return C(s);
 }
 
-// In-place ops write each element once, which a destination with stride 0 along a dim of size
-// > 1 (an expanded view) cannot honour.
+// In-place ops write each element once, which a destination with two elements at one address
+// (an expanded view: stride 0 along a dim of size > 1) cannot honour.
 inline void check_writable(const char* op, const Tensor& dst) {
-  for (int64_t d = 0; d < dst.dim(); ++d)
-    TESSERA_CHECK(dst.size(d) <= 1 || dst.stride(d) != 0, op, ": destination ", dst.str(),
-                  " with strides ", shape_str(dst.strides()),
-                  " has overlapping elements (an expanded view); clone it first");
+  TESSERA_CHECK(!detail::has_internal_overlap(dst), op, ": destination ", dst.str(),
+                " with strides ", shape_str(dst.strides()),
+                ": more than one element of the written-to tensor refers to a single memory "
+                "location (an expanded view?); clone it first");
+}
+
+// add_'s source as its loops may read it: a copy when the destination's writes could reach it
+// before it is read (x.add_(x.t()), x[1:].add_(x[:-1])); the source itself otherwise, and for
+// x.add_(x), whose elements each read only what they write.
+inline Tensor add_source(const Tensor& dst, const Tensor& src) {
+  return detail::overlaps_partially(dst, src) ? src.clone() : src;
 }
 
 inline void check_unary_dtype(const char* name, UnaryOp op, const Tensor& x) {

@@ -427,10 +427,11 @@ struct Elementwise {
     return out;
   }
 
-  static void add_(Tensor& dst, const Tensor& src, double alpha) {
-    const Shape shape = broadcast_shapes(dst.shape(), src.shape(), "add_");
-    check_add_(dst, src, shape);
+  static void add_(Tensor& dst, const Tensor& in, double alpha) {
+    const Shape shape = broadcast_shapes(dst.shape(), in.shape(), "add_");
+    check_add_(dst, in, shape);
     if (dst.numel() == 0) return;
+    const Tensor src = add_source(dst, in);
     dispatch_dtype(dst.dtype(), [&]<class D>() {
       if constexpr (kArithmetic<D>) {
         using C = compute_t<D>;
