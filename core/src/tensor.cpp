@@ -47,10 +47,16 @@ const TensorImpl& Tensor::checked() const {
   return *impl_;
 }
 
+// wrap_dim lets a 0-dim tensor take dim 0 or -1 (sum(x, 0) of a scalar is the scalar), but a
+// scalar has no size to read.
 int64_t Tensor::size(int64_t d) const {
+  TESSERA_CHECK(dim() > 0, "size(", d, "): dimension specified as ", d, " but ", str(),
+                " has no dimensions");
   return sizes()[wrap_dim(d, dim(), "size")];
 }
 int64_t Tensor::stride(int64_t d) const {
+  TESSERA_CHECK(dim() > 0, "stride(", d, "): dimension specified as ", d, " but ", str(),
+                " has no dimensions");
   return strides()[wrap_dim(d, dim(), "stride")];
 }
 

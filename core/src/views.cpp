@@ -79,6 +79,7 @@ Tensor reshape(const Tensor& x, const Shape& shape) {
 }
 
 Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
+  TESSERA_CHECK(x.dim() > 0, "narrow() cannot be applied to a 0-dim tensor ", x.str());
   dim = wrap_dim(dim, x.dim(), "narrow");
   int64_t n = x.size(dim);
   if (start < 0) start += n;
@@ -91,6 +92,7 @@ Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
 }
 
 Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t step) {
+  TESSERA_CHECK(x.dim() > 0, "slice() cannot be applied to a 0-dim tensor ", x.str());
   dim = wrap_dim(dim, x.dim(), "slice");
   TESSERA_CHECK(step > 0, "slice: step must be positive, got ", step);
   int64_t n = x.size(dim);
@@ -106,6 +108,7 @@ Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t s
 }
 
 Tensor select(const Tensor& x, int64_t dim, int64_t index) {
+  TESSERA_CHECK(x.dim() > 0, "select() cannot be applied to a 0-dim tensor ", x.str());
   dim = wrap_dim(dim, x.dim(), "select");
   int64_t n = x.size(dim);
   TESSERA_CHECK(index >= -n && index < n, "select: index ", index, " out of range for dim ", dim,
@@ -121,6 +124,7 @@ Tensor select(const Tensor& x, int64_t dim, int64_t index) {
 Tensor transpose(const Tensor& x, int64_t d0, int64_t d1) {
   d0 = wrap_dim(d0, x.dim(), "transpose");
   d1 = wrap_dim(d1, x.dim(), "transpose");
+  if (x.dim() == 0) return x.as_strided({}, {}, x.storage_offset());  // dims 0 and -1: itself
   Shape sizes = x.shape(), strides = x.strides();
   std::swap(sizes[d0], sizes[d1]);
   std::swap(strides[d0], strides[d1]);
@@ -174,7 +178,8 @@ Tensor unsqueeze(const Tensor& x, int64_t dim) {
 
 Tensor squeeze(const Tensor& x, int64_t dim) {
   dim = wrap_dim(dim, x.dim(), "squeeze");
-  if (x.size(dim) != 1) return x.as_strided(x.shape(), x.strides(), x.storage_offset());
+  if (x.dim() == 0 || x.size(dim) != 1)
+    return x.as_strided(x.shape(), x.strides(), x.storage_offset());
   Shape sizes = x.shape(), strides = x.strides();
   sizes.erase(sizes.begin() + dim);
   strides.erase(strides.begin() + dim);
@@ -206,6 +211,7 @@ Tensor flatten(const Tensor& x, int64_t start_dim, int64_t end_dim) {
 }
 
 std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
+  TESSERA_CHECK(x.dim() > 0, "chunk expects at least a 1-dimensional tensor, got ", x.str());
   TESSERA_CHECK(chunks > 0, "chunk: chunks must be positive, got ", chunks);
   dim = wrap_dim(dim, x.dim(), "chunk");
   int64_t n = x.size(dim);
@@ -221,6 +227,7 @@ std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
 }
 
 std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim) {
+  TESSERA_CHECK(x.dim() > 0, "split expects at least a 1-dimensional tensor, got ", x.str());
   dim = wrap_dim(dim, x.dim(), "split");
   int64_t total = 0;
   for (int64_t s : sizes)

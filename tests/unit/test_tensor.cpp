@@ -78,6 +78,40 @@ TEST(Tensor, ChunkFollowsTorchSemantics) {
   EXPECT_EQ(s[2].to_vector<float>(), (std::vector<float>{1, 2, 3, 4}));
 }
 
+// A 0-dim tensor takes dim 0 or -1 where PyTorch wraps a scalar's dim (squeeze, transpose,
+// unsqueeze), and is refused by the ops that need a dim to index.
+TEST(Tensor, ZeroDimViews) {
+  Tensor s = scalar_tensor(5.0);
+  for (int64_t d : {0, -1}) {
+    Tensor q = kernels::squeeze(s, d);
+    EXPECT_EQ(q.dim(), 0);
+    EXPECT_TRUE(q.storage().is_same(s.storage()));
+    EXPECT_EQ(kernels::transpose(s, d, -1 - d).dim(), 0);
+    EXPECT_EQ(kernels::unsqueeze(s, d).shape(), (Shape{1}));
+  }
+  EXPECT_EQ(kernels::transpose(s, 0, 0).item<float>(), 5.0f);
+  expect_error([&] { kernels::select(s, 0, 0); }, {"select()", "0-dim"});
+  expect_error([&] { kernels::narrow(s, 0, 0, 1); }, {"narrow()", "0-dim"});
+  expect_error([&] { kernels::slice(s, 0, 0, 1); }, {"slice()", "0-dim"});
+  expect_error([&] { kernels::chunk(s, 2, 0); }, {"chunk", "1-dimensional"});
+  expect_error([&] { kernels::split(s, {1}, 0); }, {"split", "1-dimensional"});
+  expect_error([&] { s.size(0); }, {"size(0)", "no dimensions"});
+  expect_error([&] { s.stride(-1); }, {"stride(-1)", "no dimensions"});
+  expect_error([&] { kernels::squeeze(s, 1); }, {"squeeze", "dim 1"});
+
+  // The differentiable views agree, and the gradient flows through them.
+  Tensor x = scalar_tensor(3.0, DType::Float64);
+  x.set_requires_grad(true);
+  Tensor y = tessera::transpose(tessera::squeeze(x, 0), 0, -1);
+  EXPECT_EQ(y.dim(), 0);
+  EXPECT_EQ(tessera::unsqueeze(x, -1).shape(), (Shape{1}));
+  backward(tessera::mul(y, 2.0));
+  EXPECT_EQ(x.grad().item<double>(), 2.0);
+  expect_error([&] { tessera::select(x, 0, 0); }, {"select()", "0-dim"});
+  expect_error([&] { tessera::chunk(x, 2, 0); }, {"chunk", "1-dimensional"});
+  expect_error([&] { tessera::split(x, {1}, 0); }, {"split", "1-dimensional"});
+}
+
 TEST(Tensor, DtypeConversionRoundsToNearestEven) {
   // 1 + 2^-8 is halfway between two bfloat16 values: ties go to the even mantissa (1.0).
   Tensor f = from_vector<float>({1.0f + 1.0f / 256, 1.0f + 3.0f / 256, 65520.0f, 1e-8f, -2.5f});
