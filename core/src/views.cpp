@@ -37,6 +37,11 @@ bool view_strides(const Shape& old_sizes, const Shape& old_strides, const Shape&
     out = contiguous_strides(shape);
     return true;
   }
+  // A 0-dim tensor's one element viewed as [1, 1, ...]: any strides address it.
+  if (old_sizes.empty()) {
+    out.assign(shape.size(), 1);
+    return true;
+  }
   int64_t view_d = int64_t(shape.size()) - 1;
   int64_t chunk_base_stride = old_strides.empty() ? 1 : old_strides.back();
   int64_t tensor_numel = 1, view_numel = 1;

@@ -12,6 +12,7 @@
 
 using namespace tessera;
 using tessera::testing::error_of;
+using tessera::testing::expect_error;
 using tessera::testing::random_tensor;
 
 namespace {
@@ -248,6 +249,26 @@ TEST(IndexSelect, AnyDimRepeatedIndicesStridedInput) {
   std::string msg = error_of([&] { kernels::index_select(x, 1, from_vector<int64_t>({5})); });
   EXPECT_NE(msg.find("index 5"), std::string::npos) << msg;
   EXPECT_NE(msg.find("size 5"), std::string::npos) << msg;
+}
+
+// A 0-dim input acts as a vector of one element and gives a 0-dim result, as in PyTorch.
+TEST(IndexSelect, ZeroDimInput) {
+  Tensor s = scalar_tensor(2.5, DType::Float64);
+  for (int64_t dim : {0, -1}) {
+    Tensor y = kernels::index_select(s, dim, from_vector<int64_t>({0}));
+    EXPECT_EQ(y.shape(), Shape{});
+    EXPECT_EQ(y.item<double>(), 2.5);
+  }
+  EXPECT_EQ(kernels::index_select(s, 0, full({}, 0, DType::Int64)).shape(), Shape{});
+  expect_error(
+      [&] {
+        kernels::index_select(s, 0, from_vector<int64_t>({0, 0}));
+      },
+      {"index_select", "only 1 value", "got 2"});
+  expect_error([&] { kernels::index_select(s, 0, from_vector<int64_t>({1})); },
+               {"index_select", "index 1"});
+  expect_error([&] { kernels::index_select(s, 1, from_vector<int64_t>({0})); },
+               {"index_select", "dim 1"});
 }
 
 TEST(IndexAdd, AccumulatesRepeatedIndices) {

@@ -112,6 +112,28 @@ TEST(Tensor, ZeroDimViews) {
   expect_error([&] { tessera::split(x, {1}, 0); }, {"split", "1-dimensional"});
 }
 
+// computeStride: the one element of a 0-dim tensor is viewed as [1, ...] with any strides.
+TEST(Tensor, ViewOfAZeroDimTensor) {
+  Tensor s = scalar_tensor(7.0);
+  for (const Shape& shape : {Shape{1}, Shape{1, 1}, Shape{-1}, Shape{}}) {
+    Tensor v = kernels::view(s, shape);
+    EXPECT_TRUE(v.storage().is_same(s.storage())) << shape_str(shape);
+    EXPECT_EQ(v.numel(), 1);
+    EXPECT_EQ(v.contiguous().to_vector<float>(), std::vector<float>{7.0f});
+  }
+  EXPECT_TRUE(kernels::reshape(s, {1, 1, 1}).storage().is_same(s.storage()));
+  EXPECT_TRUE(kernels::flatten(s).storage().is_same(s.storage()));
+  EXPECT_EQ(kernels::flatten(s).shape(), (Shape{1}));
+  expect_error([&] { kernels::view(s, {2}); }, {"view", "[2]", "1 elements"});
+  Tensor x = scalar_tensor(2.0, DType::Float64);
+  x.set_requires_grad(true);
+  Tensor y = tessera::view(x, {1, 1});
+  EXPECT_TRUE(y.storage().is_same(x.storage()));
+  backward(tessera::sum(tessera::mul(y, y)));
+  EXPECT_EQ(x.grad().shape(), Shape{});
+  EXPECT_EQ(x.grad().item<double>(), 4.0);
+}
+
 TEST(Tensor, DtypeConversionRoundsToNearestEven) {
   // 1 + 2^-8 is halfway between two bfloat16 values: ties go to the even mantissa (1.0).
   Tensor f = from_vector<float>({1.0f + 1.0f / 256, 1.0f + 3.0f / 256, 65520.0f, 1e-8f, -2.5f});
