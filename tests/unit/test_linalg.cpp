@@ -305,6 +305,27 @@ TEST(MatmulAutograd, ValuesIncludingVectors) {
   expect_close(tessera::matmul(u, a), row, 1e-5, 1e-5);
 }
 
+// torch.matmul of two vectors is their dot product, a 0-dim tensor.
+TEST(MatmulAutograd, VectorDotVector) {
+  Tensor a = from_vector<float>({1, 2, 3}), b = from_vector<float>({4, 5, 6});
+  a.set_requires_grad(true);
+  b.set_requires_grad(true);
+  Tensor y = tessera::matmul(a, b);
+  EXPECT_EQ(y.shape(), Shape{});
+  EXPECT_EQ(y.item<float>(), 32.0f);
+  backward(y);
+  EXPECT_EQ(a.grad().to_vector<float>(), (std::vector<float>{4, 5, 6}));
+  EXPECT_EQ(b.grad().to_vector<float>(), (std::vector<float>{1, 2, 3}));
+  expect_gradcheck([](const std::vector<Tensor>& in) { return tessera::matmul(in[0], in[1]); },
+                   {leaf({5}, 64), leaf({5}, 65)});
+  const std::string msg = error_of([] {
+    tessera::matmul(from_vector<float>({1, 2, 3}), zeros({4}));
+  });
+  EXPECT_NE(msg.find("matmul"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[3]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[4]"), std::string::npos) << msg;
+}
+
 TEST(MatmulAutograd, Gradcheck2D) {
   expect_gradcheck([](const std::vector<Tensor>& in) { return tessera::matmul(in[0], in[1]); },
                    {leaf({3, 4}, 50), leaf({4, 5}, 51)});

@@ -197,6 +197,8 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   TESSERA_CHECK(a.size(-1) == kb, "matmul: inner dimensions differ: a ", shape_str(a.shape()),
                 " and b ", shape_str(b.shape()), " (a's last dim ", a.size(-1), " vs b's ",
                 b.dim() == 1 ? "only" : "second-to-last", " dim ", kb, ")");
+  // Two vectors: the dot product, a 0-dim tensor ([1, k] @ [k, 1] with both dims removed).
+  if (a.dim() == 1 && b.dim() == 1) return reshape(matmul(unsqueeze(a, 0), unsqueeze(b, 1)), {});
   if (a.dim() == 1) return squeeze(matmul(unsqueeze(a, 0), b), -2);
   if (b.dim() == 1) return squeeze(matmul(a, unsqueeze(b, 1)), -1);
   return autograd::Function::apply<MatmulFn>({a, b})[0];
