@@ -4,6 +4,7 @@
 
 #include "tessera/core/device.h"
 #include "tessera/core/error.h"
+#include "tessera/core/tensor.h"
 
 namespace tessera {
 
@@ -70,6 +71,21 @@ DType promote_types(DType a, DType b) {
   // Mixing the two 16-bit formats has no exact common 16-bit type: use float32 like PyTorch.
   if (is_half(a) && is_half(b)) return DType::Float32;
   return rank_of(a) >= rank_of(b) ? a : b;
+}
+
+namespace {
+// PyTorch's categories for the 0-dim rule: bool < integer < floating.
+int category_of(DType dt) {
+  return dt == DType::Bool ? 0 : is_floating(dt) ? 2 : 1;
+}
+}  // namespace
+
+DType result_type(const Tensor& a, const Tensor& b) {
+  const bool a_scalar = a.dim() == 0, b_scalar = b.dim() == 0;
+  if (a_scalar == b_scalar) return promote_types(a.dtype(), b.dtype());
+  const DType dims = a_scalar ? b.dtype() : a.dtype();
+  const DType scalar = a_scalar ? a.dtype() : b.dtype();
+  return category_of(scalar) > category_of(dims) ? promote_types(dims, scalar) : dims;
 }
 
 std::string Device::str() const {

@@ -395,6 +395,18 @@ TEST(DeviceKernels, OverlappingWritesAsTheCpu) {
   expect_error([&] { expanded.copy_(cuda(ones({3}))); }, {"copy_", "more than one element"});
 }
 
+TEST(DeviceKernels, ZeroDimOperandPromotesAsTheCpu) {
+  TestDevice device(KernelsOn::Device);
+  const Tensor f = full({3}, 0.1), s = scalar_tensor(0.1, DType::Float64);
+  expect_matches(kernels::binary(BinaryOp::Mul, cuda(f), cuda(s)),
+                 kernels::binary(BinaryOp::Mul, f, s), {}, "float32 [3] * float64 []");
+  expect_matches(kernels::compare(CompareOp::Eq, cuda(f), cuda(s)),
+                 kernels::compare(CompareOp::Eq, f, s), {}, "float32 [3] == float64 []");
+  expect_matches(kernels::where(cuda(full({3}, 1.0, DType::Bool)), cuda(f), cuda(s)),
+                 kernels::where(full({3}, 1.0, DType::Bool), f, s), {}, "where");
+  EXPECT_EQ(kernels::binary(BinaryOp::Mul, cuda(f), cuda(s)).dtype(), DType::Float32);
+}
+
 TEST(DeviceKernels, EveryKernelOfTheListHasDeviceCode) {
   EXPECT_EQ(tessera::detail::kernels_without_device_code(), std::vector<std::string>{});
 }

@@ -160,6 +160,75 @@ TEST(Binary, MixedDtypesPromote) {
   EXPECT_EQ(y.to_vector<float>(), (std::vector<float>{1.5f, 0.f}));
 }
 
+// PyTorch's rule for 0-dim operands: one raises the result dtype only when it is of a higher
+// category (bool < integer < floating) than every operand with dims; among 0-dim operands
+// alone, or among operands with dims, the usual promotion applies.
+TEST(Binary, ZeroDimOperandPromotesOnlyAcrossCategories) {
+  struct Case {
+    DType a;
+    Shape as;
+    DType b;
+    Shape bs;
+    DType want;
+  };
+  const std::vector<Case> cases = {
+      {DType::Float32, {3}, DType::Float64, {}, DType::Float32},
+      {DType::Float64, {}, DType::Float32, {3}, DType::Float32},
+      {DType::BFloat16, {3}, DType::Float32, {}, DType::BFloat16},
+      {DType::Float16, {3}, DType::BFloat16, {}, DType::Float16},
+      {DType::Int64, {3}, DType::Float32, {}, DType::Float32},
+      {DType::Int32, {3}, DType::BFloat16, {}, DType::BFloat16},
+      {DType::Int32, {3}, DType::Int64, {}, DType::Int32},
+      {DType::Bool, {3}, DType::Int64, {}, DType::Int64},
+      {DType::Int64, {3}, DType::Bool, {}, DType::Int64},
+      {DType::Float32, {}, DType::Float64, {}, DType::Float64},
+      {DType::Float32, {1}, DType::Float64, {3}, DType::Float64},
+      {DType::Float32, {0}, DType::Float64, {}, DType::Float32},
+  };
+  for (const Case& c : cases) {
+    const Tensor a = ones(c.as, c.a), b = full(c.bs, 2.0, c.b);
+    const std::string what =
+        std::string(dtype_name(c.a)) + shape_str(c.as) + " * " + dtype_name(c.b) + shape_str(c.bs);
+    EXPECT_EQ(result_type(a, b), c.want) << what;
+    const Tensor y = kernels::binary(BinaryOp::Mul, a, b);
+    EXPECT_EQ(y.dtype(), c.want) << what;
+    const double want = c.b == DType::Bool ? 1.0 : 2.0;  // full(2.0) of bool is true
+    EXPECT_EQ(y.to_vector<double>(), std::vector<double>(size_t(y.numel()), want)) << what;
+  }
+  // Comparisons compute in that dtype too: 0.1f equals 0.1 rounded to float32.
+  Tensor eq = kernels::compare(CompareOp::Eq, full({2}, 0.1), scalar_tensor(0.1, DType::Float64));
+  EXPECT_EQ(eq.to_vector<bool>(), std::vector<bool>(2, true));
+  eq = kernels::compare(CompareOp::Eq, full({1}, 0.1), full({1}, 0.1, DType::Float64));
+  EXPECT_EQ(eq.to_vector<bool>(), std::vector<bool>{false});
+}
+
+TEST(BinaryAutograd, ZeroDimOperandGradientsKeepTheirDtype) {
+  Tensor a = from_vector<float>({1, 2, 3}).to(DType::BFloat16);
+  a.set_requires_grad(true);
+  Tensor b = scalar_tensor(0.5, DType::Float64);
+  b.set_requires_grad(true);
+  Tensor y = mul(a, b);
+  EXPECT_EQ(y.dtype(), DType::BFloat16);
+  backward(sum(y));
+  EXPECT_EQ(a.grad().dtype(), DType::BFloat16);
+  EXPECT_EQ(a.grad().to_vector<float>(), std::vector<float>(3, 0.5f));
+  EXPECT_EQ(b.grad().dtype(), DType::Float64);
+  EXPECT_EQ(b.grad().shape(), Shape{});
+  EXPECT_EQ(b.grad().item<double>(), 6.0);
+  Tensor c = from_vector<float>({1, -2});
+  c.set_requires_grad(true);
+  Tensor d = scalar_tensor(4.0, DType::Float64);
+  d.set_requires_grad(true);
+  Tensor w = where(from_vector<bool>({true, false}), c, d);
+  EXPECT_EQ(w.dtype(), DType::Float32);
+  backward(sum(div(w, d)));
+  EXPECT_EQ(c.grad().dtype(), DType::Float32);
+  EXPECT_EQ(c.grad().to_vector<float>(), (std::vector<float>{0.25f, 0}));
+  EXPECT_EQ(d.grad().dtype(), DType::Float64);
+  // d/dd of (c0 + d) / d = 1/d - (c0 + d)/d^2 = 0.25 - 5/16
+  EXPECT_DOUBLE_EQ(d.grad().item<double>(), 0.25 - 5.0 / 16.0);
+}
+
 TEST(Binary, HalfInputsRoundOnce) {
   for (DType dt : {DType::BFloat16, DType::Float16}) {
     const auto a = rounded(wavy(64, -3, 3), dt), b = rounded(wavy(64, 0.5, 3, 0.4), dt);
@@ -394,8 +463,10 @@ TEST(Where, BroadcastsAllThreeAndPromotes) {
   Tensor b = scalar_tensor(-1.0, DType::Float64);
   Tensor y = kernels::where(cond, a, b);
   EXPECT_EQ(y.shape(), (Shape{3, 4}));
-  EXPECT_EQ(y.dtype(), DType::Float64);
+  EXPECT_EQ(y.dtype(), DType::Float32);  // a 0-dim float64 does not widen a float32 operand
   EXPECT_EQ(y.to_vector<double>(), (std::vector<double>{1, 2, 3, 4, -1, -1, -1, -1, 1, 2, 3, 4}));
+  EXPECT_EQ(kernels::where(cond, from_vector<int64_t>({1, 2, 3, 4}, {1, 4}), b).dtype(),
+            DType::Float64);
 
   Tensor ia = from_vector<int64_t>({1, 2, 3});
   Tensor ib = kernels::transpose(from_vector<int64_t>({7, 8, 9}, {3, 1}), 0, 1);  // [1, 3]

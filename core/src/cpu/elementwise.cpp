@@ -118,7 +118,7 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
   const char* name = binary_name(op);
   check_cpu(name, a);
   check_cpu(name, b);
-  const DType dt = promote_types(a.dtype(), b.dtype());
+  const DType dt = result_type(a, b);
   check_binary_dtype(name, op, dt, a, b);
   const Shape shape = broadcast_shapes(a.shape(), b.shape(), name);
   const Tensor ac = a.to(dt), bc = b.to(dt);
@@ -154,7 +154,7 @@ Tensor compare(CompareOp op, const Tensor& a, const Tensor& b) {
   const char* name = compare_name(op);
   check_cpu(name, a);
   check_cpu(name, b);
-  const DType dt = promote_types(a.dtype(), b.dtype());
+  const DType dt = result_type(a, b);
   const Shape shape = broadcast_shapes(a.shape(), b.shape(), name);
   const Tensor ac = a.to(dt), bc = b.to(dt);
   Tensor out = empty(shape, DType::Bool);
@@ -320,7 +320,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   check_cpu("where", a);
   check_cpu("where", b);
   portable::check_bool_mask("where", "condition", cond);
-  const DType dt = promote_types(a.dtype(), b.dtype());
+  const DType dt = result_type(a, b);
   const Shape shape =
       broadcast_shapes(broadcast_shapes(cond.shape(), a.shape(), "where"), b.shape(), "where");
   const Tensor ac = a.to(dt), bc = b.to(dt);

@@ -370,7 +370,7 @@ struct Elementwise {
 
   static Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
     const char* name = binary_name(op);
-    const DType dt = promote_types(a.dtype(), b.dtype());
+    const DType dt = result_type(a, b);
     check_binary_dtype(name, op, dt, a, b);
     const Shape shape = broadcast_shapes(a.shape(), b.shape(), name);
     const Tensor ac = a.to(dt), bc = b.to(dt);
@@ -392,7 +392,7 @@ struct Elementwise {
 
   static Tensor compare(CompareOp op, const Tensor& a, const Tensor& b) {
     const char* name = compare_name(op);
-    const DType dt = promote_types(a.dtype(), b.dtype());
+    const DType dt = result_type(a, b);
     const Shape shape = broadcast_shapes(a.shape(), b.shape(), name);
     const Tensor ac = a.to(dt), bc = b.to(dt);
     Tensor out = empty_on(shape, DType::Bool, a.device());
@@ -468,7 +468,7 @@ struct Elementwise {
 
   static Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
     check_bool_mask("where", "condition", cond);
-    const DType dt = promote_types(a.dtype(), b.dtype());
+    const DType dt = result_type(a, b);
     const Shape shape =
         broadcast_shapes(broadcast_shapes(cond.shape(), a.shape(), "where"), b.shape(), "where");
     const Tensor ac = a.to(dt), bc = b.to(dt);

@@ -126,4 +126,9 @@ struct AutogradMeta {
 
 std::ostream& operator<<(std::ostream& os, const Tensor& t);
 
+// The dtype a binary op on `a` and `b` computes in (torch.result_type): promote_types of the two,
+// except that a 0-dim operand raises it only when of a higher category (bool < integer <
+// floating) than an operand with dims, so that `f32[3] * f64[]` stays float32 as in PyTorch.
+DType result_type(const Tensor& a, const Tensor& b);
+
 }  // namespace tessera

@@ -27,11 +27,11 @@ enum class BinaryOp : uint8_t { Add, Sub, Mul, Div, Pow, Maximum, Minimum };
 enum class CompareOp : uint8_t { Eq, Ne, Lt, Le, Gt, Ge };
 
 Tensor unary(UnaryOp op, const Tensor& x);
-// Result dtype: promote_types(a, b).
+// Result dtype: result_type(a, b) (tensor.h).
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b);
 Tensor binary_scalar(BinaryOp op, const Tensor& a, double s);    // a op s
 Tensor rbinary_scalar(BinaryOp op, double s, const Tensor& a);   // s op a
-Tensor compare(CompareOp op, const Tensor& a, const Tensor& b);  // Bool
+Tensor compare(CompareOp op, const Tensor& a, const Tensor& b);  // Bool, compared in result_type
 Tensor compare_scalar(CompareOp op, const Tensor& a, double s);  // Bool
 
 // dst += alpha * src, src broadcast to dst's shape; dst keeps its dtype.
@@ -41,6 +41,7 @@ void mul_scalar_(Tensor& dst, double s);
 // Fused backward kernels: grad * f'(x).
 Tensor unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x);
 
+// Result dtype: result_type(a, b).
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
 Tensor masked_fill(const Tensor& x, const Tensor& mask, double value);
 
