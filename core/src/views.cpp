@@ -223,7 +223,9 @@ std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
   int64_t each = (n + chunks - 1) / chunks;
   std::vector<Tensor> out;
   if (each == 0) {
-    out.push_back(narrow(x, dim, 0, 0));
+    // An empty dim gives `chunks` empty pieces, as in PyTorch (any number of them sums to 0).
+    for (int64_t i = 0; i < chunks; ++i)
+      out.push_back(narrow(x, dim, 0, 0));
     return out;
   }
   for (int64_t start = 0; start < n; start += each)

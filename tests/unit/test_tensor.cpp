@@ -78,6 +78,18 @@ TEST(Tensor, ChunkFollowsTorchSemantics) {
   EXPECT_EQ(s[2].to_vector<float>(), (std::vector<float>{1, 2, 3, 4}));
 }
 
+TEST(Tensor, ChunkOfAnEmptyDimGivesEveryPiece) {
+  auto pieces = kernels::chunk(empty({0}), 3, 0);
+  ASSERT_EQ(pieces.size(), 3u);
+  for (const Tensor& p : pieces)
+    EXPECT_EQ(p.shape(), (Shape{0}));
+  Tensor x = empty({2, 0});
+  x.set_requires_grad(true);
+  auto grads = tessera::chunk(x, 2, 1);
+  ASSERT_EQ(grads.size(), 2u);
+  EXPECT_EQ(grads[1].shape(), (Shape{2, 0}));
+}
+
 // A 0-dim tensor takes dim 0 or -1 where PyTorch wraps a scalar's dim (squeeze, transpose,
 // unsqueeze), and is refused by the ops that need a dim to index.
 TEST(Tensor, ZeroDimViews) {

@@ -21,7 +21,8 @@ Tensor unsqueeze(const Tensor& x, int64_t dim);
 Tensor squeeze(const Tensor& x, int64_t dim);
 Tensor squeeze(const Tensor& x);
 Tensor flatten(const Tensor& x, int64_t start_dim = 0, int64_t end_dim = -1);
-// torch.chunk: ceil(n / chunks) per piece; fewer pieces when n is small.
+// torch.chunk: ceil(n / chunks) per piece; fewer pieces when n is small, `chunks` empty ones
+// when n is 0.
 std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim);
 std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim);
 
