@@ -14,6 +14,7 @@
 using namespace tessera;
 using namespace tessera::kernel_test;
 using tessera::testing::error_of;
+using tessera::testing::expect_error;
 
 namespace {
 
@@ -229,6 +230,30 @@ TEST(AmaxAmin, NaNPropagatesAndEmptyIsAnError) {
   const std::string msg = error_of([] { kernels::amax(zeros({3, 0}), {1}); });
   EXPECT_NE(msg.find("[3, 0]"), std::string::npos) << msg;
   EXPECT_EQ(kernels::amax(zeros({0, 3}), {1}).shape(), (Shape{0}));
+}
+
+// PyTorch refuses to reduce an empty dim by max or min even when the result has no elements
+// to define; reducing a non-empty dim of an empty tensor is an empty result.
+TEST(AmaxAmin, EmptyReducedDimIsAnErrorEvenWithAnEmptyResult) {
+  for (bool keepdim : {false, true}) {
+    expect_error(
+        [&] {
+          kernels::amax(zeros({0, 0}), {0}, keepdim);
+        },
+        {"amax", "[0, 0]", "non-zero size"});
+    expect_error(
+        [&] {
+          kernels::amin(zeros({0, 0}), {1}, keepdim);
+        },
+        {"amin", "[0, 0]", "non-zero size"});
+    expect_error([&] { kernels::amax(zeros({2, 0, 0}), {}, keepdim); }, {"amax", "[2, 0, 0]"});
+    expect_error([&] { tessera::amax(zeros({0, 0}), {0}, keepdim); }, {"amax", "[0, 0]"});
+  }
+  EXPECT_EQ(kernels::amin(zeros({0, 3}), {1}, true).shape(), (Shape{0, 1}));
+  expect_error([&] { kernels::max(zeros({0, 0}), 0); }, {"max", "[0, 0]"});
+  expect_error([&] { kernels::argmax(zeros({0, 0}), 1); }, {"max", "[0, 0]"});
+  EXPECT_EQ(kernels::max(zeros({3, 0}), 0).values.shape(), (Shape{0}));
+  EXPECT_EQ(kernels::argmax(zeros({3, 0}), 0, true).shape(), (Shape{1, 0}));
 }
 
 TEST(Max, ValuesAndFirstIndexEveryDim) {

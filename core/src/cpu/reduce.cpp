@@ -286,9 +286,10 @@ Tensor extreme_impl(const Tensor& x, const std::vector<int64_t>& dims, bool keep
   const char* op = kMax ? "amax" : "amin";
   check_cpu(op, x);
   const ReducePlan p = plan_reduce(x, dims, keepdim, op);
-  TESSERA_CHECK(p.count > 0 || shape_numel(p.keep_shape) == 0, op, ": reducing dims ",
-                shape_str(dims), " of a tensor of shape ", shape_str(x.shape()),
-                " that have no elements; the result would be undefined");
+  // As PyTorch, an empty reduced dim is an error even when no output would read it.
+  TESSERA_CHECK(p.count > 0, op, ": expected reduction dims ", shape_str(dims),
+                " of a tensor of shape ", shape_str(x.shape()),
+                " to have non-zero size; the result would be undefined");
   Tensor out;
   dispatch_dtype(x.dtype(), [&]<class T>() {
     using C = compute_t<T>;

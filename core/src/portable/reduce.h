@@ -291,9 +291,9 @@ struct Reduce {
     const char* op = kMax ? "amax" : "amin";
     const ReduceGeometry g = reduce_geometry(x, dims, keepdim, op);
     const int64_t n_out = shape_numel(g.keep_shape);
-    TESSERA_CHECK(g.count > 0 || n_out == 0, op, ": reducing dims ", shape_str(dims),
+    TESSERA_CHECK(g.count > 0, op, ": expected reduction dims ", shape_str(dims),
                   " of a tensor of shape ", shape_str(x.shape()),
-                  " that have no elements; the result would be undefined");
+                  " to have non-zero size; the result would be undefined");
     Tensor out = empty(g.out_shape, TensorOptions(x.dtype(), x.device()));
     dispatch_dtype(x.dtype(), [&]<class T>() {
       // Teams combine through float slots (and warp shuffles on CUDA): floats only.
