@@ -64,10 +64,7 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   TESSERA_CHECK(x.device().is_cpu(), "index_select: the CPU kernel got ", x.str());
   // A 0-d tensor behaves as 1-D of size 1, as in PyTorch.
   if (x.dim() == 0) {
-    wrap_dim(dim, 0, "index_select");
-    TESSERA_CHECK(!index.defined() || index.numel() == 1, "index_select: index to a 0-dim input ",
-                  x.str(), " can have only 1 value, got ", index.numel(), " (index ",
-                  shape_str(index.shape()), ")");
+    portable::check_zero_dim_index_select(x, dim, index);
     return view(index_select(view(x, {1}), 0, index), {});
   }
   dim = wrap_dim(dim, x.dim(), "index_select");

@@ -643,10 +643,7 @@ struct Nn {
   static Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
     TESSERA_CHECK(x.defined(), "index_select: undefined input");
     if (x.dim() == 0) {
-      wrap_dim(dim, 0, "index_select");
-      TESSERA_CHECK(!index.defined() || index.numel() == 1, "index_select: index to a 0-dim input ",
-                    x.str(), " can have only 1 value, got ", index.numel(), " (index ",
-                    shape_str(index.shape()), ")");
+      check_zero_dim_index_select(x, dim, index);
       return view(index_select(view(x, {1}), 0, index), {});
     }
     dim = wrap_dim(dim, x.dim(), "index_select");

@@ -224,4 +224,13 @@ inline std::vector<int64_t> checked_indices(const char* op, const Tensor& index,
   return idx;
 }
 
+// index_select of a 0-dim input, which behaves as 1-D of size 1 (PyTorch): dim must be 0 or -1
+// and the index hold one value.
+inline void check_zero_dim_index_select(const Tensor& x, int64_t dim, const Tensor& index) {
+  wrap_dim(dim, 0, "index_select");
+  TESSERA_CHECK(!index.defined() || index.numel() == 1, "index_select: index to a 0-dim input ",
+                x.str(), " can have only 1 value, got ", index.numel(), " (index ",
+                shape_str(index.shape()), ")");
+}
+
 }  // namespace tessera::kernels::portable
