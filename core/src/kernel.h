@@ -5,6 +5,7 @@
 // The device checks live here once instead of in every kernel.
 #include <array>
 #include <atomic>
+#include <exception>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -137,7 +138,16 @@ class Kernel<R(A...)> {
   R operator()(A... args) const {
     CommonDevice common(name_);
     (common.add(args), ...);
-    (bump_version_if_mutable<A>(args), ...);
+    // After the kernel returns, as PyTorch counts an in-place op: a call refused by its checks
+    // wrote nothing and must not make a later backward fail.
+    struct BumpOnSuccess {
+      std::tuple<A&...> args;
+      int exceptions = std::uncaught_exceptions();
+      ~BumpOnSuccess() {
+        if (std::uncaught_exceptions() != exceptions) return;
+        std::apply([](auto&... a) { (bump_version_if_mutable<A>(a), ...); }, args);
+      }
+    } bump{std::tie(args...)};
     const Device device = common.device();
     if (device.is_cpu()) return fns_[0].load()(args...);
     const HostFallback mode = fallback_mode(device.type);

@@ -88,6 +88,7 @@ void FSDPGroup::start_gather() {
   // Before this group's backward the graph's saved leaves are views of the released buffer:
   // gather into its bytes again. Otherwise into a fresh buffer for fresh leaves.
   g.reuse = leaves_released_;
+  g.shards_version = flat_.version();
   if (g.reuse) {
     g.saved_version = gathered_.version();
     gathered_.storage().impl()->reallocate();
@@ -105,10 +106,16 @@ void FSDPGroup::drop_pending_gather() {
   if (!pending_gather_) return;
   pending_gather_->work->wait();  // MPI may still be writing into the buffer
   if (pending_gather_->reuse) {
-    pending_gather_->target.storage().impl()->restore_version(pending_gather_->saved_version);
+    settle_refill_version(*pending_gather_);
     release_unsharded();
   }
   pending_gather_.reset();
+}
+
+void FSDPGroup::settle_refill_version(const PendingGather& g) {
+  StorageImpl* buffer = g.target.storage().impl();
+  buffer->restore_version(g.saved_version);
+  if (g.shards_version != leaves_shards_version_) buffer->bump_version();
 }
 
 void FSDPGroup::release_unsharded() {
@@ -125,8 +132,9 @@ void FSDPGroup::finish_gather(bool fresh) {
   pending_gather_.reset();
   ++stats_.all_gathers;
   stats_.all_gather_wait_seconds += wait_seconds(g.work);
-  if (g.reuse) g.target.storage().impl()->restore_version(g.saved_version);
+  if (g.reuse) settle_refill_version(g);
   if (g.reuse && !fresh) return;  // the leaves are views of the bytes just gathered
+  leaves_shards_version_ = g.shards_version;
   // Fresh leaves: views of the gathered buffer, one per parameter, each a new autograd leaf.
   gathered_ = g.target;
   for (ParamInfo& i : params_) {

@@ -87,11 +87,17 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
     WorkPtr work;
     Tensor send, target;
     bool reuse = false;  // target is the released buffer the saved leaves view
-    // reuse: the buffer's version before the gather. The gather refills exactly what the graph
-    // saved, so it is no in-place change backward must refuse; some backends count it as one
-    // (a generic all_gather_runs copies out, a staged group copies back).
+    // reuse: the buffer's version before the gather. The gather refills what the graph saved,
+    // so it is no in-place change backward must refuse (some backends count it as one: a generic
+    // all_gather_runs copies out, a staged group copies back), unless the shards changed since
+    // the forward's gather (an optimizer step in between): then the refill brings other values
+    // and the saved leaves count as written.
     uint32_t saved_version = 0;
+    uint32_t shards_version = 0;  // flat_'s when the gather started
   };
+  // After a gather into the released buffer: its version as before, or one more when the shards
+  // changed since the gather that made the leaves.
+  void settle_refill_version(const PendingGather& g);
   struct PendingReduce {
     WorkPtr work;
     Tensor send, reduced;
@@ -112,6 +118,7 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   // The gathered parameters, one after another (the leaves are views of it), and where each
   // rank's pieces go in it.
   Tensor gathered_;
+  uint32_t leaves_shards_version_ = 0;  // flat_'s version when the leaves' values were gathered
   int64_t unsharded_numel_ = 0;
   std::vector<std::vector<GatherRun>> gather_runs_;
   bool unsharded_ = false;

@@ -28,7 +28,8 @@ void check_params(const char* opt, const std::vector<Parameter*>& params) {
                 ": optimizer got an empty parameter list (no parameter to update; were all "
                 "parameters frozen, or collected before the layers were added?)");
   // A tensor listed twice (the same Parameter twice, or two Parameters tied by assignment) would
-  // be updated twice per step with two states; PyTorch refuses it too.
+  // be updated twice per step with two states. Stricter than PyTorch, which warns for a duplicate
+  // within one parameter group and refuses one across groups.
   std::map<const TensorImpl*, size_t> seen;
   for (size_t i = 0; i < params.size(); ++i) {
     TESSERA_CHECK(params[i] != nullptr && params[i]->defined(), opt, ": parameter ", i, " of ",

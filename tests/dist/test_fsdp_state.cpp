@@ -311,6 +311,28 @@ TEST(FullyShard, WeightsTiedByAssignmentStayTied) {
   expect_close(got, want, 1e-6, "tied weight after 3 steps");
 }
 
+// An optimizer step between forward and backward changes the shards that a resharded group
+// gathers again for its backward: backward refuses, as it does without FSDP, instead of
+// differentiating at the new weights.
+TEST(FullyShard, StepBetweenForwardAndBackwardIsAnError) {
+  DeviceMesh mesh = dp_mesh();
+  auto net = std::make_shared<Mlp>();
+  fully_shard(net->b0, mesh);
+  fully_shard(net->b1, mesh);
+  fully_shard(net, mesh);
+  SGD opt(net->parameters(), {.lr = 0.1});
+  Generator gen(5);
+  const Tensor x = randn({4, 16}, gen);
+  backward(mean(square((*net)(x))));  // every parameter gets a gradient
+  opt.step();
+  Tensor loss = mean(square((*net)(x)));
+  opt.step();  // b0's and b1's shards change after their forward
+  expect_error([&] { backward(loss); }, "modified by an in-place operation");
+  // Without the step in between, the same sequence trains on.
+  Tensor again = mean(square((*net)(x)));
+  EXPECT_NO_THROW(backward(again));
+}
+
 TEST(FullyShard, RootKeepsParametersUnshardedThroughBackward) {
   DeviceMesh mesh = dp_mesh();
   auto net = std::make_shared<Decoder>(small_decoder_config());

@@ -541,9 +541,10 @@ TEST(NormLayers, RMSNormDefaultEpsIsTheInputDtypesEpsilon) {
   const double with_1e6 = 1e-3 / std::sqrt(2e-6);
   expect_near_all((*std::make_shared<RMSNorm>(2, 1e-6))(x), {with_1e6, -with_1e6}, 1e-6,
                   "explicit 1e-6");
-  // The op alone, in bfloat16: eps 0.0078125, so 0.125 / sqrt(0.015625 + 0.0078125) = 0.8165.
+  // The op alone, in bfloat16: float32's eps, as PyTorch computes in float32 (bfloat16's own
+  // 0.0078125 would give 0.125 / sqrt(0.015625 + 0.0078125) = 0.8165).
   const Tensor xb = from_vector<float>({0.125f, -0.125f}).to(DType::BFloat16);
-  const double wb = 0.125 / std::sqrt(0.015625 + 0.0078125);
+  const double wb = 0.125 / std::sqrt(0.015625 + 1.1920928955078125e-07);
   expect_near_all(rms_norm(xb, Tensor()), {wb, -wb}, 4e-3, "bfloat16 default");
   expect_near_all(rms_norm(x, Tensor()), {want, -want}, 1e-6, "float32 op default");
 }

@@ -43,6 +43,13 @@ TEST(VersionCounter, EveryInPlaceWriteCountsAndViewsShareTheCount) {
   EXPECT_EQ(t.version(), 7u);
 }
 
+TEST(VersionCounter, ACallRefusedByItsChecksCountsNoWrite) {
+  Tensor t = zeros({2, 3});
+  const uint32_t v = t.version();
+  expect_error([&] { kernels::add_(t, ones({4})); }, "add_");
+  EXPECT_EQ(t.version(), v);
+}
+
 TEST(VersionCounter, WritingASavedInputBeforeBackwardIsAnError) {
   Tensor a = leaf({1, 2, 3, 4}, {2, 2});
   Tensor b = leaf({1, 0, 0, 1}, {2, 2});

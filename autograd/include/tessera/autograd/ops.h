@@ -98,9 +98,10 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_
                      kernels::Reduction reduction = kernels::Reduction::Mean);
 Tensor embedding(const Tensor& indices, const Tensor& weight);
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
-// rms_norm's eps when none is given, as F.rms_norm's eps=None: the input dtype's machine epsilon,
-// torch.finfo(dtype).eps (float32 1.19e-7, bfloat16 0.0078125, float16 0.000977). 0 for other
-// dtypes, which rms_norm refuses.
+// rms_norm's eps when none is given, as F.rms_norm's eps=None: the machine epsilon of the type it
+// computes in (PyTorch's opmath type, not the documented finfo(dtype).eps): float64 2.2e-16, and
+// float32 1.19e-7 also for bfloat16 and float16 inputs. 0 for other dtypes, which rms_norm
+// refuses.
 inline double rms_norm_default_eps(DType dtype) {
   switch (dtype) {
     case DType::Float64:
@@ -108,9 +109,8 @@ inline double rms_norm_default_eps(DType dtype) {
     case DType::Float32:
       return 1.1920928955078125e-07;
     case DType::BFloat16:
-      return 0.0078125;
     case DType::Float16:
-      return 0.0009765625;
+      return 1.1920928955078125e-07;
     default:
       return 0.0;
   }

@@ -35,10 +35,11 @@ class StorageImpl {
 
   // The version counter (PyTorch's `_version`), one per storage so that every view of it shares
   // it: each kernel that writes a tensor in place (Tensor::copy_, fill_, the optimizer updates,
-  // the random fills, kernels::add_, ...) increments it, and autograd compares it with the value
-  // recorded when a tensor was saved for backward, so a value changed under a saved graph is an
-  // error instead of a wrong gradient. Collectives and raw writes through data() do not count.
-  // Only changes are compared: what a fresh tensor starts at (a clone is filled by a copy) is not
+  // the random fills, kernels::add_, ...) increments it once it has run, and autograd compares it
+  // with the value recorded when a tensor was saved for backward, so a value changed under a
+  // saved graph is an error instead of a wrong gradient. Raw writes through data() do not count,
+  // nor collectives that write their outputs directly (those that copy into them do). Only
+  // changes are compared: what a fresh tensor starts at (a clone is filled by a copy) is not
   // PyTorch's number.
   uint32_t version() const { return version_.load(std::memory_order_relaxed); }
   void bump_version() { version_.fetch_add(1, std::memory_order_relaxed); }

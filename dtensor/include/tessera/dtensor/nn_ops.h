@@ -21,7 +21,7 @@ DTensor embedding(const DTensor& ids, const DTensor& weight);
 // Normalise the last dim, which must be whole on every rank: a shard of it (or a Partial input)
 // is gathered (reduced) to Replicate first. Other dims keep their shards (sequence parallel).
 // weight [D] and bias [D] (either may be undefined) are used replicated.
-// Without eps: the input dtype's machine epsilon, as F.rms_norm's eps=None (rms_norm_default_eps).
+// Without eps: rms_norm_default_eps of the input's dtype, as F.rms_norm's eps=None.
 DTensor rms_norm(const DTensor& x, const DTensor& weight, double eps);
 inline DTensor rms_norm(const DTensor& x, const DTensor& weight) {
   return rms_norm(x, weight, rms_norm_default_eps(x.dtype()));

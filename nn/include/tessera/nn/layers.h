@@ -52,8 +52,8 @@ class Embedding : public Module {
 // Normalises the last dim. Supports SequenceParallel (input sharded on a non-normalised dim).
 class RMSNorm : public Module {
  public:
-  // No eps (PyTorch's eps=None) is the input dtype's machine epsilon at each call (1.19e-7 for
-  // float32, 0.0078125 for bfloat16), as nn.RMSNorm; DecoderConfig passes its norm_eps.
+  // No eps (PyTorch's eps=None) is rms_norm_default_eps of the input's dtype at each call
+  // (1.19e-7 for float32, bfloat16 and float16), as nn.RMSNorm; DecoderConfig passes its norm_eps.
   explicit RMSNorm(int64_t dim, std::optional<double> eps = std::nullopt);
   Tensor forward(const Tensor& x) override;
   DTensor forward_dtensor(const DTensor& x) override;
