@@ -136,18 +136,24 @@ class Kernel<R(A...)> {
   Fn get(DeviceType type) const { return fns_[size_t(type)].load(); }
 
   R operator()(A... args) const {
+    // A tensor passed by non-const reference is written: its version goes up once the kernel has
+    // returned, as PyTorch counts an in-place op (a call refused by its checks wrote nothing).
+    if constexpr (!(std::is_same_v<A, Tensor&> || ...)) {
+      return dispatch(args...);
+    } else if constexpr (std::is_void_v<R>) {
+      dispatch(args...);
+      (bump_version_if_mutable<A>(args), ...);
+    } else {
+      R out = dispatch(args...);
+      (bump_version_if_mutable<A>(args), ...);
+      return out;
+    }
+  }
+
+ private:
+  R dispatch(A... args) const {
     CommonDevice common(name_);
     (common.add(args), ...);
-    // After the kernel returns, as PyTorch counts an in-place op: a call refused by its checks
-    // wrote nothing and must not make a later backward fail.
-    struct BumpOnSuccess {
-      std::tuple<A&...> args;
-      int exceptions = std::uncaught_exceptions();
-      ~BumpOnSuccess() {
-        if (std::uncaught_exceptions() != exceptions) return;
-        std::apply([](auto&... a) { (bump_version_if_mutable<A>(a), ...); }, args);
-      }
-    } bump{std::tie(args...)};
     const Device device = common.device();
     if (device.is_cpu()) return fns_[0].load()(args...);
     const HostFallback mode = fallback_mode(device.type);
@@ -161,7 +167,6 @@ class Kernel<R(A...)> {
     return on_host(device, std::index_sequence_for<A...>{}, args...);
   }
 
- private:
   template <size_t... I>
   R on_host(Device device, std::index_sequence<I...>, A... args) const {
     count_host_fallback_call();
