@@ -164,10 +164,20 @@ bool Tensor::is_pinned() const {
          storage().impl()->allocator() == pinned;
 }
 
+namespace {
+// A write of no elements still counts, as in PyTorch: a rank whose shard of a parameter is empty
+// then sees the same versions as the ranks that wrote theirs, so what FSDP decides from them is
+// the same on every rank.
+Tensor& count_empty_write(Tensor& t) {
+  if (t.storage().impl()) t.storage().impl()->bump_version();
+  return t;
+}
+}  // namespace
+
 Tensor& Tensor::copy_(const Tensor& src) {
   TESSERA_CHECK(src.shape() == shape(), "copy_: source shape ", shape_str(src.shape()),
                 " does not match destination shape ", shape_str(shape()));
-  if (numel() == 0) return *this;
+  if (numel() == 0) return count_empty_write(*this);
   kernels::portable::check_writable("copy_", *this);
   if (src.device() == device()) {
     if (detail::is_same_view(*this, src)) {
@@ -194,7 +204,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
 }
 
 Tensor& Tensor::fill_(double value) {
-  if (numel() == 0) return *this;
+  if (numel() == 0) return count_empty_write(*this);
   kernels::fill_(*this, value);
   return *this;
 }

@@ -43,6 +43,18 @@ TEST(VersionCounter, EveryInPlaceWriteCountsAndViewsShareTheCount) {
   EXPECT_EQ(t.version(), 7u);
 }
 
+// A write of no elements counts too (PyTorch's rule): an empty view of a buffer, such as a rank's
+// empty shard of a parameter under FSDP, moves the buffer's count like its neighbours' writes.
+TEST(VersionCounter, WritesOfNoElementsCount) {
+  Tensor buffer = zeros({4});
+  Tensor none = kernels::narrow(buffer, 0, 4, 0);
+  const auto v0 = buffer.version();
+  none.fill_(1.0);
+  EXPECT_EQ(buffer.version(), v0 + 1);
+  none.copy_(zeros({0}));
+  EXPECT_EQ(buffer.version(), v0 + 2);
+}
+
 TEST(VersionCounter, ACallRefusedByItsChecksCountsNoWrite) {
   Tensor t = zeros({2, 3});
   const uint32_t v = t.version();
