@@ -57,7 +57,13 @@ void FSDPGroup::set_unsharded_params() {
 }
 
 void FSDPGroup::unshard(bool async_op) {
-  if (unsharded_) return;
+  if (unsharded_) {
+    if (!shards_written_since_gather()) return;
+    // The shards were written while the gathered values stayed (a LoRA merge or a load after a
+    // forward that kept them): those are stale. Gather again, as after a reshard; a backward
+    // still pending on the old values then refuses them through the version counter.
+    reshard();
+  }
   if (async_op) {
     start_gather();
     return;
@@ -77,6 +83,17 @@ void FSDPGroup::unshard(bool async_op) {
   finish_gather(/*fresh=*/true);
   grads_ready_ = 0;
   set_unsharded_params();
+}
+
+bool FSDPGroup::shards_written_since_gather() const {
+  const bool here = flat_.version() != leaves_shards_version_;
+  if (gather_pg_->size() == 1) return here;
+  // Whether to gather again must be the same on every rank, or their all-gathers would not
+  // match: a rank whose pieces nobody wrote follows the others. Only a group found gathered at
+  // its forward pays this (a second forward before backward, a module used twice).
+  Tensor flag = full({1}, here ? 1.0 : 0.0, TensorOptions(DType::Int32, flat_.device()));
+  gather_pg_->all_reduce(flag, ReduceOp::Max)->wait();
+  return flag.item<int32_t>() != 0;
 }
 
 void FSDPGroup::start_gather() {
@@ -299,6 +316,13 @@ void FSDPGroup::pre_backward() {
                 "run the forward again");
   begin_backward();
   if (unsharded_) {
+    // Kept gathered since the forward (the root, reshard_after_forward off): a write to the
+    // shards meanwhile reaches no saved leaf's version counter, so it is caught here.
+    TESSERA_CHECK(flat_.version() == leaves_shards_version_, "fully_shard(",
+                  m ? m->type_name() : std::string("module"),
+                  "): its parameters were modified by an in-place operation (an optimizer step, "
+                  "a load) between the forward and this backward, which would differentiate at "
+                  "the old values; run backward before changing them");
     prefetch(/*forward=*/false);
     return;
   }
@@ -380,12 +404,17 @@ void FSDPGroup::start_reduce() {
   }
   // Packing needs only the gradients: free the gathered weights first.
   release_unsharded();
-  // Each rank's block holds its rows of every gradient, padded, then one flag per parameter
-  // (1 where this rank has a gradient for it): the reduce-scatter sums the flags too, so every
-  // rank learns which parameters got a gradient anywhere without another collective.
+  // Each rank's block holds its rows of every trainable parameter's gradient, padded, then one
+  // flag per parameter (1 where this rank has a gradient for it): the reduce-scatter sums the
+  // flags too, so every rank learns which parameters got a gradient anywhere without another
+  // collective.
   const int64_t k = reduce_pg_->size();
-  const int64_t block = padded_size_ + int64_t(params_.size());
   PendingReduce pr;
+  for (const ParamInfo& i : params_) {
+    pr.offsets.push_back(i.param->requires_grad() ? pr.size : -1);
+    if (i.param->requires_grad()) pr.size += i.chunk_rows * i.row_numel;
+  }
+  const int64_t block = pr.size + int64_t(params_.size());
   pr.send = zeros(Shape{k * block}, TensorOptions(reduce_dtype, flat_.device()));
   const int64_t n_params = int64_t(params_.size());
   const int64_t pre = predivide_factor(data_parallel_size(reduce_pg_, replicate_pg_), reduce_dtype);
@@ -406,13 +435,13 @@ void FSDPGroup::start_reduce() {
     for (int64_t r = 0; r < k; ++r) {
       const Chunk c = chunk_of(i.rows, k, r);
       if (c.length == 0) continue;
-      flat_window(pr.send, r * block + i.offset, c.length * i.row_numel)
+      flat_window(pr.send, r * block + pr.offsets[p], c.length * i.row_numel)
           .copy_(flat_window(g, c.start * i.row_numel, c.length * i.row_numel));
     }
   }
   // The flags of every rank's block at once: one copy from the host, not one fill per parameter
   // and rank (each a kernel launch on a device).
-  pr.send.as_strided({k, n_params}, {block, 1}, padded_size_)
+  pr.send.as_strided({k, n_params}, {block, 1}, pr.size)
       .copy_(kernels::expand(from_vector<float>(has_grad, {1, n_params}), {k, n_params}));
   // The unsharded gradients are packed: free them before the transfer.
   free_leaves_after_backward();
@@ -441,21 +470,22 @@ bool FSDPGroup::advance_reduce(bool block) {
   const int64_t dp = data_parallel_size(reduce_pg_, replicate_pg_);
   const int64_t pre = predivide_factor(dp, pr.reduced.dtype());
   const std::vector<double> flags =
-      flat_window(pr.reduced, padded_size_, int64_t(params_.size())).to_vector<double>();
+      flat_window(pr.reduced, pr.size, int64_t(params_.size())).to_vector<double>();
   // Each rank's loss is the mean over its own rows: averaging over the data-parallel ranks
   // gives the gradient of the mean loss over the global batch.
   const DType stored_dtype = flat_.dtype();
   Tensor averaged =
-      mul(flat_window(pr.reduced, 0, padded_size_).to(stored_dtype), double(pre) / double(dp));
+      mul(flat_window(pr.reduced, 0, pr.size).to(stored_dtype), double(pre) / double(dp));
+  const std::vector<int64_t> offsets = std::move(pr.offsets);
   pending_reduce_.reset();
   for (size_t p = 0; p < params_.size(); ++p) {
     ParamInfo& i = params_[p];
-    if (!i.param->requires_grad()) continue;
+    if (offsets[p] < 0) continue;
     i.param->set_grad_pending(false);
     sync_aliases(i);
     if (flags[p] == 0) continue;  // no rank had a gradient: leave it undefined, as unsharded
     const Tensor& stored = i.param->stored();
-    Tensor g = kernels::view(flat_window(averaged, i.offset, stored.numel()), stored.shape());
+    Tensor g = kernels::view(flat_window(averaged, offsets[p], stored.numel()), stored.shape());
     Tensor old = stored.grad();
     Tensor(stored).set_grad(old.defined() ? add(old, g) : g);
   }

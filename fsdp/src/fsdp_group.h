@@ -73,6 +73,9 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   void release_unsharded();
   void prefetch(bool forward);
   bool needs_backward_gather() const;
+  // Collective over the gather group: whether any rank's shards changed since the leaves were
+  // gathered.
+  bool shards_written_since_gather() const;
   // Packs this backward's gradients and issues their reduce-scatter. advance_reduce moves it on
   // (reduce-scatter, then for HSDP the all-reduce across replicas, then the averaged shards into
   // the stored parameters' gradients), waiting for each step when `block`, else only testing
@@ -101,6 +104,11 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   struct PendingReduce {
     WorkPtr work;
     Tensor send, reduced;
+    // Where each trainable parameter's padded piece lies in a rank's block (frozen ones: -1),
+    // and the pieces' total, after which come the flags: frozen parameters take no room, so a
+    // LoRA group reduces and keeps the adapters' gradients only.
+    std::vector<int64_t> offsets;
+    int64_t size = 0;
     bool across_replicas = false;  // HSDP: `work` is the all-reduce that follows
   };
 
@@ -123,6 +131,9 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   std::vector<std::vector<GatherRun>> gather_runs_;
   bool unsharded_ = false;
   bool is_root_ = true;
+  // The first of one fully_shard call's groups (one per dtype): only its forward starts a root
+  // step; the others run inside that step, in its order.
+  bool starts_step_ = true;
   bool requires_gradient_sync_ = true;
   bool backward_pending_ = false;
   bool leaves_released_ = false;  // resharded after forward: the graph holds empty storage

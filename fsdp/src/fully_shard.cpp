@@ -226,8 +226,10 @@ std::shared_ptr<FSDPState> fully_shard(const ModulePtr& module, const DeviceMesh
   // The call's groups share one schedule, and so does every group inside the module, whose
   // root this call now is.
   const auto schedule = std::make_shared<detail::FSDPSchedule>();
-  for (const auto& g : groups)
+  for (const auto& g : groups) {
     g->schedule_ = schedule;
+    g->starts_step_ = g == groups.front();
+  }
   for (const auto& g : detail::groups_inside(live, *module)) {
     g->is_root_ = false;
     g->schedule_ = schedule;

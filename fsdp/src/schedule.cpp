@@ -23,7 +23,7 @@ void for_each_live(const Groups& groups, F&& f) {
 }  // namespace
 
 void FSDPSchedule::record_forward(const Group& group) {
-  if (group->is_root_) {
+  if (group->is_root_ && group->starts_step_) {
     if (backward_running) abandon();
     if (!order.empty()) last_order = std::move(order);
     order.clear();

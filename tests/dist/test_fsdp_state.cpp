@@ -333,6 +333,67 @@ TEST(FullyShard, StepBetweenForwardAndBackwardIsAnError) {
   EXPECT_NO_THROW(backward(again));
 }
 
+// Where the parameters stay gathered from forward to backward (a root sharded alone), a write to
+// the shards in between is refused too, although no saved leaf's version counter sees it.
+TEST(FullyShard, StepBetweenForwardAndBackwardIsAnErrorForGatheredRoot) {
+  auto net = std::make_shared<Mlp>();
+  fully_shard(net, dp_mesh());
+  Generator gen(5);
+  const Tensor x = randn({4, 16}, gen);
+  Tensor loss = mean(square((*net)(x)));
+  net->head->weight.fill_(0.5);  // as an optimizer step or a load would write
+  expect_error([&] { backward(loss); }, "modified by an in-place operation");
+}
+
+// A group kept gathered after a forward (the root's, under grad) whose shards are then written
+// is gathered again by the next forward: it computes with the new values, not the stale ones.
+TEST(FullyShard, GatheredGroupSeesWritesToItsShards) {
+  auto net = std::make_shared<Mlp>();
+  auto ref = std::make_shared<Mlp>();
+  auto state = fully_shard(net, dp_mesh());
+  Generator gen(5);
+  const Tensor x = randn({4, 16}, gen);
+  Tensor first = (*net)(x);
+  ASSERT_TRUE(state->is_unsharded());
+  net->head->weight.fill_(0.25);
+  ref->head->weight.fill_(0.25);
+  expect_close((*net)(x), (*ref)(x), 1e-6, "after writing the shards");
+  // A write on one rank only: every rank gathers again (they agree), so none waits in an
+  // all-gather the others skip, and all compute with what the shards now hold.
+  if (world_rank() == 0) net->head->weight.fill_(0.75);
+  const Tensor got = (*net)(x);
+  ref->head->weight.copy_from_full(net->head->weight.full());
+  expect_close(got, (*ref)(x), 1e-6, "after a write on rank 0 only");
+  (void)first;
+}
+
+// A root holding parameters of two dtypes gets one group per dtype; they form one step: every
+// trainable parameter's gradient is reduced (the second group's was lost when each group started
+// a step of its own, with output_dtype set), and all of them reshard after backward.
+TEST(FullyShard, RootWithTwoDtypesReducesEveryGroup) {
+  DeviceMesh mesh = dp_mesh();
+  auto net = std::make_shared<Mlp>();
+  net->head->bias = Parameter(net->head->bias.full().to(DType::BFloat16), true);
+  FSDPOptions opts;
+  opts.mp_policy.param_dtype = DType::BFloat16;
+  FSDPOptions root = opts;
+  root.mp_policy.output_dtype = DType::Float32;
+  std::vector<std::shared_ptr<FSDPState>> states{fully_shard(net->b0, mesh, opts),
+                                                 fully_shard(net->b1, mesh, opts),
+                                                 fully_shard(net, mesh, root)};
+  Generator gen(5);
+  const Tensor x = randn({4, 16}, gen);
+  for (int step = 0; step < 2; ++step) {
+    backward(mean(square((*net)(x))));
+    for (auto& [name, p] : net->named_parameters())
+      EXPECT_TRUE(p->grad().defined()) << "step " << step << ": " << name << " has no gradient";
+    for (const auto& s : states)
+      EXPECT_FALSE(s->is_unsharded()) << "step " << step;
+    for (Parameter* p : net->parameters())
+      p->zero_grad();
+  }
+}
+
 TEST(FullyShard, RootKeepsParametersUnshardedThroughBackward) {
   DeviceMesh mesh = dp_mesh();
   auto net = std::make_shared<Decoder>(small_decoder_config());
