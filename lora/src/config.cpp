@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "tessera/core/error.h"
+#include "tessera/nn/module_path.h"
 
 namespace tessera {
 
@@ -22,6 +23,17 @@ void LoraConfig::validate() const {
     TESSERA_CHECK(!t.empty(), "LoraConfig: an empty name in target_modules");
   TESSERA_CHECK(bias == "none", "LoraConfig: bias '", bias,
                 "' is not supported; only \"none\" (the base biases stay frozen)");
+}
+
+// The path's last components, as many as the entry has: PEFT's suffix rule, patterns included.
+bool lora_target_matches(const std::string& entry, const std::string& path) {
+  const std::vector<std::string> want = split_module_path(entry);
+  const std::vector<std::string> have = split_module_path(path);
+  if (path.empty() || have.size() < want.size()) return false;
+  std::string tail;
+  for (size_t i = have.size() - want.size(); i < have.size(); ++i)
+    tail += (tail.empty() ? "" : ".") + have[i];
+  return module_path_matches(entry, tail);
 }
 
 }  // namespace tessera

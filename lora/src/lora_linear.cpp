@@ -101,7 +101,7 @@ LoraLinear::LoraLinear(const Linear& base, const LoraSlots& slots,
     : Linear("LoraLinear", base),
       max_rank_(slots.max_rank),
       routing_(std::move(routing)),
-      dropout_gen_(0) {
+      dropout_gens_(size_t(std::max<int64_t>(slots.max_adapters, 0))) {
   TESSERA_CHECK(slots.max_adapters >= 1 && slots.max_rank >= 1, "LoraLinear: ", slots.max_adapters,
                 " adapter slots of rank ", slots.max_rank, " (both must be at least 1)");
   TESSERA_CHECK(routing_ != nullptr, "LoraLinear: no routing state");
@@ -169,11 +169,14 @@ void LoraLinear::init_slot(int64_t i, const std::string& adapter, const LoraConf
   Parameter& b = b_[size_t(i)]->weight;
   // Padding lies after the first r rows of A, so the first r rows of the draw are those of an
   // unpadded [r, in] draw.
+  const uint64_t start = gen.offset();
   if (config.init_lora_weights == LoraInit::Gaussian)
     a.normal_(0.0, 1.0 / double(config.r), gen);
   else
     a.kaiming_uniform_(gen, std::sqrt(5.0));
   zero_from(a, 0, config.r);
+  // B's draw (Random) starts where an unpadded A's would end: independent of max_rank.
+  gen.set_offset(start + uint64_t(config.r * in_features()));
   NoGradGuard no_grad;
   b.fill_(0.0);
   if (config.init_lora_weights == LoraInit::Random) {
@@ -190,7 +193,8 @@ void LoraLinear::init_slot(int64_t i, const std::string& adapter, const LoraConf
   s.scale = config.scaling();
   s.dropout = config.lora_dropout;
   s.merged = false;
-  dropout_gen_.manual_seed(slot_seed(config.seed, adapter + "#dropout", path));
+  // A stream per slot: adding or removing another adapter leaves this one's masks as they were.
+  dropout_gens_[size_t(i)].manual_seed(slot_seed(config.seed, adapter + "#dropout", path));
 }
 
 void LoraLinear::clear_slot(int64_t i) {
@@ -362,9 +366,13 @@ Tensor LoraLinear::forward(const Tensor& x) {
   const Stacked<Tensor> ab = stack_adapters(std::move(as), std::move(bs), scales);
   Tensor xl;
   if (bt.any_dropout) {
+    // As PEFT: x in the adapters' dtype, then dropout (a bfloat16 base keeps 1/(1-p) exact
+    // under float32 adapters).
+    const DType at = ab.a.dtype();
     Tensor u = empty(x.shape(), TensorOptions(DType::Float32, x.device()));
-    uniform_(u, 0.0, 1.0, dropout_gen_);
-    xl = mul(x, keep_scale(u, bt.dropout, slots_[size_t(bt.slots[0])].dropout).to(x.dtype()));
+    uniform_(u, 0.0, 1.0, dropout_gens_[size_t(bt.slots[0])]);
+    xl = mul(x.dtype() == at ? x : cast(x, at),
+             keep_scale(u, bt.dropout, slots_[size_t(bt.slots[0])].dropout).to(at));
   }
   return linear_lowrank(x, w, b0, ab.a, ab.b, ab.scale, xl, activation_mask(bt, x.dim()));
 }
@@ -387,9 +395,11 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
   DTensor xl;
   if (bt.any_dropout) {
     // The same mask a single process would draw: the draw follows x's layout.
-    DTensor u = rand(x.shape(), mesh, x.placements(), dropout_gen_);
+    // (x in the adapters' dtype first, as in forward.)
+    DTensor u = rand(x.shape(), mesh, x.placements(), dropout_gens_[size_t(bt.slots[0])]);
     Tensor keep = keep_scale(u.to_local(), bt.dropout, slots_[size_t(bt.slots[0])].dropout);
-    xl = mul(x, DTensor::from_local(keep.to(x.dtype()), mesh, x.placements(), x.shape()));
+    xl = mul(x.dtype() == a.dtype() ? x : cast(x, a.dtype()),
+             DTensor::from_local(keep.to(a.dtype()), mesh, x.placements(), x.shape()));
   }
   const Tensor h_scale = activation_mask(bt, x.dim());
   bool row_parallel = false;

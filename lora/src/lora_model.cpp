@@ -14,14 +14,6 @@ namespace tessera {
 
 namespace {
 
-// PEFT's matching: a plain name is a module's last path component ("wq"), a dotted entry a
-// pattern over the whole path ("layers.*.attention.wq"); '*' matches within one component.
-bool targets_path(const std::string& entry, const std::string& path) {
-  if (entry.find('.') != std::string::npos) return module_path_matches(entry, path);
-  const size_t dot = path.rfind('.');
-  return module_path_matches(entry, dot == std::string::npos ? path : path.substr(dot + 1));
-}
-
 std::string join(const std::vector<std::string>& v) {
   std::string s;
   for (const auto& x : v)
@@ -70,18 +62,23 @@ std::vector<size_t> LoraModel::targets(const LoraConfig& config) const {
   std::vector<size_t> out;
   const auto modules = model_->named_modules();
   for (const std::string& entry : config.target_modules) {
-    bool wrapped = false, any = false;
+    bool wrapped = false;
     for (size_t i = 0; i < layers_.size(); ++i)
-      if (targets_path(entry, layers_[i].first)) {
+      if (lora_target_matches(entry, layers_[i].first)) {
         wrapped = true;
         if (std::find(out.begin(), out.end(), i) == out.end()) out.push_back(i);
       }
+    // PEFT's "wq" means every wq: an adapter silently missing from some would not be that.
+    std::vector<std::string> unwrapped;
     for (const auto& [path, m] : modules)
-      any |= !path.empty() && targets_path(entry, path);
-    TESSERA_CHECK(wrapped, "LoRA: target module '", entry, "' ",
-                  any ? "names modules LoRA was not applied to (adapters can only go where "
-                        "apply_lora put slots: list every module any adapter targets there)"
-                      : "matches no module of the model");
+      if (lora_target_matches(entry, path) &&
+          std::none_of(layers_.begin(), layers_.end(),
+                       [&](const auto& l) { return l.first == path; }))
+        unwrapped.push_back(path);
+    TESSERA_CHECK(unwrapped.empty(), "LoRA: target module '", entry, "' names ", join(unwrapped),
+                  ", where apply_lora put no slots (adapters can only go where it did: list "
+                  "every module any adapter targets in apply_lora's config)");
+    TESSERA_CHECK(wrapped, "LoRA: target module '", entry, "' matches no module of the model");
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -292,7 +289,7 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
   for (const std::string& entry : config.target_modules) {
     bool any = false;
     for (const auto& [path, m] : modules)
-      any |= !path.empty() && targets_path(entry, path);
+      any |= !path.empty() && lora_target_matches(entry, path);
     TESSERA_CHECK(any, "apply_lora: target module '", entry, "' matches no module of ",
                   model->type_name(), "; ",
                   module_path_candidates(
@@ -301,7 +298,7 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
   for (const auto& [path, m] : modules) {
     bool targeted = false;
     for (const std::string& entry : config.target_modules)
-      targeted |= !path.empty() && targets_path(entry, path);
+      targeted |= !path.empty() && lora_target_matches(entry, path);
     if (!targeted) continue;
     auto linear = std::dynamic_pointer_cast<Linear>(m);
     TESSERA_CHECK(linear != nullptr, "apply_lora: target_modules match '", path, "', a ",
@@ -314,9 +311,14 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
                   "can still be added after it, into the slots LoraSlots preallocates)");
     found.emplace_back(path, linear);
   }
-  // PEFT freezes the base model: only adapters train.
+  // PEFT freezes the base model: only adapters train, those of an earlier apply_lora included.
+  std::set<const Parameter*> adapters;
+  for (const auto& [path, m] : modules)
+    if (auto l = std::dynamic_pointer_cast<LoraLinear>(m))
+      for (int64_t i = 0; i < l->num_slots(); ++i)
+        adapters.insert({&l->lora_A(i), &l->lora_B(i)});
   for (auto& [path, p] : model->named_parameters())
-    p->set_requires_grad(false);
+    if (!adapters.count(p)) p->set_requires_grad(false);
   for (auto& [path, linear] : found) {
     auto l = std::make_shared<LoraLinear>(*linear, s, lm->routing_);
     model->replace_submodule(path, l);

@@ -1,6 +1,7 @@
 // PEFT's adapter files: adapter_model.safetensors and adapter_config.json.
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -42,14 +43,15 @@ void on_rank0(const std::string& what, const std::function<void()>& f) {
               ": on rank 0: " + std::string(static_cast<const char*>(bytes.raw_data()), size_t(n)));
 }
 
-nlohmann::json to_peft(const LoraConfig& c) {
+// `targets` replaces c.target_modules: PEFT reads names and dotted suffixes, not patterns.
+nlohmann::json to_peft(const LoraConfig& c, const std::vector<std::string>& targets) {
   nlohmann::json j;
   j["peft_type"] = "LORA";
   j["task_type"] = nullptr;
   j["r"] = c.r;
   j["lora_alpha"] = c.lora_alpha;
   j["lora_dropout"] = c.lora_dropout;
-  j["target_modules"] = c.target_modules;
+  j["target_modules"] = targets;
   j["bias"] = c.bias;
   j["use_rslora"] = c.use_rslora;
   if (c.init_lora_weights == LoraInit::Gaussian)
@@ -86,6 +88,8 @@ LoraConfig from_peft(const nlohmann::json& j, const std::string& file) {
     c.lora_dropout = j["lora_dropout"].get<double>();
   }
   const auto& t = j.contains("target_modules") ? j["target_modules"] : nlohmann::json();
+  if (t.is_string() && t.get<std::string>() == "all-linear")
+    bad("target_modules is \"all-linear\"; Tessera takes a list of module names");
   if (t.is_string()) bad("target_modules is a regular expression; Tessera takes a list of names");
   if (!t.is_array()) bad("target_modules is missing or not a list");
   for (const auto& e : t) {
@@ -93,8 +97,18 @@ LoraConfig from_peft(const nlohmann::json& j, const std::string& file) {
     c.target_modules.push_back(e.get<std::string>());
   }
   if (j.contains("bias")) c.bias = j["bias"].is_string() ? j["bias"].get<std::string>() : "?";
-  if (j.contains("use_rslora"))
-    c.use_rslora = j["use_rslora"].is_boolean() && j["use_rslora"].get<bool>();
+  if (j.contains("use_rslora") && !j["use_rslora"].is_null()) {
+    if (!j["use_rslora"].is_boolean()) bad("use_rslora is not a boolean");
+    c.use_rslora = j["use_rslora"].get<bool>();
+  }
+  // Fields that choose which modules an adapter covers or what else it saves: ignored, the
+  // adapter would load onto other modules than it was trained on, or fail for a hidden reason.
+  for (const char* field : {"layers_to_transform", "layers_pattern", "exclude_modules",
+                            "modules_to_save", "target_parameters", "trainable_token_indices"})
+    if (j.contains(field) && !j[field].is_null() &&
+        !((j[field].is_array() || j[field].is_object() || j[field].is_string()) &&
+          j[field].empty()))
+      bad(std::string(field) + " is set (" + j[field].dump() + "): not supported");
   if (j.contains("use_dora") && j["use_dora"].is_boolean() && j["use_dora"].get<bool>())
     bad("use_dora is set: DoRA adapters are not supported");
   // PEFT's per-module overrides of r and lora_alpha: read with the global ones instead, a module
@@ -112,6 +126,12 @@ LoraConfig from_peft(const nlohmann::json& j, const std::string& file) {
       c.init_lora_weights = w.get<bool>() ? LoraInit::Kaiming : LoraInit::Random;
     else if (w.is_string() && w.get<std::string>() == "gaussian")
       c.init_lora_weights = LoraInit::Gaussian;
+    else
+      // PiSSA, OLoRA, LoftQ and the like change the base weights too: saved unconverted, the
+      // adapter only fits the changed base, and on the original one it computes something else.
+      bad("init_lora_weights is " + w.dump() +
+          ": only true, false and \"gaussian\" adapters fit an unchanged base model (convert "
+          "the adapter with PEFT's path_initial_model_for_weight_conversion first)");
   }
   c.validate();
   return c;
@@ -121,6 +141,17 @@ LoraConfig from_peft(const nlohmann::json& j, const std::string& file) {
 
 void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
   const LoraConfig cfg = config(name);
+  std::vector<std::string> targets;
+  for (const std::string& entry : cfg.target_modules) {
+    if (entry.find_first_of("*?[") == std::string::npos) {
+      targets.push_back(entry);
+      continue;
+    }
+    for (size_t i : find(name, "save_adapter").layers)
+      if (lora_target_matches(entry, layers_[i].first) &&
+          std::find(targets.begin(), targets.end(), layers_[i].first) == targets.end())
+        targets.push_back(layers_[i].first);
+  }
   const std::map<std::string, Tensor> values = read_adapter(name);  // collective
   on_rank0("LoRA save_adapter '" + name + "' to '" + dir + "'", [&] {
     std::filesystem::create_directories(dir);
@@ -129,7 +160,7 @@ void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
       peft[kPrefix + key] = t;
     save_safetensors(dir + "/" + kWeights, peft, {{"format", "pt"}});
     std::ofstream out(dir + "/" + kConfig);
-    out << to_peft(cfg).dump(2) << "\n";
+    out << to_peft(cfg, targets).dump(2) << "\n";
     TESSERA_CHECK(out.good(), "writing '", dir, "/", kConfig, "' failed");
   });
 }

@@ -15,8 +15,10 @@ struct LoraConfig {
   int64_t r = 8;
   double lora_alpha = 8;
   double lora_dropout = 0.0;
-  // Module names ("wq": every Linear whose last path component is wq) or dotted patterns
-  // ("layers.*.attention.wq": '*' matches within one component). Each must match a Linear.
+  // PEFT's list form: an entry names every module whose path equals it or ends in "." + entry
+  // ("wq": every wq; "attention.wq": every block's). Entries may also be patterns, fnmatch per
+  // path component ("layers.[0-3].attention.w*"; '*' never reaches across a '.'), matched
+  // against the path's last components. Each must match Linear modules only.
   std::vector<std::string> target_modules;
   // alpha / sqrt(r) instead of alpha / r.
   bool use_rslora = false;
@@ -31,6 +33,9 @@ struct LoraConfig {
   // other than "none".
   void validate() const;
 };
+
+// Whether target_modules entry `entry` names the module at `path` (the rule above).
+bool lora_target_matches(const std::string& entry, const std::string& path);
 
 // Preallocated adapter slots, fixed when LoRA is applied: adapters can then be added and removed
 // later (after fully_shard too) without wrapping the model again. Every slot holds A [max_rank,

@@ -118,7 +118,8 @@ class LoraLinear : public Linear {
   std::vector<Slot> slots_;
   int64_t max_rank_;
   std::shared_ptr<LoraRouting> routing_;
-  Generator dropout_gen_;
+  // One dropout stream per slot; a mixed batch draws from its first adapter's.
+  std::vector<Generator> dropout_gens_;
 };
 
 }  // namespace tessera

@@ -22,9 +22,9 @@ class LoraModel {
   // --- adapters ---
   std::vector<std::string> adapters() const;  // in slot order
   const LoraConfig& config(const std::string& adapter) const;
-  // Into a free slot, initialised from (config.seed, name, path) alone. Its targets must be
-  // among the modules apply_lora wrapped. Works after fully_shard (the slots were preallocated).
-  // Collective when the layers are sharded by FSDP.
+  // Into a free slot, initialised from (config.seed, name, path) alone. Every module its targets
+  // match must be one apply_lora wrapped (an error names the others). Works after fully_shard (the
+  // slots were preallocated). Collective when the layers are sharded by FSDP.
   void add_adapter(const std::string& name, const LoraConfig& config);
   // Frees its slot (zeroes its matrices), unmerging the adapter first if it is merged. The
   // optimizer keeps the slot's state: reset it with
@@ -91,7 +91,8 @@ class LoraModel {
 };
 
 // Wraps every Linear of `model` that config.target_modules names (plain or tensor-parallel,
-// before fully_shard) in a LoraLinear, freezes every other parameter of the model, adds adapter
+// before fully_shard) in a LoraLinear, freezes every other parameter of the model (but the
+// adapters of an earlier apply_lora), adds adapter
 // `adapter_name` and makes it active. Applying it before parallelize_module or after gives the
 // same model. A target matching nothing, or something other than a Linear, is an error naming
 // it.

@@ -1,0 +1,270 @@
+// Where LoRA must read as PEFT does: which modules target_modules names, what a second
+// apply_lora or add_adapter may change, initial values and dropout streams that depend on the
+// adapter alone, the PEFT config fields that cannot load, and merges under FSDP.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
+#include "dist/checkpoint_util.h"
+#include "dist/lora_util.h"
+#include "tessera/testing/checks.h"
+#include "tessera/testing/expect_error.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+
+namespace {
+
+std::vector<std::string> wrapped(const LoraModel& lora) {
+  std::vector<std::string> out;
+  for (const auto& [path, l] : lora.layers())
+    out.push_back(path);
+  return out;
+}
+
+LoraConfig targeting(std::vector<std::string> targets, LoraInit init = LoraInit::Kaiming) {
+  LoraConfig c = lora_test_config(init);
+  c.target_modules = std::move(targets);
+  return c;
+}
+
+// One Linear, "proj".
+class Holder : public Module {
+ public:
+  explicit Holder(Generator& gen) : Module("Holder") {
+    proj = std::make_shared<Linear>(8, 4, false, gen);
+    register_module("proj", proj);
+  }
+  Tensor forward(const Tensor& x) override { return (*proj)(x); }
+  std::shared_ptr<Linear> proj;
+};
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
+
+// PEFT's rule for a list: an entry names the modules whose path equals it or ends in "." + it.
+TEST(LoraPeft, DottedTargetsMatchAsPathSuffixes) {
+  const DecoderConfig cfg = lora_decoder_config();
+  auto m = std::make_shared<Decoder>(cfg);
+  EXPECT_EQ(wrapped(*apply_lora(m, targeting({"attention.wq"}))),
+            (std::vector<std::string>{"layers.0.attention.wq", "layers.1.attention.wq"}));
+  m = std::make_shared<Decoder>(cfg);
+  EXPECT_EQ(wrapped(*apply_lora(m, targeting({"layers.1.attention.wq", "feed_forward.w[12]"}))),
+            (std::vector<std::string>{"layers.0.feed_forward.w1", "layers.0.feed_forward.w2",
+                                      "layers.1.attention.wq", "layers.1.feed_forward.w1",
+                                      "layers.1.feed_forward.w2"}));
+  // A suffix starts at a '.': "ttention.wq" is no module's.
+  m = std::make_shared<Decoder>(cfg);
+  expect_error([&] { apply_lora(m, targeting({"ttention.wq"})); },
+               {"target module 'ttention.wq' matches no module of Decoder"});
+}
+
+// PEFT's "wq" means every wq: an adapter that would sit on some of them only is refused, naming
+// the modules without slots.
+TEST(LoraPeft, AddAdapterRefusesTargetsWithoutSlots) {
+  auto m = std::make_shared<Decoder>(lora_decoder_config());
+  auto lora =
+      apply_lora(m, targeting({"layers.0.attention.wq"}), "a", {.max_adapters = 2, .max_rank = 4});
+  expect_error([&] { lora->add_adapter("b", targeting({"wq"})); },
+               {"target module 'wq' names layers.1.attention.wq", "apply_lora put no slots"});
+  EXPECT_EQ(lora->adapters(), (std::vector<std::string>{"a"}));
+  lora->add_adapter("b", targeting({"layers.0.attention.wq"}));
+  EXPECT_EQ(lora->adapters(), (std::vector<std::string>{"a", "b"}));
+}
+
+// A second apply_lora (on other modules) freezes the base only: the first one's adapters train on.
+TEST(LoraPeft, SecondApplyKeepsTheFirstAdaptersTrainable) {
+  auto m = std::make_shared<Decoder>(lora_decoder_config());
+  auto first = apply_lora(m, targeting({"wq"}));
+  auto second = apply_lora(m, targeting({"w1"}), "ffn");
+  for (Parameter* p : first->parameters())
+    EXPECT_TRUE(p->requires_grad()) << p->str();
+  for (Parameter* p : second->parameters())
+    EXPECT_TRUE(p->requires_grad()) << p->str();
+  for (auto& [name, p] : m->named_parameters())
+    EXPECT_EQ(p->requires_grad(), name.find("lora_") != std::string::npos) << name;
+}
+
+// Initial values depend on (seed, adapter, path) only, not on how wide the slots are: B's draw
+// (init_lora_weights false) used to start where the padded A's ended.
+TEST(LoraPeft, InitialValuesDoNotDependOnMaxRank) {
+  const LoraConfig cfg = lora_test_config(LoraInit::Random);
+  auto narrow_slots = std::make_shared<Decoder>(lora_decoder_config());
+  auto wide_slots = std::make_shared<Decoder>(lora_decoder_config());
+  const auto want = apply_lora(narrow_slots, cfg)->read_adapter("default");
+  const auto got =
+      apply_lora(wide_slots, cfg, "default", {.max_rank = 8})->read_adapter("default");
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [key, t] : want)
+    expect_identical(got.at(key), t, key);
+}
+
+// Each adapter has its own dropout stream: adding another adapter leaves the masks of the one
+// training as they were (it used to restart the layer's one stream).
+TEST(LoraPeft, AddingAnAdapterLeavesAnothersDropoutMasks) {
+  const DecoderConfig dc = lora_decoder_config();
+  LoraConfig cfg = lora_test_config(LoraInit::Random);
+  cfg.lora_dropout = 0.5;
+  auto build = [&] {
+    auto m = std::make_shared<Decoder>(dc);
+    return std::make_pair(m, apply_lora(m, cfg, "a", {.max_adapters = 2, .max_rank = 4}));
+  };
+  auto [m1, l1] = build();
+  auto [m2, l2] = build();
+  const Batch b = affine_batch(0, 2, dc.max_seq_len, dc.vocab_size);
+  NoGradGuard no_grad;
+  expect_identical((*m2)(b.ids), (*m1)(b.ids), "first forward");
+  l2->add_adapter("b", lora_test_config());
+  expect_identical((*m2)(b.ids), (*m1)(b.ids), "the forward after adding 'b'");
+}
+
+// Under a bfloat16 base with float32 adapters the dropout multiplier 1/(1-p) stays float32 (x is
+// cast to the adapters' dtype first, as PEFT does): A's gradient, sum over rows of kept x times
+// 1/(1-p), is a whole multiple of 1/(1-p), which a bfloat16-rounded multiplier is not.
+TEST(LoraPeft, DropoutScaleStaysExactUnderABfloat16Base) {
+  Generator gen(1);
+  auto holder = std::make_shared<Holder>(gen);
+  holder->proj->weight = Parameter(holder->proj->weight.full().to(DType::BFloat16), false);
+  LoraConfig cfg = targeting({"proj"}, LoraInit::Random);
+  cfg.r = 2;
+  cfg.lora_alpha = 2;
+  cfg.lora_dropout = 0.1;
+  auto lora = apply_lora(holder, cfg);
+  const double keep = 1.0 / (1.0 - 0.1);
+  lora->write_adapter("default", {{"proj.lora_A.weight", full({2, 8}, 1.0)},
+                                  {"proj.lora_B.weight", full({4, 2}, 1.0)}});
+  const Tensor x = full({16, 8}, 1.0, DType::BFloat16);
+  backward(sum(cast((*holder)(x), DType::Float32)));
+  // dL/dA[j, k] = sum over rows of (B^T 1)[j] * xl[row, k] = 4 * keep * (rows kept in column k).
+  const std::vector<float> g = lora->layers().front().second->lora_A(0).grad().to_vector<float>();
+  for (size_t i = 0; i < g.size(); ++i) {
+    const double kept = double(g[i]) / (4.0 * keep);
+    EXPECT_NEAR(kept, std::round(kept), 1e-5) << "A.grad[" << i << "] = " << g[i];
+  }
+}
+
+// An adapter made with patterns is saved with the paths they matched (PEFT reads names and
+// dotted suffixes, not patterns); plain names stay as given.
+TEST(LoraPeft, PatternTargetsAreSavedAsThePathsTheyMatched) {
+  const std::string dir = scratch_dir("lora_peft_targets_np" + std::to_string(world_size()));
+  auto m = std::make_shared<Decoder>(lora_decoder_config());
+  auto lora = apply_lora(m, targeting({"layers.*.attention.wq", "w2"}));
+  lora->save_adapter(dir + "/adapter", "default");
+  const std::string text = read_text(dir + "/adapter/adapter_config.json");
+  EXPECT_NE(text.find("\"layers.0.attention.wq\""), std::string::npos) << text;
+  EXPECT_NE(text.find("\"layers.1.attention.wq\""), std::string::npos) << text;
+  EXPECT_NE(text.find("\"w2\""), std::string::npos) << text;
+  EXPECT_EQ(text.find('*'), std::string::npos) << text;
+  // ... and loads back as PEFT's list.
+  auto again = std::make_shared<Decoder>(lora_decoder_config());
+  auto l2 = apply_lora(again, targeting({"wq", "w2"}), "default", {.max_adapters = 2});
+  l2->load_adapter(dir + "/adapter", "loaded");
+  const auto want = lora->read_adapter("default");
+  const auto got = l2->read_adapter("loaded");
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [key, t] : want)
+    expect_identical(got.at(key), t, key);
+}
+
+// PEFT config fields that would load onto other modules than the adapter was trained on, or
+// onto a base it does not fit, are refused naming the field; they used to be ignored.
+TEST(LoraPeft, UnsupportedPeftFieldsAreRefused) {
+  const std::string dir = scratch_dir("lora_peft_fields_np" + std::to_string(world_size()));
+  auto m = std::make_shared<Decoder>(lora_decoder_config());
+  auto lora = apply_lora(m, lora_test_config(), "default", {.max_adapters = 2});
+  lora->save_adapter(dir + "/adapter", "default");
+  const std::string saved = read_text(dir + "/adapter/adapter_config.json");
+  auto variant = [&](const std::string& name, const std::string& from, const std::string& to) {
+    if (world_rank() == 0) {
+      std::filesystem::create_directories(dir + "/" + name);
+      std::filesystem::copy_file(dir + "/adapter/adapter_model.safetensors",
+                                 dir + "/" + name + "/adapter_model.safetensors",
+                                 std::filesystem::copy_options::overwrite_existing);
+      std::string text = saved;
+      const size_t at = text.find(from);
+      EXPECT_NE(at, std::string::npos) << from << " in " << text;
+      if (at != std::string::npos) text.replace(at, from.size(), to);
+      std::ofstream(dir + "/" + name + "/adapter_config.json") << text;
+    }
+    world_group()->barrier()->wait();
+    return dir + "/" + name;
+  };
+  const struct {
+    const char* name;
+    const char* from;
+    const char* to;
+    std::vector<std::string> error;
+  } cases[] = {
+      {"pissa", "\"init_lora_weights\": true", "\"init_lora_weights\": \"pissa\"",
+       {"init_lora_weights is \"pissa\"", "unchanged base model"}},
+      {"layers", "\"layers_to_transform\": null", "\"layers_to_transform\": [0]",
+       {"layers_to_transform is set ([0])"}},
+      {"exclude", "\"peft_type\"", "\"exclude_modules\": [\"wq\"], \"peft_type\"",
+       {"exclude_modules is set"}},
+      {"save", "\"modules_to_save\": null", "\"modules_to_save\": [\"output\"]",
+       {"modules_to_save is set"}},
+      {"rslora", "\"use_rslora\": false", "\"use_rslora\": \"yes\"",
+       {"use_rslora is not a boolean"}},
+  };
+  for (const auto& c : cases) {
+    const std::string path = variant(c.name, c.from, c.to);
+    std::vector<std::string> want = c.error;
+    want.push_back(std::string(c.name) + "/adapter_config.json'");
+    expect_error([&] { lora->load_adapter(path, c.name); }, want);
+  }
+  const size_t open = saved.find("\"target_modules\": [");
+  ASSERT_NE(open, std::string::npos) << saved;
+  const std::string list = saved.substr(open, saved.find(']', open) + 1 - open);
+  expect_error([&] {
+    lora->load_adapter(variant("all", list, "\"target_modules\": \"all-linear\""), "all");
+  },
+               {"target_modules is \"all-linear\""});
+  EXPECT_EQ(lora->adapters(), (std::vector<std::string>{"default"}));
+}
+
+// A merge after a forward that left the weights gathered (an FSDP root, grad mode on) reaches
+// the next forward: the merged model computes what the adapter did, not the bare base.
+TEST(LoraPeft, MergeUnderFsdpReachesTheNextForward) {
+  const DecoderConfig cfg = lora_decoder_config();
+  auto m = std::make_shared<Decoder>(cfg);
+  auto lora = apply_lora(m, lora_test_config(LoraInit::Random));
+  auto state = fully_shard(m, DeviceMesh(Shape{world_size()}, {"dp"}));
+  const Batch b = affine_batch(0, 2, cfg.max_seq_len, cfg.vocab_size);
+  const Tensor with_adapter = (*m)(b.ids);
+  ASSERT_TRUE(state->is_unsharded());
+  lora->merge_adapter("default");
+  expect_close((*m)(b.ids), with_adapter, 1e-5, "merged");
+  lora->unmerge_adapter("default");
+  expect_close((*m)(b.ids), with_adapter, 1e-5, "unmerged");
+}
+
+// Under FSDP a block's frozen base takes no room in the reduce-scatter or in the buffer its
+// adapters' gradients live in: they hold the adapters' share of the block, not the whole block.
+TEST(LoraPeft, FsdpReducesAndKeepsTheAdaptersGradientsOnly) {
+  const DecoderConfig cfg = lora_decoder_config();
+  auto m = std::make_shared<Decoder>(cfg);
+  auto lora = apply_lora(m, lora_test_config(LoraInit::Random));
+  lora_shard(m, DeviceMesh(Shape{world_size()}, {"dp"}));
+  const Batch b = affine_batch(0, 2, cfg.max_seq_len, cfg.vocab_size);
+  backward(cross_entropy((*m)(b.ids), b.targets));
+  int64_t base = 0, adapters = 0;
+  for (auto& [name, p] : m->named_parameters())
+    if (name.rfind("layers.0.", 0) == 0)
+      (p->requires_grad() ? adapters : base) += p->stored().numel();
+  ASSERT_GT(adapters, 0);
+  for (auto& [name, p] : m->named_parameters()) {
+    if (name.rfind("layers.0.", 0) != 0 || !p->requires_grad()) continue;
+    ASSERT_TRUE(p->grad().defined()) << name;
+    const int64_t held = int64_t(p->grad().storage().nbytes() / sizeof(float));
+    // The adapters' pieces, padded to whole chunks, and a flag per parameter.
+    EXPECT_LT(held, 2 * adapters + 64) << name << ": the block's frozen " << base
+                                       << " elements are in its gradient's buffer";
+  }
+}
