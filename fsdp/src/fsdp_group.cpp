@@ -81,7 +81,7 @@ void FSDPGroup::unshard(bool async_op) {
   }
   drop_leaves();
   finish_gather(/*fresh=*/true);
-  grads_ready_ = 0;
+  clear_grads_in();
   set_unsharded_params();
 }
 
@@ -154,14 +154,15 @@ void FSDPGroup::finish_gather(bool fresh) {
   leaves_shards_version_ = g.shards_version;
   // Fresh leaves: views of the gathered buffer, one per parameter, each a new autograd leaf.
   gathered_ = g.target;
-  for (ParamInfo& i : params_) {
+  for (size_t p = 0; p < params_.size(); ++p) {
+    ParamInfo& i = params_[p];
     Tensor leaf = kernels::view(flat_window(gathered_, i.base, shape_numel(i.unsharded_shape)),
                                 i.unsharded_shape);
     if (i.param->requires_grad()) {
       leaf.set_requires_grad(true);
       std::weak_ptr<FSDPGroup> weak = weak_from_this();
-      register_post_accumulate_grad_hook(leaf, [weak](Tensor&) {
-        if (auto s = weak.lock()) s->on_grad_ready();
+      register_post_accumulate_grad_hook(leaf, [weak, p](Tensor&) {
+        if (auto s = weak.lock()) s->on_grad_ready(p);
       });
     }
     i.leaf = leaf;
@@ -263,7 +264,9 @@ Tensor FSDPGroup::pre_forward(const Tensor& x) {
   unshard();
   const auto& pd = opts_.mp_policy.param_dtype;
   Tensor in = x;
-  if (pd && x.defined() && is_floating(x.dtype()) && x.dtype() != *pd) in = cast(x, *pd);
+  if (pd && opts_.mp_policy.cast_forward_inputs && x.defined() && is_floating(x.dtype()) &&
+      x.dtype() != *pd)
+    in = cast(x, *pd);
   // The gradients of the group's trainable parameters can all be ready while its backward still
   // uses gathered weights that get none (frozen ones, such as a LoRA base: the gradient of the
   // input still flows through them). When the input requires grad, its gradient marks the end
@@ -298,7 +301,10 @@ Tensor FSDPGroup::post_forward(const Tensor& y) {
       return Tensor();
     });
   }
-  if (!backward_pending_ || (opts_.reshard_after_forward && !is_root_)) reshard();
+  // A root keeps what its backward is about to gather again, unless told otherwise.
+  const bool reshard_now =
+      is_root_ && !reshard_after_forward_set_ ? !backward_pending_ : opts_.reshard_after_forward;
+  if (reshard_now) reshard();
   const auto& od = opts_.mp_policy.output_dtype;
   if (od && y.defined() && is_floating(y.dtype()) && y.dtype() != *od) return cast(y, *od);
   return Tensor();
@@ -315,6 +321,7 @@ void FSDPGroup::pre_backward() {
                 "): a second backward through the same forward (retain_graph) is not supported; "
                 "run the forward again");
   begin_backward();
+  in_backward_ = true;
   if (unsharded_) {
     // Kept gathered since the forward (the root, reshard_after_forward off): a write to the
     // shards meanwhile reaches no saved leaf's version counter, so it is caught here.
@@ -339,13 +346,26 @@ void FSDPGroup::pre_backward() {
   }
 }
 
-void FSDPGroup::on_grad_ready() {
+bool FSDPGroup::all_grads_in() const {
+  for (const ParamInfo& i : params_) {
+    if (!i.leaf.defined() || !i.leaf.requires_grad() || i.grad_in) continue;
+    if (!in_backward_) return false;
+    const AutogradMeta* m = i.leaf.autograd_meta_if_exists();
+    if (m && !m->grad_accumulator.expired()) return false;  // a graph can still deliver it
+  }
+  return true;
+}
+
+void FSDPGroup::clear_grads_in() {
+  for (ParamInfo& i : params_)
+    i.grad_in = false;
+  in_backward_ = false;
+}
+
+void FSDPGroup::on_grad_ready(size_t param) {
   begin_backward();
-  ++grads_ready_;
-  int64_t expected = 0;
-  for (const ParamInfo& i : params_)
-    expected += i.leaf.defined() && i.leaf.requires_grad();
-  if (grads_ready_ < expected || input_grad_pending_ > 0) return;
+  params_[param].grad_in = true;
+  if (!all_grads_in() || input_grad_pending_ > 0) return;
   grads_ready_for_reduce_ = true;
   schedule_->issue_ready_reduces();
 }
@@ -353,10 +373,7 @@ void FSDPGroup::on_grad_ready() {
 void FSDPGroup::on_input_grad() {
   if (input_grad_pending_ == 0) return;
   if (--input_grad_pending_ > 0) return;  // another use's input still waits for its gradient
-  int64_t expected = 0;
-  for (const ParamInfo& i : params_)
-    expected += i.leaf.defined() && i.leaf.requires_grad();
-  if (grads_ready_ < expected) return;
+  if (!all_grads_in()) return;
   // Ready, also with nothing to reduce (frozen parameters only): reduces go out in backward
   // order, so one that never became ready would hold back every group after it until the end
   // of backward, each keeping its gathered weights and gradients.
@@ -377,7 +394,7 @@ void FSDPGroup::start_reduce() {
   NoGradGuard no_grad;
   backward_pending_ = false;
   grads_ready_for_reduce_ = false;
-  grads_ready_ = 0;
+  clear_grads_in();
   const DType reduce_dtype =
       opts_.mp_policy.reduce_dtype.value_or(opts_.mp_policy.param_dtype.value_or(flat_.dtype()));
   if (!requires_gradient_sync_) {
@@ -469,13 +486,13 @@ bool FSDPGroup::advance_reduce(bool block) {
   }
   const int64_t dp = data_parallel_size(reduce_pg_, replicate_pg_);
   const int64_t pre = predivide_factor(dp, pr.reduced.dtype());
+  const double divide = gradient_divide_factor_.value_or(double(dp));
   const std::vector<double> flags =
       flat_window(pr.reduced, pr.size, int64_t(params_.size())).to_vector<double>();
   // Each rank's loss is the mean over its own rows: averaging over the data-parallel ranks
-  // gives the gradient of the mean loss over the global batch.
+  // gives the gradient of the mean loss over the global batch (or set_gradient_divide_factor's).
   const DType stored_dtype = flat_.dtype();
-  Tensor averaged =
-      mul(flat_window(pr.reduced, 0, pr.size).to(stored_dtype), double(pre) / double(dp));
+  Tensor averaged = mul(flat_window(pr.reduced, 0, pr.size).to(stored_dtype), double(pre) / divide);
   const std::vector<int64_t> offsets = std::move(pr.offsets);
   pending_reduce_.reset();
   for (size_t p = 0; p < params_.size(); ++p) {

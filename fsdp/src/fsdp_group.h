@@ -35,8 +35,9 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
     std::optional<DeviceMesh> tp_mesh;
     Placements tp_placements;
     Shape tp_global_shape;
-    Tensor leaf;        // the gathered leaf forward and backward use
-    Tensor accum_grad;  // unsynced gradient sum (unsharded)
+    Tensor leaf;           // the gathered leaf forward and backward use
+    Tensor accum_grad;     // unsynced gradient sum (unsharded)
+    bool grad_in = false;  // this backward has accumulated the leaf's gradient
   };
 
   // Copies each parameter to its aliases (after it was sharded, unsharded or resharded).
@@ -55,7 +56,7 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   Tensor pre_forward(const Tensor& x);
   Tensor post_forward(const Tensor& y);
   void pre_backward();
-  void on_grad_ready();
+  void on_grad_ready(size_t param);
   void on_input_grad();
 
   // async_op only issues the all-gather; the next unshard() or forward finishes it.
@@ -73,6 +74,14 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   void release_unsharded();
   void prefetch(bool forward);
   bool needs_backward_gather() const;
+  // Whether every trainable leaf's gradient is in, or, once this group's backward began (its
+  // backward gather issued, in the order every rank issues them), can no longer come because no
+  // live graph refers to the leaf (a parameter this forward did not use: an inactive LoRA slot,
+  // a branch not taken). Waiting for those would hold the group, and every group after it in
+  // backward order, gathered until the end of backward. Before its backward began, the group
+  // must not reduce early: the end of backward still issues its gather on this rank.
+  bool all_grads_in() const;
+  void clear_grads_in();
   // Collective over the gather group: whether any rank's shards changed since the leaves were
   // gathered.
   bool shards_written_since_gather() const;
@@ -134,6 +143,10 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   // The first of one fully_shard call's groups (one per dtype): only its forward starts a root
   // step; the others run inside that step, in its order.
   bool starts_step_ = true;
+  bool in_backward_ = false;  // pre_backward ran in this backward
+  // set_reshard_after_forward was called: the option then holds for a root too.
+  bool reshard_after_forward_set_ = false;
+  std::optional<double> gradient_divide_factor_;  // default: the data-parallel size
   bool requires_gradient_sync_ = true;
   bool backward_pending_ = false;
   bool leaves_released_ = false;  // resharded after forward: the graph holds empty storage
@@ -142,7 +155,6 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   // computed: only then has this group's backward finished using its (frozen ones included)
   // gathered weights. More than one when the module runs more than once in a forward.
   int64_t input_grad_pending_ = 0;
-  int64_t grads_ready_ = 0;
   FSDPCommStats stats_;
   std::optional<PendingGather> pending_gather_;
   std::optional<PendingReduce> pending_reduce_;

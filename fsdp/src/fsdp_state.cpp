@@ -1,4 +1,6 @@
 // FSDPState, the public handle: each call acts on every dtype group of its fully_shard call.
+#include <cmath>
+
 #include "fsdp_group.h"
 #include "registry.h"
 
@@ -43,9 +45,24 @@ void FSDPState::set_requires_gradient_sync(bool sync, bool recurse) {
       g->requires_gradient_sync_ = sync;
 }
 
-void FSDPState::set_reshard_after_forward(bool r) {
-  for (const auto& g : groups_)
+void FSDPState::set_reshard_after_forward(bool r, bool recurse) {
+  for (const auto& g : groups_) {
     g->opts_.reshard_after_forward = r;
+    g->reshard_after_forward_set_ = true;
+  }
+  if (!recurse) return;
+  if (auto m = groups_.front()->module_.lock())
+    for (const auto& g : detail::groups_inside(detail::live_groups(), *m)) {
+      g->opts_.reshard_after_forward = r;
+      g->reshard_after_forward_set_ = true;
+    }
+}
+
+void FSDPState::set_gradient_divide_factor(double factor) {
+  TESSERA_CHECK(std::isfinite(factor) && factor > 0, "set_gradient_divide_factor: ", factor,
+                " is not a positive finite number");
+  for (const auto& g : groups_)
+    g->gradient_divide_factor_ = factor;
 }
 
 void FSDPState::set_modules_to_forward_prefetch(

@@ -217,6 +217,13 @@ std::shared_ptr<FSDPState> fully_shard(const ModulePtr& module, const DeviceMesh
   const auto live = detail::live_groups();
   TESSERA_CHECK(detail::groups_of(live, *module).empty(), "fully_shard: ", module->type_name(),
                 " is already fully_shard'ed; call it once per module");
+  const MixedPrecisionPolicy& mp = opts.mp_policy;
+  for (const auto& [field, dtype] :
+       {std::pair{"param_dtype", mp.param_dtype}, std::pair{"reduce_dtype", mp.reduce_dtype},
+        std::pair{"output_dtype", mp.output_dtype}})
+    TESSERA_CHECK(!dtype || is_floating(*dtype), "fully_shard(", module->type_name(),
+                  "): MixedPrecisionPolicy::", field, " is ", dtype_name(*dtype),
+                  "; it must be a floating dtype");
   TESSERA_CHECK(mesh.ndim() == 1 || mesh.ndim() == 2, "fully_shard(", module->type_name(),
                 "): mesh ", mesh.str(),
                 " must be 1-D (FSDP) or 2-D (HSDP: replicate dim 0, shard dim 1)");

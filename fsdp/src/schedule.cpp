@@ -110,7 +110,7 @@ void FSDPSchedule::finalize() {
     s->drop_pending_gather();
     s->backward_pending_ = false;
     s->grads_ready_for_reduce_ = false;
-    s->grads_ready_ = 0;
+    s->clear_grads_in();
     s->mark_grads_pending(false);
     s->reshard();
   };
@@ -130,7 +130,7 @@ void FSDPSchedule::abandon() {
     }
     s->backward_pending_ = false;
     s->grads_ready_for_reduce_ = false;
-    s->grads_ready_ = 0;
+    s->clear_grads_in();
     s->mark_grads_pending(false);
     s->free_leaves_after_backward();
     s->reshard();

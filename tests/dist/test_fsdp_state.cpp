@@ -394,6 +394,93 @@ TEST(FullyShard, RootWithTwoDtypesReducesEveryGroup) {
   }
 }
 
+// PyTorch's set_reshard_after_forward: off (recursively, the root's own included), a loop of
+// no_grad forwards gathers once; on for the root itself, the root reshards after a forward with
+// grad too. Training afterwards is unaffected.
+TEST(FullyShard, SetReshardAfterForwardReachesNoGradForwardsAndTheRoot) {
+  DeviceMesh mesh = dp_mesh();
+  auto net = std::make_shared<Mlp>();
+  auto b0 = fully_shard(net->b0, mesh), b1 = fully_shard(net->b1, mesh);
+  auto root = fully_shard(net, mesh);
+  Generator gen(5);
+  const Tensor x = randn({4, 16}, gen);
+  auto gathers = [&] {
+    return b0->comm_stats().all_gathers + b1->comm_stats().all_gathers +
+           root->comm_stats().all_gathers;
+  };
+  root->set_reshard_after_forward(false);  // recurse: the blocks too
+  {
+    NoGradGuard no_grad;
+    const Tensor first = (*net)(x);
+    const int64_t after_first = gathers();
+    EXPECT_TRUE(b0->is_unsharded() && b1->is_unsharded() && root->is_unsharded());
+    expect_close((*net)(x), first, 0, "second no_grad forward");
+    EXPECT_EQ(gathers(), after_first) << "the second no_grad forward gathered again";
+  }
+  for (auto& s : {b0, b1, root})
+    s->reshard();
+  root->set_reshard_after_forward(true, /*recurse=*/false);
+  Tensor loss = mean(square((*net)(x)));
+  EXPECT_FALSE(root->is_unsharded()) << "the root was told to reshard after forward";
+  EXPECT_TRUE(b0->is_unsharded()) << "recurse = false left the blocks as they were";
+  backward(loss);
+  for (auto& [name, p] : net->named_parameters())
+    EXPECT_TRUE(p->grad().defined()) << name;
+  for (auto& s : {b0, b1, root})
+    EXPECT_FALSE(s->is_unsharded());
+}
+
+// set_gradient_divide_factor(1): the gradients are summed over the ranks, not averaged.
+TEST(FullyShard, GradientDivideFactorReplacesTheAverage) {
+  Generator gen(5);
+  const Tensor x = randn({4, 16}, gen);
+  auto grads = [&](std::optional<double> factor) {
+    auto net = std::make_shared<Mlp>();
+    auto state = fully_shard(net, dp_mesh());
+    if (factor) state->set_gradient_divide_factor(*factor);
+    backward(mean(square((*net)(x))));
+    std::map<std::string, Tensor> out;
+    for (auto& [name, p] : net->named_parameters())
+      out[name] = p->grad_dtensor().full_tensor();
+    return out;
+  };
+  const auto mean_grads = grads(std::nullopt), sum_grads = grads(1.0);
+  for (const auto& [name, g] : mean_grads)
+    expect_close(sum_grads.at(name), mul(g, double(world_size())), 1e-6, name);
+  auto net = std::make_shared<Mlp>();
+  expect_error([&] { fully_shard(net, dp_mesh())->set_gradient_divide_factor(0); },
+               "set_gradient_divide_factor: 0 is not a positive finite number");
+}
+
+// MixedPrecisionPolicy::cast_forward_inputs (default true) and its dtypes' checks.
+TEST(FullyShard, MixedPrecisionCastsInputsUnlessToldNotTo) {
+  Generator gen(5);
+  const Tensor x = randn({4, 16}, gen);
+  for (bool cast_inputs : {true, false}) {
+    auto net = std::make_shared<Mlp>();
+    FSDPOptions opts;
+    opts.mp_policy.param_dtype = DType::BFloat16;
+    opts.mp_policy.cast_forward_inputs = cast_inputs;
+    fully_shard(net, dp_mesh(), opts);
+    DType seen = DType::Float64;
+    net->register_forward_pre_hook([&](Module&, const Tensor& in) {
+      seen = in.dtype();
+      return Tensor();
+    });
+    if (cast_inputs) {
+      EXPECT_EQ((*net)(x).dtype(), DType::BFloat16);
+    } else {
+      expect_error([&] { (*net)(x); }, "dtype mismatch");
+    }
+    EXPECT_EQ(seen, cast_inputs ? DType::BFloat16 : DType::Float32);
+  }
+  auto net = std::make_shared<Mlp>();
+  FSDPOptions bad;
+  bad.mp_policy.reduce_dtype = DType::Int32;
+  expect_error([&] { fully_shard(net, dp_mesh(), bad); },
+               "MixedPrecisionPolicy::reduce_dtype is int32; it must be a floating dtype");
+}
+
 TEST(FullyShard, RootKeepsParametersUnshardedThroughBackward) {
   DeviceMesh mesh = dp_mesh();
   auto net = std::make_shared<Decoder>(small_decoder_config());

@@ -99,8 +99,7 @@ TEST(LoraPeft, InitialValuesDoNotDependOnMaxRank) {
   auto narrow_slots = std::make_shared<Decoder>(lora_decoder_config());
   auto wide_slots = std::make_shared<Decoder>(lora_decoder_config());
   const auto want = apply_lora(narrow_slots, cfg)->read_adapter("default");
-  const auto got =
-      apply_lora(wide_slots, cfg, "default", {.max_rank = 8})->read_adapter("default");
+  const auto got = apply_lora(wide_slots, cfg, "default", {.max_rank = 8})->read_adapter("default");
   ASSERT_EQ(got.size(), want.size());
   for (const auto& [key, t] : want)
     expect_identical(got.at(key), t, key);
@@ -202,15 +201,25 @@ TEST(LoraPeft, UnsupportedPeftFieldsAreRefused) {
     const char* to;
     std::vector<std::string> error;
   } cases[] = {
-      {"pissa", "\"init_lora_weights\": true", "\"init_lora_weights\": \"pissa\"",
+      {"pissa",
+       "\"init_lora_weights\": true",
+       "\"init_lora_weights\": \"pissa\"",
        {"init_lora_weights is \"pissa\"", "unchanged base model"}},
-      {"layers", "\"layers_to_transform\": null", "\"layers_to_transform\": [0]",
+      {"layers",
+       "\"layers_to_transform\": null",
+       "\"layers_to_transform\": [0]",
        {"layers_to_transform is set ([0])"}},
-      {"exclude", "\"peft_type\"", "\"exclude_modules\": [\"wq\"], \"peft_type\"",
+      {"exclude",
+       "\"peft_type\"",
+       "\"exclude_modules\": [\"wq\"], \"peft_type\"",
        {"exclude_modules is set"}},
-      {"save", "\"modules_to_save\": null", "\"modules_to_save\": [\"output\"]",
+      {"save",
+       "\"modules_to_save\": null",
+       "\"modules_to_save\": [\"output\"]",
        {"modules_to_save is set"}},
-      {"rslora", "\"use_rslora\": false", "\"use_rslora\": \"yes\"",
+      {"rslora",
+       "\"use_rslora\": false",
+       "\"use_rslora\": \"yes\"",
        {"use_rslora is not a boolean"}},
   };
   for (const auto& c : cases) {
@@ -222,10 +231,11 @@ TEST(LoraPeft, UnsupportedPeftFieldsAreRefused) {
   const size_t open = saved.find("\"target_modules\": [");
   ASSERT_NE(open, std::string::npos) << saved;
   const std::string list = saved.substr(open, saved.find(']', open) + 1 - open);
-  expect_error([&] {
-    lora->load_adapter(variant("all", list, "\"target_modules\": \"all-linear\""), "all");
-  },
-               {"target_modules is \"all-linear\""});
+  expect_error(
+      [&] {
+        lora->load_adapter(variant("all", list, "\"target_modules\": \"all-linear\""), "all");
+      },
+      {"target_modules is \"all-linear\""});
   EXPECT_EQ(lora->adapters(), (std::vector<std::string>{"default"}));
 }
 
@@ -264,7 +274,38 @@ TEST(LoraPeft, FsdpReducesAndKeepsTheAdaptersGradientsOnly) {
     ASSERT_TRUE(p->grad().defined()) << name;
     const int64_t held = int64_t(p->grad().storage().nbytes() / sizeof(float));
     // The adapters' pieces, padded to whole chunks, and a flag per parameter.
-    EXPECT_LT(held, 2 * adapters + 64) << name << ": the block's frozen " << base
-                                       << " elements are in its gradient's buffer";
+    EXPECT_LT(held, 2 * adapters + 64)
+        << name << ": the block's frozen " << base << " elements are in its gradient's buffer";
+  }
+}
+
+// A free adapter slot (its matrices trainable, used by no forward) does not hold a block's
+// reduce-scatter back to the end of backward: the block reduces, and frees its gathered weights,
+// as soon as its backward is done, before the block before it runs its own.
+TEST(LoraPeft, FreeSlotsDoNotHoldBackTheFsdpReduce) {
+  const DecoderConfig cfg = lora_decoder_config();
+  auto m = std::make_shared<Decoder>(cfg);
+  apply_lora(m, lora_test_config(), "default", {.max_adapters = 2});
+  const DeviceMesh mesh(Shape{world_size()}, {"dp"});
+  std::vector<std::shared_ptr<FSDPState>> blocks;
+  for (auto& layer : m->layers)
+    blocks.push_back(fully_shard(layer, mesh));
+  fully_shard(m, mesh);
+  bool reached = false, second_still_gathered = true;
+  m->layers[1]->register_forward_pre_hook([&](Module&, const Tensor& x) {
+    register_hook(x, [&](const Tensor&) {  // block 1's backward is done
+      reached = true;
+      second_still_gathered = blocks[1]->is_unsharded();
+      return Tensor();
+    });
+    return Tensor();
+  });
+  const Batch b = affine_batch(0, 2, cfg.max_seq_len, cfg.vocab_size);
+  backward(cross_entropy((*m)(b.ids), b.targets));
+  EXPECT_TRUE(reached);
+  EXPECT_FALSE(second_still_gathered) << "block 1 waited for its free slot's gradients";
+  for (auto& [name, p] : m->named_parameters()) {
+    if (name.find("lora_") == std::string::npos) continue;
+    EXPECT_EQ(p->grad().defined(), name.find(".0.weight") != std::string::npos) << name;
   }
 }

@@ -26,9 +26,16 @@ struct MixedPrecisionPolicy {
   std::optional<DType> reduce_dtype;
   // The module's floating output is cast to this.
   std::optional<DType> output_dtype;
+  // Whether the module's floating input is cast to param_dtype (PyTorch's default, true).
+  bool cast_forward_inputs = true;
 };
 
 struct FSDPOptions {
+  // After forward, free the gathered parameters (they are gathered again for backward); off,
+  // they stay gathered until after backward, or, after a forward under no_grad, until reshard()
+  // (an evaluation or generation loop then gathers once). The root's parameters stay gathered
+  // from a forward with grad to its backward, since backward needs them at once, unless
+  // set_reshard_after_forward(true) names the root itself.
   bool reshard_after_forward = true;
   // Issue the next group's all-gather while this group computes: in forward the group after it
   // in the previous step's forward order, in backward the group before it in this step's.
@@ -62,7 +69,12 @@ class FSDPState {
   // dtype); the next synced backward reduce-scatters the sum. `recurse` (PyTorch's default) sets
   // it on every fully_shard'ed module inside this one too.
   void set_requires_gradient_sync(bool sync, bool recurse = true);
-  void set_reshard_after_forward(bool r);
+  // PyTorch's FSDPModule methods: `recurse` sets it on every fully_shard'ed module inside too.
+  void set_reshard_after_forward(bool r, bool recurse = true);
+  // Gradients are summed over the data-parallel ranks and divided by `factor` instead of their
+  // number (a loss summed over the global batch's tokens, say, divides by 1). Not recursive, as
+  // in PyTorch.
+  void set_gradient_divide_factor(double factor);
   // Explicit prefetch targets (PyTorch's FSDPModule methods of these names): the groups whose
   // all-gather this group issues when its forward (backward) starts. Replaces the implicit
   // choice; an empty list turns prefetch off for this group.
