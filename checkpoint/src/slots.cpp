@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <set>
+#include <utility>
 
 #include "context.h"
 #include "plan.h"
@@ -113,8 +115,77 @@ void copy_into(const Slot& s, const StateValue& v) {
   }
 }
 
-[[noreturn]] void fail_keys(const std::string& what, const IncompatibleKeys& k) {
-  TESSERA_FAIL(what, ": ", k.str());
+[[noreturn]] void fail_keys(const std::string& what, const std::string& problem) {
+  TESSERA_FAIL(what, ": ", problem);
+}
+
+// The keys a rank passed, and the keys it will load: one per line.
+std::pair<std::string, std::string> key_lists(const StateDict& state,
+                                              const std::vector<Slot>& slots,
+                                              const std::vector<ScalarSlot>& scalars,
+                                              const IncompatibleKeys& k) {
+  std::string passed, loaded;
+  for (const auto& [key, v] : state)
+    passed += key + "\n";
+  for (const Slot& s : slots)
+    if (fits(k, s.key)) loaded += s.key + "\n";
+  for (const ScalarSlot& s : scalars)
+    if (fits(k, s.key)) loaded += s.key + "\n";
+  return {passed, loaded};
+}
+
+// The keys in some of the ranks' lists but not all, each with the ranks that lack it.
+std::vector<std::string> keys_not_on_every_rank(const std::vector<std::string>& lists) {
+  std::map<std::string, std::vector<bool>> on;
+  for (size_t r = 0; r < lists.size(); ++r)
+    for (size_t pos = 0, end; pos < lists[r].size(); pos = end + 1) {
+      end = lists[r].find('\n', pos);
+      auto& ranks = on[lists[r].substr(pos, end - pos)];
+      ranks.resize(lists.size());
+      ranks[r] = true;
+    }
+  std::vector<std::string> out;
+  for (const auto& [key, ranks] : on) {
+    std::string lacking;
+    for (size_t r = 0; r < ranks.size(); ++r)
+      if (!ranks[r]) lacking += (lacking.empty() ? "" : ", ") + std::to_string(r);
+    if (!lacking.empty()) out.push_back(key + " (not on rank " + lacking + ")");
+  }
+  return out;
+}
+
+// After an agreed check: every rank must have passed the same keys and be about to load the
+// same ones (with strict = false, a key missing or mis-shaped on one rank only would otherwise
+// be loaded by the others). Digests are compared first; the lists travel only when they differ,
+// and then every rank throws the same error naming the keys.
+void agree_on_keys(const ProcessGroupPtr& pg, const std::string& what, const StateDict& state,
+                   const std::vector<Slot>& slots, const std::vector<ScalarSlot>& scalars,
+                   const IncompatibleKeys& k) {
+  const auto [passed, loaded] = key_lists(state, slots, scalars, k);
+  const std::vector<int64_t> digest = {int64_t(std::hash<std::string>()(passed)),
+                                       int64_t(std::hash<std::string>()(loaded))};
+  Tensor all = empty({2 * int64_t(pg->size())}, DType::Int64);
+  pg->all_gather_into_tensor(all, from_vector<int64_t>(digest, {2}))->wait();
+  const std::vector<int64_t> a = all.to_vector<int64_t>();
+  bool same_passed = true, same_loaded = true;
+  for (size_t r = 0; r < size_t(pg->size()); ++r) {
+    same_passed &= a[2 * r] == digest[0];
+    same_loaded &= a[2 * r + 1] == digest[1];
+  }
+  if (same_passed && same_loaded) return;
+  std::string msg = what + ": the ranks' state dicts differ (every rank must pass the same keys)";
+  std::vector<std::string> diff;
+  if (!same_passed) {
+    diff = keys_not_on_every_rank(all_gather_strings(pg, passed));
+    msg += "; keys passed by some ranks only: ";
+  } else {
+    diff = keys_not_on_every_rank(all_gather_strings(pg, loaded));
+    msg += "; keys that some ranks would load and others not: ";
+  }
+  for (size_t i = 0; i < diff.size() && i < 8; ++i)
+    msg += (i ? ", " : "") + diff[i];
+  if (diff.size() > 8) msg += ", and " + std::to_string(diff.size() - 8) + " more";
+  throw Error(msg);
 }
 
 // Rank 0's verdict (or its error) and the scalar values, as text every rank receives.
@@ -301,31 +372,26 @@ IncompatibleKeys set_slots(const std::vector<Slot>& slots, const std::vector<Sca
     TESSERA_CHECK(options.full_state_dict, what, ": broadcast_from_rank0 needs full_state_dict");
     return set_from_rank0(slots, scalars, state, options, what);
   }
-  bool communicates = false;
-  for (const auto& [key, v] : state)
-    communicates |= std::holds_alternative<DTensor>(v);
   IncompatibleKeys k;
   auto check = [&] {
     k = check_keys(slots, scalars, state, /*broadcast=*/false);
-    if (options.strict && !k.empty()) fail_keys(what, k);
+    if (options.strict && !k.empty()) throw Error(k.str());
   };
-  if (!communicates) {
-    check();
+  // The check is agreed whatever the values are: a full dict holds plain tensors, but each rank
+  // copies its own window of them, so one rank loading other keys (or throwing alone) would
+  // leave a sharded parameter holding pieces of two models, or its peers waiting.
+  bool collective = world_size() > 1;
+  for (const Slot& s : slots)
+    collective |= s.sharded();
+  if (collective) {
+    run_agreed(context().group, what, check);
+    agree_on_keys(context().group, what, state, slots, scalars, k);
   } else {
-    // DTensor values are gathered or redistributed, collectively: every rank must go on, with
-    // the same keys, or none.
-    const ProcessGroupPtr& pg = context().group;
-    run_agreed(pg, what, check);
-    std::string loaded;
-    for (const Slot& s : slots)
-      if (fits(k, s.key)) loaded += s.key + "\n";
-    std::vector<int64_t> digest = {int64_t(std::hash<std::string>()(loaded))};
-    Tensor mine = from_vector<int64_t>(digest, {1});
-    Tensor all = empty({pg->size()}, DType::Int64);
-    pg->all_gather_into_tensor(all, mine)->wait();
-    for (int64_t d : all.to_vector<int64_t>())
-      TESSERA_CHECK(d == digest[0], what, ": the ranks' state dicts hold different keys (with ",
-                    "DTensor values every rank must pass the same keys)");
+    try {
+      check();
+    } catch (const Error& e) {
+      fail_keys(what, e.what());
+    }
   }
   for (const Slot& s : slots)
     if (fits(k, s.key)) copy_into(s, state.at(s.key));

@@ -39,8 +39,10 @@ struct ScalarSlot {
 };
 
 // Checks `state` against the slots (missing, unexpected and mis-shaped keys, all at once), then
-// copies every value into its slot: each rank its window. Collective when any DTensor is involved
-// or with broadcast_from_rank0. `what` names the operation in errors ("set_model_state_dict into
+// copies every value into its slot: each rank its window. Collective over every world rank when
+// there is more than one, whatever the values: the check's outcome and the keys passed and
+// loaded are agreed, so a problem on one rank is the same error on every rank and no rank loads
+// a key another leaves out. `what` names the operation in errors ("set_model_state_dict into
 // Decoder").
 IncompatibleKeys set_slots(const std::vector<Slot>& slots, const std::vector<ScalarSlot>& scalars,
                            const StateDict& state, const StateDictOptions& options,

@@ -136,6 +136,53 @@ TEST(StateDict, StrictReportsEveryKeyAtOnceAndNonStrictReturnsThem) {
   }
 }
 
+// A full dict holds plain tensors, from which each rank copies its own window: the key check
+// must still be every rank's, or one rank throws while the others return, or (strict = false)
+// an FSDP parameter ends up with windows of two models.
+TEST(StateDict, SettingAFullDictAgreesOnTheKeysAcrossRanks) {
+  if (world_size() == 1) GTEST_SKIP() << "one rank agrees with itself";
+  Parallel p = decoder_layouts().front().build(7);
+  const auto before = p.model->state_dict();
+  StateDict full;
+  for (const auto& [name, t] : plain_state(11))
+    full[name] = t;
+  auto same_error_on_every_rank = [](const std::string& error) {
+    EXPECT_NE(error, "") << "no error on rank " << world_rank();
+    const auto all = all_gather_strings(world_group(), error);
+    for (size_t r = 0; r < all.size(); ++r)
+      EXPECT_EQ(all[r], all[0]) << "rank " << r << " and rank 0 differ";
+  };
+  StateDict bogus = full;
+  if (world_rank() == 1) bogus["bogus"] = zeros({3});
+  const std::string strict =
+      error_of([&] { set_model_state_dict(*p.model, bogus, {.full_state_dict = true}); });
+  same_error_on_every_rank(strict);
+  EXPECT_NE(strict.find("[rank 1] unexpected keys: bogus"), std::string::npos) << strict;
+  expect_model_equals(*p.model, before, "after the refused strict set");
+  StateDict dropped = full;
+  if (world_rank() == 1) dropped.erase("layers.0.attention.wq.weight");
+  const std::string loose = error_of(
+      [&] { set_model_state_dict(*p.model, dropped, {.full_state_dict = true, .strict = false}); });
+  same_error_on_every_rank(loose);
+  EXPECT_NE(loose.find("layers.0.attention.wq.weight (not on rank 1)"), std::string::npos) << loose;
+  expect_model_equals(*p.model, before, "after the refused non-strict set");
+  StateDict misshaped = full;
+  if (world_rank() == 1) misshaped["norm.weight"] = zeros({5});
+  const std::string shapes = error_of([&] {
+    set_model_state_dict(*p.model, misshaped, {.full_state_dict = true, .strict = false});
+  });
+  same_error_on_every_rank(shapes);
+  EXPECT_NE(shapes.find("would load and others not: norm.weight (not on rank 1)"),
+            std::string::npos)
+      << shapes;
+  expect_model_equals(*p.model, before, "after the refused set of a mis-shaped key");
+  // The same keys on every rank, some of them missing: every rank returns them and loads the rest.
+  full.erase("norm.weight");
+  const IncompatibleKeys k =
+      set_model_state_dict(*p.model, full, {.full_state_dict = true, .strict = false});
+  EXPECT_EQ(k.missing_keys, (std::vector<std::string>{"norm.weight"}));
+}
+
 TEST(StateDict, BroadcastFromRankZeroSendsEachRankItsWindow) {
   const auto want = plain_state(11);
   for (const Layout& l : decoder_layouts()) {

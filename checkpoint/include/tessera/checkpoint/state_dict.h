@@ -49,7 +49,11 @@ struct StateDictOptions {
 // set_* and load return what they did not take as IncompatibleKeys (tessera/nn/module.h, shared
 // with Module::load_state_dict).
 
-// Collective over the ranks that hold the model's DTensors (every rank for a full dict).
+// get_* is collective over the ranks that hold the model's DTensors (every rank for a full dict).
+// set_* is collective over every world rank when there is more than one, whatever the values
+// (full dicts of plain tensors too): the key check's outcome is agreed, so a problem on one rank
+// is the same error on every rank, and every rank must pass the same keys and load the same
+// ones (checked, with strict = false too; an error naming the keys and the ranks without them).
 StateDict get_model_state_dict(Module& model, const StateDictOptions& options = {});
 IncompatibleKeys set_model_state_dict(Module& model, const StateDict& state,
                                       const StateDictOptions& options = {});
