@@ -245,10 +245,28 @@ nlohmann::json scalar_json(const StateValue& v) {
   return std::get<double>(v);
 }
 
+// The indices of the optional groups `state` holds a key of.
+std::vector<int64_t> present_groups(const std::vector<OptionalSlots>& optional,
+                                    const StateDict& state) {
+  std::vector<int64_t> out;
+  for (size_t g = 0; g < optional.size(); ++g) {
+    const std::string& p = optional[g].prefix;
+    auto it = state.lower_bound(p);
+    if (it != state.end() && it->first.compare(0, p.size(), p) == 0) out.push_back(int64_t(g));
+  }
+  return out;
+}
+
+void add_present(const std::vector<OptionalSlots>& optional, const std::vector<int64_t>& present,
+                 std::vector<Slot>& slots, std::vector<ScalarSlot>& scalars) {
+  for (int64_t g : present)
+    optional.at(size_t(g)).add(slots, scalars);
+}
+
 // broadcast_from_rank0: rank 0 checks its dict and says what it holds; then, one tensor at a
 // time, it sends every rank just its window (point to point on the checkpoint group).
-IncompatibleKeys set_from_rank0(const std::vector<Slot>& slots,
-                                const std::vector<ScalarSlot>& scalars, const StateDict& state,
+IncompatibleKeys set_from_rank0(std::vector<Slot>& slots, std::vector<ScalarSlot>& scalars,
+                                const std::vector<OptionalSlots>& optional, const StateDict& state,
                                 const StateDictOptions& options, const std::string& what) {
   const ProcessGroupPtr& pg = context().group;
   const int me = pg->rank();
@@ -256,6 +274,9 @@ IncompatibleKeys set_from_rank0(const std::vector<Slot>& slots,
   if (me == 0) {
     nlohmann::json v;
     try {
+      const std::vector<int64_t> present = present_groups(optional, state);
+      v["groups"] = present;
+      add_present(optional, present, slots, scalars);
       const IncompatibleKeys k = check_keys(slots, scalars, state, /*broadcast=*/true);
       v["missing"] = k.missing_keys;
       v["unexpected"] = k.unexpected_keys;
@@ -269,6 +290,7 @@ IncompatibleKeys set_from_rank0(const std::vector<Slot>& slots,
   }
   const nlohmann::json v = nlohmann::json::parse(broadcast_text(pg, text));
   if (v.contains("error")) throw Error(what + ": on rank 0: " + v["error"].get<std::string>());
+  if (me != 0) add_present(optional, v["groups"].get<std::vector<int64_t>>(), slots, scalars);
   IncompatibleKeys k;
   k.missing_keys = v["missing"].get<std::vector<std::string>>();
   k.unexpected_keys = v["unexpected"].get<std::vector<std::string>>();
@@ -364,16 +386,18 @@ void get_slots(const std::vector<Slot>& slots, const StateDictOptions& options, 
   }
 }
 
-IncompatibleKeys set_slots(const std::vector<Slot>& slots, const std::vector<ScalarSlot>& scalars,
+IncompatibleKeys set_slots(std::vector<Slot> slots, std::vector<ScalarSlot> scalars,
                            const StateDict& state, const StateDictOptions& options,
-                           const std::string& what) {
+                           const std::string& what, const std::vector<OptionalSlots>& optional) {
   NoGradGuard no_grad;
   if (options.broadcast_from_rank0) {
     TESSERA_CHECK(options.full_state_dict, what, ": broadcast_from_rank0 needs full_state_dict");
-    return set_from_rank0(slots, scalars, state, options, what);
+    return set_from_rank0(slots, scalars, optional, state, options, what);
   }
   IncompatibleKeys k;
   auto check = [&] {
+    // Whether the ranks' dicts hold the same optional groups is checked with their keys.
+    add_present(optional, present_groups(optional, state), slots, scalars);
     k = check_keys(slots, scalars, state, /*broadcast=*/false);
     if (options.strict && !k.empty()) throw Error(k.str());
   };

@@ -38,14 +38,24 @@ struct ScalarSlot {
   std::function<void(const StateValue&)> apply;
 };
 
+// Slots a state dict may hold or leave out as a whole (the optimizer state of a frozen parameter
+// that has none): `add` appends them, creating what they write into, only when the dict holds a
+// key starting with `prefix` (with broadcast_from_rank0: rank 0's dict), and then they are
+// checked like the others.
+struct OptionalSlots {
+  std::string prefix;
+  std::function<void(std::vector<Slot>&, std::vector<ScalarSlot>&)> add;
+};
+
 // Checks `state` against the slots (missing, unexpected and mis-shaped keys, all at once), then
 // copies every value into its slot: each rank its window. Collective over every world rank when
 // there is more than one, whatever the values: the check's outcome and the keys passed and
 // loaded are agreed, so a problem on one rank is the same error on every rank and no rank loads
 // a key another leaves out. `what` names the operation in errors ("set_model_state_dict into
 // Decoder").
-IncompatibleKeys set_slots(const std::vector<Slot>& slots, const std::vector<ScalarSlot>& scalars,
+IncompatibleKeys set_slots(std::vector<Slot> slots, std::vector<ScalarSlot> scalars,
                            const StateDict& state, const StateDictOptions& options,
-                           const std::string& what);
+                           const std::string& what,
+                           const std::vector<OptionalSlots>& optional = {});
 
 }  // namespace tessera::ckpt

@@ -27,9 +27,9 @@ std::vector<Slot> model_slots(Module& model, const StateDictOptions& options) {
   return slots;
 }
 
-// The optimizer's parameters by their names in `model`; frozen ones are left out (they get no
-// state). A tied tensor's state is keyed by its first name, whichever of its Parameters the
-// optimizer holds. An optimizer parameter that is not the model's is an error naming its index.
+// The optimizer's parameters by their names in `model`. A tied tensor's state is keyed by its
+// first name, whichever of its Parameters the optimizer holds. An optimizer parameter that is not
+// the model's is an error naming its index.
 std::vector<std::pair<size_t, std::string>> optimizer_params(Module& model, Optimizer& opt,
                                                              const char* op) {
   std::map<const TensorImpl*, std::string> names;
@@ -42,9 +42,20 @@ std::vector<std::pair<size_t, std::string>> optimizer_params(Module& model, Opti
     TESSERA_CHECK(it != names.end(), op, ": optimizer parameter ", i, " ", p->str(),
                   " is not a parameter of the ", model.type_name(),
                   " (state is keyed by the model's parameter names)");
-    if (p->requires_grad()) out.emplace_back(i, it->second);
+    out.emplace_back(i, it->second);
   }
   return out;
+}
+
+// As in PyTorch's optimizer.state_dict(), a parameter's state is kept whether or not it requires
+// gradients now: one frozen after some updates (a stage of fine-tuning) keeps what it had. Only a
+// frozen parameter that never had any is left out (a LoRA base weight would otherwise get two
+// tensors of zeros of its size).
+bool has_state(Optimizer& opt, size_t i) {
+  if (opt.params()[i]->requires_grad() || opt.param_step(i) > 0) return true;
+  for (const std::string& name : opt.state_names())
+    if (opt.state_tensor(i, name, /*allocate=*/false).defined()) return true;
+  return false;
 }
 
 std::string state_key(const std::string& fqn, const std::string& name) {
@@ -101,6 +112,7 @@ StateDict get_optimizer_state_dict(Module& model, Optimizer& optimizer,
   std::vector<Slot> slots;
   StateDict scalars;
   for (const auto& [i, fqn] : optimizer_params(model, optimizer, "get_optimizer_state_dict")) {
+    if (!has_state(optimizer, i)) continue;
     const Parameter& p = *optimizer.params()[i];
     for (const std::string& name : optimizer.state_names())
       slots.push_back(ckpt::slot_like(state_key(fqn, name),
@@ -120,14 +132,25 @@ IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
                                           const StateDict& state, const StateDictOptions& options) {
   std::vector<Slot> slots;
   std::vector<ScalarSlot> scalars;
+  std::vector<ckpt::OptionalSlots> optional;
   for (const auto& [i, fqn] : optimizer_params(model, optimizer, "set_optimizer_state_dict")) {
-    const Parameter& p = *optimizer.params()[i];
-    for (const std::string& name : optimizer.state_names())
-      slots.push_back(ckpt::slot_like(state_key(fqn, name),
-                                      optimizer.state_tensor(i, name, /*allocate=*/true), p));
-    scalars.push_back({state_key(fqn, "step"), true, [&optimizer, i = i](const StateValue& v) {
-                         optimizer.set_param_step(i, std::get<int64_t>(v));
-                       }});
+    // The slots of parameter i; its state tensors are created (as zeros) here.
+    auto add = [&optimizer, i = i, fqn = fqn](std::vector<Slot>& to,
+                                              std::vector<ScalarSlot>& to_scalars) {
+      const Parameter& p = *optimizer.params()[i];
+      for (const std::string& name : optimizer.state_names())
+        to.push_back(ckpt::slot_like(state_key(fqn, name),
+                                     optimizer.state_tensor(i, name, /*allocate=*/true), p));
+      to_scalars.push_back({state_key(fqn, "step"), true, [&optimizer, i](const StateValue& v) {
+                              optimizer.set_param_step(i, std::get<int64_t>(v));
+                            }});
+    };
+    // A frozen parameter with no state takes the dict's state when it holds some, and is left
+    // without any (none created) when it holds none.
+    if (has_state(optimizer, i))
+      add(slots, scalars);
+    else
+      optional.push_back({state_key(fqn, ""), add});
   }
   // Hyperparameters are collected and set together, so that their checks see them all.
   std::map<std::string, double> hyper;
@@ -135,8 +158,9 @@ IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
     scalars.push_back({"param_groups/" + name, false, [&hyper, name = name](const StateValue& x) {
                          hyper[name] = std::get<double>(x);
                        }});
-  IncompatibleKeys k = ckpt::set_slots(slots, scalars, state, options,
-                                       "set_optimizer_state_dict into " + model.type_name());
+  IncompatibleKeys k =
+      ckpt::set_slots(slots, scalars, state, options,
+                      "set_optimizer_state_dict into " + model.type_name(), optional);
   if (!hyper.empty()) optimizer.set_hyperparameters(hyper);
   return k;
 }

@@ -259,6 +259,71 @@ TEST(StateDict, FrozenParametersAreLeftOutWhenAsked) {
   }
 }
 
+namespace {
+
+Parameter& parameter_named(Module& m, const std::string& name) {
+  for (auto& [n, q] : m.named_parameters())
+    if (n == name) return *q;
+  throw Error("no parameter " + name);
+}
+
+size_t index_in(Optimizer& opt, const Parameter& p) {
+  for (size_t i = 0; i < opt.params().size(); ++i)
+    if (opt.params()[i] == &p) return i;
+  throw Error("not in the optimizer: " + p.str());
+}
+
+}  // namespace
+
+// As PyTorch's optimizer.state_dict(), a parameter frozen after some updates (a stage of
+// fine-tuning) keeps its state through get and set, into an optimizer whose copy of it is frozen
+// and has none; a dict without it leaves such a parameter without state.
+TEST(StateDict, OptimizerStateOfAParameterFrozenAfterTrainingIsKept) {
+  const std::string w = "layers.0.attention.wq.weight";
+  Parallel a = decoder_layouts().front().build(7);
+  AdamW opt(a.model->parameters(), checkpoint_adamw());
+  for (int s = 0; s < 2; ++s)
+    train_step(a, opt, s);
+  parameter_named(*a.model, w).set_requires_grad(false);
+  const StateDict sharded = get_optimizer_state_dict(*a.model, opt);
+  const StateDict full = get_optimizer_state_dict(*a.model, opt, {.full_state_dict = true});
+  for (const StateDict* sd : {&sharded, &full}) {
+    ASSERT_TRUE(sd->count("state/" + w + "/exp_avg") && sd->count("state/" + w + "/exp_avg_sq"));
+    EXPECT_EQ(std::get<int64_t>(sd->at("state/" + w + "/step")), 2);
+  }
+  for (const bool broadcast : {false, true}) {
+    Parallel b = decoder_layouts().front().build(11);
+    Parameter& frozen = parameter_named(*b.model, w);
+    frozen.set_requires_grad(false);
+    AdamW opt2(b.model->parameters(), AdamWOptions{.lr = 1.0});
+    StateDict in = broadcast && world_rank() != 0 ? StateDict{} : full;
+    const IncompatibleKeys k = set_optimizer_state_dict(
+        *b.model, opt2, in, {.full_state_dict = true, .broadcast_from_rank0 = broadcast});
+    EXPECT_TRUE(k.empty()) << k.str();
+    EXPECT_EQ(opt2.param_step(index_in(opt2, frozen)), 2);
+    const StateDict back = get_optimizer_state_dict(*b.model, opt2, {.full_state_dict = true});
+    ASSERT_EQ(back.size(), full.size());
+    for (const auto& [key, v] : full) {
+      if (std::holds_alternative<Tensor>(v))
+        expect_identical(std::get<Tensor>(back.at(key)), std::get<Tensor>(v), key);
+      else
+        EXPECT_EQ(state_value_str(back.at(key)), state_value_str(v)) << key;
+    }
+  }
+  // Without its keys, a frozen parameter with no state is neither missing nor given any.
+  StateDict without = full;
+  std::erase_if(without, [&](const auto& e) { return e.first.starts_with("state/" + w + "/"); });
+  Parallel c = decoder_layouts().front().build(11);
+  Parameter& frozen = parameter_named(*c.model, w);
+  frozen.set_requires_grad(false);
+  AdamW opt3(c.model->parameters(), AdamWOptions{.lr = 1.0});
+  const IncompatibleKeys k =
+      set_optimizer_state_dict(*c.model, opt3, without, {.full_state_dict = true});
+  EXPECT_TRUE(k.empty()) << k.str();
+  EXPECT_FALSE(opt3.state_tensor(index_in(opt3, frozen), "exp_avg", false).defined());
+  EXPECT_EQ(get_optimizer_state_dict(*c.model, opt3).count("state/" + w + "/step"), 0u);
+}
+
 TEST(StateDict, AnOptimizerParameterOutsideTheModelIsAnError) {
   Parallel p = decoder_layouts().front().build(7);
   Parameter stray(zeros({2}));
