@@ -177,6 +177,31 @@ std::optional<MappedFile> try_map(const std::string& path, bool wanted) {
   }
 }
 
+// In-place reads write through raw_data(), which no kernel counts. Each storage they wrote
+// counts one write when load() returns or throws (a failed read may have written part of it),
+// so that autograd refuses a graph that saved the tensor before the load, and FSDP sees that a
+// shard changed.
+class InPlaceWrites {
+ public:
+  InPlaceWrites() = default;
+  InPlaceWrites(const InPlaceWrites&) = delete;
+  InPlaceWrites& operator=(const InPlaceWrites&) = delete;
+  ~InPlaceWrites() {
+    for (const Storage& s : storages_)
+      s.impl()->bump_version();
+  }
+  // A tied tensor is read under each of its keys: its storage counts once.
+  void add(const Tensor& t) {
+    for (const Storage& s : storages_)
+      if (s.is_same(t.storage())) return;
+    storages_.push_back(t.storage());
+  }
+  bool any() const { return !storages_.empty(); }
+
+ private:
+  std::vector<Storage> storages_;
+};
+
 void check_exists(const std::string& path) {
   struct stat st {};
   TESSERA_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint '", path,
@@ -231,7 +256,7 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
   }
   Tensor sums = zeros({words}, DType::Int64);
   auto* sum = static_cast<uint64_t*>(sums.raw_data());
-  bool wrote_in_place = false;
+  InPlaceWrites in_place;
   // Read from a mapping of the file when every rank could map it, otherwise through HDF5: one
   // decision for all ranks, as the steps are agreed.
   std::optional<MappedFile> mapped = try_map(path, options.memory_map);
@@ -255,7 +280,7 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
                           dst.dtype() == f.meta.dtype;
       Tensor buf = direct ? dst : empty(e.window.shape, f.meta.dtype);
       if (!direct) staged[i] = buf;
-      wrote_in_place |= direct;
+      if (direct) in_place.add(dst);
       uint64_t* sums = options.verify && e.owner ? sum + first[i] : nullptr;
       if (at >= 0)
         copy_window(*mapped, at, f.meta, e, buf, sums);
@@ -288,7 +313,7 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
         msg += (k ? "; " : "") + bad[k];
       if (bad.size() > 8) msg += "; and " + std::to_string(bad.size() - 8) + " more";
       // Whether any rank read in place: every rank says the same.
-      Tensor flag = full({1}, wrote_in_place ? 1.0 : 0.0, DType::Int64);
+      Tensor flag = full({1}, in_place.any() ? 1.0 : 0.0, DType::Int64);
       pg->all_reduce(flag, ReduceOp::Max)->wait();
       if (flag.item<int64_t>() != 0)
         msg +=

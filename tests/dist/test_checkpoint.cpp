@@ -197,6 +197,33 @@ TEST(Checkpoint, BadUseIsAClearErrorOnEveryRank) {
                    index_tensor({8, 4}, DType::Float32), "after failed saves");
 }
 
+// A load that reads straight into a tensor writes it as any in-place kernel does: its version
+// counter moves, so a graph that saved the tensor before the load refuses backward instead of
+// differentiating at values it never saw.
+TEST(Checkpoint, ALoadInPlaceCountsAsAWriteOfEachTensor) {
+  const std::string path =
+      file_in(scratch_dir("checkpoint_version"), "np" + std::to_string(world_size()));
+  DeviceMesh mesh(Shape{world_size()}, {"x"});
+  const int64_t rows = 2 * world_size();  // no empty shard
+  save({{"w", index_tensor({3, 4}, DType::Float32)},
+        {"d", distribute_tensor(index_tensor({rows, 4}, DType::Float32), mesh, {Shard(0)})}},
+       path);
+  for (bool mapped : {true, false}) {
+    SCOPED_TRACE(mapped ? "mapped" : "HDF5 reads");
+    Tensor w = zeros({3, 4});
+    w.set_requires_grad(true);
+    DTensor d = distribute_tensor(zeros({rows, 4}), mesh, {Shard(0)});
+    Tensor loss = sum(mul(w, w));  // saves w
+    const uint32_t wv = w.version(), dv = d.to_local().version();
+    StateDict sd = {{"w", w}, {"d", d}};
+    load(sd, path, {.memory_map = mapped});
+    expect_identical(w.detach(), index_tensor({3, 4}, DType::Float32), "read in place");
+    EXPECT_EQ(w.version(), wv + 1);
+    EXPECT_EQ(d.to_local().version(), dv + 1);
+    expect_error([&] { backward(loss); }, {"modified by an in-place operation"});
+  }
+}
+
 // Ranks that pass different state dicts get one error, on every rank, naming the difference.
 TEST(Checkpoint, RanksWithDifferentStateDictsFailTogether) {
   if (world_size() == 1) GTEST_SKIP() << "needs two ranks";
