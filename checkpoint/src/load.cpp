@@ -1,12 +1,14 @@
-// load(): every rank reads its windows of the file into staging buffers, the ranks agree that
-// every window read and every checksum matched, and only then is anything in the state dict
-// written, so a failed load leaves the caller's tensors as they were.
+// load(): every rank opens the file (a descriptor of its own, then HDF5, checked to have opened
+// the same file) and reads its windows, in place where it can and staged otherwise; the ranks
+// agree on every step and on the checksums, and only then are the staged values and the scalars
+// written into the state dict.
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <bit>
 #include <cstring>
 #include <optional>
+#include <string_view>
 
 #include "checksum.h"
 #include "context.h"
@@ -166,17 +168,6 @@ void copy_window(const MappedFile& mapped, int64_t at, const DatasetMeta& meta, 
              meta.tile, sums);
 }
 
-// The file mapped for reading, or nothing when `wanted` is false, the host's byte order is not
-// the file's (little-endian) or the mapping cannot be set up here.
-std::optional<MappedFile> try_map(const std::string& path, bool wanted) {
-  if (!wanted || std::endian::native != std::endian::little) return std::nullopt;
-  try {
-    return std::optional<MappedFile>(std::in_place, path);
-  } catch (const Error&) {
-    return std::nullopt;
-  }
-}
-
 // In-place reads write through raw_data(), which no kernel counts. Each storage they wrote
 // counts one write when load() returns or throws (a failed read may have written part of it),
 // so that autograd refuses a graph that saved the tensor before the load, and FSDP sees that a
@@ -209,6 +200,142 @@ void check_exists(const std::string& path) {
   TESSERA_CHECK(S_ISREG(st.st_mode), "checkpoint '", path, "' is not a regular file");
 }
 
+// The ranks read the file's tables and offsets each for itself, and verify against their own
+// checksum table: they must have opened the same version of it. Its size and a digest of the
+// checksum table (which covers every dataset's contents) are compared, not its inode, which
+// differs between identical copies on the disks of different hosts. Every rank sees the same
+// figures, so every rank throws the same error or none does.
+void check_same_file(const ProcessGroupPtr& pg, const std::string& ctx, const std::string& path,
+                     int64_t size, const std::vector<uint64_t>& table) {
+  const std::string_view bytes(reinterpret_cast<const char*>(table.data()),
+                               table.size() * sizeof(uint64_t));
+  const std::vector<int64_t> mine = {size, int64_t(std::hash<std::string_view>()(bytes))};
+  Tensor all = empty({2 * int64_t(pg->size())}, DType::Int64);
+  pg->all_gather_into_tensor(all, from_vector<int64_t>(mine, {2}))->wait();
+  const std::vector<int64_t> a = all.to_vector<int64_t>();
+  for (int r = 1; r < pg->size(); ++r) {
+    const int64_t other = a[size_t(2 * r)];
+    if (other == a[0] && a[size_t(2 * r + 1)] == a[1]) continue;
+    throw Error(ctx + ": checkpoint '" + path + "' is not the same file on every rank (rank 0 " +
+                "opened one of " + std::to_string(a[0]) + " bytes, rank " + std::to_string(r) +
+                " one of " + std::to_string(other) + " bytes" +
+                (other == a[0] ? " with another checksum table" : "") +
+                "): it was replaced while the ranks opened it, or differs between hosts");
+  }
+}
+
+// Where each present tensor entry's checksum words start among those this rank adds up; returns
+// how many there are.
+int64_t checksum_words(const std::vector<Entry>& entries, const std::vector<Found>& found,
+                       std::vector<int64_t>& first) {
+  int64_t words = 0;
+  first.assign(entries.size(), 0);
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (!found[i].present || entries[i].kind != ValueKind::Tensor) continue;
+    first[i] = words;
+    words += found[i].meta.words;
+  }
+  return words;
+}
+
+// What the reading step fills in.
+struct Reads {
+  std::vector<Tensor> staged;  // by entry: what was not read in place
+  Tensor sums;                 // the checksum words this rank added up (int64 bit patterns)
+  std::vector<int64_t> first;  // by entry: its first word in `sums`
+  InPlaceWrites in_place;
+};
+
+// Reads this rank's windows of every present tensor entry, each in pieces of about a tile that
+// the owners of the distinct windows add up while they are still in cache: from `mapped` when
+// given, through HDF5 otherwise. Without `transactional`, a dense window of the file's dtype is
+// read straight into its tensor; the others are staged.
+void read_tensors(const h5::Id& file, const MappedFile* mapped, const std::vector<Entry>& entries,
+                  const std::vector<Found>& found, const StateDict& state,
+                  const LoadOptions& options, Reads& r) {
+  auto* sum = static_cast<uint64_t*>(r.sums.raw_data());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Entry& e = entries[i];
+    const Found& f = found[i];
+    if (!f.present || e.kind != ValueKind::Tensor || shape_numel(e.window.shape) == 0) continue;
+    h5::Id ds = h5::open_dataset(file, dataset_path(e.key));
+    Tensor dst = local_of(state.at(e.key));
+    // HDF5 writes host memory: a device piece is read into a host buffer first.
+    const bool direct = !options.transactional && dst.device().is_cpu() && dst.is_contiguous() &&
+                        dst.dtype() == f.meta.dtype;
+    Tensor buf = direct ? dst : empty(e.window.shape, f.meta.dtype);
+    if (direct)
+      r.in_place.add(dst);
+    else
+      r.staged[i] = buf;
+    uint64_t* sums = options.verify && e.owner ? sum + r.first[i] : nullptr;
+    if (mapped)
+      copy_window(*mapped, h5::dataset_file_offset(file, ds), f.meta, e, buf, sums);
+    else
+      read_window(ds, f.meta, e, buf, sums);
+  }
+}
+
+// Adds up the ranks' checksum words and compares the totals with the table. The ranks compute
+// the same totals, and checked that they read the same table; the verdicts are compared all the
+// same, so that every rank throws or none does.
+void verify_sums(const ProcessGroupPtr& pg, const std::string& ctx,
+                 const std::vector<Entry>& entries, const std::vector<Found>& found,
+                 const std::vector<uint64_t>& table, const Reads& r) {
+  const int64_t words = r.sums.numel();
+  Tensor all = empty({int64_t(pg->size()) * words}, DType::Int64);
+  pg->all_gather_into_tensor(all, r.sums)->wait();
+  std::vector<uint64_t> total(size_t(words), 0);
+  const auto* a = static_cast<const uint64_t*>(all.raw_data());
+  for (int q = 0; q < pg->size(); ++q)
+    for (int64_t t = 0; t < words; ++t)
+      total[size_t(t)] += a[size_t(q * words + t)];
+  std::vector<std::string> bad;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (!found[i].present || entries[i].kind != ValueKind::Tensor) continue;
+    for (std::string& b :
+         compare_tiles(entries[i].key, found[i].meta, total.data() + r.first[i], table))
+      bad.push_back(std::move(b));
+  }
+  std::string msg;
+  for (size_t k = 0; k < bad.size() && k < 8; ++k)
+    msg += (k ? "; " : "") + bad[k];
+  if (bad.size() > 8) msg += "; and " + std::to_string(bad.size() - 8) + " more";
+  const std::vector<std::string> verdicts = all_gather_strings(pg, msg);
+  if (std::all_of(verdicts.begin(), verdicts.end(), [](const std::string& v) { return v.empty(); }))
+    return;
+  // Whether any rank read in place: every rank says the same.
+  Tensor flag = full({1}, r.in_place.any() ? 1.0 : 0.0, DType::Int64);
+  pg->all_reduce(flag, ReduceOp::Max)->wait();
+  const std::string note =
+      flag.item<int64_t>() != 0
+          ? " (tensors read in place now hold the file's values, damaged ones included; "
+            "LoadOptions::transactional leaves them untouched instead)"
+          : "";
+  if (std::all_of(verdicts.begin(), verdicts.end(),
+                  [&](const std::string& v) { return v == verdicts[0]; }))
+    throw Error(ctx + ": " + verdicts[0] + note);
+  std::string each;
+  for (size_t q = 0; q < verdicts.size(); ++q)
+    each += (q ? "; rank " : "rank ") + std::to_string(q) + ": " +
+            (verdicts[q].empty() ? "no mismatch" : verdicts[q]);
+  throw Error(ctx + ": the ranks found different checksum mismatches (" + each + ")" + note);
+}
+
+// Writes what was staged, and the scalars, into the state dict.
+void commit(StateDict& state, const std::vector<Entry>& entries, const std::vector<Found>& found,
+            const Reads& r) {
+  NoGradGuard no_grad;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (!found[i].present) continue;
+    StateValue& v = state.at(entries[i].key);
+    if (entries[i].kind != ValueKind::Tensor)
+      v = *found[i].scalar;
+    else if (r.staged[i].defined())
+      local_of(v).copy_(r.staged[i]);
+  }
+}
+
 }  // namespace
 
 }  // namespace tessera::ckpt
@@ -222,9 +349,15 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
   const ProcessGroupPtr& pg = c.group;
   const std::string ctx = "checkpoint load from '" + path + "'";
   std::vector<Entry> entries;
+  // This rank's own handle on the file, opened before HDF5 opens it by name. The mapping reads
+  // through it, and HDF5's file is checked to be this one, so a checkpoint renamed over `path`
+  // during the load (a newer save committing) is either not seen at all or an error: its bytes
+  // never meet the old file's offsets.
+  std::optional<MappedFile> pinned;
   run_agreed(pg, ctx, [&] {
     entries = describe(state, "load from '" + path + "'", /*for_load=*/true);
     check_exists(path);
+    pinned.emplace(path);
   });
   agree_on_entries(entries, pg, ctx);
 
@@ -234,7 +367,10 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
   std::vector<uint64_t> table;
   std::vector<Found> found;
   IncompatibleKeys keys;
-  steps.run("opening", [&] { file = h5::open_file(path, h5::Driver::MpiIo, c.file_comm); });
+  steps.run("opening", [&] {
+    file = h5::open_file(path, h5::Driver::MpiIo, c.file_comm);
+    pinned->check_still_at_path("HDF5 opened it");
+  });
   steps.run("reading the metadata", [&] {
     check_header(file, path);
     table = read_table(file, path);
@@ -242,99 +378,27 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
     if (options.strict && (!keys.missing_keys.empty() || !keys.mismatched_keys.empty()))
       TESSERA_FAIL("checkpoint '", path, "' does not match the state dict: ", keys.str());
   });
+  check_same_file(pg, ctx, path, pinned->size(), table);
 
-  // Every rank reads its windows, each in pieces of about a tile that the owners of the distinct
-  // windows add up while they are still in cache. Without `transactional`, a dense window of the
-  // file's dtype is read straight into its tensor; the others are staged.
-  std::vector<Tensor> staged(entries.size());
-  std::vector<int64_t> first(entries.size(), 0);
-  int64_t words = 0;
-  for (size_t i = 0; i < entries.size(); ++i) {
-    if (!found[i].present || entries[i].kind != ValueKind::Tensor) continue;
-    first[i] = words;
-    words += found[i].meta.words;
-  }
-  Tensor sums = zeros({words}, DType::Int64);
-  auto* sum = static_cast<uint64_t*>(sums.raw_data());
-  InPlaceWrites in_place;
-  // Read from a mapping of the file when every rank could map it, otherwise through HDF5: one
-  // decision for all ranks, as the steps are agreed.
-  std::optional<MappedFile> mapped = try_map(path, options.memory_map);
-  Tensor unmapped = full({1}, mapped ? 0 : 1, DType::Int64);
+  Reads reads;
+  reads.staged.resize(entries.size());
+  reads.sums = zeros({checksum_words(entries, found, reads.first)}, DType::Int64);
+  // Read from the mapping unless the options or the host's byte order (the file's is
+  // little-endian) say otherwise on some rank: one decision for all ranks, as the steps are
+  // agreed.
+  const bool map = options.memory_map && std::endian::native == std::endian::little;
+  Tensor unmapped = full({1}, map ? 0 : 1, DType::Int64);
   if (!entries.empty()) pg->all_reduce(unmapped, ReduceOp::Max)->wait();
-  if (unmapped.item<int64_t>() != 0) mapped.reset();
+  const MappedFile* mapped = unmapped.item<int64_t>() == 0 ? &*pinned : nullptr;
   // One agreed step for all entries: each rank reads its own windows with no collective call (a
   // mapping, or HDF5's independent reads), so no rank can wait on another inside it. With an
   // agreement per entry (16 of them) a load on 4 ranks sharing 2 cores took 1.45-1.47x the raw
   // read, with one 1.29-1.30x.
-  steps.run_local("reading the tensors", [&] {
-    for (size_t i = 0; i < entries.size(); ++i) {
-      const Entry& e = entries[i];
-      const Found& f = found[i];
-      if (!f.present || e.kind != ValueKind::Tensor || shape_numel(e.window.shape) == 0) continue;
-      h5::Id ds = h5::open_dataset(file, dataset_path(e.key));
-      const int64_t at = mapped ? h5::dataset_file_offset(file, ds) : -1;
-      Tensor dst = local_of(state.at(e.key));
-      // HDF5 writes host memory: a device piece is read into a host buffer first.
-      const bool direct = !options.transactional && dst.device().is_cpu() && dst.is_contiguous() &&
-                          dst.dtype() == f.meta.dtype;
-      Tensor buf = direct ? dst : empty(e.window.shape, f.meta.dtype);
-      if (!direct) staged[i] = buf;
-      if (direct) in_place.add(dst);
-      uint64_t* sums = options.verify && e.owner ? sum + first[i] : nullptr;
-      if (at >= 0)
-        copy_window(*mapped, at, f.meta, e, buf, sums);
-      else
-        read_window(ds, f.meta, e, buf, sums);
-    }
-  });
-  mapped.reset();
+  steps.run_local("reading the tensors",
+                  [&] { read_tensors(file, mapped, entries, found, state, options, reads); });
   steps.run("closing", [&] { file.close("closing '" + path + "'"); });
-
-  if (options.verify) {
-    Tensor all = empty({int64_t(pg->size()) * words}, DType::Int64);
-    pg->all_gather_into_tensor(all, sums)->wait();
-    std::vector<uint64_t> total(size_t(words), 0);
-    const auto* a = static_cast<const uint64_t*>(all.raw_data());
-    for (int r = 0; r < pg->size(); ++r)
-      for (int64_t t = 0; t < words; ++t)
-        total[size_t(t)] += a[size_t(r * words + t)];
-    std::vector<std::string> bad;
-    for (size_t i = 0; i < entries.size(); ++i) {
-      if (!found[i].present || entries[i].kind != ValueKind::Tensor) continue;
-      for (std::string& b :
-           compare_tiles(entries[i].key, found[i].meta, total.data() + first[i], table))
-        bad.push_back(std::move(b));
-    }
-    // Every rank computed the same totals: all throw the same error.
-    if (!bad.empty()) {
-      std::string msg;
-      for (size_t k = 0; k < bad.size() && k < 8; ++k)
-        msg += (k ? "; " : "") + bad[k];
-      if (bad.size() > 8) msg += "; and " + std::to_string(bad.size() - 8) + " more";
-      // Whether any rank read in place: every rank says the same.
-      Tensor flag = full({1}, in_place.any() ? 1.0 : 0.0, DType::Int64);
-      pg->all_reduce(flag, ReduceOp::Max)->wait();
-      if (flag.item<int64_t>() != 0)
-        msg +=
-            " (tensors read in place now hold the file's values, damaged ones included; "
-            "LoadOptions::transactional leaves them untouched instead)";
-      throw Error(ctx + ": " + msg);
-    }
-  }
-
-  // Commit.
-  NoGradGuard no_grad;
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const Entry& e = entries[i];
-    if (!found[i].present) continue;
-    StateValue& v = state.at(e.key);
-    if (e.kind != ValueKind::Tensor) {
-      v = *found[i].scalar;
-      continue;
-    }
-    if (staged[i].defined()) local_of(v).copy_(staged[i]);
-  }
+  if (options.verify) verify_sums(pg, ctx, entries, found, table, reads);
+  commit(state, entries, found, reads);
   return keys;
 }
 

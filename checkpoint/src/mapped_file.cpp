@@ -41,6 +41,21 @@ MappedFile::MappedFile(const std::string& path) : path_(path) {
     TESSERA_FAIL("checkpoint '", path, "': fstat failed: ", std::strerror(err));
   }
   size_ = int64_t(st.st_size);
+  device_ = uint64_t(st.st_dev);
+  inode_ = uint64_t(st.st_ino);
+}
+
+void MappedFile::check_still_at_path(const std::string& when) const {
+  struct stat st {};
+  if (::stat(path_.c_str(), &st) != 0) {
+    const int err = errno;
+    TESSERA_FAIL("checkpoint '", path_, "' was removed or renamed while it was being opened (",
+                 when, "): ", std::strerror(err));
+  }
+  TESSERA_CHECK(uint64_t(st.st_dev) == device_ && uint64_t(st.st_ino) == inode_, "checkpoint '",
+                path_, "' was replaced while it was being opened (", when,
+                "): another file was renamed over it, so parts of the load could have come from "
+                "either; load it again");
 }
 
 MappedFile::~MappedFile() {

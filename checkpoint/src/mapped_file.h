@@ -30,6 +30,8 @@ class MappedRange {
   int64_t length_ = 0;             // of the mapping
 };
 
+// One open file: everything mapped comes from the file that was at `path` when it was opened,
+// whatever is renamed over `path` later.
 class MappedFile {
  public:
   // Opens `path` read-only; an error naming it when that fails.
@@ -38,6 +40,10 @@ class MappedFile {
   MappedFile& operator=(const MappedFile&) = delete;
   ~MappedFile();
   int64_t size() const { return size_; }
+  // An error naming the file unless `path` still names the file opened here (same device and
+  // inode): after another library opened `path` by name, this says that it opened this file,
+  // unless `path` was replaced and then put back in between. `when` says what just happened.
+  void check_still_at_path(const std::string& when) const;
   // An error naming the file and `what` unless bytes [offset, offset + length) lie inside it.
   void check_range(int64_t offset, int64_t length, const std::string& what) const;
   // Maps bytes [offset, offset + length) and asks the kernel to read them ahead. An error naming
@@ -48,6 +54,7 @@ class MappedFile {
   std::string path_;
   int fd_ = -1;
   int64_t size_ = 0;
+  uint64_t device_ = 0, inode_ = 0;
 };
 
 }  // namespace tessera::ckpt

@@ -250,6 +250,48 @@ TEST(CheckpointDamage, AStagingFailureOnOneRankFailsOnEveryRank) {
   expect_state(sd, 1, "previous checkpoint");
 }
 
+// A newer checkpoint renamed over `path` while a load reads it (a save committing) is not seen:
+// the load reads the file it opened, through the mapping and through HDF5 alike, never the
+// offsets of one file and the bytes of the other.
+TEST(CheckpointDamage, ACheckpointRenamedOverThePathAfterOpeningIsNotSeen) {
+  const std::string path = dir() + "/replaced.h5", newer = dir() + "/newer.h5";
+  for (bool mapped : {true, false}) {
+    SCOPED_TRACE(mapped ? "mapped" : "HDF5 reads");
+    save(make_state(1), path);
+    save(make_state(2), newer);
+    ckpt::set_fault_hook([&](const std::string& step) {
+      if (step == "reading the metadata" && world_rank() == 0) fs::rename(newer, path);
+    });
+    StateDict sd = zero_state();
+    const std::string error = error_of([&] { load(sd, path, {.memory_map = mapped}); });
+    ckpt::set_fault_hook(nullptr);
+    EXPECT_EQ(error, "");
+    expect_state(sd, 1, "the file opened");
+    load(sd, path, {.memory_map = mapped});
+    expect_state(sd, 2, "the file renamed over it, loaded again");
+  }
+}
+
+// Renamed over `path` after this rank opened it and before HDF5 did: HDF5 may hold the other
+// file, so the load is an error on every rank naming the file, and nothing changes.
+TEST(CheckpointDamage, ACheckpointRenamedOverThePathWhileOpeningIsAnErrorOnEveryRank) {
+  const std::string path = dir() + "/replaced.h5", newer = dir() + "/newer.h5";
+  save(make_state(1), path);
+  save(make_state(2), newer);
+  ckpt::set_fault_hook([&](const std::string& step) {
+    if (step == "opening" && world_rank() == 0) fs::rename(newer, path);
+  });
+  StateDict sd = zero_state();
+  const std::string error = error_of([&] { load(sd, path); });
+  ckpt::set_fault_hook(nullptr);
+  EXPECT_NE(error.find("replaced.h5' was replaced while it was being opened"), std::string::npos)
+      << error;
+  const auto all = all_gather_strings(world_group(), error);
+  for (size_t r = 1; r < all.size(); ++r)
+    EXPECT_EQ(all[r], all[0]) << "rank " << r;
+  expect_state(sd, 0, "nothing loaded");
+}
+
 // Reading makes no collective call, so no rank can wait inside it for another: a read slower
 // than the collective timeout (slow storage) is not a hang, and must not abort the job.
 TEST(CheckpointDamage, ReadsSlowerThanTheCollectiveTimeoutAreNotAHang) {

@@ -41,9 +41,9 @@ struct LoadOptions {
   bool transactional = false;
   // Read by mapping the file into memory (POSIX mmap) and copying each window out of it, adding
   // its checksum in the same pass; windows that are not runs of the file (column shards) are
-  // strided copies. With false, or where any rank cannot map the file, each rank reads its
-  // windows through HDF5 and MPI-IO, independently. The file must not be truncated while it is
-  // loaded: a mapped page past its end raises SIGBUS.
+  // strided copies. With false (or on a big-endian host) each rank reads its windows through
+  // HDF5 and MPI-IO, independently. The file must not be truncated while it is loaded: a mapped
+  // page past its end raises SIGBUS.
   bool memory_map = true;
 };
 
@@ -61,7 +61,9 @@ void save(const StateDict& state, const std::string& path, const SaveOptions& op
 // rank, with the same keys on each. Wrong shapes, dtypes that cannot convert (floating to
 // floating is allowed), damaged files and unknown formats are errors naming the file and the key;
 // scalars change only when every rank read and verified everything, tensors as
-// LoadOptions::transactional says.
+// LoadOptions::transactional says. Each rank reads the one file it opened: a checkpoint renamed
+// over `path` during the load (a save committing) is not seen, or, renamed over it while the
+// ranks were opening it, is an error on every rank.
 IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptions& options = {});
 
 // save() in the background: returns once this rank's pieces are copied into a staging snapshot,
