@@ -245,6 +245,30 @@ nlohmann::json scalar_json(const StateValue& v) {
   return std::get<double>(v);
 }
 
+// Rank 0's part of broadcast_from_rank0 for slot `i`: sends every other rank its window of
+// `full` and copies its own. Each distinct window is converted once and sent to every rank that
+// holds it (a slot every rank holds whole cost one converted copy per rank, all kept until the
+// last send); distinct windows do not overlap, so the copies come to at most one tensor.
+void send_windows(const ProcessGroupPtr& pg, const Slot& s, const Tensor& full,
+                  const std::vector<std::vector<Window>>& windows, size_t i, int tag) {
+  std::vector<std::pair<Window, Tensor>> packed;  // kept until the sends complete
+  std::vector<WorkPtr> sends;
+  for (int r = 1; r < pg->size(); ++r) {
+    const Window& w = windows[size_t(r)][i];
+    if (shape_numel(w.shape) == 0) continue;
+    auto it =
+        std::find_if(packed.begin(), packed.end(), [&](const auto& p) { return p.first == w; });
+    // The group moves host memory: a device value travels through a host copy.
+    if (it == packed.end())
+      it = packed.insert(packed.end(),
+                         {w, window_of(full, w).to(s.dtype).to(Device::cpu()).contiguous()});
+    sends.push_back(pg->send(it->second, r, tag));
+  }
+  copy_local(s.local, window_of(full, windows[0][i]));
+  for (const WorkPtr& w : sends)
+    w->wait();
+}
+
 // The indices of the optional groups `state` holds a key of.
 std::vector<int64_t> present_groups(const std::vector<OptionalSlots>& optional,
                                     const StateDict& state) {
@@ -305,19 +329,7 @@ IncompatibleKeys set_from_rank0(std::vector<Slot>& slots, std::vector<ScalarSlot
   for (size_t i = 0; i < order.size(); ++i) {
     const Slot& s = *order[i];
     if (me == 0) {
-      const Tensor full = std::get<Tensor>(state.at(s.key));
-      std::vector<Tensor> keep;
-      std::vector<WorkPtr> sends;
-      for (int r = 1; r < pg->size(); ++r) {
-        const Window& w = windows[size_t(r)][i];
-        if (shape_numel(w.shape) == 0) continue;
-        // The group moves host memory: a device value travels through a host copy.
-        keep.push_back(window_of(full, w).to(s.dtype).to(Device::cpu()).contiguous());
-        sends.push_back(pg->send(keep.back(), r, kTag));
-      }
-      copy_local(s.local, window_of(full, windows[0][i]));
-      for (const WorkPtr& w : sends)
-        w->wait();
+      send_windows(pg, s, std::get<Tensor>(state.at(s.key)), windows, i, kTag);
     } else if (s.local.numel() > 0) {
       Tensor buf = empty(s.local.shape(), s.dtype);
       pg->recv(buf, 0, kTag)->wait();

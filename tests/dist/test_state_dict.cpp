@@ -202,6 +202,29 @@ TEST(StateDict, BroadcastFromRankZeroSendsEachRankItsWindow) {
   }
 }
 
+// Rank 0 converts each value to the parameter's dtype once per distinct window, not once per
+// rank: a parameter every rank holds whole (a plain model, a norm under TP) cost it one
+// converted copy per rank, all kept until the last send.
+TEST(StateDict, BroadcastFromRankZeroConvertsEachWindowOnce) {
+  if (world_size() < 3) GTEST_SKIP() << "with two ranks one copy is sent either way";
+  Generator gen(7);
+  auto model = std::make_shared<Linear>(256, 256, /*bias=*/false, gen);  // float32, 256 KiB
+  const Tensor value = index_tensor({256, 256}, DType::Float64);
+  StateDict full;
+  if (world_rank() == 0) full["weight"] = value;
+  const int64_t before = memory_stats().current_bytes;
+  reset_peak_memory();
+  const IncompatibleKeys k =
+      set_model_state_dict(*model, full, {.full_state_dict = true, .broadcast_from_rank0 = true});
+  const int64_t extra = memory_stats().peak_bytes - before;
+  EXPECT_TRUE(k.empty()) << k.str();
+  expect_identical(model->weight.stored(), value.to(DType::Float32), "loaded");
+  const int64_t one = 256 * 256 * 4;
+  if (world_rank() == 0) {
+    EXPECT_LT(extra, 2 * one) << "rank 0 held " << extra << " bytes more";
+  }
+}
+
 TEST(StateDict, OptimizerStateIsKeyedByNameAndMovesBetweenLayouts) {
   auto layouts = decoder_layouts();
   Parallel a = layouts.front().build(7);

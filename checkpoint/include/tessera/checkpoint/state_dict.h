@@ -37,7 +37,9 @@ struct StateDictOptions {
   // get an empty dict (each tensor is gathered, kept or dropped, one at a time).
   bool cpu_offload = false;
   // With full_state_dict, set_*: only rank 0's dict is read (the others pass an empty one) and
-  // each rank receives just its window of one tensor at a time, so no rank holds two full tensors.
+  // each rank receives just its window of one tensor at a time; rank 0 converts each distinct
+  // window once, however many ranks hold it. So besides rank 0's dict no rank holds more than one
+  // tensor's worth at a time.
   bool broadcast_from_rank0 = false;
   // Leave out parameters that do not require gradients (get_*), and do not expect them (set_*).
   bool ignore_frozen_params = false;
