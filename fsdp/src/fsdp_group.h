@@ -38,6 +38,9 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
     Tensor leaf;           // the gathered leaf forward and backward use
     Tensor accum_grad;     // unsynced gradient sum (unsharded)
     bool grad_in = false;  // this backward has accumulated the leaf's gradient
+    // The storage the parameter had before it was sharded: a slot that a later fully_shard call
+    // finds still holding it is tied to this parameter.
+    std::weak_ptr<StorageImpl> original;
   };
 
   // Copies each parameter to its aliases (after it was sharded, unsharded or resharded).

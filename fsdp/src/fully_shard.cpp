@@ -70,6 +70,7 @@ struct GroupBuilder {
       FSDPGroup::ParamInfo i;
       i.param = p;
       i.name = name;
+      i.original = p->stored().storage().weak_impl();
       for (const auto& [other_name, other] : slots)
         if (other != p && other->defined() && other->stored().is_same(p->stored()))
           i.aliases.push_back(other);
@@ -186,12 +187,32 @@ struct GroupBuilder {
 // The call's unclaimed parameters, one list per dtype (a bfloat16 frozen base next to float32
 // LoRA adapters): each becomes a group gathering in its own dtype. At least one list, so that a
 // module without parameters of its own still gets a group (and its hooks).
+// A slot still holding the tensor an earlier call sharded (a weight tied by assignment to one in a
+// module sharded on its own) would be sharded again as a second, independent parameter: the tie
+// would come apart, silently, in training and in checkpoints.
+void check_not_tied_to_sharded(const Module& module, const std::string& name, const Parameter& p,
+                               const std::vector<std::shared_ptr<FSDPGroup>>& live) {
+  const StorageImpl* storage = p.stored().storage().impl();
+  for (const auto& g : live)
+    for (const FSDPGroup::ParamInfo& i : g->params_) {
+      const auto original = i.original.lock();
+      if (!original || original.get() != storage) continue;
+      const auto owner = g->module_.lock();
+      TESSERA_FAIL("fully_shard(", module.type_name(), "): parameter '", name,
+                   "' holds the tensor that fully_shard(",
+                   owner ? owner->type_name() : std::string("a module"), ") sharded as '", i.name,
+                   "' (a weight tied across two fully_shard calls would come apart); shard both "
+                   "uses in one call, on the module that holds both");
+    }
+}
+
 std::vector<std::vector<std::pair<std::string, Parameter*>>> unclaimed_by_dtype(
     Module& module, const std::vector<std::shared_ptr<FSDPGroup>>& live) {
   std::vector<std::vector<std::pair<std::string, Parameter*>>> by_dtype;
   std::vector<DType> dtypes;
   for (auto& [name, p] : module.named_parameters()) {
     if (!p->defined() || detail::held_by(live, *p)) continue;
+    check_not_tied_to_sharded(module, name, *p, live);
     const DType dt = p->stored().dtype();
     auto it = std::find(dtypes.begin(), dtypes.end(), dt);
     if (it == dtypes.end()) {

@@ -309,6 +309,14 @@ TEST(FullyShard, WeightsTiedByAssignmentStayTied) {
   // The reference sees every rank's rows: the mean over them is the mean of the ranks' means.
   const Tensor want = train_tied_pair(std::make_shared<TiedPair>(), 0, 4 * int64_t(world_size()));
   expect_close(got, want, 1e-6, "tied weight after 3 steps");
+  // Tied across two calls (one slot inside a module sharded on its own): refused, naming both
+  // slots, rather than sharding the other slot as a second parameter.
+  auto split = std::make_shared<TiedPair>();
+  fully_shard(split->a, mesh);
+  expect_error([&] { fully_shard(split, mesh); },
+               {"fully_shard(TiedPair): parameter 'b.weight' holds the tensor that "
+                "fully_shard(Linear) sharded as 'weight'",
+                "shard both uses in one call"});
 }
 
 // An optimizer step between forward and backward changes the shards that a resharded group

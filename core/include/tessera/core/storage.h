@@ -69,6 +69,8 @@ class Storage {
   Device device() const { return impl_ ? impl_->device() : Device::cpu(); }
   long use_count() const { return impl_.use_count(); }
   StorageImpl* impl() const { return impl_.get(); }
+  // To recognise this storage later without keeping it alive.
+  std::weak_ptr<StorageImpl> weak_impl() const { return impl_; }
   bool is_same(const Storage& o) const { return impl_ == o.impl_; }
 
  private:
