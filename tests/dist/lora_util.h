@@ -1,7 +1,12 @@
 #pragma once
 // The LoRA tests' decoder, adapters and layouts: plain, tensor parallel (LoRA applied before or
 // after parallelize_module), FSDP, FSDP x TP, HSDP.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -122,6 +127,26 @@ inline double lora_train_step(LoraRun& run, Optimizer& opt, int step) {
   Tensor l = from_vector<double>({double(loss.item<float>())});
   world_group()->all_reduce(l, ReduceOp::Sum)->wait();
   return l.item<double>() / double(world_size());
+}
+
+// A copy of the PEFT adapter saved in `dir`/adapter, in `dir`/`name`, whose adapter_config.json
+// has the first `from` replaced by `to` (rank 0 writes it; every rank returns once it is there).
+inline std::string peft_config_variant(const std::string& dir, const std::string& name,
+                                       const std::string& from, const std::string& to) {
+  if (world_rank() == 0) {
+    std::filesystem::create_directories(dir + "/" + name);
+    std::filesystem::copy_file(dir + "/adapter/adapter_model.safetensors",
+                               dir + "/" + name + "/adapter_model.safetensors",
+                               std::filesystem::copy_options::overwrite_existing);
+    std::ifstream in(dir + "/adapter/adapter_config.json");
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const size_t at = text.find(from);
+    EXPECT_NE(at, std::string::npos) << from << " in " << text;
+    if (at != std::string::npos) text.replace(at, from.size(), to);
+    std::ofstream(dir + "/" + name + "/adapter_config.json") << text;
+  }
+  world_group()->barrier()->wait();
+  return dir + "/" + name;
 }
 
 }  // namespace tessera::testing

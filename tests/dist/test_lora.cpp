@@ -677,28 +677,12 @@ TEST(Lora, PeftPerModuleRanksAndAlphasAreRefused) {
                     .front()
                     .build(cfg, lora_test_config(LoraInit::Random));
   run.lora->save_adapter(dir + "/adapter", "default");
-  // The saved files with one field of the config replaced.
-  auto variant = [&](const std::string& name, const std::string& from, const std::string& to) {
-    if (world_rank() == 0) {
-      std::filesystem::create_directories(dir + "/" + name);
-      std::filesystem::copy_file(dir + "/adapter/adapter_model.safetensors",
-                                 dir + "/" + name + "/adapter_model.safetensors",
-                                 std::filesystem::copy_options::overwrite_existing);
-      std::ifstream in(dir + "/adapter/adapter_config.json");
-      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      const size_t at = text.find(from);
-      EXPECT_NE(at, std::string::npos) << from << " in " << text;
-      if (at != std::string::npos) text.replace(at, from.size(), to);
-      std::ofstream(dir + "/" + name + "/adapter_config.json") << text;
-    }
-    world_group()->barrier()->wait();
-    return dir + "/" + name;
-  };
   const std::string alpha =
-      variant("alpha", "\"alpha_pattern\": {}", "\"alpha_pattern\": {\"wq\": 32}");
+      peft_config_variant(dir, "alpha", "\"alpha_pattern\": {}", "\"alpha_pattern\": {\"wq\": 32}");
   expect_error([&] { run.lora->load_adapter(alpha, "alpha"); },
                {"alpha/adapter_config.json'", "alpha_pattern", "per-module"});
-  const std::string rank = variant("rank", "\"rank_pattern\": {}", "\"rank_pattern\": {\"wq\": 2}");
+  const std::string rank =
+      peft_config_variant(dir, "rank", "\"rank_pattern\": {}", "\"rank_pattern\": {\"wq\": 2}");
   expect_error([&] { run.lora->load_adapter(rank, "rank"); },
                {"rank/adapter_config.json'", "rank_pattern", "per-module"});
   EXPECT_EQ(run.lora->adapters(), (std::vector<std::string>{"default"}));

@@ -180,21 +180,6 @@ TEST(LoraPeft, UnsupportedPeftFieldsAreRefused) {
   auto lora = apply_lora(m, lora_test_config(), "default", {.max_adapters = 2});
   lora->save_adapter(dir + "/adapter", "default");
   const std::string saved = read_text(dir + "/adapter/adapter_config.json");
-  auto variant = [&](const std::string& name, const std::string& from, const std::string& to) {
-    if (world_rank() == 0) {
-      std::filesystem::create_directories(dir + "/" + name);
-      std::filesystem::copy_file(dir + "/adapter/adapter_model.safetensors",
-                                 dir + "/" + name + "/adapter_model.safetensors",
-                                 std::filesystem::copy_options::overwrite_existing);
-      std::string text = saved;
-      const size_t at = text.find(from);
-      EXPECT_NE(at, std::string::npos) << from << " in " << text;
-      if (at != std::string::npos) text.replace(at, from.size(), to);
-      std::ofstream(dir + "/" + name + "/adapter_config.json") << text;
-    }
-    world_group()->barrier()->wait();
-    return dir + "/" + name;
-  };
   const struct {
     const char* name;
     const char* from;
@@ -223,7 +208,7 @@ TEST(LoraPeft, UnsupportedPeftFieldsAreRefused) {
        {"use_rslora is not a boolean"}},
   };
   for (const auto& c : cases) {
-    const std::string path = variant(c.name, c.from, c.to);
+    const std::string path = peft_config_variant(dir, c.name, c.from, c.to);
     std::vector<std::string> want = c.error;
     want.push_back(std::string(c.name) + "/adapter_config.json'");
     expect_error([&] { lora->load_adapter(path, c.name); }, want);
@@ -233,7 +218,8 @@ TEST(LoraPeft, UnsupportedPeftFieldsAreRefused) {
   const std::string list = saved.substr(open, saved.find(']', open) + 1 - open);
   expect_error(
       [&] {
-        lora->load_adapter(variant("all", list, "\"target_modules\": \"all-linear\""), "all");
+        lora->load_adapter(
+            peft_config_variant(dir, "all", list, "\"target_modules\": \"all-linear\""), "all");
       },
       {"target_modules is \"all-linear\""});
   EXPECT_EQ(lora->adapters(), (std::vector<std::string>{"default"}));
