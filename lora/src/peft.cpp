@@ -111,6 +111,8 @@ LoraConfig from_peft(const nlohmann::json& j, const std::string& file) {
       bad(std::string(field) + " is set (" + j[field].dump() + "): not supported");
   if (j.contains("use_dora") && j["use_dora"].is_boolean() && j["use_dora"].get<bool>())
     bad("use_dora is set: DoRA adapters are not supported");
+  if (j.contains("lora_bias") && j["lora_bias"].is_boolean() && j["lora_bias"].get<bool>())
+    bad("lora_bias is set: adapters with a bias on B are not supported");
   // PEFT's per-module overrides of r and lora_alpha: read with the global ones instead, a module
   // would load with the wrong scale or be refused as mis-shaped for a reason the file hides.
   for (const char* field : {"rank_pattern", "alpha_pattern"})

@@ -206,6 +206,7 @@ TEST(LoraPeft, UnsupportedPeftFieldsAreRefused) {
        "\"use_rslora\": false",
        "\"use_rslora\": \"yes\"",
        {"use_rslora is not a boolean"}},
+      {"bias", "\"peft_type\"", "\"lora_bias\": true, \"peft_type\"", {"lora_bias is set"}},
   };
   for (const auto& c : cases) {
     const std::string path = peft_config_variant(dir, c.name, c.from, c.to);
