@@ -199,6 +199,41 @@ void LoraModel::unmerge_adapter(const std::string& name) {
     layers_[i].second->merge_slot(a.slot, /*unmerge=*/true);
 }
 
+ModulePtr LoraModel::merge_and_unload() {
+  for (const auto& [path, l] : layers_)
+    TESSERA_CHECK(!is_fully_sharded(l->weight), "LoRA merge_and_unload: '", path,
+                  "' is sharded by fully_shard, whose groups hold the adapter slots; call it "
+                  "before fully_shard, or keep the layers (merge_adapter)");
+  if (!active_.empty() && !merged(find(active_, "merge_and_unload"))) merge_adapter(active_);
+  return unwrap("merge_and_unload");
+}
+
+ModulePtr LoraModel::unload() {
+  for (const auto& [path, l] : layers_)
+    TESSERA_CHECK(!is_fully_sharded(l->weight), "LoRA unload: '", path,
+                  "' is sharded by fully_shard, whose groups hold the adapter slots; call it "
+                  "before fully_shard");
+  for (const std::string& m : merged_adapters())
+    unmerge_adapter(m);
+  return unwrap("unload");
+}
+
+ModulePtr LoraModel::unwrap(const char* op) {
+  for (const auto& [path, l] : layers_) {
+    TESSERA_CHECK(model_->get_submodule(path) == l, "LoRA ", op, ": '", path,
+                  "' no longer holds the layer apply_lora put there");
+    model_->replace_submodule(path, Linear::unwrapped(*l));
+    retired_.push_back(l);
+  }
+  layers_.clear();
+  adapters_.clear();
+  active_.clear();
+  routing_->active_slot = -1;
+  routing_->sample_slots.reset();
+  routing_->masks.clear();
+  return model_;
+}
+
 std::map<std::string, Tensor> LoraModel::read_adapter(const std::string& name) {
   const Adapter& a = find(name, "read_adapter");
   NoGradGuard no_grad;

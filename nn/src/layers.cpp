@@ -40,6 +40,10 @@ Linear::Linear(std::string type_name, const Linear& base)
   copy_hooks_from(base);
 }
 
+std::shared_ptr<Linear> Linear::unwrapped(const Linear& base) {
+  return std::shared_ptr<Linear>(new Linear("Linear", base));
+}
+
 void Linear::reset_parameters(Generator& gen) {
   weight.kaiming_uniform_(gen, std::sqrt(5.0));
   if (bias.defined()) {

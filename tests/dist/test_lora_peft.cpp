@@ -296,3 +296,39 @@ TEST(LoraPeft, FreeSlotsDoNotHoldBackTheFsdpReduce) {
     EXPECT_EQ(p->grad().defined(), name.find(".0.weight") != std::string::npos) << name;
   }
 }
+
+// PEFT's merge_and_unload and unload: plain Linears back in place of the wrapped layers (tensor
+// parallel ones stay so), the base model's keys only, and the outputs of the merged adapter or
+// of the base model; refused under fully_shard.
+TEST(LoraPeft, MergeAndUnloadGiveBackAPlainModel) {
+  const DecoderConfig cfg = lora_decoder_config();
+  const Batch b = affine_batch(0, 2, cfg.max_seq_len, cfg.vocab_size);
+  const auto base_keys = std::make_shared<Decoder>(cfg)->state_dict();
+  for (const LoraLayout& l : lora_layouts()) {
+    for (bool merge : {true, false}) {
+      LoraRun run = l.build(cfg, lora_test_config(LoraInit::Random));
+      bool sharded = false;
+      for (auto& [name, p] : run.model->named_parameters())
+        sharded |= is_fully_sharded(*p);
+      if (sharded) {
+        expect_error([&] { run.lora->merge_and_unload(); },
+                     {"merge_and_unload", "is sharded by fully_shard"});
+        continue;
+      }
+      const Tensor with_adapter = run.logits(b.ids);
+      run.lora->set_adapter("");
+      const Tensor base = run.logits(b.ids);
+      run.lora->set_adapter("default");
+      ModulePtr plain = merge ? run.lora->merge_and_unload() : run.lora->unload();
+      const std::string what = l.name + (merge ? " merge_and_unload" : " unload");
+      EXPECT_EQ(plain, ModulePtr(run.model)) << what;
+      EXPECT_TRUE(run.lora->layers().empty() && run.lora->adapters().empty()) << what;
+      EXPECT_EQ(run.model->get_submodule("layers.0.attention.wq")->type_name(), "Linear") << what;
+      const auto keys = run.model->state_dict();
+      EXPECT_EQ(keys.size(), base_keys.size()) << what;
+      for (const auto& [key, t] : keys)
+        EXPECT_TRUE(base_keys.count(key)) << what << ": " << key;
+      expect_close(run.logits(b.ids), merge ? with_adapter : base, 1e-5, what);
+    }
+  }
+}

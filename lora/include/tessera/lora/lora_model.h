@@ -51,6 +51,17 @@ class LoraModel {
   // adapter merges, and not while a mixed batch is set: merged, it applies to every sample.
   void merge_adapter(const std::string& name);
   void unmerge_adapter(const std::string& name);
+  // PEFT's merge_and_unload: merges the active adapter (if any and not merged yet), then puts a
+  // plain Linear back in place of every wrapped layer, holding the same weight and bias
+  // Parameters (tensor-parallel ones stay so), and returns the model, whose state dict then has
+  // the base model's keys only. unload() does the same without merging, unmerging first what is
+  // merged: the base model as it was. Either way this LoraModel holds no layer or adapter
+  // afterwards. Refused under fully_shard (the FSDP groups hold the adapter slots): call it
+  // before fully_shard, or keep the merged LoraLinears. The base parameters stay frozen.
+  // Parameter pointers taken before (an optimizer's) name the old layers' slots, which this
+  // object keeps alive: make optimizers afterwards.
+  ModulePtr merge_and_unload();
+  ModulePtr unload();
 
   // --- values ---
   // Global tensors, "<module path>.lora_A.weight" [r, in] and ".lora_B.weight" [out, r], gathered
@@ -81,9 +92,11 @@ class LoraModel {
   bool merged(const Adapter& a) const;
   std::vector<std::string> merged_adapters() const;
   std::vector<size_t> targets(const LoraConfig& config) const;
+  ModulePtr unwrap(const char* op);
 
   ModulePtr model_;
   std::vector<std::pair<std::string, std::shared_ptr<LoraLinear>>> layers_;
+  std::vector<std::shared_ptr<LoraLinear>> retired_;  // unloaded, for pointers into them
   std::shared_ptr<LoraRouting> routing_;
   std::map<std::string, Adapter> adapters_;
   std::string active_;

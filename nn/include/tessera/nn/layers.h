@@ -21,6 +21,9 @@ class Linear : public Module {
   // Called by ColwiseParallel and RowwiseParallel once weight and bias are distributed on
   // `mesh`, so that a subclass holding more parameters (a LoRA linear) lays them out to match.
   virtual void after_tensor_parallel(const DeviceMesh& mesh) { (void)mesh; }
+  // A plain Linear taking over `base`'s weight and bias, as the constructor below does (undoing
+  // a wrapper: LoRA's unload).
+  static std::shared_ptr<Linear> unwrapped(const Linear& base);
   Parameter weight;
   Parameter bias;  // undefined without bias
 
