@@ -111,9 +111,9 @@ void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed
     (shape, dim, index, src))                                                                      \
   /* optim.h */                                                                                    \
   X(adamw_update_, void,                                                                           \
-    (Tensor & param, Tensor & exp_avg, Tensor & exp_avg_sq, const Tensor& grad,                    \
-     const AdamWStep& step),                                                                       \
-    (param, exp_avg, exp_avg_sq, grad, step))                                                      \
+    (Tensor & param, Tensor & exp_avg, Tensor & exp_avg_sq, Tensor & max_exp_avg_sq,               \
+     const Tensor& grad, const AdamWStep& step),                                                   \
+    (param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, step))                                      \
   X(sgd_update_, void,                                                                             \
     (Tensor & param, Tensor & momentum_buffer, const Tensor& grad, const SgdStep& step),           \
     (param, momentum_buffer, grad, step))                                                          \

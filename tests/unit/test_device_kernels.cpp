@@ -305,8 +305,9 @@ TEST(DeviceKernels, OptimizerUpdatesFollowTheCpu) {
                                   .step_size = 1e-2,
                                   .bias_correction2_sqrt = 0.3,
                                   .eps = 1e-8};
-    kernels::adamw_update_(wd, md, vd, cuda(g), step);
-    kernels::adamw_update_(w, m, v, g, step);
+    Tensor no_max;
+    kernels::adamw_update_(wd, md, vd, no_max, cuda(g), step);
+    kernels::adamw_update_(w, m, v, no_max, g, step);
     // A GPU may fuse a multiply and an add into one rounding.
     const Tolerance tol = dt == DType::Float32 ? Tolerance{1e-6, 1e-7} : Tolerance{1e-14, 1e-15};
     expect_matches(wd, w, tol, std::string("adamw param ") + dtype_name(dt));
@@ -320,6 +321,29 @@ TEST(DeviceKernels, OptimizerUpdatesFollowTheCpu) {
       kernels::sgd_update_(w, buf, g, sgd);
       expect_matches(wd, w, tol, std::string("sgd param ") + dtype_name(dt));
       expect_matches(bufd, buf, tol, std::string("sgd momentum ") + dtype_name(dt));
+    }
+    // Adam's L2 term, amsgrad's maximum and maximize; SGD's dampening, Nesterov and maximize.
+    Tensor vmax = kernels::unary(UnaryOp::Square, random_tensor({5, 7}, 66, dt, 0.1));
+    Tensor vmaxd = cuda(vmax);
+    const kernels::AdamWStep adam{.beta1 = 0.9,
+                                  .beta2 = 0.95,
+                                  .step_size = 1e-2,
+                                  .bias_correction2_sqrt = 0.3,
+                                  .l2_weight_decay = 0.1,
+                                  .maximize = true};
+    kernels::adamw_update_(wd, md, vd, vmaxd, cuda(g), adam);
+    kernels::adamw_update_(w, m, v, vmax, g, adam);
+    expect_matches(wd, w, tol, std::string("adam amsgrad param ") + dtype_name(dt));
+    expect_matches(vmaxd, vmax, tol, std::string("adam max_exp_avg_sq ") + dtype_name(dt));
+    Tensor buf = random_tensor({5, 7}, 67, dt);
+    Tensor bufd = cuda(buf);
+    for (const kernels::SgdStep sgd :
+         {kernels::SgdStep{.lr = 0.1, .momentum = 0.9, .dampening = 0.2, .maximize = true},
+          kernels::SgdStep{.lr = 0.1, .momentum = 0.9, .weight_decay = 0.01, .nesterov = true}}) {
+      kernels::sgd_update_(wd, bufd, cuda(g), sgd);
+      kernels::sgd_update_(w, buf, g, sgd);
+      expect_matches(wd, w, tol, std::string("sgd variant param ") + dtype_name(dt));
+      expect_matches(bufd, buf, tol, std::string("sgd variant momentum ") + dtype_name(dt));
     }
     Tensor none;
     kernels::sgd_update_(wd, none, cuda(g), {.lr = 0.1});

@@ -21,21 +21,27 @@ void float_dispatch(const char* op, const Tensor& param, F&& f) {
 
 }  // namespace
 
-void adamw_update_(Tensor& param, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& grad,
-                   const AdamWStep& s) {
+void adamw_update_(Tensor& param, Tensor& exp_avg, Tensor& exp_avg_sq, Tensor& max_exp_avg_sq,
+                   const Tensor& grad, const AdamWStep& s) {
   portable::check_update_operand("adamw_update_", param, grad, "gradient");
   portable::check_update_operand("adamw_update_", param, exp_avg, "exp_avg");
   portable::check_update_operand("adamw_update_", param, exp_avg_sq, "exp_avg_sq");
+  const bool amsgrad = max_exp_avg_sq.defined();
+  if (amsgrad)
+    portable::check_update_operand("adamw_update_", param, max_exp_avg_sq, "max_exp_avg_sq");
   float_dispatch("adamw_update_", param, [&]<class T>() {
     T* pw = param.data<T>();
     const T* pg = grad.data<T>();
     T* m = exp_avg.data<T>();
     T* v = exp_avg_sq.data<T>();
-    const portable::AdamWScalars<T> ts{T(s.decay),     T(1 - s.beta1), T(s.beta2),
-                                       T(1 - s.beta2), T(s.step_size), T(s.bias_correction2_sqrt),
-                                       T(s.eps)};
+    T* vmax = amsgrad ? max_exp_avg_sq.data<T>() : nullptr;
+    const portable::AdamWScalars<T> ts{
+        T(s.decay),     T(1 - s.beta1),       T(s.beta2),
+        T(1 - s.beta2), T(s.step_size),       T(s.bias_correction2_sqrt),
+        T(s.eps),       T(s.l2_weight_decay), s.l2_weight_decay != 0,
+        s.maximize};
     for (int64_t j = 0; j < param.numel(); ++j)
-      portable::adamw_element(pw[j], m[j], v[j], pg[j], ts);
+      portable::adamw_element(pw[j], m[j], v[j], vmax ? vmax + j : nullptr, pg[j], ts);
   });
 }
 
@@ -47,8 +53,9 @@ void sgd_update_(Tensor& param, Tensor& momentum_buffer, const Tensor& grad, con
     T* pw = param.data<T>();
     const T* pg = grad.data<T>();
     T* buf = s.momentum != 0 ? momentum_buffer.data<T>() : nullptr;
-    const portable::SgdScalars<T> ts{T(s.lr), T(s.momentum), T(s.weight_decay), s.weight_decay != 0,
-                                     s.first};
+    const portable::SgdScalars<T> ts{
+        T(s.lr), T(s.momentum), T(s.weight_decay), T(1 - s.dampening), s.weight_decay != 0,
+        s.first, s.nesterov,    s.maximize};
     for (int64_t j = 0; j < param.numel(); ++j)
       portable::sgd_element(pw[j], buf ? buf + j : nullptr, pg[j], ts);
   });

@@ -227,31 +227,43 @@ TESSERA_HOST_DEVICE inline C unary_grad(UnaryOp op, C g, C x) {
 // One AdamW step of one element, in PyTorch's single-tensor order. The scalars are the
 // AdamWStep's, already in T.
 template <class T>
+// `vmax` is null without amsgrad.
 struct AdamWScalars {
-  T decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps;
+  T decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps,
+      l2_weight_decay;
+  bool has_l2, maximize;
 };
 template <class T>
-TESSERA_HOST_DEVICE inline void adamw_element(T& w, T& m, T& v, T g, const AdamWScalars<T>& s) {
+TESSERA_HOST_DEVICE inline void adamw_element(T& w, T& m, T& v, T* vmax, T g,
+                                              const AdamWScalars<T>& s) {
+  if (s.maximize) g = -g;
+  if (s.has_l2) g += s.l2_weight_decay * w;
   w *= s.decay;
   m += s.one_minus_beta1 * (g - m);  // PyTorch's lerp
   v = s.beta2 * v + s.one_minus_beta2 * g * g;
-  const T denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
+  T second = v;
+  if (vmax) {
+    // torch.maximum: a NaN on either side wins, so a NaN is never forgotten.
+    if (v != v || v > *vmax) *vmax = v;
+    second = *vmax;
+  }
+  const T denom = std::sqrt(second) / s.bias_correction2_sqrt + s.eps;
   w -= s.step_size * (m / denom);
 }
 
 // One SGD step of one element; `buf` is null without momentum.
 template <class T>
 struct SgdScalars {
-  T lr, momentum, weight_decay;
-  bool has_weight_decay, first;
+  T lr, momentum, weight_decay, one_minus_dampening;
+  bool has_weight_decay, first, nesterov, maximize;
 };
 template <class T>
 TESSERA_HOST_DEVICE inline void sgd_element(T& w, T* buf, T g, const SgdScalars<T>& s) {
-  T d = g;
+  T d = s.maximize ? -g : g;
   if (s.has_weight_decay) d += s.weight_decay * w;
   if (buf) {
-    *buf = s.first ? d : s.momentum * *buf + d;
-    d = *buf;
+    *buf = s.first ? d : s.momentum * *buf + s.one_minus_dampening * d;
+    d = s.nesterov ? d + s.momentum * *buf : *buf;
   }
   w -= s.lr * d;
 }

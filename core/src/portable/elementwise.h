@@ -250,9 +250,12 @@ struct AdamWFn {
   T* w;
   T* m;
   T* v;
+  T* vmax;  // null without amsgrad
   const T* g;
   AdamWScalars<T> s;
-  TESSERA_HOST_DEVICE void operator()(int64_t i) const { adamw_element(w[i], m[i], v[i], g[i], s); }
+  TESSERA_HOST_DEVICE void operator()(int64_t i) const {
+    adamw_element(w[i], m[i], v[i], vmax ? vmax + i : nullptr, g[i], s);
+  }
 };
 
 template <class T>
@@ -532,19 +535,23 @@ struct Elementwise {
     });
   }
 
-  static void adamw_update_(Tensor& param, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& grad,
-                            const AdamWStep& s) {
+  static void adamw_update_(Tensor& param, Tensor& exp_avg, Tensor& exp_avg_sq,
+                            Tensor& max_exp_avg_sq, const Tensor& grad, const AdamWStep& s) {
     check_update_operand("adamw_update_", param, grad, "gradient");
     check_update_operand("adamw_update_", param, exp_avg, "exp_avg");
     check_update_operand("adamw_update_", param, exp_avg_sq, "exp_avg_sq");
+    const bool amsgrad = max_exp_avg_sq.defined();
+    if (amsgrad) check_update_operand("adamw_update_", param, max_exp_avg_sq, "max_exp_avg_sq");
     TESSERA_CHECK(param.is_contiguous(), "adamw_update_: parameter ", param.str(),
                   " must be contiguous");
     dispatch_float32_or_64("adamw_update_", "parameter", param, [&]<class T>() {
-      const AdamWScalars<T> ts{T(s.decay),     T(1 - s.beta1), T(s.beta2),
-                               T(1 - s.beta2), T(s.step_size), T(s.bias_correction2_sqrt),
-                               T(s.eps)};
-      AdamWFn<T> f{data_of<T>(param), data_of<T>(exp_avg), data_of<T>(exp_avg_sq), data_of<T>(grad),
-                   ts};
+      const AdamWScalars<T> ts{T(s.decay),     T(1 - s.beta1),       T(s.beta2),
+                               T(1 - s.beta2), T(s.step_size),       T(s.bias_correction2_sqrt),
+                               T(s.eps),       T(s.l2_weight_decay), s.l2_weight_decay != 0,
+                               s.maximize};
+      AdamWFn<T> f{data_of<T>(param),      data_of<T>(exp_avg),
+                   data_of<T>(exp_avg_sq), amsgrad ? data_of<T>(max_exp_avg_sq) : nullptr,
+                   data_of<T>(grad),       ts};
       run("adamw_update_", param, param.numel(), f);
     });
   }
@@ -557,10 +564,10 @@ struct Elementwise {
     TESSERA_CHECK(param.is_contiguous(), "sgd_update_: parameter ", param.str(),
                   " must be contiguous");
     dispatch_float32_or_64("sgd_update_", "parameter", param, [&]<class T>() {
-      SgdFn<T> f{
-          data_of<T>(param), s.momentum != 0 ? data_of<T>(momentum_buffer) : nullptr,
-          data_of<T>(grad),
-          SgdScalars<T>{T(s.lr), T(s.momentum), T(s.weight_decay), s.weight_decay != 0, s.first}};
+      SgdFn<T> f{data_of<T>(param), s.momentum != 0 ? data_of<T>(momentum_buffer) : nullptr,
+                 data_of<T>(grad),
+                 SgdScalars<T>{T(s.lr), T(s.momentum), T(s.weight_decay), T(1 - s.dampening),
+                               s.weight_decay != 0, s.first, s.nesterov, s.maximize}};
       run("sgd_update_", param, param.numel(), f);
     });
   }
