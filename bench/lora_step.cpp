@@ -81,7 +81,7 @@ double step(Contender& c, const bench::TokenBatch& batch) {
 int64_t state_bytes(AdamW& opt) {
   int64_t n = 0;
   for (size_t i = 0; i < opt.params().size(); ++i)
-    for (const std::string& name : opt.state_names()) {
+    for (const std::string& name : opt.state_names(i)) {
       Tensor t = opt.state_tensor(i, name, false);
       if (t.defined()) n += int64_t(t.nbytes());
     }

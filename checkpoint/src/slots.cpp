@@ -65,7 +65,7 @@ IncompatibleKeys check_keys(const std::vector<Slot>& slots, const std::vector<Sc
     known.insert(s.key);
     auto it = state.find(s.key);
     if (it == state.end()) {
-      k.missing_keys.push_back(s.key);
+      if (!s.optional) k.missing_keys.push_back(s.key);
       continue;
     }
     const bool ok = s.is_int ? std::holds_alternative<int64_t>(it->second)
@@ -130,7 +130,7 @@ std::pair<std::string, std::string> key_lists(const StateDict& state,
   for (const Slot& s : slots)
     if (fits(k, s.key)) loaded += s.key + "\n";
   for (const ScalarSlot& s : scalars)
-    if (fits(k, s.key)) loaded += s.key + "\n";
+    if (fits(k, s.key) && state.count(s.key)) loaded += s.key + "\n";
   return {passed, loaded};
 }
 
@@ -306,7 +306,8 @@ IncompatibleKeys set_from_rank0(std::vector<Slot>& slots, std::vector<ScalarSlot
       v["unexpected"] = k.unexpected_keys;
       v["mismatched"] = k.mismatched_keys;
       for (const ScalarSlot& s : scalars)
-        if (fits(k, s.key)) v["scalars"][s.key] = scalar_json(state.at(s.key));
+        if (fits(k, s.key) && state.count(s.key))
+          v["scalars"][s.key] = scalar_json(state.at(s.key));
     } catch (...) {
       v["error"] = current_error_text();
     }
@@ -432,7 +433,7 @@ IncompatibleKeys set_slots(std::vector<Slot> slots, std::vector<ScalarSlot> scal
   for (const Slot& s : slots)
     if (fits(k, s.key)) copy_into(s, state.at(s.key));
   for (const ScalarSlot& s : scalars)
-    if (fits(k, s.key)) s.apply(state.at(s.key));
+    if (fits(k, s.key) && state.count(s.key)) s.apply(state.at(s.key));
   return k;
 }
 

@@ -36,6 +36,9 @@ struct ScalarSlot {
   std::string key;
   bool is_int = true;  // int64, else double
   std::function<void(const StateValue&)> apply;
+  // A key that dicts saved before it existed lack (a hyperparameter added later): when absent it
+  // is neither missing nor applied, and what it would set keeps its value.
+  bool optional = false;
 };
 
 // Slots a state dict may hold or leave out as a whole (the optimizer state of a frozen parameter

@@ -53,13 +53,26 @@ std::vector<std::pair<size_t, std::string>> optimizer_params(Module& model, Opti
 // tensors of zeros of its size).
 bool has_state(Optimizer& opt, size_t i) {
   if (opt.params()[i]->requires_grad() || opt.param_step(i) > 0) return true;
-  for (const std::string& name : opt.state_names())
+  for (const std::string& name : opt.state_names(i))
     if (opt.state_tensor(i, name, /*allocate=*/false).defined()) return true;
   return false;
 }
 
 std::string state_key(const std::string& fqn, const std::string& name) {
   return "state/" + fqn + "/" + name;
+}
+
+// "param_groups/<name>" for an optimizer of one group (the layout from before groups, so its
+// checkpoints still load), "param_groups/<g>/<name>" for each group of several.
+std::string group_key(const Optimizer& opt, size_t group, const std::string& name) {
+  if (opt.num_param_groups() == 1) return "param_groups/" + name;
+  return "param_groups/" + std::to_string(group) + "/" + name;
+}
+
+// Hyperparameters added after the first checkpoints were written: a dict without them loads,
+// and leaves the optimizer's own values.
+bool added_later(const std::string& name) {
+  return name == "amsgrad" || name == "maximize" || name == "dampening" || name == "nesterov";
 }
 
 }  // namespace
@@ -114,13 +127,14 @@ StateDict get_optimizer_state_dict(Module& model, Optimizer& optimizer,
   for (const auto& [i, fqn] : optimizer_params(model, optimizer, "get_optimizer_state_dict")) {
     if (!has_state(optimizer, i)) continue;
     const Parameter& p = *optimizer.params()[i];
-    for (const std::string& name : optimizer.state_names())
+    for (const std::string& name : optimizer.state_names(i))
       slots.push_back(ckpt::slot_like(state_key(fqn, name),
                                       optimizer.state_tensor(i, name, /*allocate=*/true), p));
     scalars[state_key(fqn, "step")] = optimizer.param_step(i);
   }
-  for (const auto& [name, v] : optimizer.hyperparameters())
-    scalars["param_groups/" + name] = v;
+  for (size_t g = 0; g < optimizer.num_param_groups(); ++g)
+    for (const auto& [name, v] : optimizer.hyperparameters(g))
+      scalars[group_key(optimizer, g, name)] = v;
   StateDict out;
   ckpt::get_slots(slots, options, out);
   const bool keep = !(options.full_state_dict && options.cpu_offload) || world_rank() == 0;
@@ -138,7 +152,7 @@ IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
     auto add = [&optimizer, i = i, fqn = fqn](std::vector<Slot>& to,
                                               std::vector<ScalarSlot>& to_scalars) {
       const Parameter& p = *optimizer.params()[i];
-      for (const std::string& name : optimizer.state_names())
+      for (const std::string& name : optimizer.state_names(i))
         to.push_back(ckpt::slot_like(state_key(fqn, name),
                                      optimizer.state_tensor(i, name, /*allocate=*/true), p));
       to_scalars.push_back({state_key(fqn, "step"), true, [&optimizer, i](const StateValue& v) {
@@ -152,16 +166,20 @@ IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
     else
       optional.push_back({state_key(fqn, ""), add});
   }
-  // Hyperparameters are collected and set together, so that their checks see them all.
-  std::map<std::string, double> hyper;
-  for (const auto& [name, v] : optimizer.hyperparameters())
-    scalars.push_back({"param_groups/" + name, false, [&hyper, name = name](const StateValue& x) {
-                         hyper[name] = std::get<double>(x);
-                       }});
+  // Each group's hyperparameters are collected and set together, so that their checks see them
+  // all.
+  std::vector<std::map<std::string, double>> hyper(optimizer.num_param_groups());
+  for (size_t g = 0; g < optimizer.num_param_groups(); ++g)
+    for (const auto& [name, v] : optimizer.hyperparameters(g))
+      scalars.push_back(
+          {group_key(optimizer, g, name), false,
+           [&hyper, g, name = name](const StateValue& x) { hyper[g][name] = std::get<double>(x); },
+           added_later(name)});
   IncompatibleKeys k =
       ckpt::set_slots(slots, scalars, state, options,
                       "set_optimizer_state_dict into " + model.type_name(), optional);
-  if (!hyper.empty()) optimizer.set_hyperparameters(hyper);
+  for (size_t g = 0; g < hyper.size(); ++g)
+    if (!hyper[g].empty()) optimizer.set_hyperparameters(g, hyper[g]);
   return k;
 }
 

@@ -232,8 +232,16 @@ TEST(Optimizer, RejectsBadOptions) {
 
 // PyTorch refuses an empty list; stepping it would silently train nothing.
 TEST(Optimizer, RejectsEmptyParameterList) {
-  expect_error([&] { AdamW({}, {}); }, "AdamW: optimizer got an empty parameter list");
-  expect_error([&] { SGD({}, {}); }, "SGD: optimizer got an empty parameter list");
+  // A bare {} could be a list of parameters or of groups: the tests name the type.
+  expect_error([&] { AdamW(std::vector<Parameter*>{}, {}); },
+               "AdamW: optimizer got an empty parameter list");
+  expect_error([&] { SGD(std::vector<Parameter*>{}, {}); },
+               "SGD: optimizer got an empty parameter list");
+  expect_error(
+      [&] {
+        Adam(ParamGroups{{{}, {}}, {{}, {}}}, {});
+      },
+      "Adam: optimizer got an empty parameter list");
 }
 
 TEST(ClipGradNorm, ScalesWhenAboveMaxNorm) {

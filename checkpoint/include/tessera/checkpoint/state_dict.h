@@ -27,7 +27,8 @@ namespace tessera {
 using StateValue = std::variant<Tensor, DTensor, int64_t, double, std::string>;
 // Keys are '/'-separated paths. A model's keys are its parameters' and buffers' fully qualified
 // names ("layers.0.attention.wq.weight"); an optimizer's are "state/<fqn>/<name>" (tensors and
-// the int64 "step") and "param_groups/<hyperparameter>" (doubles).
+// the int64 "step") and "param_groups/<hyperparameter>" (doubles; "param_groups/<g>/<name>" for
+// each group of an optimizer of several).
 using StateDict = std::map<std::string, StateValue>;
 
 struct StateDictOptions {

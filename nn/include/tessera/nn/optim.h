@@ -3,7 +3,9 @@
 // parameters' local shapes (for DTensor parameters: the same placements), so sharded parameters
 // have sharded state.
 #include <concepts>
+#include <initializer_list>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -11,20 +13,53 @@
 
 namespace tessera {
 
+// One parameter group, as an entry of PyTorch's param_groups: its parameters and the
+// hyperparameters it sets differently from the optimizer's defaults, by name (e.g.
+// {{"weight_decay", 0.0}} for norms and biases). Booleans (amsgrad, maximize, nesterov) are 0 or 1.
+struct ParamGroup {
+  std::vector<Parameter*> params;
+  std::map<std::string, double> options;
+};
+
+// The groups an optimizer is built from: a braced list, or a vector built at run time. (Its own
+// type, not a vector, so that a braced list of parameters can never be read as groups.)
+struct ParamGroups {
+  ParamGroups(std::initializer_list<ParamGroup> list) : groups(list) {}
+  ParamGroups(std::vector<ParamGroup> list) : groups(std::move(list)) {}
+  std::vector<ParamGroup> groups;
+};
+
 class Optimizer {
  public:
-  explicit Optimizer(std::vector<Parameter*> params)
-      : params_(std::move(params)), param_steps_(params_.size(), 0) {}
   virtual ~Optimizer() = default;
   virtual void step() = 0;
   void zero_grad();
+  // Every group's parameters, group after group: the indices below are into this list.
   const std::vector<Parameter*>& params() const { return params_; }
-  double lr() const { return lr_; }
-  void set_lr(double lr) { lr_ = lr; }
 
-  // --- state, as PyTorch's optimizer.state[p] and param_groups (for state dicts) ---
-  // The names of the per-parameter state tensors ("exp_avg", "exp_avg_sq"; "momentum_buffer").
-  virtual std::vector<std::string> state_names() const = 0;
+  // --- parameter groups, as PyTorch's optimizer.param_groups ---
+  size_t num_param_groups() const { return group_begin_.size() - 1; }
+  // Each group's parameters and all its hyperparameters (a copy).
+  std::vector<ParamGroup> param_groups() const;
+  // The group that parameter i belongs to.
+  size_t param_group_of(size_t i) const;
+  // Group 0's lr; set_lr sets every group's (what an LR loop over PyTorch's param_groups does).
+  // Per-group learning rates are set with set_hyperparameters(group, {{"lr", ...}}).
+  double lr() const { return hyperparameters(0).at("lr"); }
+  void set_lr(double lr);
+  // The hyperparameters of a group by name ("lr", "weight_decay", ...); without a group: group
+  // 0's, the optimizer's only one unless it was built from groups. Setting checks every name
+  // and value before changing anything.
+  std::map<std::string, double> hyperparameters(size_t group = 0) const;
+  void set_hyperparameters(const std::map<std::string, double>& values) {
+    set_hyperparameters(0, values);
+  }
+  void set_hyperparameters(size_t group, const std::map<std::string, double>& values);
+
+  // --- state, as PyTorch's optimizer.state[p] (for state dicts) ---
+  // The names of parameter i's state tensors ("exp_avg", "exp_avg_sq", with amsgrad
+  // "max_exp_avg_sq"; "momentum_buffer" with momentum): they depend on its group's settings.
+  virtual std::vector<std::string> state_names(size_t i) const = 0;
   // State tensor `name` of parameter i: the optimizer's own tensor (shared, not copied), with
   // the parameter's local shape in the dtype updates are computed in. Undefined while parameter
   // i has no such state yet, unless `allocate`, which creates it as zeros (so that a checkpoint
@@ -36,71 +71,134 @@ class Optimizer {
   // Forgets these parameters' state, as if they had never been updated (a LoRA slot given to a
   // new adapter, say). A parameter this optimizer does not hold is an error.
   void reset_state(const std::vector<Parameter*>& params);
-  // The hyperparameters by name ("lr", "weight_decay", ...); setting checks every name and value
-  // before changing anything.
-  virtual std::map<std::string, double> hyperparameters() const = 0;
-  virtual void set_hyperparameters(const std::map<std::string, double>& values) = 0;
+  // The learning rate group g started from, recorded by the first LR scheduler built on this
+  // optimizer (PyTorch's param_groups[g]["initial_lr"]); nullopt until then.
+  std::optional<double> initial_lr(size_t group) const;
+  void set_initial_lr(size_t group, double lr);
 
  protected:
+  // Checks the groups (`name` is the optimizer's, for errors): at least one parameter, none
+  // null, none in two places.
+  Optimizer(const char* name, const ParamGroups& groups);
+  // Applies each group's options over the defaults a derived class has set for every group;
+  // called at the end of its constructor.
+  void apply_group_options(const ParamGroups& groups);
   void check_index(size_t i, const char* op) const;
+  void check_group(size_t group, const char* op) const;
+  // The optimizer's name, and " param group g" when it has more than one: how errors name it.
+  std::string where(size_t group) const;
+  // Group g's hyperparameters; a complete set checked (`where` names it in errors), and stored.
+  virtual std::map<std::string, double> group_hyperparameters(size_t group) const = 0;
+  virtual void check_hyperparameters(const std::map<std::string, double>& values,
+                                     const std::string& where) const = 0;
+  virtual void store_hyperparameters(size_t group, const std::map<std::string, double>& values) = 0;
   // Drops parameter i's state tensors.
   virtual void clear_state(size_t i) = 0;
+  std::string name_;
   std::vector<Parameter*> params_;
   std::vector<int64_t> param_steps_;
-  double lr_ = 1e-3;
+  std::vector<size_t> group_begin_;  // group g holds params_[group_begin_[g], group_begin_[g+1])
+  std::vector<std::optional<double>> initial_lrs_;
 };
 
 struct SGDOptions {
   double lr = 1e-3;  // torch.optim.SGD's default
   double momentum = 0.0;
   double weight_decay = 0.0;  // L2, added to the gradient (PyTorch SGD)
+  double dampening = 0.0;
+  bool nesterov = false;  // needs momentum > 0 and dampening 0
+  bool maximize = false;
 };
 
+// torch.optim.SGD.
 class SGD : public Optimizer {
  public:
-  SGD(std::vector<Parameter*> params, SGDOptions opts);
+  SGD(std::vector<Parameter*> params, SGDOptions opts)
+      : SGD(ParamGroups{{std::move(params), {}}}, opts) {}
+  // Each group takes `defaults` where its options do not say otherwise.
+  SGD(const ParamGroups& groups, SGDOptions defaults);
   void step() override;
-  std::vector<std::string> state_names() const override;
+  std::vector<std::string> state_names(size_t i) const override;
   Tensor state_tensor(size_t i, const std::string& name, bool allocate) override;
-  std::map<std::string, double> hyperparameters() const override;
-  void set_hyperparameters(const std::map<std::string, double>& values) override;
 
  private:
+  std::map<std::string, double> group_hyperparameters(size_t group) const override;
+  void check_hyperparameters(const std::map<std::string, double>& values,
+                             const std::string& where) const override;
+  void store_hyperparameters(size_t group, const std::map<std::string, double>& values) override;
   void clear_state(size_t i) override { momentum_[i] = Tensor(); }
-  SGDOptions opts_;
+  std::vector<SGDOptions> groups_;
   std::vector<Tensor> momentum_;
 };
 
+// torch.optim.Adam: weight decay is L2, added to the gradient.
+struct AdamOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool amsgrad = false;  // the denominator uses the largest exp_avg_sq so far (max_exp_avg_sq)
+  bool maximize = false;
+};
+
+// torch.optim.AdamW: the same fields; weight decay is decoupled (the parameter shrinks by
+// lr * weight_decay of itself), and defaults to 1e-2.
 struct AdamWOptions {
   double lr = 1e-3;
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
-  double weight_decay = 1e-2;  // decoupled
+  double weight_decay = 1e-2;
+  bool amsgrad = false;
+  bool maximize = false;
 };
 
-class AdamW : public Optimizer {
+class Adam : public Optimizer {
  public:
-  AdamW(std::vector<Parameter*> params, AdamWOptions opts);
+  Adam(std::vector<Parameter*> params, AdamOptions opts)
+      : Adam(ParamGroups{{std::move(params), {}}}, opts) {}
+  // Each group takes `defaults` where its options do not say otherwise.
+  Adam(const ParamGroups& groups, AdamOptions defaults)
+      : Adam("Adam", groups, defaults, /*decoupled=*/false) {}
   void step() override;
-  std::vector<std::string> state_names() const override;
+  std::vector<std::string> state_names(size_t i) const override;
   Tensor state_tensor(size_t i, const std::string& name, bool allocate) override;
-  std::map<std::string, double> hyperparameters() const override;
-  void set_hyperparameters(const std::map<std::string, double>& values) override;
   // Calls of step() on this object (not part of its state: param_step() is).
   int64_t step_count() const { return step_; }
   // State as DTensors (or plain tensors) with the parameters' placements, for checkpoints.
   const std::vector<Tensor>& exp_avg() const { return m_; }
   const std::vector<Tensor>& exp_avg_sq() const { return v_; }
 
+ protected:
+  Adam(const char* name, const ParamGroups& groups, AdamOptions defaults, bool decoupled);
+
  private:
+  std::map<std::string, double> group_hyperparameters(size_t group) const override;
+  void check_hyperparameters(const std::map<std::string, double>& values,
+                             const std::string& where) const override;
+  void store_hyperparameters(size_t group, const std::map<std::string, double>& values) override;
   void clear_state(size_t i) override {
     m_[i] = Tensor();
     v_[i] = Tensor();
+    vmax_[i] = Tensor();
   }
-  AdamWOptions opts_;
+  bool decoupled_;  // AdamW's weight decay
+  std::vector<AdamOptions> groups_;
   int64_t step_ = 0;
-  std::vector<Tensor> m_, v_;
+  std::vector<Tensor> m_, v_, vmax_;
+};
+
+// AdamW is Adam with decoupled weight decay (as in PyTorch, where it subclasses Adam).
+class AdamW : public Adam {
+ public:
+  AdamW(std::vector<Parameter*> params, AdamWOptions opts)
+      : AdamW(ParamGroups{{std::move(params), {}}}, opts) {}
+  AdamW(const ParamGroups& groups, AdamWOptions defaults)
+      : Adam("AdamW", groups,
+             AdamOptions{defaults.lr, defaults.beta1, defaults.beta2, defaults.eps,
+                         defaults.weight_decay, defaults.amsgrad, defaults.maximize},
+             /*decoupled=*/true) {}
 };
 
 // Scales all gradients so that their global p-norm (norm_type: any p > 0, or INFINITY for the

@@ -1,0 +1,132 @@
+// Optimizer state dicts of parameter groups and of the new state (amsgrad's max_exp_avg_sq) on
+// one rank: a round trip through get/set_optimizer_state_dict, dicts saved before groups and
+// the newer hyperparameters existed, and dicts that do not fit.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tessera/tessera.h"
+#include "tessera/testing/expect_error.h"
+
+using namespace tessera;
+using tessera::testing::expect_error;
+
+namespace {
+
+struct Net {
+  Generator gen{7};
+  // Modules live in shared pointers: state dicts walk the module tree through them.
+  std::shared_ptr<Linear> lin_ = std::make_shared<Linear>(3, 2, /*bias=*/true, gen);
+  Linear& lin = *lin_;
+  Net() { init(); }  // idempotent: each test may be the first one run in its process
+  void set_grads(uint64_t seed) {
+    Generator g(seed);
+    for (Parameter* p : {&lin.weight, &lin.bias})
+      Tensor(p->stored()).set_grad(randn(p->stored().shape(), g, p->dtype()));
+  }
+};
+
+// Weights decay and keep a plain second moment; biases do neither decay nor without amsgrad.
+std::vector<ParamGroup> groups_of(Net& n, double lr_of_biases) {
+  return {{{&n.lin.weight}, {}},
+          {{&n.lin.bias}, {{"weight_decay", 0.0}, {"amsgrad", 1}, {"lr", lr_of_biases}}}};
+}
+
+double as_double(const StateDict& sd, const std::string& key) {
+  return std::get<double>(sd.at(key));
+}
+
+void expect_same(const Tensor& a, const Tensor& b, const std::string& what) {
+  EXPECT_EQ(a.to_vector<double>(), b.to_vector<double>()) << what;
+}
+
+}  // namespace
+
+TEST(OptimizerStateDict, GroupsAndAmsgradStateRoundTrip) {
+  Net a;
+  AdamW opt(groups_of(a, 0.02), AdamWOptions{.lr = 0.01, .weight_decay = 0.1});
+  for (uint64_t s = 0; s < 2; ++s) {
+    a.set_grads(10 + s);
+    opt.step();
+  }
+  const StateDict sd = get_optimizer_state_dict(a.lin, opt);
+  EXPECT_EQ(as_double(sd, "param_groups/0/weight_decay"), 0.1);
+  EXPECT_EQ(as_double(sd, "param_groups/1/weight_decay"), 0.0);
+  EXPECT_EQ(as_double(sd, "param_groups/1/lr"), 0.02);
+  EXPECT_EQ(as_double(sd, "param_groups/1/amsgrad"), 1.0);
+  EXPECT_EQ(sd.count("param_groups/lr"), 0u);  // the single-group layout is for one group only
+  EXPECT_EQ(sd.count("state/bias/max_exp_avg_sq"), 1u);
+  EXPECT_EQ(sd.count("state/weight/max_exp_avg_sq"), 0u);
+
+  // Another optimizer of the same layout but other hyperparameters takes everything.
+  Net b;
+  AdamW opt2(groups_of(b, 0.5), AdamWOptions{.lr = 0.3, .weight_decay = 0.7});
+  set_model_state_dict(b.lin, get_model_state_dict(a.lin));
+  set_optimizer_state_dict(b.lin, opt2, sd);
+  for (size_t g = 0; g < 2; ++g)
+    EXPECT_EQ(opt2.hyperparameters(g), opt.hyperparameters(g)) << "group " << g;
+  for (size_t i = 0; i < 2; ++i)
+    for (const std::string& name : opt.state_names(i))
+      expect_same(opt2.state_tensor(i, name, false), opt.state_tensor(i, name, false), name);
+  EXPECT_EQ(opt2.param_step(1), 2);
+  // Both continue alike, amsgrad's maximum included.
+  a.set_grads(20);
+  b.set_grads(20);
+  opt.step();
+  opt2.step();
+  expect_same(b.lin.weight.local(), a.lin.weight.local(), "weight after a step");
+  expect_same(b.lin.bias.local(), a.lin.bias.local(), "bias after a step");
+}
+
+TEST(OptimizerStateDict, SingleGroupDictsWithoutTheNewerHyperparametersLoad) {
+  // What a checkpoint from before groups, amsgrad, maximize, dampening and nesterov holds.
+  Net a;
+  SGD old_sgd({&a.lin.weight, &a.lin.bias}, {.lr = 0.1, .momentum = 0.9});
+  a.set_grads(1);
+  old_sgd.step();
+  StateDict sd = get_optimizer_state_dict(a.lin, old_sgd);
+  for (const char* k : {"dampening", "nesterov", "maximize"})
+    ASSERT_EQ(sd.erase(std::string("param_groups/") + k), 1u) << k;
+  sd["param_groups/lr"] = 0.25;
+
+  SGD sgd({&a.lin.weight, &a.lin.bias}, {.lr = 0.1, .momentum = 0.5, .nesterov = true});
+  set_optimizer_state_dict(a.lin, sgd, sd);
+  EXPECT_EQ(sgd.lr(), 0.25);
+  EXPECT_EQ(sgd.hyperparameters().at("momentum"), 0.9);
+  EXPECT_EQ(sgd.hyperparameters().at("nesterov"), 1.0);  // the dict has none: kept
+  expect_same(sgd.state_tensor(0, "momentum_buffer", false),
+              old_sgd.state_tensor(0, "momentum_buffer", false), "momentum_buffer");
+
+  AdamW old_adamw({&a.lin.weight, &a.lin.bias}, {.lr = 0.01});
+  old_adamw.step();
+  StateDict asd = get_optimizer_state_dict(a.lin, old_adamw);
+  asd.erase("param_groups/amsgrad");
+  asd.erase("param_groups/maximize");
+  AdamW adamw({&a.lin.weight, &a.lin.bias}, {.lr = 0.5, .maximize = true});
+  set_optimizer_state_dict(a.lin, adamw, asd);
+  EXPECT_EQ(adamw.lr(), 0.01);
+  EXPECT_EQ(adamw.hyperparameters().at("maximize"), 1.0);
+}
+
+TEST(OptimizerStateDict, DictsThatDoNotFitAreClearErrors) {
+  Net a;
+  AdamW grouped(groups_of(a, 0.02), AdamWOptions{});
+  a.set_grads(1);
+  grouped.step();
+  StateDict sd = get_optimizer_state_dict(a.lin, grouped);
+  // Two groups' dict into one group: the keys say which layout each side has.
+  AdamW single({&a.lin.weight, &a.lin.bias}, {});
+  expect_error([&] { set_optimizer_state_dict(a.lin, single, sd); },
+               {"param_groups/lr", "param_groups/0/lr"});
+  // A value out of range names the group and the field.
+  sd["param_groups/1/weight_decay"] = -1.0;
+  AdamW other(groups_of(a, 0.02), AdamWOptions{});
+  expect_error([&] { set_optimizer_state_dict(a.lin, other, sd); },
+               "AdamW param group 1: weight_decay (-1) must be non-negative");
+  // amsgrad's state is required where the optimizer has amsgrad.
+  sd["param_groups/1/weight_decay"] = 0.0;
+  sd.erase("state/bias/max_exp_avg_sq");
+  expect_error([&] { set_optimizer_state_dict(a.lin, other, sd); }, "state/bias/max_exp_avg_sq");
+}
