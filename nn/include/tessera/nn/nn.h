@@ -2,6 +2,7 @@
 #include "tessera/nn/dropout.h"
 #include "tessera/nn/layers.h"
 #include "tessera/nn/loss.h"
+#include "tessera/nn/lr_scheduler.h"
 #include "tessera/nn/module.h"
 #include "tessera/nn/optim.h"
 #include "tessera/nn/parameter.h"

@@ -1,0 +1,162 @@
+// The LR schedulers against torch.optim.lr_scheduler's closed forms written out here, for
+// several steps and for each parameter group; their state dicts and bad arguments.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <numbers>
+#include <string>
+#include <vector>
+
+#include "tessera/tessera.h"
+#include "tessera/testing/expect_error.h"
+
+using namespace tessera;
+using tessera::testing::expect_error;
+
+namespace {
+
+constexpr double kPi = std::numbers::pi;
+
+// An SGD of two groups with base lrs 0.1 and 0.04.
+struct TwoGroups {
+  Parameter a{full({2}, 1.0)}, b{full({2}, 1.0)};
+  SGD opt{{{{&a}, {}}, {{&b}, {{"lr", 0.04}}}}, SGDOptions{.lr = 0.1}};
+};
+const std::vector<double> kBase = {0.1, 0.04};
+
+// Checks the scheduler's lrs at epochs 0..n-1 (stepping in between) against want(base, epoch),
+// in get_last_lr() and in the optimizer's groups.
+void expect_schedule(LRScheduler& s, int n, const std::function<double(double, int)>& want,
+                     const std::string& what) {
+  for (int e = 0; e < n; ++e) {
+    if (e > 0) s.step();
+    ASSERT_EQ(s.last_epoch(), e) << what;
+    for (size_t g = 0; g < kBase.size(); ++g) {
+      const double w = want(kBase[g], e);
+      EXPECT_NEAR(s.get_last_lr()[g], w, 1e-15 + 1e-12 * w) << what << " epoch " << e << " group " << g;
+      EXPECT_EQ(s.optimizer().hyperparameters(g).at("lr"), s.get_last_lr()[g]) << what;
+    }
+  }
+}
+
+}  // namespace
+
+TEST(LRScheduler, LambdaLR) {
+  TwoGroups s;
+  LambdaLR sched(s.opt, [](int64_t e) { return 1.0 / double(e + 1); });
+  expect_schedule(sched, 6, [](double b, int e) { return b / (e + 1); }, "LambdaLR");
+  TwoGroups t;
+  LambdaLR per_group(t.opt, {[](int64_t e) { return double(e); }, [](int64_t) { return 2.0; }});
+  per_group.step();
+  EXPECT_DOUBLE_EQ(per_group.get_last_lr()[0], 0.1);
+  EXPECT_DOUBLE_EQ(per_group.get_last_lr()[1], 0.08);
+}
+
+TEST(LRScheduler, StepLR) {
+  TwoGroups s;
+  StepLR sched(s.opt, 3, 0.5);
+  expect_schedule(sched, 10, [](double b, int e) { return b * std::pow(0.5, e / 3); }, "StepLR");
+}
+
+TEST(LRScheduler, MultiStepLR) {
+  TwoGroups s;
+  // Unsorted, and 6 twice: gamma twice there.
+  MultiStepLR sched(s.opt, {6, 2, 6}, 0.1);
+  expect_schedule(
+      sched, 9, [](double b, int e) { return b * std::pow(0.1, (e >= 2) + 2 * (e >= 6)); },
+      "MultiStepLR");
+}
+
+TEST(LRScheduler, LinearLR) {
+  TwoGroups s;
+  LinearLR sched(s.opt, 0.25, 1.0, 4);
+  expect_schedule(
+      sched, 8, [](double b, int e) { return b * (0.25 + 0.75 * std::min(e, 4) / 4.0); },
+      "LinearLR");
+  TwoGroups t;
+  LinearLR decay(t.opt, 1.0, 0.0, 5);  // down to zero
+  expect_schedule(
+      decay, 8, [](double b, int e) { return b * (1.0 - std::min(e, 5) / 5.0); }, "LinearLR decay");
+}
+
+TEST(LRScheduler, CosineAnnealingLR) {
+  TwoGroups s;
+  const double eta_min = 0.001;
+  CosineAnnealingLR sched(s.opt, 5, eta_min);
+  // Past t_max it rises again (epochs 6..12), through the recursion's special case at 6.
+  expect_schedule(
+      sched, 13,
+      [&](double b, int e) { return eta_min + (b - eta_min) * (1 + std::cos(kPi * e / 5)) / 2; },
+      "CosineAnnealingLR");
+}
+
+TEST(LRScheduler, SequentialLRWarmupThenCosine) {
+  TwoGroups s;
+  auto warmup = std::make_shared<LinearLR>(s.opt, 0.1, 1.0, 3);
+  auto cosine = std::make_shared<CosineAnnealingLR>(s.opt, 6);
+  // Both took the group's lr from before the warmup as their base.
+  EXPECT_EQ(cosine->base_lrs(), kBase);
+  SequentialLR sched(s.opt, {warmup, cosine}, {3});
+  expect_schedule(
+      sched, 12,
+      [](double b, int e) {
+        if (e < 3) return b * (0.1 + 0.9 * e / 3.0);
+        return b * (1 + std::cos(kPi * (e - 3) / 6)) / 2;
+      },
+      "SequentialLR");
+}
+
+TEST(LRScheduler, StateDictRoundTrip) {
+  TwoGroups s;
+  auto warmup = std::make_shared<LinearLR>(s.opt, 0.1, 1.0, 3);
+  auto cosine = std::make_shared<CosineAnnealingLR>(s.opt, 6);
+  SequentialLR sched(s.opt, {warmup, cosine}, {3});
+  for (int e = 0; e < 4; ++e)
+    sched.step();
+  const std::map<std::string, double> sd = sched.state_dict();
+  EXPECT_EQ(sd.at("last_epoch"), 4.0);
+  EXPECT_EQ(sd.at("schedulers/1/last_epoch"), 1.0);
+  EXPECT_EQ(sd.at("base_lrs/1"), 0.04);
+
+  // A resumed run: the optimizer's lrs come back with its own state, the scheduler's progress
+  // from its dict, and the two go on alike.
+  TwoGroups r;
+  r.opt.set_hyperparameters(0, {{"lr", s.opt.hyperparameters(0).at("lr")}});
+  auto warmup2 = std::make_shared<LinearLR>(r.opt, 0.1, 1.0, 3);
+  auto cosine2 = std::make_shared<CosineAnnealingLR>(r.opt, 6);
+  SequentialLR resumed(r.opt, {warmup2, cosine2}, {3});
+  resumed.load_state_dict(sd);
+  for (size_t g = 0; g < 2; ++g)
+    r.opt.set_hyperparameters(g, {{"lr", s.opt.hyperparameters(g).at("lr")}});
+  EXPECT_EQ(resumed.state_dict(), sd);
+  for (int e = 0; e < 3; ++e) {
+    sched.step();
+    resumed.step();
+    EXPECT_EQ(resumed.get_last_lr(), sched.get_last_lr()) << "step " << e;
+  }
+}
+
+TEST(LRScheduler, BadArgumentsAndDictsAreClearErrors) {
+  TwoGroups s;
+  expect_error([&] { StepLR(s.opt, 0); }, "StepLR: step_size (0) must be positive");
+  expect_error([&] { LinearLR(s.opt, 0.0); }, "LinearLR: start_factor (0) must be in (0, 1]");
+  expect_error([&] { CosineAnnealingLR(s.opt, 0); }, "CosineAnnealingLR: t_max (0)");
+  expect_error([&] { LambdaLR(s.opt, std::vector<std::function<double(int64_t)>>(3, nullptr)); },
+               "LambdaLR: expected 2 lr_lambdas (one per param group), got 3");
+  auto a = std::make_shared<StepLR>(s.opt, 2);
+  TwoGroups other;
+  auto b = std::make_shared<StepLR>(other.opt, 2);
+  expect_error([&] { SequentialLR(s.opt, {a, b}, {2}); },
+               "SequentialLR: scheduler 1 is built on another optimizer");
+  expect_error([&] { SequentialLR(s.opt, {a, a}, {}); }, "expected 1 milestones");
+  StepLR sched(s.opt, 2);
+  std::map<std::string, double> sd = sched.state_dict();
+  sd["base_lrs/2"] = 0.1;
+  expect_error([&] { sched.load_state_dict(sd); },
+               "StepLR::load_state_dict: unexpected key 'base_lrs/2'");
+  sd.erase("base_lrs/2");
+  sd.erase("last_lr/1");
+  expect_error([&] { sched.load_state_dict(sd); }, "missing key 'last_lr/1'");
+}
