@@ -2,13 +2,13 @@
 #include <cmath>
 #include <set>
 
+#include "optim_util.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
 #include "tessera/core/kernels/optim.h"
 #include "tessera/core/kernels/reduce.h"
 #include "tessera/core/kernels/views.h"
-#include "optim_util.h"
 #include "tessera/nn/optim.h"
 
 namespace tessera {

@@ -14,7 +14,8 @@ LRScheduler::LRScheduler(Optimizer& optimizer, std::string name)
   // PyTorch's setdefault("initial_lr"): a second scheduler (the cosine after a warmup) takes the
   // lr the first one started from, not the warmup's first value it finds in the group now.
   for (size_t g = 0; g < optimizer.num_param_groups(); ++g) {
-    if (!optimizer.initial_lr(g)) optimizer.set_initial_lr(g, optimizer.hyperparameters(g).at("lr"));
+    if (!optimizer.initial_lr(g))
+      optimizer.set_initial_lr(g, optimizer.hyperparameters(g).at("lr"));
     base_lrs_.push_back(*optimizer.initial_lr(g));
   }
 }
@@ -131,8 +132,8 @@ std::vector<double> MultiStepLR::get_lr() const {
 }
 
 std::vector<double> MultiStepLR::closed_form_lr() const {
-  const auto passed = std::upper_bound(milestones_.begin(), milestones_.end(), last_epoch_) -
-                      milestones_.begin();
+  const auto passed =
+      std::upper_bound(milestones_.begin(), milestones_.end(), last_epoch_) - milestones_.begin();
   std::vector<double> out;
   for (double base : base_lrs_)
     out.push_back(base * std::pow(gamma_, double(passed)));
@@ -172,8 +173,8 @@ std::vector<double> LinearLR::closed_form_lr() const {
   const double t = double(std::min(total_iters_, last_epoch_));
   std::vector<double> out;
   for (double base : base_lrs_)
-    out.push_back(base * (start_factor_ +
-                          (end_factor_ - start_factor_) * t / double(total_iters_)));
+    out.push_back(base *
+                  (start_factor_ + (end_factor_ - start_factor_) * t / double(total_iters_)));
   return out;
 }
 
@@ -226,8 +227,8 @@ SequentialLR::SequentialLR(Optimizer& optimizer,
                   "SequentialLR: scheduler ", k,
                   schedulers_[k] ? " is built on another optimizer" : " is null");
   for (size_t k = 0; k < milestones_.size(); ++k)
-    TESSERA_CHECK(milestones_[k] > (k == 0 ? 0 : milestones_[k - 1]), "SequentialLR: milestone ",
-                  k, " (", milestones_[k], ") must be positive and after the one before");
+    TESSERA_CHECK(milestones_[k] > (k == 0 ? 0 : milestones_[k - 1]), "SequentialLR: milestone ", k,
+                  " (", milestones_[k], ") must be positive and after the one before");
   // As PyTorch: back to the initial lrs, every scheduler one epoch back (each stepped once when
   // built), and the first one's epoch 0 applied again.
   last_epoch_ = 0;

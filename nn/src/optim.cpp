@@ -24,19 +24,22 @@ void check_params(const char* opt, const std::vector<ParamGroup>& groups,
                 ": optimizer got an empty parameter list (no parameter to update; were all "
                 "parameters frozen, or collected before the layers were added?)");
   const bool grouped = groups.size() > 1;
-  // "parameter 3 of 5", or with groups "parameter 1 of group 2".
-  std::vector<std::string> label;
+  // Where each parameter was given: "parameter 3" (of 5, in the first mention), or with groups
+  // "parameter 1 of param group 2".
+  std::vector<std::string> where_given, count;
   for (size_t g = 0; g < groups.size(); ++g)
-    for (size_t j = 0; j < groups[g].params.size(); ++j)
-      label.push_back(
-          grouped ? "parameter " + std::to_string(j) + " of param group " + std::to_string(g)
-                  : "parameter " + std::to_string(j) + " of " + std::to_string(params.size()));
+    for (size_t j = 0; j < groups[g].params.size(); ++j) {
+      where_given.push_back("parameter " + std::to_string(j) +
+                            (grouped ? " of param group " + std::to_string(g) : ""));
+      count.push_back(grouped ? "" : " of " + std::to_string(params.size()));
+    }
   std::map<const TensorImpl*, size_t> seen;
   for (size_t i = 0; i < params.size(); ++i) {
-    TESSERA_CHECK(params[i] != nullptr && params[i]->defined(), opt, ": ", label[i],
+    TESSERA_CHECK(params[i] != nullptr && params[i]->defined(), opt, ": ", where_given[i], count[i],
                   " is null or undefined");
     auto [it, first] = seen.emplace(params[i]->stored().impl(), i);
-    TESSERA_CHECK(first, opt, ": ", label[i], " ", params[i]->str(), " is ", label[it->second],
+    TESSERA_CHECK(first, opt, ": ", where_given[i], count[i], " ", params[i]->str(), " is ",
+                  where_given[it->second],
                   " again (the same tensor; some parameters appear more than once, so each would "
                   "be updated once per appearance): list each once, e.g. from parameters(), "
                   "which lists tied weights once, and put each in one group");

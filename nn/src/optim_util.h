@@ -47,8 +47,7 @@ void update_local(const char* opt, size_t index, Parameter& p, F&& update) {
 
 // A state tensor as the first update creates it: zeros of the parameter's local shape in the
 // dtype the update computes in.
-inline Tensor& state_slot(std::vector<Tensor>& slots, size_t i, const Parameter& p,
-                          bool allocate) {
+inline Tensor& state_slot(std::vector<Tensor>& slots, size_t i, const Parameter& p, bool allocate) {
   Tensor& t = slots[i];
   if (!t.defined() && allocate)
     t = zeros(p.stored().shape(), TensorOptions(compute_dtype_of(p.dtype()), p.stored().device()));

@@ -35,7 +35,8 @@ void expect_schedule(LRScheduler& s, int n, const std::function<double(double, i
     ASSERT_EQ(s.last_epoch(), e) << what;
     for (size_t g = 0; g < kBase.size(); ++g) {
       const double w = want(kBase[g], e);
-      EXPECT_NEAR(s.get_last_lr()[g], w, 1e-15 + 1e-12 * w) << what << " epoch " << e << " group " << g;
+      EXPECT_NEAR(s.get_last_lr()[g], w, 1e-15 + 1e-12 * w)
+          << what << " epoch " << e << " group " << g;
       EXPECT_EQ(s.optimizer().hyperparameters(g).at("lr"), s.get_last_lr()[g]) << what;
     }
   }
@@ -46,7 +47,8 @@ void expect_schedule(LRScheduler& s, int n, const std::function<double(double, i
 TEST(LRScheduler, LambdaLR) {
   TwoGroups s;
   LambdaLR sched(s.opt, [](int64_t e) { return 1.0 / double(e + 1); });
-  expect_schedule(sched, 6, [](double b, int e) { return b / (e + 1); }, "LambdaLR");
+  expect_schedule(
+      sched, 6, [](double b, int e) { return b / (e + 1); }, "LambdaLR");
   TwoGroups t;
   LambdaLR per_group(t.opt, {[](int64_t e) { return double(e); }, [](int64_t) { return 2.0; }});
   per_group.step();
@@ -57,7 +59,8 @@ TEST(LRScheduler, LambdaLR) {
 TEST(LRScheduler, StepLR) {
   TwoGroups s;
   StepLR sched(s.opt, 3, 0.5);
-  expect_schedule(sched, 10, [](double b, int e) { return b * std::pow(0.5, e / 3); }, "StepLR");
+  expect_schedule(
+      sched, 10, [](double b, int e) { return b * std::pow(0.5, e / 3); }, "StepLR");
 }
 
 TEST(LRScheduler, MultiStepLR) {
@@ -148,8 +151,11 @@ TEST(LRScheduler, BadArgumentsAndDictsAreClearErrors) {
   auto a = std::make_shared<StepLR>(s.opt, 2);
   TwoGroups other;
   auto b = std::make_shared<StepLR>(other.opt, 2);
-  expect_error([&] { SequentialLR(s.opt, {a, b}, {2}); },
-               "SequentialLR: scheduler 1 is built on another optimizer");
+  expect_error(
+      [&] {
+        SequentialLR(s.opt, {a, b}, {2});
+      },
+      "SequentialLR: scheduler 1 is built on another optimizer");
   expect_error([&] { SequentialLR(s.opt, {a, a}, {}); }, "expected 1 milestones");
   StepLR sched(s.opt, 2);
   std::map<std::string, double> sd = sched.state_dict();

@@ -154,8 +154,8 @@ TEST(Adam, AmsgradKeepsTheLargestSecondMoment) {
     std::vector<Vec> want{p0};
     const std::string what = decoupled ? "adamw amsgrad" : "adam amsgrad";
     run_against(*opt, {&p}, ref, want, 200, what);
-    EXPECT_EQ(opt->state_names(0), (std::vector<std::string>{"exp_avg", "exp_avg_sq",
-                                                             "max_exp_avg_sq"}));
+    EXPECT_EQ(opt->state_names(0),
+              (std::vector<std::string>{"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}));
     expect_near_all(opt->state_tensor(0, "max_exp_avg_sq", false), ref[0].vmax, 1e-13, what);
     // The maximum is not the current exp_avg_sq: the test reached amsgrad's own branch.
     EXPECT_GT(ref[0].vmax[0], ref[0].v[0] * 2) << what;
@@ -218,8 +218,11 @@ TEST(SGD, NesterovNeedsMomentumAndNoDampening) {
   expect_error([&] { SGD({&p}, {.momentum = 0.9, .dampening = 0.1, .nesterov = true}); },
                "dampening 0.1");
   SGD ok({&p}, {.momentum = 0.9, .nesterov = true});
-  expect_error([&] { ok.set_hyperparameters({{"momentum", 0.0}}); },
-               "SGD: nesterov momentum requires");
+  expect_error(
+      [&] {
+        ok.set_hyperparameters({{"momentum", 0.0}});
+      },
+      "SGD: nesterov momentum requires");
   EXPECT_EQ(ok.hyperparameters().at("momentum"), 0.9);  // unchanged
 }
 
@@ -267,18 +270,33 @@ TEST(ParamGroups, SgdGroupsAndLrActOnEveryGroup) {
 
 TEST(ParamGroups, BadGroupsAreClearErrors) {
   Parameter a = make_param({1.0}), b = make_param({2.0});
-  expect_error([&] { AdamW({{{&a}, {}}, {{&b, &a}, {}}}, AdamWOptions{}); },
-               {"AdamW: parameter 1 of param group 1 ", "is parameter 0 of param group 0 again"});
-  expect_error([&] { AdamW({{{&a}, {}}, {{&b}, {{"weight_decai", 0.0}}}}, AdamWOptions{}); },
-               "AdamW param group 1: unknown hyperparameter 'weight_decai' (it has amsgrad, "
-               "beta1, beta2, eps, lr, maximize, weight_decay)");
-  expect_error([&] { SGD({{{&a}, {}}, {{&b}, {{"lr", -0.5}}}}, SGDOptions{}); },
-               "SGD param group 1: lr (-0.5) must be non-negative");
-  expect_error([&] { Adam({{{&a}, {{"amsgrad", 2}}}, {{&b}, {}}}, AdamOptions{}); },
-               "Adam param group 0: amsgrad (2) is a boolean: 0 or 1");
+  expect_error(
+      [&] {
+        AdamW({{{&a}, {}}, {{&b, &a}, {}}}, AdamWOptions{});
+      },
+      {"AdamW: parameter 1 of param group 1 ", "is parameter 0 of param group 0 again"});
+  expect_error(
+      [&] {
+        AdamW({{{&a}, {}}, {{&b}, {{"weight_decai", 0.0}}}}, AdamWOptions{});
+      },
+      "AdamW param group 1: unknown hyperparameter 'weight_decai' (it has amsgrad, "
+      "beta1, beta2, eps, lr, maximize, weight_decay)");
+  expect_error(
+      [&] {
+        SGD({{{&a}, {}}, {{&b}, {{"lr", -0.5}}}}, SGDOptions{});
+      },
+      "SGD param group 1: lr (-0.5) must be non-negative");
+  expect_error(
+      [&] {
+        Adam({{{&a}, {{"amsgrad", 2}}}, {{&b}, {}}}, AdamOptions{});
+      },
+      "Adam param group 0: amsgrad (2) is a boolean: 0 or 1");
   AdamW opt({{{&a}, {}}, {{&b}, {}}}, AdamWOptions{});
-  expect_error([&] { opt.set_hyperparameters(2, {{"lr", 0.1}}); },
-               "Optimizer::set_hyperparameters: param group 2 out of range (the optimizer has 2)");
+  expect_error(
+      [&] {
+        opt.set_hyperparameters(2, {{"lr", 0.1}});
+      },
+      "Optimizer::set_hyperparameters: param group 2 out of range (the optimizer has 2)");
   expect_error([&] { opt.set_lr(-1); }, "AdamW param group 0: lr (-1) must be non-negative");
   EXPECT_EQ(opt.hyperparameters(1).at("lr"), 1e-3);
   expect_error([&] { opt.state_tensor(0, "max_exp_avg_sq", true); },
