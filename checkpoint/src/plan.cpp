@@ -7,6 +7,7 @@
 #include <map>
 #include <set>
 
+#include "checksum.h"
 #include "tessera/core/factory.h"
 
 namespace tessera::ckpt {
@@ -339,14 +340,55 @@ void agree_on_entries(std::vector<Entry>& entries, const ProcessGroupPtr& pg,
     Entry& e = entries[i];
     if (e.kind != ValueKind::Tensor) continue;
     e.owner = false;
+    e.window_owner = -1;
     for (const Holders& h : distinct_windows(all, i, e.key, e.global_shape, context)) {
       int best = h.ranks.front();
       for (int r : h.ranks)
         if (load[size_t(r)] < load[size_t(best)]) best = r;
       load[size_t(best)] += shape_numel(h.window.shape) * int64_t(element_size(e.dtype));
       if (best == me) e.owner = true;
+      if (std::find(h.ranks.begin(), h.ranks.end(), me) != h.ranks.end()) e.window_owner = best;
     }
   }
+}
+
+GatheredSums gather_sums(const ProcessGroupPtr& pg, const std::vector<Entry>& entries,
+                         const std::vector<int64_t>& first, const std::vector<int64_t>& count,
+                         std::span<const uint64_t> sums) {
+  // Each rank's words, then the owner of its window of each entry: who counts in the totals and
+  // whom each replica is compared with.
+  const size_t words = sums.size(), stride = words + entries.size();
+  std::vector<int64_t> mine(stride);
+  std::memcpy(mine.data(), sums.data(), sums.size_bytes());
+  for (size_t i = 0; i < entries.size(); ++i)
+    mine[words + i] = entries[i].window_owner;
+  Tensor all = empty({int64_t(pg->size() * stride)}, DType::Int64);
+  pg->all_gather_into_tensor(all, from_vector<int64_t>(mine, {int64_t(stride)}))->wait();
+  const auto* a = static_cast<const uint64_t*>(all.raw_data());
+  GatheredSums out;
+  out.total.assign(words, 0);
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (count[i] == 0) continue;
+    for (int q = 0; q < pg->size(); ++q) {
+      const uint64_t* row = a + size_t(q) * stride;
+      const auto owner = int(int64_t(row[words + i]));
+      const uint64_t* got = row + first[i];
+      if (owner == q) {
+        for (int64_t w = 0; w < count[i]; ++w)
+          out.total[size_t(first[i] + w)] += got[w];
+        continue;
+      }
+      if (owner < 0) continue;
+      // The same window: the same partial sums, tile by tile, unless the bytes differ.
+      const uint64_t* want = a + size_t(owner) * stride + first[i];
+      ReplicaMismatch m{i, q, owner, {}};
+      for (int64_t w = 0; w < count[i]; w += kWordsPerTile)
+        if (!std::equal(got + w, got + w + kWordsPerTile, want + w))
+          m.tiles.push_back(w / kWordsPerTile);
+      if (!m.tiles.empty()) out.mismatches.push_back(std::move(m));
+    }
+  }
+  return out;
 }
 
 }  // namespace tessera::ckpt

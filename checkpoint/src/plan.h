@@ -7,11 +7,14 @@
 // descriptions are exchanged, so every rank sees every rank's windows and can check that all ranks
 // passed the same keys, shapes, dtypes and scalar values, that each tensor's windows tile it, and
 // choose, for each distinct window, the one rank that accounts for it: it writes that block on
-// save and adds up its checksum on load. Ranks holding the same window are replicas (Replicate
-// placements, HSDP replicas, data-parallel copies of a TP model on separate sub-meshes); the
-// block goes to the replica that has been given the fewest bytes so far, so ranks write similar
-// amounts. Every rank computes the same choice from the same descriptions.
+// save, and on load its checksums of the window are the ones added up for the table. Ranks
+// holding the same window are replicas (a plain tensor, Replicate placements, HSDP replicas,
+// data-parallel copies of a TP model on separate sub-meshes); the block goes to the replica that
+// has been given the fewest bytes so far, so ranks write similar amounts. Every rank computes the
+// same choice from the same descriptions. The other replicas add up their own copy's checksums
+// too, compared with the owner's (gather_sums): a save refuses replicas that differ.
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -38,6 +41,7 @@ struct Entry {
   Shape global_shape;
   Window window;                 // this rank's piece of the global tensor
   bool owner = false;            // this rank writes (save) or checksums (load) the window
+  int window_owner = -1;         // the rank that does, for this rank's window (-1: it is empty)
   std::string mesh, placements;  // of the DTensor, for the file's information ("" if plain)
   // Scalars and strings: the value.
   StateValue scalar;
@@ -53,6 +57,27 @@ std::vector<Entry> describe(const StateDict& state, const std::string& context, 
 // on every rank naming the key and the ranks. Collective.
 void agree_on_entries(std::vector<Entry>& entries, const ProcessGroupPtr& pg,
                       const std::string& context);
+
+// A window whose replica added up other checksum words than the window's owner: the tiles
+// (of the dataset) where they differ.
+struct ReplicaMismatch {
+  size_t entry = 0;
+  int rank = 0, owner = 0;
+  std::vector<int64_t> tiles;
+};
+
+struct GatheredSums {
+  std::vector<uint64_t> total;  // laid out as the ranks' words: each window's counted once
+  std::vector<ReplicaMismatch> mismatches;
+};
+
+// Gathers every rank's checksum words of its windows (`sums`: entry i's at [first[i], first[i] +
+// count[i]), count 0 for entries not summed) and returns the totals over the distinct windows,
+// each added by its owner only, and every replica whose words differ from its owner's. Every rank
+// gets the same result. Collective over `pg`.
+GatheredSums gather_sums(const ProcessGroupPtr& pg, const std::vector<Entry>& entries,
+                         const std::vector<int64_t>& first, const std::vector<int64_t>& count,
+                         std::span<const uint64_t> sums);
 
 // The path of a key in the file: "/model/layers.0.w"; for a scalar, its group and attribute name.
 std::string dataset_path(const std::string& key);

@@ -63,6 +63,57 @@ void write_scalar(const h5::Id& file, const Entry& e) {
     h5::write_attr(g, name, std::get<std::string>(e.scalar));
 }
 
+// Where each tensor entry's checksum words lie in the table.
+void lay_out_table(SaveJob& job) {
+  job.first.assign(job.entries.size(), 0);
+  job.words.assign(job.entries.size(), 0);
+  int64_t total = 0;
+  for (size_t i = 0; i < job.entries.size(); ++i) {
+    const Entry& e = job.entries[i];
+    if (e.kind != ValueKind::Tensor) continue;
+    job.first[i] = total;
+    job.words[i] =
+        checksum_words(shape_numel(e.global_shape) * int64_t(element_size(e.dtype)), kTileBytes);
+    total += job.words[i];
+  }
+  job.replica_sums.assign(size_t(total), 0);
+}
+
+// A window this rank holds and another rank writes (a replica): its checksums, for finish_save
+// to compare with the writer's, since the file keeps one copy for all the ranks that hold it.
+void add_replica_sums(SaveJob& job, size_t i, const Tensor& local) {
+  const Entry& e = job.entries[i];
+  const Tensor host = local.device().is_cpu() ? local.contiguous() : local.to(Device::cpu());
+  add_block_checksums(host.contiguous().raw_data(), element_size(e.dtype), e.global_shape,
+                      e.window.offset, e.window.shape, kTileBytes,
+                      job.replica_sums.data() + job.first[i]);
+}
+
+// Replicas that differ are refused: one of them would be saved as every rank's value (a per-rank
+// RNG state stored as a plain tensor would come back as one rank's on all of them). Every rank
+// sees the same mismatches and throws the same error.
+void check_replicas(const SaveJob& job, const GatheredSums& g) {
+  if (g.mismatches.empty()) return;
+  std::vector<std::string> keys;
+  for (size_t k = 0; k < g.mismatches.size(); ++k) {
+    const ReplicaMismatch& m = g.mismatches[k];
+    const bool first_of_key = k == 0 || g.mismatches[k - 1].entry != m.entry;
+    if (first_of_key) keys.push_back("'" + job.entries[m.entry].key + "' (");
+    keys.back() += std::string(first_of_key ? "" : ", ") + "rank " + std::to_string(m.rank) +
+                   " differs from rank " + std::to_string(m.owner);
+  }
+  std::string list;
+  for (size_t k = 0; k < keys.size() && k < 8; ++k)
+    list += (k ? "), " : "") + keys[k];
+  list += ")";
+  if (keys.size() > 8) list += ", and " + std::to_string(keys.size() - 8) + " more";
+  throw Error("checkpoint save to '" + job.path + "': replicas differ: " + list +
+              ". A plain tensor is one value for all ranks, as is each block of a Replicate "
+              "placement, and the file keeps one copy; save per-rank state (an RNG state, a data "
+              "position) as a DTensor with Shard(0) over the world, of shape [world_size, ...]. "
+              "Nothing was saved, the previous checkpoint is kept");
+}
+
 }  // namespace
 
 SaveJob prepare_save(const StateDict& state, const std::string& path, const SaveOptions& options,
@@ -77,6 +128,7 @@ SaveJob prepare_save(const StateDict& state, const std::string& path, const Save
     check_destination(path);
   });
   agree_on_entries(job.entries, pg, ctx);
+  lay_out_table(job);
   NoGradGuard no_grad;
   // First what every rank does together (reducing Partial values), then each rank's own copies,
   // which can fail on one rank alone (out of memory while staging a large state): agreed, so
@@ -105,8 +157,12 @@ SaveJob prepare_save(const StateDict& state, const std::string& path, const Save
     fault_point("staging the values");
     for (size_t i = 0; i < job.entries.size(); ++i) {
       const Entry& e = job.entries[i];
-      if (e.kind != ValueKind::Tensor || !e.owner || shape_numel(e.window.shape) == 0) continue;
+      if (e.kind != ValueKind::Tensor || shape_numel(e.window.shape) == 0) continue;
       const Tensor& local = locals[i];
+      if (!e.owner) {
+        add_replica_sums(job, i, local);
+        continue;
+      }
       // HDF5 reads host memory: a device piece is copied to the host, which stages it as well.
       if (!local.device().is_cpu())
         job.blocks[i] = local.to(Device::cpu());
@@ -126,16 +182,7 @@ void SaveFile::abandon(const ProcessGroupPtr& pg) {
 void create_save_file(const SaveJob& job, SaveFile& f, Steps& steps, MPI_Comm comm) {
   f.tmp = temp_path(job.path);
   f.datasets.resize(job.entries.size());
-  f.first.assign(job.entries.size(), 0);
-  int64_t words = 0;
-  for (size_t i = 0; i < job.entries.size(); ++i) {
-    const Entry& e = job.entries[i];
-    if (e.kind != ValueKind::Tensor) continue;
-    f.first[i] = words;
-    words +=
-        checksum_words(shape_numel(e.global_shape) * int64_t(element_size(e.dtype)), kTileBytes);
-  }
-  f.sums.assign(size_t(words), 0);
+  f.sums = job.replica_sums;  // the words of the blocks this rank writes are added to them
   steps.run("creating", [&] {
     f.file = h5::create_file(f.tmp, comm);
     h5::write_attr(f.file, kAttrFormatVersion, kCheckpointFormatVersion);
@@ -156,7 +203,7 @@ void create_save_file(const SaveJob& job, SaveFile& f, Steps& steps, MPI_Comm co
         h5::write_attr(ds, kAttrMesh, e.mesh);
         h5::write_attr(ds, kAttrPlacements, e.placements);
       }
-      h5::write_attr(ds, kAttrFirst, f.first[i]);
+      h5::write_attr(ds, kAttrFirst, job.first[i]);
       h5::write_attr(ds, kAttrTile, kTileBytes);
     }
   });
@@ -171,7 +218,7 @@ void write_blocks(const SaveJob& job, SaveFile& f, Steps* steps) {
       if (!b.defined() && transfer == h5::Transfer::Independent) return;
       if (b.defined())
         add_block_checksums(b.raw_data(), element_size(e.dtype), e.global_shape, e.window.offset,
-                            e.window.shape, kTileBytes, f.sums.data() + f.first[i]);
+                            e.window.shape, kTileBytes, f.sums.data() + job.first[i]);
       h5::write_block(f.datasets[i], e.dtype, e.window.offset, e.window.shape,
                       b.defined() ? b.raw_data() : nullptr, b.defined(), transfer);
     };
@@ -186,16 +233,11 @@ void write_blocks(const SaveJob& job, SaveFile& f, Steps* steps) {
 }
 
 void finish_save(const SaveJob& job, SaveFile& f, const ProcessGroupPtr& pg, Steps& steps) {
-  // Each element was written, and added up, by exactly one rank.
-  std::vector<uint64_t> table(f.sums.size(), 0);
-  const int64_t words = int64_t(f.sums.size());
-  Tensor mine = from_vector<int64_t>(std::vector<int64_t>(f.sums.begin(), f.sums.end()), {words});
-  Tensor all = empty({int64_t(pg->size()) * words}, DType::Int64);
-  pg->all_gather_into_tensor(all, mine)->wait();
-  const auto* a = static_cast<const uint64_t*>(all.raw_data());
-  for (int r = 0; r < pg->size(); ++r)
-    for (int64_t t = 0; t < words; ++t)
-      table[size_t(t)] += a[size_t(r * words + t)];
+  // Each element was written, and added up, by exactly one rank; its replicas added up theirs.
+  const GatheredSums gathered = gather_sums(pg, job.entries, job.first, job.words, f.sums);
+  check_replicas(job, gathered);
+  const std::vector<uint64_t>& table = gathered.total;
+  const auto words = int64_t(table.size());
   steps.run("writing the checksum table", [&] {
     // An MPI-IO file closes only once nothing in it is open.
     for (size_t i = 0; i < f.datasets.size(); ++i)

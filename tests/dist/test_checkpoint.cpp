@@ -8,9 +8,11 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 
 #include "dist/checkpoint_models.h"
 #include "dist/checkpoint_util.h"
+#include "plan.h"  // checkpoint/src: who writes each block
 #include "tessera/tessera.h"
 #include "tessera/testing/expect_error.h"
 
@@ -294,8 +296,9 @@ TEST(Checkpoint, H5pyReadsEveryDatasetAsTheGlobalTensor) {
   }
 }
 
-// A block held by several ranks is written once, by one of them, and the owners are spread. Each
-// rank's replica holds its own rank number (from_local), so the file shows who wrote each block.
+// A block held by several ranks is written once, by one of them, and the owners are spread.
+// Replicas must hold equal values (a save refuses them otherwise), so the file cannot show who
+// wrote a block: the plan the save follows says it (plan.h), each rank's choices gathered.
 TEST(Checkpoint, ReplicatedBlocksAreWrittenOnceByOwnersSpreadOverTheRanks) {
   const int64_t n = world_size();
   if (n == 1) GTEST_SKIP() << "needs replicas";
@@ -303,41 +306,49 @@ TEST(Checkpoint, ReplicatedBlocksAreWrittenOnceByOwnersSpreadOverTheRanks) {
   DeviceMesh line(Shape{n}, {"x"});
   StateDict sd;
   for (int64_t e = 0; e < n; ++e)
-    sd["replicated/" + std::to_string(e)] = DTensor::from_local(
-        full({16}, double(world_rank()), DType::Int64), line, {Replicate()}, Shape{16});
+    sd["replicated/" + std::to_string(e)] =
+        distribute_tensor(index_tensor({16}, DType::Int64, int(e)), line, {Replicate()});
   const bool grid = n % 2 == 0;
   if (grid) {
     DeviceMesh hsdp(Shape{2, n / 2}, {"replicate", "shard"});
     for (int e = 0; e < 2; ++e)
-      sd["hsdp/" + std::to_string(e)] =
-          DTensor::from_local(full({4}, double(world_rank()), DType::Int64), hsdp,
-                              {Replicate(), Shard(0)}, Shape{4 * n / 2});
+      sd["hsdp/" + std::to_string(e)] = distribute_tensor(
+          index_tensor({4 * n / 2}, DType::Int64, e), hsdp, {Replicate(), Shard(0)});
   }
-  save(sd, path);
-  if (world_rank() != 0) return;
-  std::vector<int64_t> writes(size_t(n), 0);
-  for (int64_t e = 0; e < n; ++e) {
-    const auto v =
-        read_checkpoint_tensor(path, "replicated/" + std::to_string(e)).to_vector<int64_t>();
-    EXPECT_EQ(std::count(v.begin(), v.end(), v[0]), 16) << "one writer per block";
-    ++writes[size_t(v[0])];
-  }
-  // n whole tensors over n ranks: each rank wrote exactly one.
-  EXPECT_EQ(writes, std::vector<int64_t>(size_t(n), 1));
-  if (!grid) return;
-  std::fill(writes.begin(), writes.end(), 0);
-  for (int e = 0; e < 2; ++e) {
-    const auto v = read_checkpoint_tensor(path, "hsdp/" + std::to_string(e)).to_vector<int64_t>();
-    for (int64_t b = 0; b < n / 2; ++b) {
-      const int64_t writer = v[size_t(4 * b)];
-      for (int64_t i = 0; i < 4; ++i)
-        EXPECT_EQ(v[size_t(4 * b + i)], writer) << "one writer per block";
-      // The writer holds block b: shard coordinate b, either replica.
-      EXPECT_EQ(writer % (n / 2), b);
-      ++writes[size_t(writer)];
+  std::vector<ckpt::Entry> entries = ckpt::describe(sd, "owners", /*for_load=*/false);
+  ckpt::agree_on_entries(entries, world_group(), "owners");
+  std::vector<int64_t> mine;  // per entry: whether this rank writes its block
+  for (const ckpt::Entry& e : entries)
+    mine.push_back(e.owner ? 1 : 0);
+  const auto m = int64_t(mine.size());
+  Tensor all = empty({n * m}, DType::Int64);
+  world_group()->all_gather_into_tensor(all, from_vector<int64_t>(mine, {m}))->wait();
+  const std::vector<int64_t> owns = all.to_vector<int64_t>();
+  std::vector<int64_t> writes(size_t(n), 0), hsdp_writes(size_t(n), 0);
+  for (int64_t i = 0; i < m; ++i) {
+    const bool replicated = entries[size_t(i)].key.rfind("replicated/", 0) == 0;
+    std::vector<int64_t> blocks;  // of the owners: their shard coordinate
+    for (int64_t r = 0; r < n; ++r) {
+      if (owns[size_t(r * m + i)] == 0) continue;
+      ++(replicated ? writes : hsdp_writes)[size_t(r)];
+      blocks.push_back(replicated ? 0 : r % (n / 2));
     }
+    std::sort(blocks.begin(), blocks.end());
+    std::vector<int64_t> want(size_t(replicated ? 1 : n / 2));
+    std::iota(want.begin(), want.end(), 0);
+    EXPECT_EQ(blocks, want) << entries[size_t(i)].key << ": one writer per block";
   }
-  EXPECT_EQ(writes, std::vector<int64_t>(size_t(n), 1)) << "2 x n/2 blocks over n ranks";
+  // n whole tensors over n ranks: each rank writes exactly one.
+  EXPECT_EQ(writes, std::vector<int64_t>(size_t(n), 1));
+  if (grid) {
+    EXPECT_EQ(hsdp_writes, std::vector<int64_t>(size_t(n), 1)) << "2 x n/2 blocks over n ranks";
+  }
+  // And the save follows it: every block arrives.
+  save(sd, path);
+  for (const auto& [key, v] : sd) {
+    const Tensor want = std::get<DTensor>(v).full_tensor();  // collective
+    if (world_rank() == 0) expect_identical(read_checkpoint_tensor(path, key), want, key);
+  }
 }
 
 namespace {

@@ -250,6 +250,58 @@ TEST(CheckpointDamage, AStagingFailureOnOneRankFailsOnEveryRank) {
   expect_state(sd, 1, "previous checkpoint");
 }
 
+// A plain tensor is one value for all ranks, written once, by one of them; so is each block of a
+// Replicate placement. Replicas that differ (a per-rank RNG state stored as a plain tensor) are
+// refused on every rank, naming the keys and the ranks, before anything is committed; equal ones
+// save, and per-rank state saves as a DTensor sharded over the world.
+TEST(CheckpointDamage, ReplicasThatDifferAreRefusedOnEveryRankAndKeepThePreviousFile) {
+  if (world_size() < 2) GTEST_SKIP() << "replicas need two ranks";
+  const std::string path = dir() + "/replicas.h5";
+  save(make_state(1), path);
+  DeviceMesh mesh(Shape{world_size()}, {"x"});
+  // Rank `odd` holds other values than the rest; rank 0, first with the fewest bytes, writes
+  // 'extras/rng'.
+  const int odd = world_size() - 1;
+  const int salt = world_rank() == odd ? 1 : 0;
+  for (bool async : {false, true}) {
+    SCOPED_TRACE(async ? "async_save" : "save");
+    StateDict sd = make_state(2);
+    sd["extras/rng"] = index_tensor({4, 3}, DType::Int64, salt);
+    sd["model/norm"] =
+        DTensor::from_local(index_tensor({8}, DType::Float32, salt), mesh, {Replicate()});
+    expect_error(
+        [&] {
+          if (async)
+            async_save(sd, path).wait();
+          else
+            save(sd, path);
+        },
+        {"checkpoint save to", "replicas differ",
+         "'extras/rng' (rank " + std::to_string(odd) + " differs from rank 0)", "'model/norm' (",
+         "rank " + std::to_string(odd)});
+  }
+  StateDict sd = zero_state();
+  load(sd, path);
+  expect_state(sd, 1, "previous checkpoint");
+  EXPECT_FALSE(fs::exists(path + ".tessera-tmp"));
+
+  // Equal replicas save; each rank's own state comes back to it as its row of a [world, 3].
+  StateDict good = make_state(2);
+  good["extras/rng"] = index_tensor({4, 3}, DType::Int64);
+  good["extras/per_rank"] =
+      DTensor::from_local(index_tensor({1, 3}, DType::Int64, world_rank()), mesh, {Shard(0)});
+  save(good, path);
+  StateDict back = zero_state();
+  back["extras/rng"] = zeros({4, 3}, DType::Int64);
+  back["extras/per_rank"] = DTensor::from_local(zeros({1, 3}, DType::Int64), mesh, {Shard(0)});
+  load(back, path);
+  expect_state(back, 2, "equal replicas");
+  expect_identical(std::get<Tensor>(back.at("extras/rng")), index_tensor({4, 3}, DType::Int64),
+                   "extras/rng");
+  expect_identical(std::get<DTensor>(back.at("extras/per_rank")).to_local(),
+                   index_tensor({1, 3}, DType::Int64, world_rank()), "this rank's own row");
+}
+
 // A newer checkpoint renamed over `path` while a load reads it (a save committing) is not seen:
 // the load reads the file it opened, through the mapping and through HDF5 alike, never the
 // offsets of one file and the bytes of the other.
