@@ -74,20 +74,22 @@ DatasetMeta dataset_meta(const h5::Id& file, const std::string& path, const std:
   return m;
 }
 
+std::string tile_text(const std::string& key, const DatasetMeta& meta, int64_t tile) {
+  const int64_t per = meta.tile / int64_t(element_size(meta.dtype));
+  const int64_t lo = tile * per, hi = std::min(shape_numel(meta.shape), lo + per) - 1;
+  return "dataset '" + key + "' block " + std::to_string(tile) + " of " +
+         std::to_string(meta.tiles) + " (elements " + std::to_string(lo) + " to " +
+         std::to_string(hi) + " of " + shape_str(meta.shape) + ")";
+}
+
 std::vector<std::string> compare_tiles(const std::string& key, const DatasetMeta& meta,
                                        const uint64_t* sums, const std::vector<uint64_t>& table) {
   std::vector<std::string> bad;
-  const int64_t n = shape_numel(meta.shape);
   for (int64_t t = 0; t < meta.tiles; ++t) {
     const size_t at = size_t(meta.first + kWordsPerTile * t);
     if (sums[kWordsPerTile * t] == table[at] && sums[kWordsPerTile * t + 1] == table[at + 1])
       continue;
-    const int64_t per = meta.tile / int64_t(element_size(meta.dtype));
-    const int64_t lo = t * per, hi = std::min(n, lo + per) - 1;
-    bad.push_back("dataset '" + key + "' block " + std::to_string(t) + " of " +
-                  std::to_string(meta.tiles) + " (elements " + std::to_string(lo) + " to " +
-                  std::to_string(hi) + " of " + shape_str(meta.shape) +
-                  "): checksum mismatch, the data is damaged");
+    bad.push_back(tile_text(key, meta, t) + ": checksum mismatch, the data is damaged");
   }
   return bad;
 }

@@ -56,6 +56,8 @@ struct DatasetMeta {
 // The metadata of tensor entry `key`, checked against the table's size.
 DatasetMeta dataset_meta(const h5::Id& file, const std::string& path, const std::string& key,
                          size_t table_size);
+// "dataset 'model/w' block 2 of 4 (elements 524288 to 786431 of [1024, 1024])".
+std::string tile_text(const std::string& key, const DatasetMeta& meta, int64_t tile);
 // One line per tile whose sum differs from the table's ("'model/w' block 2 of 4 (elements
 // 524288 to 786431 of [1024, 1024]): checksum mismatch").
 std::vector<std::string> compare_tiles(const std::string& key, const DatasetMeta& meta,

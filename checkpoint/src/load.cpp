@@ -247,7 +247,7 @@ struct Reads {
 };
 
 // Reads this rank's windows of every present tensor entry, each in pieces of about a tile that
-// the owners of the distinct windows add up while they are still in cache: from `mapped` when
+// it adds up (when verifying) while they are still in cache: from `mapped` when
 // given, through HDF5 otherwise. Without `transactional`, a dense window of the file's dtype is
 // read straight into its tensor; the others are staged.
 void read_tensors(const h5::Id& file, const MappedFile* mapped, const std::vector<Entry>& entries,
@@ -268,7 +268,8 @@ void read_tensors(const h5::Id& file, const MappedFile* mapped, const std::vecto
       r.in_place.add(dst);
     else
       r.staged[i] = buf;
-    uint64_t* sums = options.verify && e.owner ? sum + r.first[i] : nullptr;
+    // Every reader adds up what it read, replicas too: theirs are compared with the owner's.
+    uint64_t* sums = options.verify ? sum + r.first[i] : nullptr;
     if (mapped)
       copy_window(*mapped, h5::dataset_file_offset(file, ds), f.meta, e, buf, sums);
     else
@@ -276,27 +277,39 @@ void read_tensors(const h5::Id& file, const MappedFile* mapped, const std::vecto
   }
 }
 
-// Adds up the ranks' checksum words and compares the totals with the table. The ranks compute
-// the same totals, and checked that they read the same table; the verdicts are compared all the
-// same, so that every rank throws or none does.
+// Adds up the owners' checksum words and compares the totals with the table, and each replica's
+// words with its owner's: so every element any rank read is verified. The ranks compute the same
+// totals and comparisons, and checked that they read the same table; the verdicts are compared
+// all the same, so that every rank throws or none does.
 void verify_sums(const ProcessGroupPtr& pg, const std::string& ctx,
                  const std::vector<Entry>& entries, const std::vector<Found>& found,
                  const std::vector<uint64_t>& table, const Reads& r) {
-  const int64_t words = r.sums.numel();
-  Tensor all = empty({int64_t(pg->size()) * words}, DType::Int64);
-  pg->all_gather_into_tensor(all, r.sums)->wait();
-  std::vector<uint64_t> total(size_t(words), 0);
-  const auto* a = static_cast<const uint64_t*>(all.raw_data());
-  for (int q = 0; q < pg->size(); ++q)
-    for (int64_t t = 0; t < words; ++t)
-      total[size_t(t)] += a[size_t(q * words + t)];
+  std::vector<int64_t> count(entries.size(), 0);
+  for (size_t i = 0; i < entries.size(); ++i)
+    if (found[i].present && entries[i].kind == ValueKind::Tensor) count[i] = found[i].meta.words;
+  const auto* mine = static_cast<const uint64_t*>(r.sums.raw_data());
+  const GatheredSums g = gather_sums(pg, entries, r.first, count, {mine, size_t(r.sums.numel())});
   std::vector<std::string> bad;
   for (size_t i = 0; i < entries.size(); ++i) {
-    if (!found[i].present || entries[i].kind != ValueKind::Tensor) continue;
+    if (count[i] == 0) continue;
     for (std::string& b :
-         compare_tiles(entries[i].key, found[i].meta, total.data() + r.first[i], table))
+         compare_tiles(entries[i].key, found[i].meta, g.total.data() + r.first[i], table))
       bad.push_back(std::move(b));
   }
+  for (const ReplicaMismatch& m : g.mismatches)
+    for (int64_t t : m.tiles) {
+      const DatasetMeta& meta = found[m.entry].meta;
+      const uint64_t* sum = g.total.data() + r.first[m.entry] + kWordsPerTile * t;
+      const size_t at = size_t(meta.first + kWordsPerTile * t);
+      const bool owner_right = sum[0] == table[at] && sum[1] == table[at + 1];
+      bad.push_back(tile_text(entries[m.entry].key, meta, t) + ": checksum mismatch, rank " +
+                    std::to_string(m.rank) + " read other bytes than rank " +
+                    std::to_string(m.owner) + " from the same window" +
+                    (owner_right
+                         ? " (rank " + std::to_string(m.owner) + "'s match the checksums: rank " +
+                               std::to_string(m.rank) + "'s are damaged)"
+                         : ""));
+    }
   std::string msg;
   for (size_t k = 0; k < bad.size() && k < 8; ++k)
     msg += (k ? "; " : "") + bad[k];

@@ -12,7 +12,8 @@
 // data-parallel copies of a TP model on separate sub-meshes); the block goes to the replica that
 // has been given the fewest bytes so far, so ranks write similar amounts. Every rank computes the
 // same choice from the same descriptions. The other replicas add up their own copy's checksums
-// too, compared with the owner's (gather_sums): a save refuses replicas that differ.
+// too, compared with the owner's (gather_sums): a save refuses replicas that differ, a load a
+// replica's reading that differs from its owner's.
 #include <optional>
 #include <span>
 #include <string>

@@ -302,6 +302,32 @@ TEST(CheckpointDamage, ReplicasThatDifferAreRefusedOnEveryRankAndKeepThePrevious
                    index_tensor({1, 3}, DType::Int64, world_rank()), "this rank's own row");
 }
 
+// Every rank verifies what it reads: a rank reading a window that another rank accounts for in
+// the checksum table (a replica) compares its sums with that rank's. Here each rank loads its
+// own copy of the file (as ranks on different hosts would), and only a replica's copy is damaged.
+TEST(CheckpointDamage, DamageOnlyAReplicaReadsIsAnErrorOnEveryRank) {
+  if (world_size() < 2) GTEST_SKIP() << "replicas need two ranks";
+  const std::string good = dir() + "/replica_good.h5";
+  save(make_state(1), good);
+  // zero_state's 'model/big' is Replicate: rank 0, first with the fewest bytes, accounts for it.
+  const int victim = world_size() - 1;
+  const std::string mine = dir() + "/replica_" + std::to_string(world_rank()) + ".h5";
+  copy(good, mine);
+  if (world_rank() == victim) flip_byte(mine, data_offset(mine, "/model/big") + 1000);
+  world_group()->barrier()->wait();
+  for (bool mapped : {true, false}) {
+    SCOPED_TRACE(mapped ? "mapped" : "HDF5 reads");
+    StateDict sd = zero_state();
+    expect_error([&] { load(sd, mine, {.transactional = true, .memory_map = mapped}); },
+                 {"dataset 'model/big' block 0 of 3", "checksum mismatch",
+                  "rank " + std::to_string(victim) + " read other bytes than rank 0"});
+    expect_state(sd, 0, "nothing loaded");
+  }
+  StateDict sd = zero_state();
+  load(sd, good);
+  expect_state(sd, 1, "the intact file");
+}
+
 // A newer checkpoint renamed over `path` while a load reads it (a save committing) is not seen:
 // the load reads the file it opened, through the mapping and through HDF5 alike, never the
 // offsets of one file and the bytes of the other.
