@@ -10,34 +10,13 @@
 
 #include "tessera/tessera.h"
 #include "tessera/testing/expect_error.h"
+#include "unit/optim_test_util.h"
 
 using namespace tessera;
 using tessera::testing::expect_error;
+using namespace tessera::optim_test;
 
 namespace {
-
-using Vec = std::vector<double>;
-
-Vec random_vec(size_t n, uint64_t seed) {
-  Generator gen(seed);
-  return randn({int64_t(n)}, gen, DType::Float64).to_vector<double>();
-}
-
-Parameter make_param(const Vec& v) {
-  return Parameter(from_vector<double>(v));
-}
-
-void set_grad(Parameter& p, const Vec& g) {
-  Tensor leaf = p.local();
-  leaf.set_grad(from_vector<double>(g).to(p.dtype()));
-}
-
-void expect_near_all(const Tensor& got, const Vec& want, double tol, const std::string& what) {
-  Vec g = got.to_vector<double>();
-  ASSERT_EQ(g.size(), want.size()) << what;
-  for (size_t i = 0; i < g.size(); ++i)
-    ASSERT_NEAR(g[i], want[i], tol * (1.0 + std::abs(want[i]))) << what << " element " << i;
-}
 
 // torch.optim.Adam / AdamW (single-tensor form): g = maximize ? -grad : grad; Adam: g += wd * p;
 // AdamW: p *= 1 - lr * wd; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; with amsgrad vmax =
