@@ -4,7 +4,9 @@
 #include <cstdio>
 #include <map>
 
+#include "context.h"
 #include "slots.h"
+#include "tessera/comm/agree.h"
 #include "tessera/comm/runtime.h"
 
 namespace tessera {
@@ -175,9 +177,22 @@ IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
           {group_key(optimizer, g, name), false,
            [&hyper, g, name = name](const StateValue& x) { hyper[g][name] = std::get<double>(x); },
            added_later(name)});
-  IncompatibleKeys k =
-      ckpt::set_slots(slots, scalars, state, options,
-                      "set_optimizer_state_dict into " + model.type_name(), optional);
+  const std::string what = "set_optimizer_state_dict into " + model.type_name();
+  // The dict's hyperparameters are checked before anything is copied, so that a bad one (a
+  // negative lr) leaves the optimizer as it was. Agreed: with broadcast_from_rank0 only rank 0
+  // holds them, and every rank must stop if it fails.
+  run_agreed(ckpt::context().group, what, [&] {
+    for (size_t g = 0; g < optimizer.num_param_groups(); ++g) {
+      std::map<std::string, double> values;
+      for (const auto& [name, v] : optimizer.hyperparameters(g)) {
+        auto it = state.find(group_key(optimizer, g, name));
+        if (it != state.end() && std::holds_alternative<double>(it->second))
+          values[name] = std::get<double>(it->second);
+      }
+      if (!values.empty()) optimizer.validate_hyperparameters(g, values);
+    }
+  });
+  IncompatibleKeys k = ckpt::set_slots(slots, scalars, state, options, what, optional);
   for (size_t g = 0; g < hyper.size(); ++g)
     if (!hyper[g].empty()) optimizer.set_hyperparameters(g, hyper[g]);
   return k;

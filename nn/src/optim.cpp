@@ -106,18 +106,35 @@ std::map<std::string, double> Optimizer::hyperparameters(size_t group) const {
   return group_hyperparameters(group);
 }
 
-void Optimizer::set_hyperparameters(size_t group, const std::map<std::string, double>& values) {
-  check_group(group, "Optimizer::set_hyperparameters");
-  std::map<std::string, double> next = group_hyperparameters(group);
+namespace {
+// A group's hyperparameters with `values` applied; an unknown name is an error.
+std::map<std::string, double> with_values(std::map<std::string, double> next,
+                                          const std::map<std::string, double>& values,
+                                          const std::string& where) {
   for (const auto& [name, v] : values) {
     if (!next.count(name)) {
       std::string known;
       for (const auto& [k, x] : next)
         known += (known.empty() ? "" : ", ") + k;
-      TESSERA_FAIL(where(group), ": unknown hyperparameter '", name, "' (it has ", known, ")");
+      TESSERA_FAIL(where, ": unknown hyperparameter '", name, "' (it has ", known, ")");
     }
     next[name] = v;
   }
+  return next;
+}
+}  // namespace
+
+void Optimizer::validate_hyperparameters(size_t group,
+                                         const std::map<std::string, double>& values) const {
+  check_group(group, "Optimizer::validate_hyperparameters");
+  check_hyperparameters(with_values(group_hyperparameters(group), values, where(group)),
+                        where(group));
+}
+
+void Optimizer::set_hyperparameters(size_t group, const std::map<std::string, double>& values) {
+  check_group(group, "Optimizer::set_hyperparameters");
+  std::map<std::string, double> next =
+      with_values(group_hyperparameters(group), values, where(group));
   check_hyperparameters(next, where(group));
   store_hyperparameters(group, next);
 }

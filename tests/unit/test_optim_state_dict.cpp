@@ -123,8 +123,13 @@ TEST(OptimizerStateDict, DictsThatDoNotFitAreClearErrors) {
   // A value out of range names the group and the field.
   sd["param_groups/1/weight_decay"] = -1.0;
   AdamW other(groups_of(a, 0.02), AdamWOptions{});
+  a.set_grads(2);
+  other.step();  // state of its own, which the failed load must leave as it was
+  const Tensor exp_avg = other.state_tensor(0, "exp_avg", false).clone();
   expect_error([&] { set_optimizer_state_dict(a.lin, other, sd); },
                "AdamW param group 1: weight_decay (-1) must be non-negative");
+  expect_same(other.state_tensor(0, "exp_avg", false), exp_avg, "exp_avg after a refused dict");
+  EXPECT_EQ(other.param_step(0), 1);
   // amsgrad's state is required where the optimizer has amsgrad.
   sd["param_groups/1/weight_decay"] = 0.0;
   sd.erase("state/bias/max_exp_avg_sq");

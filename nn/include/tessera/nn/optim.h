@@ -55,6 +55,9 @@ class Optimizer {
     set_hyperparameters(0, values);
   }
   void set_hyperparameters(size_t group, const std::map<std::string, double>& values);
+  // The checks of set_hyperparameters, changing nothing (a state dict is checked before any of
+  // it is copied).
+  void validate_hyperparameters(size_t group, const std::map<std::string, double>& values) const;
 
   // --- state, as PyTorch's optimizer.state[p] (for state dicts) ---
   // The names of parameter i's state tensors ("exp_avg", "exp_avg_sq", with amsgrad
