@@ -206,6 +206,32 @@ void LoraLinear::clear_slot(int64_t i) {
   slots_[size_t(i)] = Slot{};
 }
 
+void LoraLinear::restore_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
+                              const std::string& path, bool merged, uint64_t dropout_offset) {
+  check_slot(i, "restore_slot");
+  if (!adapter.empty()) {
+    config.validate();
+    TESSERA_CHECK(config.r <= max_rank_, "LoraLinear '", path, "': adapter '", adapter, "' has r ",
+                  config.r, " but the slots hold at most rank ", max_rank_);
+  }
+  Slot& s = slots_[size_t(i)];
+  s = Slot{};
+  dropout_gens_[size_t(i)].manual_seed(0);
+  if (adapter.empty()) return;
+  s.adapter = adapter;
+  s.r = config.r;
+  s.scale = config.scaling();
+  s.dropout = config.lora_dropout;
+  s.merged = merged;
+  dropout_gens_[size_t(i)].manual_seed(slot_seed(config.seed, adapter + "#dropout", path));
+  dropout_gens_[size_t(i)].set_offset(dropout_offset);
+}
+
+uint64_t LoraLinear::dropout_offset(int64_t i) const {
+  check_slot(i, "dropout_offset");
+  return dropout_gens_[size_t(i)].offset();
+}
+
 void LoraLinear::merge_slot(int64_t i, bool unmerge) {
   check_slot(i, "merge_slot");
   Slot& s = slots_[size_t(i)];

@@ -106,6 +106,13 @@ class LoraLinear : public Linear {
   // Collective over the adapter matrices' meshes. A merged slot applies to every sample, so a
   // forward refuses one that is not the routing's active slot, and any during a mixed batch.
   void merge_slot(int64_t i, bool unmerge);
+  // A checkpoint's slot i (LoraModel::load_state_dict): its adapter ("" frees it), merged flag
+  // and dropout stream position, without touching the matrices or the weight, whose values come
+  // from the model's state dict.
+  void restore_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
+                    const std::string& path, bool merged, uint64_t dropout_offset);
+  // How far slot i's dropout stream has advanced (saved with the adapter table).
+  uint64_t dropout_offset(int64_t i) const;
 
  private:
   struct Batch;

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/checkpoint/state_dict.h"
 #include "tessera/lora/lora_linear.h"
 
 namespace tessera {
@@ -80,6 +81,26 @@ class LoraModel {
   // Adds adapter `name` from PEFT files, onto whatever mesh this model has. Collective.
   void load_adapter(const std::string& dir, const std::string& name);
 
+  // --- checkpoints (table.cpp) ---
+  // The adapter table, to save next to the model's state dict: one key, "adapters", a JSON
+  // string with the slots (max_adapters, max_rank), the active adapter, and each adapter's name,
+  // slot, config, whether it is merged, the layers it covers and where each layer's dropout
+  // stream stands. The model's state dict holds the values (slot matrices, and base weights with
+  // whatever is merged into them) by slot; the table says what they are. Loaded into a model
+  // whose adapters sit in other slots, or are not merged where the saved ones were, those values
+  // would apply wrongly. The dropout positions are this rank's: equal on every rank when the
+  // ranks' batches have equal shapes (save refuses strings that differ between ranks).
+  StateDict state_dict() const;
+  // Makes this model's adapter table the saved one: adapters removed, or added into their saved
+  // slots with their configs, merged flags and dropout stream positions, and the saved adapter
+  // made active; a mixed batch is cleared. Touches no value: load the model's state dict too
+  // (before or after), which holds the slot matrices and the base weights. Everything is checked
+  // before anything changes: a dict without the table, slots other than this model's, an adapter
+  // whose config targets other layers in this model than it covered when saved. Collective over
+  // every world rank when there is more than one: the outcome is agreed, and every rank must
+  // pass the same table.
+  void load_state_dict(const StateDict& state);
+
  private:
   friend std::shared_ptr<LoraModel> apply_lora(const ModulePtr&, const LoraConfig&,
                                                const std::string&, const LoraSlots&);
@@ -93,6 +114,8 @@ class LoraModel {
   std::vector<std::string> merged_adapters() const;
   std::vector<size_t> targets(const LoraConfig& config) const;
   ModulePtr unwrap(const char* op);
+  struct SavedAdapter;
+  std::vector<SavedAdapter> parse_table(const std::string& text, std::string& active) const;
 
   ModulePtr model_;
   std::vector<std::pair<std::string, std::shared_ptr<LoraLinear>>> layers_;

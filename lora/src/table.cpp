@@ -1,0 +1,242 @@
+// The adapter table in checkpoints: which adapter each slot holds, with what config, merged or
+// not. The model's state dict keys adapter values by slot ("lora_A.<slot>.weight"), and a merged
+// adapter lives inside the base weight: without the table, a checkpoint loaded into a model whose
+// adapters were added in another order, or never merged, applies its values to the wrong adapter,
+// or applies a merged one twice, silently.
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <set>
+
+#include "tessera/comm/agree.h"
+#include "tessera/comm/runtime.h"
+#include "tessera/lora/lora_model.h"
+
+namespace tessera {
+
+namespace {
+
+constexpr const char* kKey = "adapters";
+constexpr int64_t kFormat = 1;
+
+const char* init_name(LoraInit i) {
+  switch (i) {
+    case LoraInit::Kaiming:
+      return "kaiming";
+    case LoraInit::Gaussian:
+      return "gaussian";
+    case LoraInit::Random:
+      return "random";
+  }
+  return "?";
+}
+
+nlohmann::json config_json(const LoraConfig& c) {
+  nlohmann::json j;
+  j["r"] = c.r;
+  j["lora_alpha"] = c.lora_alpha;
+  j["lora_dropout"] = c.lora_dropout;
+  j["target_modules"] = c.target_modules;
+  j["use_rslora"] = c.use_rslora;
+  j["init_lora_weights"] = init_name(c.init_lora_weights);
+  j["bias"] = c.bias;
+  j["seed"] = c.seed;
+  return j;
+}
+
+// A field of `j` of JSON type `kind`, or an error naming where it is missing.
+const nlohmann::json& field(const nlohmann::json& j, const char* name, nlohmann::json::value_t kind,
+                            const std::string& where) {
+  using V = nlohmann::json::value_t;
+  const bool found = j.is_object() && j.contains(name);
+  const nlohmann::json* v = found ? &j.at(name) : nullptr;
+  bool ok = v != nullptr && v->type() == kind;
+  // Integers read as either signedness; doubles accept integers (JSON writes 8.0 as 8).
+  if (v && kind == V::number_integer) ok = v->is_number_integer();
+  if (v && kind == V::number_unsigned) ok = v->is_number_unsigned();
+  if (v && kind == V::number_float) ok = v->is_number();
+  TESSERA_CHECK(ok, where, ": '", name, "' is ", found ? "of the wrong type" : "missing");
+  return *v;
+}
+
+LoraConfig config_from(const nlohmann::json& j, const std::string& where) {
+  using V = nlohmann::json::value_t;
+  LoraConfig c;
+  c.r = field(j, "r", V::number_integer, where).get<int64_t>();
+  c.lora_alpha = field(j, "lora_alpha", V::number_float, where).get<double>();
+  c.lora_dropout = field(j, "lora_dropout", V::number_float, where).get<double>();
+  for (const auto& e : field(j, "target_modules", V::array, where)) {
+    TESSERA_CHECK(e.is_string(), where, ": target_modules holds a non-string");
+    c.target_modules.push_back(e.get<std::string>());
+  }
+  c.use_rslora = field(j, "use_rslora", V::boolean, where).get<bool>();
+  const std::string init = field(j, "init_lora_weights", V::string, where).get<std::string>();
+  bool known = false;
+  for (LoraInit i : {LoraInit::Kaiming, LoraInit::Gaussian, LoraInit::Random})
+    if (init == init_name(i)) {
+      c.init_lora_weights = i;
+      known = true;
+    }
+  TESSERA_CHECK(known, where, ": init_lora_weights '", init, "' is not kaiming, gaussian or random");
+  c.bias = field(j, "bias", V::string, where).get<std::string>();
+  c.seed = field(j, "seed", V::number_unsigned, where).get<uint64_t>();
+  c.validate();
+  return c;
+}
+
+std::string list(const std::vector<std::string>& v) {
+  if (v.empty()) return "none";
+  std::string s;
+  for (const auto& x : v)
+    s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+}  // namespace
+
+struct LoraModel::SavedAdapter {
+  std::string name;
+  int64_t slot = -1;
+  bool merged = false;
+  LoraConfig config;
+  std::vector<size_t> layers;            // indices into layers_, in the model's order
+  std::vector<uint64_t> dropout_offset;  // per entry of `layers`
+};
+
+StateDict LoraModel::state_dict() const {
+  nlohmann::json j;
+  j["format"] = kFormat;
+  j["max_adapters"] = slots_.max_adapters;
+  j["max_rank"] = slots_.max_rank;
+  j["active_adapter"] = active_;
+  j["adapters"] = nlohmann::json::array();
+  for (const std::string& name : adapters()) {
+    const Adapter& a = adapters_.at(name);
+    nlohmann::json e;
+    e["name"] = name;
+    e["slot"] = a.slot;
+    e["merged"] = merged(a);
+    e["config"] = config_json(a.config);
+    e["layers"] = nlohmann::json::array();
+    for (size_t i : a.layers)
+      e["layers"].push_back({{"path", layers_[i].first},
+                             {"dropout_offset", layers_[i].second->dropout_offset(a.slot)}});
+    j["adapters"].push_back(std::move(e));
+  }
+  return StateDict{{kKey, j.dump()}};
+}
+
+// Every check of load_state_dict, against this model, before anything changes.
+std::vector<LoraModel::SavedAdapter> LoraModel::parse_table(const std::string& text,
+                                                            std::string& active) const {
+  using V = nlohmann::json::value_t;
+  const std::string ctx = "LoRA load_state_dict: the table under '" + std::string(kKey) + "'";
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    TESSERA_FAIL(ctx, " is not JSON (", e.what(), ")");
+  }
+  TESSERA_CHECK(field(j, "format", V::number_integer, ctx).get<int64_t>() == kFormat, ctx,
+                " has format ", j["format"].dump(), "; this build reads ", kFormat);
+  const int64_t max_adapters = field(j, "max_adapters", V::number_integer, ctx).get<int64_t>();
+  const int64_t max_rank = field(j, "max_rank", V::number_integer, ctx).get<int64_t>();
+  TESSERA_CHECK(max_adapters == slots_.max_adapters && max_rank == slots_.max_rank, ctx,
+                " has ", max_adapters, " adapter slots of rank ", max_rank, ", this model ",
+                slots_.max_adapters, " of rank ", slots_.max_rank,
+                " (the LoraSlots given to apply_lora must be the same)");
+  active = field(j, "active_adapter", V::string, ctx).get<std::string>();
+  std::vector<SavedAdapter> out;
+  std::set<std::string> names;
+  std::set<int64_t> slots;
+  for (const auto& e : field(j, "adapters", V::array, ctx)) {
+    SavedAdapter a;
+    a.name = field(e, "name", V::string, ctx + ", an adapter").get<std::string>();
+    const std::string where = ctx + ", adapter '" + a.name + "'";
+    TESSERA_CHECK(!a.name.empty() && names.insert(a.name).second, where,
+                  a.name.empty() ? ": an empty name" : ": listed twice");
+    a.slot = field(e, "slot", V::number_integer, where).get<int64_t>();
+    TESSERA_CHECK(a.slot >= 0 && a.slot < max_adapters && slots.insert(a.slot).second, where,
+                  ": slot ", a.slot, " is out of range or taken by another adapter");
+    a.merged = field(e, "merged", V::boolean, where).get<bool>();
+    a.config = config_from(field(e, "config", V::object, where), where + " config");
+    TESSERA_CHECK(a.config.r <= max_rank, where, ": r ", a.config.r, " exceeds the slots' rank ",
+                  max_rank);
+    std::vector<std::string> saved;
+    for (const auto& l : field(e, "layers", V::array, where)) {
+      saved.push_back(field(l, "path", V::string, where + ", a layer").get<std::string>());
+      a.dropout_offset.push_back(
+          field(l, "dropout_offset", V::number_unsigned, where + ", layer '" + saved.back() + "'")
+              .get<uint64_t>());
+    }
+    try {
+      a.layers = targets(a.config);
+    } catch (const Error& err) {
+      TESSERA_FAIL(where, ": ", err.what());
+    }
+    std::vector<std::string> here;
+    for (size_t i : a.layers)
+      here.push_back(layers_[i].first);
+    if (here != saved) {
+      std::vector<std::string> gone, extra;
+      for (const std::string& p : saved)
+        if (std::find(here.begin(), here.end(), p) == here.end()) gone.push_back(p);
+      for (const std::string& p : here)
+        if (std::find(saved.begin(), saved.end(), p) == saved.end()) extra.push_back(p);
+      TESSERA_FAIL(where, ": its targets cover other layers here than when saved (saved only: ",
+                   list(gone), "; here only: ", list(extra), "): not the same model");
+    }
+    out.push_back(std::move(a));
+  }
+  const bool known = active.empty() || names.count(active);
+  TESSERA_CHECK(known, ctx, ": the active adapter '", active, "' is not in the table");
+  for (const SavedAdapter& a : out)
+    TESSERA_CHECK(!a.merged || a.name == active, ctx, ": adapter '", a.name,
+                  "' is merged but not active (a merged adapter applies to every sample)");
+  return out;
+}
+
+void LoraModel::load_state_dict(const StateDict& state) {
+  auto it = state.find(kKey);
+  const std::string* text = it == state.end() ? nullptr : std::get_if<std::string>(&it->second);
+  const std::string mine = text ? *text : std::string();
+  std::vector<SavedAdapter> saved;
+  std::string active;
+  auto check = [&] {
+    TESSERA_CHECK(text != nullptr, "LoRA load_state_dict: the dict has no string '", kKey,
+                  "' (", it == state.end() ? "missing" : state_value_str(it->second),
+                  "): pass what LoraModel::state_dict() gave, as saved");
+    saved = parse_table(*text, active);
+  };
+  if (world_size() > 1) {
+    const ProcessGroupPtr world = world_group();
+    const std::vector<std::string> all = all_gather_strings(world, mine);
+    run_agreed(world, "LoRA load_state_dict", [&] {
+      for (size_t r = 0; r < all.size(); ++r)
+        TESSERA_CHECK(all[r] == all[0], "LoRA load_state_dict: rank ", r,
+                      " passed another table than rank 0 (every rank must load the same)");
+      check();
+    });
+  } else {
+    check();
+  }
+  // Nothing below throws: every value was checked against this model above.
+  for (size_t li = 0; li < layers_.size(); ++li)
+    for (int64_t s = 0; s < slots_.max_adapters; ++s)
+      layers_[li].second->restore_slot(s, "", LoraConfig{}, layers_[li].first, false, 0);
+  adapters_.clear();
+  for (const SavedAdapter& a : saved) {
+    for (size_t k = 0; k < a.layers.size(); ++k) {
+      const size_t li = a.layers[k];
+      layers_[li].second->restore_slot(a.slot, a.name, a.config, layers_[li].first, a.merged,
+                                       a.dropout_offset[k]);
+    }
+    adapters_[a.name] = Adapter{a.slot, a.config, a.layers};
+  }
+  active_ = active;
+  routing_->active_slot = active.empty() ? -1 : adapters_.at(active).slot;
+  routing_->sample_slots.reset();
+  routing_->masks.clear();
+}
+
+}  // namespace tessera
