@@ -77,7 +77,8 @@ LoraConfig config_from(const nlohmann::json& j, const std::string& where) {
       c.init_lora_weights = i;
       known = true;
     }
-  TESSERA_CHECK(known, where, ": init_lora_weights '", init, "' is not kaiming, gaussian or random");
+  TESSERA_CHECK(known, where, ": init_lora_weights '", init,
+                "' is not kaiming, gaussian or random");
   c.bias = field(j, "bias", V::string, where).get<std::string>();
   c.seed = field(j, "seed", V::number_unsigned, where).get<uint64_t>();
   c.validate();
@@ -141,8 +142,8 @@ std::vector<LoraModel::SavedAdapter> LoraModel::parse_table(const std::string& t
                 " has format ", j["format"].dump(), "; this build reads ", kFormat);
   const int64_t max_adapters = field(j, "max_adapters", V::number_integer, ctx).get<int64_t>();
   const int64_t max_rank = field(j, "max_rank", V::number_integer, ctx).get<int64_t>();
-  TESSERA_CHECK(max_adapters == slots_.max_adapters && max_rank == slots_.max_rank, ctx,
-                " has ", max_adapters, " adapter slots of rank ", max_rank, ", this model ",
+  TESSERA_CHECK(max_adapters == slots_.max_adapters && max_rank == slots_.max_rank, ctx, " has ",
+                max_adapters, " adapter slots of rank ", max_rank, ", this model ",
                 slots_.max_adapters, " of rank ", slots_.max_rank,
                 " (the LoraSlots given to apply_lora must be the same)");
   active = field(j, "active_adapter", V::string, ctx).get<std::string>();
@@ -203,8 +204,8 @@ void LoraModel::load_state_dict(const StateDict& state) {
   std::vector<SavedAdapter> saved;
   std::string active;
   auto check = [&] {
-    TESSERA_CHECK(text != nullptr, "LoRA load_state_dict: the dict has no string '", kKey,
-                  "' (", it == state.end() ? "missing" : state_value_str(it->second),
+    TESSERA_CHECK(text != nullptr, "LoRA load_state_dict: the dict has no string '", kKey, "' (",
+                  it == state.end() ? "missing" : state_value_str(it->second),
                   "): pass what LoraModel::state_dict() gave, as saved");
     saved = parse_table(*text, active);
   };

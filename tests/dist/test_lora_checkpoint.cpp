@@ -70,9 +70,10 @@ double max_abs_diff(const Tensor& a, const Tensor& b) {
 }  // namespace
 
 // Saved with "default" in slot 0 and "b" (active) in slot 1, after steps with each and dropout
-// on; resumed into a model whose adapters sit the other way round, one under another name. The table puts each
-// adapter back in its slot with its config and dropout stream, and training goes on bit for bit.
-// Without the table the same values load under the wrong adapters, and the losses differ.
+// on; resumed into a model whose adapters sit the other way round, one under another name. The
+// table puts each adapter back in its slot with its config and dropout stream, and training goes on
+// bit for bit. Without the table the same values load under the wrong adapters, and the losses
+// differ.
 TEST(LoraCheckpoint, ResumeRestoresEachAdapterToItsSlot) {
   const std::string dir = scratch_dir("lora_checkpoint_resume");
   for (const LoraLayout& l : lora_layouts(kSlots)) {
@@ -178,9 +179,11 @@ TEST(LoraCheckpoint, TableThatDoesNotFitIsRefused) {
   expect_refused(with("\"max_adapters\":2", "\"max_adapters\":3"), "3 adapter slots of rank 4");
   expect_refused(with("\"slot\":1", "\"slot\":0"), "slot 0 is out of range or taken");
   expect_refused(with("\"wv\"]", "\"w1\"]"), "saved only: layers.0.attention.wv");
-  expect_refused(with("\"merged\":false", "\"merged\":true", /*last=*/true), "is merged but not active");
+  expect_refused(with("\"merged\":false", "\"merged\":true", /*last=*/true),
+                 "is merged but not active");
   expect_refused(with("\"r\":2", "\"r\":5"), "exceeds the slots' rank 4");
-  expect_refused(with("\"lora_alpha\":3.0", "\"lora_alpha\":\"3\""), "'lora_alpha' is of the wrong");
+  expect_refused(with("\"lora_alpha\":3.0", "\"lora_alpha\":\"3\""),
+                 "'lora_alpha' is of the wrong");
   expect_refused(with("\"active_adapter\":\"default\"", "\"active_adapter\":\"c\""),
                  "the active adapter 'c' is not in the table");
   if (world_size() > 1) {
