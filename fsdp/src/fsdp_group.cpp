@@ -469,6 +469,32 @@ void FSDPGroup::start_reduce() {
   pending_reduce_ = std::move(pr);
 }
 
+bool FSDPGroup::merge_partial_reduce() {
+  PendingReduce& pr = *pending_reduce_;
+  if (partial_reduce_) {
+    // The same on every rank: requires_grad is.
+    auto m = module_.lock();
+    TESSERA_CHECK(partial_reduce_->offsets == pr.offsets, "fully_shard(",
+                  m ? m->type_name() : std::string("module"),
+                  "): which parameters require gradients changed while earlier micro-batches' "
+                  "gradients waited for their all-reduce across replicas "
+                  "(set_requires_all_reduce(false)); change it only after a backward that "
+                  "all-reduces");
+    pr.reduced = add(pr.reduced, partial_reduce_->reduced);
+    partial_reduce_.reset();
+  }
+  if (requires_all_reduce_) return true;
+  for (size_t p = 0; p < params_.size(); ++p)
+    if (pr.offsets[p] >= 0) {
+      params_[p].param->set_grad_pending(false);
+      sync_aliases(params_[p]);
+    }
+  pr.work = nullptr;
+  partial_reduce_ = std::move(pr);
+  pending_reduce_.reset();
+  return false;
+}
+
 bool FSDPGroup::advance_reduce(bool block) {
   if (!pending_reduce_) return true;
   NoGradGuard no_grad;
@@ -478,6 +504,7 @@ bool FSDPGroup::advance_reduce(bool block) {
     ++stats_.reduce_scatters;
     pr.send = Tensor();
     if (replicate_pg_) {
+      if (!merge_partial_reduce()) return true;
       pr.work = replicate_pg_->all_reduce(pr.reduced, ReduceOp::Sum);
       progress_in_background(pr.work);
       pr.across_replicas = true;

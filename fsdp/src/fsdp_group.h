@@ -94,6 +94,10 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   // it; false when it is still in flight.
   void start_reduce();
   bool advance_reduce(bool block);
+  // HSDP, once the reduce-scatter is done: adds the sums kept from earlier backwards; then true
+  // when the all-reduce across replicas is to follow, false when these sums are kept instead
+  // (set_requires_all_reduce(false)) and the reduce is over.
+  bool merge_partial_reduce();
   void mark_grads_pending(bool pending);
   void begin_backward();
 
@@ -151,6 +155,12 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   bool reshard_after_forward_set_ = false;
   std::optional<double> gradient_divide_factor_;  // default: the data-parallel size
   bool requires_gradient_sync_ = true;
+  // HSDP, set_requires_all_reduce(false): each backward's reduce-scattered sums wait here (on
+  // this rank's shard, not in the stored gradients) and join the next backward's before its
+  // all-reduce across replicas, so micro-batches cost one all-reduce, as FSDP2's
+  // partial_reduce_output.
+  bool requires_all_reduce_ = true;
+  std::optional<PendingReduce> partial_reduce_;
   bool backward_pending_ = false;
   bool leaves_released_ = false;  // resharded after forward: the graph holds empty storage
   bool grads_ready_for_reduce_ = false;

@@ -45,6 +45,15 @@ void FSDPState::set_requires_gradient_sync(bool sync, bool recurse) {
       g->requires_gradient_sync_ = sync;
 }
 
+void FSDPState::set_requires_all_reduce(bool all_reduce, bool recurse) {
+  for (const auto& g : groups_)
+    g->requires_all_reduce_ = all_reduce;
+  if (!recurse) return;
+  if (auto m = groups_.front()->module_.lock())
+    for (const auto& g : detail::groups_inside(detail::live_groups(), *m))
+      g->requires_all_reduce_ = all_reduce;
+}
+
 void FSDPState::set_reshard_after_forward(bool r, bool recurse) {
   for (const auto& g : groups_) {
     g->opts_.reshard_after_forward = r;

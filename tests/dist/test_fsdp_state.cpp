@@ -198,6 +198,46 @@ TEST(FullyShard, UnsyncedGradientsAccumulateInTheReduceDtype) {
     expect_close(accumulated.at(name), want, 1e-5, name);
 }
 
+// HSDP micro-batches with set_requires_all_reduce(false) but on the last: each backward
+// reduce-scatters within its replica, no all-reduce crosses replicas until the last, which then
+// sets the stored gradients to what all-reducing every micro-batch gives (to float32 rounding:
+// the sums are added in another order).
+TEST(FullyShard, HsdpMicroBatchesAllReduceAcrossReplicasOnce) {
+  if (world_size() != 4 && world_size() != 8) GTEST_SKIP() << "HSDP runs on 4 or 8 ranks";
+  DeviceMesh mesh(Shape{2, world_size() / 2}, {"replicate", "shard"});
+  constexpr int kMicro = 3;
+  constexpr int64_t kGroups = 3;  // b0, b1 and the root's head
+  auto grads = [&](bool all_reduce_each) {
+    auto net = std::make_shared<Mlp>();
+    fully_shard(net->b0, mesh);
+    fully_shard(net->b1, mesh);
+    auto root = fully_shard(net, mesh);
+    for (int m = 0; m < kMicro; ++m) {
+      const bool last = m == kMicro - 1;
+      root->set_requires_all_reduce(all_reduce_each || last);
+      Generator gen(uint64_t(500 + 31 * m + world_rank()));
+      Tensor x = randn({4, 16}, gen), t = randn({4, 5}, gen);
+      Tensor loss = mean(square(sub((*net)(x), t)));
+      reset_comm_op_counts();
+      backward(loss);
+      auto counts = comm_op_counts();
+      EXPECT_EQ(counts["reduce_scatter_tensor"], kGroups) << "micro-batch " << m;
+      EXPECT_EQ(counts["all_reduce"], all_reduce_each || last ? kGroups : 0) << "micro-batch " << m;
+      if (!all_reduce_each && !last) {
+        for (Parameter* p : net->parameters())
+          EXPECT_FALSE(p->grad().defined()) << "stored gradients set before the all-reduce";
+      }
+    }
+    std::map<std::string, Tensor> out;
+    for (auto& [name, p] : net->named_parameters())
+      out[name] = p->grad_dtensor().full_tensor();
+    return out;
+  };
+  const auto each = grads(true), once = grads(false);
+  for (const auto& [name, want] : each)
+    expect_close(once.at(name), want, 1e-5, name);
+}
+
 // A float16 reduction divides the terms before summing, by a power of two near sqrt(ranks) as
 // PyTorch's FSDP2 does: every rank's gradient fits float16 (up to 65504) and so does the sum of
 // the divided terms, but not the plain sum (80000 over 2 ranks; 120000 and more over 4 and 8).

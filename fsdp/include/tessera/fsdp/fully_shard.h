@@ -69,6 +69,11 @@ class FSDPState {
   // dtype); the next synced backward reduce-scatters the sum. `recurse` (PyTorch's default) sets
   // it on every fully_shard'ed module inside this one too.
   void set_requires_gradient_sync(bool sync, bool recurse = true);
+  // HSDP: off, backward still reduce-scatters within each replica but skips the all-reduce
+  // across replicas; the shard sums wait (memory of one shard, not of the unsharded gradients)
+  // and join the next backward that all-reduces, which sets the stored gradients. So k
+  // micro-batches cost k reduce-scatters and one all-reduce. Nothing for plain FSDP.
+  void set_requires_all_reduce(bool all_reduce, bool recurse = true);
   // PyTorch's FSDPModule methods: `recurse` sets it on every fully_shard'ed module inside too.
   void set_reshard_after_forward(bool r, bool recurse = true);
   // Gradients are summed over the data-parallel ranks and divided by `factor` instead of their
