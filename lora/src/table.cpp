@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <limits>
 #include <set>
 
 #include "tessera/comm/agree.h"
@@ -44,19 +45,44 @@ nlohmann::json config_json(const LoraConfig& c) {
   return j;
 }
 
-// A field of `j` of JSON type `kind`, or an error naming where it is missing.
+const char* kind_name(nlohmann::json::value_t kind) {
+  using V = nlohmann::json::value_t;
+  switch (kind) {
+    case V::number_integer:
+      return "an int64 integer";
+    case V::number_unsigned:
+      return "a non-negative integer";
+    case V::number_float:
+      return "a number";
+    case V::string:
+      return "a string";
+    case V::boolean:
+      return "a boolean";
+    case V::array:
+      return "a list";
+    default:
+      return "an object";
+  }
+}
+
+// A field of `j` of JSON type `kind`, or an error naming where it is missing or what it should
+// be.
 const nlohmann::json& field(const nlohmann::json& j, const char* name, nlohmann::json::value_t kind,
                             const std::string& where) {
   using V = nlohmann::json::value_t;
-  const bool found = j.is_object() && j.contains(name);
-  const nlohmann::json* v = found ? &j.at(name) : nullptr;
-  bool ok = v != nullptr && v->type() == kind;
-  // Integers read as either signedness; doubles accept integers (JSON writes 8.0 as 8).
-  if (v && kind == V::number_integer) ok = v->is_number_integer();
-  if (v && kind == V::number_unsigned) ok = v->is_number_unsigned();
-  if (v && kind == V::number_float) ok = v->is_number();
-  TESSERA_CHECK(ok, where, ": '", name, "' is ", found ? "of the wrong type" : "missing");
-  return *v;
+  TESSERA_CHECK(j.is_object(), where, " is not a JSON object: ", j.dump().substr(0, 80));
+  TESSERA_CHECK(j.contains(name), where, ": '", name, "' is missing");
+  const nlohmann::json& v = j.at(name);
+  bool ok = v.type() == kind;
+  // nlohmann reads a non-negative integer as unsigned: a signed field takes it while it fits.
+  if (kind == V::number_integer)
+    ok = v.is_number_integer() &&
+         !(v.is_number_unsigned() &&
+           v.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max()));
+  if (kind == V::number_unsigned) ok = v.is_number_unsigned();
+  if (kind == V::number_float) ok = v.is_number();  // JSON may write 8.0 as 8
+  TESSERA_CHECK(ok, where, ": '", name, "' is ", v.dump().substr(0, 40), ", not ", kind_name(kind));
+  return v;
 }
 
 LoraConfig config_from(const nlohmann::json& j, const std::string& where) {

@@ -86,7 +86,9 @@ TEST(LoraCheckpoint, ResumeRestoresEachAdapterToItsSlot) {
     run.lora->set_adapter("b");
     train(run, opt, 2, 2);
     save(train_state(run, opt), path);
-    const std::vector<double> want = train(run, opt, 4, 3);
+    std::vector<double> want = train(run, opt, 4, 3);
+    run.lora->set_adapter("default");  // its dropout streams were saved too
+    want.push_back(train(run, opt, 7, 1)[0]);
 
     auto resume = [&](bool with_table) {
       // Slot 0 holds "y" (b's config), slot 1 "default"; there is no "b".
@@ -94,7 +96,11 @@ TEST(LoraCheckpoint, ResumeRestoresEachAdapterToItsSlot) {
       again.lora->delete_adapter("default");
       again.lora->add_adapter("y", config_b());
       again.lora->add_adapter("default", config_a());
-      again.lora->set_adapter("default");
+      // Slot 0 active, and a mixed batch of slot 0: the table must undo both.
+      again.lora->set_adapter("y");
+      const int64_t rows = 8 / again.dp_size;
+      again.lora->set_batch_adapters(
+          full({rows}, double(again.lora->adapter_id("y")), DType::Int64));
       AdamW opt2(again.lora->parameters(), {3e-3});
       StateDict sd = train_state(again, opt2);
       load(sd, path);
@@ -106,7 +112,11 @@ TEST(LoraCheckpoint, ResumeRestoresEachAdapterToItsSlot) {
         EXPECT_EQ(again.lora->config("b").r, 2);
         EXPECT_EQ(again.lora->config("default").target_modules, config_a().target_modules);
       }
-      return train(again, opt2, 4, 3);
+      std::vector<double> losses = train(again, opt2, 4, 3);
+      again.lora->set_batch_adapters(Tensor());
+      again.lora->set_adapter("default");
+      losses.push_back(train(again, opt2, 7, 1)[0]);
+      return losses;
     };
     const std::vector<double> got = resume(true);
     ASSERT_EQ(got.size(), want.size());
@@ -164,6 +174,9 @@ TEST(LoraCheckpoint, TableThatDoesNotFitIsRefused) {
     EXPECT_NE(err.find(needle), std::string::npos) << err;
     EXPECT_EQ(run.lora->adapters(), (std::vector<std::string>{"default", "b"}));
     EXPECT_EQ(run.lora->active_adapter(), "default");
+    EXPECT_EQ(run.lora->adapter_id("b"), 1);
+    for (const auto& [path, layer] : run.lora->layers())
+      EXPECT_EQ(layer->slot(0).adapter, "default") << path;
   };
   // The table with the first (or last) `from` replaced by `to`.
   auto with = [&](const std::string& from, const std::string& to, bool last = false) {
@@ -176,6 +189,9 @@ TEST(LoraCheckpoint, TableThatDoesNotFitIsRefused) {
   expect_refused({}, "has no string 'adapters'");
   expect_refused({{"adapters", int64_t(3)}}, "int64 3");
   expect_refused({{"adapters", std::string("{not json")}}, "is not JSON");
+  expect_refused({{"adapters", std::string("[]")}}, "is not a JSON object");
+  expect_refused(with("\"slot\":1", "\"slot\":18446744073709551615"),
+                 "'slot' is 18446744073709551615, not an int64 integer");
   expect_refused(with("\"max_adapters\":2", "\"max_adapters\":3"), "3 adapter slots of rank 4");
   expect_refused(with("\"slot\":1", "\"slot\":0"), "slot 0 is out of range or taken");
   expect_refused(with("\"wv\"]", "\"w1\"]"), "saved only: layers.0.attention.wv");
@@ -183,7 +199,7 @@ TEST(LoraCheckpoint, TableThatDoesNotFitIsRefused) {
                  "is merged but not active");
   expect_refused(with("\"r\":2", "\"r\":5"), "exceeds the slots' rank 4");
   expect_refused(with("\"lora_alpha\":3.0", "\"lora_alpha\":\"3\""),
-                 "'lora_alpha' is of the wrong");
+                 "'lora_alpha' is \"3\", not a number");
   expect_refused(with("\"active_adapter\":\"default\"", "\"active_adapter\":\"c\""),
                  "the active adapter 'c' is not in the table");
   if (world_size() > 1) {

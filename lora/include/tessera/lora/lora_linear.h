@@ -108,7 +108,8 @@ class LoraLinear : public Linear {
   void merge_slot(int64_t i, bool unmerge);
   // A checkpoint's slot i (LoraModel::load_state_dict): its adapter ("" frees it), merged flag
   // and dropout stream position, without touching the matrices or the weight, whose values come
-  // from the model's state dict.
+  // from the model's state dict. Only for that: the slot's values must be the checkpoint's (a
+  // slot freed here keeps its values, a merged one is not merged here).
   void restore_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
                     const std::string& path, bool merged, uint64_t dropout_offset);
   // How far slot i's dropout stream has advanced (saved with the adapter table).

@@ -89,7 +89,8 @@ class LoraModel {
   // whatever is merged into them) by slot; the table says what they are. Loaded into a model
   // whose adapters sit in other slots, or are not merged where the saved ones were, those values
   // would apply wrongly. The dropout positions are this rank's: equal on every rank when the
-  // ranks' batches have equal shapes (save refuses strings that differ between ranks).
+  // ranks' batches have equal shapes and, for mixed batches, the same first adapter (save
+  // refuses strings that differ between ranks).
   StateDict state_dict() const;
   // Makes this model's adapter table the saved one: adapters removed, or added into their saved
   // slots with their configs, merged flags and dropout stream positions, and the saved adapter
