@@ -255,6 +255,18 @@ void FSDPGroup::free_leaves_after_backward() {
   drop_leaves();
 }
 
+void FSDPGroup::finish_backward() {
+  if (reshard_after_backward_ || !unsharded_) {
+    free_leaves_after_backward();
+    reshard();
+    return;
+  }
+  // The leaves become the next forward's (unshard() finds them gathered, and gathers again only
+  // if the shards were written meanwhile, by an optimizer step say); their gradients were read.
+  for (ParamInfo& i : params_)
+    if (i.leaf.defined()) i.leaf.set_grad(Tensor());
+}
+
 Tensor FSDPGroup::pre_forward(const Tensor& x) {
   schedule_->record_forward(shared_from_this());
   // This group's all-gather first, then the next group's, then the wait: both transfers run
@@ -407,20 +419,19 @@ void FSDPGroup::start_reduce() {
                      : g.is_same(i.leaf.grad()) ? g.contiguous().clone()
                                                 : g.contiguous();
     }
-    free_leaves_after_backward();
-    reshard();
+    finish_backward();
     return;
   }
   bool trainable = false;
   for (const ParamInfo& i : params_)
     trainable |= i.param->requires_grad();
   if (!trainable) {  // the same on every rank: nothing to reduce
-    free_leaves_after_backward();
-    reshard();
+    finish_backward();
+    if (partial_reduce_) refuse_changed_trainables();
     return;
   }
   // Packing needs only the gradients: free the gathered weights first.
-  release_unsharded();
+  if (reshard_after_backward_) release_unsharded();
   // Each rank's block holds its rows of every trainable parameter's gradient, padded, then one
   // flag per parameter (1 where this rank has a gradient for it): the reduce-scatter sums the
   // flags too, so every rank learns which parameters got a gradient anywhere without another
@@ -461,25 +472,29 @@ void FSDPGroup::start_reduce() {
   pr.send.as_strided({k, n_params}, {block, 1}, pr.size)
       .copy_(kernels::expand(from_vector<float>(has_grad, {1, n_params}), {k, n_params}));
   // The unsharded gradients are packed: free them before the transfer.
-  free_leaves_after_backward();
-  reshard();
+  finish_backward();
   pr.reduced = empty(Shape{block}, TensorOptions(reduce_dtype, flat_.device()));
   pr.work = reduce_pg_->reduce_scatter_tensor(pr.reduced, pr.send, ReduceOp::Sum);
   progress_in_background(pr.work);
   pending_reduce_ = std::move(pr);
 }
 
+void FSDPGroup::refuse_changed_trainables() {
+  // The same on every rank, as requires_grad is. The sums are dropped so that the next backward
+  // starts clean rather than failing again.
+  partial_reduce_.reset();
+  auto m = module_.lock();
+  TESSERA_FAIL("fully_shard(", m ? m->type_name() : std::string("module"),
+               "): which parameters require gradients changed while earlier micro-batches' "
+               "gradients waited for their all-reduce across replicas "
+               "(set_requires_all_reduce(false)); their sums are dropped. Change it only after a "
+               "backward that all-reduces");
+}
+
 bool FSDPGroup::merge_partial_reduce() {
   PendingReduce& pr = *pending_reduce_;
   if (partial_reduce_) {
-    // The same on every rank: requires_grad is.
-    auto m = module_.lock();
-    TESSERA_CHECK(partial_reduce_->offsets == pr.offsets, "fully_shard(",
-                  m ? m->type_name() : std::string("module"),
-                  "): which parameters require gradients changed while earlier micro-batches' "
-                  "gradients waited for their all-reduce across replicas "
-                  "(set_requires_all_reduce(false)); change it only after a backward that "
-                  "all-reduces");
+    if (partial_reduce_->offsets != pr.offsets) refuse_changed_trainables();
     pr.reduced = add(pr.reduced, partial_reduce_->reduced);
     partial_reduce_.reset();
   }

@@ -68,6 +68,10 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   void set_unsharded_params();
   void drop_leaves();
   void free_leaves_after_backward();
+  // After this group's backward: its gathered weights and unsharded gradients freed and the
+  // parameters back on their shards, or with set_reshard_after_backward(false) only the
+  // gradients freed: the next forward finds the weights gathered.
+  void finish_backward();
   // Issues the all-gather of the stored shards (no-op when one is in flight).
   void start_gather();
   // Finishes it into fresh leaves, or into the existing ones whose storage reshard() released.
@@ -98,6 +102,7 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   // when the all-reduce across replicas is to follow, false when these sums are kept instead
   // (set_requires_all_reduce(false)) and the reduce is over.
   bool merge_partial_reduce();
+  [[noreturn]] void refuse_changed_trainables();
   void mark_grads_pending(bool pending);
   void begin_backward();
 
@@ -160,6 +165,7 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   // all-reduce across replicas, so micro-batches cost one all-reduce, as FSDP2's
   // partial_reduce_output.
   bool requires_all_reduce_ = true;
+  bool reshard_after_backward_ = true;
   std::optional<PendingReduce> partial_reduce_;
   bool backward_pending_ = false;
   bool leaves_released_ = false;  // resharded after forward: the graph holds empty storage

@@ -54,6 +54,15 @@ void FSDPState::set_requires_all_reduce(bool all_reduce, bool recurse) {
       g->requires_all_reduce_ = all_reduce;
 }
 
+void FSDPState::set_reshard_after_backward(bool r, bool recurse) {
+  for (const auto& g : groups_)
+    g->reshard_after_backward_ = r;
+  if (!recurse) return;
+  if (auto m = groups_.front()->module_.lock())
+    for (const auto& g : detail::groups_inside(detail::live_groups(), *m))
+      g->reshard_after_backward_ = r;
+}
+
 void FSDPState::set_reshard_after_forward(bool r, bool recurse) {
   for (const auto& g : groups_) {
     g->opts_.reshard_after_forward = r;

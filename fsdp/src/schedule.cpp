@@ -112,7 +112,8 @@ void FSDPSchedule::finalize() {
     s->grads_ready_for_reduce_ = false;
     s->clear_grads_in();
     s->mark_grads_pending(false);
-    s->reshard();
+    // Kept gathered (set_reshard_after_backward(false)): finish_backward freed what it read.
+    if (s->reshard_after_backward_ || !s->unsharded_) s->reshard();
   };
   for_each_live(order, settle);
   for_each_live(backward_order, settle);
@@ -128,6 +129,10 @@ void FSDPSchedule::abandon() {
       s->pending_reduce_->work->wait();
       s->pending_reduce_.reset();
     }
+    // Sums kept for a later all-reduce (set_requires_all_reduce(false)) go too: some groups'
+    // were already merged into the reduce just dropped, and the next backward must not add the
+    // others' to gradients of another step.
+    s->partial_reduce_.reset();
     s->backward_pending_ = false;
     s->grads_ready_for_reduce_ = false;
     s->clear_grads_in();

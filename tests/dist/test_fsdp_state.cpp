@@ -236,6 +236,32 @@ TEST(FullyShard, HsdpMicroBatchesAllReduceAcrossReplicasOnce) {
   const auto each = grads(true), once = grads(false);
   for (const auto& [name, want] : each)
     expect_close(once.at(name), want, 1e-5, name);
+
+  // Freezing a parameter while sums wait is an error on every rank, which drops them: the next
+  // backward's gradients are its own.
+  auto net = std::make_shared<Mlp>();
+  fully_shard(net->b0, mesh);
+  fully_shard(net->b1, mesh);
+  auto root = fully_shard(net, mesh);
+  Generator gen(uint64_t(900 + world_rank()));
+  const Tensor x = randn({4, 16}, gen);
+  root->set_requires_all_reduce(false);
+  backward(mean(square((*net)(x))));
+  net->head->bias.set_requires_grad(false);
+  expect_error([&] { backward(mean(square((*net)(x)))); },
+               {"which parameters require gradients changed"});
+  net->head->bias.set_requires_grad(true);
+  root->set_requires_all_reduce(true);
+  backward(mean(square((*net)(x))));
+  std::map<std::string, Tensor> after_error;
+  for (auto& [name, p] : net->named_parameters()) {
+    after_error[name] = p->grad_dtensor().full_tensor();
+    p->zero_grad();
+  }
+  backward(mean(square((*net)(x))));
+  for (auto& [name, p] : net->named_parameters())
+    expect_close(after_error.at(name), p->grad_dtensor().full_tensor(), 1e-6,
+                 "after the error, one backward's gradient: " + name);
 }
 
 // A float16 reduction divides the terms before summing, by a power of two near sqrt(ranks) as
@@ -440,6 +466,58 @@ TEST(FullyShard, RootWithTwoDtypesReducesEveryGroup) {
     for (Parameter* p : net->parameters())
       p->zero_grad();
   }
+}
+
+// set_reshard_after_backward(false): after each backward the groups stay gathered, so each
+// micro-batch after the first gathers only what reshard_after_forward freed (the blocks'
+// backward gathers), and the forward after an optimizer step, which wrote the shards, gathers
+// again. Losses and parameters are those of the default run, bit for bit.
+TEST(FullyShard, ReshardAfterBackwardOffKeepsGroupsGatheredAcrossMicroBatches) {
+  DeviceMesh mesh = dp_mesh();
+  constexpr int kSteps = 2, kMicro = 3;
+  struct Run {
+    std::vector<double> losses;
+    std::vector<int64_t> gathers;  // per micro-batch
+    std::map<std::string, Tensor> params;
+  };
+  auto run = [&](bool keep) {
+    auto net = std::make_shared<Mlp>();
+    auto b0 = fully_shard(net->b0, mesh), b1 = fully_shard(net->b1, mesh);
+    auto root = fully_shard(net, mesh);
+    root->set_reshard_after_backward(!keep);
+    SGD opt(net->parameters(), SGDOptions{.lr = 0.1});
+    Run out;
+    int64_t before = 0;
+    for (int s = 0; s < kSteps; ++s) {
+      opt.zero_grad();
+      for (int m = 0; m < kMicro; ++m) {
+        root->set_requires_gradient_sync(m == kMicro - 1);
+        Generator gen(uint64_t(700 + 13 * (s * kMicro + m) + world_rank()));
+        Tensor x = randn({4, 16}, gen), t = randn({4, 5}, gen);
+        Tensor loss = mean(square(sub((*net)(x), t)));
+        backward(loss);
+        out.losses.push_back(world_mean(loss.item<float>()));
+        EXPECT_EQ(root->is_unsharded() && b0->is_unsharded() && b1->is_unsharded(), keep);
+        const int64_t now = b0->comm_stats().all_gathers + b1->comm_stats().all_gathers +
+                            root->comm_stats().all_gathers;
+        out.gathers.push_back(now - before);
+        before = now;
+      }
+      opt.step();
+    }
+    for (auto& [name, p] : net->named_parameters())
+      out.params[name] = p->stored().clone();
+    return out;
+  };
+  const Run want = run(false), got = run(true);
+  EXPECT_EQ(got.losses, want.losses);
+  for (const auto& [name, t] : want.params)
+    expect_close(got.params.at(name), t, 0, name);
+  // Default: 3 forward gathers and 2 backward ones (the root keeps its own) per micro-batch.
+  EXPECT_EQ(want.gathers, std::vector<int64_t>(kSteps * kMicro, 5));
+  // Kept: the first micro-batch of each step gathers all 5 (the step wrote the shards), the
+  // others the blocks' backward gathers only.
+  EXPECT_EQ(got.gathers, (std::vector<int64_t>{5, 2, 2, 5, 2, 2}));
 }
 
 // PyTorch's set_reshard_after_forward: off (recursively, the root's own included), a loop of

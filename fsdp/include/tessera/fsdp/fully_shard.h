@@ -70,12 +70,17 @@ class FSDPState {
   // it on every fully_shard'ed module inside this one too.
   void set_requires_gradient_sync(bool sync, bool recurse = true);
   // HSDP: off, backward still reduce-scatters within each replica but skips the all-reduce
-  // across replicas; the shard sums wait (memory of one shard, not of the unsharded gradients)
-  // and join the next backward that all-reduces, which sets the stored gradients. So k
-  // micro-batches cost k reduce-scatters and one all-reduce. Nothing for plain FSDP.
+  // across replicas; the shard sums wait, in the reduce dtype (memory of one shard, not of the
+  // unsharded gradients), and join the next backward that all-reduces, whose result is added to
+  // the stored gradients as usual. So k micro-batches cost k reduce-scatters and one all-reduce.
+  // Nothing for plain FSDP. A backward that throws drops the waiting sums.
   void set_requires_all_reduce(bool all_reduce, bool recurse = true);
   // PyTorch's FSDPModule methods: `recurse` sets it on every fully_shard'ed module inside too.
   void set_reshard_after_forward(bool r, bool recurse = true);
+  // Off: a group stays gathered after its backward (its unsharded gradients are still freed),
+  // so that the next micro-batch's forward gathers nothing; reshard() or a backward with it on
+  // frees the weights. An optimizer step in between is seen: the next forward gathers again.
+  void set_reshard_after_backward(bool r, bool recurse = true);
   // Gradients are summed over the data-parallel ranks and divided by `factor` instead of their
   // number (a loss summed over the global batch's tokens, say, divides by 1). Not recursive, as
   // in PyTorch.
