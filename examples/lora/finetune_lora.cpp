@@ -1,11 +1,14 @@
 // LoRA fine-tuning under FSDP x TP: trains the base decoder on the plain corpus (or resumes it
 // from its checkpoint), freezes it, attaches adapters to the attention and MLP projections,
 // fine-tunes them on another text (the same grammar with reversed word order), writes the PEFT
-// directory, and shows that the model with the adapter merged into its weights gives the same
-// loss. Run under mpirun -np (tp * dp); 4 ranks make a (dp 2, tp 2) mesh.
+// directory, shows that the model with the adapter merged into its weights gives the same loss,
+// and checkpoints the merged model with its adapter table, which a fresh model with an unmerged
+// adapter loads to that loss again. Run under mpirun -np (tp * dp); 4 ranks make a (dp 2, tp 2)
+// mesh.
 //
 //   finetune_lora [--tp N] [--dp N] [--base-steps N] [--steps N] [--r N] [--alpha X] [--lr X]
-//                 [--base-checkpoint PATH] [--peft-dir DIR] [--log-every N] [--csv PATH]
+//                 [--base-checkpoint PATH] [--peft-dir DIR] [--lora-checkpoint PATH]
+//                 [--log-every N] [--csv PATH]
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -27,13 +30,13 @@ struct Options {
   int64_t tp = 2, dp = 0, base_steps = 300, steps = 200, r = 16, log_every = 20;
   double alpha = 32, lr = 3e-3;
   std::string base_checkpoint = "finetune_base.h5", peft_dir = "finetune_adapter",
-              csv = "finetune_lora_loss.csv";
+              lora_checkpoint = "finetune_lora.h5", csv = "finetune_lora_loss.csv";
 };
 
 const char* kUsage =
     "usage: finetune_lora [--tp N] [--dp N] [--base-steps N] [--steps N] [--r N] [--alpha X]\n"
-    "                     [--lr X] [--base-checkpoint PATH] [--peft-dir DIR] [--log-every N]\n"
-    "                     [--csv PATH]\n"
+    "                     [--lr X] [--base-checkpoint PATH] [--peft-dir DIR]\n"
+    "                     [--lora-checkpoint PATH] [--log-every N] [--csv PATH]\n"
     "Run under mpirun -np (tp * dp). The base model is trained --base-steps steps and saved to\n"
     "--base-checkpoint, or loaded from it when the file exists.\n";
 
@@ -59,6 +62,7 @@ Options parse(int argc, char** argv) {
       {"--lr", real(o.lr)},
       {"--base-checkpoint", text(o.base_checkpoint)},
       {"--peft-dir", text(o.peft_dir)},
+      {"--lora-checkpoint", text(o.lora_checkpoint)},
       {"--log-every", integer(o.log_every, 1)},
       {"--csv", text(o.csv)}};
   for (int i = 1; i < argc; ++i) {
@@ -224,6 +228,24 @@ int run_main(int argc, char** argv) {
   lora->save_adapter(o.peft_dir, "default");
   lora->merge_adapter("default");
   const double merged = run.eval(*model, reversed);
+
+  // 5. The merged model checkpointed with its adapter table, loaded into a fresh model whose
+  // adapter is not merged: the table marks it merged, so it applies once (in the weights).
+  {
+    StateDict out;
+    insert_state_dict(out, "model", get_model_state_dict(*model));
+    insert_state_dict(out, "lora", lora->state_dict());
+    save(out, o.lora_checkpoint);
+  }
+  auto fresh = build(run, true);
+  auto fresh_lora = apply_lora(fresh, lc);
+  shard(fresh, run.mesh);
+  StateDict in;
+  insert_state_dict(in, "model", get_model_state_dict(*fresh));
+  insert_state_dict(in, "lora", fresh_lora->state_dict());
+  load(in, o.lora_checkpoint);
+  fresh_lora->load_state_dict(sub_state_dict(in, "lora"));
+  const double reloaded = run.eval(*fresh, reversed);
   if (lead) {
     {
       std::ofstream csv(o.csv);
@@ -242,12 +264,17 @@ int run_main(int argc, char** argv) {
                 o.peft_dir.c_str());
     std::printf("merged into the weights: loss %.4f (|difference| %.2e)\n", merged,
                 std::abs(merged - tuned));
+    std::printf("merged checkpoint %s reloaded with its adapter table: loss %.4f\n",
+                o.lora_checkpoint.c_str(), reloaded);
   }
   // Non-zero when the example did not show what it is for (the test runs it short).
   const bool learned = tuned < base_reversed, same = std::abs(merged - tuned) <= 1e-4 * tuned;
+  const bool reloads = reloaded == merged;  // the same values, the same computation
   if (lead && !learned) std::fprintf(stderr, "finetune_lora: fine-tuning did not lower the loss\n");
   if (lead && !same) std::fprintf(stderr, "finetune_lora: the merged model gives another loss\n");
-  return learned && same ? 0 : 1;
+  if (lead && !reloads)
+    std::fprintf(stderr, "finetune_lora: the reloaded merged checkpoint gives another loss\n");
+  return learned && same && reloads ? 0 : 1;
 }
 
 }  // namespace
