@@ -58,7 +58,10 @@ void FSDPGroup::set_unsharded_params() {
 
 void FSDPGroup::unshard(bool async_op) {
   if (unsharded_) {
-    if (!shards_written_since_gather()) return;
+    if (!shards_written_since_gather()) {
+      if (!backward_pending_) refresh_leaves();
+      return;
+    }
     // The shards were written while the gathered values stayed (a LoRA merge or a load after a
     // forward that kept them): those are stale. Gather again, as after a reshard; a backward
     // still pending on the old values then refuses them through the version counter.
@@ -90,7 +93,7 @@ bool FSDPGroup::shards_written_since_gather() const {
   if (gather_pg_->size() == 1) return here;
   // Whether to gather again must be the same on every rank, or their all-gathers would not
   // match: a rank whose pieces nobody wrote follows the others. Only a group found gathered at
-  // its forward pays this (a second forward before backward, a module used twice).
+  // its forward pays this (kept after backward or after a no_grad forward, a module used twice).
   Tensor flag = full({1}, here ? 1.0 : 0.0, TensorOptions(DType::Int32, flat_.device()));
   gather_pg_->all_reduce(flag, ReduceOp::Max)->wait();
   return flag.item<int32_t>() != 0;
@@ -152,8 +155,24 @@ void FSDPGroup::finish_gather(bool fresh) {
   if (g.reuse) settle_refill_version(g);
   if (g.reuse && !fresh) return;  // the leaves are views of the bytes just gathered
   leaves_shards_version_ = g.shards_version;
-  // Fresh leaves: views of the gathered buffer, one per parameter, each a new autograd leaf.
   gathered_ = g.target;
+  make_leaves();
+}
+
+void FSDPGroup::refresh_leaves() {
+  // Leaves kept from an earlier step (set_reshard_after_backward(false), or gathered under
+  // no_grad with reshard_after_forward off) were made for the requires_grad of then: a parameter
+  // unfrozen since would get no gradient from them, a frozen one would still get one.
+  bool stale = false;
+  for (const ParamInfo& i : params_)
+    stale |= i.leaf.defined() && i.leaf.requires_grad() != i.param->requires_grad();
+  if (!stale) return;
+  make_leaves();
+  set_unsharded_params();
+}
+
+void FSDPGroup::make_leaves() {
+  // Fresh leaves: views of the gathered buffer, one per parameter, each a new autograd leaf.
   for (size_t p = 0; p < params_.size(); ++p) {
     ParamInfo& i = params_[p];
     Tensor leaf = kernels::view(flat_window(gathered_, i.base, shape_numel(i.unsharded_shape)),
@@ -407,6 +426,18 @@ void FSDPGroup::start_reduce() {
   backward_pending_ = false;
   grads_ready_for_reduce_ = false;
   clear_grads_in();
+  // A group whose backward did not run on this rank still had its backward all-gather issued
+  // (finalize does, to match the ranks where it ran). Finish it before anything frees the buffer
+  // it writes into; kept gathered, it leaves the group gathered as on those ranks, so that the
+  // next forward issues the same collectives everywhere.
+  if (pending_gather_) {
+    if (reshard_after_backward_) {
+      drop_pending_gather();
+    } else {
+      finish_gather(/*fresh=*/false);
+      set_unsharded_params();
+    }
+  }
   const DType reduce_dtype =
       opts_.mp_policy.reduce_dtype.value_or(opts_.mp_policy.param_dtype.value_or(flat_.dtype()));
   if (!requires_gradient_sync_) {
@@ -427,7 +458,6 @@ void FSDPGroup::start_reduce() {
     trainable |= i.param->requires_grad();
   if (!trainable) {  // the same on every rank: nothing to reduce
     finish_backward();
-    if (partial_reduce_) refuse_changed_trainables();
     return;
   }
   // Packing needs only the gradients: free the gathered weights first.
@@ -438,10 +468,7 @@ void FSDPGroup::start_reduce() {
   // collective.
   const int64_t k = reduce_pg_->size();
   PendingReduce pr;
-  for (const ParamInfo& i : params_) {
-    pr.offsets.push_back(i.param->requires_grad() ? pr.size : -1);
-    if (i.param->requires_grad()) pr.size += i.chunk_rows * i.row_numel;
-  }
+  pr.offsets = reduce_offsets(pr.size);
   const int64_t block = pr.size + int64_t(params_.size());
   pr.send = zeros(Shape{k * block}, TensorOptions(reduce_dtype, flat_.device()));
   const int64_t n_params = int64_t(params_.size());
@@ -449,7 +476,10 @@ void FSDPGroup::start_reduce() {
   std::vector<float> has_grad(params_.size(), 0.0f);
   for (size_t p = 0; p < params_.size(); ++p) {
     ParamInfo& i = params_[p];
-    if (!i.param->requires_grad()) continue;
+    if (!i.param->requires_grad()) {
+      i.accum_grad = Tensor();  // frozen since: it gets no gradient, now or later
+      continue;
+    }
     Tensor g = i.leaf.defined() ? i.leaf.grad() : Tensor();
     if (i.accum_grad.defined())
       g = g.defined() ? add(i.accum_grad, g.to(reduce_dtype)) : i.accum_grad;
@@ -479,22 +509,27 @@ void FSDPGroup::start_reduce() {
   pending_reduce_ = std::move(pr);
 }
 
-void FSDPGroup::refuse_changed_trainables() {
-  // The same on every rank, as requires_grad is. The sums are dropped so that the next backward
-  // starts clean rather than failing again.
-  partial_reduce_.reset();
-  auto m = module_.lock();
-  TESSERA_FAIL("fully_shard(", m ? m->type_name() : std::string("module"),
-               "): which parameters require gradients changed while earlier micro-batches' "
-               "gradients waited for their all-reduce across replicas "
-               "(set_requires_all_reduce(false)); their sums are dropped. Change it only after a "
-               "backward that all-reduces");
+std::vector<int64_t> FSDPGroup::reduce_offsets(int64_t& size) const {
+  std::vector<int64_t> offsets;
+  size = 0;
+  for (const ParamInfo& i : params_) {
+    offsets.push_back(i.param->requires_grad() ? size : -1);
+    if (i.param->requires_grad()) size += i.chunk_rows * i.row_numel;
+  }
+  return offsets;
+}
+
+bool FSDPGroup::partial_reduce_fits() const {
+  int64_t size = 0;
+  return !partial_reduce_ || partial_reduce_->offsets == reduce_offsets(size);
 }
 
 bool FSDPGroup::merge_partial_reduce() {
   PendingReduce& pr = *pending_reduce_;
   if (partial_reduce_) {
-    if (partial_reduce_->offsets != pr.offsets) refuse_changed_trainables();
+    // FSDPSchedule::begin_backward refused a change before this backward began.
+    TESSERA_CHECK(partial_reduce_->offsets == pr.offsets,
+                  "fully_shard: the kept gradient sums do not fit this backward's reduce");
     pr.reduced = add(pr.reduced, partial_reduce_->reduced);
     partial_reduce_.reset();
   }

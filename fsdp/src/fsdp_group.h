@@ -102,7 +102,15 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   // when the all-reduce across replicas is to follow, false when these sums are kept instead
   // (set_requires_all_reduce(false)) and the reduce is over.
   bool merge_partial_reduce();
-  [[noreturn]] void refuse_changed_trainables();
+  // Where each parameter's padded piece lies in a rank's reduce block for the parameters that
+  // require gradients now (-1 for frozen ones), and their total.
+  std::vector<int64_t> reduce_offsets(int64_t& size) const;
+  // Whether sums kept for a later all-reduce were packed for the parameters trainable now.
+  bool partial_reduce_fits() const;
+  // New leaves over gathered_ (no communication), when kept ones no longer match which
+  // parameters require gradients.
+  void refresh_leaves();
+  void make_leaves();
   void mark_grads_pending(bool pending);
   void begin_backward();
 

@@ -59,11 +59,25 @@ void FSDPSchedule::begin_backward(const Group& caller) {
     if (auto s = it->lock(); s && s->backward_pending_) backward_order.push_back(s);
   if (index_of(backward_order, caller.get()) < 0 && caller->backward_pending_)
     backward_order.push_back(caller);
+  refuse_unfit_partial_reduces();
   for_each_live(backward_order, [](const Group& s) { s->mark_grads_pending(true); });
   std::weak_ptr<FSDPSchedule> weak = weak_from_this();
   autograd::queue_callback([weak] {
     if (auto s = weak.lock()) s->finalize();
   });
+}
+
+void FSDPSchedule::refuse_unfit_partial_reduces() const {
+  for (const auto& w : backward_order) {
+    auto s = w.lock();
+    if (!s || s->partial_reduce_fits()) continue;
+    auto m = s->module_.lock();
+    TESSERA_FAIL("fully_shard(", m ? m->type_name() : std::string("module"),
+                 "): which parameters require gradients changed while earlier micro-batches' "
+                 "gradients waited for their all-reduce across replicas "
+                 "(set_requires_all_reduce(false)); every group's waiting sums are dropped. "
+                 "Change it only after a backward that all-reduces");
+  }
 }
 
 void FSDPSchedule::gather_through(const FSDPGroup* g) {

@@ -50,6 +50,11 @@ struct FSDPSchedule : std::enable_shared_from_this<FSDPSchedule> {
   Group next_in_backward(const FSDPGroup* g) const;
   // The first backward hook of any group: fixes the backward order and queues finalize().
   void begin_backward(const Group& caller);
+  // Sums kept for a later all-reduce (set_requires_all_reduce(false)) were packed for the
+  // parameters trainable then: a change since is refused here, before this backward issues any
+  // collective, so every rank (requires_grad is the same on all) throws at the same point, with
+  // backward_running set: the next forward or backward runs abandon(), which drops the sums.
+  void refuse_unfit_partial_reduces() const;
   // Issues the backward all-gathers of every group up to and including `g` in backward order.
   void gather_through(const FSDPGroup* g);
   // Issues the reduce-scatters of the ready groups at the front of the backward order, and

@@ -155,7 +155,13 @@ Tensor branch_loss(Branches& net, int rank, int step) {
   return loss;
 }
 
-TEST(FSDPSchedule, GroupWithGradientsOnSomeRanksOnlyStaysInStep) {
+// With set_reshard_after_backward(false) too: head_b, whose backward runs on odd ranks only,
+// must stay gathered on every rank alike, or the next forward's collectives would differ between
+// ranks (a check of the shards on some, an all-gather on others).
+class GroupWithGradientsOnSomeRanksOnly : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GroupWithGradientsOnSomeRanksOnly, StaysInStep) {
+  const bool keep_gathered = GetParam();
   // Reference: one process, the mean of every rank's loss.
   auto ref = std::make_shared<Branches>();
   AdamW ref_opt(ref->parameters(), AdamWOptions{.lr = 1e-2});
@@ -163,7 +169,8 @@ TEST(FSDPSchedule, GroupWithGradientsOnSomeRanksOnlyStaysInStep) {
   for (auto& m : {net->t1, net->t2, net->t3, net->head_a})
     fully_shard(m, dp_mesh());
   fully_shard(net->head_b, dp_mesh());
-  fully_shard(net, dp_mesh());
+  auto root = fully_shard(net, dp_mesh());
+  root->set_reshard_after_backward(!keep_gathered);
   AdamW opt(net->parameters(), AdamWOptions{.lr = 1e-2});
   for (int s = 0; s < 2; ++s) {
     Tensor total;
@@ -192,7 +199,13 @@ TEST(FSDPSchedule, GroupWithGradientsOnSomeRanksOnlyStaysInStep) {
     EXPECT_EQ(got.at("head_b.weight").to_vector<float>(),
               fresh->state_dict().at("head_b.weight").to_vector<float>());
   }
+  EXPECT_EQ(root->is_unsharded(), keep_gathered);
 }
+
+INSTANTIATE_TEST_SUITE_P(FSDPSchedule, GroupWithGradientsOnSomeRanksOnly, ::testing::Bool(),
+                         [](const auto& info) {
+                           return info.param ? "KeptGatheredAfterBackward" : "Default";
+                         });
 
 // A group used twice in one forward, as PyTorch's FSDP2 allows: both uses must add to its
 // gradients. `mode` 0: blk(blk(stem(x))); 1: blk(h) + blk(h) on one input; 2: blk(blk(x)) on an

@@ -247,10 +247,11 @@ TEST(FullyShard, HsdpMicroBatchesAllReduceAcrossReplicasOnce) {
   const Tensor x = randn({4, 16}, gen);
   root->set_requires_all_reduce(false);
   backward(mean(square((*net)(x))));
-  net->head->bias.set_requires_grad(false);
+  // b1 is the first group in backward order: refused before any collective of this backward.
+  net->b1->fc1->bias.set_requires_grad(false);
   expect_error([&] { backward(mean(square((*net)(x)))); },
                {"which parameters require gradients changed"});
-  net->head->bias.set_requires_grad(true);
+  net->b1->fc1->bias.set_requires_grad(true);
   root->set_requires_all_reduce(true);
   backward(mean(square((*net)(x))));
   std::map<std::string, Tensor> after_error;
@@ -518,6 +519,42 @@ TEST(FullyShard, ReshardAfterBackwardOffKeepsGroupsGatheredAcrossMicroBatches) {
   // Kept: the first micro-batch of each step gathers all 5 (the step wrote the shards), the
   // others the blocks' backward gathers only.
   EXPECT_EQ(got.gathers, (std::vector<int64_t>{5, 2, 2, 5, 2, 2}));
+}
+
+// Kept gathered across backwards, a group's leaves follow requires_grad: leaves made while a
+// parameter was frozen would give it no gradient once unfrozen, and the other way round.
+TEST(FullyShard, KeptGatheredLeavesFollowRequiresGrad) {
+  DeviceMesh mesh = dp_mesh();
+  auto net = std::make_shared<Mlp>();
+  fully_shard(net->b0, mesh);
+  fully_shard(net->b1, mesh);
+  auto root = fully_shard(net, mesh);
+  root->set_reshard_after_backward(false);
+  Generator gen(uint64_t(40 + world_rank()));
+  const Tensor x = randn({4, 16}, gen);
+  auto step = [&] {
+    for (Parameter* p : net->parameters())
+      p->zero_grad();
+    backward(mean(square((*net)(x))));
+  };
+  std::vector<Parameter*> toggled = {&net->head->bias, &net->b0->fc1->weight};
+  for (Parameter* p : toggled)
+    p->set_requires_grad(false);
+  step();  // the leaves are made with these frozen, and kept
+  ASSERT_TRUE(root->is_unsharded());
+  for (Parameter* p : toggled)
+    EXPECT_FALSE(p->grad().defined()) << "a frozen parameter got a gradient";
+  EXPECT_TRUE(net->head->weight.grad().defined());
+  for (Parameter* p : toggled)
+    p->set_requires_grad(true);
+  step();
+  for (Parameter* p : toggled)
+    EXPECT_TRUE(p->grad().defined()) << "an unfrozen parameter got no gradient";
+  for (Parameter* p : toggled)
+    p->set_requires_grad(false);
+  step();
+  for (Parameter* p : toggled)
+    EXPECT_FALSE(p->grad().defined()) << "a frozen parameter got a gradient";
 }
 
 // PyTorch's set_reshard_after_forward: off (recursively, the root's own included), a loop of

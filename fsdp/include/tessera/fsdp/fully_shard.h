@@ -78,8 +78,9 @@ class FSDPState {
   // PyTorch's FSDPModule methods: `recurse` sets it on every fully_shard'ed module inside too.
   void set_reshard_after_forward(bool r, bool recurse = true);
   // Off: a group stays gathered after its backward (its unsharded gradients are still freed),
-  // so that the next micro-batch's forward gathers nothing; reshard() or a backward with it on
-  // frees the weights. An optimizer step in between is seen: the next forward gathers again.
+  // so that the next micro-batch's forward gathers nothing (it checks, with one small
+  // all-reduce, whether the shards were written since: after an optimizer step it gathers
+  // again), and then reshards as reshard_after_forward says; reshard() frees the weights too.
   void set_reshard_after_backward(bool r, bool recurse = true);
   // Gradients are summed over the data-parallel ranks and divided by `factor` instead of their
   // number (a loss summed over the global batch's tokens, say, divides by 1). Not recursive, as
