@@ -18,12 +18,16 @@ std::string usage() {
   return "usage: train_lm [--tp N] [--dp N] [--sequence-parallel] [--loss-parallel] [--fsdp]\n"
          "                [--steps N]\n"
          "                [--batch N] [--seq N] [--lr X] [--weight-decay X] [--clip X] [--seed N]\n"
+         "                [--warmup N] [--cosine] [--min-lr X]\n"
          "                [--dim N] [--layers N] [--heads N] [--kv-heads N] [--ffn N]\n"
          "                [--corpus-chars N] [--log-every N] [--csv PATH]\n"
          "                [--checkpoint-dir DIR] [--save-every N] [--resume]\n"
          "Run under mpirun -np (tp * dp), or alone for tp = dp = 1.\n"
          "Checkpoints go to DIR/step_<N>.h5 every N steps and at the end; --resume continues\n"
-         "from the newest one in DIR, on any mesh.\n";
+         "from the newest one in DIR, on any mesh.\n"
+         "--warmup N raises the lr linearly from lr / N to lr over N steps; --cosine then lowers\n"
+         "it along a cosine to --min-lr (default 0), reached at step --steps. Without them the lr\n"
+         "is constant.\n";
 }
 
 Options parse_options(int argc, char** argv) {
@@ -49,6 +53,8 @@ Options parse_options(int argc, char** argv) {
       {"--lr", real(o.lr, 0, 1e3)},
       {"--weight-decay", real(o.weight_decay, 0, 1e3)},
       {"--clip", real(o.clip, 0, 1e30)},
+      {"--warmup", integer(o.warmup, 0)},
+      {"--min-lr", real(o.min_lr, 0, 1e3)},
       {"--seed",
        [&](const std::string& v) { o.seed = uint64_t(tessera::cli::parse_int(flag, v, 0, kBig)); }},
       {"--dim", integer(o.dim, 1)},
@@ -80,6 +86,10 @@ Options parse_options(int argc, char** argv) {
       o.fsdp = true;
       continue;
     }
+    if (a == "--cosine") {
+      o.cosine = true;
+      continue;
+    }
     if (a == "--resume") {
       o.resume = true;
       continue;
@@ -92,6 +102,9 @@ Options parse_options(int argc, char** argv) {
   }
   if ((o.save_every != 0 || o.resume) && o.checkpoint_dir.empty())
     throw std::invalid_argument("--save-every and --resume need --checkpoint-dir");
+  if (o.cosine && o.warmup >= o.steps)
+    throw std::invalid_argument("--cosine needs more --steps than --warmup steps, to decay over");
+  if (o.min_lr > 0 && !o.cosine) throw std::invalid_argument("--min-lr needs --cosine");
   return o;
 }
 

@@ -16,6 +16,11 @@ struct Options {
   double lr = 3e-3;
   double weight_decay = 0.01;
   double clip = 1.0;  // max gradient norm (0: off)
+  // The lr schedule: a linear warmup from lr / warmup to lr over `warmup` steps, then with
+  // `cosine` a cosine decay that reaches min_lr at step `steps`; neither: a constant lr.
+  int64_t warmup = 0;
+  bool cosine = false;
+  double min_lr = 0;
   uint64_t seed = 1234;
   int64_t dim = 128;
   int64_t layers = 2;

@@ -5,6 +5,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
+#include <map>
+#include <memory>
 #include <optional>
 
 #include "lm/corpus.h"
@@ -38,13 +41,42 @@ std::string config_text(const DecoderConfig& c) {
          " max_seq_len=" + std::to_string(c.max_seq_len);
 }
 
-// Model (the stored shards, in place), optimizer state, the steps done and the configuration.
-StateDict train_state(Decoder& model, AdamW& opt, int64_t steps_done) {
+// The lr schedule of the flags (options.h), or none for a constant lr.
+std::shared_ptr<LRScheduler> make_schedule(const lm::Options& o, Optimizer& opt) {
+  std::shared_ptr<LRScheduler> warm, decay;
+  if (o.warmup > 0) warm = std::make_shared<LinearLR>(opt, 1.0 / double(o.warmup), 1.0, o.warmup);
+  if (o.cosine) decay = std::make_shared<CosineAnnealingLR>(opt, o.steps - o.warmup, o.min_lr);
+  if (warm && decay)
+    return std::make_shared<SequentialLR>(opt,
+                                          std::vector<std::shared_ptr<LRScheduler>>{warm, decay},
+                                          std::vector<int64_t>{o.warmup});
+  return warm ? warm : decay;
+}
+
+// What a resumed run must repeat to continue the same schedule ("none" for a constant lr): the
+// cosine's length depends on --steps.
+std::string schedule_text(const lm::Options& o) {
+  if (o.warmup == 0 && !o.cosine) return "none";
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "warmup=%lld cosine=%d min_lr=%.17g steps=%lld",
+                (long long)o.warmup, int(o.cosine), o.min_lr, (long long)(o.cosine ? o.steps : 0));
+  return buf;
+}
+
+// Model (the stored shards, in place), optimizer state, the steps done, the configuration and,
+// with a schedule, its text and progress.
+StateDict train_state(Decoder& model, AdamW& opt, const LRScheduler* schedule, const lm::Options& o,
+                      int64_t steps_done) {
   StateDict sd;
   insert_state_dict(sd, "model", get_model_state_dict(model));
   insert_state_dict(sd, "optim", get_optimizer_state_dict(model, opt));
   sd["extras/step"] = steps_done;
   sd["extras/model_config"] = config_text(model.config());
+  if (schedule) {
+    sd["extras/lr_schedule"] = schedule_text(o);
+    for (const auto& [key, v] : schedule->state_dict())
+      sd["extras/lr_scheduler/" + key] = v;
+  }
   return sd;
 }
 
@@ -66,9 +98,10 @@ std::optional<std::string> newest_checkpoint(const std::string& dir) {
   return best;
 }
 
-// Loads the newest checkpoint of `dir` into the model and optimizer, whatever mesh saved it;
-// returns the number of steps it had done.
-int64_t resume(Decoder& model, AdamW& opt, const std::string& dir) {
+// Loads the newest checkpoint of `dir` into the model, optimizer and schedule, whatever mesh
+// saved it; returns the number of steps it had done.
+int64_t resume(Decoder& model, AdamW& opt, LRScheduler* schedule, const lm::Options& o) {
+  const std::string& dir = o.checkpoint_dir;
   const std::optional<std::string> path = newest_checkpoint(dir);
   TESSERA_CHECK(path.has_value(), "train_lm --resume: no checkpoint step_<N>.h5 in '", dir, "'");
   // The configuration first (every rank reads it): a model of another size would otherwise
@@ -81,9 +114,23 @@ int64_t resume(Decoder& model, AdamW& opt, const std::string& dir) {
   TESSERA_CHECK(saved == config_text(model.config()), "train_lm --resume: ", *path,
                 " holds a model with ", saved, "; this run builds ", config_text(model.config()),
                 " (pass the same --dim, --layers, ... as the run that saved it)");
-  StateDict sd = train_state(model, opt, 0);
+  auto sched = extras.find("extras/lr_schedule");
+  const std::string saved_schedule =
+      sched == extras.end() || !std::holds_alternative<std::string>(sched->second)
+          ? "none"
+          : std::get<std::string>(sched->second);
+  TESSERA_CHECK(saved_schedule == schedule_text(o), "train_lm --resume: ", *path,
+                " was trained with the lr schedule ", saved_schedule, "; this run asks for ",
+                schedule_text(o), " (pass the same --warmup, --cosine, --min-lr and --steps)");
+  StateDict sd = train_state(model, opt, schedule, o, 0);
   load(sd, *path);
   set_optimizer_state_dict(model, opt, sub_state_dict(sd, "optim"));
+  if (schedule) {
+    std::map<std::string, double> progress;
+    for (const auto& [key, v] : sub_state_dict(sd, "extras/lr_scheduler"))
+      progress[key] = std::get<double>(v);
+    schedule->load_state_dict(progress);
+  }
   return std::get<int64_t>(sd.at("extras/step"));
 }
 
@@ -128,8 +175,9 @@ int run(int argc, char** argv) {
     n_params += shape_numel(p->global_shape());
 
   AdamW opt(model->parameters(), {o.lr, 0.9, 0.95, 1e-8, o.weight_decay});
+  std::shared_ptr<LRScheduler> schedule = make_schedule(o, opt);
   int64_t first_step = 0;
-  if (o.resume) first_step = resume(*model, opt, o.checkpoint_dir);
+  if (o.resume) first_step = resume(*model, opt, schedule.get(), o);
   if (!o.checkpoint_dir.empty() && lead) std::filesystem::create_directories(o.checkpoint_dir);
   const int64_t rows = o.batch / o.dp;
   const int64_t row0 = mesh.coordinate()[0] * rows;
@@ -167,24 +215,28 @@ int run(int argc, char** argv) {
     backward(loss);
     if (!fsdp) average_gradients(model->parameters(), mesh.group("dp"));
     if (o.clip > 0) clip_grad_norm_(model->parameters(), o.clip);
+    const double lr = opt.lr();  // this step's
     opt.step();
     opt.zero_grad();
+    if (schedule) schedule->step();
     Tensor l = loss.detach().clone();
     mesh.group("dp")->all_reduce(l, ReduceOp::Avg)->wait();
     const double dt = now_seconds() - t0;
     losses.push_back(l.item<double>());
     times.push_back(dt);
     if (lead && (step % o.log_every == 0 || step + 1 == o.steps)) {
-      std::printf("step %5lld  loss %.4f  %8.0f tokens/s  %7.1f ms/step  peak %.1f MiB\n",
+      char lr_text[32] = "";
+      if (schedule) std::snprintf(lr_text, sizeof lr_text, "  lr %.3e", lr);
+      std::printf("step %5lld  loss %.4f  %8.0f tokens/s  %7.1f ms/step  peak %.1f MiB%s\n",
                   (long long)step, losses.back(), double(o.batch * o.seq) / dt, dt * 1e3,
-                  double(memory_stats().peak_bytes) / (1 << 20));
+                  double(memory_stats().peak_bytes) / (1 << 20), lr_text);
       std::fflush(stdout);
     }
     const bool last = step + 1 == o.steps;
     if (!o.checkpoint_dir.empty() &&
         (last || (o.save_every > 0 && (step + 1) % o.save_every == 0))) {
       const std::string path = checkpoint_path(o.checkpoint_dir, step + 1);
-      pending = async_save(train_state(*model, opt, step + 1), path);
+      pending = async_save(train_state(*model, opt, schedule.get(), o, step + 1), path);
       if (last) pending.wait();
       if (lead)
         std::printf("checkpoint: %s%s\n", path.c_str(), last ? "" : " (writing in the background)");
@@ -197,7 +249,8 @@ int run(int argc, char** argv) {
       std::ofstream csv(o.csv);
       csv << "step,loss,ms\n";
       for (size_t i = 0; i < losses.size(); ++i)
-        csv << first_step + int64_t(i) << "," << losses[i] << "," << times[i] * 1e3 << "\n";
+        csv << first_step + int64_t(i) << "," << std::setprecision(9) << losses[i] << ","
+            << std::setprecision(6) << times[i] * 1e3 << "\n";
     }
     std::string why;
     const std::string png = lm::plot_loss_curve(o.csv, "train_lm: training loss", why);
