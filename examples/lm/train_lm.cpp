@@ -134,6 +134,71 @@ int64_t resume(Decoder& model, AdamW& opt, LRScheduler* schedule, const lm::Opti
   return std::get<int64_t>(sd.at("extras/step"));
 }
 
+DecoderConfig decoder_config(const lm::Options& o, int64_t vocab_size) {
+  DecoderConfig cfg;
+  cfg.vocab_size = vocab_size;
+  cfg.dim = o.dim;
+  cfg.n_layers = o.layers;
+  cfg.n_heads = o.heads;
+  cfg.n_kv_heads = o.kv_heads;
+  cfg.ffn_dim = o.ffn;
+  cfg.max_seq_len = o.seq;
+  cfg.seed = o.seed;
+  cfg.validate();
+  return cfg;
+}
+
+// The decoder, tensor parallel over tp, then with --fsdp sharded over dp (FSDP x TP on the 2-D
+// mesh): one group per block, then the root; FSDP then reduce-scatters and averages the
+// gradients itself.
+std::shared_ptr<Decoder> build_model(const lm::Options& o, const DecoderConfig& cfg,
+                                     const DeviceMesh& mesh) {
+  auto model = std::make_shared<Decoder>(cfg);
+  if (o.tp > 1)
+    parallelize_module(model, mesh["tp"],
+                       decoder_tp_plan(cfg, mesh["tp"], {o.sequence_parallel, o.loss_parallel}));
+  if (o.fsdp && o.dp > 1) {
+    for (auto& block : model->layers)
+      fully_shard(block, mesh["dp"]);
+    fully_shard(model, mesh["dp"]);
+  }
+  return model;
+}
+
+// This rank's mean loss over its rows; with loss parallelism the logits stay split over the
+// vocabulary.
+Tensor forward_loss(Decoder& model, const lm::Corpus::Batch& b, const DeviceMesh& tp_mesh,
+                    bool loss_parallel) {
+  Tensor logits = model(b.inputs);
+  if (!loss_parallel) return cross_entropy(logits, b.targets);
+  // The global shape: the vocabulary need not split evenly over the tp ranks.
+  const Shape global{logits.size(0), logits.size(1), model.config().vocab_size};
+  return vocab_parallel_cross_entropy(DTensor::from_local(logits, tp_mesh, {Shard(-1)}, global),
+                                      b.targets)
+      .to_local();
+}
+
+// The loss curve's CSV (and picture) and the summary line (rank 0).
+void write_summary(const lm::Options& o, int64_t first_step, const std::vector<double>& losses,
+                   const std::vector<double>& times, double total) {
+  {
+    std::ofstream csv(o.csv);
+    csv << "step,loss,ms\n";
+    for (size_t i = 0; i < losses.size(); ++i)
+      csv << first_step + int64_t(i) << "," << std::setprecision(9) << losses[i] << ","
+          << std::setprecision(6) << times[i] * 1e3 << "\n";
+  }
+  std::string why;
+  const std::string png = lm::plot_loss_curve(o.csv, "train_lm: training loss", why);
+  std::printf(
+      "summary: loss %.4f -> %.4f in %lld steps, %.1f s, %.0f tokens/s, peak %.1f MiB; "
+      "loss curve in %s%s%s\n",
+      losses.front(), losses.back(), (long long)losses.size(), total,
+      double(o.batch * o.seq) * double(losses.size()) / total,
+      double(memory_stats().peak_bytes) / (1 << 20), o.csv.c_str(),
+      png.empty() ? " (no picture: " : " and ", png.empty() ? (why + ")").c_str() : png.c_str());
+}
+
 int run(int argc, char** argv) {
   lm::Options o = lm::parse_options(argc, argv);
   const int64_t world = world_size();
@@ -146,30 +211,11 @@ int run(int argc, char** argv) {
   const bool lead = world_rank() == 0;
 
   lm::Corpus corpus(o.corpus_chars, o.seed);
-  DecoderConfig cfg;
-  cfg.vocab_size = corpus.vocab_size();
-  cfg.dim = o.dim;
-  cfg.n_layers = o.layers;
-  cfg.n_heads = o.heads;
-  cfg.n_kv_heads = o.kv_heads;
-  cfg.ffn_dim = o.ffn;
-  cfg.max_seq_len = o.seq;
-  cfg.seed = o.seed;
-  cfg.validate();
-  auto model = std::make_shared<Decoder>(cfg);
+  const DecoderConfig cfg = decoder_config(o, corpus.vocab_size());
   DeviceMesh tp_mesh = mesh["tp"];
   const bool loss_parallel = o.loss_parallel && o.tp > 1;
-  if (o.tp > 1)
-    parallelize_module(model, tp_mesh,
-                       decoder_tp_plan(cfg, tp_mesh, {o.sequence_parallel, loss_parallel}));
-  // FSDP over dp after TP over tp (FSDP x TP on the 2-D mesh): one group per block, then the
-  // root; gradients are then reduce-scattered and averaged by FSDP itself.
   const bool fsdp = o.fsdp && o.dp > 1;
-  if (fsdp) {
-    for (auto& block : model->layers)
-      fully_shard(block, mesh["dp"]);
-    fully_shard(model, mesh["dp"]);
-  }
+  auto model = build_model(o, cfg, mesh);
   int64_t n_params = 0;
   for (auto& [name, p] : model->named_parameters())
     n_params += shape_numel(p->global_shape());
@@ -204,14 +250,7 @@ int run(int argc, char** argv) {
   for (int64_t step = first_step; step < o.steps; ++step) {
     const double t0 = now_seconds();
     lm::Corpus::Batch b = corpus.batch(step, o.batch, o.seq, row0, row0 + rows, o.seed);
-    Tensor logits = (*model)(b.inputs);
-    // The global shape: the vocabulary need not split evenly over the tp ranks.
-    const Shape global{logits.size(0), logits.size(1), cfg.vocab_size};
-    Tensor loss = loss_parallel
-                      ? vocab_parallel_cross_entropy(
-                            DTensor::from_local(logits, tp_mesh, {Shard(-1)}, global), b.targets)
-                            .to_local()
-                      : cross_entropy(logits, b.targets);
+    Tensor loss = forward_loss(*model, b, tp_mesh, loss_parallel);
     backward(loss);
     if (!fsdp) average_gradients(model->parameters(), mesh.group("dp"));
     if (o.clip > 0) clip_grad_norm_(model->parameters(), o.clip);
@@ -242,26 +281,7 @@ int run(int argc, char** argv) {
         std::printf("checkpoint: %s%s\n", path.c_str(), last ? "" : " (writing in the background)");
     }
   }
-  if (losses.empty()) return 0;
-  const double total = now_seconds() - t_start;
-  if (lead) {
-    {
-      std::ofstream csv(o.csv);
-      csv << "step,loss,ms\n";
-      for (size_t i = 0; i < losses.size(); ++i)
-        csv << first_step + int64_t(i) << "," << std::setprecision(9) << losses[i] << ","
-            << std::setprecision(6) << times[i] * 1e3 << "\n";
-    }
-    std::string why;
-    const std::string png = lm::plot_loss_curve(o.csv, "train_lm: training loss", why);
-    std::printf(
-        "summary: loss %.4f -> %.4f in %lld steps, %.1f s, %.0f tokens/s, peak %.1f MiB; "
-        "loss curve in %s%s%s\n",
-        losses.front(), losses.back(), (long long)losses.size(), total,
-        double(o.batch * o.seq) * double(losses.size()) / total,
-        double(memory_stats().peak_bytes) / (1 << 20), o.csv.c_str(),
-        png.empty() ? " (no picture: " : " and ", png.empty() ? (why + ")").c_str() : png.c_str());
-  }
+  if (!losses.empty() && lead) write_summary(o, first_step, losses, times, now_seconds() - t_start);
   return 0;
 }
 
