@@ -426,14 +426,19 @@ void FSDPGroup::start_reduce() {
   backward_pending_ = false;
   grads_ready_for_reduce_ = false;
   clear_grads_in();
-  // A group whose backward did not run on this rank still had its backward all-gather issued
-  // (finalize does, to match the ranks where it ran). Finish it before anything frees the buffer
-  // it writes into; kept gathered, it leaves the group gathered as on those ranks, so that the
-  // next forward issues the same collectives everywhere.
+  // A group whose backward did not run on this rank still gathers for it, as the ranks where it
+  // ran did: finalize issues that gather, or, for a group of frozen parameters made ready early by
+  // its input's gradient (another consumer of the input delivered it), this does, in backward
+  // order as everywhere. Finish it before anything frees the buffer it writes into; kept
+  // gathered, it leaves the group gathered as on those ranks, so that the next forward issues
+  // the same collectives everywhere.
+  if (needs_backward_gather()) schedule_->gather_through(this);
   if (pending_gather_) {
     if (reshard_after_backward_) {
       drop_pending_gather();
     } else {
+      // Into the leaves the graph saved (a fresh target would replace them, and their gradients).
+      TESSERA_CHECK(pending_gather_->reuse, "fully_shard: a backward gather not into its leaves");
       finish_gather(/*fresh=*/false);
       set_unsharded_params();
     }
@@ -457,6 +462,8 @@ void FSDPGroup::start_reduce() {
   for (const ParamInfo& i : params_)
     trainable |= i.param->requires_grad();
   if (!trainable) {  // the same on every rank: nothing to reduce
+    for (ParamInfo& i : params_)
+      i.accum_grad = Tensor();  // unsynced sums of parameters frozen since
     finish_backward();
     return;
   }

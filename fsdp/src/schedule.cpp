@@ -75,8 +75,8 @@ void FSDPSchedule::refuse_unfit_partial_reduces() const {
     TESSERA_FAIL("fully_shard(", m ? m->type_name() : std::string("module"),
                  "): which parameters require gradients changed while earlier micro-batches' "
                  "gradients waited for their all-reduce across replicas "
-                 "(set_requires_all_reduce(false)); every group's waiting sums are dropped. "
-                 "Change it only after a backward that all-reduces");
+                 "(set_requires_all_reduce(false)); the waiting sums of this step's groups are "
+                 "dropped. Change it only after a backward that all-reduces");
   }
 }
 

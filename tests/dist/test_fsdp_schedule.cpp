@@ -202,6 +202,50 @@ TEST_P(GroupWithGradientsOnSomeRanksOnly, StaysInStep) {
   EXPECT_EQ(root->is_unsharded(), keep_gathered);
 }
 
+// head_b frozen, run before head_a (so after it in backward order) and in the loss of odd ranks
+// only: on even ranks its input's gradient (from head_a) makes it ready before its backward
+// gather was issued, which odd ranks issue in its backward. Without backward prefetch nothing
+// else issues it there: the group must issue it itself, or the ranks' all-gathers would no
+// longer match.
+TEST_P(GroupWithGradientsOnSomeRanksOnly, FrozenGroupStillGathersForBackward) {
+  const bool keep_gathered = GetParam();
+  auto loss_of = [](Branches& net, int rank, int step) {
+    Generator gen(uint64_t(800 + 7 * step + rank));
+    Tensor h = net(randn({3, 6}, gen));
+    Tensor b = mean(square((*net.head_b)(h)));
+    Tensor loss = mean(square((*net.head_a)(h)));
+    return rank % 2 == 1 ? add(loss, b) : loss;
+  };
+  auto ref = std::make_shared<Branches>();
+  auto net = std::make_shared<Branches>();
+  for (auto& m : {ref, net})
+    m->head_b->weight.set_requires_grad(false);
+  AdamW ref_opt(ref->parameters(), AdamWOptions{.lr = 1e-2});
+  FSDPOptions opts;
+  opts.backward_prefetch = false;
+  for (auto& m : {net->t1, net->t2, net->t3, net->head_a, net->head_b})
+    fully_shard(m, dp_mesh(), opts);
+  auto root = fully_shard(net, dp_mesh(), opts);
+  root->set_reshard_after_backward(!keep_gathered);
+  AdamW opt(net->parameters(), AdamWOptions{.lr = 1e-2});
+  for (int s = 0; s < 3; ++s) {
+    Tensor total;
+    for (int r = 0; r < world_size(); ++r) {
+      Tensor l = loss_of(*ref, r, s);
+      total = total.defined() ? add(total, l) : l;
+    }
+    backward(mul(total, 1.0 / world_size()));
+    ref_opt.step();
+    ref_opt.zero_grad();
+    backward(loss_of(*net, world_rank(), s));
+    opt.step();
+    opt.zero_grad();
+  }
+  const auto got = net->state_dict(), want = ref->state_dict();
+  for (const auto& [name, t] : want)
+    tessera::testing::expect_close(got.at(name), t, 1e-5, name);
+}
+
 INSTANTIATE_TEST_SUITE_P(FSDPSchedule, GroupWithGradientsOnSomeRanksOnly, ::testing::Bool(),
                          [](const auto& info) {
                            return info.param ? "KeptGatheredAfterBackward" : "Default";
