@@ -26,8 +26,8 @@ std::string usage() {
          "Checkpoints go to DIR/step_<N>.h5 every N steps and at the end; --resume continues\n"
          "from the newest one in DIR, on any mesh.\n"
          "--warmup N raises the lr linearly from lr / N to lr over N steps; --cosine then lowers\n"
-         "it along a cosine to --min-lr (default 0), reached at step --steps. Without them the lr\n"
-         "is constant.\n";
+         "it along a cosine towards --min-lr (default 0), the lr after the last step. Without\n"
+         "them the lr is constant.\n";
 }
 
 Options parse_options(int argc, char** argv) {
@@ -105,6 +105,7 @@ Options parse_options(int argc, char** argv) {
   if (o.cosine && o.warmup >= o.steps)
     throw std::invalid_argument("--cosine needs more --steps than --warmup steps, to decay over");
   if (o.min_lr > 0 && !o.cosine) throw std::invalid_argument("--min-lr needs --cosine");
+  if (o.min_lr > o.lr) throw std::invalid_argument("--min-lr must not exceed --lr");
   return o;
 }
 

@@ -17,7 +17,7 @@ struct Options {
   double weight_decay = 0.01;
   double clip = 1.0;  // max gradient norm (0: off)
   // The lr schedule: a linear warmup from lr / warmup to lr over `warmup` steps, then with
-  // `cosine` a cosine decay that reaches min_lr at step `steps`; neither: a constant lr.
+  // `cosine` a cosine decay towards min_lr, the lr after the last step; neither: a constant lr.
   int64_t warmup = 0;
   bool cosine = false;
   double min_lr = 0;

@@ -114,11 +114,13 @@ int64_t resume(Decoder& model, AdamW& opt, LRScheduler* schedule, const lm::Opti
   TESSERA_CHECK(saved == config_text(model.config()), "train_lm --resume: ", *path,
                 " holds a model with ", saved, "; this run builds ", config_text(model.config()),
                 " (pass the same --dim, --layers, ... as the run that saved it)");
+  // Checkpoints from before schedules existed have no text: a constant lr.
   auto sched = extras.find("extras/lr_schedule");
+  TESSERA_CHECK(sched == extras.end() || std::holds_alternative<std::string>(sched->second),
+                "train_lm --resume: ", *path, " has extras/lr_schedule of the wrong type (",
+                state_value_str(sched->second), ")");
   const std::string saved_schedule =
-      sched == extras.end() || !std::holds_alternative<std::string>(sched->second)
-          ? "none"
-          : std::get<std::string>(sched->second);
+      sched == extras.end() ? "none" : std::get<std::string>(sched->second);
   TESSERA_CHECK(saved_schedule == schedule_text(o), "train_lm --resume: ", *path,
                 " was trained with the lr schedule ", saved_schedule, "; this run asks for ",
                 schedule_text(o), " (pass the same --warmup, --cosine, --min-lr and --steps)");

@@ -60,9 +60,10 @@ void LRScheduler::load_state_dict(const std::map<std::string, double>& state) {
                   "' (this scheduler's optimizer has ", base_lrs_.size(), " param groups)");
   for (const auto& [key, v] : own)
     TESSERA_CHECK(state.count(key), name_, "::load_state_dict: missing key '", key, "'");
+  // -1: a scheduler of a SequentialLR that has not reached its milestone yet (PyTorch's too).
   const double e = state.at("last_epoch");
-  TESSERA_CHECK(e >= 0 && e == std::floor(e), name_, "::load_state_dict: last_epoch (", e,
-                ") is not a whole number >= 0");
+  TESSERA_CHECK(e >= -1 && e == std::floor(e), name_, "::load_state_dict: last_epoch (", e,
+                ") is not a whole number >= -1");
   last_epoch_ = int64_t(e);
   for (size_t g = 0; g < base_lrs_.size(); ++g) {
     base_lrs_[g] = state.at("base_lrs/" + std::to_string(g));

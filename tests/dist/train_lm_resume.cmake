@@ -1,9 +1,11 @@
 # Script mode: train_lm's resume continues a run exactly. Trains STEPS steps with an lr schedule
 # (warmup, then cosine), saving half way and at the end; deletes the final checkpoint, resumes
 # from the half-way one, and compares the resumed steps' losses (9 significant digits) with the
-# uninterrupted run's. LAUNCH is the mpirun command line (one string), ARGS train_lm's flags.
-separate_arguments(launch UNIX_COMMAND "${LAUNCH}")
-separate_arguments(args UNIX_COMMAND "${ARGS}")
+# uninterrupted run's. LAUNCH is the mpirun command before the program, POSTFLAGS what follows
+# it, ARGS train_lm's flags: lists with '|' for ';'.
+string(REPLACE "|" ";" launch "${LAUNCH}")
+string(REPLACE "|" ";" postflags "${POSTFLAGS}")
+string(REPLACE "|" ";" args "${ARGS}")
 math(EXPR half "${STEPS} / 2")
 math(EXPR last "${STEPS} - 1")
 
@@ -30,7 +32,7 @@ endfunction()
 
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
-run(${launch} ${TRAIN_LM} ${args} --steps ${STEPS} --save-every ${half}
+run(${launch} ${TRAIN_LM} ${postflags} ${args} --steps ${STEPS} --save-every ${half}
     --checkpoint-dir ${WORK_DIR}/ckpt --csv ${WORK_DIR}/full.csv)
 file(GLOB saved ${WORK_DIR}/ckpt/step_*.h5)
 list(LENGTH saved n_saved)
@@ -40,7 +42,7 @@ endif()
 list(SORT saved)
 list(GET saved 1 final)
 file(REMOVE ${final})
-run(${launch} ${TRAIN_LM} ${args} --steps ${STEPS} --resume
+run(${launch} ${TRAIN_LM} ${postflags} ${args} --steps ${STEPS} --resume
     --checkpoint-dir ${WORK_DIR}/ckpt --csv ${WORK_DIR}/resumed.csv)
 losses(${WORK_DIR}/full.csv ${half} want)
 losses(${WORK_DIR}/resumed.csv 0 got)

@@ -141,6 +141,30 @@ TEST(LRScheduler, StateDictRoundTrip) {
   }
 }
 
+// Saved during the warmup, the cosine has not started (its last_epoch is -1): the dict loads and
+// the resumed schedule goes on alike, across the milestone.
+TEST(LRScheduler, StateDictRoundTripBeforeTheMilestone) {
+  TwoGroups s;
+  auto warmup = std::make_shared<LinearLR>(s.opt, 0.1, 1.0, 3);
+  auto cosine = std::make_shared<CosineAnnealingLR>(s.opt, 6);
+  SequentialLR sched(s.opt, {warmup, cosine}, {3});
+  sched.step();
+  const std::map<std::string, double> sd = sched.state_dict();
+  EXPECT_EQ(sd.at("schedulers/1/last_epoch"), -1.0);
+  TwoGroups r;
+  auto warmup2 = std::make_shared<LinearLR>(r.opt, 0.1, 1.0, 3);
+  auto cosine2 = std::make_shared<CosineAnnealingLR>(r.opt, 6);
+  SequentialLR resumed(r.opt, {warmup2, cosine2}, {3});
+  resumed.load_state_dict(sd);
+  for (size_t g = 0; g < 2; ++g)
+    r.opt.set_hyperparameters(g, {{"lr", s.opt.hyperparameters(g).at("lr")}});
+  for (int e = 0; e < 5; ++e) {
+    sched.step();
+    resumed.step();
+    EXPECT_EQ(resumed.get_last_lr(), sched.get_last_lr()) << "step " << e;
+  }
+}
+
 TEST(LRScheduler, BadArgumentsAndDictsAreClearErrors) {
   TwoGroups s;
   expect_error([&] { StepLR(s.opt, 0); }, "StepLR: step_size (0) must be positive");
@@ -163,6 +187,9 @@ TEST(LRScheduler, BadArgumentsAndDictsAreClearErrors) {
   expect_error([&] { sched.load_state_dict(sd); },
                "StepLR::load_state_dict: unexpected key 'base_lrs/2'");
   sd.erase("base_lrs/2");
+  sd["last_epoch"] = -2;
+  expect_error([&] { sched.load_state_dict(sd); }, "last_epoch (-2) is not a whole number >= -1");
+  sd["last_epoch"] = 1;
   sd.erase("last_lr/1");
   expect_error([&] { sched.load_state_dict(sd); }, "missing key 'last_lr/1'");
 }
