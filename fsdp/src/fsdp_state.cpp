@@ -1,5 +1,6 @@
 // FSDPState, the public handle: each call acts on every dtype group of its fully_shard call.
 #include <cmath>
+#include <functional>
 
 #include "fsdp_group.h"
 #include "registry.h"
@@ -14,6 +15,18 @@ namespace {
 void check_module_alive(const std::vector<std::shared_ptr<FSDPGroup>>& groups, const char* call) {
   TESSERA_CHECK(!groups.front()->module_.expired(), "FSDPState::", call,
                 ": the fully_shard'ed module was destroyed; this handle only reports its stats");
+}
+
+// Sets a flag on this call's groups and, with `recurse` (PyTorch's FSDPModule setters), on every
+// group of a fully_shard'ed module inside the module.
+void for_groups(const std::vector<std::shared_ptr<FSDPGroup>>& groups, bool recurse,
+                const std::function<void(FSDPGroup&)>& set) {
+  for (const auto& g : groups)
+    set(*g);
+  if (!recurse) return;
+  if (auto m = groups.front()->module_.lock())
+    for (const auto& g : detail::groups_inside(detail::live_groups(), *m))
+      set(*g);
 }
 
 }  // namespace
@@ -37,43 +50,22 @@ void FSDPState::reshard() {
 }
 
 void FSDPState::set_requires_gradient_sync(bool sync, bool recurse) {
-  for (const auto& g : groups_)
-    g->requires_gradient_sync_ = sync;
-  if (!recurse) return;
-  if (auto m = groups_.front()->module_.lock())
-    for (const auto& g : detail::groups_inside(detail::live_groups(), *m))
-      g->requires_gradient_sync_ = sync;
+  for_groups(groups_, recurse, [sync](FSDPGroup& g) { g.requires_gradient_sync_ = sync; });
 }
 
 void FSDPState::set_requires_all_reduce(bool all_reduce, bool recurse) {
-  for (const auto& g : groups_)
-    g->requires_all_reduce_ = all_reduce;
-  if (!recurse) return;
-  if (auto m = groups_.front()->module_.lock())
-    for (const auto& g : detail::groups_inside(detail::live_groups(), *m))
-      g->requires_all_reduce_ = all_reduce;
+  for_groups(groups_, recurse, [all_reduce](FSDPGroup& g) { g.requires_all_reduce_ = all_reduce; });
 }
 
 void FSDPState::set_reshard_after_backward(bool r, bool recurse) {
-  for (const auto& g : groups_)
-    g->reshard_after_backward_ = r;
-  if (!recurse) return;
-  if (auto m = groups_.front()->module_.lock())
-    for (const auto& g : detail::groups_inside(detail::live_groups(), *m))
-      g->reshard_after_backward_ = r;
+  for_groups(groups_, recurse, [r](FSDPGroup& g) { g.reshard_after_backward_ = r; });
 }
 
 void FSDPState::set_reshard_after_forward(bool r, bool recurse) {
-  for (const auto& g : groups_) {
-    g->opts_.reshard_after_forward = r;
-    g->reshard_after_forward_set_ = true;
-  }
-  if (!recurse) return;
-  if (auto m = groups_.front()->module_.lock())
-    for (const auto& g : detail::groups_inside(detail::live_groups(), *m)) {
-      g->opts_.reshard_after_forward = r;
-      g->reshard_after_forward_set_ = true;
-    }
+  for_groups(groups_, recurse, [r](FSDPGroup& g) {
+    g.opts_.reshard_after_forward = r;
+    g.reshard_after_forward_set_ = true;
+  });
 }
 
 void FSDPState::set_gradient_divide_factor(double factor) {

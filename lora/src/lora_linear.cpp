@@ -187,12 +187,17 @@ void LoraLinear::init_slot(int64_t i, const std::string& adapter, const LoraConf
     Tensor rows = kernels::narrow(full, 0, l.global_offset[0], l.local_shape[0]);
     kernels::narrow(b.stored().detach(), 1, 0, config.r).copy_(rows);
   }
+  set_slot(i, adapter, config, path, /*merged=*/false);
+}
+
+void LoraLinear::set_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
+                          const std::string& path, bool merged) {
   Slot& s = slots_[size_t(i)];
   s.adapter = adapter;
   s.r = config.r;
   s.scale = config.scaling();
   s.dropout = config.lora_dropout;
-  s.merged = false;
+  s.merged = merged;
   // A stream per slot: adding or removing another adapter leaves this one's masks as they were.
   dropout_gens_[size_t(i)].manual_seed(slot_seed(config.seed, adapter + "#dropout", path));
 }
@@ -214,16 +219,12 @@ void LoraLinear::restore_slot(int64_t i, const std::string& adapter, const LoraC
     TESSERA_CHECK(config.r <= max_rank_, "LoraLinear '", path, "': adapter '", adapter, "' has r ",
                   config.r, " but the slots hold at most rank ", max_rank_);
   }
-  Slot& s = slots_[size_t(i)];
-  s = Slot{};
-  dropout_gens_[size_t(i)].manual_seed(0);
-  if (adapter.empty()) return;
-  s.adapter = adapter;
-  s.r = config.r;
-  s.scale = config.scaling();
-  s.dropout = config.lora_dropout;
-  s.merged = merged;
-  dropout_gens_[size_t(i)].manual_seed(slot_seed(config.seed, adapter + "#dropout", path));
+  if (adapter.empty()) {
+    slots_[size_t(i)] = Slot{};
+    dropout_gens_[size_t(i)].manual_seed(0);
+    return;
+  }
+  set_slot(i, adapter, config, path, merged);
   dropout_gens_[size_t(i)].set_offset(dropout_offset);
 }
 

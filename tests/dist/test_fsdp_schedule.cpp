@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <string>
 #include <thread>
@@ -155,6 +156,31 @@ Tensor branch_loss(Branches& net, int rank, int step) {
   return loss;
 }
 
+using BranchLoss = std::function<Tensor(Branches&, int rank, int step)>;
+
+// `steps` AdamW steps of `net` (sharded) on this rank's loss and of `ref` (one process) on the
+// mean of every rank's loss; the two must end alike.
+void train_against_reference(Branches& ref, Branches& net, const BranchLoss& loss_of, int steps) {
+  AdamW ref_opt(ref.parameters(), AdamWOptions{.lr = 1e-2});
+  AdamW opt(net.parameters(), AdamWOptions{.lr = 1e-2});
+  for (int s = 0; s < steps; ++s) {
+    Tensor total;
+    for (int r = 0; r < world_size(); ++r) {
+      Tensor l = loss_of(ref, r, s);
+      total = total.defined() ? add(total, l) : l;
+    }
+    backward(mul(total, 1.0 / world_size()));
+    ref_opt.step();
+    ref_opt.zero_grad();
+    backward(loss_of(net, world_rank(), s));
+    opt.step();
+    opt.zero_grad();
+  }
+  const auto got = net.state_dict(), want = ref.state_dict();
+  for (const auto& [name, t] : want)
+    tessera::testing::expect_close(got.at(name), t, 1e-5, name);
+}
+
 // With set_reshard_after_backward(false) too: head_b, whose backward runs on odd ranks only,
 // must stay gathered on every rank alike, or the next forward's collectives would differ between
 // ranks (a check of the shards on some, an all-gather on others).
@@ -162,41 +188,18 @@ class GroupWithGradientsOnSomeRanksOnly : public ::testing::TestWithParam<bool> 
 
 TEST_P(GroupWithGradientsOnSomeRanksOnly, StaysInStep) {
   const bool keep_gathered = GetParam();
-  // Reference: one process, the mean of every rank's loss.
   auto ref = std::make_shared<Branches>();
-  AdamW ref_opt(ref->parameters(), AdamWOptions{.lr = 1e-2});
   auto net = std::make_shared<Branches>();
   for (auto& m : {net->t1, net->t2, net->t3, net->head_a})
     fully_shard(m, dp_mesh());
   fully_shard(net->head_b, dp_mesh());
   auto root = fully_shard(net, dp_mesh());
   root->set_reshard_after_backward(!keep_gathered);
-  AdamW opt(net->parameters(), AdamWOptions{.lr = 1e-2});
-  for (int s = 0; s < 2; ++s) {
-    Tensor total;
-    for (int r = 0; r < world_size(); ++r) {
-      Tensor l = branch_loss(*ref, r, s);
-      total = total.defined() ? add(total, l) : l;
-    }
-    backward(mul(total, 1.0 / world_size()));
-    ref_opt.step();
-    ref_opt.zero_grad();
-
-    backward(branch_loss(*net, world_rank(), s));
-    opt.step();
-    opt.zero_grad();
-  }
-  const auto got = net->state_dict(), want = ref->state_dict();
-  for (const auto& [name, t] : want) {
-    auto g = got.at(name).to_vector<double>(), w = t.to_vector<double>();
-    ASSERT_EQ(g.size(), w.size()) << name;
-    for (size_t i = 0; i < g.size(); ++i)
-      EXPECT_NEAR(g[i], w[i], 1e-5) << name << " element " << i;
-  }
+  train_against_reference(*ref, *net, branch_loss, 2);
   // One rank alone never uses head_b: it gets no gradient and AdamW leaves it untouched.
   if (world_size() == 1) {
     auto fresh = std::make_shared<Branches>();
-    EXPECT_EQ(got.at("head_b.weight").to_vector<float>(),
+    EXPECT_EQ(net->state_dict().at("head_b.weight").to_vector<float>(),
               fresh->state_dict().at("head_b.weight").to_vector<float>());
   }
   EXPECT_EQ(root->is_unsharded(), keep_gathered);
@@ -220,30 +223,13 @@ TEST_P(GroupWithGradientsOnSomeRanksOnly, FrozenGroupStillGathersForBackward) {
   auto net = std::make_shared<Branches>();
   for (auto& m : {ref, net})
     m->head_b->weight.set_requires_grad(false);
-  AdamW ref_opt(ref->parameters(), AdamWOptions{.lr = 1e-2});
   FSDPOptions opts;
   opts.backward_prefetch = false;
   for (auto& m : {net->t1, net->t2, net->t3, net->head_a, net->head_b})
     fully_shard(m, dp_mesh(), opts);
   auto root = fully_shard(net, dp_mesh(), opts);
   root->set_reshard_after_backward(!keep_gathered);
-  AdamW opt(net->parameters(), AdamWOptions{.lr = 1e-2});
-  for (int s = 0; s < 3; ++s) {
-    Tensor total;
-    for (int r = 0; r < world_size(); ++r) {
-      Tensor l = loss_of(*ref, r, s);
-      total = total.defined() ? add(total, l) : l;
-    }
-    backward(mul(total, 1.0 / world_size()));
-    ref_opt.step();
-    ref_opt.zero_grad();
-    backward(loss_of(*net, world_rank(), s));
-    opt.step();
-    opt.zero_grad();
-  }
-  const auto got = net->state_dict(), want = ref->state_dict();
-  for (const auto& [name, t] : want)
-    tessera::testing::expect_close(got.at(name), t, 1e-5, name);
+  train_against_reference(*ref, *net, loss_of, 3);
 }
 
 INSTANTIATE_TEST_SUITE_P(FSDPSchedule, GroupWithGradientsOnSomeRanksOnly, ::testing::Bool(),

@@ -118,6 +118,9 @@ class LoraLinear : public Linear {
  private:
   struct Batch;
   void check_slot(int64_t i, const char* op) const;
+  // Slot i's description and dropout stream (from its start), for `adapter` under `config`.
+  void set_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
+                const std::string& path, bool merged);
   void check_merged(bool mixed) const;
   Batch batch(int64_t rows, Device device) const;
   static Tensor activation_mask(const Batch& bt, int64_t ndim);
