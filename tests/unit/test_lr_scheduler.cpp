@@ -26,6 +26,36 @@ struct TwoGroups {
 };
 const std::vector<double> kBase = {0.1, 0.04};
 
+// A warmup of 3 epochs from a tenth of the base lrs, then a cosine over 6; group 0 starts at
+// `lr0` (a resumed run's optimizer may hold another lr than the base when the schedule is built).
+struct WarmupCosine {
+  explicit WarmupCosine(double lr0 = 0.1)
+      : set_lr0((groups.opt.set_hyperparameters(0, {{"lr", lr0}}), true)),
+        sched(groups.opt,
+              {std::make_shared<LinearLR>(groups.opt, 0.1, 1.0, 3),
+               std::make_shared<CosineAnnealingLR>(groups.opt, 6)},
+              {3}) {}
+  TwoGroups groups;
+  bool set_lr0;
+  SequentialLR sched;
+  // A resumed run: the optimizer's lrs come back with its own state, the scheduler's progress
+  // from its dict.
+  void resume_from(const WarmupCosine& saved) {
+    sched.load_state_dict(saved.sched.state_dict());
+    for (size_t g = 0; g < 2; ++g)
+      groups.opt.set_hyperparameters(g, {{"lr", saved.groups.opt.hyperparameters(g).at("lr")}});
+  }
+};
+
+// Steps both `steps` times; they must set the same lrs.
+void expect_same_schedule(WarmupCosine& a, WarmupCosine& b, int steps) {
+  for (int e = 0; e < steps; ++e) {
+    a.sched.step();
+    b.sched.step();
+    EXPECT_EQ(b.sched.get_last_lr(), a.sched.get_last_lr()) << "step " << e;
+  }
+}
+
 // Checks the scheduler's lrs at epochs 0..n-1 (stepping in between) against want(base, epoch),
 // in get_last_lr() and in the optimizer's groups.
 void expect_schedule(LRScheduler& s, int n, const std::function<double(double, int)>& want,
@@ -112,57 +142,28 @@ TEST(LRScheduler, SequentialLRWarmupThenCosine) {
 }
 
 TEST(LRScheduler, StateDictRoundTrip) {
-  TwoGroups s;
-  auto warmup = std::make_shared<LinearLR>(s.opt, 0.1, 1.0, 3);
-  auto cosine = std::make_shared<CosineAnnealingLR>(s.opt, 6);
-  SequentialLR sched(s.opt, {warmup, cosine}, {3});
+  WarmupCosine s;
   for (int e = 0; e < 4; ++e)
-    sched.step();
-  const std::map<std::string, double> sd = sched.state_dict();
+    s.sched.step();
+  const std::map<std::string, double> sd = s.sched.state_dict();
   EXPECT_EQ(sd.at("last_epoch"), 4.0);
   EXPECT_EQ(sd.at("schedulers/1/last_epoch"), 1.0);
   EXPECT_EQ(sd.at("base_lrs/1"), 0.04);
-
-  // A resumed run: the optimizer's lrs come back with its own state, the scheduler's progress
-  // from its dict, and the two go on alike.
-  TwoGroups r;
-  r.opt.set_hyperparameters(0, {{"lr", s.opt.hyperparameters(0).at("lr")}});
-  auto warmup2 = std::make_shared<LinearLR>(r.opt, 0.1, 1.0, 3);
-  auto cosine2 = std::make_shared<CosineAnnealingLR>(r.opt, 6);
-  SequentialLR resumed(r.opt, {warmup2, cosine2}, {3});
-  resumed.load_state_dict(sd);
-  for (size_t g = 0; g < 2; ++g)
-    r.opt.set_hyperparameters(g, {{"lr", s.opt.hyperparameters(g).at("lr")}});
-  EXPECT_EQ(resumed.state_dict(), sd);
-  for (int e = 0; e < 3; ++e) {
-    sched.step();
-    resumed.step();
-    EXPECT_EQ(resumed.get_last_lr(), sched.get_last_lr()) << "step " << e;
-  }
+  WarmupCosine r(s.groups.opt.hyperparameters(0).at("lr"));
+  r.resume_from(s);
+  EXPECT_EQ(r.sched.state_dict(), sd);
+  expect_same_schedule(s, r, 3);
 }
 
 // Saved during the warmup, the cosine has not started (its last_epoch is -1): the dict loads and
 // the resumed schedule goes on alike, across the milestone.
 TEST(LRScheduler, StateDictRoundTripBeforeTheMilestone) {
-  TwoGroups s;
-  auto warmup = std::make_shared<LinearLR>(s.opt, 0.1, 1.0, 3);
-  auto cosine = std::make_shared<CosineAnnealingLR>(s.opt, 6);
-  SequentialLR sched(s.opt, {warmup, cosine}, {3});
-  sched.step();
-  const std::map<std::string, double> sd = sched.state_dict();
-  EXPECT_EQ(sd.at("schedulers/1/last_epoch"), -1.0);
-  TwoGroups r;
-  auto warmup2 = std::make_shared<LinearLR>(r.opt, 0.1, 1.0, 3);
-  auto cosine2 = std::make_shared<CosineAnnealingLR>(r.opt, 6);
-  SequentialLR resumed(r.opt, {warmup2, cosine2}, {3});
-  resumed.load_state_dict(sd);
-  for (size_t g = 0; g < 2; ++g)
-    r.opt.set_hyperparameters(g, {{"lr", s.opt.hyperparameters(g).at("lr")}});
-  for (int e = 0; e < 5; ++e) {
-    sched.step();
-    resumed.step();
-    EXPECT_EQ(resumed.get_last_lr(), sched.get_last_lr()) << "step " << e;
-  }
+  WarmupCosine s;
+  s.sched.step();
+  EXPECT_EQ(s.sched.state_dict().at("schedulers/1/last_epoch"), -1.0);
+  WarmupCosine r;
+  r.resume_from(s);
+  expect_same_schedule(s, r, 5);
 }
 
 TEST(LRScheduler, BadArgumentsAndDictsAreClearErrors) {
