@@ -426,23 +426,7 @@ void FSDPGroup::start_reduce() {
   backward_pending_ = false;
   grads_ready_for_reduce_ = false;
   clear_grads_in();
-  // A group whose backward did not run on this rank still gathers for it, as the ranks where it
-  // ran did: finalize issues that gather, or, for a group of frozen parameters made ready early by
-  // its input's gradient (another consumer of the input delivered it), this does, in backward
-  // order as everywhere. Finish it before anything frees the buffer it writes into; kept
-  // gathered, it leaves the group gathered as on those ranks, so that the next forward issues
-  // the same collectives everywhere.
-  if (needs_backward_gather()) schedule_->gather_through(this);
-  if (pending_gather_) {
-    if (reshard_after_backward_) {
-      drop_pending_gather();
-    } else {
-      // Into the leaves the graph saved (a fresh target would replace them, and their gradients).
-      TESSERA_CHECK(pending_gather_->reuse, "fully_shard: a backward gather not into its leaves");
-      finish_gather(/*fresh=*/false);
-      set_unsharded_params();
-    }
-  }
+  settle_backward_gather();
   const DType reduce_dtype =
       opts_.mp_policy.reduce_dtype.value_or(opts_.mp_policy.param_dtype.value_or(flat_.dtype()));
   if (!requires_gradient_sync_) {
@@ -514,6 +498,25 @@ void FSDPGroup::start_reduce() {
   pr.work = reduce_pg_->reduce_scatter_tensor(pr.reduced, pr.send, ReduceOp::Sum);
   progress_in_background(pr.work);
   pending_reduce_ = std::move(pr);
+}
+
+void FSDPGroup::settle_backward_gather() {
+  // A group whose backward did not run on this rank still gathers for it, as the ranks where it
+  // ran did: finalize issues that gather, or, for a group of frozen parameters made ready early by
+  // its input's gradient (another consumer of the input delivered it), this does, in backward
+  // order as everywhere. Finish it before anything frees the buffer it writes into; kept
+  // gathered, it leaves the group gathered as on those ranks, so that the next forward issues
+  // the same collectives everywhere.
+  if (needs_backward_gather()) schedule_->gather_through(this);
+  if (!pending_gather_) return;
+  if (reshard_after_backward_) {
+    drop_pending_gather();
+    return;
+  }
+  // Into the leaves the graph saved (a fresh target would replace them, and their gradients).
+  TESSERA_CHECK(pending_gather_->reuse, "fully_shard: a backward gather not into its leaves");
+  finish_gather(/*fresh=*/false);
+  set_unsharded_params();
 }
 
 std::vector<int64_t> FSDPGroup::reduce_offsets(int64_t& size) const {

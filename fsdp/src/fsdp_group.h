@@ -97,6 +97,9 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   // the stored parameters' gradients), waiting for each step when `block`, else only testing
   // it; false when it is still in flight.
   void start_reduce();
+  // Before a reduce: a backward all-gather this rank owes or still has in flight for this group
+  // is issued or finished (see the .cpp).
+  void settle_backward_gather();
   bool advance_reduce(bool block);
   // HSDP, once the reduce-scatter is done: adds the sums kept from earlier backwards; then true
   // when the all-reduce across replicas is to follow, false when these sums are kept instead
