@@ -214,16 +214,14 @@ void LoraLinear::clear_slot(int64_t i) {
 void LoraLinear::restore_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
                               const std::string& path, bool merged, uint64_t dropout_offset) {
   check_slot(i, "restore_slot");
-  if (!adapter.empty()) {
-    config.validate();
-    TESSERA_CHECK(config.r <= max_rank_, "LoraLinear '", path, "': adapter '", adapter, "' has r ",
-                  config.r, " but the slots hold at most rank ", max_rank_);
-  }
   if (adapter.empty()) {
     slots_[size_t(i)] = Slot{};
     dropout_gens_[size_t(i)].manual_seed(0);
     return;
   }
+  config.validate();
+  TESSERA_CHECK(config.r <= max_rank_, "LoraLinear '", path, "': adapter '", adapter, "' has r ",
+                config.r, " but the slots hold at most rank ", max_rank_);
   set_slot(i, adapter, config, path, merged);
   dropout_gens_[size_t(i)].set_offset(dropout_offset);
 }
