@@ -129,6 +129,30 @@ void LoraModel::set_adapter(const std::string& name) {
   active_ = name;
 }
 
+DisabledAdapters::DisabledAdapters(LoraModel& model)
+    : model_(model), active_(model.active_), sample_slots_(model.routing_->sample_slots) {
+  model_.set_adapter("");
+  model_.routing_->sample_slots.reset();
+  model_.routing_->masks.clear();
+}
+
+DisabledAdapters::~DisabledAdapters() {
+  // Only what still exists comes back. set_adapter unmerges an adapter merged meanwhile
+  // (collectively: every rank's guard goes at the same point); an error there aborts every rank,
+  // as a destructor cannot throw.
+  if (!active_.empty() && model_.adapters_.count(active_)) model_.set_adapter(active_);
+  if (!sample_slots_) return;
+  for (int64_t slot : *sample_slots_) {
+    bool known = slot == -1;
+    for (const auto& [n, a] : model_.adapters_)
+      known |= a.slot == slot;
+    if (!known) return;
+  }
+  if (!model_.merged_adapters().empty()) return;  // set_batch_adapters refuses a merged one too
+  model_.routing_->masks.clear();
+  model_.routing_->sample_slots = sample_slots_;
+}
+
 int64_t LoraModel::adapter_id(const std::string& name) const {
   return find(name, "adapter_id").slot;
 }

@@ -8,6 +8,7 @@
 
 #include "dist/checkpoint_util.h"
 #include "dist/lora_util.h"
+#include "tessera/testing/checks.h"
 #include "tessera/testing/expect_error.h"
 
 using namespace tessera;
@@ -57,14 +58,6 @@ Tensor eval_logits(LoraRun& run) {
   Tensor out = run.logits(b.ids).contiguous();
   run.model->train();
   return out;
-}
-
-double max_abs_diff(const Tensor& a, const Tensor& b) {
-  const auto x = a.to_vector<double>(), y = b.to_vector<double>();
-  double worst = 0;
-  for (size_t i = 0; i < x.size(); ++i)
-    worst = std::max(worst, std::abs(x[i] - y[i]));
-  return worst;
 }
 
 }  // namespace

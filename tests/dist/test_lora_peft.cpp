@@ -332,3 +332,50 @@ TEST(LoraPeft, MergeAndUnloadGiveBackAPlainModel) {
     }
   }
 }
+
+// PEFT's disable_adapter: the base model while the guard lives, a merged adapter unmerged first;
+// afterwards the active adapter (unmerged now) and a mixed batch apply again.
+TEST(LoraPeft, DisableAdapterGivesTheBaseModelForTheGuardsLife) {
+  const DecoderConfig cfg = lora_decoder_config();
+  for (const LoraLayout& l : lora_layouts({.max_adapters = 2, .max_rank = 4})) {
+    SCOPED_TRACE(l.name);
+    LoraRun run = l.build(cfg, lora_test_config(LoraInit::Random));
+    LoraConfig b = lora_test_config(LoraInit::Random);
+    b.seed = 17;
+    run.lora->add_adapter("b", b);
+    const Batch batch = affine_batch(4, 4, cfg.max_seq_len, cfg.vocab_size);
+    std::map<std::string, Tensor> alone;
+    for (const std::string name : {"default", "b", ""}) {
+      run.lora->set_adapter(name);
+      alone[name] = run.logits(batch.ids);
+    }
+    run.lora->set_adapter("default");
+    run.lora->merge_adapter("default");
+    {
+      auto off = run.lora->disable_adapter();
+      EXPECT_EQ(run.lora->active_adapter(), "");
+      expect_close(run.logits(batch.ids), alone[""], 1e-5, "disabled, merged before");
+    }
+    EXPECT_EQ(run.lora->active_adapter(), "default");
+    expect_close(run.logits(batch.ids), alone["default"], 1e-5, "after the guard");
+    // A mixed batch is set aside and comes back.
+    const std::vector<int64_t> ids = {0, 1, -1, 1};
+    run.lora->set_batch_adapters(from_vector<int64_t>(ids, {4}));
+    const Tensor mixed = run.logits(batch.ids);
+    EXPECT_GT(max_abs_diff(mixed, alone[""]), 1e-3);
+    {
+      auto off = run.lora->disable_adapter();
+      expect_close(run.logits(batch.ids), alone[""], 1e-5, "disabled, mixed batch before");
+    }
+    expect_close(run.logits(batch.ids), mixed, 0, "the mixed batch after the guard");
+    // An adapter deleted meanwhile does not come back.
+    run.lora->set_batch_adapters(Tensor());
+    run.lora->set_adapter("b");
+    {
+      auto off = run.lora->disable_adapter();
+      run.lora->delete_adapter("b");
+    }
+    EXPECT_EQ(run.lora->active_adapter(), "");
+    expect_close(run.logits(batch.ids), alone[""], 1e-5, "after deleting the active adapter");
+  }
+}

@@ -4,6 +4,7 @@
 // as global tensors; save and load PEFT's adapter files.
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -11,6 +12,23 @@
 #include "tessera/lora/lora_linear.h"
 
 namespace tessera {
+
+class LoraModel;
+
+// While alive, no adapter applies: the model is its base (PEFT's `with model.disable_adapter():`,
+// the reference model of DPO, say). See LoraModel::disable_adapter.
+class [[nodiscard]] DisabledAdapters {
+ public:
+  explicit DisabledAdapters(LoraModel& model);
+  ~DisabledAdapters();
+  DisabledAdapters(const DisabledAdapters&) = delete;
+  DisabledAdapters& operator=(const DisabledAdapters&) = delete;
+
+ private:
+  LoraModel& model_;
+  std::string active_;
+  std::optional<std::vector<int64_t>> sample_slots_;
+};
 
 class LoraModel {
  public:
@@ -35,6 +53,11 @@ class LoraModel {
   // merged adapter other than `name` is unmerged first (collective then).
   void set_adapter(const std::string& name);
   const std::string& active_adapter() const { return active_; }
+  // PEFT's disable_adapter: the base model alone while the returned guard lives. As in PEFT, a
+  // merged adapter is unmerged (collective then) and stays so; the active adapter and a mixed
+  // batch set aside come back when the guard goes (an adapter deleted meanwhile does not: none is
+  // active then, and the mixed batch is dropped).
+  DisabledAdapters disable_adapter() { return DisabledAdapters(*this); }
   // The id of an adapter in a mixed batch (its slot).
   int64_t adapter_id(const std::string& name) const;
   // A mixed batch: `ids` int64 [rows of this rank's batch], each sample's adapter id (-1: none),
@@ -118,6 +141,7 @@ class LoraModel {
   struct SavedAdapter;
   std::vector<SavedAdapter> parse_table(const std::string& text, std::string& active) const;
 
+  friend class DisabledAdapters;
   ModulePtr model_;
   std::vector<std::pair<std::string, std::shared_ptr<LoraLinear>>> layers_;
   std::vector<std::shared_ptr<LoraLinear>> retired_;  // unloaded, for pointers into them
