@@ -16,7 +16,7 @@ constexpr int64_t kBig = int64_t(1) << 40;  // upper bound of the flags without 
 
 std::string usage() {
   return "usage: train_lm [--tp N] [--dp N] [--sequence-parallel] [--loss-parallel] [--fsdp]\n"
-         "                [--steps N]\n"
+         "                [--steps N] [--grad-accum N]\n"
          "                [--batch N] [--seq N] [--lr X] [--weight-decay X] [--clip X] [--seed N]\n"
          "                [--warmup N] [--cosine] [--min-lr X]\n"
          "                [--dim N] [--layers N] [--heads N] [--kv-heads N] [--ffn N]\n"
@@ -49,6 +49,7 @@ Options parse_options(int argc, char** argv) {
       {"--dp", integer(o.dp, 0)},
       {"--steps", integer(o.steps, 0)},
       {"--batch", integer(o.batch, 1)},
+      {"--grad-accum", integer(o.grad_accum, 1)},
       {"--seq", integer(o.seq, 1)},
       {"--lr", real(o.lr, 0, 1e3)},
       {"--weight-decay", real(o.weight_decay, 0, 1e3)},

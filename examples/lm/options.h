@@ -12,6 +12,9 @@ struct Options {
   bool fsdp = false;  // shard parameters over dp (fully_shard per block and the root)
   int64_t steps = 200;
   int64_t batch = 16;  // global batch (rows)
+  // Micro-batches per step: each rank's rows run in this many forward/backward passes whose
+  // gradients add up before the one optimizer step (the same gradient, less activation memory).
+  int64_t grad_accum = 1;
   int64_t seq = 64;
   double lr = 3e-3;
   double weight_decay = 0.01;

@@ -150,21 +150,25 @@ DecoderConfig decoder_config(const lm::Options& o, int64_t vocab_size) {
   return cfg;
 }
 
+struct Model {
+  std::shared_ptr<Decoder> decoder;
+  std::shared_ptr<FSDPState> fsdp;  // the root's, with --fsdp
+};
+
 // The decoder, tensor parallel over tp, then with --fsdp sharded over dp (FSDP x TP on the 2-D
 // mesh): one group per block, then the root; FSDP then reduce-scatters and averages the
 // gradients itself.
-std::shared_ptr<Decoder> build_model(const lm::Options& o, const DecoderConfig& cfg,
-                                     const DeviceMesh& mesh) {
-  auto model = std::make_shared<Decoder>(cfg);
+Model build_model(const lm::Options& o, const DecoderConfig& cfg, const DeviceMesh& mesh) {
+  Model m{std::make_shared<Decoder>(cfg), nullptr};
   if (o.tp > 1)
-    parallelize_module(model, mesh["tp"],
+    parallelize_module(m.decoder, mesh["tp"],
                        decoder_tp_plan(cfg, mesh["tp"], {o.sequence_parallel, o.loss_parallel}));
   if (o.fsdp && o.dp > 1) {
-    for (auto& block : model->layers)
+    for (auto& block : m.decoder->layers)
       fully_shard(block, mesh["dp"]);
-    fully_shard(model, mesh["dp"]);
+    m.fsdp = fully_shard(m.decoder, mesh["dp"]);
   }
-  return model;
+  return m;
 }
 
 // This rank's mean loss over its rows; with loss parallelism the logits stay split over the
@@ -178,6 +182,33 @@ Tensor forward_loss(Decoder& model, const lm::Corpus::Batch& b, const DeviceMesh
   return vocab_parallel_cross_entropy(DTensor::from_local(logits, tp_mesh, {Shard(-1)}, global),
                                       b.targets)
       .to_local();
+}
+
+// One step's gradients from this rank's rows [row0, row0 + rows) of the global batch, in
+// --grad-accum micro-batches whose losses are each divided by their number (the gradients add
+// up to the whole batch's mean). Under FSDP the micro-batches but the last neither reduce-scatter
+// (set_requires_gradient_sync) nor free the gathered weights after backward
+// (set_reshard_after_backward: the next one's forward gathers nothing), as with PyTorch's FSDP2.
+// Returns this rank's loss.
+Tensor accumulate_gradients(const lm::Options& o, const Model& m, const lm::Corpus& corpus,
+                            int64_t step, int64_t row0, int64_t rows, const DeviceMesh& tp_mesh,
+                            bool loss_parallel) {
+  const int64_t micro = rows / o.grad_accum;
+  Tensor total;
+  for (int64_t k = 0; k < o.grad_accum; ++k) {
+    const bool last = k + 1 == o.grad_accum;
+    if (m.fsdp) {
+      m.fsdp->set_requires_gradient_sync(last);
+      m.fsdp->set_reshard_after_backward(last);
+    }
+    const int64_t first = row0 + k * micro;
+    lm::Corpus::Batch b = corpus.batch(step, o.batch, o.seq, first, first + micro, o.seed);
+    Tensor loss = forward_loss(*m.decoder, b, tp_mesh, loss_parallel);
+    if (o.grad_accum > 1) loss = mul(loss, 1.0 / double(o.grad_accum));
+    backward(loss);
+    total = total.defined() ? add(total, loss.detach()) : loss.detach();
+  }
+  return total;
 }
 
 // The loss curve's CSV (and picture) and the summary line (rank 0).
@@ -207,8 +238,8 @@ int run(int argc, char** argv) {
   if (o.dp == 0) o.dp = world / o.tp;
   TESSERA_CHECK(o.tp >= 1 && o.dp >= 1 && o.tp * o.dp == world, "train_lm: --tp ", o.tp, " x --dp ",
                 o.dp, " must equal the number of ranks (", world, ")");
-  TESSERA_CHECK(o.batch % o.dp == 0, "train_lm: --batch ", o.batch,
-                " must divide evenly over --dp ", o.dp);
+  TESSERA_CHECK(o.batch % (o.dp * o.grad_accum) == 0, "train_lm: --batch ", o.batch,
+                " must divide evenly over --dp ", o.dp, " x --grad-accum ", o.grad_accum);
   DeviceMesh mesh({o.dp, o.tp}, {"dp", "tp"});
   const bool lead = world_rank() == 0;
 
@@ -217,7 +248,8 @@ int run(int argc, char** argv) {
   DeviceMesh tp_mesh = mesh["tp"];
   const bool loss_parallel = o.loss_parallel && o.tp > 1;
   const bool fsdp = o.fsdp && o.dp > 1;
-  auto model = build_model(o, cfg, mesh);
+  const Model built = build_model(o, cfg, mesh);
+  const std::shared_ptr<Decoder>& model = built.decoder;
   int64_t n_params = 0;
   for (auto& [name, p] : model->named_parameters())
     n_params += shape_numel(p->global_shape());
@@ -251,9 +283,7 @@ int run(int argc, char** argv) {
   AsyncSave pending;
   for (int64_t step = first_step; step < o.steps; ++step) {
     const double t0 = now_seconds();
-    lm::Corpus::Batch b = corpus.batch(step, o.batch, o.seq, row0, row0 + rows, o.seed);
-    Tensor loss = forward_loss(*model, b, tp_mesh, loss_parallel);
-    backward(loss);
+    Tensor loss = accumulate_gradients(o, built, corpus, step, row0, rows, tp_mesh, loss_parallel);
     if (!fsdp) average_gradients(model->parameters(), mesh.group("dp"));
     if (o.clip > 0) clip_grad_norm_(model->parameters(), o.clip);
     const double lr = opt.lr();  // this step's
