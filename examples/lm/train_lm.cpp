@@ -218,8 +218,8 @@ void write_summary(const lm::Options& o, int64_t first_step, const std::vector<d
     std::ofstream csv(o.csv);
     csv << "step,loss,ms\n";
     for (size_t i = 0; i < losses.size(); ++i)
-      csv << first_step + int64_t(i) << "," << std::setprecision(9) << losses[i] << ","
-          << std::setprecision(6) << times[i] * 1e3 << "\n";
+      csv << first_step + int64_t(i) << "," << std::fixed << std::setprecision(9) << losses[i]
+          << "," << std::defaultfloat << std::setprecision(6) << times[i] * 1e3 << "\n";
   }
   std::string why;
   const std::string png = lm::plot_loss_curve(o.csv, "train_lm: training loss", why);

@@ -129,26 +129,29 @@ void LoraModel::set_adapter(const std::string& name) {
   active_ = name;
 }
 
+std::map<std::string, int64_t> LoraModel::adapter_slots() const {
+  std::map<std::string, int64_t> out;
+  for (const auto& [name, adapter] : adapters_)
+    out[name] = adapter.slot;
+  return out;
+}
+
 DisabledAdapters::DisabledAdapters(LoraModel& model)
     : model_(model), active_(model.active_), sample_slots_(model.routing_->sample_slots) {
   model_.set_adapter("");
+  slots_ = model_.adapter_slots();
   model_.routing_->sample_slots.reset();
   model_.routing_->masks.clear();
 }
 
 DisabledAdapters::~DisabledAdapters() {
-  // Only what still exists comes back. set_adapter unmerges an adapter merged meanwhile
-  // (collectively: every rank's guard goes at the same point); an error there aborts every rank,
-  // as a destructor cannot throw.
-  if (!active_.empty() && model_.adapters_.count(active_)) model_.set_adapter(active_);
-  if (!sample_slots_) return;
-  for (int64_t slot : *sample_slots_) {
-    bool known = slot == -1;
-    for (const auto& [n, a] : model_.adapters_)
-      known |= a.slot == slot;
-    if (!known) return;
-  }
-  if (!model_.merged_adapters().empty()) return;  // set_batch_adapters refuses a merged one too
+  // Restored only onto the state the guard made: the same adapters in the same slots (a slot's
+  // id could name another adapter now), none active and no mixed batch set since. Then nothing
+  // is merged (only the active adapter merges), so set_adapter neither communicates nor throws.
+  const bool untouched =
+      model_.active_.empty() && !model_.routing_->sample_slots && model_.adapter_slots() == slots_;
+  if (!untouched) return;
+  if (!active_.empty()) model_.set_adapter(active_);
   model_.routing_->masks.clear();
   model_.routing_->sample_slots = sample_slots_;
 }

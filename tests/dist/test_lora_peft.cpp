@@ -357,6 +357,8 @@ TEST(LoraPeft, DisableAdapterGivesTheBaseModelForTheGuardsLife) {
       expect_close(run.logits(batch.ids), alone[""], 1e-5, "disabled, merged before");
     }
     EXPECT_EQ(run.lora->active_adapter(), "default");
+    for (const auto& [path, layer] : run.lora->layers())
+      EXPECT_FALSE(layer->slot(run.lora->adapter_id("default")).merged) << "merged again: " << path;
     expect_close(run.logits(batch.ids), alone["default"], 1e-5, "after the guard");
     // A mixed batch is set aside and comes back.
     const std::vector<int64_t> ids = {0, 1, -1, 1};
@@ -368,14 +370,19 @@ TEST(LoraPeft, DisableAdapterGivesTheBaseModelForTheGuardsLife) {
       expect_close(run.logits(batch.ids), alone[""], 1e-5, "disabled, mixed batch before");
     }
     expect_close(run.logits(batch.ids), mixed, 0, "the mixed batch after the guard");
-    // An adapter deleted meanwhile does not come back.
-    run.lora->set_batch_adapters(Tensor());
-    run.lora->set_adapter("b");
+    // Adapters changed meanwhile: nothing comes back, not even into a reused slot.
     {
       auto off = run.lora->disable_adapter();
       run.lora->delete_adapter("b");
+      run.lora->add_adapter("c", b);  // b's slot
     }
     EXPECT_EQ(run.lora->active_adapter(), "");
-    expect_close(run.logits(batch.ids), alone[""], 1e-5, "after deleting the active adapter");
+    expect_close(run.logits(batch.ids), alone[""], 1e-5, "after replacing an adapter");
+    // The routing changed meanwhile: the guard leaves it as set.
+    {
+      auto off = run.lora->disable_adapter();
+      run.lora->set_adapter("default");
+    }
+    EXPECT_EQ(run.lora->active_adapter(), "default");
   }
 }

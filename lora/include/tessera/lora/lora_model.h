@@ -28,6 +28,7 @@ class [[nodiscard]] DisabledAdapters {
   LoraModel& model_;
   std::string active_;
   std::optional<std::vector<int64_t>> sample_slots_;
+  std::map<std::string, int64_t> slots_;  // each adapter's slot, to see whether any changed
 };
 
 class LoraModel {
@@ -53,10 +54,11 @@ class LoraModel {
   // merged adapter other than `name` is unmerged first (collective then).
   void set_adapter(const std::string& name);
   const std::string& active_adapter() const { return active_; }
-  // PEFT's disable_adapter: the base model alone while the returned guard lives. As in PEFT, a
-  // merged adapter is unmerged (collective then) and stays so; the active adapter and a mixed
-  // batch set aside come back when the guard goes (an adapter deleted meanwhile does not: none is
-  // active then, and the mixed batch is dropped).
+  // PEFT's disable_adapter: the base model alone while the returned guard lives
+  // (active_adapter() reads "" meanwhile). As in PEFT, a merged adapter is unmerged (collective
+  // then) and stays so. When the guard goes, the active adapter and a mixed batch set aside come
+  // back, unless the adapters (added, deleted, loaded) or the routing (set_adapter,
+  // set_batch_adapters) changed meanwhile: then the model stays as those calls left it.
   DisabledAdapters disable_adapter() { return DisabledAdapters(*this); }
   // The id of an adapter in a mixed batch (its slot).
   int64_t adapter_id(const std::string& name) const;
@@ -134,6 +136,7 @@ class LoraModel {
     std::vector<size_t> layers;  // indices into layers_
   };
   const Adapter& find(const std::string& name, const char* op) const;
+  std::map<std::string, int64_t> adapter_slots() const;  // name -> slot
   bool merged(const Adapter& a) const;
   std::vector<std::string> merged_adapters() const;
   std::vector<size_t> targets(const LoraConfig& config) const;
