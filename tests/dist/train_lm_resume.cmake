@@ -1,7 +1,7 @@
 # Script mode: train_lm's resume continues a run exactly. Trains STEPS steps with an lr schedule
 # (warmup, then cosine), saving half way and at the end; deletes the final checkpoint, resumes
-# from the half-way one, and compares the resumed steps' losses (9 significant digits) with the
-# uninterrupted run's.
+# from the half-way one, and compares the resumed steps' losses (the CSV's 9 decimals, exactly)
+# with the uninterrupted run's.
 include(${CMAKE_CURRENT_LIST_DIR}/train_lm_common.cmake)
 math(EXPR half "${STEPS} / 2")
 math(EXPR last "${STEPS} - 1")

@@ -57,8 +57,8 @@ class LoraModel {
   // PEFT's disable_adapter: the base model alone while the returned guard lives
   // (active_adapter() reads "" meanwhile). As in PEFT, a merged adapter is unmerged (collective
   // then) and stays so. When the guard goes, the active adapter and a mixed batch set aside come
-  // back, unless the adapters (added, deleted, loaded) or the routing (set_adapter,
-  // set_batch_adapters) changed meanwhile: then the model stays as those calls left it.
+  // back, unless by then an adapter is active, a mixed batch is set, or the adapters' names or
+  // slots differ from when it was made: then the model stays as the calls since left it.
   DisabledAdapters disable_adapter() { return DisabledAdapters(*this); }
   // The id of an adapter in a mixed batch (its slot).
   int64_t adapter_id(const std::string& name) const;
