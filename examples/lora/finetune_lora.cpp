@@ -198,17 +198,14 @@ int run_main(int argc, char** argv) {
   shard(model, run.mesh);
   StateDict sd = base_state(*model);
   load(sd, o.base_checkpoint);
-  int64_t trainable = 0, frozen = 0;
-  for (auto& [name, p] : model->named_parameters())
-    (p->requires_grad() ? trainable : frozen) += shape_numel(p->global_shape());
   const double base_plain = run.eval(*model, plain), base_reversed = run.eval(*model, reversed);
-  if (lead)
-    std::printf(
-        "LoRA r %lld alpha %g on 7 projections x %lld blocks: %lld trainable parameters, "
-        "%lld frozen\nbefore fine-tuning: loss %.4f on the plain text, %.4f on the "
-        "reversed text\n",
-        (long long)o.r, o.alpha, (long long)run.cfg.n_layers, (long long)trainable,
-        (long long)frozen, base_plain, base_reversed);
+  if (lead) {
+    std::printf("LoRA r %lld alpha %g on 7 projections x %lld blocks: ", (long long)o.r, o.alpha,
+                (long long)run.cfg.n_layers);
+    lora->print_trainable_parameters();
+    std::printf("before fine-tuning: loss %.4f on the plain text, %.4f on the reversed text\n",
+                base_plain, base_reversed);
+  }
 
   // 3. Fine-tuning on the reversed text.
   AdamW opt(lora->parameters(), {o.lr, 0.9, 0.95, 1e-8, 0.0});
@@ -226,7 +223,7 @@ int run_main(int argc, char** argv) {
 
   // 4. The PEFT directory, then the adapter merged into the weights: the same loss.
   lora->save_adapter(o.peft_dir, "default");
-  lora->merge_adapter("default");
+  lora->merge_adapter("default", /*safe_merge=*/true);
   const double merged = run.eval(*model, reversed);
 
   // 5. The merged model checkpointed with its adapter table, loaded into a fresh model whose

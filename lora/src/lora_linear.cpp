@@ -7,6 +7,7 @@
 #include "tessera/autograd/ops.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
+#include "tessera/core/kernels/reduce.h"
 #include "tessera/core/kernels/views.h"
 #include "tessera/dtensor/ops.h"
 #include "tessera/dtensor/random.h"
@@ -231,11 +232,11 @@ uint64_t LoraLinear::dropout_offset(int64_t i) const {
   return dropout_gens_[size_t(i)].offset();
 }
 
-void LoraLinear::merge_slot(int64_t i, bool unmerge) {
-  check_slot(i, "merge_slot");
-  Slot& s = slots_[size_t(i)];
-  TESSERA_CHECK(!s.adapter.empty(), "LoraLinear: slot ", i, " holds no adapter");
-  TESSERA_CHECK(s.merged == unmerge, "LoraLinear: adapter '", s.adapter, "' is ",
+Tensor LoraLinear::merged_window(int64_t i, bool unmerge, const char* op) {
+  check_slot(i, op);
+  const Slot& s = slots_[size_t(i)];
+  TESSERA_CHECK(!s.adapter.empty(), "LoraLinear ", op, ": slot ", i, " holds no adapter");
+  TESSERA_CHECK(s.merged == unmerge, "LoraLinear ", op, ": adapter '", s.adapter, "' is ",
                 s.merged ? "already merged" : "not merged");
   NoGradGuard no_grad;
   // The adapter matrices' global values (small), then only this rank's window of B A.
@@ -248,9 +249,24 @@ void LoraLinear::merge_slot(int64_t i, bool unmerge) {
       kernels::narrow(kernels::narrow(a, 0, 0, s.r), 1, l.global_offset[1], l.local_shape[1]);
   Tensor delta =
       mul(matmul(b_rows.contiguous(), a_cols.contiguous()), unmerge ? -s.scale : s.scale);
+  const Tensor& w = weight.stored();
+  return add(w.detach().to(DType::Float32), delta).to(w.dtype());
+}
+
+bool LoraLinear::merge_is_finite(int64_t i) {
+  const Tensor m = merged_window(i, /*unmerge=*/false, "merge_is_finite");
+  // 0 * x is 0 for every finite x and NaN for an infinite or NaN one.
+  const Tensor zeros_or_nan =
+      kernels::binary_scalar(kernels::BinaryOp::Mul, m.to(DType::Float32), 0.0);
+  return !std::isnan(kernels::sum(zeros_or_nan).to(DType::Float64).item<double>());
+}
+
+void LoraLinear::merge_slot(int64_t i, bool unmerge) {
+  const Tensor m = merged_window(i, unmerge, "merge_slot");
+  NoGradGuard no_grad;
   Tensor w = weight.stored().detach();
-  w.copy_(add(w.to(DType::Float32), delta).to(w.dtype()));
-  s.merged = !unmerge;
+  w.copy_(m);
+  slots_[size_t(i)].merged = !unmerge;
 }
 
 // The weight carries every merged slot into every sample's output: only the active adapter of a

@@ -2,9 +2,12 @@
 #include "tessera/lora/lora_model.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <set>
 
 #include "tessera/autograd/grad_mode.h"
+#include "tessera/comm/agree.h"
+#include "tessera/comm/runtime.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/views.h"
 #include "tessera/fsdp/fully_shard.h"
@@ -204,7 +207,39 @@ std::vector<Parameter*> LoraModel::parameters() {
   return out;
 }
 
-void LoraModel::merge_adapter(const std::string& name) {
+std::pair<int64_t, int64_t> LoraModel::get_nb_trainable_parameters() const {
+  int64_t trainable = 0, all = 0;
+  for (const auto& [name, p] : model_->named_parameters()) {
+    const int64_t n = shape_numel(p->global_shape());
+    all += n;
+    if (p->requires_grad()) trainable += n;
+  }
+  return {trainable, all};
+}
+
+namespace {
+
+std::string with_thousands(int64_t n) {
+  std::string digits = std::to_string(n), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+void LoraModel::print_trainable_parameters(std::ostream& out) const {
+  const auto [trainable, all] = get_nb_trainable_parameters();
+  char percent[32];
+  std::snprintf(percent, sizeof(percent), "%.4f",
+                all == 0 ? 0.0 : 100.0 * double(trainable) / double(all));
+  out << "trainable params: " << with_thousands(trainable)
+      << " || all params: " << with_thousands(all) << " || trainable%: " << percent << "\n";
+}
+
+void LoraModel::merge_adapter(const std::string& name, bool safe_merge) {
   const Adapter& a = find(name, "merge_adapter");
   // Merged, an adapter applies to every sample: on top of the active adapter, or of the others
   // in a mixed batch.
@@ -216,8 +251,26 @@ void LoraModel::merge_adapter(const std::string& name) {
   TESSERA_CHECK(!routing_->sample_slots, "LoRA merge_adapter '", name,
                 "': a mixed batch is set, whose every sample it would apply to once merged; "
                 "clear it with set_batch_adapters(Tensor()) first");
+  if (safe_merge) check_merge_is_finite(name, a);
   for (size_t i : a.layers)
     layers_[i].second->merge_slot(a.slot, /*unmerge=*/false);
+}
+
+// Each rank sees only its windows of the weights, so the ranks agree on the outcome; PEFT, which
+// checks layer by layer while merging, leaves the layers before a broken one merged.
+void LoraModel::check_merge_is_finite(const std::string& name, const Adapter& a) {
+  std::vector<std::string> broken;
+  for (size_t i : a.layers)
+    if (!layers_[i].second->merge_is_finite(a.slot)) broken.push_back(layers_[i].first);
+  const std::string context = "LoRA merge_adapter '" + name + "' (safe_merge)";
+  std::string error;
+  if (!broken.empty())
+    error = context + ": merged, the weights of " + join(broken) +
+            " would hold NaN or infinite values (the adapter seems broken); nothing was merged";
+  if (world_size() > 1)
+    agree(world_group(), context, error);
+  else
+    TESSERA_CHECK(error.empty(), error);
 }
 
 void LoraModel::unmerge_adapter(const std::string& name) {
@@ -226,12 +279,13 @@ void LoraModel::unmerge_adapter(const std::string& name) {
     layers_[i].second->merge_slot(a.slot, /*unmerge=*/true);
 }
 
-ModulePtr LoraModel::merge_and_unload() {
+ModulePtr LoraModel::merge_and_unload(bool safe_merge) {
   for (const auto& [path, l] : layers_)
     TESSERA_CHECK(!is_fully_sharded(l->weight), "LoRA merge_and_unload: '", path,
                   "' is sharded by fully_shard, whose groups hold the adapter slots; call it "
                   "before fully_shard, or keep the layers (merge_adapter)");
-  if (!active_.empty() && !merged(find(active_, "merge_and_unload"))) merge_adapter(active_);
+  if (!active_.empty() && !merged(find(active_, "merge_and_unload")))
+    merge_adapter(active_, safe_merge);
   return unwrap("merge_and_unload");
 }
 

@@ -3,16 +3,19 @@
 // after parallelize_module), FSDP, FSDP x TP, HSDP.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "common/affine_batch.h"
 #include "tessera/tessera.h"
+#include "tessera/testing/checks.h"
 
 namespace tessera::testing {
 
@@ -110,6 +113,22 @@ inline std::vector<LoraLayout> lora_layouts(const LoraSlots& slots = {}) {
                    }});
   }
   return out;
+}
+
+// Every parameter of the base model (not the adapters'), as global tensors.
+inline std::map<std::string, Tensor> base_weights(Module& m) {
+  std::map<std::string, Tensor> out;
+  for (auto& [name, p] : m.named_parameters())
+    if (name.find("lora_") == std::string::npos) out[name] = p->full().clone();
+  return out;
+}
+
+// The largest change of a base parameter since `before` (base_weights' result).
+inline double largest_change(Module& m, const std::map<std::string, Tensor>& before) {
+  double d = 0;
+  for (const auto& [name, t] : base_weights(m))
+    d = std::max(d, max_abs_diff(t, before.at(name)));
+  return d;
 }
 
 // One AdamW step on this rank's rows of global batch `step` (8 rows); the loss averaged over the

@@ -500,25 +500,6 @@ TEST(Lora, MergeAndUnmerge) {
   }
 }
 
-namespace {
-
-// Every parameter of the base model (not the adapters'), as global tensors.
-std::map<std::string, Tensor> base_weights(Module& m) {
-  std::map<std::string, Tensor> out;
-  for (auto& [name, p] : m.named_parameters())
-    if (name.find("lora_") == std::string::npos) out[name] = p->full().clone();
-  return out;
-}
-
-double largest_change(Module& m, const std::map<std::string, Tensor>& before) {
-  double d = 0;
-  for (const auto& [name, t] : base_weights(m))
-    d = std::max(d, max_abs_diff(t, before.at(name)));
-  return d;
-}
-
-}  // namespace
-
 // A merged adapter reaches neither the base model nor another adapter's samples: set_adapter
 // unmerges it first; merging an adapter that is not the active one, or during a mixed batch, is
 // refused, and so are a mixed batch and writing its values while it is merged, each refusal

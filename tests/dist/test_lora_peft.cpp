@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
+#include <sstream>
 
 #include "dist/checkpoint_util.h"
 #include "dist/lora_util.h"
@@ -384,5 +386,56 @@ TEST(LoraPeft, DisableAdapterGivesTheBaseModelForTheGuardsLife) {
       run.lora->set_adapter("default");
     }
     EXPECT_EQ(run.lora->active_adapter(), "default");
+  }
+}
+
+// PEFT's safe_merge: a merge that would put a NaN or an infinity into some weight is refused,
+// naming the layer, on every rank (here only rank 0's window of w1 holds the broken row under TP
+// and FSDP), before any weight changes; a sound adapter merges as without it.
+TEST(LoraPeft, SafeMergeRefusesABrokenAdapterOnEveryRankAndChangesNothing) {
+  const DecoderConfig cfg = lora_decoder_config();
+  const Batch batch = affine_batch(2, 4, cfg.max_seq_len, cfg.vocab_size);
+  for (const LoraLayout& l : lora_layouts()) {
+    SCOPED_TRACE(l.name);
+    LoraRun run = l.build(cfg, lora_test_config(LoraInit::Random));
+    const Tensor unmerged = run.logits(batch.ids);
+    run.lora->merge_adapter("default", /*safe_merge=*/true);
+    expect_close(run.logits(batch.ids), unmerged, 1e-5, "safely merged");
+    run.lora->unmerge_adapter("default");
+
+    const auto base = base_weights(*run.model);
+    auto values = run.lora->read_adapter("default");
+    Tensor b = values.at("layers.1.feed_forward.w1.lora_B.weight").clone();
+    b.data<float>()[0] = std::numeric_limits<float>::infinity();  // row 0 of w1's update
+    values["layers.1.feed_forward.w1.lora_B.weight"] = b;
+    run.lora->write_adapter("default", values);
+    expect_error([&] { run.lora->merge_adapter("default", /*safe_merge=*/true); },
+                 {"merge_adapter 'default' (safe_merge)", "layers.1.feed_forward.w1",
+                  "NaN or infinite", "nothing was merged"});
+    EXPECT_EQ(largest_change(*run.model, base), 0.0) << "the refused merge changed a weight";
+    for (const auto& [path, layer] : run.lora->layers())
+      EXPECT_FALSE(layer->slot(run.lora->adapter_id("default")).merged) << path;
+    if (world_size() == 1) {
+      expect_error([&] { run.lora->merge_and_unload(/*safe_merge=*/true); },
+                   {"safe_merge", "layers.1.feed_forward.w1"});
+      EXPECT_EQ(run.lora->layers().size(), 14u) << "merge_and_unload unwrapped after refusing";
+    }
+  }
+}
+
+// PEFT's get_nb_trainable_parameters counts whole parameters on every mesh: the test decoder's
+// 22,688 base elements (embedding, 2 blocks of 4 x 32x32 attention, 3 x 32x64 feed-forward and
+// 2 norms, the final norm and the output) and rank-4 slots for all 14 projections, 4,352
+// elements per slot, whatever shards them.
+TEST(LoraPeft, TrainableParameterCountsAreGlobal) {
+  const DecoderConfig cfg = lora_decoder_config();
+  for (const LoraLayout& l : lora_layouts({.max_adapters = 2, .max_rank = 4})) {
+    SCOPED_TRACE(l.name);
+    LoraRun run = l.build(cfg, lora_test_config());
+    EXPECT_EQ(run.lora->get_nb_trainable_parameters(),
+              (std::pair<int64_t, int64_t>{2 * 4352, 22688 + 2 * 4352}));
+    std::ostringstream line;
+    run.lora->print_trainable_parameters(line);
+    EXPECT_EQ(line.str(), "trainable params: 8,704 || all params: 31,392 || trainable%: 27.7268\n");
   }
 }

@@ -106,6 +106,9 @@ class LoraLinear : public Linear {
   // Collective over the adapter matrices' meshes. A merged slot applies to every sample, so a
   // forward refuses one that is not the routing's active slot, and any during a mixed batch.
   void merge_slot(int64_t i, bool unmerge);
+  // Whether merging slot i would leave this rank's window of W finite (no NaN or infinity, in
+  // W's dtype), changing nothing. Collective as merge_slot is.
+  bool merge_is_finite(int64_t i);
   // A checkpoint's slot i (LoraModel::load_state_dict): its adapter ("" frees it), merged flag
   // and dropout stream position, without touching the matrices or the weight, whose values come
   // from the model's state dict. Only for that: the slot's values must be the checkpoint's (a
@@ -118,6 +121,8 @@ class LoraLinear : public Linear {
  private:
   struct Batch;
   void check_slot(int64_t i, const char* op) const;
+  // This rank's window of W with slot i merged (unmerge: taken out), in W's dtype.
+  Tensor merged_window(int64_t i, bool unmerge, const char* op);
   // Slot i's description and dropout stream (from its start), for `adapter` under `config`.
   void set_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
                 const std::string& path, bool merged);

@@ -2,6 +2,7 @@
 // apply_lora and the model-level adapter operations, with PEFT's names: add, delete and activate
 // named adapters; route a mixed batch per sample; merge and unmerge; read and write an adapter
 // as global tensors; save and load PEFT's adapter files.
+#include <iostream>
 #include <map>
 #include <memory>
 #include <optional>
@@ -70,12 +71,23 @@ class LoraModel {
   std::vector<Parameter*> adapter_parameters(const std::string& name);
   // Every slot's matrices, used or free.
   std::vector<Parameter*> parameters();
+  // PEFT's get_nb_trainable_parameters: (trainable, all) element counts over the model's
+  // parameters, global (a sharded parameter counts its whole shape, on every rank alike, without
+  // communicating), each shared parameter once; trainable: requires_grad. Adapter slots count
+  // at their allocated shape, [max_rank, in] and [out, max_rank], used or free: what an
+  // optimizer over parameters() holds state for. print_trainable_parameters writes PEFT's line,
+  // "trainable params: 1,234 || all params: 5,678 || trainable%: 21.7318", from the calling rank.
+  std::pair<int64_t, int64_t> get_nb_trainable_parameters() const;
+  void print_trainable_parameters(std::ostream& out = std::cout) const;
 
   // --- merge ---
   // W += scale B A in every layer (unmerge: -=), each rank updating its own window of W; the
   // forward then skips the adapter. Collective over the adapters' meshes. Only the active
   // adapter merges, and not while a mixed batch is set: merged, it applies to every sample.
-  void merge_adapter(const std::string& name);
+  // safe_merge (PEFT's) first computes every layer's merged window and refuses, naming the
+  // layers, when any would hold a NaN or an infinity, before any weight changes; it then
+  // computes them again to write them, and agrees over every world rank (each sees its window).
+  void merge_adapter(const std::string& name, bool safe_merge = false);
   void unmerge_adapter(const std::string& name);
   // PEFT's merge_and_unload: merges the active adapter (if any and not merged yet), then puts a
   // plain Linear back in place of every wrapped layer, holding the same weight and bias
@@ -86,7 +98,7 @@ class LoraModel {
   // before fully_shard, or keep the merged LoraLinears. The base parameters stay frozen.
   // Parameter pointers taken before (an optimizer's) name the old layers' slots, which this
   // object keeps alive: make optimizers afterwards.
-  ModulePtr merge_and_unload();
+  ModulePtr merge_and_unload(bool safe_merge = false);
   ModulePtr unload();
 
   // --- values ---
@@ -138,6 +150,7 @@ class LoraModel {
   const Adapter& find(const std::string& name, const char* op) const;
   std::map<std::string, int64_t> adapter_slots() const;  // name -> slot
   bool merged(const Adapter& a) const;
+  void check_merge_is_finite(const std::string& name, const Adapter& a);
   std::vector<std::string> merged_adapters() const;
   std::vector<size_t> targets(const LoraConfig& config) const;
   ModulePtr unwrap(const char* op);
