@@ -1,5 +1,7 @@
 // The inspection entry points: one process, the local (POSIX) HDF5 driver, no communication.
 #include <algorithm>
+#include <map>
+#include <utility>
 
 #include "checksum.h"
 #include "context.h"
@@ -91,6 +93,31 @@ Tensor read_whole(const OpenCheckpoint& o, const std::string& path, const std::s
   return t;
 }
 
+// The save lays the datasets' checksums end to end over the whole table (empty ones hold none),
+// so a gap is a dataset removed from the file, which reading the others cannot notice.
+void check_table_covered(std::vector<std::pair<int64_t, std::string>> firsts,
+                         const std::map<std::string, int64_t>& words, size_t table_size,
+                         std::vector<std::string>& bad) {
+  std::sort(firsts.begin(), firsts.end(), [&](const auto& a, const auto& b) {
+    return std::pair(a.first, words.at(a.second)) < std::pair(b.first, words.at(b.second));
+  });
+  int64_t next = 0;
+  std::string previous;
+  for (const auto& [first, key] : firsts) {
+    if (first > next)
+      bad.push_back("checksums " + std::to_string(next) + " to " + std::to_string(first - 1) +
+                    " of the table belong to no dataset (a tensor was removed from the file?)");
+    else if (first < next)
+      bad.push_back("datasets '" + previous + "' and '" + key + "' claim the same checksums from " +
+                    std::to_string(first));
+    next = std::max(next, first + words.at(key));
+    previous = key;
+  }
+  if (next < int64_t(table_size))
+    bad.push_back("checksums " + std::to_string(next) + " to " + std::to_string(table_size - 1) +
+                  " of the table belong to no dataset (a tensor was removed from the file?)");
+}
+
 }  // namespace
 
 CheckpointInfo read_checkpoint_info(const std::string& path) {
@@ -118,13 +145,19 @@ std::vector<std::string> verify_checkpoint(const std::string& path) {
   }
   auto session = h5::h5_session();
   OpenCheckpoint o = open_local(path);
+  std::vector<std::pair<int64_t, std::string>> firsts;
+  std::map<std::string, int64_t> words;
   for (const CheckpointEntry& e : info.tensors) {
     try {
+      const DatasetMeta m = dataset_meta(o.file, path, e.key, o.table.size());
+      firsts.emplace_back(m.first, e.key);
+      words[e.key] = m.words;
       read_whole(o, path, e.key, bad);
     } catch (const std::exception& ex) {
       bad.push_back("dataset '" + e.key + "' cannot be read: " + ex.what());
     }
   }
+  if (bad.empty()) check_table_covered(std::move(firsts), words, o.table.size(), bad);
   return bad;
 }
 

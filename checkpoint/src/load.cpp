@@ -5,7 +5,6 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <bit>
 #include <cstring>
 #include <optional>
 #include <string_view>
@@ -396,10 +395,10 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
   Reads reads;
   reads.staged.resize(entries.size());
   reads.sums = zeros({checksum_words(entries, found, reads.first)}, DType::Int64);
-  // Read from the mapping unless the options or the host's byte order (the file's is
-  // little-endian) say otherwise on some rank: one decision for all ranks, as the steps are
-  // agreed.
-  const bool map = options.memory_map && std::endian::native == std::endian::little;
+  // Read from the mapping unless the options say otherwise on some rank: one decision for all
+  // ranks, as the steps are agreed. (The mapping's bytes are the file's little-endian ones, as
+  // are the host's: the library builds for little-endian hosts only.)
+  const bool map = options.memory_map;
   Tensor unmapped = full({1}, map ? 0 : 1, DType::Int64);
   if (!entries.empty()) pg->all_reduce(unmapped, ReduceOp::Max)->wait();
   const MappedFile* mapped = unmapped.item<int64_t>() == 0 ? &*pinned : nullptr;

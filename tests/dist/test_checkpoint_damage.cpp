@@ -202,6 +202,10 @@ TEST(CheckpointDamage, TamperedTableMissingDatasetVersionAndCompletion) {
   expect_state(sd, 0, "nothing loaded");
   if (world_rank() == 0) {
     EXPECT_FALSE(verify_checkpoint(table).empty());
+    EXPECT_TRUE(verify_checkpoint(good).empty());
+    const std::vector<std::string> gap = verify_checkpoint(missing);
+    ASSERT_EQ(gap.size(), 1u);
+    EXPECT_NE(gap[0].find("of the table belong to no dataset"), std::string::npos) << gap[0];
     expect_error([&] { read_checkpoint_info(version); }, {"format version 99"});
   }
 }

@@ -41,7 +41,7 @@ struct LoadOptions {
   bool transactional = false;
   // Read by mapping the file into memory (POSIX mmap) and copying each window out of it, adding
   // its checksum in the same pass; windows that are not runs of the file (column shards) are
-  // strided copies. With false (or on a big-endian host) each rank reads its windows through
+  // strided copies. With false each rank reads its windows through
   // HDF5 and MPI-IO, independently. The file must not be truncated while it is loaded: a mapped
   // page past its end raises SIGBUS.
   bool memory_map = true;
@@ -114,8 +114,9 @@ struct CheckpointInfo {
 
 // Reads the metadata of a committed checkpoint (an error for a temporary or damaged one).
 CheckpointInfo read_checkpoint_info(const std::string& path);
-// Reads every tensor in full and checks every checksum; returns one line per problem found
-// (empty: the checkpoint is intact).
+// Reads every tensor in full and checks every checksum, and that the tensors' checksums cover
+// the whole table (a tensor removed from the file leaves a gap); returns one line per problem
+// found (empty: the checkpoint is intact).
 std::vector<std::string> verify_checkpoint(const std::string& path);
 // The global value of one tensor entry, checksums verified.
 Tensor read_checkpoint_tensor(const std::string& path, const std::string& key);
