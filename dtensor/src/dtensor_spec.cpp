@@ -14,6 +14,11 @@ DTensorSpec::DTensorSpec(DeviceMesh mesh_, Placements placements_, Shape global_
                 placements_str(placements), " have ", placements.size(), " entries but ",
                 mesh.str(), " has ", mesh.ndim(), " dims");
   for (auto& p : placements) {
+    // A product has no way to hold one value on one coordinate (what distribute_tensor, random
+    // fills and state-dict loads write): they would give x^n.
+    TESSERA_CHECK(!p.is_partial() || p.reduce_op() != ReduceOp::Product, "placements ",
+                  placements_str(placements),
+                  ": Partial(product) is not supported (sum, avg, max and min are)");
     if (p.is_shard()) {
       TESSERA_CHECK(p.dim() >= -ndim() && p.dim() < ndim(), "placement ", p.str(),
                     " is invalid for a tensor of shape ", shape_str(global_shape), " (", ndim(),

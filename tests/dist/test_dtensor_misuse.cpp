@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 
 #include "child_job.h"
 #include "tessera/tessera.h"
@@ -92,6 +93,20 @@ TEST(DTensorMisuse, ShardDimOutOfRange) {
   TESSERA_EXPECT_CONTAINS(msg, "-3");
   // A negative dim that is in range means the same as its positive form.
   EXPECT_EQ(distribute_tensor(global, mesh, {Shard(-1)}).placements(), (Placements{Shard(1)}));
+}
+
+// A product partial cannot hold one value on one coordinate: refused, not squared.
+TEST(DTensorMisuse, PartialProductIsRefused) {
+  DeviceMesh mesh = line_mesh();
+  const Tensor global = dyadic_tensor({4, 6}, 2);
+  for (const auto& f : std::vector<std::function<void()>>{
+           [&] { distribute_tensor(global, mesh, {Partial(ReduceOp::Product)}); },
+           [&] { DTensor::from_local(global, mesh, {Partial(ReduceOp::Product)}); },
+           [&] {
+             distribute_tensor(global, mesh, {Replicate()})
+                 .redistribute({Partial(ReduceOp::Product)});
+           }})
+    TESSERA_EXPECT_CONTAINS(error_of(f), "Partial(product) is not supported");
 }
 
 TEST(DTensorMisuse, PlacementCountDiffersFromMeshDims) {

@@ -307,6 +307,37 @@ TEST(NnDTensor, EmbeddingOnTwoDimMesh) {
   expect_close(w.grad().full_tensor(), rw.grad(), 1e-12, "dW");
 }
 
+// Data-parallel ids beside a vocabulary- or column-parallel table: the ranks of one replica
+// hold a bad id, and every rank of the mesh fails, where those of the other replica used to go
+// on into the next collective and wait there. The ids sharded on both mesh dims are gathered
+// over tp first, so ranks that never held the bad id see it too.
+TEST(NnDTensor, OutOfRangeIdsOfOneReplicaFailEveryRankOfATwoDimMesh) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  DeviceMesh mesh({2, 2}, {"dp", "tp"});
+  Tensor ids = from_vector<int64_t>({10, 0, 4, 7, 7, 2, 9, 11}, {4, 2});  // 11: row 3, dp 1
+  const Tensor wg = global_randn({11, 4}, 17);
+  for (const auto& [wp, ip] : std::vector<std::pair<Placements, Placements>>{
+           {{Replicate(), Shard(0)}, {Shard(0), Replicate()}},
+           {{Replicate(), Shard(0)}, {Shard(0), Shard(0)}},
+           {{Replicate(), Shard(1)}, {Shard(0), Shard(0)}}}) {
+    SCOPED_TRACE("weight " + placements_str(wp) + ", ids " + placements_str(ip));
+    DTensor w = distribute_tensor(wg, mesh, wp);
+    DTensor idd = distribute_tensor(ids, mesh, ip);
+    expect_error([&] { embedding(idd, w); }, {"embedding: id 11", "num_embeddings 11"});
+  }
+}
+
+// Ids strided-sharded beside a vocabulary-parallel table are looked up as the plain ids are.
+TEST(NnDTensor, StridedShardedIdsBesideAVocabParallelTable) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  DeviceMesh mesh({2, 2}, {"dp", "tp"});
+  const Tensor ids = from_vector<int64_t>({10, 0, 4, 7, 7, 2, 9, 1}, {4, 2});
+  const Tensor wg = global_randn({11, 4}, 18);
+  DTensor w = distribute_tensor(wg, mesh, {Replicate(), Shard(0)});
+  DTensor idd = distribute_tensor(ids, mesh, {StridedShard(0, 2), Shard(0)});
+  expect_close(embedding(idd, w).full_tensor(), embedding(ids, wg), 0, "strided-sharded ids");
+}
+
 // --- norms ---
 
 namespace {

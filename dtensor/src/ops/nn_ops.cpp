@@ -67,8 +67,10 @@ ShardingDecision embedding_decision(const DTensor& ids, const DTensor& weight) {
   for (int64_t m = 0; m < ids.mesh().ndim(); ++m) {
     Placement pi = ids.placements()[size_t(m)];
     Placement pw = weight.placements()[size_t(m)];
-    // Ids are never summed by a lookup, and a strided shard of the table has no row range.
-    if (pi.is_partial()) pi = Replicate();
+    // Ids are never summed by a lookup, and a strided shard of the table has no row range. A
+    // strided shard of the ids is valid only beside the shards of later mesh dims, which the
+    // cases below may replace by Replicate.
+    if (pi.is_partial() || pi.is_strided_shard()) pi = Replicate();
     if (pw.is_strided_shard() || (pw.is_partial() && !sum_partial(pw))) pw = Replicate();
     if (pw.is_shard(0) || sum_partial(pw)) {
       dec.inputs[0].push_back(Replicate());
@@ -88,12 +90,13 @@ ShardingDecision embedding_decision(const DTensor& ids, const DTensor& weight) {
   return dec;
 }
 
-// Ids that stay sharded are looked up where they lie, each rank checking only its own: a bad id
-// must fail every rank, not one while the others go on to their next collective.
-void agree_ids_in_range(const DTensor& ids, const Placements& kept, int64_t vocab) {
+// `ids` placed as the lookup takes them: where they stay sharded, each rank looks up and checks
+// only its own, and a bad id must fail every rank, not one while the others go on to their next
+// collective. Ranks that differ only along the other mesh dims hold the same ids.
+void agree_ids_in_range(const DTensor& ids, int64_t vocab) {
   std::vector<int64_t> dims;
   for (int64_t m = 0; m < ids.mesh().ndim(); ++m)
-    if (kept[size_t(m)].is_shard() && ids.mesh().size(m) > 1) dims.push_back(m);
+    if (ids.placements()[size_t(m)].is_shard() && ids.mesh().size(m) > 1) dims.push_back(m);
   if (dims.empty()) return;
   int64_t found = 0, bad = std::numeric_limits<int64_t>::min();
   for (int64_t id : ids.to_local().to(DType::Int64).to_vector<int64_t>())
@@ -146,20 +149,22 @@ DTensor embedding(const DTensor& ids, const DTensor& weight) {
   ShardingDecision dec = embedding_decision(ids, weight);
   Shape out = ids.shape();
   out.push_back(weight.size(1));
+  // Placed before the check (a collective every rank makes, whatever its ids), so that the
+  // check sees what each lookup will.
+  const DTensor placed = ids.redistribute(dec.inputs[0]);
+  agree_ids_in_range(placed, weight.size(0));
   bool vocab_sharded = false;
   for (const Placement& p : dec.inputs[1])
     vocab_sharded = vocab_sharded || p.is_shard(0);
-  if (!vocab_sharded) {
-    agree_ids_in_range(ids, dec.inputs[0], weight.size(0));
-    return dtensor_ops::run("embedding", {ids, weight}, dec, out,
+  if (!vocab_sharded)
+    return dtensor_ops::run("embedding", {placed, weight}, dec, out,
                             [](const std::vector<Tensor>& l) { return embedding(l[0], l[1]); });
-  }
   // The rows this rank holds once the weight has the placements the rule asks for.
   const DTensorSpec wspec(weight.mesh(), dec.inputs[1], weight.shape(), weight.dtype());
   const int64_t start = wspec.local_layout().global_offset[0];
   const int64_t vocab = weight.size(0);
   return dtensor_ops::run(
-      "embedding", {ids, weight}, dec, out, [start, vocab](const std::vector<Tensor>& l) {
+      "embedding", {placed, weight}, dec, out, [start, vocab](const std::vector<Tensor>& l) {
         return autograd::Function::apply<VocabShardEmbedding>({l[0], l[1]}, start, vocab)[0];
       });
 }

@@ -76,8 +76,8 @@ inline constexpr int kEveryRank = -1;
 // undefined tensor or one of its shape and dtype) and each rank receives its window. With
 // kEveryRank each rank cuts its window from its own `global`. Before any data moves the ranks
 // agree on src_rank, placements, mesh and (with kEveryRank) the tensor's shape and dtype; a wrong
-// or differing input on any rank throws on every rank. Partial placements keep the value on
-// mesh coordinate 0 of that dim.
+// or differing input on any rank throws on every rank. A Partial(sum) dim keeps the value on
+// its coordinate 0 and zeros elsewhere; Partial avg, max and min keep it on every coordinate.
 DTensor distribute_tensor(const Tensor& global, const DeviceMesh& mesh,
                           const Placements& placements, int src_rank = kMeshFirstRank);
 
