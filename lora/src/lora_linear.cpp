@@ -435,12 +435,16 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
   const auto [a, b, scale] = stack_adapters(std::move(as), std::move(bs), scales);
   DTensor xl;
   if (bt.any_dropout) {
-    // The same mask a single process would draw: the draw follows x's layout.
-    // (x in the adapters' dtype first, as in forward.)
-    DTensor u = rand(x.shape(), mesh, x.placements(), dropout_gens_[size_t(bt.slots[0])]);
+    // The same mask a single process would draw: the draw follows x's layout, replicated over
+    // Partial dims, whose ranks must mask their terms of one sum alike. (x in the adapters'
+    // dtype first, as in forward.)
+    Placements mask_placements = x.placements();
+    for (Placement& p : mask_placements)
+      if (p.is_partial()) p = Replicate();
+    DTensor u = rand(x.shape(), mesh, mask_placements, dropout_gens_[size_t(bt.slots[0])]);
     Tensor keep = keep_scale(u.to_local(), bt.dropout, slots_[size_t(bt.slots[0])].dropout);
     xl = mul(x.dtype() == a.dtype() ? x : cast(x, a.dtype()),
-             DTensor::from_local(keep.to(a.dtype()), mesh, x.placements(), x.shape()));
+             DTensor::from_local(keep.to(a.dtype()), mesh, mask_placements, x.shape()));
   }
   const Tensor h_scale = activation_mask(bt, x.dim());
   bool row_parallel = false;

@@ -439,3 +439,32 @@ TEST(LoraPeft, TrainableParameterCountsAreGlobal) {
     EXPECT_EQ(line.str(), "trainable params: 8,704 || all params: 31,392 || trainable%: 27.7268\n");
   }
 }
+
+// LoRA dropout on a Partial input: every rank masks its term of the sum with the same mask, so
+// the layer gives what it gives the replicated input (not coordinate 0's term alone, masked).
+TEST(LoraPeft, DropoutMasksAPartialInputAsTheSumItStandsFor) {
+  const int64_t n = world_size();
+  DeviceMesh mesh(Shape{n}, {"tp"});
+  const LoraConfig config = lora_test_config(LoraInit::Random);
+  auto routing = std::make_shared<LoraRouting>();
+  routing->active_slot = 0;
+  auto make = [&](double dropout) {
+    Generator gen(6);
+    auto l = std::make_shared<LoraLinear>(Linear(8, 8, false, gen),
+                                          LoraSlots{.max_adapters = 1, .max_rank = 4}, routing);
+    LoraConfig c = config;
+    c.lora_dropout = dropout;
+    l->init_slot(0, "a", c, "layer");
+    return l;
+  };
+  Generator gen(5);
+  const Tensor x = randn({4, 8}, gen);
+  // Unequal terms: rank r holds (r + 1) / (n (n + 1) / 2) of x.
+  const Tensor term = mul(x, double(world_rank() + 1) / double(n * (n + 1) / 2));
+  const DTensor partial = DTensor::from_local(term, mesh, {Partial()}, x.shape());
+  const DTensor replicated = distribute_tensor(x, mesh, {Replicate()});
+  const Tensor want = make(0.5)->forward_dtensor(replicated).full_tensor();
+  expect_close(make(0.5)->forward(x), want, 1e-6, "one process draws the same mask");
+  EXPECT_GT(max_abs_diff(make(0.0)->forward(x), want), 1e-3) << "no dropout ran";
+  expect_close(make(0.5)->forward_dtensor(partial).full_tensor(), want, 1e-5, "a partial input");
+}
