@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <typeinfo>
 
+#include "checkpoint_frame.h"
 #include "tessera/core/factory.h"
 
 namespace tessera::autograd {
@@ -33,6 +34,7 @@ std::vector<Tensor> Function::run(const std::vector<Tensor>& inputs) {
     outputs = forward(inputs);
   }
   if (!record) {
+    release_frame();
     saved_.clear();
     return outputs;
   }
@@ -79,6 +81,23 @@ std::vector<Tensor> Function::apply(std::vector<Tensor>&& grad_outputs) {
 }
 
 void Function::save_for_backward(std::vector<Tensor> tensors) {
+  if (auto* frame = detail::CheckpointFrame::packing()) {
+    frame_ = frame->shared_from_this();
+    frame_ids_.clear();
+    for (const Tensor& t : tensors)
+      frame_ids_.push_back(t.defined() ? frame->pack(t) : kNotSaved);
+    saved_.assign(tensors.size(), Tensor());
+    saved_versions_.clear();
+    return;
+  }
+  if (auto* frame = detail::CheckpointFrame::keeping()) {
+    // A node of the recomputation's graph, which never runs backward: the frame keeps them.
+    for (const Tensor& t : tensors)
+      if (t.defined()) frame->keep(t);
+    saved_.clear();
+    saved_versions_.clear();
+    return;
+  }
   saved_ = std::move(tensors);
   saved_versions_.clear();
   for (const Tensor& t : saved_)
@@ -89,6 +108,13 @@ const std::vector<Tensor>& Function::saved_tensors() const {
   TESSERA_CHECK(!saved_released_, name(),
                 ": saved tensors were already freed by a previous backward; pass "
                 "retain_graph=true to backward through the graph twice");
+  if (frame_) {
+    // The recomputation checked the tensors that were there in the forward.
+    for (size_t i = 0; i < saved_.size(); ++i)
+      if (!saved_[i].defined() && frame_ids_[i] != kNotSaved)
+        saved_[i] = frame_->unpack(frame_ids_[i], name());
+    return saved_;
+  }
   for (size_t i = 0; i < saved_.size(); ++i) {
     if (!saved_[i].defined() || saved_[i].version() == saved_versions_[i]) continue;
     TESSERA_FAIL(name(),
@@ -103,7 +129,16 @@ const std::vector<Tensor>& Function::saved_tensors() const {
   return saved_;
 }
 
+void Function::release_frame() {
+  if (!frame_) return;
+  for (size_t id : frame_ids_)
+    if (id != kNotSaved) frame_->release(id);
+  frame_.reset();
+  frame_ids_.clear();
+}
+
 void Function::release_saved_tensors() {
+  release_frame();
   saved_.clear();
   saved_.shrink_to_fit();
   saved_released_ = true;

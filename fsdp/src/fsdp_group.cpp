@@ -5,6 +5,7 @@
 
 #include "registry.h"
 #include "schedule.h"
+#include "tessera/autograd/checkpoint.h"
 #include "tessera/autograd/engine.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/autograd/ops.h"
@@ -287,6 +288,16 @@ void FSDPGroup::finish_backward() {
 }
 
 Tensor FSDPGroup::pre_forward(const Tensor& x) {
+  // Its recomputation inside the backward would gather again, out of the backward's order of
+  // collectives. (Every rank runs the same forward, so every rank refuses.)
+  if (autograd::in_checkpoint_region()) {
+    auto m = module_.lock();
+    TESSERA_FAIL("fully_shard(", m ? m->type_name() : std::string("module"),
+                 "): its forward runs inside an activation-checkpointed region, whose "
+                 "recomputation in the backward would gather its parameters again; checkpoint "
+                 "this module itself (checkpoint(module) keeps fully_shard's hooks outside the "
+                 "region) or modules inside it instead");
+  }
   schedule_->record_forward(shared_from_this());
   // This group's all-gather first, then the next group's, then the wait: both transfers run
   // during it and during this group's compute.

@@ -4,6 +4,7 @@
 #include <set>
 
 #include "parallel/local_pieces.h"
+#include "tessera/autograd/checkpoint.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/core/factory.h"
 
@@ -16,23 +17,36 @@ Tensor Module::operator()(const Tensor& x_in) {
     if (r.defined()) x = r;
   }
   Tensor y;
-  if (dtensor_io_) {
-    const DTensorIO& io = *dtensor_io_;
-    DTensor xd = DTensor::from_local(
-        x, io.mesh, io.input_layouts,
-        detail::global_shape_of_pieces(x, io.mesh, io.input_layouts, type_name_ + " input"));
-    if (!io.desired_input_layouts.empty()) xd = xd.redistribute(io.desired_input_layouts);
-    DTensor yd = forward_dtensor(xd);
-    if (!io.output_layouts.empty()) yd = yd.redistribute(io.output_layouts);
-    y = yd.to_local();
+  if (activation_checkpointing_) {
+    // The recomputation may come after the caller dropped the module: it holds it.
+    ModulePtr self = shared_from_this();
+    y = checkpoint([self](const Tensor& in) { return self->run_forward(in); }, x);
   } else {
-    y = forward(x);
+    y = run_forward(x);
   }
   for (auto& h : hooks_) {
     Tensor r = h(*this, x, y);
     if (r.defined()) y = r;
   }
   return y;
+}
+
+Tensor Module::run_forward(const Tensor& x) {
+  if (!dtensor_io_) return forward(x);
+  const DTensorIO& io = *dtensor_io_;
+  DTensor xd = DTensor::from_local(
+      x, io.mesh, io.input_layouts,
+      detail::global_shape_of_pieces(x, io.mesh, io.input_layouts, type_name_ + " input"));
+  if (!io.desired_input_layouts.empty()) xd = xd.redistribute(io.desired_input_layouts);
+  DTensor yd = forward_dtensor(xd);
+  if (!io.output_layouts.empty()) yd = yd.redistribute(io.output_layouts);
+  return yd.to_local();
+}
+
+ModulePtr checkpoint(const ModulePtr& module) {
+  TESSERA_CHECK(module != nullptr, "checkpoint: null module");
+  module->set_activation_checkpointing(true);
+  return module;
 }
 
 Tensor Module::forward(const Tensor&) {

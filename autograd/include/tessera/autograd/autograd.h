@@ -1,4 +1,5 @@
 #pragma once
+#include "tessera/autograd/checkpoint.h"
 #include "tessera/autograd/deferred_reduction.h"
 #include "tessera/autograd/engine.h"
 #include "tessera/autograd/function.h"

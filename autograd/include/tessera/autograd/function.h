@@ -19,6 +19,10 @@
 
 namespace tessera::autograd {
 
+namespace detail {
+class CheckpointFrame;
+}
+
 class Function : public Node {
  public:
   // Runs F(args...).forward(inputs) without recording, then, if grad mode is on and an input
@@ -40,7 +44,9 @@ class Function : public Node {
 
  protected:
   // Keeps tensors for backward with their versions: saved_tensors() refuses any that an
-  // in-place write changed since (PyTorch's "modified by an inplace operation" error).
+  // in-place write changed since (PyTorch's "modified by an inplace operation" error). Inside a
+  // checkpointed region (checkpoint.h) it keeps only their descriptions, and saved_tensors()
+  // gets them from the region's recomputation.
   void save_for_backward(std::vector<Tensor> tensors);
   const std::vector<Tensor>& saved_tensors() const;
   bool needs_input_grad(size_t i) const;
@@ -49,10 +55,14 @@ class Function : public Node {
   void set_materialize_grads(bool v) { materialize_grads_ = v; }
 
  private:
+  static constexpr size_t kNotSaved = size_t(-1);
   std::vector<Tensor> run(const std::vector<Tensor>& inputs);
+  void release_frame();
 
-  std::vector<Tensor> saved_;
+  mutable std::vector<Tensor> saved_;     // filled from frame_ when checkpointed
   std::vector<uint32_t> saved_versions_;  // each saved tensor's version when it was saved
+  std::shared_ptr<detail::CheckpointFrame> frame_;
+  std::vector<size_t> frame_ids_;  // each saved tensor's index in frame_ (kNotSaved: undefined)
   bool saved_released_ = false;
   std::vector<bool> needs_input_grad_;
   bool materialize_grads_ = true;

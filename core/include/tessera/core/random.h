@@ -9,9 +9,34 @@
 
 namespace tessera {
 
+class Generator;
+
+namespace detail {
+// Told of every draw this thread makes while set: activation checkpointing (autograd/
+// checkpoint.h) notes which generators its region advanced, and from where, to put them back
+// there for the recomputation.
+class GeneratorObserver {
+ public:
+  virtual void advanced(Generator& gen, uint64_t start) = 0;
+
+ protected:
+  ~GeneratorObserver() = default;
+};
+extern thread_local GeneratorObserver* t_generator_observer;
+uint64_t next_generator_stamp();
+}  // namespace detail
+
 class Generator {
  public:
-  explicit Generator(uint64_t seed = 0) : seed_(seed) {}
+  explicit Generator(uint64_t seed = 0) : seed_(seed), stamp_(detail::next_generator_stamp()) {}
+  // A copy is a generator of its own, made now (its stamp), in the same state.
+  Generator(const Generator& other)
+      : seed_(other.seed_), offset_(other.offset_), stamp_(detail::next_generator_stamp()) {}
+  Generator& operator=(const Generator& other) {
+    seed_ = other.seed_;
+    offset_ = other.offset_;
+    return *this;
+  }
   uint64_t seed() const { return seed_; }
   uint64_t offset() const { return offset_; }
   void set_offset(uint64_t offset) { offset_ = offset; }
@@ -23,12 +48,18 @@ class Generator {
   uint64_t advance(uint64_t n) {
     uint64_t start = offset_;
     offset_ += n;
+    if (detail::t_generator_observer) detail::t_generator_observer->advanced(*this, start);
     return start;
   }
+  // Increases with each generator made in this process (the default generator's is 0): a
+  // generator made after some point cannot have been advanced before it.
+  uint64_t stamp() const { return stamp_; }
 
  private:
+  friend Generator& default_generator();
   uint64_t seed_;
   uint64_t offset_ = 0;
+  uint64_t stamp_;
 };
 
 // The process-wide generator used when none is given.

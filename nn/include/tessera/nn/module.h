@@ -111,6 +111,10 @@ class Module : public std::enable_shared_from_this<Module> {
   // Returns this module for chaining.
   Module& to(Device device);
 
+  // Activation checkpointing of this module (see checkpoint(ModulePtr) below).
+  void set_activation_checkpointing(bool on) { activation_checkpointing_ = on; }
+  bool activation_checkpointing() const { return activation_checkpointing_; }
+
   // Set by parallel styles.
   void set_dtensor_io(DTensorIO io) { dtensor_io_ = std::move(io); }
   const std::optional<DTensorIO>& dtensor_io() const { return dtensor_io_; }
@@ -145,6 +149,7 @@ class Module : public std::enable_shared_from_this<Module> {
     std::function<void(ModulePtr)> set;
   };
   void add_child(const std::string& name, ModuleSlot slot);
+  Tensor run_forward(const Tensor& x);  // forward, or the DTensor path a style set
   void check_new_name(const std::string& name) const;
 
   std::string type_name_;
@@ -155,6 +160,13 @@ class Module : public std::enable_shared_from_this<Module> {
   std::vector<ForwardPreHook> pre_hooks_;
   std::vector<ForwardHook> hooks_;
   std::optional<DTensorIO> dtensor_io_;
+  bool activation_checkpointing_ = false;
 };
+
+// PyTorch's composable checkpoint(module): from now on the module's forward (the DTensor path
+// included, not its forward pre-hooks and hooks, so fully_shard's stay outside) is a checkpointed
+// region (autograd/checkpoint.h): its activations are not kept for backward but recomputed there.
+// The state dict's keys do not change. Returns the module.
+ModulePtr checkpoint(const ModulePtr& module);
 
 }  // namespace tessera

@@ -1,0 +1,173 @@
+// Activation checkpointing: the same gradients as without it (dropout included, from the default
+// generator and from one of the caller's), less memory held between forward and backward, and
+// clear errors for a recomputation that differs, a saved tensor written in place, nested regions
+// and a second backward without retain_graph.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tessera/tessera.h"
+#include "tessera/testing/checks.h"
+#include "tessera/testing/expect_error.h"
+#include "tessera/testing/generators.h"
+
+using namespace tessera;
+using tessera::testing::expect_close;
+using tessera::testing::expect_error;
+using tessera::testing::random_tensor;
+
+namespace {
+
+struct Leaves {
+  Tensor x, w1, w2;
+  Leaves() {
+    x = random_tensor({16, 32}, 1, DType::Float32).set_requires_grad(true);
+    w1 = random_tensor({64, 32}, 2, DType::Float32).set_requires_grad(true);
+    w2 = random_tensor({32, 64}, 3, DType::Float32).set_requires_grad(true);
+  }
+};
+
+// Four layers' worth of activations, two dropouts (the default generator and `gen`).
+Tensor body(const Leaves& l, Generator& gen, const Tensor& x) {
+  Tensor h = x;
+  for (int i = 0; i < 4; ++i) {
+    h = dropout(gelu(linear(h, l.w1)), 0.25, true, default_generator());
+    h = tanh(linear(dropout(h, 0.1, true, gen), l.w2));
+  }
+  return h;
+}
+
+// The loss's gradients with respect to x, w1 and w2.
+std::vector<Tensor> grads_of(const Leaves& l, bool checkpointed) {
+  manual_seed(11);
+  Generator gen(5);
+  auto f = [&](const Tensor& in) { return body(l, gen, in); };
+  for (const Tensor* t : {&l.x, &l.w1, &l.w2})
+    const_cast<Tensor&>(*t).set_grad(Tensor());
+  Tensor y = checkpointed ? checkpoint(f, l.x) : f(l.x);
+  backward(sum(mul(y, y)));
+  EXPECT_EQ(gen.offset(), uint64_t(4 * 16 * 64)) << "the recomputation left the generator moved";
+  return {l.x.grad(), l.w1.grad(), l.w2.grad()};
+}
+
+}  // namespace
+
+TEST(ActivationCheckpoint, GradientsEqualThoseWithoutItDropoutIncluded) {
+  Leaves l;
+  const auto plain = grads_of(l, false);
+  const auto checkpointed = grads_of(l, true);
+  for (size_t i = 0; i < plain.size(); ++i)
+    expect_close(checkpointed[i], plain[i], 0, "gradient " + std::to_string(i));
+}
+
+// Between forward and backward the region holds its input and output, not its activations.
+TEST(ActivationCheckpoint, HoldsLessMemoryUntilTheBackward) {
+  Leaves l;
+  Generator gen(5);
+  auto f = [&](const Tensor& in) { return body(l, gen, in); };
+  auto held = [&](bool checkpointed) {
+    const int64_t before = memory_stats().current_bytes;
+    Tensor y = checkpointed ? checkpoint(f, l.x) : f(l.x);
+    const int64_t after = memory_stats().current_bytes;
+    backward(sum(y));
+    return after - before;
+  };
+  const int64_t plain = held(false), checkpointed = held(true);
+  EXPECT_LT(checkpointed * 8, plain) << checkpointed << " bytes held against " << plain;
+  std::printf("held between forward and backward: %lld bytes checkpointed, %lld without\n",
+              (long long)checkpointed, (long long)plain);
+}
+
+TEST(ActivationCheckpoint, AModulesForwardIsARegionAndItsKeysStay) {
+  DecoderConfig cfg;
+  cfg.vocab_size = 11;
+  cfg.dim = 16;
+  cfg.n_layers = 2;
+  cfg.n_heads = 4;
+  cfg.n_kv_heads = 2;
+  cfg.ffn_dim = 12;
+  cfg.max_seq_len = 8;
+  cfg.seed = 7;
+  const Tensor ids = from_vector<int64_t>({1, 4, 2, 9, 3, 3, 0, 7, 5, 10, 6, 8}, {2, 6});
+  const Tensor targets = from_vector<int64_t>({4, 2, 9, 3, 3, 0, 7, 5, 10, 6, 8, 1}, {2, 6});
+  std::map<std::string, Tensor> grads[2];
+  int64_t held[2] = {0, 0};
+  for (bool on : {false, true}) {
+    auto model = std::make_shared<Decoder>(cfg);
+    if (on) {
+      for (auto& block : model->layers) {
+        EXPECT_TRUE(checkpoint(block)->activation_checkpointing());
+      }
+    }
+    const int64_t before = memory_stats().current_bytes;
+    Tensor loss = cross_entropy((*model)(ids), targets);
+    held[on] = memory_stats().current_bytes - before;
+    backward(loss);
+    for (auto& [name, p] : model->named_parameters())
+      grads[on][name] = p->grad();
+  }
+  EXPECT_LT(held[1] * 2, held[0]) << "the blocks' activations were kept: " << held[1]
+                                  << " bytes against " << held[0];
+  EXPECT_EQ(grads[1].size(), grads[0].size());
+  for (const auto& [name, g] : grads[0])
+    expect_close(grads[1].at(name), g, 0, name);
+}
+
+TEST(ActivationCheckpoint, WithoutGradModeItJustRuns) {
+  Leaves l;
+  NoGradGuard no_grad;
+  int calls = 0;
+  Tensor y = checkpoint(
+      [&](const Tensor& in) {
+        ++calls;
+        return linear(in, l.w1);
+      },
+      l.x);
+  EXPECT_EQ(calls, 1);
+  EXPECT_FALSE(y.requires_grad());
+}
+
+TEST(ActivationCheckpoint, ARecomputationThatDiffersIsAnError) {
+  Leaves l;
+  int calls = 0;
+  Tensor y = checkpoint(
+      [&](const Tensor& in) {
+        Tensor h = linear(in, l.w1);
+        return ++calls == 1 ? tanh(h) : tanh(sigmoid(h));  // one more saved tensor the second time
+      },
+      l.x);
+  expect_error([&] { backward(sum(y)); }, {"checkpoint: recomputing the region",
+                                           "where its forward kept", "the same operations again"});
+}
+
+TEST(ActivationCheckpoint, ASavedParameterWrittenInPlaceIsAnError) {
+  Leaves l;
+  Tensor y = checkpoint([&](const Tensor& in) { return tanh(linear(in, l.w1)); }, l.x);
+  l.w1.fill_(0.5);  // an optimizer step between forward and backward
+  expect_error([&] { backward(sum(y)); },
+               {"modified by an in-place operation", "checkpointed region", "[64, 32]"});
+}
+
+TEST(ActivationCheckpoint, RegionsDoNotNest) {
+  Leaves l;
+  auto inner = [&](const Tensor& in) { return tanh(in); };
+  expect_error([&] { checkpoint([&](const Tensor& in) { return checkpoint(inner, in); }, l.x); },
+               {"checkpoint: regions do not nest"});
+  // The refused region left nothing behind: the next one works.
+  Tensor y = checkpoint(inner, l.x);
+  backward(sum(y));
+  EXPECT_TRUE(l.x.grad().defined());
+}
+
+TEST(ActivationCheckpoint, ASecondBackwardNeedsRetainGraph) {
+  Leaves l;
+  Tensor y = sum(checkpoint([&](const Tensor& in) { return tanh(linear(in, l.w1)); }, l.x));
+  backward(y, Tensor(), /*retain_graph=*/true);
+  const Tensor once = l.w1.grad().clone();
+  backward(y);
+  expect_close(l.w1.grad(), mul(once, 2.0), 1e-6, "two backwards");
+  expect_error([&] { backward(y); }, {"retain_graph"});
+}
