@@ -68,6 +68,26 @@ TEST(DTensorOps, ColumnParallelLinearSumsReplicatedInputGradient) {
   }
 }
 
+// The replicated input of a column-parallel linear, gathered from a sequence shard, gets its
+// gradient as this rank's term of a sum, which the gather's backward may reduce-scatter
+// unreduced: not when retain_grad (or a hook) looks at it, which must see the reduced gradient.
+TEST(DTensorOps, RetainGradSeesTheReducedGradientOfAGatheredInput) {
+  for (const DeviceMesh& mesh0 : meshes()) {
+    DeviceMesh mesh = mesh0["tp"];
+    const int64_t n = mesh.size();
+    Tensor xg = global_randn({2 * n, 6}, 5), wg = global_randn({8, 6}, 6);
+    DTensor x = leaf(xg, mesh, {Shard(0)});
+    DTensor y = x.redistribute({Replicate()});
+    Tensor yl = y.to_local();
+    retain_grad(yl);
+    DTensor out = linear(y, leaf(wg, mesh, {Shard(0)}));
+    Tensor g = global_randn({2 * n, 8}, 7);
+    backward(sum(mul(out.full_tensor(), g)));
+    expect_close(yl.grad(), matmul(g, wg), 1e-12, "the retained gradient of the gathered input");
+    expect_close(x.grad().full_tensor(), matmul(g, wg), 1e-12, "dx");
+  }
+}
+
 TEST(DTensorOps, RowParallelLinearGivesPartialAndAddsBiasOnce) {
   for (const DeviceMesh& mesh0 : meshes()) {
     DeviceMesh mesh = mesh0["tp"];

@@ -51,7 +51,10 @@ class Node : public std::enable_shared_from_this<Node> {
   // that .grad holds the gradient as the hooks left it (PyTorch's order).
   void set_retain_hook(uint32_t output_nr, GradHook hook);
   std::vector<Tensor> run_pre_hooks(std::vector<Tensor>&& grads);
-  bool has_pre_hooks(uint32_t output_nr) const { return pre_hooks_.count(output_nr) != 0; }
+  // Whether any hook (retain_grad's included) sees that output's gradient.
+  bool has_pre_hooks(uint32_t output_nr) const {
+    return pre_hooks_.count(output_nr) != 0 || retain_hooks_.count(output_nr) != 0;
+  }
 
   // Whether this node's backward can take the gradient of forward output `output_nr` as this
   // rank's unreduced term of `reduction` and finish the reduction itself more cheaply (an
