@@ -73,9 +73,11 @@ void SGD::step() {
     if (!p.grad().defined()) continue;
     const SGDOptions& o = groups_[param_group_of(i)];
     update_local("SGD", i, p, [&](Tensor& w, const Tensor& g) {
-      // PyTorch's first momentum step copies the gradient into the buffer. A buffer allocated
-      // for loading a checkpoint is fresh too until its parameter has been updated once.
-      const bool fresh = o.momentum != 0 && param_steps_[i] == 0;
+      // PyTorch's first momentum step copies the gradient into the buffer: the first step of
+      // the parameter (a buffer allocated to load a checkpoint of a run that never stepped is
+      // fresh too), or the first with momentum after steps without (no buffer yet).
+      const bool fresh = o.momentum != 0 &&
+                         (param_steps_[i] == 0 || i >= momentum_.size() || !momentum_[i].defined());
       if (o.momentum != 0) state_slot(momentum_, i, p, /*allocate=*/true);
       Tensor none;
       kernels::sgd_update_(w, o.momentum != 0 ? momentum_[i] : none, g,

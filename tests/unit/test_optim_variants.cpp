@@ -189,6 +189,19 @@ TEST(SGD, DampeningNesterovAndMaximizeMatchReference) {
   }
 }
 
+// Momentum switched on after steps without it starts its buffer as PyTorch's does (a copy of
+// the gradient, no dampening): w = 1 - 0.1 (no momentum) - 0.1 (buffer = g), not - 0.05.
+TEST(SGD, MomentumSwitchedOnLaterStartsFromTheGradient) {
+  Parameter p = make_param({1.0});
+  SGD opt({&p}, {.lr = 0.1});
+  for (int step = 0; step < 2; ++step) {
+    set_grad(p, {1.0});
+    opt.step();
+    if (step == 0) opt.set_hyperparameters({{"momentum", 0.9}, {"dampening", 0.5}});
+  }
+  EXPECT_NEAR(p.stored().to_vector<double>()[0], 0.8, 1e-12);
+}
+
 TEST(SGD, NesterovNeedsMomentumAndNoDampening) {
   Parameter p = make_param({1.0});
   expect_error([&] { SGD({&p}, {.nesterov = true}); },
