@@ -99,10 +99,23 @@ class VocabParallelCrossEntropy final : public autograd::Function {
 // ranks when the vocabulary does not split evenly (8, 8, 8 and 6 columns guess 32 and 24). Every
 // rank then fails alike, rather than one on a target beyond its own guess while the others wait
 // in the loss's collectives, or all going on with overlapping columns.
-void agree_on_vocabulary(const VocabShard& shard, bool local_shape_ok, Device device) {
+// What each rank found before the first collective of the loss, agreed over the vocabulary
+// groups, so that no rank goes on into the forward's all-reduces while another throws.
+struct LocalFindings {
+  bool local_shape_ok = true;
+  std::string bad_target;  // this rank's first out-of-range target, described
+  uint64_t target_hash = 0;
+};
+
+void agree_on_vocabulary(const VocabShard& shard, const LocalFindings& mine, Device device) {
+  // The hash travels as two 32-bit halves, each also negated, so that Max finds both the
+  // largest and the smallest value of each.
+  const int64_t hi = int64_t(mine.target_hash >> 32), lo = int64_t(mine.target_hash & 0xffffffffu);
   for (const ProcessGroupPtr& g : shard.groups) {
     Tensor v =
-        from_vector<int64_t>({shard.vocab_size, -shard.vocab_size, local_shape_ok ? 0 : 1}, {3})
+        from_vector<int64_t>({shard.vocab_size, -shard.vocab_size, mine.local_shape_ok ? 0 : 1,
+                              mine.bad_target.empty() ? 0 : 1, hi, -hi, lo, -lo},
+                             {8})
             .to(device);
     g->all_reduce(v, ReduceOp::Max)->wait();
     const std::vector<int64_t> r = v.to_vector<int64_t>();
@@ -113,7 +126,13 @@ void agree_on_vocabulary(const VocabShard& shard, bool local_shape_ok, Device de
     TESSERA_CHECK(r[2] == 0, kOp,
                   ": some rank's local logits do not match its piece of the "
                   "vocabulary",
-                  local_shape_ok ? "" : " (this one's)");
+                  mine.local_shape_ok ? "" : " (this one's)");
+    TESSERA_CHECK(r[3] == 0, kOp, ": ",
+                  mine.bad_target.empty() ? std::string("another rank's target is out of range")
+                                          : mine.bad_target);
+    TESSERA_CHECK(r[4] == -r[5] && r[6] == -r[7], kOp,
+                  ": the ranks sharing the vocabulary pass different targets (each needs the "
+                  "same whole target: shard the batch over another mesh dim)");
   }
 }
 
@@ -157,24 +176,27 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
   const LocalLayout layout = spec.local_layout();
   shard.start = layout.global_offset.back();
   shard.length = layout.local_shape.back();
-  agree_on_vocabulary(shard, logits.to_local().shape() == layout.local_shape,
-                      logits.to_local().device());
-  TESSERA_CHECK(logits.to_local().shape() == layout.local_shape, kOp, ": local logits ",
-                shape_str(logits.to_local().shape()), " do not match the local shape ",
-                shape_str(layout.local_shape), " of ", spec.str());
-
   std::vector<int64_t> t = target.to_vector<int64_t>();
+  LocalFindings mine;
+  mine.local_shape_ok = logits.to_local().shape() == layout.local_shape;
+  mine.target_hash = std::hash<std::string_view>()(
+      std::string_view(reinterpret_cast<const char*>(t.data()), t.size() * sizeof(int64_t)));
   int64_t kept = 0;
   for (size_t i = 0; i < t.size(); ++i) {
     if (t[i] == ignore_index) {
       t[i] = -1;
       continue;
     }
-    TESSERA_CHECK(t[i] >= 0 && t[i] < shard.vocab_size, kOp, ": target ", t[i], " at row ", i,
-                  " is out of range for a vocabulary of ", shard.vocab_size, " (ignore_index is ",
-                  ignore_index, ")");
+    if ((t[i] < 0 || t[i] >= shard.vocab_size) && mine.bad_target.empty())
+      mine.bad_target = "target " + std::to_string(t[i]) + " at row " + std::to_string(i) +
+                        " is out of range for a vocabulary of " + std::to_string(shard.vocab_size) +
+                        " (ignore_index is " + std::to_string(ignore_index) + ")";
     ++kept;
   }
+  agree_on_vocabulary(shard, mine, logits.to_local().device());
+  TESSERA_CHECK(logits.to_local().shape() == layout.local_shape, kOp, ": local logits ",
+                shape_str(logits.to_local().shape()), " do not match the local shape ",
+                shape_str(layout.local_shape), " of ", spec.str());
 
   const Tensor local_target = from_vector(t).to(logits.to_local().device());
   Tensor loss = autograd::Function::apply<VocabParallelCrossEntropy>(

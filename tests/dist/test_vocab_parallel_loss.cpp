@@ -158,6 +158,31 @@ TEST(VocabParallelLoss, ErrorsNameTheProblem) {
   expect_error([&] { vocab_parallel_cross_entropy(partial, target); }, "redistribute Partial");
 }
 
+// Targets that differ between the ranks sharing the vocabulary (a data-loader bug): an
+// out-of-range one on the last rank only, or different rows, fail every rank before the loss's
+// first all-reduce, which the others would otherwise wait in.
+TEST(VocabParallelLoss, RanksWithDifferentTargetsFailTogether) {
+  if (world_size() == 1) GTEST_SKIP() << "needs several ranks";
+  DeviceMesh mesh(Shape{world_size()}, {"tp"});
+  DTensor logits = distribute_tensor(global_randn({4, 13}, 10), mesh, {Shard(1)});
+  const bool last = world_rank() == world_size() - 1;
+  expect_error(
+      [&] {
+        vocab_parallel_cross_entropy(logits, from_vector<int64_t>({0, last ? 13 : 3, 2, 1}, {4}));
+      },
+      last ? "target 13 at row 1 is out of range" : "another rank's target is out of range");
+  expect_error(
+      [&] {
+        vocab_parallel_cross_entropy(logits,
+                                     from_vector<int64_t>({0, 3, 2, int64_t(world_rank())}, {4}));
+      },
+      "the ranks sharing the vocabulary pass different targets");
+  // Afterwards the loss runs (no collective was left half done).
+  EXPECT_TRUE(vocab_parallel_cross_entropy(logits, from_vector<int64_t>({0, 3, 2, 1}, {4}))
+                  .to_local()
+                  .defined());
+}
+
 // Logits wrapped by from_local without their global shape, on a vocabulary that does not split
 // evenly: each rank guesses another size, and all must fail together (one alone would leave the
 // others waiting in the loss's collectives).
