@@ -56,18 +56,28 @@ class ThenWork final : public Work {
   std::string abort() override { return inner_->abort(); }
 
  private:
+  // A step that threw keeps its error: every later wait() or is_completed() throws it again,
+  // as a failed operation does, rather than report a completion that never happened.
   void finish() {
     std::lock_guard<std::mutex> guard(mutex_);
+    if (error_) std::rethrow_exception(error_);
     if (done_) return;
     done_ = true;
     auto fn = std::move(then_);
-    fn();
+    try {
+      fn();
+    } catch (...) {
+      error_ = std::current_exception();
+      failed_.store(true);
+      throw;
+    }
   }
   WorkPtr inner_;
   std::function<void()> then_;
   std::mutex mutex_;
   bool done_ = false;
-  std::atomic<bool> failed_{false};  // `inner` threw to a caller; `then` never runs
+  std::exception_ptr error_;         // what `then` threw
+  std::atomic<bool> failed_{false};  // `inner` or `then` threw to a caller
 };
 
 }  // namespace tessera::detail

@@ -187,6 +187,24 @@ TEST_F(DebugCollectives, MatchingUnevenCallsPass) {
   EXPECT_EQ(error_of([&] { sub->barrier()->wait(); }), "");
 }
 
+// A receive that gets fewer elements than its tensor holds fails in its completion step; every
+// later wait() and is_completed() of that Work reports the same failure, never a completion
+// whose tensor was not filled.
+TEST(CommErrors, AFailedCompletionStaysFailed) {
+  auto g = world_group();
+  if (g->rank() > 1) return;
+  if (g->rank() == 0) {
+    g->send(ones({2}, DType::Float32), 1, 21)->wait();
+    return;
+  }
+  Tensor in = zeros({4}, DType::Float32);
+  WorkPtr r = g->recv(in, 0, 21);
+  const std::string first = error_of([&] { r->wait(); });
+  TESSERA_EXPECT_CONTAINS(first, "received 2 elements from rank 0");
+  EXPECT_EQ(error_of([&] { r->wait(); }), first);
+  EXPECT_EQ(error_of([&] { r->is_completed(); }), first);
+}
+
 TEST(CommErrors, InvalidArgumentsNameTheProblem) {
   auto g = world_group();
   const int n = g->size();

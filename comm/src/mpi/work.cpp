@@ -126,11 +126,21 @@ std::string MpiWork::what() const {
   return describe(call_, *comm_);
 }
 
+// A completion step that throws (a receive that got fewer elements than its tensor holds)
+// leaves its error behind: later wait()s and is_completed()s throw it again instead of
+// reporting a completion whose outputs were never written.
 void MpiWork::complete() {
   done_ = true;
   Completion fn = std::move(completion_);
   completion_ = nullptr;
-  if (fn) fn(statuses_);
+  try {
+    if (fn) fn(statuses_);
+  } catch (...) {
+    error_ = std::current_exception();
+    error_reported_ = true;
+    keep_alive_.clear();
+    throw;
+  }
   keep_alive_.clear();
 }
 
@@ -161,6 +171,7 @@ bool MpiWork::finish_or_throw(bool block) {
 
 void MpiWork::wait() {
   std::lock_guard<std::mutex> guard(mutex_);
+  if (done_ && error_) std::rethrow_exception(error_);
   if (done_) return;
   require_usable(op_kind_name(call_.op));
   finish_or_throw(true);
@@ -169,6 +180,7 @@ void MpiWork::wait() {
 
 bool MpiWork::is_completed() {
   std::lock_guard<std::mutex> guard(mutex_);
+  if (done_ && error_) std::rethrow_exception(error_);
   if (done_) return true;
   require_usable(op_kind_name(call_.op));
   if (!finish_or_throw(false)) return false;
