@@ -20,6 +20,9 @@ class CheckedProcessGroup final : public ProcessGroup {
   // nothing else (the signature exchanges travel there, so they can never match a data
   // collective). Collective over the group: the members agree on its id.
   static std::shared_ptr<CheckedProcessGroup> wrap(ProcessGroupPtr inner, ProcessGroupPtr debug);
+  // The backend's group it checks: for a group built on this one's operations (host staging)
+  // and checked itself, which would otherwise check, count and number every operation twice.
+  const ProcessGroupPtr& inner() const { return inner_; }
 
   WorkPtr all_reduce(Tensor& t, ReduceOp op) override;
   WorkPtr all_gather_into_tensor(Tensor& out, const Tensor& in) override;

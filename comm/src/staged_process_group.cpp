@@ -5,6 +5,7 @@
 // number of ranks can share one GPU (NCCL refuses two ranks on one device). The host buffers are
 // pinned where something can pin (pinned_allocator(): a CUDA build with a GPU), so that both
 // copies run at the link's full speed; they come from a caching pool, reused call after call.
+#include "checked_process_group.h"
 #include "tessera/comm/backend.h"
 #include "tessera/comm/runtime.h"
 #include "tessera/core/allocator.h"
@@ -167,7 +168,13 @@ ProcessGroupPtr host_staged_group(ProcessGroupPtr host_group) {
 }
 
 BackendFactory host_staged_backend() {
-  return [] { return host_staged_group(world_group()); };
+  // world_group() checks the device world this makes, so staging goes over the CPU world's
+  // backend group, not over its checked wrapper.
+  return [] {
+    const ProcessGroupPtr cpu = world_group();
+    const auto checked = std::dynamic_pointer_cast<detail::CheckedProcessGroup>(cpu);
+    return host_staged_group(checked ? checked->inner() : cpu);
+  };
 }
 
 }  // namespace tessera

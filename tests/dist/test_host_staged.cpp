@@ -256,7 +256,10 @@ TEST_F(HostStaged, AsTheCudaBackendItCarriesAMeshOfCudaTensors) {
   const ProcessGroupPtr& g = mesh.group(0);
   Tensor d = on_device(values({4}));
   Tensor c = values({4});
+  reset_comm_op_counts();
   g->all_reduce(d, ReduceOp::Sum)->wait();
+  // Checked and counted once, by the device world's wrapper (not again by the CPU world's).
+  EXPECT_EQ(comm_op_counts()["all_reduce"], 1);
   cpu_->all_reduce(c, ReduceOp::Sum)->wait();
   expect_same(d, c, "all_reduce over the cuda mesh");
   // The checks every backend gets apply to device tensors too, on every rank.
