@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "tessera/comm/process_group.h"
 #include "tessera/comm/runtime.h"
@@ -57,6 +58,26 @@ void check_gather_runs(const ProcessGroup& group, const Tensor& out, const Tenso
                     where(group), ": ", run, " does not fit this rank's input of ", in.numel(),
                     " elements");
     }
+  }
+  // Each output element comes from one run: a backend moving the runs straight to their places
+  // (one MPI receive datatype per rank) may not have two write one element.
+  struct Placed {
+    int64_t dst, length;
+    int rank;
+  };
+  std::vector<Placed> placed;
+  for (int r = 0; r < group.size(); ++r)
+    for (const GatherRun& g : runs[size_t(r)])
+      if (g.length > 0) placed.push_back({g.dst, g.length, r});
+  std::sort(placed.begin(), placed.end(),
+            [](const Placed& a, const Placed& b) { return a.dst < b.dst; });
+  for (size_t i = 1; i < placed.size(); ++i) {
+    const Placed &a = placed[i - 1], &b = placed[i];
+    TESSERA_CHECK(a.dst + a.length <= b.dst, where(group), ": the runs of rank ", a.rank,
+                  " (output elements ", a.dst, " to ", a.dst + a.length - 1, ") and of rank ",
+                  b.rank, " (from ", b.dst,
+                  ") overlap in the output; each element must come from "
+                  "one run");
   }
 }
 

@@ -95,6 +95,13 @@ TEST_P(AllGatherRuns, BadRunsAreErrorsOnEveryRank) {
   expect_error([&] { gather(*pg, out, in, short_list); }, {"runs for", "ranks"});
   Tensor wrong = zeros({l.out_numel}, DType::Float64);
   expect_error([&] { gather(*pg, wrong, in, l.runs); }, {"differs from input dtype"});
+  // The last rank's first run written again by rank 0 (the backends would disagree on which
+  // write wins).
+  auto overlapping = l.runs;
+  const GatherRun& last = l.runs.back().front();
+  overlapping[0].push_back({0, last.dst, 1});
+  expect_error([&] { gather(*pg, out, in, overlapping); },
+               {"overlap in the output", "each element must come from one run"});
 }
 
 }  // namespace

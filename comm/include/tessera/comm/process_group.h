@@ -85,7 +85,8 @@ class ProcessGroup {
   virtual WorkPtr all_gather(std::vector<Tensor>& outputs, const Tensor& in) = 0;
   // All-gather of scattered pieces: runs[r] says which elements of rank r's `in` go where in
   // every rank's `out` (both contiguous, one dtype, not sharing storage; runs given alike on
-  // every rank). FSDP gathers a group straight into its parameters with it: each rank's shard
+  // every rank, no two writing one element of `out`; elements no run writes keep their values).
+  // FSDP gathers a group straight into its parameters with it: each rank's shard
   // holds a padded piece of every parameter, and each piece has its own place in the unsharded
   // parameters. This default, which any backend can run, packs each rank's runs into one piece
   // padded to the longest, all-gathers the pieces (all_gather_into_tensor) and copies the runs
