@@ -159,9 +159,12 @@ std::string departed_before(uint64_t group_id, const std::vector<int>& world_ran
                             const std::string& name, int64_t seq) {
   using namespace mpi;
   State& s = state();
-  if (seq < 0 || s.comm == MPI_COMM_NULL) return "";
+  if (seq < 0) return "";
   {
+    // Under the lock: depart() frees the communicator (and nulls it) under it, maybe on
+    // another thread while this one waits.
     auto guard = lock();
+    if (s.comm == MPI_COMM_NULL) return "";
     while (receive_notice(s.comm, MPI_ANY_SOURCE)) {
     }
   }
