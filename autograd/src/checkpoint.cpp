@@ -1,7 +1,10 @@
 // Activation checkpointing (checkpoint.h) and the frame that holds a region's saved tensors.
 #include "tessera/autograd/checkpoint.h"
 
+#include <cxxabi.h>
+
 #include <algorithm>
+#include <cstdlib>
 
 #include "checkpoint_frame.h"
 #include "tessera/autograd/grad_mode.h"
@@ -13,10 +16,22 @@ namespace autograd::detail {
 namespace {
 thread_local CheckpointFrame* t_packing = nullptr;
 thread_local CheckpointFrame* t_keeping = nullptr;
+
+std::string describe(const Tensor& t) {
+  return dtype_name(t.dtype()) + std::string(" ") + shape_str(t.shape());
+}
 }  // namespace
 
-CheckpointFrame::CheckpointFrame(std::function<void()> recompute)
-    : recompute_(std::move(recompute)), stamp_(tessera::detail::next_generator_stamp()) {}
+std::string node_name(const char* mangled) {
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+  std::string out = status == 0 && demangled ? demangled : mangled;
+  std::free(demangled);
+  return out;
+}
+
+CheckpointFrame::CheckpointFrame(std::shared_ptr<const Fn> fn, Tensor x)
+    : fn_(std::move(fn)), x_(std::move(x)), stamp_(tessera::detail::next_generator_stamp()) {}
 
 CheckpointFrame* CheckpointFrame::packing() {
   return t_packing;
@@ -25,19 +40,42 @@ CheckpointFrame* CheckpointFrame::keeping() {
   return t_keeping;
 }
 
-CheckpointFrame::Forward::Forward(CheckpointFrame& frame)
-    : observer_(tessera::detail::t_generator_observer) {
-  t_packing = &frame;
-  tessera::detail::t_generator_observer = &frame;
+Tensor CheckpointFrame::run_forward() {
+  struct Scope {
+    tessera::detail::GeneratorObserver* observer = tessera::detail::t_generator_observer;
+    explicit Scope(CheckpointFrame& f) {
+      t_packing = &f;
+      tessera::detail::t_generator_observer = &f;
+    }
+    ~Scope() {
+      t_packing = nullptr;
+      tessera::detail::t_generator_observer = observer;
+    }
+  } scope(*this);
+  Tensor y = (*fn_)(x_);
+  // What a write after this point would change under the recomputation.
+  for (auto& [impl, o] : outside_)
+    if (auto s = o.storage.lock()) o.version = s->version();
+  return y;
 }
 
-CheckpointFrame::Forward::~Forward() {
-  t_packing = nullptr;
-  tessera::detail::t_generator_observer = observer_;
+void CheckpointFrame::saw_inputs(const std::vector<Tensor>& inputs, const char* node) {
+  for (const Tensor& t : inputs) {
+    if (!t.defined()) continue;
+    const StorageImpl* impl = t.storage().impl();
+    if (made_.count(impl) || outside_.count(impl)) continue;
+    outside_[impl] = {t.storage().weak_impl(), describe(t) + ", read by " + node_name(node), 0};
+  }
 }
 
-size_t CheckpointFrame::pack(const Tensor& t) {
-  packed_.push_back({t.shape(), t.dtype(), t.storage().weak_impl(), t.version()});
+void CheckpointFrame::made_outputs(const std::vector<Tensor>& outputs) {
+  for (const Tensor& t : outputs)
+    if (t.defined() && !outside_.count(t.storage().impl())) made_.insert(t.storage().impl());
+}
+
+size_t CheckpointFrame::pack(const Tensor& t, const char* node) {
+  packed_.push_back({t.shape(), t.dtype(), t.device(), t.storage().weak_impl(), t.version(), node,
+                     outside_.count(t.storage().impl()) != 0});
   released_.push_back(false);
   return packed_.size() - 1;
 }
@@ -52,9 +90,9 @@ void CheckpointFrame::keep(const Tensor& t) {
 
 void CheckpointFrame::advanced(Generator& gen, uint64_t start) {
   if (gen.stamp() >= stamp_) return;  // made inside the region: made again by the recomputation
-  for (const auto& [g, s] : generators_)
-    if (g == &gen) return;
-  generators_.emplace_back(&gen, start);
+  for (const Drawn& d : generators_)
+    if (d.gen == &gen) return;
+  generators_.push_back({&gen, gen.seed(), start});
 }
 
 Tensor CheckpointFrame::unpack(size_t id, const std::string& node) {
@@ -63,7 +101,14 @@ Tensor CheckpointFrame::unpack(size_t id, const std::string& node) {
                 " needs saved tensor ", id,
                 " of its checkpointed region, which an earlier backward freed; pass "
                 "retain_graph=true to backward through the graph twice");
-  return kept_[id];
+  const Tensor& k = kept_[id];
+  TESSERA_CHECK(k.version() == kept_versions_[id], "checkpoint: ", node,
+                ": one of the tensors needed for gradient computation (", describe(k),
+                ", recomputed in a checkpointed region) has been modified by an in-place "
+                "operation since: version ",
+                k.version(), ", expected ", kept_versions_[id],
+                "; do the write after the last backward through the region");
+  return k;
 }
 
 void CheckpointFrame::release(size_t id) {
@@ -71,35 +116,50 @@ void CheckpointFrame::release(size_t id) {
   if (id < kept_.size()) kept_[id] = Tensor();
 }
 
+void CheckpointFrame::check_inputs_unchanged(const std::string& node) const {
+  for (const auto& [impl, o] : outside_) {
+    const auto s = o.storage.lock();
+    if (!s || s->version() == o.version) continue;
+    TESSERA_FAIL("checkpoint: recomputing the region for ", node,
+                 ": a tensor it read from outside (", o.what,
+                 ") has been modified by an in-place operation since the forward (version ",
+                 s->version(), ", expected ", o.version,
+                 "), so the recomputation would see other values (an optimizer step, a load, "
+                 "copy_ ...); do the write after backward");
+  }
+}
+
 void CheckpointFrame::recompute(const std::string& node) {
   TESSERA_CHECK(t_keeping == nullptr && t_packing == nullptr,
                 "checkpoint: a region's recomputation (for ", node,
                 ") started inside another's forward or recomputation");
-  // The generators the region advanced go back to where they stood before it, and afterwards
-  // to where they stand now, also when the recomputation throws.
-  std::vector<uint64_t> now;
-  for (auto& [g, start] : generators_) {
-    now.push_back(g->offset());
-    g->set_offset(start);
-  }
+  check_inputs_unchanged(node);
+  // The generators the region drew from go back to where they stood before it (seed and
+  // offset), and afterwards to where they stand now, also when the recomputation throws.
   struct Restore {
-    CheckpointFrame& f;
-    std::vector<uint64_t>& now;
+    std::vector<Drawn> now;
     tessera::detail::GeneratorObserver* observer = tessera::detail::t_generator_observer;
     ~Restore() {
       t_keeping = nullptr;
       tessera::detail::t_generator_observer = observer;
-      for (size_t i = 0; i < f.generators_.size(); ++i)
-        f.generators_[i].first->set_offset(now[i]);
+      for (const Drawn& d : now) {
+        d.gen->manual_seed(d.seed);
+        d.gen->set_offset(d.offset);
+      }
     }
-  } restore{*this, now};
+  } restore;
+  for (const Drawn& d : generators_) {
+    restore.now.push_back({d.gen, d.gen->seed(), d.gen->offset()});
+    d.gen->manual_seed(d.seed);
+    d.gen->set_offset(d.offset);
+  }
   kept_.clear();
   kept_versions_.clear();
   t_keeping = this;
   tessera::detail::t_generator_observer = nullptr;
   {
     EnableGradGuard grad;
-    recompute_();
+    (void)(*fn_)(x_);
   }
   check_recomputed(node);
   recomputed_ = true;
@@ -116,18 +176,24 @@ void CheckpointFrame::check_recomputed(const std::string& node) const {
     const Packed& p = packed_[i];
     if (released_[i]) continue;
     const Tensor& k = kept_[i];
-    TESSERA_CHECK(k.shape() == p.shape && k.dtype() == p.dtype,
-                  "checkpoint: recomputing the region for ", node, ", tensor ", i,
-                  " kept for backward is ", dtype_name(k.dtype()), " ", shape_str(k.shape()),
-                  " where the forward kept ", dtype_name(p.dtype), " ", shape_str(p.shape), rule);
-    // The same storage as in the forward (a parameter, the region's input): it must hold what
-    // the forward read, as a saved tensor must without checkpointing.
+    const std::string saved_by = "tensor " + std::to_string(i) + " saved by " + node_name(p.node);
+    TESSERA_CHECK(k.shape() == p.shape && k.dtype() == p.dtype && k.device() == p.device,
+                  "checkpoint: recomputing the region for ", node, ", ", saved_by, " is ",
+                  describe(k), " on ", k.device().str(), " where the forward saved ",
+                  dtype_name(p.dtype), " ", shape_str(p.shape), " on ", p.device.str(), rule);
     const auto s = p.storage.lock();
-    TESSERA_CHECK(!(s && s.get() == k.storage().impl()) || kept_versions_[i] == p.version,
-                  "checkpoint: ", node, ": one of the tensors needed for gradient computation (",
-                  dtype_name(k.dtype()), " ", shape_str(k.shape()),
-                  ", saved in a checkpointed region) has been modified by an in-place operation "
-                  "since the forward: version ",
+    const bool same_storage = s && s.get() == k.storage().impl();
+    // A parameter or input of the region: the same one again, or the module's state changed.
+    TESSERA_CHECK(!p.outside || !s || same_storage, "checkpoint: recomputing the region for ", node,
+                  ", ", saved_by,
+                  " is another tensor than in the forward (it came from outside the region): "
+                  "the modules' state changed between the forward and the backward (set_adapter, "
+                  "set_batch_adapters, a replaced parameter ...); change it after backward");
+    TESSERA_CHECK(!same_storage || kept_versions_[i] == p.version, "checkpoint: ", node,
+                  ": one of the tensors needed for gradient computation (", describe(k), ", ",
+                  saved_by,
+                  " in a checkpointed region) has been modified by an in-place operation since "
+                  "the forward: version ",
                   kept_versions_[i], ", expected ", p.version,
                   " (an optimizer step, a load, copy_ ...); do the write after backward");
   }
@@ -153,9 +219,11 @@ Tensor checkpoint(const std::function<Tensor(const Tensor&)>& fn, const Tensor& 
   // Inside a recomputation the region runs as in its forward, keeping into the outer frame;
   // without grad mode nothing is kept.
   if (autograd::in_checkpoint_recompute() || !grad_enabled()) return fn(x);
-  auto frame = std::make_shared<CheckpointFrame>([fn, x] { (void)fn(x); });
-  CheckpointFrame::Forward scope(*frame);
-  return fn(x);
+  // The one copy both runs use, made before the frame: a generator it holds counts as older
+  // than the region, so its draws are put back for the recomputation.
+  auto own = std::make_shared<const CheckpointFrame::Fn>(fn);
+  auto frame = std::make_shared<CheckpointFrame>(std::move(own), x);
+  return frame->run_forward();
 }
 
 }  // namespace tessera

@@ -2,8 +2,20 @@
 // One checkpointed region's saved tensors: packed (described, dropped) while its forward runs,
 // recomputed all at once when the backward first needs one, handed out by index and freed as the
 // region's nodes finish.
+//
+// What the recomputation must match, and how it is checked:
+//  - the tensors the region read from outside it (its input, parameters, captured activations):
+//    their versions at the end of the forward, compared before recomputing (a write since would
+//    make the recomputation see other values);
+//  - each saved tensor: shape, dtype and device, and, when the forward saved a tensor from
+//    outside the region, the same storage (another one means the module's state changed: an
+//    adapter switched, a parameter replaced);
+//  - the recomputed tensors' versions whenever a node takes them (a retained graph's second
+//    backward after an in-place write).
 #include <functional>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,14 +28,20 @@ namespace tessera::autograd::detail {
 class CheckpointFrame : public std::enable_shared_from_this<CheckpointFrame>,
                         public tessera::detail::GeneratorObserver {
  public:
-  explicit CheckpointFrame(std::function<void()> recompute);
+  using Fn = std::function<Tensor(const Tensor&)>;
+  // `fn` is the one copy of the function the forward and the recomputation both run (generators
+  // it owns stay where the frame recorded them).
+  CheckpointFrame(std::shared_ptr<const Fn> fn, Tensor x);
 
   // The frame whose forward is running on this thread (packing), or being recomputed (keeping).
   static CheckpointFrame* packing();
   static CheckpointFrame* keeping();
 
-  // Forward: a tensor a node would save; returns its index.
-  size_t pack(const Tensor& t);
+  // Forward: the tensors an operation of the region reads and makes, before and after it runs.
+  void saw_inputs(const std::vector<Tensor>& inputs, const char* node);
+  void made_outputs(const std::vector<Tensor>& outputs);
+  // Forward: a tensor a node (`node`: its mangled type name) would save; returns its index.
+  size_t pack(const Tensor& t, const char* node);
   // Recomputation: the next tensor a node saves.
   void keep(const Tensor& t);
   // Backward: tensor `id` (recomputing the region first if needed). `node` names the asker.
@@ -32,33 +50,45 @@ class CheckpointFrame : public std::enable_shared_from_this<CheckpointFrame>,
 
   void advanced(Generator& gen, uint64_t start) override;
 
-  // Scopes of the region's forward and of its recomputation on this thread.
-  class Forward {
-   public:
-    explicit Forward(CheckpointFrame& frame);
-    ~Forward();
-
-   private:
-    tessera::detail::GeneratorObserver* observer_;
-  };
+  // Runs the region's forward on this thread: fn(x), packing.
+  Tensor run_forward();
 
  private:
   void recompute(const std::string& node);
+  void check_inputs_unchanged(const std::string& node) const;
   void check_recomputed(const std::string& node) const;
   struct Packed {
     Shape shape;
     DType dtype;
+    Device device;
     std::weak_ptr<StorageImpl> storage;
     uint32_t version = 0;
+    const char* node = nullptr;
+    bool outside = false;  // a tensor from outside the region (a parameter, its input)
   };
-  std::function<void()> recompute_;
+  struct Outside {
+    std::weak_ptr<StorageImpl> storage;
+    std::string what;      // "float32 [64, 32], read by linear"
+    uint32_t version = 0;  // at the end of the forward
+  };
+  struct Drawn {
+    Generator* gen;
+    uint64_t seed, offset;  // before the region's first draw
+  };
+  std::shared_ptr<const Fn> fn_;
+  Tensor x_;
   uint64_t stamp_;  // generators made after the region began are its own: made again alike
-  std::vector<std::pair<Generator*, uint64_t>> generators_;  // where each stood before the region
+  std::vector<Drawn> generators_;
+  std::set<const StorageImpl*> made_;  // storages the region's operations produced
+  std::map<const StorageImpl*, Outside> outside_;
   std::vector<Packed> packed_;
   std::vector<Tensor> kept_;
   std::vector<uint32_t> kept_versions_;
   std::vector<bool> released_;
   bool recomputed_ = false;
 };
+
+// A node's type, readable ("tessera::autograd::LinearFn").
+std::string node_name(const char* mangled);
 
 }  // namespace tessera::autograd::detail

@@ -1,8 +1,5 @@
 #include "tessera/autograd/function.h"
 
-#include <cxxabi.h>
-
-#include <cstdlib>
 #include <typeinfo>
 
 #include "checkpoint_frame.h"
@@ -11,12 +8,7 @@
 namespace tessera::autograd {
 
 std::string Function::name() const {
-  int status = 0;
-  const char* mangled = typeid(*this).name();
-  char* demangled = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
-  std::string out = status == 0 && demangled ? demangled : mangled;
-  std::free(demangled);
-  return out;
+  return detail::node_name(typeid(*this).name());
 }
 
 std::vector<Tensor> Function::run(const std::vector<Tensor>& inputs) {
@@ -29,10 +21,13 @@ std::vector<Tensor> Function::run(const std::vector<Tensor>& inputs) {
     }
   }
   std::vector<Tensor> outputs;
+  auto* frame = detail::CheckpointFrame::packing();
+  if (frame) frame->saw_inputs(inputs, typeid(*this).name());
   {
     NoGradGuard no_grad;
     outputs = forward(inputs);
   }
+  if (frame) frame->made_outputs(outputs);
   if (!record) {
     release_frame();
     saved_.clear();
@@ -85,7 +80,7 @@ void Function::save_for_backward(std::vector<Tensor> tensors) {
     frame_ = frame->shared_from_this();
     frame_ids_.clear();
     for (const Tensor& t : tensors)
-      frame_ids_.push_back(t.defined() ? frame->pack(t) : kNotSaved);
+      frame_ids_.push_back(t.defined() ? frame->pack(t, typeid(*this).name()) : kNotSaved);
     saved_.assign(tensors.size(), Tensor());
     saved_versions_.clear();
     return;
@@ -109,10 +104,10 @@ const std::vector<Tensor>& Function::saved_tensors() const {
                 ": saved tensors were already freed by a previous backward; pass "
                 "retain_graph=true to backward through the graph twice");
   if (frame_) {
-    // The recomputation checked the tensors that were there in the forward.
+    // The frame checks each tensor against the forward, and against writes since it was
+    // recomputed (each time: a retained graph runs its nodes again).
     for (size_t i = 0; i < saved_.size(); ++i)
-      if (!saved_[i].defined() && frame_ids_[i] != kNotSaved)
-        saved_[i] = frame_->unpack(frame_ids_[i], name());
+      if (frame_ids_[i] != kNotSaved) saved_[i] = frame_->unpack(frame_ids_[i], name());
     return saved_;
   }
   for (size_t i = 0; i < saved_.size(); ++i) {

@@ -76,7 +76,18 @@ CallInfo CheckedProcessGroup::start_collective(Signature sig) const {
   return sig.call;
 }
 
-WorkPtr CheckedProcessGroup::watched(WorkPtr work, CallInfo call) const {
+template <class Start>
+WorkPtr CheckedProcessGroup::issue(CallInfo call, Start&& start) const {
+  WorkPtr work;
+  try {
+    work = start();
+  } catch (...) {
+    // The backend refused it before it started (its own limits: a device, a count): it does not
+    // count as started, or a departure notice would tell the peers waiting in it that this rank
+    // had joined.
+    if (call.seq >= 0) info_->started->fetch_sub(1);
+    throw;
+  }
   return std::make_shared<WatchedWork>(std::move(work), std::move(call), info_);
 }
 
@@ -114,7 +125,7 @@ WorkPtr CheckedProcessGroup::all_reduce(Tensor& t, ReduceOp op) {
   CallInfo call = tensor_call(OpKind::AllReduce, t.dtype(), t.shape());
   call.reduce = op;
   call = start_collective({call, {}, {}, t.numel(), {}});
-  return watched(inner_->all_reduce(t, op), std::move(call));
+  return issue(std::move(call), [&] { return inner_->all_reduce(t, op); });
 }
 
 WorkPtr CheckedProcessGroup::all_gather_into_tensor(Tensor& out, const Tensor& in) {
@@ -133,7 +144,7 @@ WorkPtr CheckedProcessGroup::all_gather_into_tensor(Tensor& out, const Tensor& i
   CallInfo call = tensor_call(OpKind::AllGatherIntoTensor, in.dtype(), in.shape());
   call.out_shape = out.shape();
   call = start_collective({call, {}, {}, in.numel(), {}});
-  return watched(inner_->all_gather_into_tensor(out, in), std::move(call));
+  return issue(std::move(call), [&] { return inner_->all_gather_into_tensor(out, in); });
 }
 
 WorkPtr CheckedProcessGroup::all_gather(std::vector<Tensor>& outputs, const Tensor& in) {
@@ -152,7 +163,7 @@ WorkPtr CheckedProcessGroup::all_gather(std::vector<Tensor>& outputs, const Tens
   for (const Tensor& o : outputs)
     sig.recv_counts.push_back(o.numel());
   CallInfo call = start_collective(std::move(sig));
-  return watched(inner_->all_gather(outputs, in), std::move(call));
+  return issue(std::move(call), [&] { return inner_->all_gather(outputs, in); });
 }
 
 WorkPtr CheckedProcessGroup::all_gather_runs(Tensor& out, const Tensor& in,
@@ -177,7 +188,7 @@ WorkPtr CheckedProcessGroup::all_gather_runs(Tensor& out, const Tensor& in,
     sig.list_hashes.push_back(runs_hash(r));
   }
   call = start_collective(std::move(sig));
-  return watched(inner_->all_gather_runs(out, in, runs), std::move(call));
+  return issue(std::move(call), [&] { return inner_->all_gather_runs(out, in, runs); });
 }
 
 WorkPtr CheckedProcessGroup::reduce_scatter_tensor(Tensor& out, const Tensor& in, ReduceOp op) {
@@ -198,7 +209,7 @@ WorkPtr CheckedProcessGroup::reduce_scatter_tensor(Tensor& out, const Tensor& in
   call.reduce = op;
   call.out_shape = out.shape();
   call = start_collective({call, {}, {}, in.numel(), {}});
-  return watched(inner_->reduce_scatter_tensor(out, in, op), std::move(call));
+  return issue(std::move(call), [&] { return inner_->reduce_scatter_tensor(out, in, op); });
 }
 
 WorkPtr CheckedProcessGroup::reduce_scatter(Tensor& out, const std::vector<Tensor>& inputs,
@@ -220,7 +231,7 @@ WorkPtr CheckedProcessGroup::reduce_scatter(Tensor& out, const std::vector<Tenso
   for (const Tensor& in : inputs)
     sig.send_counts.push_back(in.numel());
   CallInfo call = start_collective(std::move(sig));
-  return watched(inner_->reduce_scatter(out, inputs, op), std::move(call));
+  return issue(std::move(call), [&] { return inner_->reduce_scatter(out, inputs, op); });
 }
 
 WorkPtr CheckedProcessGroup::all_to_all(std::vector<Tensor>& outputs,
@@ -245,7 +256,7 @@ WorkPtr CheckedProcessGroup::all_to_all(std::vector<Tensor>& outputs,
     sig.recv_counts.push_back(outputs[r].numel());
   }
   CallInfo call = start_collective(std::move(sig));
-  return watched(inner_->all_to_all(outputs, inputs), std::move(call));
+  return issue(std::move(call), [&] { return inner_->all_to_all(outputs, inputs); });
 }
 
 WorkPtr CheckedProcessGroup::broadcast(Tensor& t, int root) {
@@ -256,7 +267,7 @@ WorkPtr CheckedProcessGroup::broadcast(Tensor& t, int root) {
   CallInfo call = tensor_call(OpKind::Broadcast, t.dtype(), t.shape());
   call.root = root;
   call = start_collective({call, {}, {}, t.numel(), {}});
-  return watched(inner_->broadcast(t, root), std::move(call));
+  return issue(std::move(call), [&] { return inner_->broadcast(t, root); });
 }
 
 WorkPtr CheckedProcessGroup::scatter(Tensor& out, const std::vector<Tensor>& inputs, int root) {
@@ -280,7 +291,7 @@ WorkPtr CheckedProcessGroup::scatter(Tensor& out, const std::vector<Tensor>& inp
   sig.call.root = root;
   sig.numel = out.numel();
   CallInfo call = start_collective(std::move(sig));
-  return watched(inner_->scatter(out, inputs, root), std::move(call));
+  return issue(std::move(call), [&] { return inner_->scatter(out, inputs, root); });
 }
 
 WorkPtr CheckedProcessGroup::send(const Tensor& t, int dst, int tag) {
@@ -291,7 +302,7 @@ WorkPtr CheckedProcessGroup::send(const Tensor& t, int dst, int tag) {
   CallInfo call = tensor_call(OpKind::Send, t.dtype(), t.shape());
   call.peer = dst;
   call.tag = tag;
-  return watched(inner_->send(t, dst, tag), std::move(call));
+  return issue(std::move(call), [&] { return inner_->send(t, dst, tag); });
 }
 
 WorkPtr CheckedProcessGroup::recv(Tensor& t, int src, int tag) {
@@ -302,7 +313,7 @@ WorkPtr CheckedProcessGroup::recv(Tensor& t, int src, int tag) {
   CallInfo call = tensor_call(OpKind::Recv, t.dtype(), t.shape());
   call.peer = src;
   call.tag = tag;
-  return watched(inner_->recv(t, src, tag), std::move(call));
+  return issue(std::move(call), [&] { return inner_->recv(t, src, tag); });
 }
 
 WorkPtr CheckedProcessGroup::barrier() {
@@ -311,7 +322,7 @@ WorkPtr CheckedProcessGroup::barrier() {
   CallInfo call;
   call.op = OpKind::Barrier;
   call = start_collective({call, {}, {}, 0, {}});
-  return watched(inner_->barrier(), std::move(call));
+  return issue(std::move(call), [&] { return inner_->barrier(); });
 }
 
 std::shared_ptr<ProcessGroup> CheckedProcessGroup::split(int color, int key,

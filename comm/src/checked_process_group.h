@@ -47,7 +47,9 @@ class CheckedProcessGroup final : public ProcessGroup {
   // Every collective once its arguments are checked: takes its position on the group, runs the
   // debug check when enabled, and returns the call to name it by.
   CallInfo start_collective(Signature sig) const;
-  WorkPtr watched(WorkPtr work, CallInfo call) const;
+  // Starts the backend's operation (start()) behind the watchdog.
+  template <class Start>
+  WorkPtr issue(CallInfo call, Start&& start) const;
   // Errors name the group: "all_reduce on group 'tp' (rank 1 of 4): ...".
   std::string where(const char* op) const;
   void check_tensor(const Tensor& t, const char* op, const char* what) const;

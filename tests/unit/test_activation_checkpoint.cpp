@@ -1,7 +1,8 @@
 // Activation checkpointing: the same gradients as without it (dropout included, from the default
-// generator and from one of the caller's), less memory held between forward and backward, and
-// clear errors for a recomputation that differs, a saved tensor written in place, nested regions
-// and a second backward without retain_graph.
+// generator, one of the caller's, one the function owns, and after a reseed), less memory held
+// between forward and backward, and clear errors for a recomputation that differs, a tensor the
+// region read or saved written in place (also between two backwards of a retained graph), a
+// module whose state changed, nested regions and a second backward without retain_graph.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -61,6 +62,45 @@ TEST(ActivationCheckpoint, GradientsEqualThoseWithoutItDropoutIncluded) {
   const auto checkpointed = grads_of(l, true);
   for (size_t i = 0; i < plain.size(); ++i)
     expect_close(checkpointed[i], plain[i], 0, "gradient " + std::to_string(i));
+}
+
+// A reseed between the forward and the backward (a sampling helper, say) does not reach the
+// recomputation, and the seed it set is what the generator holds afterwards.
+TEST(ActivationCheckpoint, AReseedBeforeTheBackwardChangesNoMask) {
+  Leaves l;
+  const auto plain = grads_of(l, false);
+  manual_seed(11);
+  Generator gen(5);
+  Tensor y = checkpoint([&](const Tensor& in) { return body(l, gen, in); }, l.x);
+  manual_seed(123);
+  gen.manual_seed(77);
+  for (const Tensor* t : {&l.x, &l.w1, &l.w2})
+    const_cast<Tensor&>(*t).set_grad(Tensor());
+  backward(sum(mul(y, y)));
+  expect_close(l.w1.grad(), plain[1], 0, "dW1 after a reseed");
+  EXPECT_EQ(default_generator().seed(), 123u);
+  EXPECT_EQ(default_generator().offset(), 0u);
+  EXPECT_EQ(gen.seed(), 77u);
+}
+
+// A generator the function owns (captured by value) lives in the region's one copy of the
+// function, which the recomputation runs again.
+TEST(ActivationCheckpoint, AGeneratorTheFunctionOwnsDrawsTheSameMasks) {
+  Leaves l;
+  std::vector<Tensor> grads[2];
+  for (int on : {0, 1}) {
+    for (const Tensor* t : {&l.x, &l.w1})
+      const_cast<Tensor&>(*t).set_grad(Tensor());
+    Generator gen(9);
+    auto f = [&l, gen](const Tensor& in) mutable {
+      return tanh(linear(dropout(in, 0.5, true, gen), l.w1));
+    };
+    Tensor y = on ? checkpoint(f, l.x) : f(l.x);
+    backward(sum(mul(y, y)));
+    grads[on] = {l.x.grad(), l.w1.grad()};
+  }
+  expect_close(grads[1][0], grads[0][0], 0, "dx");
+  expect_close(grads[1][1], grads[0][1], 0, "dW1");
 }
 
 // Between forward and backward the region holds its input and output, not its activations.
@@ -148,7 +188,60 @@ TEST(ActivationCheckpoint, ASavedParameterWrittenInPlaceIsAnError) {
   Tensor y = checkpoint([&](const Tensor& in) { return tanh(linear(in, l.w1)); }, l.x);
   l.w1.fill_(0.5);  // an optimizer step between forward and backward
   expect_error([&] { backward(sum(y)); },
-               {"modified by an in-place operation", "checkpointed region", "[64, 32]"});
+               {"modified by an in-place operation", "float32 [64, 32]", "since the forward"});
+}
+
+// Tensors the region read but no node saved as they were (its input through a product, a
+// parameter through a product) are checked too: the recomputation would read the new values.
+TEST(ActivationCheckpoint, ATensorTheRegionReadWrittenInPlaceIsAnError) {
+  Leaves l;
+  Tensor h = mul(l.x, 1.0);  // an activation from before the region
+  Tensor y = checkpoint([&](const Tensor& in) { return linear(mul(in, 2.0), l.w1); }, h);
+  h.fill_(0.25);
+  expect_error([&] { backward(sum(y)); },
+               {"a tensor it read from outside (float32 [16, 32]", "modified by an in-place"});
+  Tensor z = checkpoint([&](const Tensor& in) { return linear(in, mul(l.w1, 2.0)); }, l.x);
+  l.w1.fill_(0.5);
+  expect_error([&] { backward(sum(z)); },
+               {"a tensor it read from outside (float32 [64, 32]", "modified by an in-place"});
+}
+
+// The second backward of a retained graph refuses a recomputed tensor written since.
+TEST(ActivationCheckpoint, AWriteBetweenTwoBackwardsOfARetainedGraphIsAnError) {
+  Leaves l;
+  Tensor y = sum(checkpoint([&](const Tensor& in) { return tanh(linear(in, l.w1)); }, l.x));
+  backward(y, Tensor(), /*retain_graph=*/true);
+  l.w1.fill_(0.5);
+  expect_error([&] { backward(y, Tensor(), true); },
+               {"recomputed in a checkpointed region", "modified by an in-place operation"});
+}
+
+// An adapter switched between a checkpointed forward and its backward: the recomputation would
+// train the other adapter; it saves another parameter than the forward did, which is refused.
+TEST(ActivationCheckpoint, AModuleWhoseStateChangedIsRefused) {
+  DecoderConfig cfg;
+  cfg.vocab_size = 11;
+  cfg.dim = 16;
+  cfg.n_layers = 1;
+  cfg.n_heads = 4;
+  cfg.n_kv_heads = 2;
+  cfg.ffn_dim = 12;
+  cfg.max_seq_len = 8;
+  cfg.seed = 7;
+  auto model = std::make_shared<Decoder>(cfg);
+  LoraConfig lc;
+  lc.r = 2;
+  lc.target_modules = {"wq", "wv"};
+  lc.init_lora_weights = LoraInit::Random;
+  auto lora = apply_lora(model, lc, "a", {.max_adapters = 2, .max_rank = 2});
+  lc.seed = 5;
+  lora->add_adapter("b", lc);
+  checkpoint(model->layers[0]);
+  const Tensor ids = from_vector<int64_t>({1, 4, 2, 9, 3, 3}, {1, 6});
+  lora->set_adapter("a");
+  Tensor la = sum((*model)(ids));
+  lora->set_adapter("b");
+  expect_error([&] { backward(la); }, {"is another tensor than in the forward", "set_adapter"});
 }
 
 TEST(ActivationCheckpoint, RegionsDoNotNest) {

@@ -7,10 +7,11 @@
 // Memory for compute: one more forward of the region in each backward.
 //
 // fn must run the same operations on the recomputation (checked: how many tensors it keeps, their
-// shapes and dtypes), must not change state outside itself that the recomputation would change
-// again, and may communicate (tensor-parallel collectives run again inside the backward, on every
-// rank alike). A tensor the region saved that is modified in place before the backward (a
-// parameter stepped by an optimizer) is an error, as without checkpointing. Regions do not nest.
+// shapes, dtypes and devices, and the same parameters where the forward saved one), must not
+// change state outside itself that the recomputation would change again, and may communicate
+// (tensor-parallel collectives run again inside the backward, on every rank alike). A tensor the
+// region read from outside and that is modified in place before the backward (a parameter
+// stepped by an optimizer, the input) is an error. Regions do not nest. docs/autograd.md.
 #include <functional>
 
 #include "tessera/core/tensor.h"
