@@ -16,7 +16,7 @@ constexpr int64_t kBig = int64_t(1) << 40;  // upper bound of the flags without 
 
 std::string usage() {
   return "usage: train_lm [--tp N] [--dp N] [--sequence-parallel] [--loss-parallel] [--fsdp]\n"
-         "                [--steps N] [--grad-accum N]\n"
+         "                [--steps N] [--grad-accum N] [--activation-checkpointing]\n"
          "                [--batch N] [--seq N] [--lr X] [--weight-decay X] [--clip X] [--seed N]\n"
          "                [--warmup N] [--cosine] [--min-lr X]\n"
          "                [--dim N] [--layers N] [--heads N] [--kv-heads N] [--ffn N]\n"
@@ -27,7 +27,9 @@ std::string usage() {
          "from the newest one in DIR, on any mesh.\n"
          "--warmup N raises the lr linearly from lr / N to lr over N steps; --cosine then lowers\n"
          "it along a cosine towards --min-lr (default 0), the lr after the last step. Without\n"
-         "them the lr is constant.\n";
+         "them the lr is constant.\n"
+         "--activation-checkpointing recomputes each block's activations in the backward\n"
+         "instead of keeping them (less memory, one more forward of the blocks).\n";
 }
 
 Options parse_options(int argc, char** argv) {
@@ -85,6 +87,10 @@ Options parse_options(int argc, char** argv) {
     }
     if (a == "--fsdp") {
       o.fsdp = true;
+      continue;
+    }
+    if (a == "--activation-checkpointing") {
+      o.activation_checkpointing = true;
       continue;
     }
     if (a == "--cosine") {

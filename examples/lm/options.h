@@ -15,6 +15,8 @@ struct Options {
   // Micro-batches per step: each rank's rows run in this many forward/backward passes whose
   // gradients add up before the one optimizer step (the same gradient, less activation memory).
   int64_t grad_accum = 1;
+  // Each block's forward a checkpointed region: its activations recomputed in the backward.
+  bool activation_checkpointing = false;
   int64_t seq = 64;
   double lr = 3e-3;
   double weight_decay = 0.01;

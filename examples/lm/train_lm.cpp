@@ -155,11 +155,14 @@ struct Model {
   std::shared_ptr<FSDPState> fsdp;  // the root's, with --fsdp
 };
 
-// The decoder, tensor parallel over tp, then with --fsdp sharded over dp (FSDP x TP on the 2-D
-// mesh): one group per block, then the root; FSDP then reduce-scatters and averages the
-// gradients itself.
+// The decoder (each block checkpointed with --activation-checkpointing), tensor parallel over
+// tp, then with --fsdp sharded over dp (FSDP x TP on the 2-D mesh): one group per block, then
+// the root; FSDP then reduce-scatters and averages the gradients itself.
 Model build_model(const lm::Options& o, const DecoderConfig& cfg, const DeviceMesh& mesh) {
   Model m{std::make_shared<Decoder>(cfg), nullptr};
+  if (o.activation_checkpointing)
+    for (auto& block : m.decoder->layers)
+      checkpoint(block);
   if (o.tp > 1)
     parallelize_module(m.decoder, mesh["tp"],
                        decoder_tp_plan(cfg, mesh["tp"], {o.sequence_parallel, o.loss_parallel}));
