@@ -24,6 +24,9 @@
 //   failed_wait_staged    the same over the host-staged group on the stand-in cuda:0
 //   work_past_finalize    each rank keeps a completed but unwaited host-staged work (stand-in
 //                         cuda:0) until after tessera::finalize(), then drops it: exits 0
+//   refused   rank 1's all_reduce is refused by the MPI group itself (a stand-in cuda:0 tensor),
+//             caught, and rank 1 ends normally while rank 0 enters its all_reduce: the job ends
+//             promptly, rank 1 counted as having started no collective
 // "env" leaves the timeout to TESSERA_COLLECTIVE_TIMEOUT.
 #include <chrono>
 #include <cstdio>
@@ -108,7 +111,7 @@ int main(int argc, char** argv) {
         stderr,
         "usage: %s ok|timeout|throw|mismatch|exit|exit_all|skip|gather_shapes|broadcast_roots|"
         "nccl_timeout|failed_wait_progress|failed_wait_direct|failed_wait_polled|"
-        "failed_wait_staged|work_past_finalize <timeout seconds|env>\n",
+        "failed_wait_staged|work_past_finalize|refused <timeout seconds|env>\n",
         argv[0]);
     return 2;
   }
@@ -158,6 +161,16 @@ int main(int argc, char** argv) {
   }
 
   if (mode == "exit" && rank == 1) std::exit(3);  // the others are about to all_reduce
+  if (mode == "refused" && rank == 1) {
+    tessera::testing::StandInDevice device;
+    tessera::Tensor d = t.to(tessera::Device::cuda(0));
+    try {
+      group->all_reduce(d, tessera::ReduceOp::Sum);
+    } catch (const std::exception& e) {
+      std::printf("rank 1 caught: %s\n", e.what());
+    }
+    return 0;
+  }
   // Rank 1 skips the first of two all-reduces and ends normally: rank 0's first one pairs with
   // rank 1's only one, and its second can never complete.
   if (mode != "skip" || rank != 1) group->all_reduce(t, tessera::ReduceOp::Sum)->wait();

@@ -391,6 +391,20 @@ TEST_F(ChildJob, EarlyExitEndsTheJobNamingTheRank) {
   EXPECT_EQ(r.output.find("collective timeout"), std::string::npos) << r.output;
 }
 
+// A collective the backend refused before starting it (a device tensor to the MPI group) does
+// not count as started: the rank that caught the error and ended is reported at once to the
+// rank waiting in that collective, not after the collective timeout.
+TEST_F(ChildJob, ACollectiveTheBackendRefusedDoesNotCountAsStarted) {
+  if (!launcher()) return;
+  ChildResult r = run_child("refused", "env", "TESSERA_COLLECTIVE_TIMEOUT=120");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 60) << r.output;
+  TESSERA_EXPECT_CONTAINS(r.output, "rank 1 caught:");
+  TESSERA_EXPECT_CONTAINS(r.output,
+                          "world rank 1 has left the job (it called tessera::finalize())");
+  TESSERA_EXPECT_CONTAINS(r.output, "having started 0 collectives on group 'stuck_group'");
+}
+
 // The control: every rank ending through exit() after its last collective is a normal end.
 TEST_F(ChildJob, ExitAfterTheLastCollectiveIsANormalEnd) {
   if (!launcher()) return;
