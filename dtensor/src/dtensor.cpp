@@ -1,7 +1,10 @@
 #include "tessera/dtensor/dtensor.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <functional>
+#include <string_view>
 
 #include "agreement.h"
 #include "tessera/autograd/ops.h"
@@ -221,6 +224,21 @@ std::string tensor_description(const Tensor& t) {
   return s;
 }
 
+// A digest of a host tensor's values, for ranks to compare (kEveryRank: a local shard passed as
+// the global tensor, or replicas that drifted apart, would be cut into a tensor no rank holds).
+// Device tensors are not read back for it.
+std::string values_digest(const Tensor& t) {
+  if (!t.defined()) return "none";
+  if (!t.device().is_cpu()) return "on " + t.device().str() + ", not compared";
+  const Tensor c = t.contiguous();
+  const std::string_view bytes(static_cast<const char*>(c.raw_data()),
+                               size_t(c.numel()) * element_size(c.dtype()));
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx",
+                (unsigned long long)std::hash<std::string_view>()(bytes));
+  return std::string("digest ") + hex;
+}
+
 // This rank's window of `global` under `spec`, cut locally.
 DTensor cut_window(const Tensor& global, std::shared_ptr<const DTensorSpec> spec) {
   const Tensor window = window_of(global, spec->local_layout());
@@ -319,7 +337,10 @@ DTensor distribute_tensor(const Tensor& global, const DeviceMesh& mesh,
   detail::CallDescription desc = {{"src_rank", std::to_string(src_rank)},
                                   {"placements", placements_str(placements)},
                                   {"mesh", detail::mesh_description(mesh)}};
-  if (src_rank == -1) desc.emplace_back("global tensor", tensor_description(global));
+  if (src_rank == -1) {
+    desc.emplace_back("global tensor", tensor_description(global));
+    desc.emplace_back("global tensor values", values_digest(global));
+  }
   detail::agree_on_call(mesh, "distribute_tensor", desc, error,
                         src_rank == -1 ? "with src_rank = -1 every rank must pass the same global "
                                          "tensor, placements and mesh"

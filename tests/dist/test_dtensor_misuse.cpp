@@ -95,6 +95,26 @@ TEST(DTensorMisuse, ShardDimOutOfRange) {
   EXPECT_EQ(distribute_tensor(global, mesh, {Shard(-1)}).placements(), (Placements{Shard(1)}));
 }
 
+// With kEveryRank each rank cuts its window from its own tensor: a local shard passed as the
+// global one (of a tensor that splits evenly, so the shapes agree) differs between the ranks,
+// and so do replicas that drifted apart; both are refused on every rank.
+TEST(DTensorMisuse, EveryRankSourcesWithDifferentValuesAreRefused) {
+  if (world_size() == 1) GTEST_SKIP() << "needs several ranks";
+  DeviceMesh mesh = line_mesh();
+  const Tensor global = dyadic_tensor({2 * world_size(), 3}, 4);
+  const Tensor piece = distribute_tensor(global, mesh, {Shard(0)}).to_local();
+  TESSERA_EXPECT_CONTAINS(error_of([&] { distribute_tensor(piece, mesh, {Shard(0)}, kEveryRank); }),
+                          "differ in global tensor values");
+  Tensor drifted = global.clone();
+  if (world_rank() == world_size() - 1) drifted.data<double>()[5] += 1e-9;
+  TESSERA_EXPECT_CONTAINS(
+      error_of([&] { distribute_tensor(drifted, mesh, {Replicate()}, kEveryRank); }),
+      "differ in global tensor values");
+  // The same values everywhere: accepted.
+  EXPECT_EQ(distribute_tensor(global, mesh, {Shard(0)}, kEveryRank).full_tensor().shape(),
+            global.shape());
+}
+
 // A product partial cannot hold one value on one coordinate: refused, not squared.
 TEST(DTensorMisuse, PartialProductIsRefused) {
   DeviceMesh mesh = line_mesh();

@@ -69,7 +69,8 @@ class DTensor {
 // one model.
 inline constexpr int kMeshFirstRank = -2;
 // Every rank holds the same `global` and cuts its own window, with no data moving (PyTorch's
-// None); values that differ between ranks are not detected.
+// None); the ranks compare a digest of their (host) tensors' values first, so a local shard
+// passed as the global tensor, or replicas that differ, are an error on every rank.
 inline constexpr int kEveryRank = -1;
 
 // Global -> DTensor. From a source rank only that rank's `global` is read (others pass an
