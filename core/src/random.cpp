@@ -46,7 +46,12 @@ void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed
                   shape_str(window.global_offset), " exceeds global shape ",
                   shape_str(window.global_shape));
   }
-  if (out.numel() == 0) return;
+  if (out.numel() == 0) {
+    // A write all the same (as copy_ and fill_ count one): a rank with an empty shard sees the
+    // versions the others do.
+    if (out.storage().impl()) out.storage().impl()->bump_version();
+    return;
+  }
   kernels::philox_fill(out, kind, a, b, seed, base, window);
 }
 

@@ -360,6 +360,21 @@ TEST(Compare, AllOpsBroadcastAndDtypes) {
   }
 }
 
+// A 16-bit tensor compares against the scalar rounded to its own dtype, as torch converts it:
+// bfloat16(0.1) holds 0.10009765625, and x == 0.1 is true, as is the comparison with a 0-d
+// tensor of 0.1.
+TEST(Compare, SixteenBitTensorsAgainstAScalarRoundedToTheirDtype) {
+  for (DType dt : {DType::BFloat16, DType::Float16}) {
+    const Tensor x = full({1}, 0.1, dt);
+    for (CompareOp op : {CompareOp::Eq, CompareOp::Le, CompareOp::Ge})
+      EXPECT_TRUE(kernels::compare_scalar(op, x, 0.1).item<bool>())
+          << dtype_name(dt) << " op " << int(op);
+    EXPECT_FALSE(kernels::compare_scalar(CompareOp::Lt, x, 0.1).item<bool>()) << dtype_name(dt);
+    EXPECT_TRUE(kernels::compare(CompareOp::Eq, x, full({}, 0.1, DType::Float64)).item<bool>())
+        << dtype_name(dt);
+  }
+}
+
 TEST(Compare, IntegerAgainstFractionalScalarAndBool) {
   Tensor a = from_vector<int64_t>({0, 1, 2});
   EXPECT_EQ(kernels::compare_scalar(CompareOp::Lt, a, 0.5).to_vector<bool>(),

@@ -241,6 +241,21 @@ TEST(Matmul, MismatchedInnerDimsNameBothShapes) {
   EXPECT_NE(msg.find("broadcast"), std::string::npos) << msg;
 }
 
+// c += a b reads a and b while it writes c: c may not be the memory of either (the product
+// would read values it already changed). Refused, c unchanged; a separate c accumulates.
+TEST(Matmul, AccumulatingIntoAnOperandIsRefused) {
+  Tensor c = from_vector<float>({1, 2, 3, 4}, {2, 2});
+  const Tensor b = ones({2, 2}, DType::Float32);
+  std::string msg = error_of([&] { kernels::matmul_accumulate_(c, c, b); });
+  EXPECT_NE(msg.find("shares memory with a"), std::string::npos) << msg;
+  msg = error_of([&] { kernels::matmul_accumulate_(c, b, kernels::transpose(c, 0, 1)); });
+  EXPECT_NE(msg.find("shares memory with b"), std::string::npos) << msg;
+  EXPECT_EQ(c.to_vector<float>(), (std::vector<float>{1, 2, 3, 4}));
+  Tensor acc = c.clone();
+  kernels::matmul_accumulate_(acc, c, b);
+  EXPECT_EQ(acc.to_vector<float>(), (std::vector<float>{4, 5, 10, 11}));
+}
+
 TEST(Addmm, BiasBroadcastAndScales) {
   Tensor a = random_tensor({4, 6}, 36, DType::Float32),
          w = random_tensor({5, 6}, 37, DType::Float32);

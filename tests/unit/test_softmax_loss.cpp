@@ -222,6 +222,24 @@ TEST(CrossEntropy, ReductionsAndIgnoreIndex) {
   EXPECT_EQ(kernels::cross_entropy(x, all_ignored, -100, Reduction::Sum).item<double>(), 0.0);
 }
 
+// A row with a +inf logit has no finite log-softmax: NaN, as torch's cross_entropy and our own
+// log_softmax give, in the loss and in its gradient (not an infinite loss with finite
+// gradients, which hid the overflow). A row of -inf logits is NaN too.
+TEST(CrossEntropy, InfiniteLogitsGiveNaNAsLogSoftmaxDoes) {
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType dt : {DType::Float32, DType::Float64}) {
+    const Tensor x = from_vector<double>({inf, 0, -inf, -inf}, {2, 2}).to(dt);
+    const Tensor target = from_vector<int64_t>({1, 0}, {2});
+    const Tensor loss = kernels::cross_entropy(x, target, -100, Reduction::None);
+    EXPECT_TRUE(std::isnan(loss.to_vector<double>()[0])) << dtype_name(dt);
+    EXPECT_TRUE(std::isnan(loss.to_vector<double>()[1])) << dtype_name(dt);
+    EXPECT_TRUE(std::isnan(kernels::log_softmax(x, 1).to_vector<double>()[1])) << dtype_name(dt);
+    const Tensor g =
+        kernels::cross_entropy_backward(full({}, 1.0, dt), x, target, -100, Reduction::Mean);
+    EXPECT_TRUE(std::isnan(g.to_vector<double>()[1])) << dtype_name(dt);
+  }
+}
+
 TEST(CrossEntropy, HigherRankLogitsAndDtypes) {
   Tensor x = random_tensor({2, 3, 4}, 12, DType::Float64);
   std::vector<int64_t> t = {3, 0, 1, -100, 2, 2};

@@ -53,6 +53,9 @@ TEST(VersionCounter, WritesOfNoElementsCount) {
   EXPECT_EQ(buffer.version(), v0 + 1);
   none.copy_(zeros({0}));
   EXPECT_EQ(buffer.version(), v0 + 2);
+  Generator gen(1);
+  uniform_(none, 0, 1, gen);  // the random fills too (an empty FSDP shard initialised)
+  EXPECT_EQ(buffer.version(), v0 + 3);
 }
 
 TEST(VersionCounter, ACallRefusedByItsChecksCountsNoWrite) {

@@ -22,7 +22,9 @@ compute_t<T> logsumexp(const T* row, int64_t c) {
   C m = -std::numeric_limits<C>::infinity();
   for (int64_t j = 0; j < c; ++j)
     m = std::max(m, C(row[j]));
-  if (std::isinf(m)) return m;
+  // Every logit -inf: -inf (the loss is then NaN, as torch's). A +inf one goes through the sum
+  // below to NaN, as in log_softmax.
+  if (std::isinf(m) && m < 0) return m;
   C s = 0;
   for (int64_t j = 0; j < c; ++j)
     s += std::exp(C(row[j]) - m);

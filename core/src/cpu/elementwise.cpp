@@ -180,9 +180,10 @@ Tensor compare_scalar(CompareOp op, const Tensor& a, double s) {
   Tensor out = empty(a.shape(), DType::Bool);
   dispatch_dtype(a.dtype(), [&]<class T>() {
     using C = compute_t<T>;
-    // Floating tensors compare against the scalar rounded to their compute type (torch does the
-    // same); integers and bools compare exactly against the double, unless the scalar is an
-    // integer they can hold, which keeps the loop in the tensor's own type.
+    // Floating tensors compare against the scalar rounded to their own dtype (torch converts it
+    // to the tensor's dtype: bfloat16(0.1) == 0.1 holds); integers and bools compare exactly
+    // against the double, unless the scalar is an integer they can hold, which keeps the loop in
+    // the tensor's own type.
     auto run = [&]<class S>(S sv) {
       with_compare_op(op, [&]<CompareOp kOp>() {
         map_runs<T, bool, 1>(out, {&a}, {a.strides()},
@@ -194,7 +195,7 @@ Tensor compare_scalar(CompareOp op, const Tensor& a, double s) {
       });
     };
     if constexpr (std::is_floating_point_v<C>) {
-      run(C(s));
+      run(C(T(C(s))));
     } else if constexpr (std::is_same_v<C, bool>) {
       run(double(s));
     } else {

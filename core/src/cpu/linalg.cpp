@@ -230,7 +230,7 @@ void matmul_accumulate_(Tensor& c, const Tensor& a, const Tensor& b, double alph
   check_matmul_operands("matmul_accumulate_", a, b);
   portable::check_two_dims("matmul_accumulate_", a, b);
   ProductDims d = product_dims("matmul_accumulate_", a, b, trans_a, trans_b);
-  portable::check_accumulate_target(c, a, d);
+  portable::check_accumulate_target(c, a, b, d);
   if (c.numel() == 0) return;
   Operand oa = prepare(a, trans_a), ob = prepare(b, trans_b);
   auto run = [&]<class T>() {

@@ -408,13 +408,13 @@ struct Elementwise {
     Tensor out = empty_on(a.shape(), DType::Bool, a.device());
     dispatch_dtype(a.dtype(), [&]<class T>() {
       using C = compute_t<T>;
-      // As the CPU: floating tensors compare against the scalar rounded to their compute type;
+      // As the CPU: floating tensors compare against the scalar rounded to their own dtype;
       // integers in their own type when the scalar is an integer they hold, else as doubles.
       auto go = [&]<class S>(S sv) {
         map1<T, bool>(name, out, a, a.strides(), CompareScalarFn<T, S>{op, sv});
       };
       if constexpr (std::is_floating_point_v<C>) {
-        go(C(s));
+        go(C(T(C(s))));
       } else if constexpr (std::is_same_v<C, bool>) {
         go(double(s));
       } else {

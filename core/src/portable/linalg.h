@@ -166,7 +166,7 @@ struct Linalg {
     check_matmul_operands("matmul_accumulate_", a, b);
     check_two_dims("matmul_accumulate_", a, b);
     const ProductDims d = product_dims("matmul_accumulate_", a, b, trans_a, trans_b);
-    check_accumulate_target(c, a, d);
+    check_accumulate_target(c, a, b, d);
     run_gemm<Exec>("matmul_accumulate_", c, a, b, trans_a, trans_b, {}, d, alpha, 1.0);
   }
 

@@ -48,12 +48,18 @@ inline void check_addmm_c(const Tensor& c, const Tensor& a, const Shape& out_sha
                 shape_str(out_shape));
 }
 
-inline void check_accumulate_target(const Tensor& c, const Tensor& a, const ProductDims& d) {
+inline void check_accumulate_target(const Tensor& c, const Tensor& a, const Tensor& b,
+                                    const ProductDims& d) {
   TESSERA_CHECK(c.defined() && c.is_contiguous() && c.shape() == Shape({d.m, d.n}) &&
                     c.dtype() == a.dtype() && !is_half(a.dtype()),
                 "matmul_accumulate_: c ", c.defined() ? c.str() : std::string("(undefined)"),
                 " must be a contiguous ", dtype_name(a.dtype()), " [", d.m, ", ", d.n,
                 "] (float32 or float64)");
+  // The product is accumulated into c while a and b are read: c must not be either's memory.
+  TESSERA_CHECK(!c.storage().is_same(a.storage()) && !c.storage().is_same(b.storage()),
+                "matmul_accumulate_: c ", c.str(), " shares memory with ",
+                c.storage().is_same(a.storage()) ? "a " + a.str() : "b " + b.str(),
+                "; accumulate into a separate tensor (or clone the operand)");
 }
 
 inline void check_linear(const Tensor& x, const Tensor& w, const Tensor& bias) {

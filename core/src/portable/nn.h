@@ -246,7 +246,7 @@ TESSERA_HOST_DEVICE inline C row_logsumexp(const T* row, int64_t c, Team& team) 
   for (int64_t j = team.lane(); j < c; j += team.size())
     m = C(row[j]) > m ? C(row[j]) : m;
   m = team.max(m);
-  if (std::isinf(m)) return m;
+  if (std::isinf(m) && m < 0) return m;  // as the CPU: all -inf; +inf gives NaN below
   C s = 0;
   for (int64_t j = team.lane(); j < c; j += team.size())
     s += std::exp(C(row[j]) - m);

@@ -57,8 +57,10 @@ std::pair<Tensor, Tensor> rope_tables(int64_t max_seq, int64_t head_dim, double 
                                       DType dtype = DType::Float32);
 
 // Scaled dot-product attention: q [B, H, T, D], k/v [B, H, S, D]; causal masks keys after the
-// query position (aligned at the end when S > T). Returns the output and the row logsumexp
-// [B, H, T] that the backward needs.
+// query position, aligned at the end when S != T (query i sees keys up to i + S - T: PyTorch's
+// causal_lower_right, as a decode step with a KV cache needs, where torch's is_causal=True
+// aligns at the start); a query that sees no key outputs zeros with logsumexp -inf. Returns the
+// output and the row logsumexp [B, H, T] that the backward needs.
 struct AttentionResult {
   Tensor out;
   Tensor lse;
