@@ -423,6 +423,14 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
                 out_features(), "): input ", x.str(), " must have last dim ", in_features());
   const DeviceMesh& mesh = x.mesh();
   const DTensor w = weight.on_mesh(mesh), bd = bias.on_mesh(mesh);
+  // A mixed batch names each of this rank's rows: rows split over the mesh would need the ids
+  // split alike, which nothing here does (no tensor-parallel plan splits the batch dim).
+  if (routing_->sample_slots && x.dim() >= 2)
+    for (const Placement& p : x.placements())
+      TESSERA_CHECK(!p.is_shard() || p.dim() != 0,
+                    "LoRA: a mixed batch (set_batch_adapters) "
+                    "needs the input's batch dim whole on the layer's mesh, but the input is ",
+                    x.str(), "; replicate the batch dim there, or clear the mixed batch");
   const Batch bt = batch(x.dim() >= 2 ? x.size(0) : 1, mesh.device());
   if (bt.slots.empty()) return linear(x, w, bd);
   std::vector<DTensor> as, bs;

@@ -115,6 +115,14 @@ void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
 
 void LoraModel::delete_adapter(const std::string& name) {
   const Adapter& a = find(name, "delete_adapter");
+  // The mixed batch's ids are slots: once freed, this one would route those samples to
+  // whichever adapter takes the slot next.
+  if (routing_->sample_slots)
+    TESSERA_CHECK(std::find(routing_->sample_slots->begin(), routing_->sample_slots->end(),
+                            a.slot) == routing_->sample_slots->end(),
+                  "LoRA delete_adapter '", name,
+                  "': the mixed batch set with set_batch_adapters routes samples to it; set "
+                  "another (or clear it with set_batch_adapters(Tensor())) first");
   // Freed while merged, the slot would leave its values in the base weight for good.
   if (merged(a)) unmerge_adapter(name);
   for (size_t i : a.layers)
@@ -279,30 +287,34 @@ void LoraModel::unmerge_adapter(const std::string& name) {
     layers_[i].second->merge_slot(a.slot, /*unmerge=*/true);
 }
 
-ModulePtr LoraModel::merge_and_unload(bool safe_merge) {
-  for (const auto& [path, l] : layers_)
-    TESSERA_CHECK(!is_fully_sharded(l->weight), "LoRA merge_and_unload: '", path,
+// merge_and_unload and unload change the model only once every layer is known to be where
+// apply_lora put it and unsharded.
+void LoraModel::check_unwrappable(const char* op) const {
+  for (const auto& [path, l] : layers_) {
+    TESSERA_CHECK(!is_fully_sharded(l->weight), "LoRA ", op, ": '", path,
                   "' is sharded by fully_shard, whose groups hold the adapter slots; call it "
                   "before fully_shard, or keep the layers (merge_adapter)");
+    TESSERA_CHECK(model_->get_submodule(path) == l, "LoRA ", op, ": '", path,
+                  "' no longer holds the layer apply_lora put there");
+  }
+}
+
+ModulePtr LoraModel::merge_and_unload(bool safe_merge) {
+  check_unwrappable("merge_and_unload");
   if (!active_.empty() && !merged(find(active_, "merge_and_unload")))
     merge_adapter(active_, safe_merge);
-  return unwrap("merge_and_unload");
+  return unwrap();
 }
 
 ModulePtr LoraModel::unload() {
-  for (const auto& [path, l] : layers_)
-    TESSERA_CHECK(!is_fully_sharded(l->weight), "LoRA unload: '", path,
-                  "' is sharded by fully_shard, whose groups hold the adapter slots; call it "
-                  "before fully_shard");
+  check_unwrappable("unload");
   for (const std::string& m : merged_adapters())
     unmerge_adapter(m);
-  return unwrap("unload");
+  return unwrap();
 }
 
-ModulePtr LoraModel::unwrap(const char* op) {
-  for (const auto& [path, l] : layers_) {
-    TESSERA_CHECK(model_->get_submodule(path) == l, "LoRA ", op, ": '", path,
-                  "' no longer holds the layer apply_lora put there");
+ModulePtr LoraModel::unwrap() {
+  for (const auto& [path, l] : layers_) {  // checked by check_unwrappable
     model_->replace_submodule(path, Linear::unwrapped(*l));
     retired_.push_back(l);
   }

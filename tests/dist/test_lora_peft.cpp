@@ -468,3 +468,61 @@ TEST(LoraPeft, DropoutMasksAPartialInputAsTheSumItStandsFor) {
   EXPECT_GT(max_abs_diff(make(0.0)->forward(x), want), 1e-3) << "no dropout ran";
   expect_close(make(0.5)->forward_dtensor(partial).full_tensor(), want, 1e-5, "a partial input");
 }
+
+// A mixed batch's ids are slots: deleting an adapter the batch routes samples to is refused
+// (the slot's next adapter would take those samples over); a batch that does not name it is no
+// obstacle, and neither is one cleared first.
+TEST(LoraPeft, DeletingAnAdapterAMixedBatchRoutesToIsRefused) {
+  const DecoderConfig cfg = lora_decoder_config();
+  auto m = std::make_shared<Decoder>(cfg);
+  auto lora = apply_lora(m, lora_test_config(), "x", {.max_adapters = 3, .max_rank = 4});
+  lora->add_adapter("y", lora_test_config());
+  lora->add_adapter("z", lora_test_config());
+  lora->set_batch_adapters(
+      from_vector<int64_t>({lora->adapter_id("x"), lora->adapter_id("y")}, {2}));
+  expect_error([&] { lora->delete_adapter("y"); },
+               {"delete_adapter 'y'", "the mixed batch", "set_batch_adapters(Tensor())"});
+  EXPECT_EQ(lora->adapters(), (std::vector<std::string>{"x", "y", "z"}));
+  lora->delete_adapter("z");  // not in the batch
+  lora->set_batch_adapters(Tensor());
+  lora->delete_adapter("y");
+  EXPECT_EQ(lora->adapters(), (std::vector<std::string>{"x"}));
+}
+
+// merge_and_unload and unload check every layer before changing anything: a wrapped layer the
+// user replaced makes them throw with the model, the adapters and the weights as they were.
+TEST(LoraPeft, UnloadingAfterALayerWasReplacedChangesNothing) {
+  const DecoderConfig cfg = lora_decoder_config();
+  auto m = std::make_shared<Decoder>(cfg);
+  auto lora = apply_lora(m, lora_test_config(LoraInit::Random));
+  Generator gen(3);
+  m->replace_submodule("layers.1.feed_forward.w2", std::make_shared<Linear>(64, 32, false, gen));
+  const auto base = base_weights(*m);
+  for (bool merge : {true, false}) {
+    expect_error([&] { merge ? lora->merge_and_unload() : lora->unload(); },
+                 {"layers.1.feed_forward.w2", "no longer holds the layer apply_lora put there"});
+    EXPECT_EQ(lora->layers().size(), 14u);
+    EXPECT_NE(std::dynamic_pointer_cast<LoraLinear>(m->get_submodule("layers.0.attention.wq")),
+              nullptr);
+    EXPECT_FALSE(lora->layers().front().second->slot(0).merged);
+    EXPECT_EQ(largest_change(*m, base), 0.0) << "merging changed a weight before the error";
+  }
+}
+
+// A mixed batch names this rank's rows, so an input whose batch dim is split over the layer's
+// mesh is refused, naming the input, rather than masked with the wrong rows.
+TEST(LoraPeft, AMixedBatchOverABatchShardedInputIsRefused) {
+  auto routing = std::make_shared<LoraRouting>();
+  Generator gen(4);
+  auto layer = std::make_shared<LoraLinear>(Linear(8, 8, false, gen),
+                                            LoraSlots{.max_adapters = 1, .max_rank = 4}, routing);
+  layer->init_slot(0, "a", lora_test_config(LoraInit::Random), "layer");
+  DeviceMesh mesh(Shape{world_size()}, {"tp"});
+  const DTensor x = distribute_tensor(randn({2 * world_size(), 8}, gen), mesh, {Shard(0)});
+  routing->sample_slots = std::vector<int64_t>(2, 0);
+  expect_error([&] { layer->forward_dtensor(x); },
+               {"a mixed batch", "needs the input's batch dim whole", "S(0)"});
+  routing->sample_slots.reset();
+  routing->active_slot = 0;
+  EXPECT_EQ(layer->forward_dtensor(x).shape(), (Shape{2 * world_size(), 8}));
+}

@@ -47,9 +47,9 @@ class LoraModel {
   // match must be one apply_lora wrapped (an error names the others). Works after fully_shard (the
   // slots were preallocated). Collective when the layers are sharded by FSDP.
   void add_adapter(const std::string& name, const LoraConfig& config);
-  // Frees its slot (zeroes its matrices), unmerging the adapter first if it is merged. The
-  // optimizer keeps the slot's state: reset it with
-  // Optimizer::reset_state(adapter_parameters(name)) before reusing the slot.
+  // Frees its slot (zeroes its matrices), unmerging the adapter first if it is merged; refused
+  // while the mixed batch routes samples to it. The optimizer keeps the slot's state: reset it
+  // with Optimizer::reset_state(adapter_parameters(name)) before reusing the slot.
   void delete_adapter(const std::string& name);
   // The adapter every sample uses ("" for none: the base model alone). PEFT's set_adapter: a
   // merged adapter other than `name` is unmerged first (collective then).
@@ -153,7 +153,8 @@ class LoraModel {
   void check_merge_is_finite(const std::string& name, const Adapter& a);
   std::vector<std::string> merged_adapters() const;
   std::vector<size_t> targets(const LoraConfig& config) const;
-  ModulePtr unwrap(const char* op);
+  void check_unwrappable(const char* op) const;
+  ModulePtr unwrap();
   struct SavedAdapter;
   std::vector<SavedAdapter> parse_table(const std::string& text, std::string& active) const;
 
