@@ -298,6 +298,7 @@ Tensor FSDPGroup::pre_forward(const Tensor& x) {
                  "this module itself (checkpoint(module) keeps fully_shard's hooks outside the "
                  "region) or modules inside it instead");
   }
+  forget_dropped_forward();
   schedule_->record_forward(shared_from_this());
   // This group's all-gather first, then the next group's, then the wait: both transfers run
   // during it and during this group's compute.
@@ -334,9 +335,23 @@ Tensor FSDPGroup::pre_forward(const Tensor& x) {
   return in.is_same(x) ? Tensor() : in;
 }
 
+// Every rank runs the same program, so every rank finds the same graphs gone.
+void FSDPGroup::forget_dropped_forward() {
+  if (!backward_pending_ || pending_outputs_.empty() || in_backward_) return;
+  for (const auto& node : pending_outputs_)
+    if (!node.expired()) return;
+  // The leaves that graph saved are nobody's now: the next gather makes fresh ones, and the
+  // next backward waits for this step's uses only.
+  backward_pending_ = false;
+  input_grad_pending_ = 0;
+  pending_outputs_.clear();
+}
+
 Tensor FSDPGroup::post_forward(const Tensor& y) {
   if (grad_enabled() && y.defined() && y.requires_grad()) {
+    if (!backward_pending_) pending_outputs_.clear();
     backward_pending_ = true;
+    if (y.grad_fn()) pending_outputs_.push_back(y.grad_fn());
     std::weak_ptr<FSDPGroup> weak = weak_from_this();
     register_hook(y, [weak](const Tensor&) {
       if (auto s = weak.lock()) s->pre_backward();

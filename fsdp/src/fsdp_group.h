@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "tessera/autograd/node.h"
 #include "tessera/comm/process_group.h"
 #include "tessera/fsdp/fully_shard.h"
 #include "tessera/nn/module.h"
@@ -100,6 +101,8 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   // Before a reduce: a backward all-gather this rank owes or still has in flight for this group
   // is issued or finished (see the .cpp).
   void settle_backward_gather();
+  // A pending backward whose graphs were all dropped is over: the next forward starts afresh.
+  void forget_dropped_forward();
   bool advance_reduce(bool block);
   // HSDP, once the reduce-scatter is done: adds the sums kept from earlier backwards; then true
   // when the all-reduce across replicas is to follow, false when these sums are kept instead
@@ -179,6 +182,9 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   bool reshard_after_backward_ = true;
   std::optional<PendingReduce> partial_reduce_;
   bool backward_pending_ = false;
+  // The graph nodes of this step's outputs (where the pre-backward hook sits): when every one
+  // is gone, no backward can come for them (a forward under grad mode whose result was dropped).
+  std::vector<std::weak_ptr<autograd::Node>> pending_outputs_;
   bool leaves_released_ = false;  // resharded after forward: the graph holds empty storage
   bool grads_ready_for_reduce_ = false;
   // The forwards of this step whose input requires grad and whose input's gradient is not yet

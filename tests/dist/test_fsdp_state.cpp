@@ -408,6 +408,50 @@ TEST(FullyShard, StepBetweenForwardAndBackwardIsAnError) {
   EXPECT_NO_THROW(backward(again));
 }
 
+// A forward under grad mode whose result is dropped without a backward (an evaluation that forgot
+// no_grad) leaves nothing behind: the next steps train as without it (the next forward took it
+// for a second use of the modules in one step: a false "modified by an in-place operation" after
+// the optimizer step, and every group kept gathered until the end of the next backward).
+TEST(FullyShard, AForwardWhoseResultIsDroppedLeavesNothingBehind) {
+  DeviceMesh mesh = dp_mesh();
+  auto make = [&](std::shared_ptr<FSDPState>* b1_state) {
+    auto net = std::make_shared<Mlp>();
+    fully_shard(net->b0, mesh);
+    auto b1 = fully_shard(net->b1, mesh);
+    if (b1_state) *b1_state = b1;
+    fully_shard(net, mesh);
+    return net;
+  };
+  std::shared_ptr<FSDPState> b1_state;
+  auto net = make(&b1_state), ref = make(nullptr);
+  // Once b0's output gradient arrives, b1's backward is over and its weights must be freed.
+  std::vector<bool> b1_gathered_at_b0;
+  net->b0->register_forward_hook([&](Module&, const Tensor&, const Tensor& y) {
+    if (grad_enabled())
+      register_hook(y, [&](const Tensor&) {
+        b1_gathered_at_b0.push_back(b1_state->is_unsharded());
+        return Tensor();
+      });
+    return Tensor();
+  });
+  SGD opt(net->parameters(), {.lr = 0.1}), ref_opt(ref->parameters(), {.lr = 0.1});
+  Generator gen(5);
+  const Tensor x = randn({4, 16}, gen), x_val = randn({4, 16}, gen);
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    ref_opt.zero_grad();
+    backward(mean(square((*net)(x))));
+    backward(mean(square((*ref)(x))));
+    opt.step();
+    ref_opt.step();
+    (void)mean(square((*net)(x_val)));  // dropped at once, never backpropagated
+  }
+  for (auto& [name, p] : net->named_parameters())
+    for (auto& [ref_name, q] : ref->named_parameters())
+      if (name == ref_name) expect_close(p->full(), q->full(), 1e-6, name);
+  EXPECT_EQ(b1_gathered_at_b0, std::vector<bool>(3, false));
+}
+
 // Where the parameters stay gathered from forward to backward (a root sharded alone), a write to
 // the shards in between is refused too, although no saved leaf's version counter sees it.
 TEST(FullyShard, StepBetweenForwardAndBackwardIsAnErrorForGatheredRoot) {
