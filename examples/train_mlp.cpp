@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 
 #include "cli.h"
@@ -47,8 +48,19 @@ Tensor parameter(const Shape& shape, Generator& gen, bool bias) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  TESSERA_CHECK(argc <= 2, "usage: train_mlp [STEPS]");
-  const int steps = argc > 1 ? int(cli::parse_int("train_mlp: STEPS", argv[1], 1, 1 << 30)) : 300;
+  const char* usage = "usage: train_mlp [STEPS]  (default 300)\n";
+  if (argc == 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
+    std::fputs(usage, stdout);
+    return 0;
+  }
+  int steps = 300;
+  try {
+    if (argc > 2) throw std::invalid_argument("train_mlp: too many arguments");
+    if (argc == 2) steps = int(cli::parse_int("train_mlp: STEPS", argv[1], 1, 1 << 30));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n%s", e.what(), usage);
+    return 2;
+  }
   const int64_t hidden = 64, classes = 3;
   Generator gen(2026);
   Tensor x, y;

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
 
 #include "lm/corpus.h"
 #include "lm/loss_plot.h"
@@ -215,7 +216,8 @@ Tensor accumulate_gradients(const lm::Options& o, const Model& m, const lm::Corp
 }
 
 // The loss curve's CSV (and picture) and the summary line (rank 0).
-void write_summary(const lm::Options& o, int64_t first_step, const std::vector<double>& losses,
+// False (said on stderr) when the CSV could not be written.
+bool write_summary(const lm::Options& o, int64_t first_step, const std::vector<double>& losses,
                    const std::vector<double>& times, double total) {
   {
     std::ofstream csv(o.csv);
@@ -223,6 +225,11 @@ void write_summary(const lm::Options& o, int64_t first_step, const std::vector<d
     for (size_t i = 0; i < losses.size(); ++i)
       csv << first_step + int64_t(i) << "," << std::fixed << std::setprecision(9) << losses[i]
           << "," << std::defaultfloat << std::setprecision(6) << times[i] * 1e3 << "\n";
+    csv.close();
+    if (!csv) {
+      std::fprintf(stderr, "train_lm: could not write the loss curve to %s\n", o.csv.c_str());
+      return false;
+    }
   }
   std::string why;
   const std::string png = lm::plot_loss_curve(o.csv, "train_lm: training loss", why);
@@ -233,6 +240,7 @@ void write_summary(const lm::Options& o, int64_t first_step, const std::vector<d
       double(o.batch * o.seq) * double(losses.size()) / total,
       double(memory_stats().peak_bytes) / (1 << 20), o.csv.c_str(),
       png.empty() ? " (no picture: " : " and ", png.empty() ? (why + ")").c_str() : png.c_str());
+  return true;
 }
 
 int run(int argc, char** argv) {
@@ -266,12 +274,18 @@ int run(int argc, char** argv) {
   const int64_t row0 = mesh.coordinate()[0] * rows;
   if (lead) {
     std::printf(
-        "train_lm: %lld ranks (dp %lld x tp %lld%s%s), %lld parameters, vocab %lld, "
+        "train_lm: %lld ranks (dp %lld x tp %lld%s%s%s%s%s), %lld parameters, vocab %lld, "
         "corpus %lld chars\n",
         (long long)world, (long long)o.dp, (long long)o.tp,
         o.sequence_parallel && o.tp > 1 ? ", sequence parallel" : "",
-        loss_parallel ? ", loss parallel" : "", (long long)n_params, (long long)cfg.vocab_size,
-        (long long)corpus.size());
+        loss_parallel ? ", loss parallel" : "", fsdp ? ", FSDP" : "",
+        o.grad_accum > 1 ? (", " + std::to_string(o.grad_accum) + " micro-batches").c_str() : "",
+        o.activation_checkpointing ? ", activation checkpointing" : "", (long long)n_params,
+        (long long)cfg.vocab_size, (long long)corpus.size());
+    // Flags that only act on a mesh dim larger than one.
+    if (o.fsdp && !fsdp) std::printf("note: --fsdp does nothing with --dp 1\n");
+    if (o.tp == 1 && (o.sequence_parallel || o.loss_parallel))
+      std::printf("note: --sequence-parallel and --loss-parallel do nothing with --tp 1\n");
     if (first_step > 0)
       std::printf("resumed from step %lld of %s\n", (long long)first_step,
                   newest_checkpoint(o.checkpoint_dir)->c_str());
@@ -316,7 +330,9 @@ int run(int argc, char** argv) {
         std::printf("checkpoint: %s%s\n", path.c_str(), last ? "" : " (writing in the background)");
     }
   }
-  if (!losses.empty() && lead) write_summary(o, first_step, losses, times, now_seconds() - t_start);
+  if (!losses.empty() && lead &&
+      !write_summary(o, first_step, losses, times, now_seconds() - t_start))
+    return 1;
   return 0;
 }
 

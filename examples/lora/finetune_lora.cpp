@@ -243,13 +243,18 @@ int run_main(int argc, char** argv) {
   load(in, o.lora_checkpoint);
   fresh_lora->load_state_dict(sub_state_dict(in, "lora"));
   const double reloaded = run.eval(*fresh, reversed);
+  bool wrote = true;
   if (lead) {
     {
       std::ofstream csv(o.csv);
       csv << "step,loss\n";
       for (size_t i = 0; i < losses.size(); ++i)
         csv << i << "," << losses[i] << "\n";
+      csv.close();
+      wrote = bool(csv);
     }
+    if (!wrote)
+      std::fprintf(stderr, "finetune_lora: could not write the loss curve to %s\n", o.csv.c_str());
     std::string why;
     const std::string png = lm::plot_loss_curve(o.csv, "finetune_lora: LoRA fine-tuning loss", why);
     std::printf("fine-tuning loss curve in %s%s%s\n", o.csv.c_str(),
@@ -271,7 +276,7 @@ int run_main(int argc, char** argv) {
   if (lead && !same) std::fprintf(stderr, "finetune_lora: the merged model gives another loss\n");
   if (lead && !reloads)
     std::fprintf(stderr, "finetune_lora: the reloaded merged checkpoint gives another loss\n");
-  return learned && same && reloads ? 0 : 1;
+  return learned && same && reloads && wrote ? 0 : 1;
 }
 
 }  // namespace
