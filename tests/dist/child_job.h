@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <string>
 
+#include "common/shell_quote.h"
+
 namespace tessera::test {
 
 struct ChildResult {
@@ -18,26 +20,27 @@ struct ChildResult {
   std::string output;  // stdout and stderr of every rank
 };
 
-// Runs `command` (program and arguments) on `ranks` ranks under mpirun, killed after
+// Runs `command` (program and arguments, each a shell word: quote paths with shell_quoted) on
+// `ranks` ranks under mpirun, killed after
 // `limit_seconds`. The child gets a clean environment plus `settings` ("VAR=value ...", which
 // may override PATH): an inherited one would make its ranks join this job instead of starting
 // their own.
 inline ChildResult run_child_job(int ranks, const std::string& command, const std::string& settings,
                                  int limit_seconds) {
-  std::string env = "env -i PATH='" + std::string(std::getenv("PATH") ? std::getenv("PATH") : "") +
-                    "' OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1";
+  std::string env = "env -i PATH=" + shell_quoted(std::getenv("PATH") ? std::getenv("PATH") : "") +
+                    " OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1";
   // The job runs on this machine only, so mpirun never starts a remote shell; but OpenMPI
   // refuses to start at all when its default agent (ssh or rsh) is not on the PATH. `false`
   // exists everywhere and is never run. An agent set in this environment is kept.
   const char* agent = std::getenv("OMPI_MCA_plm_rsh_agent");
-  env += std::string(" OMPI_MCA_plm_rsh_agent='") + (agent ? agent : "false") + "'";
+  env += " OMPI_MCA_plm_rsh_agent=" + shell_quoted(agent ? agent : "false");
   // The sanitizers' settings too: a child built with them must behave as this job does.
   for (const char* var : {"HOME", "LD_LIBRARY_PATH", "TMPDIR", "ASAN_OPTIONS", "UBSAN_OPTIONS"})
-    if (const char* v = std::getenv(var)) env += std::string(" ") + var + "='" + v + "'";
+    if (const char* v = std::getenv(var)) env += std::string(" ") + var + "=" + shell_quoted(v);
   // Last, so that the caller's settings win (env applies assignments in order).
   env += " " + settings;
   const std::string cmd = env + " timeout -k 5 " + std::to_string(limit_seconds) + " " +
-                          TESSERA_MPIEXEC + " " + TESSERA_MPIEXEC_NUMPROC_FLAG + " " +
+                          shell_quoted(TESSERA_MPIEXEC) + " " + TESSERA_MPIEXEC_NUMPROC_FLAG + " " +
                           std::to_string(ranks) + " " + TESSERA_MPIEXEC_FLAGS + " " + command +
                           " 2>&1";
   ChildResult result;

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <numeric>
 
+#include "common/shell_quote.h"
 #include "dist/checkpoint_models.h"
 #include "dist/checkpoint_util.h"
 #include "plan.h"  // checkpoint/src: who writes each block
@@ -17,6 +18,7 @@
 #include "tessera/testing/expect_error.h"
 
 using namespace tessera;
+using tessera::test::shell_quoted;
 using tessera::testing::expect_error;
 using tessera::testing::expect_identical;
 using tessera::testing::index_tensor;
@@ -291,7 +293,9 @@ TEST(Checkpoint, H5pyReadsEveryDatasetAsTheGlobalTensor) {
   if (world_rank() == 0) {
     manifest.close();
     const std::string cmd =
-        python + " " + TESSERA_SOURCE_DIR + "/tests/python/check_h5py.py " + path + " " + dir;
+        shell_quoted(python) + " " +
+        shell_quoted(std::string(TESSERA_SOURCE_DIR) + "/tests/python/check_h5py.py") + " " +
+        shell_quoted(path) + " " + shell_quoted(dir);
     EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
   }
 }
@@ -355,7 +359,7 @@ namespace {
 
 // Runs tessera-ckpt with `args` (one process, no mpirun); its exit code and output.
 std::pair<int, std::string> ckpt_cli(const std::string& args) {
-  const std::string cmd = std::string(TESSERA_CKPT_EXE) + " " + args + " 2>&1";
+  const std::string cmd = shell_quoted(TESSERA_CKPT_EXE) + " " + args + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   std::string out;
   char buf[4096];
@@ -369,6 +373,7 @@ std::pair<int, std::string> ckpt_cli(const std::string& args) {
 }  // namespace
 
 TEST(Checkpoint, TheCliListsVerifiesDiffsAndExports) {
+  auto q = [](const std::string& s) { return shell_quoted(s); };
   const std::string dir = scratch_dir("checkpoint_cli_np" + std::to_string(world_size()));
   DeviceMesh mesh(Shape{world_size()}, {"dp"});
   auto state = [&](int salt) {
@@ -383,7 +388,7 @@ TEST(Checkpoint, TheCliListsVerifiesDiffsAndExports) {
   save(state(1), a);
   save(state(2), b);
   if (world_rank() != 0) return;
-  auto [rc, out] = ckpt_cli("ls " + a);
+  auto [rc, out] = ckpt_cli("ls " + q(a));
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("model/w"), std::string::npos) << out;
   EXPECT_NE(out.find("[6, 4]"), std::string::npos) << out;
@@ -391,25 +396,25 @@ TEST(Checkpoint, TheCliListsVerifiesDiffsAndExports) {
             std::string::npos)
       << out;
   EXPECT_NE(out.find("extras/step"), std::string::npos) << out;
-  std::tie(rc, out) = ckpt_cli("verify " + a);
+  std::tie(rc, out) = ckpt_cli("verify " + q(a));
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("ok, 3 tensors verified"), std::string::npos) << out;
-  std::tie(rc, out) = ckpt_cli("diff " + a + " " + a);
+  std::tie(rc, out) = ckpt_cli("diff " + q(a) + " " + q(a));
   EXPECT_EQ(rc, 0) << out;
-  std::tie(rc, out) = ckpt_cli("diff " + a + " " + b);
+  std::tie(rc, out) = ckpt_cli("diff " + q(a) + " " + q(b));
   EXPECT_EQ(rc, 1) << out;
   EXPECT_NE(out.find("model/w"), std::string::npos) << out;
   EXPECT_NE(out.find("int64 1 vs int64 2"), std::string::npos) << out;
-  std::tie(rc, out) = ckpt_cli("export-safetensors " + a + " " + dir + "/model.safetensors");
+  std::tie(rc, out) = ckpt_cli("export-safetensors " + q(a) + " " + q(dir + "/model.safetensors"));
   EXPECT_EQ(rc, 0) << out;
   const SafetensorsFile st = load_safetensors(dir + "/model.safetensors");
   ASSERT_EQ(st.tensors.size(), 2u);
   expect_identical(st.tensors.at("w"), index_tensor({6, 4}, DType::Float32, 1), "exported w");
   expect_identical(st.tensors.at("b"), index_tensor({4}, DType::BFloat16, 1), "exported b");
-  std::tie(rc, out) = ckpt_cli("frobnicate " + a);
+  std::tie(rc, out) = ckpt_cli("frobnicate " + q(a));
   EXPECT_EQ(rc, 2);
   EXPECT_NE(out.find("unknown command 'frobnicate'"), std::string::npos) << out;
-  std::tie(rc, out) = ckpt_cli("ls " + dir + "/none.h5");
+  std::tie(rc, out) = ckpt_cli("ls " + q(dir + "/none.h5"));
   EXPECT_EQ(rc, 2);
   EXPECT_NE(out.find("none.h5' does not exist"), std::string::npos) << out;
 }

@@ -24,11 +24,11 @@ const std::vector<std::string> kSteps = {"creating",
 
 std::string run(const std::string& path, const std::string& mode, const std::string& step,
                 int ranks, int victim) {
-  const test::ChildResult r =
-      test::run_child_job(ranks,
-                          std::string(TESSERA_CRASH_CHILD) + " " + path + " " + mode + " \"" +
-                              step + "\" " + std::to_string(victim),
-                          "TESSERA_COLLECTIVE_TIMEOUT=60", 120);
+  const test::ChildResult r = tessera::test::run_child_job(
+      ranks,
+      tessera::test::shell_quoted(TESSERA_CRASH_CHILD) + " " + tessera::test::shell_quoted(path) +
+          " " + mode + " " + tessera::test::shell_quoted(step) + " " + std::to_string(victim),
+      "TESSERA_COLLECTIVE_TIMEOUT=60", 120);
   EXPECT_NE(r.exit_code, 0) << mode << " killed at " << step << ":\n" << r.output;
   EXPECT_EQ(r.output.find("child finished"), std::string::npos) << r.output;
   return r.output;

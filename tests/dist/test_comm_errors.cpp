@@ -267,7 +267,7 @@ using test::ChildResult;
 // its environment; `timeout` (the command) bounds the test even if the abort never happens.
 ChildResult run_child(const std::string& mode, const std::string& timeout,
                       const std::string& settings = "") {
-  return test::run_child_job(2, std::string(TESSERA_CHILD_EXE) + " " + mode + " " + timeout,
+  return test::run_child_job(2, test::shell_quoted(TESSERA_CHILD_EXE) + " " + mode + " " + timeout,
                              settings, 90);
 }
 

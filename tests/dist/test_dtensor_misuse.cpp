@@ -252,7 +252,7 @@ ChildResult run_child(const std::string& name) {
     return result;
   }
   return test::run_child_job(4,
-                             std::string(self.data(), size_t(len)) +
+                             test::shell_quoted(std::string(self.data(), size_t(len))) +
                                  " --gtest_also_run_disabled_tests --gtest_color=no"
                                  " --gtest_filter=MisuseChild.DISABLED_" +
                                  name,

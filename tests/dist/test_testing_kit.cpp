@@ -320,7 +320,7 @@ TEST(TestingKit, MainReportsAFailureOnAnyRank) {
     ASSERT_GT(len, 0);
     const tessera::test::ChildResult r = tessera::test::run_child_job(
         2,
-        std::string(self.data(), size_t(len)) +
+        tessera::test::shell_quoted(std::string(self.data(), size_t(len))) +
             " --gtest_also_run_disabled_tests --gtest_color=no"
             " --gtest_filter=TestingKitChild.DISABLED_FailsOnTheLastRankOnly",
         "OMP_NUM_THREADS=1", 120);

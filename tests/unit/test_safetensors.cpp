@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common/bit_pattern.h"
+#include "common/shell_quote.h"
 #include "tessera/checkpoint/safetensors.h"
 #include "tessera/core/factory.h"
 #include "tessera/testing/expect_error.h"
@@ -1149,12 +1150,7 @@ TEST(SafetensorsFuzz, CorruptedFilesAreReadOrRefusedWithAnError) {
 // Against Hugging Face's reference package (scripts/setup-deps installs it into the environment
 // whose interpreter CMake hands in).
 
-std::string shell_quoted(const std::string& s) {
-  std::string out = "'";
-  for (char c : s)
-    out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
+using tessera::test::shell_quoted;
 
 // Why the reference package cannot run here, or "" when it can.
 std::string reference_missing() {
