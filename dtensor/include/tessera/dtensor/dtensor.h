@@ -76,7 +76,8 @@ inline constexpr int kEveryRank = -1;
 // Global -> DTensor. From a source rank only that rank's `global` is read (others pass an
 // undefined tensor or one of its shape and dtype) and each rank receives its window. With
 // kEveryRank each rank cuts its window from its own `global`. Before any data moves the ranks
-// agree on src_rank, placements, mesh and (with kEveryRank) the tensor's shape and dtype; a wrong
+// agree on src_rank, placements, mesh and (with kEveryRank) the tensor's shape, dtype and (for a
+// host tensor) values; a wrong
 // or differing input on any rank throws on every rank. A Partial(sum) dim keeps the value on
 // its coordinate 0 and zeros elsewhere; Partial avg, max and min keep it on every coordinate.
 DTensor distribute_tensor(const Tensor& global, const DeviceMesh& mesh,
