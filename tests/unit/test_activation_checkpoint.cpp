@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/small_decoder.h"
 #include "tessera/tessera.h"
 #include "tessera/testing/checks.h"
 #include "tessera/testing/expect_error.h"
@@ -52,19 +53,6 @@ std::vector<Tensor> grads_of(const Leaves& l, bool checkpointed) {
   backward(sum(mul(y, y)));
   EXPECT_EQ(gen.offset(), uint64_t(4 * 16 * 64)) << "the recomputation left the generator moved";
   return {l.x.grad(), l.w1.grad(), l.w2.grad()};
-}
-
-DecoderConfig tiny_decoder(int64_t layers) {
-  DecoderConfig cfg;
-  cfg.vocab_size = 11;
-  cfg.dim = 16;
-  cfg.n_layers = layers;
-  cfg.n_heads = 4;
-  cfg.n_kv_heads = 2;
-  cfg.ffn_dim = 12;
-  cfg.max_seq_len = 8;
-  cfg.seed = 7;
-  return cfg;
 }
 
 }  // namespace
@@ -135,7 +123,7 @@ TEST(ActivationCheckpoint, HoldsLessMemoryUntilTheBackward) {
 }
 
 TEST(ActivationCheckpoint, AModulesForwardIsARegionAndItsKeysStay) {
-  const DecoderConfig cfg = tiny_decoder(2);
+  const DecoderConfig cfg = tessera::testing::small_decoder_config();
   const Tensor ids = from_vector<int64_t>({1, 4, 2, 9, 3, 3, 0, 7, 5, 10, 6, 8}, {2, 6});
   const Tensor targets = from_vector<int64_t>({4, 2, 9, 3, 3, 0, 7, 5, 10, 6, 8, 1}, {2, 6});
   std::map<std::string, Tensor> grads[2];
@@ -224,7 +212,7 @@ TEST(ActivationCheckpoint, AWriteBetweenTwoBackwardsOfARetainedGraphIsAnError) {
 // An adapter switched between a checkpointed forward and its backward: the recomputation would
 // train the other adapter; it saves another parameter than the forward did, which is refused.
 TEST(ActivationCheckpoint, AModuleWhoseStateChangedIsRefused) {
-  const DecoderConfig cfg = tiny_decoder(1);
+  const DecoderConfig cfg = tessera::testing::small_decoder_config();
   auto model = std::make_shared<Decoder>(cfg);
   LoraConfig lc;
   lc.r = 2;
