@@ -64,7 +64,7 @@ void CheckpointFrame::saw_inputs(const std::vector<Tensor>& inputs, const char* 
     if (!t.defined()) continue;
     const StorageImpl* impl = t.storage().impl();
     if (made_.count(impl) || outside_.count(impl)) continue;
-    outside_[impl] = {t.storage().weak_impl(), describe(t) + ", read by " + node_name(node), 0};
+    outside_[impl] = {t.storage().weak_impl(), describe(t), node, 0};
   }
 }
 
@@ -95,14 +95,14 @@ void CheckpointFrame::advanced(Generator& gen, uint64_t start) {
   generators_.push_back({&gen, gen.seed(), start});
 }
 
-Tensor CheckpointFrame::unpack(size_t id, const std::string& node) {
+Tensor CheckpointFrame::unpack(size_t id, const char* node) {
   if (!recomputed_) recompute(node);
-  TESSERA_CHECK(id < kept_.size() && kept_[id].defined(), "checkpoint: ", node,
+  TESSERA_CHECK(id < kept_.size() && kept_[id].defined(), "checkpoint: ", node_name(node),
                 " needs saved tensor ", id,
                 " of its checkpointed region, which an earlier backward freed; pass "
                 "retain_graph=true to backward through the graph twice");
   const Tensor& k = kept_[id];
-  TESSERA_CHECK(k.version() == kept_versions_[id], "checkpoint: ", node,
+  TESSERA_CHECK(k.version() == kept_versions_[id], "checkpoint: ", node_name(node),
                 ": one of the tensors needed for gradient computation (", describe(k),
                 ", recomputed in a checkpointed region) has been modified by an in-place "
                 "operation since: version ",
@@ -116,12 +116,12 @@ void CheckpointFrame::release(size_t id) {
   if (id < kept_.size()) kept_[id] = Tensor();
 }
 
-void CheckpointFrame::check_inputs_unchanged(const std::string& node) const {
+void CheckpointFrame::check_inputs_unchanged(const char* node) const {
   for (const auto& [impl, o] : outside_) {
     const auto s = o.storage.lock();
     if (!s || s->version() == o.version) continue;
-    TESSERA_FAIL("checkpoint: recomputing the region for ", node,
-                 ": a tensor it read from outside (", o.what,
+    TESSERA_FAIL("checkpoint: recomputing the region for ", node_name(node),
+                 ": a tensor it read from outside (", o.shape, ", read by ", node_name(o.node),
                  ") has been modified by an in-place operation since the forward (version ",
                  s->version(), ", expected ", o.version,
                  "), so the recomputation would see other values (an optimizer step, a load, "
@@ -129,9 +129,9 @@ void CheckpointFrame::check_inputs_unchanged(const std::string& node) const {
   }
 }
 
-void CheckpointFrame::recompute(const std::string& node) {
+void CheckpointFrame::recompute(const char* node) {
   TESSERA_CHECK(t_keeping == nullptr && t_packing == nullptr,
-                "checkpoint: a region's recomputation (for ", node,
+                "checkpoint: a region's recomputation (for ", node_name(node),
                 ") started inside another's forward or recomputation");
   check_inputs_unchanged(node);
   // The generators the region drew from go back to where they stood before it (seed and
@@ -165,33 +165,38 @@ void CheckpointFrame::recompute(const std::string& node) {
   recomputed_ = true;
 }
 
-void CheckpointFrame::check_recomputed(const std::string& node) const {
-  const char* rule =
-      "; the checkpointed function must run the same operations again (no branch on state "
-      "changed since the forward)";
-  TESSERA_CHECK(kept_.size() == packed_.size(), "checkpoint: recomputing the region for ", node,
-                " kept ", kept_.size(), " tensors for backward where its forward kept ",
-                packed_.size(), rule);
+void CheckpointFrame::check_recomputed(const char* node) const {
+  // The messages' arguments are evaluated only when a check fails: this runs for every saved
+  // tensor of every recomputation.
+  const auto rule = [] {
+    return "; the checkpointed function must run the same operations again (no branch on state "
+           "changed since the forward)";
+  };
+  TESSERA_CHECK(kept_.size() == packed_.size(), "checkpoint: recomputing the region for ",
+                node_name(node), " kept ", kept_.size(),
+                " tensors for backward where its forward kept ", packed_.size(), rule());
   for (size_t i = 0; i < packed_.size(); ++i) {
     const Packed& p = packed_[i];
     if (released_[i]) continue;
     const Tensor& k = kept_[i];
-    const std::string saved_by = "tensor " + std::to_string(i) + " saved by " + node_name(p.node);
+    const auto saved_by = [&] {
+      return "tensor " + std::to_string(i) + " saved by " + node_name(p.node);
+    };
     TESSERA_CHECK(k.shape() == p.shape && k.dtype() == p.dtype && k.device() == p.device,
-                  "checkpoint: recomputing the region for ", node, ", ", saved_by, " is ",
-                  describe(k), " on ", k.device().str(), " where the forward saved ",
-                  dtype_name(p.dtype), " ", shape_str(p.shape), " on ", p.device.str(), rule);
+                  "checkpoint: recomputing the region for ", node_name(node), ", ", saved_by(),
+                  " is ", describe(k), " on ", k.device().str(), " where the forward saved ",
+                  dtype_name(p.dtype), " ", shape_str(p.shape), " on ", p.device.str(), rule());
     const auto s = p.storage.lock();
     const bool same_storage = s && s.get() == k.storage().impl();
     // A parameter or input of the region: the same one again, or the module's state changed.
-    TESSERA_CHECK(!p.outside || !s || same_storage, "checkpoint: recomputing the region for ", node,
-                  ", ", saved_by,
+    TESSERA_CHECK(!p.outside || !s || same_storage, "checkpoint: recomputing the region for ",
+                  node_name(node), ", ", saved_by(),
                   " is another tensor than in the forward (it came from outside the region): "
                   "the modules' state changed between the forward and the backward (set_adapter, "
                   "set_batch_adapters, a replaced parameter ...); change it after backward");
-    TESSERA_CHECK(!same_storage || kept_versions_[i] == p.version, "checkpoint: ", node,
+    TESSERA_CHECK(!same_storage || kept_versions_[i] == p.version, "checkpoint: ", node_name(node),
                   ": one of the tensors needed for gradient computation (", describe(k), ", ",
-                  saved_by,
+                  saved_by(),
                   " in a checkpointed region) has been modified by an in-place operation since "
                   "the forward: version ",
                   kept_versions_[i], ", expected ", p.version,

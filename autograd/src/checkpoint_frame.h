@@ -44,8 +44,9 @@ class CheckpointFrame : public std::enable_shared_from_this<CheckpointFrame>,
   size_t pack(const Tensor& t, const char* node);
   // Recomputation: the next tensor a node saves.
   void keep(const Tensor& t);
-  // Backward: tensor `id` (recomputing the region first if needed). `node` names the asker.
-  Tensor unpack(size_t id, const std::string& node);
+  // Backward: tensor `id` (recomputing the region first if needed). `node` is the asker's
+  // mangled type name, demangled only for an error.
+  Tensor unpack(size_t id, const char* node);
   void release(size_t id);
 
   void advanced(Generator& gen, uint64_t start) override;
@@ -54,9 +55,9 @@ class CheckpointFrame : public std::enable_shared_from_this<CheckpointFrame>,
   Tensor run_forward();
 
  private:
-  void recompute(const std::string& node);
-  void check_inputs_unchanged(const std::string& node) const;
-  void check_recomputed(const std::string& node) const;
+  void recompute(const char* node);
+  void check_inputs_unchanged(const char* node) const;
+  void check_recomputed(const char* node) const;
   struct Packed {
     Shape shape;
     DType dtype;
@@ -68,8 +69,9 @@ class CheckpointFrame : public std::enable_shared_from_this<CheckpointFrame>,
   };
   struct Outside {
     std::weak_ptr<StorageImpl> storage;
-    std::string what;      // "float32 [64, 32], read by linear"
-    uint32_t version = 0;  // at the end of the forward
+    std::string shape;           // "float32 [64, 32]"
+    const char* node = nullptr;  // the first to read it (mangled)
+    uint32_t version = 0;        // at the end of the forward
   };
   struct Drawn {
     Generator* gen;

@@ -107,7 +107,8 @@ const std::vector<Tensor>& Function::saved_tensors() const {
     // The frame checks each tensor against the forward, and against writes since it was
     // recomputed (each time: a retained graph runs its nodes again).
     for (size_t i = 0; i < saved_.size(); ++i)
-      if (frame_ids_[i] != kNotSaved) saved_[i] = frame_->unpack(frame_ids_[i], name());
+      if (frame_ids_[i] != kNotSaved)
+        saved_[i] = frame_->unpack(frame_ids_[i], typeid(*this).name());
     return saved_;
   }
   for (size_t i = 0; i < saved_.size(); ++i) {
