@@ -587,6 +587,61 @@ TEST(TensorParallelErrors, StyleOnTheWrongModuleType) {
       {"RowwiseParallel", "already tensor-parallel"});
 }
 
+// Every style checks every target before any style changes the model: a plan refused for its
+// last entry (a wrong module type, a module taken twice, a plan applied again) leaves the model
+// as it was, where the entries before it used to stay applied.
+TEST(TensorParallelErrors, ARefusedPlanChangesNothing) {
+  const DecoderConfig cfg = tiny_config();
+  DeviceMesh mesh = tp_mesh(world_size());
+  auto net = std::make_shared<Decoder>(cfg);
+  auto col = std::make_shared<const ColwiseParallel>();
+  auto untouched = [&](const char* what) {
+    EXPECT_FALSE(net->layers[0]->attention->wq->weight.is_dtensor()) << what;
+    EXPECT_FALSE(net->layers[0]->attention->wq->dtensor_io().has_value()) << what;
+  };
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"layers.*.attention.wq", col}, {"norm", col}});
+      },
+      {"ColwiseParallel", "Linear or Embedding", "RMSNorm"});
+  untouched("a wrong type last");
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh,
+                           {{"layers.*.attention.wq", col},
+                            {"layers.0.attention.wq", std::make_shared<RowwiseParallel>()}});
+      },
+      {"'layers.0.attention.wq' is targeted by 'layers.*.attention.wq' and by "
+       "'layers.0.attention.wq'"});
+  untouched("a module taken twice");
+  const ParallelizePlan plan = decoder_tp_plan(cfg, mesh, {.sequence_parallel = true});
+  parallelize_module(net, mesh, plan);
+  const Batch b = affine_batch(0, 2, cfg.max_seq_len, cfg.vocab_size);
+  const Tensor logits = (*net)(b.ids);
+  expect_error([&] { parallelize_module(net, mesh, plan); }, {"already"});
+  // The refused second plan added no hook: the same logits, of the full shape.
+  tessera::testing::expect_close(logits, (*net)(b.ids), 0, "after the refused second plan");
+}
+
+// A parameter tied by assignment to another name would be distributed under one name only: the
+// style is refused, naming both, before anything changes.
+TEST(TensorParallelErrors, DistributingATiedParameterIsRefused) {
+  const DecoderConfig cfg = tiny_config();
+  DeviceMesh mesh = tp_mesh(world_size());
+  auto net = std::make_shared<Decoder>(cfg);
+  net->output->weight = net->tok_embeddings->weight;  // tied by assignment
+  auto row = std::make_shared<RowwiseParallel>();
+  row->input_layouts = {Replicate()};
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"tok_embeddings", row}});
+      },
+      {"would distribute 'tok_embeddings.weight'", "shared with 'output.weight'",
+       "tied by assignment"});
+  EXPECT_FALSE(net->tok_embeddings->weight.is_dtensor());
+  EXPECT_FALSE(net->tok_embeddings->dtensor_io().has_value());
+}
+
 TEST(TensorParallelErrors, MeshMustBeOneDimensional) {
   if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
   DeviceMesh mesh({2, 2}, {"dp", "tp"});

@@ -4,7 +4,11 @@
 #include "tessera/nn/module_path.h"
 
 #include <algorithm>
+#include <map>
 #include <set>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace tessera {
 
@@ -20,6 +24,49 @@ ParallelStylePtr prepare_module_output(Placements have, Placements want) {
 template <class Style>
 ParallelStylePtr make(Style s) {
   return std::make_shared<const Style>(std::move(s));
+}
+
+// Every style's checks on every target, before any style changes anything: a refused plan
+// leaves the model as it was. Also refused here: two styles of one kind on one module (the
+// second would re-cut sharded weights or stack a second conversion on its input), and a
+// parameter a style would distribute whose tensor another name shares (weights tied by
+// assignment: the names would end up with separate tensors).
+void check_plan(Module& root, const DeviceMesh& mesh, const ParallelizePlan& plan,
+                const std::vector<std::vector<ModulePtr>>& targets) {
+  std::map<std::pair<const Module*, std::string>, std::string> kinds;  // (module, kind) -> pattern
+  // Each tensor's Parameter slots (a module registered twice shows one slot under two names,
+  // which a style changes for both; two slots are weights tied by assignment) and their names.
+  std::map<const TensorImpl*, std::vector<std::pair<const Parameter*, std::string>>> slots;
+  for (auto& [name, p] : root.named_parameters(true, /*remove_duplicate=*/false)) {
+    if (!p->defined()) continue;
+    auto& list = slots[p->stored().impl()];
+    if (std::none_of(list.begin(), list.end(), [&](const auto& s) { return s.first == p; }))
+      list.emplace_back(p, name);
+  }
+  std::map<const Module*, std::string> paths;
+  for (const auto& [path, m] : root.named_modules())
+    paths[m.get()] = path;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const auto& [pattern, style] = plan[i];
+    const std::string kind = style->distributes_parameters() ? "parallel" : style->name();
+    for (const ModulePtr& m : targets[i]) {
+      style->check(*m, mesh);
+      auto [at, fresh] = kinds.emplace(std::pair(m.get(), kind), pattern);
+      TESSERA_CHECK(fresh, "parallelize_module: '", paths[m.get()], "' is targeted by '",
+                    at->second, "' and by '", pattern, "' (", style->name(),
+                    "); one module takes one style of each kind");
+      if (!style->distributes_parameters()) continue;
+      for (auto& [name, p] : m->named_parameters(/*recurse=*/false, false)) {
+        if (!p->defined()) continue;
+        const auto& all = slots[p->stored().impl()];
+        TESSERA_CHECK(all.size() <= 1, "parallelize_module: ", style->name(), " on '",
+                      paths[m.get()], "' would distribute '", all.front().second,
+                      "', whose tensor is shared with '", all.back().second,
+                      "' (weights tied by assignment), leaving the two names separate tensors; "
+                      "tie them after parallelizing, or leave that parameter unsharded");
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -43,6 +90,7 @@ ModulePtr parallelize_module(const ModulePtr& module, const DeviceMesh& mesh,
                   module_path_candidates(pattern, modules));
     targets.push_back(std::move(hits));
   }
+  check_plan(*module, mesh, plan, targets);
   for (size_t i = 0; i < plan.size(); ++i)
     for (const ModulePtr& m : targets[i])
       plan[i].second->apply(*m, mesh);

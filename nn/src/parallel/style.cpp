@@ -63,6 +63,13 @@ void distribute_parameter(Parameter& p, const char* name, const DeviceMesh& mesh
   p = Parameter(distribute_tensor(p.full(), mesh, placements), p.requires_grad());
 }
 
+void check_plain_parameter(const Parameter& p, const char* name, const std::string& style,
+                           const Module& m) {
+  TESSERA_CHECK(!p.defined() || !p.is_dtensor(), style, " on ", m.type_name(), ": ", name,
+                " is already a DTensor ", p.str(),
+                "; apply tensor parallelism before fully_shard and only once");
+}
+
 // What Colwise and Rowwise both check before touching the module.
 void check_linear_style(const DeviceMesh& mesh, const Placements& input_layouts,
                         const Placements& output_layouts, const std::string& style,
@@ -77,11 +84,28 @@ void check_linear_style(const DeviceMesh& mesh, const Placements& input_layouts,
   TESSERA_FAIL(style, " applies to ", accepted, " modules; got a ", m.type_name());
 }
 
+// Linear and Embedding: the module's type, and its parameters still plain.
+void check_linear_or_embedding(const Module& module, const std::string& style) {
+  if (auto* linear = dynamic_cast<const Linear*>(&module)) {
+    check_plain_parameter(linear->weight, "weight", style, module);
+    check_plain_parameter(linear->bias, "bias", style, module);
+  } else if (auto* emb = dynamic_cast<const Embedding*>(&module)) {
+    check_plain_parameter(emb->weight, "weight", style, module);
+  } else {
+    wrong_module(style, "Linear or Embedding", module);
+  }
+}
+
 }  // namespace
+
+void ColwiseParallel::check(const Module& module, const DeviceMesh& mesh) const {
+  check_linear_style(mesh, input_layouts, output_layouts, name(), module);
+  check_linear_or_embedding(module, name());
+}
 
 void ColwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
   const std::string style = name();
-  check_linear_style(mesh, input_layouts, output_layouts, style, module);
+  check(module, mesh);
   if (auto* linear = dynamic_cast<Linear*>(&module)) {
     // Output features split: each rank's slice of y needs its rows of W and of b.
     distribute_parameter(linear->weight, "weight", mesh, {Shard(0)}, style, module);
@@ -97,9 +121,14 @@ void ColwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
   module.set_dtensor_io(DTensorIO{mesh, input_layouts, {Replicate()}, output_layouts});
 }
 
+void RowwiseParallel::check(const Module& module, const DeviceMesh& mesh) const {
+  check_linear_style(mesh, input_layouts, output_layouts, name(), module);
+  check_linear_or_embedding(module, name());
+}
+
 void RowwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
   const std::string style = name();
-  check_linear_style(mesh, input_layouts, output_layouts, style, module);
+  check(module, mesh);
   if (auto* linear = dynamic_cast<Linear*>(&module)) {
     // Input features split: each rank's product is a partial sum; the bias must be added once,
     // which the DTensor linear does for a Replicate bias against a Partial product.
@@ -117,10 +146,23 @@ void RowwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
   }
 }
 
-void SequenceParallel::apply(Module& module, const DeviceMesh& mesh) const {
+void SequenceParallel::check(const Module& module, const DeviceMesh& mesh) const {
   const std::string style = name();
   check_mesh(mesh, style, module);
   check_not_parallel(module, style);
+  if (auto* rms = dynamic_cast<const RMSNorm*>(&module)) {
+    check_plain_parameter(rms->weight, "weight", style, module);
+  } else if (auto* ln = dynamic_cast<const LayerNorm*>(&module)) {
+    check_plain_parameter(ln->weight, "weight", style, module);
+    check_plain_parameter(ln->bias, "bias", style, module);
+  } else if (dynamic_cast<const Dropout*>(&module) == nullptr) {
+    wrong_module(style, "RMSNorm, LayerNorm or Dropout", module);
+  }
+}
+
+void SequenceParallel::apply(Module& module, const DeviceMesh& mesh) const {
+  const std::string style = name();
+  check(module, mesh);
   if (auto* rms = dynamic_cast<RMSNorm*>(&module)) {
     distribute_parameter(rms->weight, "weight", mesh, {Replicate()}, style, module);
   } else if (auto* ln = dynamic_cast<LayerNorm*>(&module)) {
@@ -135,9 +177,13 @@ void SequenceParallel::apply(Module& module, const DeviceMesh& mesh) const {
   module.set_dtensor_io(DTensorIO{mesh, seq, seq, seq});
 }
 
-void PrepareModuleInput::apply(Module& module, const DeviceMesh& mesh) const {
+void PrepareModuleInput::check(const Module& module, const DeviceMesh& mesh) const {
   check_hook_layouts(input_layouts, desired_input_layouts, "input_layouts", "desired_input_layouts",
                      name(), module, mesh);
+}
+
+void PrepareModuleInput::apply(Module& module, const DeviceMesh& mesh) const {
+  check(module, mesh);
   // A pre-hook, not DTensorIO: the module itself keeps running on local tensors (a block whose
   // children are the tensor-parallel ones), it only receives its input in another layout.
   module.register_forward_pre_hook(
@@ -148,9 +194,13 @@ void PrepareModuleInput::apply(Module& module, const DeviceMesh& mesh) const {
       });
 }
 
-void PrepareModuleOutput::apply(Module& module, const DeviceMesh& mesh) const {
+void PrepareModuleOutput::check(const Module& module, const DeviceMesh& mesh) const {
   check_hook_layouts(output_layouts, desired_output_layouts, "output_layouts",
                      "desired_output_layouts", name(), module, mesh);
+}
+
+void PrepareModuleOutput::apply(Module& module, const DeviceMesh& mesh) const {
+  check(module, mesh);
   module.register_forward_hook([mesh, have = output_layouts, want = desired_output_layouts](
                                    Module& m, const Tensor&, const Tensor& y) {
     return local_to_dtensor(y, mesh, have, "PrepareModuleOutput on " + m.type_name())

@@ -19,8 +19,9 @@ using ModulePtr = std::shared_ptr<Module>;
 
 // How a module's forward crosses into DTensors, set by a parallel style: the local input is
 // taken as a DTensor with input_layouts, redistributed to desired_input_layouts, passed to
-// forward_dtensor, and the result redistributed to output_layouts (returned as its local piece
-// when use_local_output).
+// forward_dtensor, and the result redistributed to output_layouts and returned as its local piece
+// (always: PyTorch's use_local_output=True; the next module is told the layout by its own style,
+// which trusts it).
 struct DTensorIO {
   DeviceMesh mesh;
   Placements input_layouts;

@@ -11,8 +11,14 @@ namespace tessera {
 class ParallelStyle {
  public:
   virtual ~ParallelStyle() = default;
+  // Every check apply() makes, without changing anything: parallelize_module checks all its
+  // targets before applying any style, so a refused plan leaves the model as it was.
+  virtual void check(const Module& module, const DeviceMesh& mesh) const = 0;
   virtual void apply(Module& module, const DeviceMesh& mesh) const = 0;
   virtual std::string name() const = 0;
+  // Whether it turns the module's own parameters into DTensors (and sets how its input and
+  // output cross into DTensors: at most one such style per module).
+  virtual bool distributes_parameters() const { return false; }
 };
 using ParallelStylePtr = std::shared_ptr<const ParallelStyle>;
 
@@ -21,8 +27,10 @@ using ParallelStylePtr = std::shared_ptr<const ParallelStyle>;
 struct ColwiseParallel : ParallelStyle {
   Placements input_layouts = {Replicate()};
   Placements output_layouts = {Shard(-1)};
+  void check(const Module& module, const DeviceMesh& mesh) const override;
   void apply(Module& module, const DeviceMesh& mesh) const override;
   std::string name() const override { return "ColwiseParallel"; }
+  bool distributes_parameters() const override { return true; }
 };
 
 // Linear: weight Shard(1), bias Replicate; the output is Partial and redistributed to
@@ -31,16 +39,20 @@ struct ColwiseParallel : ParallelStyle {
 struct RowwiseParallel : ParallelStyle {
   Placements input_layouts = {Shard(-1)};
   Placements output_layouts = {Replicate()};
+  void check(const Module& module, const DeviceMesh& mesh) const override;
   void apply(Module& module, const DeviceMesh& mesh) const override;
   std::string name() const override { return "RowwiseParallel"; }
+  bool distributes_parameters() const override { return true; }
 };
 
 // Norms over activations sharded on the sequence dim: weights Replicate (their gradients are
 // summed over the ranks), input and output Shard(sequence_dim).
 struct SequenceParallel : ParallelStyle {
   int64_t sequence_dim = 1;
+  void check(const Module& module, const DeviceMesh& mesh) const override;
   void apply(Module& module, const DeviceMesh& mesh) const override;
   std::string name() const override { return "SequenceParallel"; }
+  bool distributes_parameters() const override { return true; }
 };
 
 // Only changes how a module's input arrives (e.g. a block whose input is sequence-sharded but
@@ -48,6 +60,7 @@ struct SequenceParallel : ParallelStyle {
 struct PrepareModuleInput : ParallelStyle {
   Placements input_layouts;
   Placements desired_input_layouts;
+  void check(const Module& module, const DeviceMesh& mesh) const override;
   void apply(Module& module, const DeviceMesh& mesh) const override;
   std::string name() const override { return "PrepareModuleInput"; }
 };
@@ -58,6 +71,7 @@ struct PrepareModuleInput : ParallelStyle {
 struct PrepareModuleOutput : ParallelStyle {
   Placements output_layouts;
   Placements desired_output_layouts;
+  void check(const Module& module, const DeviceMesh& mesh) const override;
   void apply(Module& module, const DeviceMesh& mesh) const override;
   std::string name() const override { return "PrepareModuleOutput"; }
 };
