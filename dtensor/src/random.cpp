@@ -94,10 +94,7 @@ DTensor dropout(const DTensor& x, double p, bool training, Generator& gen) {
   // 0 or 1/(1-p) rounded to x's dtype once, as the single-process kernel scales.
   Tensor scale = kernels::binary_scalar(kernels::BinaryOp::Mul, keep, 1.0 / (1.0 - p));
   // A Partial dim's ranks drew the same window: the mask is replicated there.
-  Placements mask_placements = s.placements;
-  for (Placement& q : mask_placements)
-    if (q.is_partial()) q = Replicate();
-  return mul(x, DTensor::from_local(scale, s.mesh, mask_placements, s.global_shape));
+  return mul(x, DTensor::from_local(scale, s.mesh, s.grad_placements(), s.global_shape));
 }
 
 DTensor& kaiming_uniform_(DTensor& t, Generator& gen, double a, FanMode mode) {

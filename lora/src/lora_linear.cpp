@@ -446,9 +446,7 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
     // The same mask a single process would draw: the draw follows x's layout, replicated over
     // Partial dims, whose ranks must mask their terms of one sum alike. (x in the adapters'
     // dtype first, as in forward.)
-    Placements mask_placements = x.placements();
-    for (Placement& p : mask_placements)
-      if (p.is_partial()) p = Replicate();
+    const Placements mask_placements = x.spec().grad_placements();  // Partial -> Replicate
     DTensor u = rand(x.shape(), mesh, mask_placements, dropout_gens_[size_t(bt.slots[0])]);
     Tensor keep = keep_scale(u.to_local(), bt.dropout, slots_[size_t(bt.slots[0])].dropout);
     xl = mul(x.dtype() == a.dtype() ? x : cast(x, a.dtype()),

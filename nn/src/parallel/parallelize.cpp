@@ -31,7 +31,8 @@ ParallelStylePtr make(Style s) {
 // second would re-cut sharded weights or stack a second conversion on its input), and a
 // parameter a style would distribute whose tensor another name shares (weights tied by
 // assignment: the names would end up with separate tensors).
-void check_plan(Module& root, const DeviceMesh& mesh, const ParallelizePlan& plan,
+void check_plan(Module& root, const std::vector<std::pair<std::string, ModulePtr>>& modules,
+                const DeviceMesh& mesh, const ParallelizePlan& plan,
                 const std::vector<std::vector<ModulePtr>>& targets) {
   std::map<std::pair<const Module*, std::string>, std::string> kinds;  // (module, kind) -> pattern
   // Each tensor's Parameter slots (a module registered twice shows one slot under two names,
@@ -44,7 +45,7 @@ void check_plan(Module& root, const DeviceMesh& mesh, const ParallelizePlan& pla
       list.emplace_back(p, name);
   }
   std::map<const Module*, std::string> paths;
-  for (const auto& [path, m] : root.named_modules())
+  for (const auto& [path, m] : modules)
     paths[m.get()] = path;
   for (size_t i = 0; i < plan.size(); ++i) {
     const auto& [pattern, style] = plan[i];
@@ -90,7 +91,7 @@ ModulePtr parallelize_module(const ModulePtr& module, const DeviceMesh& mesh,
                   module_path_candidates(pattern, modules));
     targets.push_back(std::move(hits));
   }
-  check_plan(*module, mesh, plan, targets);
+  check_plan(*module, modules, mesh, plan, targets);
   for (size_t i = 0; i < plan.size(); ++i)
     for (const ModulePtr& m : targets[i])
       plan[i].second->apply(*m, mesh);
