@@ -38,7 +38,8 @@ const char* kUsage =
     "                     [--lr X] [--base-checkpoint PATH] [--peft-dir DIR]\n"
     "                     [--lora-checkpoint PATH] [--log-every N] [--csv PATH]\n"
     "Run under mpirun -np (tp * dp). The base model is trained --base-steps steps and saved to\n"
-    "--base-checkpoint, or loaded from it when the file exists.\n";
+    "--base-checkpoint, or loaded from it when the file holds a base trained with the same\n"
+    "--base-steps and --lr.\n";
 
 constexpr int64_t kBig = int64_t(1) << 40;  // upper bound of the whole-number flags
 
@@ -143,6 +144,35 @@ StateDict base_state(Decoder& model) {
   return sd;
 }
 
+// The base run's settings, stored in its file beside the weights.
+constexpr const char* kBaseSteps = "base_run/steps";
+constexpr const char* kBaseLr = "base_run/lr";
+
+// Whether the base checkpoint exists and was trained with this run's --base-steps and --lr: a
+// file from other settings (or from before they were stored) is trained again and replaced, not
+// reused as if it were this run's. Collective (a load).
+bool base_file_fits(const Options& o) {
+  if (!std::filesystem::exists(o.base_checkpoint)) return false;
+  StateDict stored{{kBaseSteps, int64_t(-1)}, {kBaseLr, -1.0}};
+  LoadOptions lenient;
+  lenient.strict = false;
+  load(stored, o.base_checkpoint, lenient);
+  const int64_t steps = std::get<int64_t>(stored[kBaseSteps]);
+  const double lr = std::get<double>(stored[kBaseLr]);
+  const bool fits = steps == o.base_steps && lr == o.lr;
+  if (!fits && world_rank() == 0) {
+    if (steps < 0)
+      std::printf("base model: %s does not say how it was trained; training it again\n",
+                  o.base_checkpoint.c_str());
+    else
+      std::printf(
+          "base model: %s was trained %lld steps at lr %g, not %lld at %g; training it "
+          "again\n",
+          o.base_checkpoint.c_str(), (long long)steps, lr, (long long)o.base_steps, o.lr);
+  }
+  return fits;
+}
+
 int run_main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   const int64_t world = world_size();
@@ -166,7 +196,7 @@ int run_main(int argc, char** argv) {
   TESSERA_CHECK(reversed.vocab_size() == plain.vocab_size(), "finetune_lora: corpora differ");
 
   // 1. The base model: trained on the plain text under FSDP x TP, or resumed from its file.
-  if (!std::filesystem::exists(o.base_checkpoint)) {
+  if (!base_file_fits(o)) {
     const auto dir = std::filesystem::path(o.base_checkpoint).parent_path();
     std::error_code ignored;  // save names the directory if it is still missing
     if (!dir.empty()) std::filesystem::create_directories(dir, ignored);
@@ -181,7 +211,10 @@ int run_main(int argc, char** argv) {
       if (lead && (s % (o.log_every * 5) == 0 || s + 1 == o.base_steps))
         std::printf("  base step %4lld  loss %.4f\n", (long long)s, l);
     }
-    save(base_state(*base), o.base_checkpoint);
+    StateDict sd = base_state(*base);
+    sd[kBaseSteps] = o.base_steps;
+    sd[kBaseLr] = o.lr;
+    save(sd, o.base_checkpoint);
     if (lead) std::printf("base model saved to %s\n", o.base_checkpoint.c_str());
   } else if (lead) {
     std::printf("base model: resuming from %s\n", o.base_checkpoint.c_str());
