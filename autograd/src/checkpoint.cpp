@@ -31,7 +31,7 @@ std::string node_name(const char* mangled) {
 }
 
 CheckpointFrame::CheckpointFrame(std::shared_ptr<const Fn> fn, Tensor x)
-    : fn_(std::move(fn)), x_(std::move(x)), stamp_(tessera::detail::next_generator_stamp()) {}
+    : fn_(std::move(fn)), x_(std::move(x)), first_serial_(StorageImpl::next_serial()) {}
 
 CheckpointFrame* CheckpointFrame::packing() {
   return t_packing;
@@ -63,19 +63,16 @@ void CheckpointFrame::saw_inputs(const std::vector<Tensor>& inputs, const char* 
   for (const Tensor& t : inputs) {
     if (!t.defined()) continue;
     const StorageImpl* impl = t.storage().impl();
-    if (made_.count(impl) || outside_.count(impl)) continue;
+    if (!impl || impl->serial() >= first_serial_ || outside_.count(impl)) continue;
     outside_[impl] = {t.storage().weak_impl(), describe(t), node, 0};
   }
 }
 
-void CheckpointFrame::made_outputs(const std::vector<Tensor>& outputs) {
-  for (const Tensor& t : outputs)
-    if (t.defined() && !outside_.count(t.storage().impl())) made_.insert(t.storage().impl());
-}
-
 size_t CheckpointFrame::pack(const Tensor& t, const char* node) {
-  packed_.push_back({t.shape(), t.dtype(), t.device(), t.storage().weak_impl(), t.version(), node,
-                     outside_.count(t.storage().impl()) != 0});
+  const StorageImpl* impl = t.storage().impl();
+  const bool outside = impl && impl->serial() < first_serial_;
+  packed_.push_back({t.shape(), t.dtype(), t.device(), t.storage().weak_impl(),
+                     outside ? t.storage() : Storage(), t.version(), node});
   released_.push_back(false);
   return packed_.size() - 1;
 }
@@ -88,20 +85,38 @@ void CheckpointFrame::keep(const Tensor& t) {
   kept_versions_.push_back(t.version());
 }
 
-void CheckpointFrame::advanced(Generator& gen, uint64_t start) {
-  if (gen.stamp() >= stamp_) return;  // made inside the region: made again by the recomputation
+void CheckpointFrame::used(const Generator& gen, uint64_t offset) {
+  // Generators made and dropped inside the region (a copy drawn from once) are gone by now.
+  std::erase_if(generators_, [](const Drawn& d) { return d.gen.expired(); });
+  const auto handle = gen.handle();
   for (const Drawn& d : generators_)
-    if (d.gen == &gen) return;
-  generators_.push_back({&gen, gen.seed(), start});
+    if (!d.gen.owner_before(handle) && !handle.owner_before(d.gen)) return;
+  generators_.push_back({handle, gen.seed(), offset});
+}
+
+std::vector<CheckpointFrame::Drawn> CheckpointFrame::set_generators(const std::vector<Drawn>& to) {
+  std::vector<Drawn> was;
+  for (const Drawn& d : to) {
+    const auto handle = d.gen.lock();
+    if (!handle) continue;  // destroyed since: nothing draws from it again
+    Generator& gen = *handle->at;
+    was.push_back({d.gen, gen.seed(), gen.offset()});
+    gen.manual_seed(d.seed);
+    gen.set_offset(d.offset);
+  }
+  return was;
 }
 
 Tensor CheckpointFrame::unpack(size_t id, const char* node) {
-  if (!recomputed_) recompute(node);
-  TESSERA_CHECK(id < kept_.size() && kept_[id].defined(), "checkpoint: ", node_name(node),
+  TESSERA_CHECK(id < packed_.size() && !released_[id], "checkpoint: ", node_name(node),
                 " needs saved tensor ", id,
                 " of its checkpointed region, which an earlier backward freed; pass "
                 "retain_graph=true to backward through the graph twice");
-  const Tensor& k = kept_[id];
+  if (id >= kept_.size() || !kept_[id].defined()) recompute(node);
+  // Handed out once: the node holds it while it runs, and a retained graph's next backward
+  // recomputes rather than the frame holding the region's activations between backwards.
+  const Tensor k = std::move(kept_[id]);
+  kept_[id] = Tensor();
   TESSERA_CHECK(k.version() == kept_versions_[id], "checkpoint: ", node_name(node),
                 ": one of the tensors needed for gradient computation (", describe(k),
                 ", recomputed in a checkpointed region) has been modified by an in-place "
@@ -134,35 +149,31 @@ void CheckpointFrame::recompute(const char* node) {
                 "checkpoint: a region's recomputation (for ", node_name(node),
                 ") started inside another's forward or recomputation");
   check_inputs_unchanged(node);
-  // The generators the region drew from go back to where they stood before it (seed and
-  // offset), and afterwards to where they stand now, also when the recomputation throws.
+  // The generators the region used go back to where they stood before it (seed and offset),
+  // and afterwards to where they stand now, also when the recomputation throws.
   struct Restore {
     std::vector<Drawn> now;
     tessera::detail::GeneratorObserver* observer = tessera::detail::t_generator_observer;
     ~Restore() {
       t_keeping = nullptr;
       tessera::detail::t_generator_observer = observer;
-      for (const Drawn& d : now) {
-        d.gen->manual_seed(d.seed);
-        d.gen->set_offset(d.offset);
-      }
+      set_generators(now);
     }
   } restore;
-  for (const Drawn& d : generators_) {
-    restore.now.push_back({d.gen, d.gen->seed(), d.gen->offset()});
-    d.gen->manual_seed(d.seed);
-    d.gen->set_offset(d.offset);
-  }
+  restore.now = set_generators(generators_);
   kept_.clear();
   kept_versions_.clear();
   t_keeping = this;
   tessera::detail::t_generator_observer = nullptr;
   {
     EnableGradGuard grad;
-    (void)(*fn_)(x_);
+    // On a detached input: what fn does to its input's autograd state (a hook registered on it)
+    // must not happen to the forward's graph a second time.
+    Tensor in = x_.detach();
+    if (x_.requires_grad()) in.set_requires_grad(true);
+    (void)(*fn_)(in);
   }
   check_recomputed(node);
-  recomputed_ = true;
 }
 
 void CheckpointFrame::check_recomputed(const char* node) const {
@@ -189,7 +200,7 @@ void CheckpointFrame::check_recomputed(const char* node) const {
     const auto s = p.storage.lock();
     const bool same_storage = s && s.get() == k.storage().impl();
     // A parameter or input of the region: the same one again, or the module's state changed.
-    TESSERA_CHECK(!p.outside || !s || same_storage, "checkpoint: recomputing the region for ",
+    TESSERA_CHECK(!p.held.defined() || same_storage, "checkpoint: recomputing the region for ",
                   node_name(node), ", ", saved_by(),
                   " is another tensor than in the forward (it came from outside the region): "
                   "the modules' state changed between the forward and the backward (set_adapter, "

@@ -1,5 +1,6 @@
 #include "tessera/autograd/function.h"
 
+#include <algorithm>
 #include <typeinfo>
 
 #include "checkpoint_frame.h"
@@ -27,7 +28,6 @@ std::vector<Tensor> Function::run(const std::vector<Tensor>& inputs) {
     NoGradGuard no_grad;
     outputs = forward(inputs);
   }
-  if (frame) frame->made_outputs(outputs);
   if (!record) {
     release_frame();
     saved_.clear();
@@ -67,6 +67,14 @@ std::vector<Tensor> Function::apply(std::vector<Tensor>&& grad_outputs) {
       grad_outputs[i] = zeros(m.shape, TensorOptions(m.dtype, m.device));
     }
   }
+  // A checkpointed node's recomputed tensors are its only while it runs (the frame hands each
+  // out once): a retained graph must not hold the region's activations between backwards.
+  struct DropRecomputed {
+    Function& fn;
+    ~DropRecomputed() {
+      if (fn.frame_) std::fill(fn.saved_.begin(), fn.saved_.end(), Tensor());
+    }
+  } drop{*this};
   std::vector<Tensor> grads = backward(grad_outputs);
   TESSERA_CHECK(grads.size() == needs_input_grad_.size(), name(), "::backward returned ",
                 grads.size(), " gradients for ", needs_input_grad_.size(), " inputs");
@@ -105,9 +113,9 @@ const std::vector<Tensor>& Function::saved_tensors() const {
                 "retain_graph=true to backward through the graph twice");
   if (frame_) {
     // The frame checks each tensor against the forward, and against writes since it was
-    // recomputed (each time: a retained graph runs its nodes again).
+    // recomputed; within one apply() they are taken once.
     for (size_t i = 0; i < saved_.size(); ++i)
-      if (frame_ids_[i] != kNotSaved)
+      if (frame_ids_[i] != kNotSaved && !saved_[i].defined())
         saved_[i] = frame_->unpack(frame_ids_[i], typeid(*this).name());
     return saved_;
   }

@@ -2,6 +2,7 @@
 
 #include <malloc.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
@@ -137,8 +138,19 @@ void record_free(Device device, size_t nbytes) {
 StorageImpl::StorageImpl(size_t nbytes, Device device)
     : StorageImpl(nbytes, device, &allocator_for(device)) {}
 
+namespace {
+std::atomic<uint64_t> g_storage_serial{0};
+}  // namespace
+
+uint64_t StorageImpl::next_serial() {
+  return g_storage_serial.load(std::memory_order_relaxed);
+}
+
 StorageImpl::StorageImpl(size_t nbytes, Device device, Allocator* allocator)
-    : nbytes_(nbytes), device_(device), allocator_(allocator) {
+    : nbytes_(nbytes),
+      device_(device),
+      allocator_(allocator),
+      serial_(g_storage_serial.fetch_add(1, std::memory_order_relaxed)) {
   TESSERA_CHECK(allocator_ != nullptr && allocator_->device().type == device.type,
                 "Storage: no allocator for ", device.str());
   data_ = allocator_->allocate(nbytes);

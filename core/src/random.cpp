@@ -1,6 +1,5 @@
 #include "tessera/core/random.h"
 
-#include <atomic>
 #include <cmath>
 
 #include "cpu/kernels.h"
@@ -12,18 +11,10 @@ namespace tessera {
 
 namespace detail {
 thread_local GeneratorObserver* t_generator_observer = nullptr;
-uint64_t next_generator_stamp() {
-  static std::atomic<uint64_t> next{1};
-  return next.fetch_add(1, std::memory_order_relaxed);
-}
 }  // namespace detail
 
 Generator& default_generator() {
-  // Stamped 0: made on first use, possibly inside a checkpointed region, it still counts as
-  // older than every region.
   static Generator gen(0);
-  static const bool stamped = (gen.stamp_ = 0, true);
-  (void)stamped;
   return gen;
 }
 void manual_seed(uint64_t seed) {

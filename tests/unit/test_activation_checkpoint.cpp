@@ -2,11 +2,15 @@
 // generator, one of the caller's, one the function owns, and after a reseed), less memory held
 // between forward and backward, and clear errors for a recomputation that differs, a tensor the
 // region read or saved written in place (also between two backwards of a retained graph), a
-// module whose state changed, nested regions and a second backward without retain_graph.
+// module whose state changed, nested regions and a second backward without retain_graph;
+// generators that moved, were copied or were kept by the function, hooks on the input, and no
+// activations held by a retained graph.
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -102,6 +106,127 @@ TEST(ActivationCheckpoint, AGeneratorTheFunctionOwnsDrawsTheSameMasks) {
   }
   expect_close(grads[1][0], grads[0][0], 0, "dx");
   expect_close(grads[1][1], grads[0][1], 0, "dW1");
+}
+
+// The gradients of sum(y * y) with respect to x and w1, with y = f(x) run plainly or
+// checkpointed, and then `between` run before the backward.
+std::vector<Tensor> grads_with(const Leaves& l, const std::function<Tensor(const Tensor&)>& f,
+                               bool checkpointed, const std::function<void()>& between = {}) {
+  for (const Tensor* t : {&l.x, &l.w1})
+    const_cast<Tensor&>(*t).set_grad(Tensor());
+  Tensor y = checkpointed ? checkpoint(f, l.x) : f(l.x);
+  if (between) between();
+  backward(sum(mul(y, y)));
+  return {l.x.grad(), l.w1.grad()};
+}
+
+// Generators kept in a vector that grows while the regions run move to new places; the
+// regions follow them there instead of writing where they were.
+TEST(ActivationCheckpoint, GeneratorsThatMovedAreFollowed) {
+  Leaves l;
+  std::vector<Tensor> grads[2];
+  for (int on : {0, 1}) {
+    std::vector<Generator> gens;
+    Tensor total;
+    for (int i = 0; i < 4; ++i) {
+      gens.emplace_back(100 + i);
+      auto f = [&gens, &l, i](const Tensor& in) {
+        return tanh(linear(dropout(in, 0.5, true, gens[i]), l.w1));
+      };
+      Tensor y = on ? checkpoint(f, l.x) : f(l.x);
+      total = i == 0 ? sum(y) : add(total, sum(y));
+    }
+    for (const Tensor* t : {&l.x, &l.w1})
+      const_cast<Tensor&>(*t).set_grad(Tensor());
+    backward(total);
+    grads[on] = {l.x.grad(), l.w1.grad()};
+  }
+  expect_close(grads[1][0], grads[0][0], 0, "dx");
+  expect_close(grads[1][1], grads[0][1], 0, "dW1");
+}
+
+// A generator the function copies (PyTorch's fork_rng pattern) or makes and keeps draws the
+// same masks on the recomputation, even after the source was drawn from in between.
+TEST(ActivationCheckpoint, GeneratorsTheFunctionCopiesOrKeepsDrawTheSameMasks) {
+  Leaves l;
+  auto forked = [&](const Tensor& in) {
+    Generator g = default_generator();
+    return tanh(linear(dropout(in, 0.5, true, g), l.w1));
+  };
+  std::optional<Generator> kept;
+  auto lazy = [&](const Tensor& in) {
+    if (!kept) kept.emplace(default_generator().seed() + 17);
+    return tanh(linear(dropout(in, 0.5, true, *kept), l.w1));
+  };
+  auto draw_elsewhere = [] {
+    Tensor noise = empty({64}, DType::Float32);
+    uniform_(noise, 0, 1, default_generator());
+  };
+  const std::function<Tensor(const Tensor&)> fns[] = {forked, lazy};
+  for (int which = 0; which < 2; ++which) {
+    std::vector<Tensor> grads[2];
+    for (int on : {0, 1}) {
+      manual_seed(3);
+      kept.reset();
+      grads[on] = grads_with(l, fns[which], on, draw_elsewhere);
+    }
+    const std::string what = which == 0 ? "a copied generator: " : "a kept generator: ";
+    expect_close(grads[1][0], grads[0][0], 0, what + "dx");
+    expect_close(grads[1][1], grads[0][1], 0, what + "dW1");
+  }
+}
+
+// The recomputation runs on a detached input: a hook the function registers on its input runs
+// once, as without checkpointing.
+TEST(ActivationCheckpoint, AHookOnTheInputIsRegisteredOnce) {
+  Leaves l;
+  int calls = 0;
+  auto f = [&](const Tensor& in) {
+    register_hook(in, [&](const Tensor& g) {
+      ++calls;
+      return mul(g, 2.0);
+    });
+    return tanh(linear(in, l.w1));
+  };
+  std::vector<Tensor> grads[2];
+  int hook_calls[2];
+  for (int on : {0, 1}) {
+    calls = 0;
+    const_cast<Tensor&>(l.x).set_grad(Tensor());
+    const Tensor h = mul(l.x, 1.0);  // a non-leaf input, as a block's is
+    Tensor y = on ? checkpoint(f, h) : f(h);
+    backward(sum(mul(y, y)));
+    grads[on] = {l.x.grad()};
+    hook_calls[on] = calls;
+  }
+  EXPECT_EQ(hook_calls[1], hook_calls[0]);
+  expect_close(grads[1][0], grads[0][0], 0, "dx");
+}
+
+// A retained graph holds none of the region's activations between its backwards: the next
+// backward recomputes them.
+TEST(ActivationCheckpoint, ARetainedGraphHoldsNoActivationsBetweenBackwards) {
+  Leaves l;
+  Generator gen(5);
+  Tensor y = sum(checkpoint([&](const Tensor& in) { return body(l, gen, in); }, l.x));
+  const int64_t before = memory_stats().current_bytes;
+  backward(y, Tensor(), /*retain_graph=*/true);
+  const int64_t grad_bytes = (l.x.numel() + l.w1.numel() + l.w2.numel()) * 4;
+  EXPECT_LE(memory_stats().current_bytes - before, grad_bytes)
+      << "the recomputed activations outlived the backward";
+  const Tensor once = l.w1.grad().clone();
+  backward(y);
+  expect_close(l.w1.grad(), mul(once, 2.0), 1e-6, "two backwards");
+}
+
+// A frozen parameter replaced by assignment (nothing else holds the old one) between the
+// forward and the backward is another tensor to the recomputation: refused.
+TEST(ActivationCheckpoint, AReplacedFrozenParameterIsRefused) {
+  Leaves l;
+  Tensor frozen = random_tensor({64, 32}, 8, DType::Float32);
+  Tensor y = checkpoint([&](const Tensor& in) { return tanh(linear(in, frozen)); }, l.x);
+  frozen = random_tensor({64, 32}, 9, DType::Float32);
+  expect_error([&] { backward(sum(y)); }, {"is another tensor than in the forward"});
 }
 
 // Between forward and backward the region holds its input and output, not its activations.
@@ -206,7 +331,7 @@ TEST(ActivationCheckpoint, AWriteBetweenTwoBackwardsOfARetainedGraphIsAnError) {
   backward(y, Tensor(), /*retain_graph=*/true);
   l.w1.fill_(0.5);
   expect_error([&] { backward(y, Tensor(), true); },
-               {"recomputed in a checkpointed region", "modified by an in-place operation"});
+               {"a tensor it read from outside", "modified by an in-place operation"});
 }
 
 // An adapter switched between a checkpointed forward and its backward: the recomputation would

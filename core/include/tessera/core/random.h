@@ -4,6 +4,7 @@
 // or how many elements it draws. A shard draws exactly its window of the logical tensor and gets
 // bit for bit what a single process drawing the whole tensor would hold there.
 #include <cstdint>
+#include <memory>
 
 #include "tessera/core/tensor.h"
 
@@ -12,31 +13,50 @@ namespace tessera {
 class Generator;
 
 namespace detail {
-// Told of every draw this thread makes while set: activation checkpointing (autograd/
-// checkpoint.h) notes which generators its region advanced, and from where, to put them back
-// there for the recomputation.
+// Where a generator lives: made when something must follow it (a checkpointed region that drew
+// from it), moved along with it, gone with it, so a follower never writes to a generator that
+// was moved away (a vector of them that grew) or destroyed.
+struct GeneratorHandle {
+  Generator* at;
+};
+
+// Told of every draw this thread makes while set, and of every copy of a generator's state (a
+// copy made inside a region draws what its source would): activation checkpointing (autograd/
+// checkpoint.h) notes which generators its region used, and from where, to put them back there
+// for the recomputation.
 class GeneratorObserver {
  public:
-  virtual void advanced(Generator& gen, uint64_t start) = 0;
+  virtual void used(const Generator& gen, uint64_t offset) = 0;
 
  protected:
   ~GeneratorObserver() = default;
 };
 extern thread_local GeneratorObserver* t_generator_observer;
-uint64_t next_generator_stamp();
 }  // namespace detail
 
 class Generator {
  public:
-  explicit Generator(uint64_t seed = 0) : seed_(seed), stamp_(detail::next_generator_stamp()) {}
-  // A copy is a generator of its own, made now (its stamp), in the same state.
-  Generator(const Generator& other)
-      : seed_(other.seed_), offset_(other.offset_), stamp_(detail::next_generator_stamp()) {}
+  explicit Generator(uint64_t seed = 0) : seed_(seed) {}
+  // A copy is a generator of its own in the same state.
+  Generator(const Generator& other) : seed_(other.seed_), offset_(other.offset_) { other.copied(); }
   Generator& operator=(const Generator& other) {
+    other.copied();
     seed_ = other.seed_;
     offset_ = other.offset_;
     return *this;
   }
+  // Moving carries the handle to the new place; assigning keeps this one's.
+  Generator(Generator&& other) noexcept
+      : seed_(other.seed_), offset_(other.offset_), handle_(std::move(other.handle_)) {
+    if (handle_) handle_->at = this;
+  }
+  Generator& operator=(Generator&& other) noexcept {
+    seed_ = other.seed_;
+    offset_ = other.offset_;
+    return *this;
+  }
+  ~Generator() = default;
+
   uint64_t seed() const { return seed_; }
   uint64_t offset() const { return offset_; }
   void set_offset(uint64_t offset) { offset_ = offset; }
@@ -48,18 +68,22 @@ class Generator {
   uint64_t advance(uint64_t n) {
     uint64_t start = offset_;
     offset_ += n;
-    if (detail::t_generator_observer) detail::t_generator_observer->advanced(*this, start);
+    if (detail::t_generator_observer) detail::t_generator_observer->used(*this, start);
     return start;
   }
-  // Increases with each generator made in this process (the default generator's is 0): a
-  // generator made after some point cannot have been advanced before it.
-  uint64_t stamp() const { return stamp_; }
+  // A handle that follows this generator while it exists (made on first call).
+  std::weak_ptr<detail::GeneratorHandle> handle() const {
+    if (!handle_) handle_ = std::make_shared<detail::GeneratorHandle>(const_cast<Generator*>(this));
+    return handle_;
+  }
 
  private:
-  friend Generator& default_generator();
+  void copied() const {
+    if (detail::t_generator_observer) detail::t_generator_observer->used(*this, offset_);
+  }
   uint64_t seed_;
   uint64_t offset_ = 0;
-  uint64_t stamp_;
+  mutable std::shared_ptr<detail::GeneratorHandle> handle_;
 };
 
 // The process-wide generator used when none is given.

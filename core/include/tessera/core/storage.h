@@ -48,12 +48,18 @@ class StorageImpl {
   // _unsafe_preserve_version_counter does. Anything else that calls it hides a real change.
   void restore_version(uint32_t version) { version_.store(version, std::memory_order_relaxed); }
 
+  // Increases with each storage made in this process: activation checkpointing tells what its
+  // region made (serial at least next_serial() at the region's start) from what it read.
+  uint64_t serial() const { return serial_; }
+  static uint64_t next_serial();
+
  private:
   void* data_ = nullptr;
   size_t nbytes_ = 0;
   Device device_;
   Allocator* allocator_ = nullptr;
   std::atomic<uint32_t> version_{0};
+  uint64_t serial_;
 };
 
 class Storage {
