@@ -26,6 +26,9 @@ DTensorSpec::DTensorSpec(DeviceMesh mesh_, Placements placements_, Shape global_
       p = p.normalized(ndim());
     }
   }
+  TESSERA_CHECK(partials_commute(placements), "placements ", placements_str(placements),
+                ": Partials of these reduce ops on one tensor have no single value (the result "
+                "would depend on which reduction runs first); reduce one before adding another");
   shard_application_order(global_shape, mesh.shape(), placements);  // validates nesting
 }
 

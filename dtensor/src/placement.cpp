@@ -32,4 +32,15 @@ std::string placements_str(const Placements& p) {
   return s + "]";
 }
 
+bool partials_commute(const Placements& p) {
+  const auto family = [](ReduceOp op) { return op == ReduceOp::Avg ? ReduceOp::Sum : op; };
+  const Placement* first = nullptr;
+  for (const Placement& q : p) {
+    if (!q.is_partial()) continue;
+    if (!first) first = &q;
+    if (family(q.reduce_op()) != family(first->reduce_op())) return false;
+  }
+  return true;
+}
+
 }  // namespace tessera

@@ -1,6 +1,11 @@
 // The crossings between local and global tensors other than redistribute: from_local (with and
-// without a global shape, with run_check), copy_from_full and to_local.
+// without a global shape, with run_check), copy_from_full, to_local and redistribute_local (a
+// piece of the wrong shape refused); and what a redistribute's output shares with its input
+// (R -> P copies, steps over one rank copy nothing, a plan's output is its own), Partials that do
+// not commute refused.
 #include <gtest/gtest.h>
+
+#include <functional>
 
 #include "tessera/tessera.h"
 #include "test_redistribute_reference.h"
@@ -173,4 +178,69 @@ TEST(ToLocal, IsTheDifferentiablePiece) {
               "")
         << mesh.str();
   }
+}
+
+// A piece whose shape is not the one its placements give this rank is refused, naming both
+// shapes, before any collective: on some routes it would lose or invent elements.
+TEST(RedistributeLocal, APieceOfTheWrongShapeIsRefused) {
+  const DeviceMesh mesh({world_size()}, {"x"});
+  const DTensorSpec spec(mesh, {Shard(0)}, {4 * world_size(), 4}, DType::Float32);
+  const Tensor piece = dyadic_tensor({3, 4}, 9);
+  for (const Placements& dst : {Placements{Shard(1)}, Placements{Replicate()}})
+    tessera::testing::expect_error([&] { redistribute_local(piece, spec, dst); },
+                                   {"redistribute_local to " + placements_str(dst),
+                                    "the local piece is [3, 4]", "a piece of [4, 4]"});
+}
+
+// Partials on two mesh dims with reduce ops that do not commute have no single value: refused.
+// Sums with averages, and max with max, are layouts.
+TEST(RedistributeLocal, PartialsThatDoNotCommuteAreRefused) {
+  const DeviceMesh mesh({1, world_size()}, {"a", "b"});
+  tessera::testing::expect_error(
+      [&] {
+        DTensorSpec(mesh, {Partial(), Partial(ReduceOp::Max)}, {4, 4}, DType::Float32);
+      },
+      {"[P(sum), P(max)]", "no single value"});
+  EXPECT_NO_THROW(DTensorSpec(mesh, {Partial(), Partial(ReduceOp::Avg)}, {4, 4}, DType::Float32));
+  EXPECT_NO_THROW(
+      DTensorSpec(mesh, {Partial(ReduceOp::Max), Partial(ReduceOp::Max)}, {4, 4}, DType::Float32));
+}
+
+// R -> P writes a copy: an in-place write to the Partial output leaves the Replicate input as it
+// was on every rank (a sum's coordinate 0 used to hand back the input itself).
+TEST(RedistributeLocal, ReplicateToPartialIsACopy) {
+  const DeviceMesh mesh({world_size()}, {"x"});
+  const Tensor global = dyadic_tensor({4, 6}, 10);
+  for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min}) {
+    DTensor x = distribute_tensor(global, mesh, {Replicate()});
+    DTensor y = x.redistribute({Partial(op)});
+    Tensor local = y.to_local();
+    local.fill_(100.0);
+    EXPECT_EQ(tensor_mismatch(x.to_local(), global), "") << reduce_op_name(op);
+  }
+}
+
+// Steps on mesh dims of one rank only relabel: they copy nothing, and the output is still a
+// tensor of its own (one copy in all), on one rank as on many.
+TEST(RedistributeLocal, StepsOnMeshDimsOfOneRankCopyOnce) {
+  const DeviceMesh mesh({1, 1, world_size()}, {"a", "b", "x"});
+  const Tensor global = dyadic_tensor({6, 8}, 11);
+  DTensor x = distribute_tensor(global, mesh, {Shard(0), Shard(1), Replicate()});
+  const auto allocated_by = [](const std::function<void()>& f) {
+    const int64_t before = memory_stats().total_allocated_bytes;
+    f();
+    return memory_stats().total_allocated_bytes - before;
+  };
+  DTensor y;
+  const int64_t one_copy = allocated_by([&] { (void)x.to_local().clone(); });
+  EXPECT_EQ(allocated_by([&] {
+              y = x.redistribute({Replicate(), Replicate(), Replicate()});
+            }),
+            one_copy)
+      << "two steps over one rank each made a copy";
+  EXPECT_FALSE(y.to_local().storage().is_same(x.to_local().storage()));
+  EXPECT_EQ(tensor_mismatch(y.to_local(), global), "");
+  Tensor full = x.full_tensor();
+  full.fill_(7.0);
+  EXPECT_EQ(tensor_mismatch(x.to_local(), global), "") << "full_tensor() shared the DTensor's data";
 }

@@ -117,6 +117,7 @@ std::optional<RedistributePlan> cheaper_plan(const DTensorSpec& src, const Place
         if (t == nullptr) continue;
         Placements next = v.state;
         next[m] = to;
+        if (to.is_partial() && !partials_commute(next)) continue;
         const auto next_order = order_of(src, next);
         if (!next_order) continue;
         if (to.is_shard() && !innermost(next, *next_order, int64_t(m))) continue;

@@ -10,6 +10,7 @@
 
 #include "plan_search.h"
 #include "tessera/dtensor/redistribute.h"
+#include "transitions.h"
 
 namespace tessera {
 
@@ -187,14 +188,43 @@ size_t redistribute_plan_cache_size() {
   return plan_cache().size();
 }
 
-Tensor redistribute_local(const Tensor& local, const DTensorSpec& src, const Placements& dst) {
-  auto plan = plan_redistribute(src, dst);
+namespace redistribute_detail {
+
+Tensor run_plan(const RedistributePlan& plan, const DTensorSpec& src, const Tensor& local) {
   Tensor cur = local;
-  for (const RedistributeStep& s : plan->steps) {
-    DTensorSpec before(src.mesh, s.before, src.global_shape, src.dtype);
+  for (const RedistributeStep& s : plan.steps) {
+    if (src.mesh.size(s.mesh_dim) == 1) continue;
+    const DTensorSpec before(src.mesh, s.before, src.global_shape, src.dtype);
     cur = s.transition->apply(cur, before, s);
   }
+  // Every transition writes a tensor of its own; so must a plan whose steps were all skipped,
+  // or an in-place write to a full_tensor() would reach the DTensor on one rank and not on many.
+  if (!plan.steps.empty() && cur.storage().is_same(local.storage())) cur = cur.clone();
   return cur;
+}
+
+Tensor run_plan_backward(const RedistributePlan& plan, const DTensorSpec& src, const Tensor& grad) {
+  Tensor cur = grad;
+  for (auto it = plan.steps.rbegin(); it != plan.steps.rend(); ++it) {
+    if (src.mesh.size(it->mesh_dim) == 1) continue;
+    const DTensorSpec before(src.mesh, it->before, src.global_shape, src.dtype);
+    cur = it->transition->backward(cur, before, *it);
+  }
+  return cur;
+}
+
+}  // namespace redistribute_detail
+
+Tensor redistribute_local(const Tensor& local, const DTensorSpec& src, const Placements& dst) {
+  // The transitions cut pieces by the layout's geometry: a piece of another shape would lose or
+  // invent elements on some routes instead of failing.
+  const Shape expected = src.local_layout().local_shape;
+  TESSERA_CHECK(local.shape() == expected, "redistribute_local to ", placements_str(dst),
+                ": the local piece is ", shape_str(local.shape()), " but ",
+                placements_str(src.placements), " of global shape ", shape_str(src.global_shape),
+                " on ", src.mesh.str(), " give mesh coordinate ", shape_str(src.mesh.coordinate()),
+                " a piece of ", shape_str(expected));
+  return redistribute_detail::run_plan(*plan_redistribute(src, dst), src, local);
 }
 
 }  // namespace tessera

@@ -17,13 +17,8 @@ class RedistributeFn final : public autograd::Function {
 
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     plan_ = plan_redistribute(*src_, dst_);
-    Tensor cur = in[0];
-    for (const RedistributeStep& s : plan_->steps) {
-      DTensorSpec before(src_->mesh, s.before, src_->global_shape, src_->dtype);
-      cur = s.transition->apply(cur, before, s);
-    }
-    // A plan of no steps hands back the input; give the output its own identity.
-    return {cur};
+    // A plan of no steps hands back the input; Function gives the output its own identity.
+    return {redistribute_detail::run_plan(*plan_, *src_, in[0])};
   }
 
   // A single all-gather S(d) -> R on mesh dim m whose output's gradient arrives as unreduced
@@ -43,12 +38,7 @@ class RedistributeFn final : public autograd::Function {
 
   std::vector<Tensor> backward(const std::vector<Tensor>& g) override {
     if (incoming_reduction(0)) return {reduce_scatter_terms(g[0])};
-    Tensor cur = g[0];
-    for (auto it = plan_->steps.rbegin(); it != plan_->steps.rend(); ++it) {
-      DTensorSpec before(src_->mesh, it->before, src_->global_shape, src_->dtype);
-      cur = it->transition->backward(cur, before, *it);
-    }
-    return {cur};
+    return {redistribute_detail::run_plan_backward(*plan_, *src_, g[0])};
   }
 
  private:

@@ -70,4 +70,9 @@ inline Placement StridedShard(int64_t dim, int64_t split_factor) {
 
 std::string placements_str(const Placements& p);  // "[S(0), R]"
 
+// Whether the Partial placements of `p` give one value whatever order their reductions run in:
+// sums and averages mix (both linear), max only with max, min only with min. A sum of maxima is
+// not a maximum of sums, so [P(sum), P(max)] is no layout.
+bool partials_commute(const Placements& p);
+
 }  // namespace tessera

@@ -55,8 +55,8 @@ std::shared_ptr<const RedistributePlan> plan_redistribute(const DTensorSpec& src
 // Plans the cache holds now (for tests and memory accounting).
 size_t redistribute_plan_cache_size();
 
-// Runs a plan on a local tensor without autograd (used by the differentiable wrapper, and by
-// code that moves gradients or optimizer state).
+// Runs a plan on a local tensor without autograd (as the differentiable wrapper does; for code
+// that moves gradients or optimizer state). `local` must have the shape src gives this rank.
 Tensor redistribute_local(const Tensor& local, const DTensorSpec& src, const Placements& dst);
 
 }  // namespace tessera
