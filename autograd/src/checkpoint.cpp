@@ -41,14 +41,19 @@ CheckpointFrame* CheckpointFrame::keeping() {
 }
 
 Tensor CheckpointFrame::run_forward() {
+  // A region inside another's forward: the enclosing one is told what this one reads and which
+  // generators it uses too, since its recomputation runs this region's function again.
+  enclosing_ = t_packing;
   struct Scope {
+    CheckpointFrame& frame;
     tessera::detail::GeneratorObserver* observer = tessera::detail::t_generator_observer;
-    explicit Scope(CheckpointFrame& f) {
+    explicit Scope(CheckpointFrame& f) : frame(f) {
       t_packing = &f;
       tessera::detail::t_generator_observer = &f;
     }
     ~Scope() {
-      t_packing = nullptr;
+      t_packing = frame.enclosing_;
+      frame.enclosing_ = nullptr;
       tessera::detail::t_generator_observer = observer;
     }
   } scope(*this);
@@ -60,6 +65,7 @@ Tensor CheckpointFrame::run_forward() {
 }
 
 void CheckpointFrame::saw_inputs(const std::vector<Tensor>& inputs, const char* node) {
+  if (enclosing_) enclosing_->saw_inputs(inputs, node);
   for (const Tensor& t : inputs) {
     if (!t.defined()) continue;
     const StorageImpl* impl = t.storage().impl();
@@ -86,6 +92,7 @@ void CheckpointFrame::keep(const Tensor& t) {
 }
 
 void CheckpointFrame::used(const Generator& gen, uint64_t offset) {
+  if (enclosing_) enclosing_->used(gen, offset);
   // Generators made and dropped inside the region (a copy drawn from once) are gone by now.
   std::erase_if(generators_, [](const Drawn& d) { return d.gen.expired(); });
   const auto handle = gen.handle();
@@ -229,12 +236,18 @@ bool in_checkpoint_recompute() {
 Tensor checkpoint(const std::function<Tensor(const Tensor&)>& fn, const Tensor& x) {
   using autograd::detail::CheckpointFrame;
   TESSERA_CHECK(fn != nullptr, "checkpoint: no function given");
-  TESSERA_CHECK(!autograd::in_checkpoint_region(),
-                "checkpoint: regions do not nest (this one starts inside another's forward); "
-                "checkpoint either the inner or the outer one");
-  // Inside a recomputation the region runs as in its forward, keeping into the outer frame;
-  // without grad mode nothing is kept.
-  if (autograd::in_checkpoint_recompute() || !grad_enabled()) return fn(x);
+  if (!grad_enabled()) return fn(x);
+  if (autograd::in_checkpoint_recompute()) {
+    // A region nested in one being recomputed: its own nodes from the forward recompute
+    // themselves when the backward reaches them; here it only gives the enclosing region its
+    // values again, keeping nothing into that region's frame (its graph is dropped after).
+    struct Suspend {
+      CheckpointFrame* keeping = autograd::detail::t_keeping;
+      Suspend() { autograd::detail::t_keeping = nullptr; }
+      ~Suspend() { autograd::detail::t_keeping = keeping; }
+    } suspend;
+    return fn(x);
+  }
   // The one copy both runs use, made before the frame: a generator it holds counts as older
   // than the region, so its draws are put back for the recomputation.
   auto own = std::make_shared<const CheckpointFrame::Fn>(fn);

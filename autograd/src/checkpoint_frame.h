@@ -82,6 +82,7 @@ class CheckpointFrame : public std::enable_shared_from_this<CheckpointFrame>,
   static std::vector<Drawn> set_generators(const std::vector<Drawn>& to);
   std::shared_ptr<const Fn> fn_;
   Tensor x_;
+  CheckpointFrame* enclosing_ = nullptr;  // the region whose forward this one runs in, meanwhile
   std::vector<Drawn> generators_;
   // Storages with this serial or a later one were made inside the region (by its operations or
   // anything else it ran); older ones are what it read from outside.

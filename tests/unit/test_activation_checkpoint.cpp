@@ -2,7 +2,7 @@
 // generator, one of the caller's, one the function owns, and after a reseed), less memory held
 // between forward and backward, and clear errors for a recomputation that differs, a tensor the
 // region read or saved written in place (also between two backwards of a retained graph), a
-// module whose state changed, nested regions and a second backward without retain_graph;
+// module whose state changed, and a second backward without retain_graph; nested regions;
 // generators that moved, were copied or were kept by the function, hooks on the input, and no
 // activations held by a retained graph.
 #include <gtest/gtest.h>
@@ -354,15 +354,61 @@ TEST(ActivationCheckpoint, AModuleWhoseStateChangedIsRefused) {
   expect_error([&] { backward(la); }, {"is another tensor than in the forward", "set_adapter"});
 }
 
-TEST(ActivationCheckpoint, RegionsDoNotNest) {
+// Regions nest (a block checkpointed whole, its attention checkpointed again): the same
+// gradients as without checkpointing, dropout in both regions included, and the generators end
+// where the plain run leaves them.
+TEST(ActivationCheckpoint, NestedRegionsGiveTheSameGradients) {
   Leaves l;
-  auto inner = [&](const Tensor& in) { return tanh(in); };
-  expect_error([&] { checkpoint([&](const Tensor& in) { return checkpoint(inner, in); }, l.x); },
-               {"checkpoint: regions do not nest"});
-  // The refused region left nothing behind: the next one works.
-  Tensor y = checkpoint(inner, l.x);
-  backward(sum(y));
-  EXPECT_TRUE(l.x.grad().defined());
+  for (int depth : {2, 3}) {
+    std::vector<Tensor> grads[2];
+    uint64_t offsets[2];
+    for (int on : {0, 1}) {
+      manual_seed(21);
+      Generator gen(4);
+      const auto wrap = [&](const std::function<Tensor(const Tensor&)>& f) {
+        return [f, on](const Tensor& in) { return on ? checkpoint(f, in) : f(in); };
+      };
+      // innermost: [16, 64] -> [16, 32]; middle: [16, 64] -> [16, 32], around it when depth 3.
+      auto innermost =
+          wrap([&](const Tensor& in) { return tanh(linear(dropout(in, 0.1, true, gen), l.w2)); });
+      auto middle = wrap([&](const Tensor& in) {
+        Tensor a = dropout(gelu(in), 0.2, true, default_generator());
+        return mul(innermost(a), 0.5);
+      });
+      auto inner = depth == 3 ? middle : innermost;
+      auto outer = wrap([&](const Tensor& in) {
+        Tensor b = inner(gelu(linear(in, l.w1)));
+        Tensor c = dropout(gelu(linear(b, l.w1)), 0.25, true, default_generator());
+        return tanh(linear(c, l.w2));
+      });
+      grads[on] = grads_with(l, outer, false);
+      offsets[on] = default_generator().offset() + gen.offset();
+    }
+    for (size_t i = 0; i < 2; ++i)
+      expect_close(grads[1][i], grads[0][i], 0,
+                   "depth " + std::to_string(depth) + " gradient " + std::to_string(i));
+    EXPECT_EQ(offsets[1], offsets[0]) << "the recomputations left a generator moved";
+  }
+}
+
+// A tensor only the inner region reads, written in place before the backward, is refused by the
+// outer region's recomputation (which would run the inner function on it), before the outer
+// region's nodes compute anything from it.
+TEST(ActivationCheckpoint, AWriteToWhatOnlyAnInnerRegionReadsIsAnError) {
+  Leaves l;
+  Tensor w3 = random_tensor({32, 64}, 12, DType::Float32).set_requires_grad(true);
+  Tensor y = checkpoint(
+      [&](const Tensor& in) {
+        Tensor a = gelu(linear(in, l.w1));
+        Tensor b = checkpoint([&](const Tensor& h) { return tanh(linear(h, w3)); }, a);
+        return tanh(linear(gelu(linear(b, l.w1)), l.w2));
+      },
+      l.x);
+  w3.fill_(0.5);
+  expect_error([&] { backward(sum(y)); },
+               {"a tensor it read from outside (float32 [32, 64]", "modified by an in-place"});
+  EXPECT_FALSE(l.w2.grad().defined())
+      << "the outer region's nodes ran on a recomputation from the written tensor";
 }
 
 TEST(ActivationCheckpoint, ASecondBackwardNeedsRetainGraph) {

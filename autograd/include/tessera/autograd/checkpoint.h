@@ -11,7 +11,9 @@
 // change state outside itself that the recomputation would change again, and may communicate
 // (tensor-parallel collectives run again inside the backward, on every rank alike). A tensor the
 // region read from outside and that is modified in place before the backward (a parameter
-// stepped by an optimizer, the input) is an error. Regions do not nest. docs/autograd.md.
+// stepped by an optimizer, the input) is an error. Regions nest: an inner region's nodes
+// recompute from the inner region's input, which the outer recomputation makes again.
+// docs/autograd.md.
 #include <functional>
 
 #include "tessera/core/tensor.h"
