@@ -1,7 +1,9 @@
 // tessera-ckpt: looks into checkpoints without writing a program. One process, no MPI at all
 // (the inspection calls read with HDF5's POSIX driver), so it also runs inside an MPI job's
 // scripts without joining the job.
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -23,8 +25,9 @@ const char* kUsage =
     "  ls                  entries with global shapes, dtypes, bytes and the mesh they were saved\n"
     "                      from; then the scalar and string entries\n"
     "  verify              reads every tensor and checks every checksum (exit 1 if any fails)\n"
-    "  diff                the largest absolute difference of every tensor present in both, and\n"
-    "                      what only one holds (exit 1 if anything differs)\n"
+    "  diff                for every tensor present in both, how many elements differ and the\n"
+    "                      largest absolute difference (integers exactly, NaN equal to NaN),\n"
+    "                      and what only one holds (exit 1 if anything differs)\n"
     "  export-safetensors  the tensors under P (default \"model/\", prefix removed) as one\n"
     "                      safetensors file; --prefix \"\" exports every tensor under its key\n";
 
@@ -71,6 +74,48 @@ int verify(const std::string& path) {
   return 1;
 }
 
+// How two tensors of one shape differ: how many elements hold other values (integers compared
+// exactly, as int64 seeds above 2^53 would not be as doubles; NaN equal to NaN and an infinity to
+// itself) and the largest |a - b| among those where both are finite.
+struct Difference {
+  int64_t count = 0, numel = 0, non_finite = 0;
+  double max_abs = 0;
+  std::string str() const {
+    if (count == 0) return "identical";
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "%lld of %lld elements differ, max |a-b| %.6g%s",
+                  (long long)count, (long long)numel, max_abs,
+                  non_finite ? " (where both are finite)" : "");
+    return buf;
+  }
+};
+
+Difference compare(const Tensor& x, const Tensor& y) {
+  Difference d;
+  d.numel = x.numel();
+  if (!is_floating(x.dtype()) && !is_floating(y.dtype())) {
+    const std::vector<int64_t> u = x.to_vector<int64_t>(), v = y.to_vector<int64_t>();
+    for (size_t i = 0; i < u.size(); ++i) {
+      if (u[i] == v[i]) continue;
+      ++d.count;
+      const uint64_t gap =
+          u[i] > v[i] ? uint64_t(u[i]) - uint64_t(v[i]) : uint64_t(v[i]) - uint64_t(u[i]);
+      d.max_abs = std::max(d.max_abs, double(gap));
+    }
+    return d;
+  }
+  const std::vector<double> u = x.to_vector<double>(), v = y.to_vector<double>();
+  for (size_t i = 0; i < u.size(); ++i) {
+    if (u[i] == v[i] || (std::isnan(u[i]) && std::isnan(v[i]))) continue;
+    ++d.count;
+    if (std::isfinite(u[i]) && std::isfinite(v[i]))
+      d.max_abs = std::max(d.max_abs, std::abs(u[i] - v[i]));
+    else
+      ++d.non_finite;
+  }
+  return d;
+}
+
 int diff(const std::string& a, const std::string& b) {
   const CheckpointInfo ia = read_checkpoint_info(a), ib = read_checkpoint_info(b);
   std::map<std::string, const CheckpointEntry*> ta, tb;
@@ -92,20 +137,14 @@ int diff(const std::string& a, const std::string& b) {
       differs = true;
       continue;
     }
-    const std::vector<double> x = read_checkpoint_tensor(a, key).to_vector<double>();
-    const std::vector<double> y = read_checkpoint_tensor(b, key).to_vector<double>();
-    double worst = 0;
-    for (size_t i = 0; i < x.size(); ++i) {
-      const double d = std::abs(x[i] - y[i]);
-      if (d > worst || std::isnan(d)) worst = std::isnan(d) ? NAN : d;
-    }
+    const Difference d = compare(read_checkpoint_tensor(a, key), read_checkpoint_tensor(b, key));
     const bool same_dtype = e->dtype == it->second->dtype;
-    std::printf("%-48s max |a-b| %.6g%s\n", key.c_str(), worst,
+    std::printf("%-48s %s%s\n", key.c_str(), d.str().c_str(),
                 same_dtype ? ""
                            : (std::string("  (dtypes ") + dtype_name(e->dtype) + " vs " +
                               dtype_name(it->second->dtype) + ")")
                                  .c_str());
-    differs |= worst != 0 || !same_dtype;
+    differs |= d.count != 0 || !same_dtype;
   }
   for (const auto& [key, e] : tb)
     if (!ta.count(key)) {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
+#include <cmath>
 
 #include <cstdio>
 #include <filesystem>
@@ -382,6 +383,10 @@ TEST(Checkpoint, TheCliListsVerifiesDiffsAndExports) {
                      {"model/b", distribute_tensor(index_tensor({4}, DType::BFloat16, salt), mesh,
                                                    {Replicate()})},
                      {"optim/m", index_tensor({2}, DType::Float32, salt)},
+                     // A seed past 2^53 (a double cannot tell it from its neighbour) and
+                     // non-finite values alike in both files.
+                     {"extras/rng", from_vector<int64_t>({(int64_t(1) << 53) + salt, 7}, {2})},
+                     {"optim/mask", from_vector<float>({-INFINITY, NAN, 1.0f}, {3})},
                      {"extras/step", int64_t(salt)}};
   };
   const std::string a = dir + "/a.h5", b = dir + "/b.h5";
@@ -398,12 +403,15 @@ TEST(Checkpoint, TheCliListsVerifiesDiffsAndExports) {
   EXPECT_NE(out.find("extras/step"), std::string::npos) << out;
   std::tie(rc, out) = ckpt_cli("verify " + q(a));
   EXPECT_EQ(rc, 0) << out;
-  EXPECT_NE(out.find("ok, 3 tensors verified"), std::string::npos) << out;
+  EXPECT_NE(out.find("ok, 5 tensors verified"), std::string::npos) << out;
   std::tie(rc, out) = ckpt_cli("diff " + q(a) + " " + q(a));
   EXPECT_EQ(rc, 0) << out;
+  EXPECT_EQ(out.find("differ"), std::string::npos) << out;
   std::tie(rc, out) = ckpt_cli("diff " + q(a) + " " + q(b));
   EXPECT_EQ(rc, 1) << out;
   EXPECT_NE(out.find("model/w"), std::string::npos) << out;
+  EXPECT_NE(out.find("1 of 2 elements differ, max |a-b| 1"), std::string::npos) << out;
+  EXPECT_NE(out.find("identical"), std::string::npos) << out;  // optim/mask
   EXPECT_NE(out.find("int64 1 vs int64 2"), std::string::npos) << out;
   std::tie(rc, out) = ckpt_cli("export-safetensors " + q(a) + " " + q(dir + "/model.safetensors"));
   EXPECT_EQ(rc, 0) << out;
