@@ -7,15 +7,16 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <set>
 #include <vector>
 
+#include "durable.h"
 #include "tessera/core/factory.h"
 
 namespace tessera {
@@ -191,6 +192,44 @@ bool valid_utf8(const std::string& s) {
   }
 }
 
+// Writes `pieces` to a temporary file of this call's own beside `path` (two writers of one path
+// never share one), flushes it, renames it over `path` and flushes the directory: `path` holds
+// the previous file or the whole new one, also after a crash of the machine.
+void write_durably(const std::string& path,
+                   const std::vector<std::pair<const void*, size_t>>& pieces) {
+  static std::atomic<uint64_t> serial{0};
+  const std::string tmp =
+      path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(serial++);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  TESSERA_CHECK(fd >= 0, "save_safetensors: cannot create '", tmp, "': ", std::strerror(errno));
+  const auto fail = [&](const char* what, int err) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    TESSERA_FAIL("save_safetensors: ", what, " '", tmp, "' failed: ", std::strerror(err));
+  };
+  for (const auto& [data, size] : pieces) {
+    const char* p = static_cast<const char*>(data);
+    for (size_t done = 0; done < size;) {
+      const ssize_t w = ::write(fd, p + done, size - done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) fail("writing", w < 0 ? errno : EIO);
+      done += size_t(w);
+    }
+  }
+  if (::fsync(fd) != 0) fail("flushing", errno);
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    TESSERA_FAIL("save_safetensors: closing '", tmp, "' failed: ", std::strerror(err));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    TESSERA_FAIL("save_safetensors: renaming '", tmp, "' to '", path, "': ", std::strerror(err));
+  }
+  ckpt::fsync_path(ckpt::parent_dir(path), /*directory=*/true);
+}
+
 }  // namespace
 
 SafetensorsFile parse_safetensors(const void* data, size_t size, const std::string& file) {
@@ -284,14 +323,23 @@ void save_safetensors(const std::string& path, const std::map<std::string, Tenso
                   " is not valid UTF-8 (JSON strings are Unicode)");
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  uint64_t at = 0;
-  std::vector<Tensor> dense;
   for (const auto& [name, t] : tensors) {
     TESSERA_CHECK(!name.empty(), "save_safetensors: a tensor has an empty name");
     TESSERA_CHECK(name != "__metadata__", "save_safetensors: '__metadata__' is reserved");
     TESSERA_CHECK(valid_utf8(name), "save_safetensors: the tensor name ", shown(name),
                   " is not valid UTF-8 (JSON strings are Unicode)");
     TESSERA_CHECK(t.defined(), "save_safetensors: tensor ", shown(name), " is undefined");
+  }
+  // The data in order of element size, largest first, then of name (as the Python package
+  // writes it): after the 8-byte-aligned start every tensor begins at a multiple of its element
+  // size, so readers that map the file can use each tensor in place.
+  std::vector<std::pair<std::string, Tensor>> order(tensors.begin(), tensors.end());
+  std::stable_sort(order.begin(), order.end(), [](const auto& x, const auto& y) {
+    return element_size(x.second.dtype()) > element_size(y.second.dtype());
+  });
+  uint64_t at = 0;
+  std::vector<Tensor> dense;
+  for (const auto& [name, t] : order) {
     // As safetensors' save_file, a device tensor is copied to the host to be written.
     // Tensor copies within one dtype move bits: NaN payloads survive.
     Tensor c = t.to(Device::cpu()).contiguous();
@@ -306,31 +354,13 @@ void save_safetensors(const std::string& path, const std::map<std::string, Tenso
                 text.size(), "-byte header, more than the format's limit of ", kMaxHeaderBytes);
   // Padded with spaces so that the data starts 8-byte aligned, as the Python package does.
   text.append((8 - text.size() % 8) % 8, ' ');
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    TESSERA_CHECK(out.good(), "save_safetensors: cannot create '", tmp,
-                  "': ", std::strerror(errno));
-    unsigned char len[8];
-    for (int i = 0; i < 8; ++i)
-      len[i] = static_cast<unsigned char>((uint64_t(text.size()) >> (8 * i)) & 0xff);
-    out.write(reinterpret_cast<const char*>(len), 8);
-    out.write(text.data(), std::streamsize(text.size()));
-    for (const Tensor& c : dense)
-      out.write(static_cast<const char*>(c.raw_data()), std::streamsize(c.nbytes()));
-    out.flush();
-    if (!out.good()) {
-      const int err = errno;
-      out.close();
-      std::remove(tmp.c_str());
-      TESSERA_FAIL("save_safetensors: writing '", tmp, "' failed: ", std::strerror(err));
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    std::remove(tmp.c_str());
-    TESSERA_FAIL("save_safetensors: renaming '", tmp, "' to '", path, "': ", std::strerror(err));
-  }
+  unsigned char len[8];
+  for (int i = 0; i < 8; ++i)
+    len[i] = static_cast<unsigned char>((uint64_t(text.size()) >> (8 * i)) & 0xff);
+  std::vector<std::pair<const void*, size_t>> pieces = {{len, 8}, {text.data(), text.size()}};
+  for (const Tensor& c : dense)
+    pieces.emplace_back(c.raw_data(), c.nbytes());
+  write_durably(path, pieces);
 }
 
 }  // namespace tessera

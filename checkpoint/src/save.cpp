@@ -10,6 +10,7 @@
 
 #include "checksum.h"
 #include "context.h"
+#include "durable.h"
 #include "fault.h"
 #include "file_format.h"
 #include "h5/h5.h"
@@ -22,12 +23,6 @@ namespace tessera::ckpt {
 
 namespace {
 
-std::string parent_dir(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  return slash == 0 ? "/" : path.substr(0, slash);
-}
-
 // Before anything is written: the directory exists and is writable, and `path` is not a
 // directory (a save replaces a file, never a directory).
 void check_destination(const std::string& path) {
@@ -39,15 +34,6 @@ void check_destination(const std::string& path) {
                 "' is not writable: ", std::strerror(errno));
   if (::stat(path.c_str(), &st) == 0)
     TESSERA_CHECK(S_ISREG(st.st_mode), "'", path, "' exists and is not a regular file");
-}
-
-void fsync_path(const std::string& path, bool directory) {
-  const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
-  TESSERA_CHECK(fd >= 0, "opening '", path, "' to flush it: ", std::strerror(errno));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  TESSERA_CHECK(rc == 0, "fsync of '", path, "': ", std::strerror(err));
 }
 
 void write_scalar(const h5::Id& file, const Entry& e) {

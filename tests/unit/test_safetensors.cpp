@@ -137,8 +137,9 @@ TEST(Safetensors, RoundTripsEveryDTypeBitForBit) {
   const std::map<std::string, std::string> metadata = {{"format", "pt"}, {"step", "12"}};
   save_safetensors(path, tensors, metadata);
 
-  // The file as the format describes it: tensors in name order, packed from offset 0, data
-  // 8-byte aligned.
+  // The file as the format describes it and the Python package writes it: tensors packed from
+  // offset 0 in order of element size, largest first, then of name, so that each begins at a
+  // multiple of its element size; data 8-byte aligned.
   const Bytes file = read_file(path);
   const uint64_t n = get_u64(file, 0);
   EXPECT_EQ(n % 8, 0u);
@@ -159,11 +160,22 @@ TEST(Safetensors, RoundTripsEveryDTypeBitForBit) {
       EXPECT_TRUE(
           std::equal(want.begin(), want.end(), file.begin() + std::ptrdiff_t(8 + n + begin)));
     }
-  for (const auto& [name, t] : tensors) {
+  std::vector<std::pair<std::string, Tensor>> order(tensors.begin(), tensors.end());
+  std::stable_sort(order.begin(), order.end(), [](const auto& x, const auto& y) {
+    return element_size(x.second.dtype()) > element_size(y.second.dtype());
+  });
+  for (const auto& [name, t] : order) {
     EXPECT_EQ(h.at(name).at("data_offsets")[0].get<uint64_t>(), at) << name;
+    EXPECT_EQ((8 + n + at) % element_size(t.dtype()), 0u) << name << " is not aligned";
     at += t.nbytes();
   }
   EXPECT_EQ(file.size(), 8 + n + at);
+  // The write went through a temporary file of its own, gone now.
+  size_t files = 0;
+  for ([[maybe_unused]] const auto& f :
+       std::filesystem::directory_iterator(std::filesystem::path(path).parent_path()))
+    ++files;
+  EXPECT_EQ(files, 1u);
 
   const SafetensorsFile back = load_safetensors(path);
   EXPECT_EQ(back.metadata, metadata);
