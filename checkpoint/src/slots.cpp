@@ -47,6 +47,30 @@ std::string tensor_problem(const Slot& s, const StateValue& v, bool broadcast) {
   return p;
 }
 
+bool fits(const IncompatibleKeys& k, const std::string& key);
+
+// A unit loads whole or not at all: when one of its keys does not fit, the others present are
+// reported mismatched too, and none is loaded.
+void keep_units_whole(const std::vector<Slot>& slots, const std::vector<ScalarSlot>& scalars,
+                      const StateDict& state, IncompatibleKeys& k) {
+  std::map<std::string, std::vector<std::string>> members;  // unit -> its keys in the dict
+  std::set<std::string> broken;
+  const auto note = [&](const std::string& unit, const std::string& key) {
+    if (unit.empty()) return;
+    if (!fits(k, key)) broken.insert(unit);
+    if (state.count(key)) members[unit].push_back(key);
+  };
+  for (const Slot& s : slots)
+    note(s.unit, s.key);
+  for (const ScalarSlot& s : scalars)
+    note(s.unit, s.key);
+  for (const std::string& unit : broken)
+    for (const std::string& key : members[unit])
+      if (fits(k, key))
+        k.mismatched_keys.push_back(key + " (not loaded: another key of " + unit +
+                                    " is missing or mismatched, and they load together)");
+}
+
 IncompatibleKeys check_keys(const std::vector<Slot>& slots, const std::vector<ScalarSlot>& scalars,
                             const StateDict& state, bool broadcast) {
   IncompatibleKeys k;
@@ -76,6 +100,7 @@ IncompatibleKeys check_keys(const std::vector<Slot>& slots, const std::vector<Sc
   }
   for (const auto& [key, v] : state)
     if (!known.count(key)) k.unexpected_keys.push_back(key);
+  keep_units_whole(slots, scalars, state, k);
   std::sort(k.missing_keys.begin(), k.missing_keys.end());
   std::sort(k.mismatched_keys.begin(), k.mismatched_keys.end());
   return k;

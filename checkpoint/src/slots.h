@@ -18,6 +18,9 @@ struct Slot {
   std::shared_ptr<const DTensorSpec> spec;  // null for a plain tensor (local is the whole)
   Shape global_shape;
   DType dtype = DType::Float32;
+  // Keys of one unit load together or not at all (a parameter's optimizer state: a step without
+  // its moments would scale the next updates wrongly); empty for none.
+  std::string unit;
   bool sharded() const { return spec != nullptr; }
 };
 
@@ -39,6 +42,7 @@ struct ScalarSlot {
   // A key that dicts saved before it existed lack (a hyperparameter added later): when absent it
   // is neither missing nor applied, and what it would set keeps its value.
   bool optional = false;
+  std::string unit;  // as Slot::unit
 };
 
 // Slots a state dict may hold or leave out as a whole (the optimizer state of a frozen parameter

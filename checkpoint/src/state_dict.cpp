@@ -154,12 +154,17 @@ IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
     auto add = [&optimizer, i = i, fqn = fqn](std::vector<Slot>& to,
                                               std::vector<ScalarSlot>& to_scalars) {
       const Parameter& p = *optimizer.params()[i];
-      for (const std::string& name : optimizer.state_names(i))
+      const std::string unit = "state/" + fqn;
+      for (const std::string& name : optimizer.state_names(i)) {
         to.push_back(ckpt::slot_like(state_key(fqn, name),
                                      optimizer.state_tensor(i, name, /*allocate=*/true), p));
-      to_scalars.push_back({state_key(fqn, "step"), true, [&optimizer, i](const StateValue& v) {
+        to.back().unit = unit;
+      }
+      to_scalars.push_back({state_key(fqn, "step"), true,
+                            [&optimizer, i](const StateValue& v) {
                               optimizer.set_param_step(i, std::get<int64_t>(v));
-                            }});
+                            },
+                            false, unit});
     };
     // A frozen parameter with no state takes the dict's state when it holds some, and is left
     // without any (none created) when it holds none.
@@ -176,7 +181,7 @@ IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
       scalars.push_back(
           {group_key(optimizer, g, name), false,
            [&hyper, g, name = name](const StateValue& x) { hyper[g][name] = std::get<double>(x); },
-           added_later(name)});
+           added_later(name), ""});
   const std::string what = "set_optimizer_state_dict into " + model.type_name();
   // The dict's hyperparameters are checked before anything is copied, so that a bad one (a
   // negative lr) leaves the optimizer as it was. Agreed: with broadcast_from_rank0 only rank 0

@@ -4,6 +4,7 @@
 // rank 0's dict; strict and non-strict key checks; optimizer state keyed by parameter names.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 
 #include "dist/checkpoint_models.h"
@@ -345,6 +346,37 @@ TEST(StateDict, OptimizerStateOfAParameterFrozenAfterTrainingIsKept) {
   EXPECT_TRUE(k.empty()) << k.str();
   EXPECT_FALSE(opt3.state_tensor(index_in(opt3, frozen), "exp_avg", false).defined());
   EXPECT_EQ(get_optimizer_state_dict(*c.model, opt3).count("state/" + w + "/step"), 0u);
+}
+
+// A parameter's optimizer state loads whole or not at all: with one of its tensors mis-shaped
+// (a resized layer), strict = false leaves its step and its other moment as they were too, and
+// reports them; the other parameters load (with broadcast_from_rank0 as well).
+TEST(StateDict, AParametersOptimizerStateLoadsWholeOrNotAtAll) {
+  const std::string w = "layers.0.attention.wq.weight", other = "norm.weight";
+  Parallel a = decoder_layouts().front().build(7);
+  AdamW opt(a.model->parameters(), checkpoint_adamw());
+  for (int s = 0; s < 2; ++s)
+    train_step(a, opt, s);
+  StateDict full = get_optimizer_state_dict(*a.model, opt, {.full_state_dict = true});
+  full["state/" + w + "/exp_avg"] = zeros({4, 3});
+  for (const bool broadcast : {false, true}) {
+    Parallel b = decoder_layouts().front().build(11);
+    AdamW opt2(b.model->parameters(), AdamWOptions{.lr = 1.0});
+    const StateDict in = broadcast && world_rank() != 0 ? StateDict{} : full;
+    const IncompatibleKeys k = set_optimizer_state_dict(
+        *b.model, opt2, in,
+        {.full_state_dict = true, .broadcast_from_rank0 = broadcast, .strict = false});
+    const std::string listed = k.str();
+    for (const char* name : {"exp_avg (", "exp_avg_sq (not loaded", "step (not loaded"})
+      EXPECT_NE(listed.find("state/" + w + "/" + name), std::string::npos) << listed;
+    const Parameter& pw = parameter_named(*b.model, w);
+    EXPECT_EQ(opt2.param_step(index_in(opt2, pw)), 0) << "a step loaded without its moments";
+    const Tensor sq = opt2.state_tensor(index_in(opt2, pw), "exp_avg_sq", true);
+    const std::vector<float> values = sq.contiguous().to_vector<float>();
+    EXPECT_EQ(std::count(values.begin(), values.end(), 0.0f), int64_t(values.size()))
+        << "exp_avg_sq loaded without exp_avg";
+    EXPECT_EQ(opt2.param_step(index_in(opt2, parameter_named(*b.model, other))), 2);
+  }
 }
 
 TEST(StateDict, AnOptimizerParameterOutsideTheModelIsAnError) {

@@ -45,7 +45,8 @@ struct StateDictOptions {
   // Leave out parameters that do not require gradients (get_*), and do not expect them (set_*).
   bool ignore_frozen_params = false;
   // set_*: missing, unexpected and wrong-shape keys are one error listing them all. With false
-  // they are returned, and the keys that fit are still loaded.
+  // they are returned, and the keys that fit are still loaded; a parameter's optimizer state
+  // (its tensors and step) loads whole or not at all, the rest of it returned as mismatched.
   bool strict = true;
 };
 
