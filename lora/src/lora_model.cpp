@@ -108,8 +108,20 @@ void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
   a.slot = slot;
   a.config = config;
   a.layers = targets(config);
-  for (size_t i : a.layers)
-    layers_[i].second->init_slot(slot, name, config, layers_[i].first);
+  // All or nothing: a layer that refuses (a merged slot) or fails leaves no layer holding part
+  // of an adapter that adapters() does not list.
+  size_t done = 0;
+  try {
+    for (; done < a.layers.size(); ++done)
+      layers_[a.layers[done]].second->init_slot(slot, name, config, layers_[a.layers[done]].first);
+  } catch (...) {
+    // The failing layer too, unless its slot is merged (then it refused before writing).
+    for (size_t k = 0; k <= done && k < a.layers.size(); ++k) {
+      LoraLinear& layer = *layers_[a.layers[k]].second;
+      if (!layer.slot(slot).merged) layer.clear_slot(slot);
+    }
+    throw;
+  }
   adapters_[name] = std::move(a);
 }
 

@@ -101,10 +101,12 @@ LoraConfig from_peft(const nlohmann::json& j, const std::string& file) {
     if (!j["use_rslora"].is_boolean()) bad("use_rslora is not a boolean");
     c.use_rslora = j["use_rslora"].get<bool>();
   }
-  // Fields that choose which modules an adapter covers or what else it saves: ignored, the
-  // adapter would load onto other modules than it was trained on, or fail for a hidden reason.
+  // Fields that choose which modules an adapter covers, what else it saves, or where in the
+  // sequence it applies (aLoRA's invocation tokens: only after them): ignored, the adapter would
+  // load onto other modules or tokens than it was trained on, or fail for a hidden reason.
   for (const char* field : {"layers_to_transform", "layers_pattern", "exclude_modules",
-                            "modules_to_save", "target_parameters", "trainable_token_indices"})
+                            "modules_to_save", "target_parameters", "trainable_token_indices",
+                            "alora_invocation_tokens", "layer_replication"})
     if (j.contains(field) && !j[field].is_null() &&
         !((j[field].is_array() || j[field].is_object() || j[field].is_string()) &&
           j[field].empty()))

@@ -99,16 +99,19 @@ DTensor Parameter::grad_dtensor() const {
 }
 
 namespace {
+// Draws into the stored leaf, as fill_ and copy_from_full write: while FSDP holds the parameter
+// gathered, local() is the gathered copy, which the next gather (seeing the shard's new version)
+// would overwrite with the shard's old values.
 void fill_draw(Parameter& p, RandomKind kind, double a, double b, Generator& gen) {
   NoGradGuard no_grad;
   if (p.is_dtensor()) {
-    DTensor view(p.dtensor().spec_ptr(), p.local().detach());
+    DTensor view(p.stored_dtensor().spec_ptr(), p.stored().detach());
     if (kind == RandomKind::Uniform)
       uniform_(view, a, b, gen);
     else
       normal_(view, a, b, gen);
   } else {
-    Tensor view = p.local().detach();
+    Tensor view = p.stored().detach();
     if (kind == RandomKind::Uniform)
       uniform_(view, a, b, gen);
     else

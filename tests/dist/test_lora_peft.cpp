@@ -209,6 +209,10 @@ TEST(LoraPeft, UnsupportedPeftFieldsAreRefused) {
        "\"use_rslora\": \"yes\"",
        {"use_rslora is not a boolean"}},
       {"bias", "\"peft_type\"", "\"lora_bias\": true, \"peft_type\"", {"lora_bias is set"}},
+      {"alora",
+       "\"peft_type\"",
+       "\"alora_invocation_tokens\": [5, 9], \"peft_type\"",
+       {"alora_invocation_tokens is set ([5,9])"}},
   };
   for (const auto& c : cases) {
     const std::string path = peft_config_variant(dir, c.name, c.from, c.to);
@@ -242,6 +246,47 @@ TEST(LoraPeft, MergeUnderFsdpReachesTheNextForward) {
   expect_close((*m)(b.ids), with_adapter, 1e-5, "merged");
   lora->unmerge_adapter("default");
   expect_close((*m)(b.ids), with_adapter, 1e-5, "unmerged");
+}
+
+// An adapter added while FSDP holds the weights gathered (kept after a forward by
+// reshard_after_forward off, or after a step by reshard_after_backward off) gets the values a
+// plain model's gets, and the next forward computes with them: its draws used to land in the
+// gathered copy, which the next gather overwrote (A stayed zero), or to throw for a plain-tensor
+// gathered parameter. (Between a forward and its backward the write is refused by the backward,
+// as any write to the parameters there.)
+TEST(LoraPeft, AnAdapterAddedWhileFsdpHoldsTheWeightsGatheredKeepsItsValues) {
+  const DecoderConfig cfg = lora_decoder_config();
+  LoraConfig second = lora_test_config(LoraInit::Gaussian);
+  second.seed = 5;
+  const LoraSlots slots{.max_adapters = 2, .max_rank = 4};
+  auto plain = std::make_shared<Decoder>(cfg);
+  auto plain_lora = apply_lora(plain, lora_test_config(LoraInit::Random), "default", slots);
+  plain_lora->add_adapter("b", second);
+  plain_lora->set_adapter("b");
+  const Batch b = affine_batch(0, 2, cfg.max_seq_len, cfg.vocab_size);
+  const Tensor want = (*plain)(b.ids);
+  for (const bool after_backward : {false, true}) {
+    const std::string what =
+        after_backward ? "reshard_after_backward off" : "reshard_after_forward off";
+    auto m = std::make_shared<Decoder>(cfg);
+    auto lora = apply_lora(m, lora_test_config(LoraInit::Random), "default", slots);
+    auto state = fully_shard(m, DeviceMesh(Shape{world_size()}, {"dp"}));
+    if (after_backward) {
+      state->set_reshard_after_backward(false);
+      backward(sum((*m)(b.ids)));
+    } else {
+      state->set_reshard_after_forward(false);
+      NoGradGuard no_grad;
+      (void)(*m)(b.ids);
+    }
+    ASSERT_TRUE(state->is_unsharded()) << what;
+    lora->add_adapter("b", second);
+    for (const auto& [key, t] : plain_lora->read_adapter("b"))
+      expect_identical(lora->read_adapter("b").at(key), t, what + ": " + key);
+    lora->set_adapter("b");
+    NoGradGuard no_grad;
+    expect_close((*m)(b.ids), want, 1e-5, what + ": forward with the added adapter");
+  }
 }
 
 // Under FSDP a block's frozen base takes no room in the reduce-scatter or in the buffer its
