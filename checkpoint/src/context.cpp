@@ -1,7 +1,5 @@
 #include "context.h"
 
-#include <cstdlib>
-
 #include "tessera/comm/mpi_interop.h"
 #include "tessera/comm/runtime.h"
 
@@ -26,16 +24,10 @@ const Context& context() {
     ProcessGroupPtr world = world_group();
     ctx->group = world->split(0, world->rank(), "checkpoint");
     ctx->file_comm = duplicate_world_communicator();
-    // A save still in flight when the program ends is finished first, on every rank
-    // (handlers run in reverse order, so this runs before the runtime's finalize).
-    std::atexit([] {
-      std::shared_ptr<AsyncSave::State> p;
-      {
-        std::lock_guard<std::mutex> g(pending_mutex());
-        p = pending();
-      }
-      if (p) p->finish();
-    });
+    // A save still in flight when the runtime finalizes (a Runtime going out of scope, the
+    // program ending) is finished first, on every rank, while MPI still works; if it failed and
+    // nobody waited for it, the job ends with its error instead of exiting as if it were saved.
+    detail::at_finalize([] { wait_for_pending_save(); });
     return ctx;
   }();
   return *c;

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "checked_process_group.h"
 #include "departures.h"
@@ -48,6 +49,8 @@ struct RuntimeState {
   std::mutex call_mutex;
   std::thread::id init_thread;
   ProcessGroupPtr world;
+  std::mutex hooks_mutex;
+  std::vector<std::function<void()>> finalize_hooks;
 };
 RuntimeState& state() {
   // Never destroyed: a user's static ProcessGroupPtr may outlive every other static.
@@ -246,7 +249,28 @@ void finalize() {
 
 namespace {
 
+// Each hook once, the last registered first, before finalize takes the runtime's lock: they
+// communicate.
+void run_finalize_hooks() {
+  RuntimeState& s = state();
+  while (g_initialized.load() && !g_finalized.load()) {
+    std::function<void()> hook;
+    {
+      std::lock_guard<std::mutex> g(s.hooks_mutex);
+      if (s.finalize_hooks.empty()) return;
+      hook = std::move(s.finalize_hooks.back());
+      s.finalize_hooks.pop_back();
+    }
+    try {
+      hook();
+    } catch (const std::exception& e) {
+      abort_job(std::string("while finalizing: ") + e.what());
+    }
+  }
+}
+
 void finalize_as(mpi::Departure how) {
+  run_finalize_hooks();
   RuntimeState& s = state();
   std::lock_guard<std::mutex> guard(s.init_mutex);
   if (!g_initialized.load() || g_finalized.load()) return;
@@ -281,6 +305,13 @@ ProcessGroupPtr world_group() {
   mpi::require_usable("world_group");
   return state().world;
 }
+
+namespace detail {
+void at_finalize(std::function<void()> hook) {
+  std::lock_guard<std::mutex> g(state().hooks_mutex);
+  state().finalize_hooks.push_back(std::move(hook));
+}
+}  // namespace detail
 
 void abort_job(const std::string& what) {
   // One write per message so lines of different ranks do not interleave mid-line.

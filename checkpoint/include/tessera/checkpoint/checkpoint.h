@@ -70,8 +70,9 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
 // so training may change the tensors while the file is written (by a thread of its own, with
 // communicators of its own). Any save, load or inspection started meanwhile waits for it first.
 // Like std::future from std::async, the handle waits for its save when destroyed or assigned
-// over; an error nobody waited for is thrown by the next checkpoint operation. Wait before the
-// runtime is finalized.
+// over; an error nobody waited for is thrown by the next checkpoint operation. A save still
+// pending when the runtime finalizes is finished first; if it fails then, the job ends with its
+// error.
 class [[nodiscard]] AsyncSave {
  public:
   AsyncSave() = default;

@@ -1,6 +1,8 @@
 #pragma once
 // Joining the job. Under mpirun (or srun) the process joins the MPI world; started alone it is a
 // world of one rank. Uncaught exceptions after init print their message and abort every rank.
+#include <functional>
+
 #include "tessera/comm/process_group.h"
 
 namespace tessera {
@@ -41,5 +43,13 @@ void set_collective_timeout_seconds(double seconds);
 // same shapes and dtypes.
 bool debug_collectives();
 void set_debug_collectives(bool on);
+
+namespace detail {
+// Runs `hook` when finalize() starts (called, by ~Runtime, or at exit), while communication
+// still works, the hooks registered last first: a layer above comm finishes its collective work
+// there (a checkpoint save still in flight). A hook that throws aborts the job with its message:
+// nobody is left to catch it.
+void at_finalize(std::function<void()> hook);
+}  // namespace detail
 
 }  // namespace tessera
