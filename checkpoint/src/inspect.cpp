@@ -84,7 +84,7 @@ Tensor read_whole(const OpenCheckpoint& o, const std::string& path, const std::s
   Tensor t = empty(m.shape, m.dtype);
   if (t.numel() == 0) return t;
   h5::Id ds = h5::open_dataset(o.file, dataset_path(key));
-  h5::read_block(ds, m.dtype, Shape(m.shape.size(), 0), m.shape, t.raw_data());
+  h5::read_block(ds, m.dtype, Shape(m.shape.size(), 0), m.shape, t.raw_data(), key);
   std::vector<uint64_t> sums(size_t(m.words), 0);
   add_block_checksums(t.raw_data(), element_size(m.dtype), m.shape, Shape(m.shape.size(), 0),
                       m.shape, m.tile, sums.data());

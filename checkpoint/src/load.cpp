@@ -71,6 +71,17 @@ std::vector<Found> look_up(const h5::Id& file, const std::string& path,
       continue;
     }
     const std::string group = group_of(e.key), name = attribute_of(e.key);
+    if (group != "/" && h5::is_dataset(file, group)) {
+      // The dict's scalar lives where the file holds a tensor ("model/w/lr" against tensor
+      // "model/w"): another layout, not a group to open.
+      keys.mismatched_keys.push_back(e.key + " (expected " +
+                                     std::string(e.kind == ValueKind::Int      ? "an int64"
+                                                 : e.kind == ValueKind::Double ? "a double"
+                                                                               : "a string") +
+                                     " in group '" + group +
+                                     "', which the file holds as a tensor)");
+      continue;
+    }
     if (!(group == "/" || h5::link_exists(file, group)) ||
         !h5::attr_exists(h5::open_group(file, group), name)) {
       keys.missing_keys.push_back(e.key);
@@ -146,7 +157,7 @@ void read_window(const h5::Id& ds, const DatasetMeta& meta, const Entry& e, cons
   for (const Piece& p : pieces_of(e, es)) {
     if (shape_numel(p.shape) == 0) continue;
     unsigned char* at = base + size_t(p.first_row * row) * es;
-    h5::read_block(ds, meta.dtype, p.offset, p.shape, at);
+    h5::read_block(ds, meta.dtype, p.offset, p.shape, at, e.key);
     if (sums) add_block_checksums(at, es, e.global_shape, p.offset, p.shape, meta.tile, sums);
   }
 }
@@ -269,8 +280,11 @@ void read_tensors(const h5::Id& file, const MappedFile* mapped, const std::vecto
       r.staged[i] = buf;
     // Every reader adds up what it read, replicas too: theirs are compared with the owner's.
     uint64_t* sums = options.verify ? sum + r.first[i] : nullptr;
-    if (mapped)
-      copy_window(*mapped, h5::dataset_file_offset(file, ds), f.meta, e, buf, sums);
+    // A dataset another tool rewrote chunked or compressed has no one place in the file to map:
+    // HDF5 reads it.
+    const int64_t at = mapped ? h5::dataset_file_offset(file, ds) : -1;
+    if (at >= 0)
+      copy_window(*mapped, at, f.meta, e, buf, sums);
     else
       read_window(ds, f.meta, e, buf, sums);
   }

@@ -206,7 +206,7 @@ void write_blocks(const SaveJob& job, SaveFile& f, Steps* steps) {
         add_block_checksums(b.raw_data(), element_size(e.dtype), e.global_shape, e.window.offset,
                             e.window.shape, kTileBytes, f.sums.data() + job.first[i]);
       h5::write_block(f.datasets[i], e.dtype, e.window.offset, e.window.shape,
-                      b.defined() ? b.raw_data() : nullptr, b.defined(), transfer);
+                      b.defined() ? b.raw_data() : nullptr, b.defined(), transfer, e.key);
     };
     const std::string name = "writing '" + e.key + "'";
     if (steps) {

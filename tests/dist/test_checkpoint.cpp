@@ -159,6 +159,49 @@ TEST(Checkpoint, FloatConversionAndNonStrictLoad) {
   EXPECT_EQ(k.missing_keys, (std::vector<std::string>{"b", "c"}));
   expect_identical(bf.full_tensor(), g.to(DType::BFloat16), "float32 -> bfloat16");
   EXPECT_EQ(std::get<int64_t>(sd["c"]), 3);
+  // A scalar the dict keeps where the file holds a tensor ("a/lr" against tensor "a") is a
+  // mismatched key, not a failure to open a group.
+  StateDict lr = {{"a/lr", 0.5}};
+  const IncompatibleKeys m = load(lr, path, {.strict = false});
+  ASSERT_EQ(m.mismatched_keys.size(), 1u) << m.str();
+  EXPECT_NE(m.mismatched_keys[0].find("a/lr (expected a double in group '/a', which the file "
+                                      "holds as a tensor)"),
+            std::string::npos)
+      << m.str();
+  expect_error([&] { load(lr, path); }, {"mis-shaped keys: a/lr (expected a double"});
+}
+
+// A dataset another tool rewrote chunked and compressed (h5py) has no one place in the file to
+// map: the memory-mapped load reads it through HDF5 instead, with the same values.
+TEST(Checkpoint, ADatasetRewrittenChunkedByAnotherToolStillLoads) {
+  const std::string python = TESSERA_H5PY_PYTHON;
+  if (python.empty())
+    GTEST_SKIP() << "no python3 with h5py found at configure time (scripts/setup-deps installs "
+                    "python3-h5py)";
+  const std::string path =
+      file_in(scratch_dir("checkpoint_chunked"), "np" + std::to_string(world_size()));
+  DeviceMesh mesh(Shape{world_size()}, {"x"});
+  const Tensor g = index_tensor({9, 5}, DType::Float32);
+  save({{"model/w", distribute_tensor(g, mesh, {Shard(0)})}}, path);
+  int rc = 0;
+  if (world_rank() == 0) {
+    const std::string script =
+        "import h5py, sys\n"
+        "f = h5py.File(sys.argv[1], 'r+')\n"
+        "d = f['model/w']; data = d[()]; attrs = dict(d.attrs); del f['model/w']\n"
+        "n = f.create_dataset('model/w', data=data, chunks=(2, 5), compression='gzip')\n"
+        "for k, v in attrs.items(): n.attrs[k] = v\n";
+    const std::string cmd =
+        shell_quoted(python) + " -c " + shell_quoted(script) + " " + shell_quoted(path);
+    rc = std::system(cmd.c_str());
+  }
+  Tensor flag = from_vector<int64_t>({rc});
+  world_group()->broadcast(flag, 0)->wait();
+  ASSERT_EQ(flag.item<int64_t>(), 0) << "h5py could not rewrite the dataset";
+  DTensor w = distribute_tensor(zeros({9, 5}), mesh, {Shard(1)});
+  StateDict sd = {{"model/w", w}};
+  load(sd, path, {.memory_map = true});
+  expect_identical(w.full_tensor(), g, "the chunked dataset, mapped load");
 }
 
 TEST(Checkpoint, BadUseIsAClearErrorOnEveryRank) {

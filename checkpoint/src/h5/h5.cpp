@@ -366,9 +366,9 @@ std::vector<std::string> group_members(const Id& group) {
 }
 
 void write_block(const Id& dataset, DType dtype, const Shape& offset, const Shape& shape,
-                 const void* data, bool active, Transfer transfer) {
+                 const void* data, bool active, Transfer transfer, const std::string& key) {
   MpiLock g;
-  const std::string what = "writing a block";
+  const std::string what = "writing '" + key + "' at " + shape_str(offset);
   Spaces s = block_spaces(dataset, offset, shape, active, what);
   Id type = type_of(dtype);
   Id dxpl = transfer_list(transfer, what);
@@ -378,10 +378,10 @@ void write_block(const Id& dataset, DType dtype, const Shape& offset, const Shap
         what);
 }
 
-void read_block(const Id& dataset, DType dtype, const Shape& offset, const Shape& shape,
-                void* data) {
+void read_block(const Id& dataset, DType dtype, const Shape& offset, const Shape& shape, void* data,
+                const std::string& key) {
   MpiLock g;
-  const std::string what = "reading a block";
+  const std::string what = "reading '" + key + "' at " + shape_str(offset);
   Spaces s = block_spaces(dataset, offset, shape, /*active=*/true, what);
   Id type = type_of(dtype);
   Id dxpl = transfer_list(Transfer::Independent, what);

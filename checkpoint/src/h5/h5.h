@@ -77,14 +77,14 @@ int64_t dataset_file_offset(const Id& file, const Id& dataset);
 std::vector<std::string> group_members(const Id& group);
 
 // --- raw blocks ---
-// Writes/reads the block [offset, offset + shape) of `dataset`, with `data` holding it densely
-// (row-major). A write with `active` false takes part in a collective transfer with no data;
-// reads are independent.
+// Writes/reads the block [offset, offset + shape) of `dataset` (the entry `key`, named by an
+// error), with `data` holding it densely (row-major). A write with `active` false takes part in
+// a collective transfer with no data; reads are independent.
 enum class Transfer { Independent, Collective };
 void write_block(const Id& dataset, DType dtype, const Shape& offset, const Shape& shape,
-                 const void* data, bool active, Transfer transfer);
-void read_block(const Id& dataset, DType dtype, const Shape& offset, const Shape& shape,
-                void* data);
+                 const void* data, bool active, Transfer transfer, const std::string& key);
+void read_block(const Id& dataset, DType dtype, const Shape& offset, const Shape& shape, void* data,
+                const std::string& key);
 // Unsigned 64-bit 1-D datasets (the checksum table).
 Id create_u64_dataset(const Id& loc, const std::string& path, int64_t n);
 void write_u64(const Id& dataset, const std::vector<uint64_t>& values, bool active);
