@@ -27,6 +27,9 @@ using tessera::testing::scratch_dir;
 
 namespace {
 
+constexpr const char* kNoH5py =
+    "no python3 with h5py found at configure time (scripts/setup-deps installs python3-h5py)";
+
 const std::vector<DType> kDTypes = {DType::Float32, DType::Float64, DType::BFloat16, DType::Float16,
                                     DType::Int64,   DType::Int32,   DType::Bool};
 
@@ -175,9 +178,7 @@ TEST(Checkpoint, FloatConversionAndNonStrictLoad) {
 // map: the memory-mapped load reads it through HDF5 instead, with the same values.
 TEST(Checkpoint, ADatasetRewrittenChunkedByAnotherToolStillLoads) {
   const std::string python = TESSERA_H5PY_PYTHON;
-  if (python.empty())
-    GTEST_SKIP() << "no python3 with h5py found at configure time (scripts/setup-deps installs "
-                    "python3-h5py)";
+  if (python.empty()) GTEST_SKIP() << kNoH5py;
   const std::string path =
       file_in(scratch_dir("checkpoint_chunked"), "np" + std::to_string(world_size()));
   DeviceMesh mesh(Shape{world_size()}, {"x"});
@@ -291,9 +292,7 @@ TEST(Checkpoint, RanksWithDifferentStateDictsFailTogether) {
 // float32), uneven and empty pieces, and a sharded decoder with its optimizer state.
 TEST(Checkpoint, H5pyReadsEveryDatasetAsTheGlobalTensor) {
   const std::string python = TESSERA_H5PY_PYTHON;
-  if (python.empty())
-    GTEST_SKIP() << "no python3 with h5py found at configure time (scripts/setup-deps installs "
-                    "python3-h5py)";
+  if (python.empty()) GTEST_SKIP() << kNoH5py;
   const std::string dir = scratch_dir("checkpoint_h5py_np" + std::to_string(world_size()));
   StateDict sd;
   for (DType dt : kDTypes)
