@@ -457,13 +457,14 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
     if (auto l = std::dynamic_pointer_cast<LoraLinear>(m))
       for (int64_t i = 0; i < l->num_slots(); ++i)
         adapters.insert({&l->lora_A(i), &l->lora_B(i)});
+  // The wrappers are all made before the model changes: one that cannot be made leaves the
+  // model unfrozen and unwrapped.
+  for (auto& [path, linear] : found)
+    lm->layers_.emplace_back(path, std::make_shared<LoraLinear>(*linear, s, lm->routing_));
   for (auto& [path, p] : model->named_parameters())
     if (!adapters.count(p)) p->set_requires_grad(false);
-  for (auto& [path, linear] : found) {
-    auto l = std::make_shared<LoraLinear>(*linear, s, lm->routing_);
+  for (auto& [path, l] : lm->layers_)
     model->replace_submodule(path, l);
-    lm->layers_.emplace_back(path, l);
-  }
   lm->add_adapter(adapter_name, config);
   lm->set_adapter(adapter_name);
   return lm;
