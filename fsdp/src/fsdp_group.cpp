@@ -287,13 +287,17 @@ void FSDPGroup::finish_backward() {
     if (i.leaf.defined()) i.leaf.set_grad(Tensor());
 }
 
+std::string FSDPGroup::label() const {
+  auto m = module_.lock();
+  return "fully_shard(" + (m ? m->type_name() : std::string("module")) + ")";
+}
+
 Tensor FSDPGroup::pre_forward(const Tensor& x) {
   // Its recomputation inside the backward would gather again, out of the backward's order of
   // collectives. (Every rank runs the same forward, so every rank refuses.)
   if (autograd::in_checkpoint_region()) {
-    auto m = module_.lock();
-    TESSERA_FAIL("fully_shard(", m ? m->type_name() : std::string("module"),
-                 "): its forward runs inside an activation-checkpointed region, whose "
+    TESSERA_FAIL(label(),
+                 ": its forward runs inside an activation-checkpointed region, whose "
                  "recomputation in the backward would gather its parameters again; checkpoint "
                  "this module itself (checkpoint(module) keeps fully_shard's hooks outside the "
                  "region) or modules inside it instead");
@@ -373,18 +377,16 @@ void FSDPGroup::begin_backward() {
 
 void FSDPGroup::pre_backward() {
   // The end of the first backward freed the gathered weights this graph saved.
-  auto m = module_.lock();
-  TESSERA_CHECK(backward_pending_, "fully_shard(", m ? m->type_name() : std::string("module"),
-                "): a second backward through the same forward (retain_graph) is not supported; "
+  TESSERA_CHECK(backward_pending_, label(),
+                ": a second backward through the same forward (retain_graph) is not supported; "
                 "run the forward again");
   begin_backward();
   in_backward_ = true;
   if (unsharded_) {
     // Kept gathered since the forward (the root, reshard_after_forward off): a write to the
     // shards meanwhile reaches no saved leaf's version counter, so it is caught here.
-    TESSERA_CHECK(flat_.version() == leaves_shards_version_, "fully_shard(",
-                  m ? m->type_name() : std::string("module"),
-                  "): its parameters were modified by an in-place operation (an optimizer step, "
+    TESSERA_CHECK(flat_.version() == leaves_shards_version_, label(),
+                  ": its parameters were modified by an in-place operation (an optimizer step, "
                   "a load) between the forward and this backward, which would differentiate at "
                   "the old values; run backward before changing them");
     prefetch(/*forward=*/false);
@@ -502,7 +504,7 @@ void FSDPGroup::start_reduce() {
       g = g.defined() ? add(i.accum_grad, g.to(reduce_dtype)) : i.accum_grad;
     i.accum_grad = Tensor();
     if (!g.defined()) continue;
-    TESSERA_CHECK(g.shape() == i.unsharded_shape, "fully_shard: gradient of '", i.name, "' is ",
+    TESSERA_CHECK(g.shape() == i.unsharded_shape, label(), ": gradient of '", i.name, "' is ",
                   g.str(), "; expected the unsharded shape ", shape_str(i.unsharded_shape));
     g = g.contiguous();
     if (pre != 1) g = mul(g, 1.0 / double(pre));  // before the cast to the reduce dtype
@@ -540,7 +542,7 @@ void FSDPGroup::settle_backward_gather() {
     return;
   }
   // Into the leaves the graph saved (a fresh target would replace them, and their gradients).
-  TESSERA_CHECK(pending_gather_->reuse, "fully_shard: a backward gather not into its leaves");
+  TESSERA_CHECK(pending_gather_->reuse, label(), ": a backward gather not into its leaves");
   finish_gather(/*fresh=*/false);
   set_unsharded_params();
 }
@@ -564,8 +566,8 @@ bool FSDPGroup::merge_partial_reduce() {
   PendingReduce& pr = *pending_reduce_;
   if (partial_reduce_) {
     // FSDPSchedule::begin_backward refused a change before this backward began.
-    TESSERA_CHECK(partial_reduce_->offsets == pr.offsets,
-                  "fully_shard: the kept gradient sums do not fit this backward's reduce");
+    TESSERA_CHECK(partial_reduce_->offsets == pr.offsets, label(),
+                  ": the kept gradient sums do not fit this backward's reduce");
     pr.reduced = add(pr.reduced, partial_reduce_->reduced);
     partial_reduce_.reset();
   }

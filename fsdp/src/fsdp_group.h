@@ -57,6 +57,9 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   FSDPGroup& operator=(const FSDPGroup&) = delete;
 
   // What fully_shard's module hooks and autograd hooks call.
+  // "fully_shard(Decoder)": how errors name the group.
+  std::string label() const;
+
   Tensor pre_forward(const Tensor& x);
   Tensor post_forward(const Tensor& y);
   void pre_backward();

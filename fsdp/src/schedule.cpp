@@ -71,9 +71,8 @@ void FSDPSchedule::refuse_unfit_partial_reduces() const {
   for (const auto& w : backward_order) {
     auto s = w.lock();
     if (!s || s->partial_reduce_fits()) continue;
-    auto m = s->module_.lock();
-    TESSERA_FAIL("fully_shard(", m ? m->type_name() : std::string("module"),
-                 "): which parameters require gradients changed while earlier micro-batches' "
+    TESSERA_FAIL(s->label(),
+                 ": which parameters require gradients changed while earlier micro-batches' "
                  "gradients waited for their all-reduce across replicas "
                  "(set_requires_all_reduce(false)); the waiting sums of this step's groups are "
                  "dropped. Change it only after a backward that all-reduces");
@@ -147,6 +146,11 @@ void FSDPSchedule::abandon() {
     // were already merged into the reduce just dropped, and the next backward must not add the
     // others' to gradients of another step.
     s->partial_reduce_.reset();
+    // So do the sums of micro-batches accumulated without sync: the groups whose backward ended
+    // before the throw hold part of the failed micro-batch, the others none of it; dropped
+    // whole, no group keeps a share of it.
+    for (auto& i : s->params_)
+      i.accum_grad = Tensor();
     s->backward_pending_ = false;
     s->grads_ready_for_reduce_ = false;
     s->clear_grads_in();

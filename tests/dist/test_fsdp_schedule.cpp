@@ -505,6 +505,43 @@ TEST(FSDPSchedule, OptimizerDuringBackwardIsAnError) {
                {"clip_grad_norm_", "still waiting"});
 }
 
+// A backward that throws while micro-batches accumulate without sync drops the sums whole: the
+// groups whose backward ended before the throw used to keep part of the failed micro-batch, the
+// others none. The next synced micro-batch then gives what it gives alone.
+TEST(FSDPSchedule, AThrowingBackwardDropsTheUnsyncedSums) {
+  auto build = [] {
+    auto net = std::make_shared<Decoder>(tiny_config());
+    for (auto& block : net->layers)
+      fully_shard(block, dp_mesh());
+    return std::make_pair(net, fully_shard(net, dp_mesh()));
+  };
+  auto [net, state] = build();
+  state->set_requires_gradient_sync(false);
+  backward(cross_entropy((*net)(tokens(0).first), tokens(0).second));
+  // Throws when backward reaches the first block's output: the later blocks are done.
+  bool armed = true;
+  net->layers[0]->register_forward_hook([&](Module&, const Tensor&, const Tensor& y) {
+    if (armed) register_hook(y, [](const Tensor&) -> Tensor { throw Error("a user hook failed"); });
+    return Tensor();
+  });
+  Tensor logits = (*net)(tokens(1).first);
+  armed = false;
+  expect_error([&] { backward(cross_entropy(logits, tokens(1).second)); }, {"a user hook failed"});
+  state->set_requires_gradient_sync(true);
+  backward(cross_entropy((*net)(tokens(2).first), tokens(2).second));
+
+  auto [ref, ref_state] = build();
+  backward(cross_entropy((*ref)(tokens(2).first), tokens(2).second));
+  const auto want = ref->named_parameters();
+  for (const auto& [name, p] : net->named_parameters()) {
+    const Parameter* r = nullptr;
+    for (const auto& [n, q] : want)
+      if (n == name) r = q;
+    ASSERT_NE(r, nullptr) << name;
+    tessera::testing::expect_close(p->grad(), r->grad(), 1e-6, name);
+  }
+}
+
 TEST(FSDPSchedule, SecondBackwardThroughOneForwardIsAnError) {
   auto net = std::make_shared<Decoder>(tiny_config());
   for (auto& block : net->layers)
