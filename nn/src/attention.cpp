@@ -5,6 +5,7 @@
 // outputs, never from the config, so one forward serves every TP degree.
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "tessera/autograd/ops.h"
 #include "tessera/core/kernels/nn.h"
@@ -45,6 +46,51 @@ Attention::Attention(const DecoderConfig& cfg, Generator& gen)
       kernels::rope_tables(cfg.max_seq_len, head_dim_, cfg.rope_theta, DType::Float64);
 }
 
+namespace {
+
+// The width of `proj`'s local output at every coordinate of its mesh, from its output layout
+// alone (the same on every rank); empty when it computes on plain tensors or its layout is not
+// one this can tell.
+std::vector<int64_t> local_widths(const Linear& proj, int64_t out) {
+  const auto& io = proj.dtensor_io();
+  if (!io || io->output_layouts.size() != size_t(io->mesh.ndim())) return {};
+  std::vector<int64_t> widths;
+  try {
+    const DTensorSpec spec(io->mesh, io->output_layouts, Shape{1, 1, out}, DType::Float32);
+    const Shape& mesh = io->mesh.shape();
+    for (int64_t r = 0; r < io->mesh.size(); ++r) {
+      std::vector<int64_t> c(mesh.size());
+      for (int64_t d = int64_t(mesh.size()) - 1, rest = r; d >= 0; --d) {
+        c[size_t(d)] = rest % mesh[size_t(d)];
+        rest /= mesh[size_t(d)];
+      }
+      widths.push_back(spec.local_layout_at(c).local_shape[2]);
+    }
+  } catch (const Error&) {
+    return {};
+  }
+  return widths;
+}
+
+}  // namespace
+
+void Attention::check_head_split() const {
+  // Checked for every rank's share, not only this rank's: a split that leaves some rank partial
+  // heads must fail on every rank, not on some while the others go on into wo's collective.
+  const std::vector<int64_t> q = local_widths(*wq, n_heads_ * head_dim_),
+                             kv = local_widths(*wk, n_kv_heads_ * head_dim_);
+  if (q.empty() || q.size() != kv.size()) return;
+  const int64_t groups = n_heads_ / n_kv_heads_;
+  for (size_t r = 0; r < q.size(); ++r)
+    TESSERA_CHECK(q[r] % head_dim_ == 0 && kv[r] % head_dim_ == 0 &&
+                      q[r] / head_dim_ == kv[r] / head_dim_ * groups,
+                  "Attention: the tensor-parallel split gives mesh position ", r, " of ",
+                  wq->dtensor_io()->mesh.str(), " q width ", q[r], " and k/v width ", kv[r],
+                  ": not whole heads of head_dim ", head_dim_, " with ", groups,
+                  " query heads per kv head (n_heads ", n_heads_, ", n_kv_heads ", n_kv_heads_,
+                  "); the tensor-parallel degree must divide n_kv_heads");
+}
+
 Tensor Attention::forward(const Tensor& x) {
   TESSERA_CHECK(x.defined() && x.dim() == 3, "Attention: input must be [B, T, dim], got ",
                 x.defined() ? shape_str(x.shape()) : std::string("undefined"));
@@ -56,6 +102,7 @@ Tensor Attention::forward(const Tensor& x) {
                 shape_str(q.shape()), ", k ", shape_str(k.shape()), ", v ", shape_str(v.shape()),
                 "; expected [B, T, heads * ", head_dim_, "] with k and v alike");
   const int64_t b = q.size(0), t = q.size(1);
+  check_head_split();
   TESSERA_CHECK(q.size(2) % head_dim_ == 0 && k.size(2) % head_dim_ == 0,
                 "Attention: local projection widths q ", q.size(2), " and k/v ", k.size(2),
                 " are not whole heads of head_dim ", head_dim_,

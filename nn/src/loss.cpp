@@ -111,13 +111,16 @@ void agree_on_vocabulary(const VocabShard& shard, const LocalFindings& mine, Dev
   // The hash travels as two 32-bit halves, each also negated, so that Max finds both the
   // largest and the smallest value of each.
   const int64_t hi = int64_t(mine.target_hash >> 32), lo = int64_t(mine.target_hash & 0xffffffffu);
-  for (const ProcessGroupPtr& g : shard.groups) {
-    Tensor v =
-        from_vector<int64_t>({shard.vocab_size, -shard.vocab_size, mine.local_shape_ok ? 0 : 1,
-                              mine.bad_target.empty() ? 0 : 1, hi, -hi, lo, -lo},
-                             {8})
-            .to(device);
+  // Reduced over every vocabulary mesh dim in turn before any check: the maxima are then those
+  // of every rank sharing the vocabulary, so all of them decide alike (checked after each dim,
+  // one dim's group could throw while another's went on into the next all-reduce).
+  Tensor v = from_vector<int64_t>({shard.vocab_size, -shard.vocab_size, mine.local_shape_ok ? 0 : 1,
+                                   mine.bad_target.empty() ? 0 : 1, hi, -hi, lo, -lo},
+                                  {8})
+                 .to(device);
+  for (const ProcessGroupPtr& g : shard.groups)
     g->all_reduce(v, ReduceOp::Max)->wait();
+  {
     const std::vector<int64_t> r = v.to_vector<int64_t>();
     TESSERA_CHECK(r[0] == -r[1], kOp, ": the ranks disagree on the vocabulary size (from ", -r[1],
                   " to ", r[0], ", this rank ", shard.vocab_size,
@@ -128,8 +131,10 @@ void agree_on_vocabulary(const VocabShard& shard, const LocalFindings& mine, Dev
                   "vocabulary",
                   mine.local_shape_ok ? "" : " (this one's)");
     TESSERA_CHECK(r[3] == 0, kOp, ": ",
-                  mine.bad_target.empty() ? std::string("another rank's target is out of range")
-                                          : mine.bad_target);
+                  mine.bad_target.empty()
+                      ? std::string("another rank's target is out of range, or not an int64 "
+                                    "tensor of the logits' rows")
+                      : mine.bad_target);
     TESSERA_CHECK(r[4] == -r[5] && r[6] == -r[7], kOp,
                   ": the ranks sharing the vocabulary pass different targets (each needs the "
                   "same whole target: shard the batch over another mesh dim)");
@@ -147,11 +152,15 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
                 ": logits must be a floating-point [..., V] DTensor, got ", spec.str());
   const int64_t vdim = spec.ndim() - 1;
   const Shape row_shape(spec.global_shape.begin(), spec.global_shape.end() - 1);
-  TESSERA_CHECK(target.dtype() == DType::Int64, kOp, ": target must be int64 class indices, got ",
-                target.str());
-  TESSERA_CHECK(target.shape() == row_shape, kOp, ": target ", shape_str(target.shape()),
-                " does not match logits ", shape_str(spec.global_shape), " (expected ",
-                shape_str(row_shape), ", the logits' shape without the vocabulary dim)");
+  // A target of another dtype or shape is a finding like an out-of-range one: agreed before the
+  // loss's collectives (a last batch of another size on one rank, say), not thrown alone.
+  std::string bad_call;
+  if (target.dtype() != DType::Int64)
+    bad_call = "target must be int64 class indices, got " + target.str();
+  else if (target.shape() != row_shape)
+    bad_call = "target " + shape_str(target.shape()) + " does not match logits " +
+               shape_str(spec.global_shape) + " (expected " + shape_str(row_shape) +
+               ", the logits' shape without the vocabulary dim)";
 
   VocabShard shard;
   shard.vocab_size = spec.global_shape.back();
@@ -168,6 +177,7 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
   }
 
   if (shard.groups.empty()) {
+    TESSERA_CHECK(bad_call.empty(), kOp, ": ", bad_call);
     // Every rank holds the whole vocabulary: the plain loss is already replicated.
     Tensor loss = tessera::cross_entropy(logits.to_local(), target, ignore_index, reduction);
     return DTensor::from_local(loss, spec.mesh, Placements(spec.placements.size()), loss.shape());
@@ -176,8 +186,9 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
   const LocalLayout layout = spec.local_layout();
   shard.start = layout.global_offset.back();
   shard.length = layout.local_shape.back();
-  std::vector<int64_t> t = target.to_vector<int64_t>();
+  std::vector<int64_t> t = bad_call.empty() ? target.to_vector<int64_t>() : std::vector<int64_t>();
   LocalFindings mine;
+  mine.bad_target = bad_call;
   mine.local_shape_ok = logits.to_local().shape() == layout.local_shape;
   mine.target_hash = std::hash<std::string_view>()(
       std::string_view(reinterpret_cast<const char*>(t.data()), t.size() * sizeof(int64_t)));

@@ -529,6 +529,27 @@ TEST(TensorParallelErrors, HeadsNotDivisibleByTheDegree) {
                 "n_kv_heads = 3", "tensor-parallel degree = " + std::to_string(n)});
 }
 
+// A hand-written plan that splits heads unevenly (one head of 6 features over 4 ranks: 2, 2, 2,
+// 0) leaves ranks 0-2 partial heads while rank 3 holds none and would go on into wo's
+// all-gather: every rank refuses, naming a position whose share is not whole heads.
+TEST(TensorParallelErrors, AnUnevenHeadSplitFailsOnEveryRank) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  DecoderConfig cfg = tiny_config();
+  cfg.dim = 6;
+  cfg.n_heads = 1;
+  cfg.n_kv_heads = 1;
+  Generator gen(3);
+  auto attn = std::make_shared<Attention>(cfg, gen);
+  parallelize_module(attn, tp_mesh(4),
+                     {{"wq", std::make_shared<ColwiseParallel>()},
+                      {"wk", std::make_shared<ColwiseParallel>()},
+                      {"wv", std::make_shared<ColwiseParallel>()},
+                      {"wo", std::make_shared<RowwiseParallel>()}});
+  const Tensor x = tessera::testing::random_tensor({1, 4, 6}, 5, DType::Float32);
+  expect_error([&] { (*attn)(x); }, {"Attention: the tensor-parallel split gives mesh position 0",
+                                     "q width 2", "not whole heads of head_dim 6"});
+}
+
 TEST(TensorParallelErrors, PatternMatchingNothingNamesItAndChangesNothing) {
   const DecoderConfig cfg = tiny_config();
   DeviceMesh mesh = tp_mesh(world_size());

@@ -159,8 +159,8 @@ TEST(VocabParallelLoss, ErrorsNameTheProblem) {
 }
 
 // Targets that differ between the ranks sharing the vocabulary (a data-loader bug): an
-// out-of-range one on the last rank only, or different rows, fail every rank before the loss's
-// first all-reduce, which the others would otherwise wait in.
+// out-of-range one on the last rank only, different rows, or another shape on one rank, fail
+// every rank before the loss's first all-reduce, which the others would otherwise wait in.
 TEST(VocabParallelLoss, RanksWithDifferentTargetsFailTogether) {
   if (world_size() == 1) GTEST_SKIP() << "needs several ranks";
   DeviceMesh mesh(Shape{world_size()}, {"tp"});
@@ -177,7 +177,29 @@ TEST(VocabParallelLoss, RanksWithDifferentTargetsFailTogether) {
                                      from_vector<int64_t>({0, 3, 2, int64_t(world_rank())}, {4}));
       },
       "the ranks sharing the vocabulary pass different targets");
+  // A target of another shape on the last rank only (its last batch short): every rank fails.
+  expect_error(
+      [&] { vocab_parallel_cross_entropy(logits, targets({last ? 3 : 4}, 13, -100, 7)); },
+      last ? "target [3] does not match logits [4, 13]"
+           : "another rank's target is out of range, or not an int64 tensor of the logits' rows");
   // Afterwards the loss runs (no collective was left half done).
+  EXPECT_TRUE(vocab_parallel_cross_entropy(logits, from_vector<int64_t>({0, 3, 2, 1}, {4}))
+                  .to_local()
+                  .defined());
+}
+
+// The vocabulary split over both dims of a (2, 2) mesh: a bad target on rank 0 fails all four,
+// also the ranks that share no mesh-dim group with rank 0's first dim.
+TEST(VocabParallelLoss, ABadTargetFailsEveryRankOfATwoDimVocabularySplit) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  DeviceMesh mesh(Shape{2, 2}, {"a", "b"});
+  DTensor logits = distribute_tensor(global_randn({4, 13}, 11), mesh, {Shard(1), Shard(1)});
+  const bool first = world_rank() == 0;
+  expect_error(
+      [&] {
+        vocab_parallel_cross_entropy(logits, from_vector<int64_t>({0, first ? 13 : 3, 2, 1}, {4}));
+      },
+      first ? "target 13 at row 1 is out of range" : "another rank's target is out of range");
   EXPECT_TRUE(vocab_parallel_cross_entropy(logits, from_vector<int64_t>({0, 3, 2, 1}, {4}))
                   .to_local()
                   .defined());

@@ -33,6 +33,7 @@ class Attention : public Module {
   std::shared_ptr<Linear> wq, wk, wv, wo;
 
  private:
+  void check_head_split() const;
   int64_t n_heads_, n_kv_heads_, head_dim_;
   // Derived tables [max_seq_len, head_dim / 2], deliberately not buffers: not in state_dict.
   Tensor rope_cos_, rope_sin_;
