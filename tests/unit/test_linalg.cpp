@@ -420,6 +420,29 @@ TEST(LinearLowrank, FusedMatchesSeparateOpsAndGradientsCheck) {
         EXPECT_NEAR(g[i], w[i], 1e-12) << "element " << i;
     }
   }
+  // Per-row weights of any shape that broadcasts onto the [..., r] activations, as in the
+  // separate ops (a [1, 3, 1, r] weight over 4-D rows was laid over the wrong rows, and [3, r]
+  // or [r] failed to reshape).
+  const std::vector<std::pair<Shape, Shape>> cases = {
+      {{2, 3, 4, 5}, {1, 3, 1, 4}}, {{2, 3, 5}, {1, 3, 4}}, {{2, 3, 5}, {3, 4}}, {{2, 3, 5}, {4}},
+      {{2, 3, 5}, {2, 3, 1}},       {{2, 3, 5}, {2, 1, 1}}};
+  for (const auto& [xs, ms] : cases) {
+    const Tensor m = random_tensor(ms, 11, DType::Float64);
+    auto f = [&](const std::vector<Tensor>& in) {
+      return tessera::linear_lowrank(in[0], in[1], in[2], in[3], in[4], 0.75, Tensor(), m);
+    };
+    std::vector<Tensor> in = {leaf(xs, 1), leaf({6, 5}, 2), leaf({6}, 3), leaf({4, 5}, 4),
+                              leaf({6, 4}, 5)};
+    expect_gradcheck(f, in);
+    Tensor want = tessera::add(
+        tessera::linear(in[0], in[1], in[2]),
+        tessera::linear(tessera::mul(tessera::mul(tessera::linear(in[0], in[3]), m), 0.75), in[4]));
+    auto g = f(in).to_vector<double>(), w = want.to_vector<double>();
+    ASSERT_EQ(g.size(), w.size()) << shape_str(ms);
+    for (size_t i = 0; i < g.size(); ++i)
+      EXPECT_NEAR(g[i], w[i], 1e-12)
+          << shape_str(xs) << " weighed by " << shape_str(ms) << ", element " << i;
+  }
   // Mixed dtypes (a bfloat16 base, float32 adapters) take the unfused route: same values within
   // bfloat16's precision, output in the base's dtype.
   Tensor x = random_tensor({3, 5}, 7, DType::Float32).to(DType::BFloat16),

@@ -90,7 +90,7 @@ class LowRankLinearFn final : public autograd::Function {
     Tensor y = kernels::linear(x, w, in[2]).contiguous();
     Tensor y2 = kernels::view(y, {n, out});
     Tensor h = kernels::matmul(kernels::reshape(xl, {n, w.size(1)}), a, false, true);
-    h = weigh(h);
+    h = weigh(h, x.shape());
     kernels::matmul_accumulate_(y2, h, b, 1.0, false, true);
     save_for_backward({x, w, a, b, xl, h});
     return {y};
@@ -106,7 +106,7 @@ class LowRankLinearFn final : public autograd::Function {
     const int64_t out = w.size(0), in = w.size(1), n = leading_numel(x);
     Tensor g2 = kernels::reshape(grads[0], {n, out}).contiguous();
     // Through h = s * m * (xl a^T): its gradient, then weighed like h.
-    Tensor gh = weigh(kernels::matmul(g2, b));
+    Tensor gh = weigh(kernels::matmul(g2, b), x.shape());
     Tensor gx, gw, gbias, ga, gb, gxl;
     const Tensor xl2 = kernels::reshape(xl, {n, in});
     if (needs_input_grad(1)) gw = kernels::matmul(g2, kernels::reshape(x, {n, in}), true, false);
@@ -126,28 +126,18 @@ class LowRankLinearFn final : public autograd::Function {
   }
 
  private:
-  // s * m * h, in place on a fresh [n, r] tensor.
-  Tensor weigh(Tensor h) const {
+  // s * m * h for h [n, r], the rows of x (shape `x_shape`) flattened: m broadcasts onto the
+  // [..., r] activations (x's leading dims, then r) as any operand does.
+  Tensor weigh(Tensor h, const Shape& x_shape) const {
     if (h_scale_.defined()) {
-      const Tensor m = kernels::reshape(kernels::expand(h_scale_, expanded(h_scale_.shape(), h)),
-                                        {h.size(0), h.size(1)});
-      h = kernels::binary(kernels::BinaryOp::Mul, h, m.dtype() == h.dtype() ? m : m.to(h.dtype()));
+      Shape lead(x_shape.begin(), x_shape.end() - 1);
+      lead.push_back(h.size(1));
+      const Tensor m = h_scale_.dtype() == h.dtype() ? h_scale_ : h_scale_.to(h.dtype());
+      h = kernels::reshape(kernels::binary(kernels::BinaryOp::Mul, kernels::view(h, lead), m),
+                           {h.size(0), h.size(1)});
     }
     if (scale_ != 1.0) kernels::mul_scalar_(h, scale_);
     return h;
-  }
-  // h_scale's shape with its leading (row) and batch dims expanded to cover h's n rows.
-  static Shape expanded(const Shape& s, const Tensor& h) {
-    Shape e = s;
-    int64_t rest = h.size(0);
-    for (size_t d = 0; d + 1 < e.size(); ++d)
-      rest /= e[d] == 1 ? 1 : e[d];
-    for (size_t d = 1; d + 1 < e.size(); ++d)
-      if (e[d] == 1) {
-        e[d] = rest;
-        rest = 1;
-      }
-    return e;
   }
 
   double scale_;
