@@ -51,6 +51,10 @@ struct RuntimeState {
   ProcessGroupPtr world;
   std::mutex hooks_mutex;
   std::vector<std::function<void()>> finalize_hooks;
+  // Held while the hooks run: a second finalize (another thread's, or exit's) waits for them
+  // instead of finalizing MPI under a hook that still communicates. Recursive for a hook that
+  // calls finalize itself.
+  std::recursive_mutex hooks_running;
 };
 RuntimeState& state() {
   // Never destroyed: a user's static ProcessGroupPtr may outlive every other static.
@@ -253,6 +257,7 @@ namespace {
 // communicate.
 void run_finalize_hooks() {
   RuntimeState& s = state();
+  std::lock_guard<std::recursive_mutex> running(s.hooks_running);
   while (g_initialized.load() && !g_finalized.load()) {
     std::function<void()> hook;
     {
@@ -265,6 +270,8 @@ void run_finalize_hooks() {
       hook();
     } catch (const std::exception& e) {
       abort_job(std::string("while finalizing: ") + e.what());
+    } catch (...) {
+      abort_job("while finalizing: a hook threw an exception not derived from std::exception");
     }
   }
 }
