@@ -22,13 +22,21 @@ Tensor Tensor::make(Storage storage, Shape sizes, Shape strides, int64_t offset,
   for (size_t i = 0; i < sizes.size(); ++i) {
     TESSERA_CHECK(sizes[i] >= 0, "tensor view: negative size in ", shape_str(sizes));
     TESSERA_CHECK(strides[i] >= 0, "tensor view: negative stride in ", shape_str(strides));
+    int64_t span = 0;
     if (sizes[i] == 0)
       empty = true;
     else
-      max_index += (sizes[i] - 1) * strides[i];
+      TESSERA_CHECK(!__builtin_mul_overflow(sizes[i] - 1, strides[i], &span) &&
+                        !__builtin_add_overflow(max_index, span, &max_index),
+                    "tensor view ", shape_str(sizes), " strides ", shape_str(strides), " offset ",
+                    offset, " reaches past any storage (the index overflows)");
   }
   if (!empty) {
-    size_t need = size_t(max_index + 1) * tessera::element_size(dtype);
+    size_t need = 0;
+    TESSERA_CHECK(
+        !__builtin_mul_overflow(size_t(max_index) + 1, tessera::element_size(dtype), &need),
+        "tensor view ", shape_str(sizes), " strides ", shape_str(strides), " offset ", offset,
+        " reaches past any storage (the byte count overflows)");
     TESSERA_CHECK(need <= storage.nbytes(), "tensor view ", shape_str(sizes), " strides ",
                   shape_str(strides), " offset ", offset, " needs ", need,
                   " bytes but the storage has ", storage.nbytes());

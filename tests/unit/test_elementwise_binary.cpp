@@ -276,6 +276,25 @@ TEST(Binary, MaximumMinimumPropagateNaN) {
   expect_close(kernels::binary(BinaryOp::Minimum, a, b), {kNaN, kNaN, 2}, 0, 0);
 }
 
+// The gradients through a NaN, as torch gives them: maximum/minimum pass the gradient to both
+// operands where either is NaN (neither loses), ties split it; relu passes it at NaN.
+TEST(Binary, MaximumMinimumAndReluGradientsThroughNaN) {
+  for (const bool is_max : {true, false}) {
+    Tensor a = from_vector<float>({float(kNaN), 1.f, 2.f, 4.f}).set_requires_grad(true);
+    Tensor b = from_vector<float>({0.f, float(kNaN), 2.f, 3.f}).set_requires_grad(true);
+    backward(sum(is_max ? tessera::maximum(a, b) : tessera::minimum(a, b)));
+    const std::vector<float> a_wins =
+        is_max ? std::vector<float>{1, 1, 0.5f, 1} : std::vector<float>{1, 1, 0.5f, 0};
+    const std::vector<float> b_wins =
+        is_max ? std::vector<float>{1, 1, 0.5f, 0} : std::vector<float>{1, 1, 0.5f, 1};
+    EXPECT_EQ(a.grad().to_vector<float>(), a_wins) << (is_max ? "maximum" : "minimum");
+    EXPECT_EQ(b.grad().to_vector<float>(), b_wins) << (is_max ? "maximum" : "minimum");
+  }
+  Tensor x = from_vector<float>({float(kNaN), -1.f, 0.f, 2.f}).set_requires_grad(true);
+  backward(sum(tessera::relu(x)));
+  EXPECT_EQ(x.grad().to_vector<float>(), (std::vector<float>{1, 0, 0, 1}));
+}
+
 TEST(Binary, NonBroadcastableShapesNameBoth) {
   const std::string msg = error_of([] {
     kernels::binary(BinaryOp::Add, zeros({2, 3}), zeros({4}));

@@ -213,6 +213,15 @@ TEST(Tensor, CopyFromAnOverlappingViewOfItself) {
 }
 
 // PyTorch: "more than one element of the written-to tensor refers to a single memory location".
+// A view whose extent overflows the index arithmetic is refused, not wrapped into a small one
+// that would pass the storage check.
+TEST(Tensor, AViewWhoseExtentOverflowsIsRefused) {
+  Tensor base = zeros({4});
+  tessera::testing::expect_error(
+      [&] { base.as_strided({5}, {int64_t(1) << 62}, 0); },  // 4 * 2^62 wraps to 0
+      {"reaches past any storage"});
+}
+
 TEST(Tensor, CopyIntoSelfOverlappingDestinationIsAnError) {
   Tensor one = zeros({1});
   Tensor expanded = kernels::expand(one, {3});

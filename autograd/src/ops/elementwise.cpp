@@ -113,17 +113,19 @@ class BinaryFn final : public autograd::Function {
       }
       case BinaryOp::Maximum:
       case BinaryOp::Minimum: {
-        // The larger (smaller) operand takes the gradient; ties split it evenly, like torch.
+        // The larger (smaller) operand takes the gradient, ties split it evenly, and an operand
+        // that does not lose (a NaN beside anything) keeps it: torch's where(a == b, g / 2, g)
+        // with zeros where a loses.
         const Tensor& a = saved_tensors()[0];
         const Tensor& b = saved_tensors()[1];
-        const CompareOp wins = op_ == BinaryOp::Maximum ? CompareOp::Gt : CompareOp::Lt;
-        const CompareOp loses = op_ == BinaryOp::Maximum ? CompareOp::Lt : CompareOp::Gt;
+        const CompareOp a_loses = op_ == BinaryOp::Maximum ? CompareOp::Lt : CompareOp::Gt;
+        const CompareOp b_loses = op_ == BinaryOp::Maximum ? CompareOp::Gt : CompareOp::Lt;
         Tensor tie = kernels::compare(CompareOp::Eq, a, b);
         Tensor half = kernels::binary_scalar(BinaryOp::Mul, g, 0.5);
         Tensor zero = zero_like_scalar(g);
-        Tensor tie_part = kernels::where(tie, half, zero);
-        if (need_a) ga = kernels::where(kernels::compare(wins, a, b), g, tie_part);
-        if (need_b) gb = kernels::where(kernels::compare(loses, a, b), g, tie_part);
+        Tensor shared = kernels::where(tie, half, g);
+        if (need_a) ga = kernels::where(kernels::compare(a_loses, a, b), zero, shared);
+        if (need_b) gb = kernels::where(kernels::compare(b_loses, a, b), zero, shared);
         break;
       }
     }

@@ -191,7 +191,7 @@ void unary_backward_float(UnaryOp op, const C* g, const C* x, C* y, int64_t n) {
       return;
     case UnaryOp::Relu:
       for (int64_t i = 0; i < n; ++i)
-        y[i] = x[i] > C(0) ? g[i] : C(0);
+        y[i] = x[i] <= C(0) ? C(0) : g[i];  // a NaN passes the gradient, as in torch
       return;
     case UnaryOp::Gelu:
       // d/dx x*Phi(x) = Phi(x) + x*phi(x).

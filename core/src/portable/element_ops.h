@@ -195,7 +195,7 @@ TESSERA_HOST_DEVICE inline C unary_grad(UnaryOp op, C g, C x) {
       return g * s * (C(1) - s);
     }
     case UnaryOp::Relu:
-      return x > C(0) ? g : C(0);
+      return x <= C(0) ? C(0) : g;  // a NaN passes the gradient, as in torch
     case UnaryOp::Gelu: {
       // d/dx x*Phi(x) = Phi(x) + x*phi(x).
       const C cdf = C(0.5) * (C(1) + std::erf(x * C(kSqrt1_2)));
