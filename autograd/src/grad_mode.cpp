@@ -1,16 +1,14 @@
 #include "tessera/autograd/grad_mode.h"
 
+#include "tessera/core/tensor.h"
+
 namespace tessera {
 
-namespace {
-thread_local bool t_grad_enabled = true;
-}
-
 bool grad_enabled() {
-  return t_grad_enabled;
+  return detail::t_grad_enabled;
 }
 void set_grad_enabled(bool enabled) {
-  t_grad_enabled = enabled;
+  detail::t_grad_enabled = enabled;
 }
 
 }  // namespace tessera

@@ -182,9 +182,24 @@ Tensor& count_empty_write(Tensor& t) {
 }
 }  // namespace
 
+namespace detail {
+thread_local bool t_grad_enabled = true;
+}  // namespace detail
+
+namespace {
+void refuse_untracked_write(const Tensor& t, const char* op) {
+  TESSERA_CHECK(!detail::t_grad_enabled || !t.requires_grad(), op, ": an in-place write to ",
+                t.str(),
+                ", which requires grad, while grad mode is on: in-place operations are not "
+                "recorded in the autograd graph, so its gradient would ignore the write; write "
+                "under NoGradGuard (as optimizers do) or into a clone()");
+}
+}  // namespace
+
 Tensor& Tensor::copy_(const Tensor& src) {
   TESSERA_CHECK(src.shape() == shape(), "copy_: source shape ", shape_str(src.shape()),
                 " does not match destination shape ", shape_str(shape()));
+  refuse_untracked_write(*this, "copy_");
   if (numel() == 0) return count_empty_write(*this);
   kernels::portable::check_writable("copy_", *this);
   if (src.device() == device()) {
@@ -212,6 +227,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
 }
 
 Tensor& Tensor::fill_(double value) {
+  refuse_untracked_write(*this, "fill_");
   if (numel() == 0) return count_empty_write(*this);
   kernels::fill_(*this, value);
   return *this;

@@ -213,6 +213,24 @@ TEST(Tensor, CopyFromAnOverlappingViewOfItself) {
 }
 
 // PyTorch: "more than one element of the written-to tensor refers to a single memory location".
+// In grad mode an in-place copy_ or fill_ into a tensor that requires grad is refused (no
+// in-place op is recorded, so the gradient would ignore it: y = 2x, y *= 3 gave dx = 2); under
+// NoGradGuard it writes, as optimizers do.
+TEST(Tensor, InPlaceWritesToTensorsThatRequireGradNeedNoGrad) {
+  Tensor x = from_vector<float>({1, 2}).set_requires_grad(true);
+  Tensor y = tessera::mul(x, 2.0);
+  expect_error([&] { y.fill_(3.0); }, {"fill_: an in-place write to", "requires grad"});
+  expect_error([&] { x.copy_(zeros({2})); }, {"copy_: an in-place write to", "NoGradGuard"});
+  {
+    NoGradGuard no_grad;
+    x.copy_(from_vector<float>({5, 6}));
+  }
+  EXPECT_EQ(x.to_vector<float>(), (std::vector<float>{5, 6}));
+  Tensor plain = zeros({2});
+  plain.fill_(1.0);  // no grad required: written
+  EXPECT_EQ(plain.to_vector<float>(), (std::vector<float>{1, 1}));
+}
+
 // A view whose extent overflows the index arithmetic is refused, not wrapped into a small one
 // that would pass the storage check.
 TEST(Tensor, AViewWhoseExtentOverflowsIsRefused) {

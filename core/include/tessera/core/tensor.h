@@ -18,6 +18,12 @@
 
 namespace tessera {
 
+namespace detail {
+// Grad mode's flag (autograd's grad_enabled() and its guards read and set it), kept in core so
+// that in-place writes can tell whether they would bypass a graph being recorded.
+extern thread_local bool t_grad_enabled;
+}  // namespace detail
+
 namespace autograd {
 class Node;
 }
@@ -86,7 +92,10 @@ class Tensor {
   // from and to it run at full speed. An error for a device tensor or where nothing can pin.
   Tensor pin_memory() const;
   bool is_pinned() const;
-  // Copies src (same shape, any dtype, any strides) into this tensor's elements.
+  // Copies src (same shape, any dtype, any strides) into this tensor's elements. Like fill_,
+  // refused on a tensor that requires grad while grad mode is on: no in-place operation is
+  // recorded in the autograd graph, so the gradient would silently ignore the write (PyTorch
+  // records it, or refuses it on a leaf); write under NoGradGuard or into a clone.
   Tensor& copy_(const Tensor& src);
   Tensor& fill_(double value);
   Tensor& zero_() { return fill_(0.0); }
