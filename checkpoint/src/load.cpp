@@ -236,8 +236,8 @@ void check_same_file(const ProcessGroupPtr& pg, const std::string& ctx, const st
 
 // Where each present tensor entry's checksum words start among those this rank adds up; returns
 // how many there are.
-int64_t checksum_words(const std::vector<Entry>& entries, const std::vector<Found>& found,
-                       std::vector<int64_t>& first) {
+int64_t lay_out_sums(const std::vector<Entry>& entries, const std::vector<Found>& found,
+                     std::vector<int64_t>& first) {
   int64_t words = 0;
   first.assign(entries.size(), 0);
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -408,7 +408,7 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
 
   Reads reads;
   reads.staged.resize(entries.size());
-  reads.sums = zeros({checksum_words(entries, found, reads.first)}, DType::Int64);
+  reads.sums = zeros({lay_out_sums(entries, found, reads.first)}, DType::Int64);
   // Read from the mapping unless the options say otherwise on some rank: one decision for all
   // ranks, as the steps are agreed. (The mapping's bytes are the file's little-endian ones, as
   // are the host's: the library builds for little-endian hosts only.)
