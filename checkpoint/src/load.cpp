@@ -39,6 +39,8 @@ std::string kind_text(h5::AttrKind k) {
       return "a floating-point value";
     case h5::AttrKind::String:
       return "a string";
+    case h5::AttrKind::Several:
+      return "an array of values";
     default:
       return "a value of another type";
   }

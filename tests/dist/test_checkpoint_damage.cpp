@@ -210,6 +210,65 @@ TEST(CheckpointDamage, TamperedTableMissingDatasetVersionAndCompletion) {
   }
 }
 
+// Attributes another tool added to a checkpoint may hold several values (h5py stores a list as
+// an array attribute). They were read into one value, writing past it: `tessera-ckpt ls` and
+// verify crashed on such a file, and a load of the key overwrote memory. Now the inspection
+// skips them, and a load of a key that holds one is a mismatched key.
+TEST(CheckpointDamage, AttributesOfSeveralValuesAreNeverReadAsOne) {
+  const std::string good = dir() + "/good.h5", lists = dir() + "/lists.h5",
+                    step = dir() + "/step_array.h5";
+  save(make_state(1), good);
+  const auto add_lists = [](hid_t f, const char* ints) {
+    hid_t g = H5Gopen2(f, "/extras", H5P_DEFAULT);
+    const hsize_t three = 3, four = 4;
+    const char* tags[3] = {"alpha", "beta", "gamma"};
+    hid_t st = H5Tcopy(H5T_C_S1);
+    H5Tset_size(st, H5T_VARIABLE);
+    hid_t space = H5Screate_simple(1, &three, nullptr);
+    hid_t a = H5Acreate2(g, "tags", st, space, H5P_DEFAULT, H5P_DEFAULT);
+    H5Awrite(a, st, tags);
+    H5Aclose(a);
+    H5Sclose(space);
+    H5Tclose(st);
+    const int64_t values[4] = {7, 8, 9, 10};
+    space = H5Screate_simple(1, &four, nullptr);
+    if (H5Aexists(g, ints) > 0) H5Adelete(g, ints);
+    a = H5Acreate2(g, ints, H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT);
+    H5Awrite(a, H5T_NATIVE_INT64, values);
+    H5Aclose(a);
+    H5Sclose(space);
+    H5Gclose(g);
+  };
+  on_rank0([&] {
+    copy(good, lists);
+    copy(good, step);
+    edit(lists, [&](hid_t f) { add_lists(f, "history"); });
+    edit(step, [&](hid_t f) { add_lists(f, "step"); });
+  });
+  // What the state dict does not ask for is ignored.
+  StateDict sd = zero_state();
+  load(sd, lists);
+  expect_state(sd, 1, "a file with list attributes");
+  // A key the file holds as a list is mismatched, and nothing is loaded.
+  sd = zero_state();
+  expect_error([&] { load(sd, step); },
+               {"step_array.h5",
+                "extras/step (expected an integer, the file holds an array of "
+                "values)"});
+  expect_state(sd, 0, "nothing loaded");
+  const IncompatibleKeys k = load(sd, step, {.strict = false});
+  ASSERT_EQ(k.mismatched_keys.size(), 1u) << k.str();
+  EXPECT_EQ(std::get<int64_t>(sd.at("extras/step")), 0);
+  if (world_rank() == 0) {
+    const CheckpointInfo info = read_checkpoint_info(lists);
+    EXPECT_EQ(info.scalars.count("extras/tags"), 0u);
+    EXPECT_EQ(info.scalars.count("extras/history"), 0u);
+    EXPECT_EQ(std::get<int64_t>(info.scalars.at("extras/step")), 1);
+    EXPECT_TRUE(verify_checkpoint(lists).empty());
+    EXPECT_EQ(read_checkpoint_info(step).scalars.count("extras/step"), 0u);
+  }
+}
+
 // A failure on one rank, in the middle of writing, is an error on every rank; the previous
 // checkpoint stays, and no temporary file is left.
 TEST(CheckpointDamage, ASaveFailingOnOneRankFailsOnEveryRankAndKeepsThePreviousFile) {

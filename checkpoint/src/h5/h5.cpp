@@ -106,9 +106,26 @@ void write_scalar_attr(const Id& obj, const std::string& name, hid_t file_type, 
   a.close("closing attribute '" + name + "'");
 }
 
+// How many values attribute `a` holds: 1 for a scalar, more for an array (one another tool
+// wrote: h5py stores a list as one), 0 for an empty one.
+int64_t attr_values(const Id& a, const std::string& name) {
+  Id space(H5Aget_space(a.get()), H5Sclose);
+  check(space.get(), "H5Aget_space of attribute '" + name + "'");
+  const hssize_t n = H5Sget_simple_extent_npoints(space.get());
+  check(n, "counting the values of attribute '" + name + "'");
+  return int64_t(n);
+}
+
+// Reads into one value: an attribute of several would write past it.
+void check_one_value(const Id& a, const std::string& name) {
+  const int64_t n = attr_values(a, name);
+  TESSERA_CHECK(n == 1, "attribute '", name, "' holds ", n, " values, not one");
+}
+
 template <class T>
 T read_scalar_attr(const Id& obj, const std::string& name, hid_t mem_type) {
   Id a = open_attr(obj, name);
+  check_one_value(a, name);
   T v{};
   check(H5Aread(a.get(), mem_type, &v), "reading attribute '" + name + "'");
   return v;
@@ -435,6 +452,7 @@ bool attr_exists(const Id& obj, const std::string& name) {
 AttrKind attr_kind(const Id& obj, const std::string& name) {
   MpiLock g;
   Id a = open_attr(obj, name);
+  if (attr_values(a, name) != 1) return AttrKind::Several;
   Id t(H5Aget_type(a.get()), H5Tclose);
   check(t.get(), "H5Aget_type");
   switch (H5Tget_class(t.get())) {
@@ -490,6 +508,7 @@ double read_attr_double(const Id& obj, const std::string& name) {
 std::string read_attr_string(const Id& obj, const std::string& name) {
   MpiLock g;
   Id a = open_attr(obj, name);
+  check_one_value(a, name);
   Id t(H5Aget_type(a.get()), H5Tclose);
   check(t.get(), "H5Aget_type");
   TESSERA_CHECK(H5Tget_class(t.get()) == H5T_STRING, "attribute '", name, "' is not a string");

@@ -92,7 +92,9 @@ std::vector<uint64_t> read_u64(const Id& dataset);
 
 // --- attributes (metadata: every rank writes the same value, collectively under MPI-IO) ---
 bool attr_exists(const Id& obj, const std::string& name);
-enum class AttrKind { Int, Float, String, Other };
+// Several: an attribute of more (or fewer) than one value, of any type (an array another tool
+// added); the read_attr_* functions refuse it.
+enum class AttrKind { Int, Float, String, Other, Several };
 AttrKind attr_kind(const Id& obj, const std::string& name);
 void write_attr(const Id& obj, const std::string& name, int64_t value);
 void write_attr(const Id& obj, const std::string& name, double value);
