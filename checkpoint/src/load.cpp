@@ -411,21 +411,24 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
   Reads reads;
   reads.staged.resize(entries.size());
   reads.sums = zeros({lay_out_sums(entries, found, reads.first)}, DType::Int64);
-  // Read from the mapping unless the options say otherwise on some rank: one decision for all
-  // ranks, as the steps are agreed. (The mapping's bytes are the file's little-endian ones, as
-  // are the host's: the library builds for little-endian hosts only.)
-  const bool map = options.memory_map;
-  Tensor unmapped = full({1}, map ? 0 : 1, DType::Int64);
-  if (!entries.empty()) pg->all_reduce(unmapped, ReduceOp::Max)->wait();
-  const MappedFile* mapped = unmapped.item<int64_t>() == 0 ? &*pinned : nullptr;
+  // Read from the mapping unless the options say otherwise on some rank, and verify when any
+  // rank asks for it: one decision for all ranks, as the steps are agreed and the verification
+  // is collective. (The mapping's bytes are the file's little-endian ones, as are the host's:
+  // the library builds for little-endian hosts only.)
+  LoadOptions agreed = options;
+  Tensor flags = from_vector<int64_t>({options.memory_map ? 0 : 1, options.verify ? 1 : 0}, {2});
+  pg->all_reduce(flags, ReduceOp::Max)->wait();
+  agreed.memory_map = flags.to_vector<int64_t>()[0] == 0;
+  agreed.verify = flags.to_vector<int64_t>()[1] != 0;
+  const MappedFile* mapped = agreed.memory_map ? &*pinned : nullptr;
   // One agreed step for all entries: each rank reads its own windows with no collective call (a
   // mapping, or HDF5's independent reads), so no rank can wait on another inside it. With an
   // agreement per entry (16 of them) a load on 4 ranks sharing 2 cores took 1.45-1.47x the raw
   // read, with one 1.29-1.30x.
   steps.run_local("reading the tensors",
-                  [&] { read_tensors(file, mapped, entries, found, state, options, reads); });
+                  [&] { read_tensors(file, mapped, entries, found, state, agreed, reads); });
   steps.run("closing", [&] { file.close("closing '" + path + "'"); });
-  if (options.verify) verify_sums(pg, ctx, entries, found, table, reads);
+  if (agreed.verify) verify_sums(pg, ctx, entries, found, table, reads);
   commit(state, entries, found, reads);
   return keys;
 }

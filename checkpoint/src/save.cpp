@@ -114,6 +114,11 @@ SaveJob prepare_save(const StateDict& state, const std::string& path, const Save
     check_destination(path);
   });
   agree_on_entries(job.entries, pg, ctx);
+  // Flushing is a collective step: one decision for all ranks, a flush when any rank asks for
+  // one (a rank that flushed alone would wait inside it for the others).
+  Tensor fsync = full({1}, options.fsync ? 1.0 : 0.0, DType::Int64);
+  pg->all_reduce(fsync, ReduceOp::Max)->wait();
+  job.options.fsync = fsync.item<int64_t>() != 0;
   lay_out_table(job);
   NoGradGuard no_grad;
   // First what every rank does together (reducing Partial values), then each rank's own copies,

@@ -269,6 +269,25 @@ TEST(CheckpointDamage, AttributesOfSeveralValuesAreNeverReadAsOne) {
   }
 }
 
+// Options that decide collective steps are one decision for all ranks: a flush asked for by
+// rank 0 alone (the rank that renames the file) and a verification asked for by one rank were
+// each run by those ranks only, which then waited inside them for the others.
+TEST(CheckpointDamage, OptionsThatDifferBetweenRanksAreOneDecision) {
+  if (world_size() < 2) GTEST_SKIP() << "needs two ranks";
+  const std::string good = dir() + "/options.h5", bad = dir() + "/options_flipped.h5";
+  save(make_state(1), good, {.fsync = world_rank() == 0});
+  on_rank0([&] {
+    copy(good, bad);
+    flip_byte(bad, data_offset(bad, "/model/big") + 1000);
+  });
+  StateDict sd = zero_state();
+  expect_error([&] { load(sd, bad, {.verify = world_rank() == 0, .transactional = true}); },
+               {"options_flipped.h5", "dataset 'model/big' block 0 of 3", "checksum mismatch"});
+  expect_state(sd, 0, "nothing loaded");
+  load(sd, good, {.verify = world_rank() != 0});
+  expect_state(sd, 1, "verified by some ranks");
+}
+
 // A failure on one rank, in the middle of writing, is an error on every rank; the previous
 // checkpoint stays, and no temporary file is left.
 TEST(CheckpointDamage, ASaveFailingOnOneRankFailsOnEveryRankAndKeepsThePreviousFile) {

@@ -21,7 +21,8 @@ namespace tessera {
 
 struct SaveOptions {
   // Flush the file to stable storage before it replaces `path`, so that a crash of the machine
-  // (not only of the job) also leaves either the previous or the new checkpoint.
+  // (not only of the job) also leaves either the previous or the new checkpoint. One decision
+  // for all ranks: the file is flushed when any rank asks for it.
   bool fsync = true;
 };
 
@@ -30,7 +31,8 @@ struct LoadOptions {
   // missing_keys and their values left as they were.
   bool strict = true;
   // Verify the checksum of every element read (added up while each piece read is in cache; no
-  // extra I/O).
+  // extra I/O). One decision for all ranks (the verification is collective): every rank
+  // verifies when any rank asks for it.
   bool verify = true;
   // Without it, a piece of the state dict that is dense and of the file's dtype is read straight
   // into its tensor, so a checksum failure (found after the reading) leaves such tensors holding
@@ -41,9 +43,9 @@ struct LoadOptions {
   bool transactional = false;
   // Read by mapping the file into memory (POSIX mmap) and copying each window out of it, adding
   // its checksum in the same pass; windows that are not runs of the file (column shards) are
-  // strided copies. With false each rank reads its windows through
-  // HDF5 and MPI-IO, independently. The file must not be truncated while it is loaded: a mapped
-  // page past its end raises SIGBUS.
+  // strided copies. With false (on any rank: one decision for all) each rank reads its windows
+  // through HDF5 and MPI-IO, independently. The file must not be truncated while it is loaded: a
+  // mapped page past its end raises SIGBUS.
   bool memory_map = true;
 };
 
