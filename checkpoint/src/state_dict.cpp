@@ -149,6 +149,8 @@ IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
   std::vector<Slot> slots;
   std::vector<ScalarSlot> scalars;
   std::vector<ckpt::OptionalSlots> optional;
+  // The frozen parameters without state that this call creates state for (the dict holds some).
+  std::vector<std::pair<size_t, std::string>> created;
   for (const auto& [i, fqn] : optimizer_params(model, optimizer, "set_optimizer_state_dict")) {
     // The slots of parameter i; its state tensors are created (as zeros) here.
     auto add = [&optimizer, i = i, fqn = fqn](std::vector<Slot>& to,
@@ -171,8 +173,29 @@ IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
     if (has_state(optimizer, i))
       add(slots, scalars);
     else
-      optional.push_back({state_key(fqn, ""), add});
+      optional.push_back(
+          {state_key(fqn, ""), [add, &created, i = i, fqn = fqn](
+                                   std::vector<Slot>& to, std::vector<ScalarSlot>& to_scalars) {
+             created.emplace_back(i, fqn);
+             add(to, to_scalars);
+           }});
   }
+  // State created for a frozen parameter that did not load (an error, or with strict = false a
+  // unit left out) is dropped again: it still has none, as before the call. Zeros left there
+  // would be saved with it from then on, and make the next dict without its state miss keys.
+  const auto drop_unloaded = [&](const IncompatibleKeys* k) {
+    std::vector<Parameter*> drop;
+    for (const auto& [i, fqn] : created) {
+      const std::string unit = state_key(fqn, "");
+      bool loaded = k != nullptr;
+      if (loaded)
+        for (const std::vector<std::string>* keys : {&k->missing_keys, &k->mismatched_keys})
+          for (size_t j = 0; loaded && j < keys->size(); ++j)
+            loaded = (*keys)[j].compare(0, unit.size(), unit) != 0;
+      if (!loaded) drop.push_back(optimizer.params()[i]);
+    }
+    if (!drop.empty()) optimizer.reset_state(drop);
+  };
   // Each group's hyperparameters are collected and set together, so that their checks see them
   // all.
   std::vector<std::map<std::string, double>> hyper(optimizer.num_param_groups());
@@ -197,7 +220,14 @@ IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
       if (!values.empty()) optimizer.validate_hyperparameters(g, values);
     }
   });
-  IncompatibleKeys k = ckpt::set_slots(slots, scalars, state, options, what, optional);
+  IncompatibleKeys k;
+  try {
+    k = ckpt::set_slots(slots, scalars, state, options, what, optional);
+  } catch (...) {
+    drop_unloaded(nullptr);
+    throw;
+  }
+  drop_unloaded(&k);
   for (size_t g = 0; g < hyper.size(); ++g)
     if (!hyper[g].empty()) optimizer.set_hyperparameters(g, hyper[g]);
   return k;

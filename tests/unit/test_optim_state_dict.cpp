@@ -135,3 +135,44 @@ TEST(OptimizerStateDict, DictsThatDoNotFitAreClearErrors) {
   sd.erase("state/bias/max_exp_avg_sq");
   expect_error([&] { set_optimizer_state_dict(a.lin, other, sd); }, "state/bias/max_exp_avg_sq");
 }
+
+// State is created for a frozen parameter without any only to receive the dict's: when that
+// does not load (the dict is refused, or strict = false leaves its unit out), the parameter is
+// left without state. Zeros left there were saved with it from then on (a LoRA base weight's
+// size twice over), and made the next dict without its state miss keys.
+TEST(OptimizerStateDict, AFrozenParametersStateThatDoesNotLoadIsNotCreated) {
+  Net a;
+  AdamW trained({&a.lin.weight, &a.lin.bias}, {});
+  a.set_grads(1);
+  trained.step();
+  const StateDict with_bias = get_optimizer_state_dict(a.lin, trained);
+
+  a.lin.bias.set_requires_grad(false);  // fine-tuning: the bias was never updated here
+  AdamW tuning({&a.lin.weight, &a.lin.bias}, {});
+  const StateDict own = get_optimizer_state_dict(a.lin, tuning);
+  ASSERT_EQ(own.count("state/bias/exp_avg"), 0u);
+  const auto bias_has_state = [&] {
+    return tuning.state_tensor(1, "exp_avg", false).defined() ||
+           get_optimizer_state_dict(a.lin, tuning).count("state/bias/exp_avg") != 0;
+  };
+
+  StateDict refused = with_bias;
+  refused.erase("state/weight/exp_avg");
+  expect_error([&] { set_optimizer_state_dict(a.lin, tuning, refused); }, "state/weight/exp_avg");
+  EXPECT_FALSE(bias_has_state()) << "after a refused dict";
+  EXPECT_TRUE(set_optimizer_state_dict(a.lin, tuning, own).empty());
+
+  StateDict partial = with_bias;
+  partial.erase("state/bias/exp_avg_sq");
+  const IncompatibleKeys k = set_optimizer_state_dict(a.lin, tuning, partial, {.strict = false});
+  EXPECT_EQ(k.missing_keys, std::vector<std::string>{"state/bias/exp_avg_sq"}) << k.str();
+  EXPECT_FALSE(bias_has_state()) << "after a dict whose bias state was left out";
+  EXPECT_EQ(tuning.param_step(1), 0);
+  EXPECT_TRUE(set_optimizer_state_dict(a.lin, tuning, own).empty());
+
+  // A dict that holds all of it still gives it its state.
+  EXPECT_TRUE(set_optimizer_state_dict(a.lin, tuning, with_bias).empty());
+  expect_same(tuning.state_tensor(1, "exp_avg", false), trained.state_tensor(1, "exp_avg", false),
+              "the bias's exp_avg");
+  EXPECT_EQ(tuning.param_step(1), 1);
+}

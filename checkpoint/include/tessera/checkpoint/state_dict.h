@@ -67,7 +67,7 @@ IncompatibleKeys set_model_state_dict(Module& model, const StateDict& state,
 // zeros first (as PyTorch does before saving), so a checkpoint can be loaded into them. As in
 // PyTorch's optimizer.state_dict(), a frozen parameter (requires_grad false) keeps the state it
 // has (one frozen after some updates); one that has none is left out by get_*, and set_* gives it
-// the dict's state for it when the dict holds some, none otherwise. Tensors carry their
+// the dict's state for it when the dict holds some that loads, none otherwise. Tensors carry their
 // parameter's placements.
 StateDict get_optimizer_state_dict(Module& model, Optimizer& optimizer,
                                    const StateDictOptions& options = {});
