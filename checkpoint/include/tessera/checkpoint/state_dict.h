@@ -35,7 +35,9 @@ struct StateDictOptions {
   // Global tensors (gathered, in logical order) instead of DTensors with their placements.
   bool full_state_dict = false;
   // With full_state_dict, get_*: only rank 0 keeps the tensors, in host memory; the other ranks
-  // get an empty dict (each tensor is gathered, kept or dropped, one at a time).
+  // get an empty dict (each tensor is gathered, kept or dropped, one at a time). Without
+  // full_state_dict it does nothing: the DTensors stay on their mesh's device (PyTorch copies
+  // their pieces to the host).
   bool cpu_offload = false;
   // With full_state_dict, set_*: only rank 0's dict is read (the others pass an empty one) and
   // each rank receives just its window of one tensor at a time; rank 0 converts each distinct
