@@ -24,6 +24,21 @@ std::string join(const std::vector<std::string>& v) {
   return s;
 }
 
+// The modules target_modules may name: all but the adapter slots inside LoraLinears, whose
+// paths ("wq.lora_A.0") end in a number as a Sequential's layers' do ("0").
+std::vector<std::pair<std::string, ModulePtr>> targetable_modules(Module& model) {
+  std::vector<std::pair<std::string, ModulePtr>> modules = model.named_modules(), out;
+  std::vector<std::string> inside;
+  for (const auto& [path, m] : modules)
+    if (std::dynamic_pointer_cast<LoraLinear>(m)) inside.push_back(path.empty() ? "" : path + ".");
+  for (auto& [path, m] : modules)
+    if (path.empty() || std::none_of(inside.begin(), inside.end(), [&](const std::string& p) {
+          return path.compare(0, p.size(), p) == 0;
+        }))
+      out.emplace_back(path, std::move(m));
+  return out;
+}
+
 }  // namespace
 
 std::vector<std::string> LoraModel::adapters() const {
@@ -63,7 +78,7 @@ const LoraConfig& LoraModel::config(const std::string& adapter) const {
 
 std::vector<size_t> LoraModel::targets(const LoraConfig& config) const {
   std::vector<size_t> out;
-  const auto modules = model_->named_modules();
+  const auto modules = targetable_modules(*model_);
   for (const std::string& entry : config.target_modules) {
     bool wrapped = false;
     for (size_t i = 0; i < layers_.size(); ++i)
@@ -425,7 +440,7 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
   lm->slots_ = s;
   // Every target resolved before anything changes; the layers in the model's order.
   std::vector<std::pair<std::string, std::shared_ptr<Linear>>> found;
-  const auto modules = model->named_modules();
+  const auto modules = targetable_modules(*model);
   for (const std::string& entry : config.target_modules) {
     bool any = false;
     for (const auto& [path, m] : modules)

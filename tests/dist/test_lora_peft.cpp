@@ -68,6 +68,34 @@ TEST(LoraPeft, DottedTargetsMatchAsPathSuffixes) {
                {"target module 'ttention.wq' matches no module of Decoder"});
 }
 
+// Linears named as nn.Sequential names them, "0" and "1".
+class Numbered : public Module {
+ public:
+  explicit Numbered(Generator& gen) : Module("Numbered") {
+    first = std::make_shared<Linear>(8, 8, false, gen);
+    second = std::make_shared<Linear>(8, 4, false, gen);
+    register_module("0", first);
+    register_module("1", second);
+  }
+  Tensor forward(const Tensor& x) override { return (*second)((*first)(x)); }
+  std::shared_ptr<Linear> first, second;
+};
+
+// An entry names the model's modules, not the adapter slots LoRA adds ("0.lora_A.0" ends in
+// ".0"): targets "0" and "1" of a Sequential-like model wrap those layers, adapters are added
+// there, and a second apply_lora on "1" passes over the first's slots.
+TEST(LoraPeft, TargetsNeverNameTheAdapterSlots) {
+  Generator gen(5);
+  auto m = std::make_shared<Numbered>(gen);
+  auto lora = apply_lora(m, targeting({"0"}), "a", {.max_adapters = 2, .max_rank = 4});
+  EXPECT_EQ(wrapped(*lora), (std::vector<std::string>{"0"}));
+  lora->add_adapter("b", targeting({"0"}));
+  EXPECT_EQ(lora->adapters(), (std::vector<std::string>{"a", "b"}));
+  auto second = apply_lora(m, targeting({"1"}), "c");
+  EXPECT_EQ(wrapped(*second), (std::vector<std::string>{"1"}));
+  EXPECT_EQ((*m)(ones({2, 8})).shape(), (Shape{2, 4}));
+}
+
 // PEFT's "wq" means every wq: an adapter that would sit on some of them only is refused, naming
 // the modules without slots.
 TEST(LoraPeft, AddAdapterRefusesTargetsWithoutSlots) {
