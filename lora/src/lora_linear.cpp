@@ -247,17 +247,20 @@ Tensor LoraLinear::merged_window(int64_t i, bool unmerge, const char* op) {
       kernels::narrow(kernels::narrow(b, 0, l.global_offset[0], l.local_shape[0]), 1, 0, s.r);
   Tensor a_cols =
       kernels::narrow(kernels::narrow(a, 0, 0, s.r), 1, l.global_offset[1], l.local_shape[1]);
-  Tensor delta =
-      mul(matmul(b_rows.contiguous(), a_cols.contiguous()), unmerge ? -s.scale : s.scale);
+  // In float32, or W's dtype where that is wider (a float64 W rounded to float32 would lose
+  // its every element, adapter or not).
   const Tensor& w = weight.stored();
-  return add(w.detach().to(DType::Float32), delta).to(w.dtype());
+  const DType ct = promote_types(w.dtype(), DType::Float32);
+  Tensor delta = mul(matmul(b_rows.contiguous().to(ct), a_cols.contiguous().to(ct)),
+                     unmerge ? -s.scale : s.scale);
+  return add(w.detach().to(ct), delta).to(w.dtype());
 }
 
 bool LoraLinear::merge_is_finite(int64_t i) {
   const Tensor m = merged_window(i, /*unmerge=*/false, "merge_is_finite");
   // 0 * x is 0 for every finite x and NaN for an infinite or NaN one.
-  const Tensor zeros_or_nan =
-      kernels::binary_scalar(kernels::BinaryOp::Mul, m.to(DType::Float32), 0.0);
+  const Tensor zeros_or_nan = kernels::binary_scalar(
+      kernels::BinaryOp::Mul, m.to(promote_types(m.dtype(), DType::Float32)), 0.0);
   return !std::isnan(kernels::sum(zeros_or_nan).to(DType::Float64).item<double>());
 }
 

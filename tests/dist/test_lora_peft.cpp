@@ -96,6 +96,28 @@ TEST(LoraPeft, TargetsNeverNameTheAdapterSlots) {
   EXPECT_EQ((*m)(ones({2, 8})).shape(), (Shape{2, 4}));
 }
 
+// A float64 base merges in float64: merging an adapter whose B is zero leaves W as it was, bit for
+// bit, and merge then unmerge of a drawn one gives W back to float64 rounding (both went
+// through float32, which rounded every element of W).
+TEST(LoraPeft, AFloat64BaseMergesInFloat64) {
+  for (LoraInit init : {LoraInit::Kaiming, LoraInit::Random}) {
+    Generator gen(5);
+    auto m = std::make_shared<Holder>(gen);
+    // Values float32 cannot hold.
+    m->proj->weight = Parameter(mul(m->proj->weight.full().to(DType::Float64), 1.0 + 1e-9), false);
+    const Tensor w0 = m->proj->weight.full().clone();
+    auto lora = apply_lora(m, targeting({"proj"}, init));
+    const Parameter& w = lora->layers()[0].second->weight;
+    lora->merge_adapter("default");
+    EXPECT_EQ(w.dtype(), DType::Float64);
+    if (init == LoraInit::Kaiming) expect_identical(w.full(), w0, "W with a zero B merged");
+    lora->unmerge_adapter("default");
+    expect_close(w.full(), w0, 1e-12, "W after merge and unmerge");
+    lora->merge_adapter("default", /*safe_merge=*/true);
+    lora->unmerge_adapter("default");
+  }
+}
+
 // PEFT's "wq" means every wq: an adapter that would sit on some of them only is refused, naming
 // the modules without slots.
 TEST(LoraPeft, AddAdapterRefusesTargetsWithoutSlots) {
