@@ -153,7 +153,7 @@ class StagedProcessGroup final : public ProcessGroup {
     if (s.keep.empty()) return inner;  // every tensor was on the host
     return std::make_shared<detail::ThenWork>(std::move(inner), [s = std::move(s)]() mutable {
       for (auto& [device, host] : s.outputs)
-        device.copy_(host);
+        device.detach().copy_(host);
     });
   }
 

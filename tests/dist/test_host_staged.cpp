@@ -267,3 +267,13 @@ TEST_F(HostStaged, AsTheCudaBackendItCarriesAMeshOfCudaTensors) {
   expect_error([&] { g->all_reduce(undefined, ReduceOp::Sum); },
                {"all_reduce on group 'mesh.x'", "the tensor is an undefined tensor"});
 }
+
+// A device tensor that requires grad, under grad mode, takes the result as a host one does: the
+// copy back from the host writes it whatever autograd says of it (it threw in wait()).
+TEST_F(HostStaged, ADeviceTensorThatRequiresGradTakesTheResult) {
+  const int n = world_size();
+  Tensor d = on_device(ones({3}));
+  d.set_requires_grad(true);
+  staged_->all_reduce(d, ReduceOp::Sum)->wait();
+  expect_same(d, full({3}, double(n)), "after wait()");
+}

@@ -679,3 +679,59 @@ TEST(ProcessGroup, EmptyTensors) {
   g->broadcast(t, 0)->wait();
   EXPECT_EQ(out.numel(), 0);
 }
+
+// Collectives write into their tensors whatever autograd says of them (as c10d's do): one that
+// requires grad, under grad mode, takes the result alike whether it is written where it lies
+// or copied in once the transfers are done (a strided view, this rank's own piece of a gather).
+TEST(ProcessGroup, TensorsThatRequireGradTakeTheResultOnEveryPath) {
+  auto g = world();
+  const int n = g->size();
+  const int me = g->rank();
+  auto needing_grad = [](Tensor t) {
+    t.set_requires_grad(true);
+    return t;
+  };
+  Tensor backing = make(DType::Float32, {3, 4}, [&](int64_t i) { return me + double(i); });
+  Tensor view = needing_grad(kernels::transpose(backing, 0, 1));
+  g->all_reduce(view, ReduceOp::Sum)->wait();
+  const double rank_sum = n * (n - 1) / 2.0;
+  EXPECT_EQ(values(backing), values(make(DType::Float32, {3, 4},
+                                         [&](int64_t i) { return rank_sum + n * double(i); })));
+
+  const Tensor in = make(DType::Float32, {2}, [&](int64_t i) { return me * 10.0 + i; });
+  std::vector<double> gathered;
+  for (int r = 0; r < n; ++r)
+    for (int i = 0; i < 2; ++i)
+      gathered.push_back(r * 10.0 + i);
+  Tensor out = needing_grad(zeros({2 * n}, DType::Float32));
+  g->all_gather_into_tensor(out, in)->wait();
+  EXPECT_EQ(values(out), gathered);
+  Tensor out_t = needing_grad(kernels::transpose(zeros({2, n}, DType::Float32), 0, 1));  // [n, 2]
+  g->all_gather_into_tensor(out_t, kernels::reshape(in, {1, 2}))->wait();
+  EXPECT_EQ(values(out_t), gathered);
+
+  Tensor b_backing = make(DType::Float32, {2, 3}, [&](int64_t i) { return me * 100.0 + i; });
+  Tensor b = needing_grad(kernels::transpose(b_backing, 0, 1));
+  g->broadcast(b, 0)->wait();
+  EXPECT_EQ(values(b),
+            values(kernels::transpose(
+                make(DType::Float32, {2, 3}, [&](int64_t i) { return double(i); }), 0, 1)));
+
+  Tensor s = needing_grad(kernels::transpose(zeros({2, 3}, DType::Float32), 0, 1));
+  std::vector<Tensor> pieces;
+  if (me == 0)
+    for (int r = 0; r < n; ++r)
+      pieces.push_back(make(DType::Float32, {3, 2}, [&](int64_t i) { return r * 10.0 + i; }));
+  g->scatter(s, pieces, 0)->wait();
+  EXPECT_EQ(values(s),
+            values(make(DType::Float32, {3, 2}, [&](int64_t i) { return me * 10.0 + i; })));
+
+  if (n == 1) return;
+  Tensor r = needing_grad(kernels::transpose(zeros({2, 3}, DType::Float32), 0, 1));
+  WorkPtr rw = g->recv(r, (me + n - 1) % n, 7);
+  g->send(make(DType::Float32, {3, 2}, [&](int64_t i) { return me * 10.0 + i; }), (me + 1) % n, 7)
+      ->wait();
+  rw->wait();
+  EXPECT_EQ(values(r), values(make(DType::Float32, {3, 2},
+                                   [&](int64_t i) { return ((me + n - 1) % n) * 10.0 + i; })));
+}

@@ -23,7 +23,7 @@ Tensor receive_buffer(const Tensor& out, const std::vector<ByteRange>& send_rang
 MpiWork::Completion finish_reduction(Tensor buf, Tensor out, ReduceOp op, int size) {
   return [buf, out, op, size](const std::vector<MPI_Status>&) mutable {
     if (op == ReduceOp::Avg) divide(buf.raw_data(), buf.numel(), buf.dtype(), size);
-    if (!buf.is_same(out)) out.copy_(buf);
+    if (!buf.is_same(out)) out.detach().copy_(buf);
   };
 }
 
@@ -65,7 +65,7 @@ WorkPtr MpiProcessGroup::all_gather_into_tensor(Tensor& out, const Tensor& in) {
     slots.push_back(kernels::narrow(flat, 0, int64_t(r) * in.numel(), in.numel()));
   auto work = start_exchange(kOp, std::move(call), std::vector<Tensor>(size_t(size()), in), slots);
   if (!recv.is_same(out)) {
-    work->then([recv, out](const std::vector<MPI_Status>&) mutable { out.copy_(recv); });
+    work->then([recv, out](const std::vector<MPI_Status>&) mutable { out.detach().copy_(recv); });
   }
   return work;
 }
@@ -224,11 +224,11 @@ std::shared_ptr<MpiWork> MpiProcessGroup::start_exchange(const char* op, CallInf
   // The lambda keeps the copied inputs, staged outputs and MPI's arguments until MPI is done.
   work->then([args, sends, recvs, me, outs = outputs](const std::vector<MPI_Status>&) mutable {
     if (!same_elements(sends[me], recvs[me]))
-      recvs[me].copy_(sends[me].shape() == recvs[me].shape()
-                          ? sends[me]
-                          : kernels::reshape(sends[me], recvs[me].shape()));
+      recvs[me].detach().copy_(sends[me].shape() == recvs[me].shape()
+                                   ? sends[me]
+                                   : kernels::reshape(sends[me], recvs[me].shape()));
     for (size_t r = 0; r < outs.size(); ++r) {
-      if (!recvs[r].is_same(outs[r])) outs[r].copy_(recvs[r]);
+      if (!recvs[r].is_same(outs[r])) outs[r].detach().copy_(recvs[r]);
     }
   });
   return work;

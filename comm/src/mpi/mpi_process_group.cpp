@@ -114,7 +114,7 @@ WorkPtr MpiProcessGroup::broadcast(Tensor& t, int root) {
           "MPI_Ibcast", where(kOp));
   }
   if (staged && rank() != root) {
-    work->then([t, buf](const std::vector<MPI_Status>&) mutable { t.copy_(buf); });
+    work->then([t, buf](const std::vector<MPI_Status>&) mutable { t.detach().copy_(buf); });
   }
   work->keep_alive(std::move(buf));
   return work;
@@ -156,7 +156,7 @@ WorkPtr MpiProcessGroup::scatter(Tensor& out, const std::vector<Tensor>& inputs,
   const bool staged = recv.defined() && !recv.is_same(out);
   // MPI reads the count and displacement arrays until completion, so the work owns them.
   work->then([send, recv, out, staged](const std::vector<MPI_Status>&) mutable {
-    if (staged) out.copy_(recv);
+    if (staged) out.detach().copy_(recv);
   });
   return work;
 }
@@ -210,7 +210,7 @@ WorkPtr MpiProcessGroup::recv(Tensor& t, int src, int tag) {
     // A longer message fails as truncated inside MPI; a shorter one would leave stale values.
     TESSERA_CHECK(got == count, what, ": received ", got, " elements from rank ", src, " (tag ",
                   tag, ") but the tensor ", shape_str(t.shape()), " holds ", count);
-    if (staged) t.copy_(buf);
+    if (staged) t.detach().copy_(buf);
   });
   return work;
 }

@@ -92,7 +92,7 @@ struct Buffers {
   }
   void copy_back() {
     for (auto& [t, c] : back)
-      t.copy_(c);
+      t.detach().copy_(c);
   }
 };
 
@@ -358,7 +358,7 @@ class NcclProcessGroup final : public ProcessGroup {
   std::function<void()> divide_by_size(Tensor result) const {
     const double n = double(size());
     return [result, n]() mutable {
-      result.copy_(kernels::binary_scalar(kernels::BinaryOp::Div, result, n));
+      result.detach().copy_(kernels::binary_scalar(kernels::BinaryOp::Div, result, n));
     };
   }
 
@@ -383,7 +383,7 @@ class NcclProcessGroup final : public ProcessGroup {
       auto finish = [then = std::move(then), back = std::move(b.back)]() mutable {
         if (then) then();
         for (auto& [t, c] : back)
-          t.copy_(c);
+          t.detach().copy_(c);
       };
       return std::make_shared<NcclWork>(ch_, to_string(call), done, std::move(b.keep),
                                         std::move(finish));
