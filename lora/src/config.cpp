@@ -13,7 +13,8 @@ double LoraConfig::scaling() const {
 
 void LoraConfig::validate() const {
   TESSERA_CHECK(r > 0, "LoraConfig: r must be positive, got ", r);
-  TESSERA_CHECK(lora_alpha > 0, "LoraConfig: lora_alpha must be positive, got ", lora_alpha);
+  TESSERA_CHECK(lora_alpha > 0 && std::isfinite(lora_alpha),
+                "LoraConfig: lora_alpha must be positive and finite, got ", lora_alpha);
   TESSERA_CHECK(lora_dropout >= 0 && lora_dropout < 1,
                 "LoraConfig: lora_dropout must be in [0, 1), got ", lora_dropout);
   TESSERA_CHECK(!target_modules.empty(),

@@ -141,6 +141,30 @@ LoraConfig from_peft(const nlohmann::json& j, const std::string& file) {
   return c;
 }
 
+// Every rank read the files itself: ranks that found different ones (node-local copies of
+// another run's adapter) would each copy their window out of different values, and the adapter
+// would hold a mix no file has. The ranks compare a digest of what they read first.
+void check_same_files(const std::string& dir, const std::string& name, const LoraConfig& cfg,
+                      const std::map<std::string, Tensor>& values) {
+  ProcessGroupPtr world = world_group();
+  if (world->size() == 1) return;
+  std::hash<std::string_view> hash;
+  size_t h = hash(to_peft(cfg, cfg.target_modules).dump());
+  for (const auto& [key, t] : values) {
+    const Tensor c = t.contiguous();
+    const std::string_view bytes(static_cast<const char*>(c.raw_data()),
+                                 size_t(c.numel()) * element_size(c.dtype()));
+    h = h * 1099511628211ull ^ hash(key) ^ (hash(bytes) << 1) ^ hash(shape_str(t.shape()));
+  }
+  const std::vector<std::string> all = all_gather_strings(world, std::to_string(h));
+  std::string differ;
+  for (size_t r = 1; r < all.size(); ++r)
+    if (all[r] != all[0]) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+  TESSERA_CHECK(differ.empty(), "LoRA load_adapter '", name, "' from '", dir, "': rank(s) ", differ,
+                " read files that differ from rank 0's (every rank must read the same ", kConfig,
+                " and ", kWeights, ")");
+}
+
 }  // namespace
 
 void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
@@ -193,6 +217,7 @@ void LoraModel::load_adapter(const std::string& dir, const std::string& name) {
       values[key.substr(prefix.size())] = t;
     }
   });
+  check_same_files(dir, name, cfg, values);
   add_adapter(name, cfg);
   try {
     write_adapter(name, values);

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 
 #include "dist/checkpoint_models.h"
 #include "dist/checkpoint_util.h"
@@ -634,6 +635,19 @@ TEST(Lora, PeftFilesLoadOntoAnyMesh) {
   expect_error([&] { run.lora->load_adapter(where, "partly"); },
                {"LoRA load_adapter 'partly'", "[rank " + std::to_string(last) + "] cannot read '" +
                                                   dir + "/elsewhere/adapter_config.json'"});
+  // Files that differ between ranks (another run's adapter, same shapes, on the last rank):
+  // refused on every rank, naming it, rather than mixing windows of both.
+  if (world_size() > 1) {
+    LoraConfig other_values = lora_test_config(LoraInit::Random);
+    other_values.seed = 11;
+    LoraRun o = layouts.front().build(cfg, other_values);
+    o.lora->save_adapter(dir + "/other", "default");
+    const std::string mine = world_rank() == last ? dir + "/other" : dir + "/adapter";
+    expect_error([&] { run.lora->load_adapter(mine, "mixed"); },
+                 {"LoRA load_adapter 'mixed'",
+                  "rank(s) " + std::to_string(last) + " read files that differ from rank 0's"});
+    EXPECT_EQ(run.lora->adapters(), (std::vector<std::string>{"default"}));
+  }
   // A config that is not PEFT's.
   if (world_rank() == 0) {
     std::filesystem::create_directories(dir + "/notpeft");
@@ -683,6 +697,9 @@ TEST(Lora, BadUseIsAClearError) {
   bad = lora_test_config();
   bad.r = 0;
   expect_error([&] { apply_lora(m, bad); }, {"LoraConfig: r must be positive, got 0"});
+  bad = lora_test_config();
+  bad.lora_alpha = std::numeric_limits<double>::infinity();  // the adapter table cannot hold it
+  expect_error([&] { apply_lora(m, bad); }, {"lora_alpha must be positive and finite, got inf"});
   bad = lora_test_config();
   bad.bias = "all";
   expect_error([&] { apply_lora(m, bad); }, {"bias 'all' is not supported"});
