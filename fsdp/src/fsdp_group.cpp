@@ -231,10 +231,13 @@ void FSDPGroup::prefetch(bool forward) {
   }
   for (const auto& t : targets) {
     if (t.get() == this || t->unsharded_) continue;
-    if (forward)
+    if (forward) {
       t->start_gather();
-    else
+      // Under another root (an explicit target), its own forward may still come in this step.
+      if (t->schedule_ == schedule_) schedule_->forward_prefetched.push_back(t);
+    } else {
       schedule_->gather_through(t.get());  // in backward order, like every rank
+    }
   }
 }
 

@@ -25,6 +25,7 @@ void for_each_live(const Groups& groups, F&& f) {
 void FSDPSchedule::record_forward(const Group& group) {
   if (group->is_root_ && group->starts_step_) {
     if (backward_running) abandon();
+    drop_unused_prefetches(group.get());
     if (!order.empty()) last_order = std::move(order);
     order.clear();
     // A prefetch the last step issued for a group that then did not run would hold the shards
@@ -34,6 +35,13 @@ void FSDPSchedule::record_forward(const Group& group) {
     });
   }
   if (index_of(order, group.get()) < 0) order.push_back(group);
+}
+
+void FSDPSchedule::drop_unused_prefetches(const FSDPGroup* keep) {
+  for_each_live(forward_prefetched, [&](const Group& s) {
+    if (s.get() != keep && index_of(order, s.get()) < 0) s->drop_pending_gather();
+  });
+  forward_prefetched.clear();
 }
 
 FSDPSchedule::Group FSDPSchedule::next_in_forward(const FSDPGroup* g) const {
@@ -119,6 +127,7 @@ void FSDPSchedule::finalize() {
   // This rank's backward is over, and every other rank issues these reduce-scatters by the end
   // of its own.
   retire(/*block=*/true);
+  drop_unused_prefetches();
   auto settle = [](const Group& s) {
     s->drop_pending_gather();
     s->backward_pending_ = false;

@@ -37,6 +37,9 @@ struct FSDPSchedule : std::enable_shared_from_this<FSDPSchedule> {
   // backward and the next to reduce-scatter.
   std::vector<std::weak_ptr<FSDPGroup>> backward_order;
   size_t next_gather = 0, next_reduce = 0;
+  // The groups this step's forward prefetched (their all-gathers issued by another group's
+  // forward, before their own): see drop_unused_prefetches.
+  std::vector<std::weak_ptr<FSDPGroup>> forward_prefetched;
   // Issued reduce-scatters, oldest first; retired in this order.
   std::deque<std::weak_ptr<FSDPGroup>> in_flight;
   bool backward_running = false;
@@ -44,6 +47,12 @@ struct FSDPSchedule : std::enable_shared_from_this<FSDPSchedule> {
 
   // From each group's pre-forward; the root's starts a new step.
   void record_forward(const Group& group);
+  // At the end of backward, and when the root's next forward starts (a step without backward):
+  // a group prefetched in this step whose forward did not run (a block skipped) drops that
+  // all-gather, which holds its shards as they were, so that its next forward, after an
+  // optimizer step or a load, gathers them anew. Not at the end of the root's forward: modules
+  // under the root may run after it (heads applied to its output). `keep`'s is left alone.
+  void drop_unused_prefetches(const FSDPGroup* keep = nullptr);
   // The group after `g` in the previous step's forward order, and the one after it in this
   // step's backward order; null when none.
   Group next_in_forward(const FSDPGroup* g) const;

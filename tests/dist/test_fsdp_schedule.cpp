@@ -319,6 +319,70 @@ TEST(FSDPSchedule, UnshardBetweenForwardAndBackwardKeepsTheSavedWeights) {
   }
 }
 
+// A block that a forward may skip (as layer drop or a task head used every other step does).
+class SkippableBlock : public Module {
+ public:
+  SkippableBlock() : Module("SkippableBlock") {
+    Generator gen(41);
+    a = std::make_shared<Linear>(6, 6, true, gen);
+    b = std::make_shared<Linear>(6, 6, true, gen);
+    out = std::make_shared<Linear>(6, 2, true, gen);
+    register_module("a", a);
+    register_module("b", b);
+    register_module("out", out);
+  }
+  Tensor forward(const Tensor& x) override {
+    Tensor h = silu((*a)(x));
+    if (!skip_b) h = silu((*b)(h));
+    return (*out)(h);
+  }
+  bool skip_b = false;
+  std::shared_ptr<Linear> a, b, out;
+};
+
+// a's forward prefetches b, which ran after it in the previous step; when b then does not run,
+// that gather must not be what b's next forward uses: the shards were written meanwhile (an
+// optimizer step on gradients accumulated over micro-batches, a load), and b computed with the
+// weights from before (under no_grad silently; with grad, its backward refused them as modified).
+// Dropped at the end of backward (seen by an unshard() by hand before the next forward), or when
+// the next forward starts after a step without backward.
+TEST(FSDPSchedule, PrefetchOfAGroupThatDidNotRunIsNotUsedLater) {
+  for (bool grad : {false, true}) {
+    const std::string what = grad ? "skipped in a step with backward" : "skipped under no_grad";
+    auto net = std::make_shared<SkippableBlock>();
+    fully_shard(net->a, dp_mesh());
+    auto b = fully_shard(net->b, dp_mesh());
+    fully_shard(net, dp_mesh());
+    Generator gen(43);
+    Tensor x = randn({4, 6}, gen);
+    backward(mean(square((*net)(x))));
+    net->skip_b = true;
+    if (grad) {
+      backward(mean(square((*net)(x))));  // a prefetches b, which does not run
+    } else {
+      NoGradGuard no_grad;
+      (*net)(x);
+    }
+    for (Parameter* p : net->b->parameters())
+      p->fill_(0.25);
+    net->skip_b = false;
+    if (grad) {
+      b->unshard();  // by hand, before any forward
+    } else {
+      b->set_reshard_after_forward(false);  // keeps what b's forward gathered, to look at
+      NoGradGuard no_grad;
+      (*net)(x);
+    }
+    ASSERT_TRUE(b->is_unsharded()) << what;
+    for (Parameter* p : net->b->parameters())
+      for (double v : p->local().to_vector<double>())
+        ASSERT_EQ(v, 0.25) << what << ": " << p->str() << " holds the values from before the write";
+    b->reshard();
+    backward(mean(square((*net)(x))));
+    EXPECT_TRUE(net->b->weight.grad().defined()) << what;
+  }
+}
+
 // A frozen group between trainable ones has nothing to reduce, but must not hold back the
 // reduce-scatters after it in backward order: the block below it reduces, and frees its gathered
 // weights, as soon as its own backward is done, not at the end of backward.
