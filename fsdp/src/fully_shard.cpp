@@ -165,9 +165,15 @@ struct GroupBuilder {
     }
   }
 
-  static std::shared_ptr<FSDPGroup> make_group(
-      const ModulePtr& module, const DeviceMesh& mesh, const FSDPOptions& opts,
-      const std::vector<std::pair<std::string, Parameter*>>& params) {
+  // A group laid out and checked, its parameters not yet touched.
+  struct Planned {
+    std::shared_ptr<FSDPGroup> group;
+    Layout layout;
+  };
+
+  static Planned plan_group(const ModulePtr& module, const DeviceMesh& mesh,
+                            const FSDPOptions& opts,
+                            const std::vector<std::pair<std::string, Parameter*>>& params) {
     auto state = std::make_shared<FSDPGroup>();
     state->module_ = module;
     state->opts_ = opts;
@@ -176,11 +182,16 @@ struct GroupBuilder {
     state->gather_pg_ = detail::dedicated_group(shard_pg, "fsdp_all_gather");
     state->reduce_pg_ = detail::dedicated_group(shard_pg, "fsdp_reduce_scatter");
     if (hsdp) state->replicate_pg_ = detail::dedicated_group(mesh.group(0), "fsdp_replicate");
-    const int64_t k = shard_pg->size();
-    const Layout layout = lay_out(*state, *module, mesh, params, k);
-    shard_parameters(state, mesh, layout, k, mesh.local_rank(hsdp ? 1 : 0), hsdp);
-    detail::register_group(state);
-    return state;
+    Layout layout = lay_out(*state, *module, mesh, params, shard_pg->size());
+    return {std::move(state), std::move(layout)};
+  }
+
+  static std::shared_ptr<FSDPGroup> make_group(const Planned& plan, const DeviceMesh& mesh) {
+    const bool hsdp = mesh.ndim() == 2;
+    shard_parameters(plan.group, mesh, plan.layout, plan.group->gather_pg_->size(),
+                     mesh.local_rank(hsdp ? 1 : 0), hsdp);
+    detail::register_group(plan.group);
+    return plan.group;
   }
 };
 
@@ -248,9 +259,14 @@ std::shared_ptr<FSDPState> fully_shard(const ModulePtr& module, const DeviceMesh
   TESSERA_CHECK(mesh.ndim() == 1 || mesh.ndim() == 2, "fully_shard(", module->type_name(),
                 "): mesh ", mesh.str(),
                 " must be 1-D (FSDP) or 2-D (HSDP: replicate dim 0, shard dim 1)");
-  std::vector<std::shared_ptr<FSDPGroup>> groups;
+  // Every dtype group is laid out and checked before any parameter is sharded: a call that is
+  // refused changes nothing.
+  std::vector<GroupBuilder::Planned> plans;
   for (const auto& params : unclaimed_by_dtype(*module, live))
-    groups.push_back(GroupBuilder::make_group(module, mesh, opts, params));
+    plans.push_back(GroupBuilder::plan_group(module, mesh, opts, params));
+  std::vector<std::shared_ptr<FSDPGroup>> groups;
+  for (const auto& plan : plans)
+    groups.push_back(GroupBuilder::make_group(plan, mesh));
   // The call's groups share one schedule, and so does every group inside the module, whose
   // root this call now is.
   const auto schedule = std::make_shared<detail::FSDPSchedule>();

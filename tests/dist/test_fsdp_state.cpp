@@ -714,6 +714,45 @@ TEST(FullyShard, RootKeepsParametersUnshardedThroughBackward) {
     EXPECT_FALSE(p->is_unsharded());
 }
 
+// Float32 parameters, then a bfloat16 0-dimensional scale: two dtype groups, the second refused.
+class ScaledLinear : public Module {
+ public:
+  ScaledLinear() : Module("ScaledLinear") {
+    Generator gen(13);
+    offset = Parameter(full({4}, 0.5));
+    scale = Parameter(full({}, 2.0, DType::BFloat16));
+    fc = std::make_shared<Linear>(4, 4, true, gen);
+    register_parameter("offset", &offset);
+    register_parameter("scale", &scale);
+    register_module("fc", fc);
+  }
+  Tensor forward(const Tensor& x) override {
+    return mul(add((*fc)(x), offset.local()), scale.local().to(x.dtype()));
+  }
+  Parameter offset, scale;
+  std::shared_ptr<Linear> fc;
+};
+
+// fully_shard refuses a module, or changes nothing: a group refused after another dtype's was
+// built left that one's parameters sharded with no hooks to gather them (the module computed on
+// its shards, and a second call, after fixing the cause, found it already fully_shard'ed).
+TEST(FullyShard, ARefusedCallShardsNothing) {
+  auto net = std::make_shared<ScaledLinear>();
+  const auto before = net->state_dict();
+  expect_error([&] { fully_shard(net, dp_mesh()); },
+               {"fully_shard(ScaledLinear)", "'scale'", "0-dimensional"});
+  for (const auto& [name, p] : net->named_parameters()) {
+    EXPECT_FALSE(p->is_dtensor()) << name;
+    EXPECT_FALSE(is_fully_sharded(*p)) << name;
+  }
+  for (const auto& [name, t] : net->state_dict())
+    expect_close(t, before.at(name), 0, name);
+  // The cause removed, the module can be sharded.
+  net->scale = Parameter(full({1}, 2.0, DType::BFloat16));
+  auto state = fully_shard(net, dp_mesh());
+  EXPECT_EQ(state->parameters().size(), 4u);
+}
+
 TEST(FullyShard, MisuseErrors) {
   DeviceMesh mesh = dp_mesh();
   auto net = std::make_shared<Decoder>(small_decoder_config());
