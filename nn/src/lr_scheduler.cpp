@@ -287,9 +287,23 @@ void SequentialLR::load_state_dict(const std::map<std::string, double>& state) {
       TESSERA_CHECK(want.count(key), "SequentialLR::load_state_dict: unexpected key 'schedulers/",
                     k, "/", key, "'");
   }
-  LRScheduler::load_state_dict(own);
-  for (size_t k = 0; k < schedulers_.size(); ++k)
-    schedulers_[k]->load_state_dict(parts[k]);
+  // A part can still be refused by its own scheduler (a bad last_epoch): then what was loaded
+  // before it is put back, so that a refused load changes nothing.
+  std::vector<std::map<std::string, double>> before;
+  for (const auto& s : schedulers_)
+    before.push_back(s->state_dict());
+  const std::map<std::string, double> own_before = LRScheduler::state_dict();
+  size_t loaded = 0;
+  try {
+    LRScheduler::load_state_dict(own);
+    for (; loaded < schedulers_.size(); ++loaded)
+      schedulers_[loaded]->load_state_dict(parts[loaded]);
+  } catch (...) {
+    LRScheduler::load_state_dict(own_before);
+    for (size_t k = 0; k < loaded; ++k)
+      schedulers_[k]->load_state_dict(before[k]);
+    throw;
+  }
 }
 
 }  // namespace tessera

@@ -194,3 +194,19 @@ TEST(LRScheduler, BadArgumentsAndDictsAreClearErrors) {
   sd.erase("last_lr/1");
   expect_error([&] { sched.load_state_dict(sd); }, "missing key 'last_lr/1'");
 }
+
+// SequentialLR's load is all or nothing: a part its scheduler refuses (a bad last_epoch) left the
+// SequentialLR's own progress and the parts before it loaded, the rest not.
+TEST(LRScheduler, RefusedSequentialLoadChangesNothing) {
+  WarmupCosine saved, fresh, want;
+  for (int e = 0; e < 5; ++e)
+    saved.sched.step();
+  std::map<std::string, double> sd = saved.sched.state_dict();
+  sd["schedulers/1/last_epoch"] = 1.5;
+  const std::map<std::string, double> before = fresh.sched.state_dict();
+  expect_error([&] { fresh.sched.load_state_dict(sd); },
+               "CosineAnnealingLR::load_state_dict: last_epoch (1.5) is not a whole number");
+  EXPECT_EQ(fresh.sched.state_dict(), before);
+  EXPECT_EQ(fresh.sched.last_epoch(), 0);
+  expect_same_schedule(want, fresh, 6);
+}
