@@ -12,12 +12,16 @@ namespace tessera {
 LRScheduler::LRScheduler(Optimizer& optimizer, std::string name)
     : optimizer_(&optimizer), name_(std::move(name)) {
   // PyTorch's setdefault("initial_lr"): a second scheduler (the cosine after a warmup) takes the
-  // lr the first one started from, not the warmup's first value it finds in the group now.
-  for (size_t g = 0; g < optimizer.num_param_groups(); ++g) {
-    if (!optimizer.initial_lr(g))
-      optimizer.set_initial_lr(g, optimizer.hyperparameters(g).at("lr"));
-    base_lrs_.push_back(*optimizer.initial_lr(g));
-  }
+  // lr the first one started from, not the warmup's first value it finds in the group now. It is
+  // recorded on the optimizer once the derived constructor has checked its arguments
+  // (record_initial_lrs), so that a refused scheduler leaves the optimizer as it was.
+  for (size_t g = 0; g < optimizer.num_param_groups(); ++g)
+    base_lrs_.push_back(optimizer.initial_lr(g).value_or(optimizer.hyperparameters(g).at("lr")));
+}
+
+void LRScheduler::record_initial_lrs() {
+  for (size_t g = 0; g < base_lrs_.size(); ++g)
+    if (!optimizer_->initial_lr(g)) optimizer_->set_initial_lr(g, base_lrs_[g]);
 }
 
 std::vector<double> LRScheduler::group_lrs() const {
@@ -230,6 +234,7 @@ SequentialLR::SequentialLR(Optimizer& optimizer,
   for (size_t k = 0; k < milestones_.size(); ++k)
     TESSERA_CHECK(milestones_[k] > (k == 0 ? 0 : milestones_[k - 1]), "SequentialLR: milestone ", k,
                   " (", milestones_[k], ") must be positive and after the one before");
+  record_initial_lrs();
   // As PyTorch: back to the initial lrs, every scheduler one epoch back (each stepped once when
   // built), and the first one's epoch 0 applied again.
   last_epoch_ = 0;

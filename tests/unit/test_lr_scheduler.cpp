@@ -195,6 +195,23 @@ TEST(LRScheduler, BadArgumentsAndDictsAreClearErrors) {
   expect_error([&] { sched.load_state_dict(sd); }, "missing key 'last_lr/1'");
 }
 
+// A scheduler its constructor refuses records no initial lr on the optimizer: the next one starts
+// from the lrs the groups have then (a refused LinearLR left the lrs of then as the base lrs).
+TEST(LRScheduler, RefusedSchedulerRecordsNoInitialLr) {
+  TwoGroups s;
+  expect_error([&] { LinearLR(s.opt, 2.0); }, "LinearLR: start_factor (2) must be in (0, 1]");
+  expect_error([&] { StepLR(s.opt, 0); }, "StepLR: step_size (0) must be positive");
+  expect_error([&] { CosineAnnealingLR(s.opt, 0); }, "CosineAnnealingLR: t_max (0) must be");
+  const std::vector<std::function<double(int64_t)>> one = {[](int64_t) { return 1.0; }};
+  expect_error([&] { LambdaLR(s.opt, one); }, "LambdaLR: expected 2 lr_lambdas");
+  EXPECT_FALSE(s.opt.initial_lr(0).has_value());
+  EXPECT_FALSE(s.opt.initial_lr(1).has_value());
+  s.opt.set_lr(0.05);
+  StepLR sched(s.opt, 2);
+  EXPECT_EQ(sched.base_lrs(), (std::vector<double>{0.05, 0.05}));
+  EXPECT_EQ(s.opt.initial_lr(1), 0.05);
+}
+
 // SequentialLR's load is all or nothing: a part its scheduler refuses (a bad last_epoch) left the
 // SequentialLR's own progress and the parts before it loaded, the rest not.
 TEST(LRScheduler, RefusedSequentialLoadChangesNothing) {

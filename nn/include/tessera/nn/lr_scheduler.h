@@ -36,10 +36,16 @@ class LRScheduler {
   virtual void load_state_dict(const std::map<std::string, double>& state);
 
  protected:
-  // Records each group's initial lr on the optimizer if no scheduler has yet.
+  // Takes each group's base lr: its initial lr if a scheduler recorded one, else its lr now.
   LRScheduler(Optimizer& optimizer, std::string name);
+  // Records the base lrs as the optimizer's initial lrs where none is yet: once the arguments
+  // are checked, so that a scheduler refused by its constructor changes nothing.
+  void record_initial_lrs();
   // PyTorch's _initial_step: the last line of each derived constructor.
-  void initial_step() { step(); }
+  void initial_step() {
+    record_initial_lrs();
+    step();
+  }
   // The lrs for last_epoch_: PyTorch's get_lr() (from each group's current lr) and
   // _get_closed_form_lr() (from the base lrs), which SequentialLR uses at its milestones.
   virtual std::vector<double> get_lr() const = 0;
