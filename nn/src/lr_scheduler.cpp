@@ -32,19 +32,35 @@ std::vector<double> LRScheduler::group_lrs() const {
 }
 
 void LRScheduler::set_lrs(const std::vector<double>& lrs) {
+  // Every group's lr is checked before any is set.
+  for (size_t g = 0; g < lrs.size(); ++g)
+    optimizer_->validate_hyperparameters(g, {{"lr", lrs[g]}});
   for (size_t g = 0; g < lrs.size(); ++g)
     optimizer_->set_hyperparameters(g, {{"lr", lrs[g]}});
   last_lr_ = group_lrs();
 }
 
 void LRScheduler::step() {
+  // A step refused (an lr out of range, a lambda that throws) changes nothing.
+  const int64_t before = last_epoch_;
   ++last_epoch_;
-  set_lrs(get_lr());
+  try {
+    set_lrs(get_lr());
+  } catch (...) {
+    last_epoch_ = before;
+    throw;
+  }
 }
 
 void LRScheduler::restart() {
+  const int64_t before = last_epoch_;
   last_epoch_ = 0;
-  set_lrs(closed_form_lr());
+  try {
+    set_lrs(closed_form_lr());
+  } catch (...) {
+    last_epoch_ = before;
+    throw;
+  }
 }
 
 std::map<std::string, double> LRScheduler::state_dict() const {
@@ -246,14 +262,15 @@ SequentialLR::SequentialLR(Optimizer& optimizer,
 }
 
 void SequentialLR::step() {
-  ++last_epoch_;
-  const size_t k = size_t(std::upper_bound(milestones_.begin(), milestones_.end(), last_epoch_) -
-                          milestones_.begin());
+  const int64_t e = last_epoch_ + 1;
+  const size_t k =
+      size_t(std::upper_bound(milestones_.begin(), milestones_.end(), e) - milestones_.begin());
   LRScheduler& s = *schedulers_[k];
-  if (k > 0 && milestones_[k - 1] == last_epoch_)
+  if (k > 0 && milestones_[k - 1] == e)
     s.restart();
   else
     s.step();
+  last_epoch_ = e;  // once the scheduler's step went through
   last_lr_ = s.get_last_lr();
 }
 

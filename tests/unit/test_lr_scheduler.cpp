@@ -212,6 +212,35 @@ TEST(LRScheduler, RefusedSchedulerRecordsNoInitialLr) {
   EXPECT_EQ(s.opt.initial_lr(1), 0.05);
 }
 
+// A step refused (an lr out of range for one group) changes nothing: group 0's lr was set and the
+// epoch counted before group 1's was refused.
+TEST(LRScheduler, RefusedStepChangesNothing) {
+  TwoGroups s;
+  LambdaLR sched(s.opt, std::vector<std::function<double(int64_t)>>{
+                            [](int64_t e) { return 1.0 / double(e + 1); },
+                            [](int64_t e) { return e == 2 ? -1.0 : 1.0; }});
+  sched.step();
+  const std::vector<double> lrs = sched.get_last_lr();
+  expect_error([&] { sched.step(); }, "SGD param group 1: lr (-0.04) must be non-negative");
+  EXPECT_EQ(sched.last_epoch(), 1);
+  EXPECT_EQ(sched.get_last_lr(), lrs);
+  EXPECT_EQ(s.opt.hyperparameters(0).at("lr"), lrs[0]);
+  EXPECT_EQ(s.opt.hyperparameters(1).at("lr"), lrs[1]);
+  // Inside a SequentialLR too, at a milestone's restart as well.
+  TwoGroups t;
+  bool armed = false;  // the restart at the milestone gets a negative lr
+  auto bad = [&armed](int64_t) { return armed ? -1.0 : 1.0; };
+  auto warm = std::make_shared<LinearLR>(t.opt, 0.5, 1.0, 2);
+  auto rest = std::make_shared<LambdaLR>(
+      t.opt, std::vector<std::function<double(int64_t)>>{[](int64_t) { return 1.0; }, bad});
+  SequentialLR seq(t.opt, {warm, rest}, {1});
+  const std::map<std::string, double> before = seq.state_dict();
+  armed = true;
+  expect_error([&] { seq.step(); }, "SGD param group 1: lr (-0.04) must be non-negative");
+  EXPECT_EQ(seq.state_dict(), before);
+  EXPECT_EQ(t.opt.hyperparameters(0).at("lr"), before.at("last_lr/0"));
+}
+
 // SequentialLR's load is all or nothing: a part its scheduler refuses (a bad last_epoch) left the
 // SequentialLR's own progress and the parts before it loaded, the rest not.
 TEST(LRScheduler, RefusedSequentialLoadChangesNothing) {
