@@ -64,7 +64,7 @@ void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed
         for (int64_t i = 0; i < r.length; ++i) {
           uint64_t g = base + uint64_t(gbase + r.offset[1] + i * r.stride[1]);
           p[r.offset[0] + i * r.stride[0]] =
-              T(compute_t<T>(kernels::portable::philox_value(seed, kind, a, b, g)));
+              kernels::portable::philox_element<T>(seed, kind, a, b, g);
         }
       });
     }

@@ -111,3 +111,19 @@ TEST(Random, BadWindowIsAnError) {
     EXPECT_NE(std::string(e.what()).find("exceeds global shape [4, 6]"), std::string::npos);
   }
 }
+
+TEST(Random, UniformStaysBelowItsUpperBoundInEveryDtype) {
+  // The value before rounding lies in [a, b); rounded to a 16-bit dtype it reached b (about one
+  // bfloat16 draw in 512 was exactly 1.0). As in PyTorch, such a value becomes a.
+  for (DType dt : {DType::BFloat16, DType::Float16, DType::Float32, DType::Float64}) {
+    Generator gen(11);
+    const std::vector<double> u = rand({1 << 16}, gen, dt).to_vector<double>();
+    EXPECT_GE(*std::min_element(u.begin(), u.end()), 0.0) << dtype_name(dt);
+    EXPECT_LT(*std::max_element(u.begin(), u.end()), 1.0) << dtype_name(dt);
+    Tensor w = empty({1 << 16}, dt);
+    uniform_(w, -2.0, 3.0, gen);
+    const std::vector<double> v = w.to_vector<double>();
+    EXPECT_GE(*std::min_element(v.begin(), v.end()), -2.0) << dtype_name(dt);
+    EXPECT_LT(*std::max_element(v.begin(), v.end()), 3.0) << dtype_name(dt);
+  }
+}

@@ -300,4 +300,17 @@ TESSERA_HOST_DEVICE inline double philox_value(uint64_t seed, RandomKind kind, d
   return 0;
 }
 
+// Element `i` of the draw rounded to the element type T. A uniform value lies in [a, b) before
+// rounding, but rounding to T can reach b (1 - 2^-10 is 1 in bfloat16, so rand gave exactly 1
+// about once in 512 draws there); that value becomes a, as PyTorch's uniform_ does, so the draw
+// stays in [a, b) in every dtype.
+template <class T>
+TESSERA_HOST_DEVICE inline T philox_element(uint64_t seed, RandomKind kind, double a, double b,
+                                            uint64_t i) {
+  using C = compute_t<T>;
+  const T v = T(C(philox_value(seed, kind, a, b, i)));
+  if (kind == RandomKind::Uniform && C(v) == C(T(C(b)))) return T(C(a));
+  return v;
+}
+
 }  // namespace tessera::kernels::portable

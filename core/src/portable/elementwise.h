@@ -240,8 +240,7 @@ struct PhiloxFn {
   TESSERA_HOST_DEVICE void operator()(int64_t i) const {
     int64_t off[2];
     ix.offsets(i, off);
-    const double v = philox_value(seed, kind, a, b, first + uint64_t(off[1]));
-    out[off[0]] = T(compute_t<T>(v));
+    out[off[0]] = philox_element<T>(seed, kind, a, b, first + uint64_t(off[1]));
   }
 };
 
