@@ -353,6 +353,25 @@ TEST(ReduceAutograd, AmaxSplitsGradientAmongTies) {
   expect_close(y.grad(), {1.0 / 3, 1.0 / 3, 0, 1.0 / 3}, 1e-15, 0);
 }
 
+TEST(ReduceAutograd, AmaxOfASliceHoldingNaNHasNaNGradients) {
+  // torch's amax backward is (g / mask.sum(dims)) * mask with mask = (x == amax): a NaN maximum
+  // equals no element, so the whole slice gets g / 0 * 0 = NaN rather than a silent zero.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  Tensor x = leaf({1, 2, nan, 0, 3, 3}, {3, 2});
+  backward(tessera::amax(x, {1}), from_vector<double>({4, 5, 6}));
+  const std::vector<double> g = x.grad().to_vector<double>();
+  EXPECT_EQ(g[0], 0.0);
+  EXPECT_EQ(g[1], 4.0);
+  EXPECT_TRUE(std::isnan(g[2]));
+  EXPECT_TRUE(std::isnan(g[3]));
+  EXPECT_EQ(g[4], 3.0);
+  EXPECT_EQ(g[5], 3.0);
+  Tensor y = leaf({2, nan, 1}, {3});
+  backward(tessera::amax(y));
+  for (double v : y.grad().to_vector<double>())
+    EXPECT_TRUE(std::isnan(v)) << v;
+}
+
 TEST(ReduceAutograd, ValuesAndGradientShapes) {
   Tensor x = from_vector<float>({1, 2, 3, 4, 5, 6}, {2, 3});
   x.set_requires_grad(true);

@@ -85,11 +85,12 @@ class AmaxFn final : public autograd::Function {
     const Tensor& x = saved_tensors()[0];
     const Tensor& out = saved_tensors()[1];
     const Tensor g = kernels::reshape(grads[0], keep_);
-    // Ties share the gradient evenly: each maximal element gets g / (number of maxima).
-    Tensor is_max = kernels::compare(CompareOp::Eq, x, out);
-    Tensor count = kernels::sum(is_max, dims_, /*keepdim=*/true).to(g.dtype());
-    Tensor share = kernels::binary(BinaryOp::Div, g, count);
-    return {kernels::where(is_max, share, zeros({}, TensorOptions(g.dtype(), g.device())))};
+    // Ties share the gradient evenly: each maximal element gets g / (number of maxima), as
+    // torch's (g / mask.sum(dims)) * mask. A slice whose maximum is NaN has no element equal to
+    // it, so all of its gradient is g / 0 * 0 = NaN there, as in torch (not a silent 0).
+    Tensor mask = kernels::compare(CompareOp::Eq, x, out).to(g.dtype());
+    Tensor count = kernels::sum(mask, dims_, /*keepdim=*/true);
+    return {kernels::binary(BinaryOp::Mul, kernels::binary(BinaryOp::Div, g, count), mask)};
   }
 
  private:

@@ -75,7 +75,8 @@ Tensor operator-(const Tensor& x);
 // --- reductions ---
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
 Tensor mean(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
-// Gradient flows to the maximal elements (split evenly among ties).
+// Gradient flows to the maximal elements (split evenly among ties); a slice whose maximum is NaN
+// gets NaN gradients, as in PyTorch.
 Tensor amax(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
 
 // --- linear algebra ---
