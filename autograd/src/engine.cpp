@@ -110,6 +110,12 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
       g = grad_outputs[i];
       TESSERA_CHECK(g.shape() == out.shape(), "backward: gradient shape ", shape_str(g.shape()),
                     " does not match output shape ", shape_str(out.shape()));
+      TESSERA_CHECK(g.device() == out.device(), "backward: gradient ", g.str(), " for output ", i,
+                    " (", out.str(), ") is on another device");
+      // As PyTorch's engine, a gradient of another dtype is cast to the output's: every node
+      // computes in the dtypes of its forward (a float64 gradient met a float32 matmul's saved
+      // operands and failed inside the backward).
+      if (g.dtype() != out.dtype()) g = g.to(out.dtype());
     }
     accumulate(buffers[e.function.get()], e.input_nr, e.function->num_outputs(), g, nullptr);
     roots.push_back(e.function);

@@ -228,6 +228,24 @@ TEST(AutogradEngine, NonScalarNeedsGradientAndShapesAreChecked) {
   EXPECT_THROW(backward(y, ones({3}, DType::Float64)), Error);
 }
 
+TEST(AutogradEngine, AGradientOfAnotherDtypeIsCastToTheOutputs) {
+  // As torch.autograd.backward(y, grad): the gradient takes the output's dtype before any node
+  // sees it (a float64 gradient reached a float32 matmul's backward and failed there).
+  Tensor x = ones({2, 3}, DType::Float32).set_requires_grad(true);
+  Tensor w = full({3, 4}, 2.0, DType::Float32);
+  Tensor y = matmul(x, w);
+  DType seen = DType::Bool;
+  register_hook(y, [&](const Tensor& g) {
+    seen = g.dtype();
+    return Tensor();
+  });
+  backward(y, full({2, 4}, 0.5, DType::Float64));
+  EXPECT_EQ(seen, DType::Float32);
+  ASSERT_TRUE(x.grad().defined());
+  EXPECT_EQ(x.grad().dtype(), DType::Float32);
+  EXPECT_EQ(x.grad().to_vector<float>(), std::vector<float>(6, 4.0f));
+}
+
 TEST(AutogradEngine, ViewsAreDifferentiable) {
   Tensor x = leaf({0, 1, 2, 3, 4, 5}, {2, 3});
   Tensor t = transpose(x, 0, 1);            // [3, 2]

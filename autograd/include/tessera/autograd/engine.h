@@ -7,7 +7,8 @@
 
 namespace tessera {
 
-// Backpropagates from `outputs`. Without grad_outputs each output must be a scalar and gets 1.
+// Backpropagates from `outputs`. Without grad_outputs each output must be a scalar and gets 1; a
+// gradient given in another dtype is cast to its output's (PyTorch's engine does the same).
 // Saved tensors are freed as each node runs unless retain_graph.
 void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& grad_outputs = {},
               bool retain_graph = false);
