@@ -408,6 +408,26 @@ TEST(Compare, IntegerAgainstFractionalScalarAndBool) {
   EXPECT_TRUE(kernels::compare(CompareOp::Ne, nan, nan).item<bool>());
 }
 
+TEST(Compare, Int64AgainstAScalarJustPastItsRange) {
+  // 2^63 is the double nearest INT64_MAX: it is not an int64, so the tensor compares against it
+  // as a double (converted to int64 it became INT64_MIN, and 5 < 2^63 read false).
+  const double two63 = 9223372036854775808.0;
+  Tensor a = from_vector<int64_t>({5, -5, std::numeric_limits<int64_t>::min()});
+  EXPECT_EQ(kernels::compare_scalar(CompareOp::Lt, a, two63).to_vector<bool>(),
+            (std::vector<bool>{true, true, true}));
+  EXPECT_EQ(kernels::compare_scalar(CompareOp::Eq, a, -two63).to_vector<bool>(),
+            (std::vector<bool>{false, false, true}));
+  // The largest double below 2^63 is an int64 and compares exactly.
+  Tensor big = from_vector<int64_t>({int64_t(9223372036854774784LL), 9223372036854774785LL});
+  EXPECT_EQ(kernels::compare_scalar(CompareOp::Eq, big, 9223372036854774784.0).to_vector<bool>(),
+            (std::vector<bool>{true, false}));
+  // Arithmetic with it is refused rather than wrapping by INT64_MIN.
+  EXPECT_THROW(kernels::binary_scalar(BinaryOp::Add, a, two63), Error);
+  Tensor m = a.clone();
+  EXPECT_THROW(kernels::mul_scalar_(m, two63), Error);
+  EXPECT_EQ(m.to_vector<int64_t>(), a.to_vector<int64_t>());
+}
+
 // --- in place ---
 
 TEST(InPlace, AddBroadcastAlphaAndStridedDestination) {

@@ -199,8 +199,7 @@ Tensor compare_scalar(CompareOp op, const Tensor& a, double s) {
     } else if constexpr (std::is_same_v<C, bool>) {
       run(double(s));
     } else {
-      const bool fits = s == std::trunc(s) && s >= double(std::numeric_limits<C>::lowest()) &&
-                        s <= double(std::numeric_limits<C>::max());
+      const bool fits = portable::holds_integer<C>(s);
       if (fits) {
         run(C(s));
       } else {

@@ -110,15 +110,23 @@ inline void check_binary_dtype(const char* name, BinaryOp op, DType dt, const Te
                 int_op(op) ? " or int32/int64" : "", ")");
 }
 
+// Whether the double `s` is an integer the signed integer type C holds. The upper bound is
+// compared as -lowest (2^63 for int64, exact in a double), not as max: 2^63 - 1 rounds up to
+// 2^63 as a double, which `s <= max` let through to an undefined conversion (INT64_MIN on x86).
+template <class C>
+bool holds_integer(double s) {
+  static_assert(std::is_integral_v<C> && std::is_signed_v<C>);
+  return s == std::trunc(s) && s >= double(std::numeric_limits<C>::lowest()) &&
+         s < -double(std::numeric_limits<C>::lowest());
+}
+
 // The scalar in the tensor's compute type. Integer tensors keep their dtype, so the scalar must
 // be an integer they can hold; anything else is an error rather than a silent truncation.
 template <class C>
 C scalar_as(const char* name, DType dt, double s) {
   if constexpr (std::is_integral_v<C>) {
-    TESSERA_CHECK(std::isfinite(s) && s == std::trunc(s) &&
-                      s >= double(std::numeric_limits<C>::lowest()) &&
-                      s <= double(std::numeric_limits<C>::max()),
-                  name, ": scalar ", s, " cannot be applied to a ", dtype_name(dt),
+    TESSERA_CHECK(std::isfinite(s) && holds_integer<C>(s), name, ": scalar ", s,
+                  " cannot be applied to a ", dtype_name(dt),
                   " tensor (needs an integer in range; cast the tensor to a floating dtype)");
   } else {
     (void)name;

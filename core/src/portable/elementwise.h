@@ -417,8 +417,7 @@ struct Elementwise {
       } else if constexpr (std::is_same_v<C, bool>) {
         go(double(s));
       } else {
-        const bool fits = s == std::trunc(s) && s >= double(std::numeric_limits<C>::lowest()) &&
-                          s <= double(std::numeric_limits<C>::max());
+        const bool fits = holds_integer<C>(s);
         if (fits) {
           go(C(s));
         } else {
