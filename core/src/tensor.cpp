@@ -1,5 +1,6 @@
 #include "tessera/core/tensor.h"
 
+#include <cmath>
 #include <cstring>
 #include <ostream>
 
@@ -227,6 +228,16 @@ Tensor& Tensor::copy_(const Tensor& src) {
 }
 
 Tensor& Tensor::fill_(double value) {
+  // An integer dtype takes the value truncated, as PyTorch, but only when it holds it: the
+  // conversion of NaN or of a value out of range is undefined (int64 filled with 2^63 got
+  // INT64_MIN). Checked before the empty case so that every shard of a tensor agrees.
+  if (dtype() == DType::Int64 || dtype() == DType::Int32) {
+    const bool held = dtype() == DType::Int64
+                          ? kernels::portable::holds_integer<int64_t>(std::trunc(value))
+                          : kernels::portable::holds_integer<int32_t>(std::trunc(value));
+    TESSERA_CHECK(held, "fill_: value ", value, " cannot be converted to ", dtype_name(dtype()),
+                  " without overflow (", str(), ")");
+  }
   refuse_untracked_write(*this, "fill_");
   if (numel() == 0) return count_empty_write(*this);
   kernels::fill_(*this, value);

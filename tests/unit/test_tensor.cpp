@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "tessera/tessera.h"
@@ -264,6 +265,25 @@ TEST(Tensor, CopyIntoSelfOverlappingDestinationIsAnError) {
   Tensor dst = zeros({2, 3});
   dst.copy_(kernels::expand(from_vector<float>({1, 2, 3}), {2, 3}));
   EXPECT_EQ(dst.to_vector<float>(), (std::vector<float>{1, 2, 3, 1, 2, 3}));
+}
+
+TEST(Tensor, FillingAnIntegerTensorWithAValueItCannotHoldIsAnError) {
+  // As torch's fill_: the value is truncated, but NaN or one out of range is refused (the
+  // conversion is undefined: an int64 filled with 2^63 held INT64_MIN).
+  const double two63 = 9223372036854775808.0;
+  Tensor a = zeros({2}, DType::Int64);
+  EXPECT_THROW(a.fill_(two63), Error);
+  EXPECT_THROW(a.fill_(std::nan("")), Error);
+  EXPECT_EQ(a.to_vector<int64_t>(), (std::vector<int64_t>{0, 0}));
+  a.fill_(-two63);
+  EXPECT_EQ(a.to_vector<int64_t>()[0], std::numeric_limits<int64_t>::min());
+  a.fill_(-2.7);
+  EXPECT_EQ(a.to_vector<int64_t>(), (std::vector<int64_t>{-2, -2}));
+  EXPECT_THROW(full({3}, 3e9, DType::Int32), Error);
+  EXPECT_EQ(full({1}, 2147483647.9, DType::Int32).item<int32_t>(), 2147483647);
+  // An empty shard refuses it as well, so every rank of a sharded fill agrees.
+  Tensor none = zeros({0}, DType::Int32);
+  EXPECT_THROW(none.fill_(-3e9), Error);
 }
 
 TEST(Tensor, AllocatorCountsEveryByte) {
