@@ -64,6 +64,13 @@ Tensor arange(int64_t end, TensorOptions opts) {
 
 Tensor arange(double start, double end, double step, TensorOptions opts) {
   TESSERA_CHECK(step != 0, "arange: step must be non-zero");
+  // As PyTorch: an infinite or NaN bound or step, or a step pointing away from the end, is an
+  // error (the length's conversion to an integer was undefined for the first, and both gave an
+  // empty tensor where torch.arange refuses).
+  TESSERA_CHECK(std::isfinite(start) && std::isfinite(end) && std::isfinite(step),
+                "arange: unsupported range: ", start, " -> ", end, " with step ", step);
+  TESSERA_CHECK((step > 0 && end >= start) || (step < 0 && end <= start), "arange: the range ",
+                start, " -> ", end, " is inconsistent with the sign of step ", step);
   int64_t n = std::max<int64_t>(0, int64_t(std::ceil((end - start) / step)));
   Tensor host = empty({n}, TensorOptions(opts.dtype, Device::cpu()));
   dispatch_dtype(opts.dtype, [&]<class T>() {

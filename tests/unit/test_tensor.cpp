@@ -303,6 +303,14 @@ TEST(Tensor, AllocatorCountsEveryByte) {
 
 TEST(Tensor, FactoriesAndItem) {
   EXPECT_EQ(arange(2, 8, 2, DType::Int64).to_vector<int64_t>(), (std::vector<int64_t>{2, 4, 6}));
+  EXPECT_EQ(arange(3, 0, -1.5, DType::Float64).to_vector<double>(), (std::vector<double>{3, 1.5}));
+  EXPECT_EQ(arange(4, 4, 1).numel(), 0);
+  // As torch.arange: a step away from the end, or a bound that is not finite, is an error (an
+  // empty tensor before; the infinite bound's length conversion was undefined).
+  EXPECT_THROW(arange(5, 0, 1), Error);
+  EXPECT_THROW(arange(-3), Error);
+  EXPECT_THROW(arange(0, std::numeric_limits<double>::infinity(), 1), Error);
+  EXPECT_THROW(arange(0, std::nan(""), 1), Error);
   EXPECT_EQ(full({2}, 3.5, DType::BFloat16).to_vector<float>(), (std::vector<float>{3.5f, 3.5f}));
   EXPECT_EQ(ones({2, 2}, DType::Bool).to_vector<bool>(), std::vector<bool>(4, true));
   EXPECT_EQ(scalar_tensor(4.0).item<float>(), 4.0f);
