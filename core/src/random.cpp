@@ -73,8 +73,18 @@ void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed
 
 }  // namespace kernels::cpu
 
+void check_random_fill(DType dtype, RandomKind kind, double a, double b, const char* op) {
+  TESSERA_CHECK(is_floating(dtype), op, ": random fill of a ", dtype_name(dtype),
+                " tensor: needs a floating dtype");
+  if (kind == RandomKind::Uniform)
+    TESSERA_CHECK(std::isfinite(a) && std::isfinite(b) && a <= b, op,
+                  ": expects a [low, high) range of finite bounds, got low=", a, ", high=", b);
+  if (kind == RandomKind::Normal) TESSERA_CHECK(b >= 0, op, ": expects std >= 0, got std=", b);
+}
+
 namespace {
-void fill_whole(Tensor& t, RandomKind kind, double a, double b, Generator& gen) {
+void fill_whole(Tensor& t, RandomKind kind, double a, double b, Generator& gen, const char* op) {
+  check_random_fill(t.dtype(), kind, a, b, op);
   uint64_t base = gen.advance(uint64_t(t.numel()));
   philox_fill(t, kind, a, b, gen.seed(), base, {t.shape(), Shape(t.dim(), 0)});
 }
@@ -82,21 +92,23 @@ void fill_whole(Tensor& t, RandomKind kind, double a, double b, Generator& gen) 
 
 Tensor rand(const Shape& shape, Generator& gen, DType dtype) {
   Tensor t = empty(shape, dtype);
-  return uniform_(t, 0.0, 1.0, gen);
+  fill_whole(t, RandomKind::Uniform, 0.0, 1.0, gen, "rand");
+  return t;
 }
 
 Tensor randn(const Shape& shape, Generator& gen, DType dtype) {
   Tensor t = empty(shape, dtype);
-  return normal_(t, 0.0, 1.0, gen);
+  fill_whole(t, RandomKind::Normal, 0.0, 1.0, gen, "randn");
+  return t;
 }
 
 Tensor& uniform_(Tensor& t, double low, double high, Generator& gen) {
-  fill_whole(t, RandomKind::Uniform, low, high, gen);
+  fill_whole(t, RandomKind::Uniform, low, high, gen, "uniform_");
   return t;
 }
 
 Tensor& normal_(Tensor& t, double mean, double std, Generator& gen) {
-  fill_whole(t, RandomKind::Normal, mean, std, gen);
+  fill_whole(t, RandomKind::Normal, mean, std, gen, "normal_");
   return t;
 }
 
@@ -116,6 +128,8 @@ double kaiming_uniform_bound(const Shape& global_shape, double a, FanMode mode) 
 }
 
 Tensor& kaiming_uniform_(Tensor& t, Generator& gen, double a, FanMode mode) {
+  // As PyTorch: a tensor of no elements is left alone (its fans may be 0, the bound infinite).
+  if (shape_numel(t.shape()) == 0) return t;
   double bound = kaiming_uniform_bound(t.shape(), a, mode);
   return uniform_(t, -bound, bound, gen);
 }
@@ -126,6 +140,8 @@ double xavier_uniform_bound(const Shape& global_shape, double gain) {
 }
 
 Tensor& xavier_uniform_(Tensor& t, Generator& gen, double gain) {
+  // As PyTorch: a tensor of no elements is left alone (its fans may be 0, the bound infinite).
+  if (shape_numel(t.shape()) == 0) return t;
   double bound = xavier_uniform_bound(t.shape(), gain);
   return uniform_(t, -bound, bound, gen);
 }

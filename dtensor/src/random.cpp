@@ -34,6 +34,7 @@ void check_same_generator(const DTensorSpec& s, const Generator& gen, const char
 DTensor& fill_window(DTensor& t, RandomKind kind, double a, double b, Generator& gen,
                      const char* op) {
   const DTensorSpec& s = t.spec();
+  check_random_fill(s.dtype, kind, a, b, op);
   check_same_generator(s, gen, op);
   uint64_t base = gen.advance(uint64_t(shape_numel(s.global_shape)));
   Tensor local = t.to_local();
@@ -98,11 +99,15 @@ DTensor dropout(const DTensor& x, double p, bool training, Generator& gen) {
 }
 
 DTensor& kaiming_uniform_(DTensor& t, Generator& gen, double a, FanMode mode) {
+  // As PyTorch: a tensor of no elements is left alone (its fans may be 0, the bound infinite).
+  if (shape_numel(t.shape()) == 0) return t;
   double bound = kaiming_uniform_bound(t.shape(), a, mode);
   return uniform_(t, -bound, bound, gen);
 }
 
 DTensor& xavier_uniform_(DTensor& t, Generator& gen, double gain) {
+  // As PyTorch: a tensor of no elements is left alone (its fans may be 0, the bound infinite).
+  if (shape_numel(t.shape()) == 0) return t;
   double bound = xavier_uniform_bound(t.shape(), gain);
   return uniform_(t, -bound, bound, gen);
 }

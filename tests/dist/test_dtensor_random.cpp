@@ -156,3 +156,17 @@ TEST(DTensorRandom, RanksWithDifferentGeneratorStatesFailTogether) {
   EXPECT_NO_THROW(rand({4, 3}, mesh, {Replicate()}, same));
   EXPECT_EQ(same.offset(), 12u);
 }
+
+TEST(DTensorRandom, BadArgumentsAreRefusedOnEveryRankBeforeTheGeneratorMoves) {
+  DeviceMesh mesh({world_size()}, {"x"});
+  DTensor t = distribute_tensor(zeros({5, 3}), mesh, {Shard(0)});
+  Generator gen(kSeed);
+  tessera::testing::expect_error([&] { uniform_(t, 1.0, -1.0, gen); },
+                                 {"uniform_: expects a [low, high) range", "low=1, high=-1"});
+  tessera::testing::expect_error([&] { normal_(t, 0.0, -2.0, gen); },
+                                 {"normal_: expects std >= 0"});
+  EXPECT_EQ(gen.offset(), 0u);
+  DTensor none = distribute_tensor(zeros({4, 0}), mesh, {Shard(0)});
+  EXPECT_NO_THROW(kaiming_uniform_(none, gen));
+  EXPECT_EQ(gen.offset(), 0u);
+}

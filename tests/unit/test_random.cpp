@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "tessera/tessera.h"
+#include "tessera/testing/expect_error.h"
 
 using namespace tessera;
 
@@ -126,4 +127,29 @@ TEST(Random, UniformStaysBelowItsUpperBoundInEveryDtype) {
     EXPECT_GE(*std::min_element(v.begin(), v.end()), -2.0) << dtype_name(dt);
     EXPECT_LT(*std::max_element(v.begin(), v.end()), 3.0) << dtype_name(dt);
   }
+}
+
+TEST(Random, BadArgumentsAreRefusedBeforeTheGeneratorMoves) {
+  // PyTorch's checks: uniform_ needs finite low <= high, normal_ std >= 0, a fill a floating
+  // dtype. A refused call leaves the generator where it was, so the next draw is the one the
+  // program would have made without it.
+  Generator gen(3);
+  Tensor t = empty({4, 2});
+  tessera::testing::expect_error([&] { uniform_(t, 3.0, 1.0, gen); },
+                                 {"uniform_: expects a [low, high) range", "low=3, high=1"});
+  tessera::testing::expect_error([&] { uniform_(t, 0.0, INFINITY, gen); }, {"high=inf"});
+  tessera::testing::expect_error([&] { normal_(t, 0.0, -1.0, gen); },
+                                 {"normal_: expects std >= 0, got std=-1"});
+  Tensor ints = zeros({4}, DType::Int64);
+  tessera::testing::expect_error([&] { uniform_(ints, 0.0, 1.0, gen); },
+                                 {"uniform_: random fill of a int64 tensor"});
+  EXPECT_EQ(gen.offset(), 0u);
+  // A tensor of no elements (fan in 0: an infinite bound) is left alone, as in PyTorch.
+  Tensor none = empty({4, 0});
+  EXPECT_NO_THROW(kaiming_uniform_(none, gen));
+  EXPECT_NO_THROW(xavier_uniform_(none, gen));
+  // Equal bounds are a valid range: every element is low.
+  uniform_(t, 2.0, 2.0, gen);
+  for (double v : t.to_vector<double>())
+    EXPECT_EQ(v, 2.0);
 }

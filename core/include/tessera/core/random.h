@@ -105,6 +105,11 @@ enum class RandomKind : uint8_t { Uniform, Normal, Bernoulli };
 void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed, uint64_t base,
                  const RandomWindow& window);
 
+// What every fill checks before it draws, so that a refused call leaves the generator where it
+// was: a floating dtype; uniform: finite bounds with low <= high; normal: std >= 0 (PyTorch's
+// checks). `op` names the call in the error.
+void check_random_fill(DType dtype, RandomKind kind, double a, double b, const char* op);
+
 // Whole-tensor draws that consume numel() elements of `gen`.
 Tensor rand(const Shape& shape, Generator& gen, DType dtype = DType::Float32);
 Tensor randn(const Shape& shape, Generator& gen, DType dtype = DType::Float32);
