@@ -8,7 +8,9 @@
 
 #include <array>
 
+#include <cmath>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -93,6 +95,18 @@ TEST(TestingKit, IndexTensorValuesNameTheirIndex) {
                             index_tensor({5000, 5000}, DType::Float32);
                           }),
                           "[5000, 5000]");
+}
+
+TEST(TestingKit, MaxAbsDiffIsNaNWhenEitherSideHasNaN) {
+  const double nan = std::numeric_limits<double>::quiet_NaN(),
+               inf = std::numeric_limits<double>::infinity();
+  const Tensor a = from_vector<double>({1, 2, 3}), b = from_vector<double>({1, nan, 3.5});
+  EXPECT_TRUE(std::isnan(max_abs_diff(a, b))) << "a NaN was dropped as a difference of 0";
+  EXPECT_TRUE(std::isnan(max_abs_diff(b, a)));
+  EXPECT_TRUE(std::isnan(max_abs_diff(b, b))) << "NaN matches nothing, itself included";
+  EXPECT_EQ(max_abs_diff(from_vector<double>({inf, -inf, 1}), from_vector<double>({inf, -inf, 3})),
+            2.0);
+  EXPECT_EQ(max_abs_diff(from_vector<double>({inf}), from_vector<double>({1})), inf);
 }
 
 TEST(TestingKit, ReferenceWindowRefusesWhatNoDTensorCanBe) {

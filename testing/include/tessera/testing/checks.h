@@ -52,7 +52,9 @@ void expect_close(const Tensor& got, const Tensor& want, Tolerance tol, const st
 void expect_close(const Tensor& got, const Tensor& want, double tol, const std::string& what,
                   std::source_location where = std::source_location::current());
 
-// The largest |a - b| over the elements of two tensors of one shape (to print a margin).
+// The largest |a - b| over the elements of two tensors of one shape (to print a margin); equal
+// elements (infinities included) differ by 0, and a NaN in either, which matches nothing, makes it
+// NaN, so that neither EXPECT_LE(max_abs_diff(a, b), tol) nor EXPECT_GT passes on it.
 double max_abs_diff(const Tensor& a, const Tensor& b);
 
 }  // namespace tessera::testing
