@@ -217,10 +217,18 @@ void Module::copy_hooks_from(const Module& other) {
 }
 
 Module& Module::to(Device device) {
+  auto params = named_parameters(true, /*remove_duplicate=*/false);
+  // Refused before anything moves: a distributed parameter found midway left the members before
+  // it on `device` and the rest where they were.
+  for (auto& [name, p] : params)
+    TESSERA_CHECK(!p->is_dtensor() || p->stored().device() == device, type_name_, ".to(",
+                  device.str(), "): ", name, " is ", p->str(),
+                  ": a distributed parameter lives on its mesh's device type; move the module "
+                  "before parallelize_module or fully_shard (nothing was moved)");
   // Every slot, not the deduplicated lists: a tensor held by several Parameters or buffers (tied
   // weights) is moved once and the moved tensor given to each of them, which keeps them tied.
   std::map<const TensorImpl*, Parameter*> moved_params;
-  for (auto& [name, p] : named_parameters(true, /*remove_duplicate=*/false)) {
+  for (auto& [name, p] : params) {
     auto [it, first] = moved_params.emplace(p->stored().impl(), p);
     if (first)
       p->to(device);

@@ -12,6 +12,7 @@
 #include "tessera/tessera.h"
 #include "tessera/testing/checks.h"
 #include "tessera/testing/expect_error.h"
+#include "tessera/testing/stand_in_device.h"
 
 using namespace tessera;
 using tessera::testing::expect_close;
@@ -158,6 +159,36 @@ TEST(NnDTensor, PlainForwardRefusesShardedParameter) {
   } else {
     expect_error([&] { lin(x); }, {"Linear.forward: weight is sharded", "S(0)"});
   }
+}
+
+// A plain layer (with a buffer) registered before one whose weight is distributed.
+struct PlainThenDistributed : Module {
+  explicit PlainThenDistributed(Generator& gen)
+      : Module("PlainThenDistributed"),
+        plain(std::make_shared<Linear>(4, 3, true, gen)),
+        sharded(std::make_shared<Linear>(3, 4, false, gen)),
+        steps(zeros({2})) {
+    register_module("plain", plain);
+    register_buffer("steps", &steps);
+    register_module("sharded", sharded);
+  }
+  std::shared_ptr<Linear> plain, sharded;
+  Tensor steps;
+};
+
+TEST(NnDTensor, ModuleToRefusingADistributedParameterMovesNothing) {
+  tessera::testing::TestDevice device;
+  Generator gen(2);
+  auto net = std::make_shared<PlainThenDistributed>(gen);
+  distribute(net->sharded->weight, world_mesh(), {Shard(0)});
+  const Tensor weight = net->plain->weight.stored(), bias = net->plain->bias.stored();
+  expect_error([&] { net->to(Device::cuda(0)); },
+               {"sharded.weight", "move the module before parallelize_module"});
+  // The refusal came before any move: the plain layer and the buffer are where they were.
+  EXPECT_TRUE(net->plain->weight.stored().is_same(weight)) << "plain.weight moved";
+  EXPECT_TRUE(net->plain->bias.stored().is_same(bias)) << "plain.bias moved";
+  EXPECT_EQ(net->steps.device(), Device::cpu()) << "the buffer moved";
+  EXPECT_TRUE(net->plain->weight.requires_grad());
 }
 
 // --- Embedding ---
