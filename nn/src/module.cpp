@@ -84,6 +84,17 @@ void Module::add_child(const std::string& name, ModuleSlot slot) {
   children_.emplace_back(name, std::move(slot));
 }
 
+void Module::register_fixed_module(const std::string& name, ModulePtr module, std::string remedy) {
+  TESSERA_CHECK(module != nullptr, type_name_, ": fixed child '", name, "' is null");
+  ModuleSlot s;
+  s.get = [module]() { return module; };
+  s.set = [type = type_name_, name, remedy = std::move(remedy)](ModulePtr) {
+    TESSERA_FAIL("replace_submodule: '", name, "' is part of ", type, " and cannot be replaced; ",
+                 remedy);
+  };
+  add_child(name, std::move(s));
+}
+
 std::vector<std::pair<std::string, ModulePtr>> Module::named_children() {
   std::vector<std::pair<std::string, ModulePtr>> out;
   for (auto& [name, slot] : children_)

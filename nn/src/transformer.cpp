@@ -85,8 +85,11 @@ Decoder::Decoder(const DecoderConfig& cfg) : Module("Decoder"), cfg_(cfg) {
   layers.reserve(size_t(cfg_.n_layers));
   for (int64_t i = 0; i < cfg_.n_layers; ++i)
     layers.push_back(std::make_shared<DecoderBlock>(cfg_, gen));
-  layers_list_ = std::make_shared<BlockList>(layers);
-  register_module("layers", layers_list_);
+  // Fixed: forward runs `layers`, and the list's slots are its elements, so another list put in
+  // its place would be listed, saved and optimized while forward ran these blocks (and its slots,
+  // another decoder's members, would dangle once that decoder went).
+  register_fixed_module("layers", std::make_shared<BlockList>(layers),
+                        "replace the blocks themselves (\"layers.0\", ...)");
 
   norm = std::make_shared<RMSNorm>(cfg_.dim, cfg_.norm_eps);
   register_module("norm", norm);

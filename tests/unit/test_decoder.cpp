@@ -3,6 +3,7 @@
 // tied embeddings and a short training run.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -247,6 +248,26 @@ TEST(Decoder, SubmodulePathsReachTheBlocks) {
   EXPECT_EQ(dec->layers[1].get(), fresh.get());
   Tensor after = (*dec)(ids).detach();
   EXPECT_NE(before.to_vector<float>(), after.to_vector<float>());
+}
+
+TEST(Decoder, TheBlockListItselfCannotBeReplaced) {
+  // forward runs Decoder::layers: another list in the "layers" slot was listed, saved and handed
+  // to optimizers while forward went on running the decoder's own blocks.
+  auto dec = std::make_shared<Decoder>(tiny_config());
+  DecoderConfig other_cfg = tiny_config();
+  other_cfg.seed = 7;
+  auto other = std::make_shared<Decoder>(other_cfg);
+  const ModulePtr list = dec->get_submodule("layers");
+  expect_error([&] { dec->replace_submodule("layers", other->get_submodule("layers")); },
+               {"'layers' is part of Decoder", "\"layers.0\""});
+  EXPECT_EQ(dec->get_submodule("layers").get(), list.get());
+  EXPECT_EQ(dec->get_submodule("layers.0").get(), dec->layers[0].get());
+  const auto names = dec->named_parameters();
+  const auto it = std::find_if(names.begin(), names.end(), [](const auto& np) {
+    return np.first == "layers.0.ffn_norm.weight";
+  });
+  ASSERT_NE(it, names.end());
+  EXPECT_EQ(it->second, &dec->layers[0]->ffn_norm->weight);
 }
 
 TEST(Decoder, DrawsParametersFromTheSeedInRegistrationOrder) {

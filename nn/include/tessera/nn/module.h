@@ -143,6 +143,10 @@ class Module : public std::enable_shared_from_this<Module> {
     };
     add_child(name, std::move(s));
   }
+  // A child that is part of this module's own structure (the decoder's list of blocks, whose
+  // slots are this module's members): listed and reached like any other, but replace_submodule
+  // refuses to replace it, naming `remedy` (what to replace instead).
+  void register_fixed_module(const std::string& name, ModulePtr module, std::string remedy);
 
  private:
   struct ModuleSlot {

@@ -66,14 +66,14 @@ class Decoder : public Module {
   const DecoderConfig& config() const { return cfg_; }
 
   std::shared_ptr<Embedding> tok_embeddings;
-  // Registered as the child "layers" with children "0", "1", ...; fixed after construction.
+  // Registered as the child "layers" with children "0", "1", ...; fixed after construction: a
+  // block is replaced through its path ("layers.3"), the list itself cannot be.
   std::vector<std::shared_ptr<DecoderBlock>> layers;
   std::shared_ptr<RMSNorm> norm;
   std::shared_ptr<Linear> output;  // null when tie_embeddings
 
  private:
   DecoderConfig cfg_;
-  std::shared_ptr<Module> layers_list_;  // the "layers" child naming the blocks
 };
 
 }  // namespace tessera
