@@ -67,28 +67,33 @@ namespace {
 // "layers.3" (FSDP, LoRA) replaces the block the decoder runs.
 class BlockList final : public Module {
  public:
-  explicit BlockList(std::vector<std::shared_ptr<DecoderBlock>>& blocks) : Module("ModuleList") {
-    for (size_t i = 0; i < blocks.size(); ++i)
-      register_module(std::to_string(i), blocks[i]);
+  explicit BlockList(std::shared_ptr<std::vector<std::shared_ptr<DecoderBlock>>> blocks)
+      : Module("ModuleList"), blocks_(std::move(blocks)) {
+    for (size_t i = 0; i < blocks_->size(); ++i)
+      register_module(std::to_string(i), (*blocks_)[i]);
   }
+
+ private:
+  // Co-owned with the decoder: the slots above refer to its elements.
+  std::shared_ptr<std::vector<std::shared_ptr<DecoderBlock>>> blocks_;
 };
 
 }  // namespace
 
-Decoder::Decoder(const DecoderConfig& cfg) : Module("Decoder"), cfg_(cfg) {
+Decoder::Decoder(const DecoderConfig& cfg) : Module("Decoder"), layers(*blocks), cfg_(cfg) {
   cfg_.validate();
   Generator gen(cfg_.seed);
   tok_embeddings = std::make_shared<Embedding>(cfg_.vocab_size, cfg_.dim, gen);
   register_module("tok_embeddings", tok_embeddings);
 
-  // BlockList's slots point into `layers`, which therefore never reallocates after this.
+  // BlockList's slots point into `layers` (which it co-owns), which therefore never reallocates
+  // after this.
   layers.reserve(size_t(cfg_.n_layers));
   for (int64_t i = 0; i < cfg_.n_layers; ++i)
     layers.push_back(std::make_shared<DecoderBlock>(cfg_, gen));
-  // Fixed: forward runs `layers`, and the list's slots are its elements, so another list put in
-  // its place would be listed, saved and optimized while forward ran these blocks (and its slots,
-  // another decoder's members, would dangle once that decoder went).
-  register_fixed_module("layers", std::make_shared<BlockList>(layers),
+  // Fixed: forward runs `layers`, so another list put in its place would be listed, saved and
+  // optimized while forward ran these blocks.
+  register_fixed_module("layers", std::make_shared<BlockList>(blocks),
                         "replace the blocks themselves (\"layers.0\", ...)");
 
   norm = std::make_shared<RMSNorm>(cfg_.dim, cfg_.norm_eps);

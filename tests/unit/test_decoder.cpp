@@ -270,6 +270,23 @@ TEST(Decoder, TheBlockListItselfCannotBeReplaced) {
   EXPECT_EQ(it->second, &dec->layers[0]->ffn_norm->weight);
 }
 
+TEST(Decoder, TheBlockListHeldAloneKeepsItsBlocks) {
+  // The list's slots are the decoder's elements of `layers`: held alone, it must keep them (they
+  // were freed with the decoder, and the list read freed memory).
+  auto dec = std::make_shared<Decoder>(tiny_config());
+  const std::weak_ptr<DecoderBlock> block = dec->layers[1];
+  const Tensor weight = dec->layers[1]->ffn_norm->weight.stored();
+  const ModulePtr list = dec->get_submodule("layers");
+  dec.reset();
+  ASSERT_FALSE(block.expired()) << "the blocks died with the decoder while its list was held";
+  EXPECT_EQ(list->get_submodule("1").get(), block.lock().get());
+  const auto params = list->named_parameters();
+  const auto it = std::find_if(params.begin(), params.end(),
+                               [](const auto& np) { return np.first == "1.ffn_norm.weight"; });
+  ASSERT_NE(it, params.end());
+  EXPECT_TRUE(it->second->stored().is_same(weight));
+}
+
 TEST(Decoder, DrawsParametersFromTheSeedInRegistrationOrder) {
   DecoderConfig c = tiny_config();
   auto a = std::make_shared<Decoder>(c);

@@ -58,8 +58,18 @@ class DecoderBlock : public Module {
   std::shared_ptr<FeedForward> feed_forward;
 };
 
+namespace detail {
+// The decoder's blocks, shared with its "layers" list, whose slots are the elements: the list held
+// alone (get_submodule("layers")) keeps them, and stays valid, after the decoder is gone. A base of
+// Decoder, so that it exists before Decoder::layers refers to it.
+struct DecoderBlocks {
+  std::shared_ptr<std::vector<std::shared_ptr<DecoderBlock>>> blocks =
+      std::make_shared<std::vector<std::shared_ptr<DecoderBlock>>>();
+};
+}  // namespace detail
+
 // Token ids int64 [B, T] -> logits [B, T, vocab].
-class Decoder : public Module {
+class Decoder : private detail::DecoderBlocks, public Module {
  public:
   explicit Decoder(const DecoderConfig& cfg);
   Tensor forward(const Tensor& ids) override;
@@ -68,7 +78,7 @@ class Decoder : public Module {
   std::shared_ptr<Embedding> tok_embeddings;
   // Registered as the child "layers" with children "0", "1", ...; fixed after construction: a
   // block is replaced through its path ("layers.3"), the list itself cannot be.
-  std::vector<std::shared_ptr<DecoderBlock>> layers;
+  std::vector<std::shared_ptr<DecoderBlock>>& layers;
   std::shared_ptr<RMSNorm> norm;
   std::shared_ptr<Linear> output;  // null when tie_embeddings
 
