@@ -137,10 +137,14 @@ ParityResult run_parity(const MakeRun& make, const DeviceMesh& mesh, const Traje
                            " (return the global loss, the same on every rank)"};
     if (!r.divergence) r.divergence = compare_loss(s, loss, reference.losses[size_t(s)], opts, r);
     auto want = reference.parameters.find(s);
-    if (!r.divergence && compares_parameters(s, opts)) {
+    if (compares_parameters(s, opts)) {
       TESSERA_CHECK(want != reference.parameters.end(), "run_parity: the reference has no ",
                     "parameters after step ", s, " (record it with the same options)");
-      r.divergence = compare_parameters(s, snapshot(run), want->second, opts, r);
+      // Taken on every rank, diverged or not: `parameters` may be collective (a state_dict
+      // gathers DTensors), and a rank whose loss alone diverged (from a reference that depends
+      // on the rank) would leave the others in it.
+      const std::map<std::string, Tensor> got = snapshot(run);
+      if (!r.divergence) r.divergence = compare_parameters(s, got, want->second, opts, r);
     }
     // Stop together: a rank that goes on alone would wait in the run's next collective.
     const std::vector<double> diverged = world_values(r.divergence ? 1.0 : 0.0);

@@ -319,6 +319,39 @@ TEST(TestingKit, ParityRunnerNamesTheFirstDivergence) {
   TESSERA_EXPECT_CONTAINS(ref_msg, "the reference run differs across ranks (loss of step 0: 0.5");
 }
 
+TEST(TestingKit, ParityRunnerStopsEveryRankWhenOnlySomeLossesDiverge) {
+  if (world_size() == 1) GTEST_SKIP() << "needs ranks whose references differ";
+  // A reference that depends on the rank, and a mesh run that takes rank 0's values (as a
+  // parallelized model does): the loss diverges on every rank but 0. Its parameters are read
+  // through a collective, as a state_dict gathering DTensors is; rank 0 went into it alone.
+  const MakeRun rank_seeded = [](const DeviceMesh* m) {
+    auto w = std::make_shared<double>(1.0);
+    TrainingRun run;
+    run.step = [w, m](int) {
+      *w *= 0.5;
+      return m ? *w : *w + world_rank();
+    };
+    run.parameters = [w, m] {
+      const double v = m ? world_mean(*w) : *w;
+      return std::map<std::string, Tensor>{{"w", from_vector<double>({v})}};
+    };
+    return run;
+  };
+  const ParityOptions opts{.steps = 3};
+  const Trajectory reference = record_trajectory(rank_seeded, nullptr, opts);
+  const ParityResult r = run_parity(rank_seeded, meshes().front(), reference, opts);
+  ASSERT_TRUE(r.divergence);
+  EXPECT_EQ(r.divergence->step, 0);
+  if (world_rank() == 0) {
+    EXPECT_EQ(r.divergence->what, "(on other ranks)");
+    TESSERA_EXPECT_CONTAINS(r.divergence->detail, "rank(s) 1");
+  } else {
+    EXPECT_EQ(r.divergence->what, "loss");
+  }
+  // The world is still in step: one more collective completes on every rank.
+  EXPECT_EQ(world_mean(1.0), 1.0);
+}
+
 // Run only as a child job (below): fails on the last rank alone.
 TEST(TestingKitChild, DISABLED_FailsOnTheLastRankOnly) {
   EXPECT_NE(world_rank(), world_size() - 1) << "the deliberate failure";
