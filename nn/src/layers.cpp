@@ -38,6 +38,7 @@ Linear::Linear(std::string type_name, const Linear& base)
   if (base.dtensor_io()) set_dtensor_io(*base.dtensor_io());
   copy_training_from(base);
   copy_hooks_from(base);
+  set_activation_checkpointing(base.activation_checkpointing());
 }
 
 std::shared_ptr<Linear> Linear::unwrapped(const Linear& base) {

@@ -381,6 +381,18 @@ TEST(LayerModules, WrappingALinearKeepsItsHooks) {
   expect_equal((*std::make_shared<WrappingLinear>(*lin))(x), (*lin)(x), "the wrapper's forward");
 }
 
+// The wrapper's forward is checkpointed when the layer's was (checkpoint(lin) before apply_lora
+// kept its activations from then on), and so is the plain layer unwrapped from it.
+TEST(LayerModules, WrappingALinearKeepsItsActivationCheckpointing) {
+  Generator gen(1);
+  auto lin = std::make_shared<Linear>(3, 2, true, gen);
+  EXPECT_FALSE(std::make_shared<WrappingLinear>(*lin)->activation_checkpointing());
+  checkpoint(lin);
+  auto wrapper = std::make_shared<WrappingLinear>(*lin);
+  EXPECT_TRUE(wrapper->activation_checkpointing());
+  EXPECT_TRUE(Linear::unwrapped(*wrapper)->activation_checkpointing());
+}
+
 TEST(LayerModules, ZeroGradClearsEveryLayer) {
   Generator gen(1);
   auto block = std::make_shared<Block>(gen);

@@ -29,8 +29,8 @@ class Linear : public Module {
 
  protected:
   // For subclasses that wrap an existing layer (LoRA): takes over its weight and bias (the same
-  // tensors, distributed ones staying so), how it crosses into DTensors, its training mode and
-  // its forward hooks, drawing nothing.
+  // tensors, distributed ones staying so), how it crosses into DTensors, its training mode, its
+  // forward hooks and its activation checkpointing, drawing nothing.
   Linear(std::string type_name, const Linear& base);
 
  private:
