@@ -11,8 +11,13 @@
 namespace tessera {
 
 Tensor Module::operator()(const Tensor& x_in) {
+  // As in PyTorch, the pre-hooks there are when the call starts and the hooks there are when the
+  // forward returns, each called through a copy: a hook may register more on this module (which
+  // reallocates the lists); they run from the next pass over their list.
+  const size_t n_pre = pre_hooks_.size();
   Tensor x = x_in;
-  for (auto& h : pre_hooks_) {
+  for (size_t i = 0; i < n_pre; ++i) {
+    const ForwardPreHook h = pre_hooks_[i];
     Tensor r = h(*this, x);
     if (r.defined()) x = r;
   }
@@ -24,7 +29,9 @@ Tensor Module::operator()(const Tensor& x_in) {
   } else {
     y = run_forward(x);
   }
-  for (auto& h : hooks_) {
+  const size_t n_post = hooks_.size();
+  for (size_t i = 0; i < n_post; ++i) {
+    const ForwardHook h = hooks_[i];
     Tensor r = h(*this, x, y);
     if (r.defined()) y = r;
   }

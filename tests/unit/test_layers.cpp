@@ -331,6 +331,60 @@ TEST(LayerModules, HooksReplaceInputAndOutput) {
   EXPECT_EQ(pre_calls, 2);
 }
 
+// A hook may register hooks on its own module (a lazy set-up on the first call): as in PyTorch,
+// a call runs the pre-hooks there were when it started and the hooks there were when its forward
+// returned (the loops ran on over the vector the registration had reallocated, and crashed).
+TEST(LayerModules, HooksRegisteredByAHookRunFromTheNextCall) {
+  Generator gen(1);
+  auto lin = std::make_shared<Linear>(3, 2, true, gen);
+  std::vector<std::string> calls;
+  bool set_up = false;
+  lin->register_forward_pre_hook([&](Module& m, const Tensor&) {
+    calls.push_back("pre 0");
+    if (!set_up) {
+      set_up = true;
+      for (int i = 0; i < 4; ++i) {
+        m.register_forward_pre_hook([&calls, i](Module&, const Tensor&) {
+          calls.push_back("new pre " + std::to_string(i));
+          return Tensor();
+        });
+        m.register_forward_hook([&calls, i](Module&, const Tensor&, const Tensor&) {
+          calls.push_back("new hook " + std::to_string(i));
+          return Tensor();
+        });
+      }
+    }
+    return Tensor();
+  });
+  lin->register_forward_pre_hook([&](Module&, const Tensor&) {
+    calls.push_back("pre 1");
+    return Tensor();
+  });
+  lin->register_forward_hook([&](Module& m, const Tensor&, const Tensor&) {
+    calls.push_back("hook 0");
+    if (calls.size() < 4)
+      m.register_forward_hook([&calls](Module&, const Tensor&, const Tensor&) {
+        calls.push_back("late hook");
+        return Tensor();
+      });
+    return Tensor();
+  });
+  lin->register_forward_hook([&](Module&, const Tensor&, const Tensor&) {
+    calls.push_back("hook 1");
+    return Tensor();
+  });
+  const Tensor x = random_tensor({2, 3}, 6, DType::Float32);
+  (*lin)(x);
+  EXPECT_EQ(calls, (std::vector<std::string>{"pre 0", "pre 1", "hook 0", "hook 1", "new hook 0",
+                                             "new hook 1", "new hook 2", "new hook 3"}));
+  calls.clear();
+  (*lin)(x);
+  EXPECT_EQ(calls,
+            (std::vector<std::string>{"pre 0", "pre 1", "new pre 0", "new pre 1", "new pre 2",
+                                      "new pre 3", "hook 0", "hook 1", "new hook 0", "new hook 1",
+                                      "new hook 2", "new hook 3", "late hook"}));
+}
+
 TEST(LayerModules, TrainEvalIsRecursive) {
   Generator gen(1);
   auto block = std::make_shared<Block>(gen);
