@@ -359,6 +359,29 @@ TEST(TensorParallelStyles, PiecesNotCutAsChunkFailOnEveryRank) {
   TESSERA_EXPECT_CONTAINS(msg, n == 2 ? "pieces (3, 2)" : "pieces (3, 3, 3, 0)");
 }
 
+// Pieces that differ in a dim no mesh dim shards (a batch of another size on one rank) make
+// every rank fail with the shapes, before any rank gathers pieces of different sizes.
+TEST(TensorParallelStyles, PiecesDifferingOutsideTheShardedDimFailOnEveryRank) {
+  const int n = world_size();
+  if (n == 1) GTEST_SKIP() << "one rank has no other rank to differ from";
+  DeviceMesh mesh = tp_mesh(n);
+  Generator g(3);
+  auto lin = std::make_shared<Linear>(5, 3, false, g);
+  PrepareModuleInput s;
+  s.input_layouts = {Shard(0)};
+  s.desired_input_layouts = {Replicate()};
+  s.apply(*lin, mesh);
+  const int64_t batch = world_rank() == 1 ? 3 : 2;
+  const std::string msg = error_of([&] { (*lin)(zeros({2, batch, 5})); });
+  TESSERA_EXPECT_CONTAINS(msg, "PrepareModuleInput on Linear: the ranks' pieces");
+  TESSERA_EXPECT_CONTAINS(msg, "[2, 3, 5]");
+  // A piece of another rank (dims) fails the same way on every rank.
+  const std::string msg2 = error_of([&] {
+    (*lin)(world_rank() == 1 ? zeros({2, 5}) : zeros({2, 1, 5}));
+  });
+  TESSERA_EXPECT_CONTAINS(msg2, "PrepareModuleInput on Linear: the ranks' pieces");
+}
+
 // --- the decoder plan ---
 
 TEST(TensorParallel, PlanShardsTheProjectionsAndKeepsNames) {

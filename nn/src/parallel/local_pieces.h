@@ -12,7 +12,7 @@ namespace tessera::detail {
 // torch.chunk cuts that size, the one layout a DTensor describes; every rank sees every rank's
 // size, so a split that is not (3, 3, 2, 2 for 10 over 4 ranks) fails on all of them together,
 // naming `what` and the sizes, instead of failing on some while the others wait in the next
-// collective.
+// collective. So do pieces that differ in any other dim or in their number of dims.
 Shape global_shape_of_pieces(const Tensor& x, const DeviceMesh& mesh, const Placements& placements,
                              const std::string& what);
 
