@@ -4,6 +4,7 @@
 #include <set>
 
 #include "tessera/autograd/grad_mode.h"
+#include "tessera/comm/agree.h"
 #include "tessera/comm/runtime.h"
 #include "tessera/nn/module.h"
 
@@ -97,6 +98,9 @@ std::map<std::string, Tensor> Module::state_dict() {
 }
 
 IncompatibleKeys Module::load_state_dict(const std::map<std::string, Tensor>& state, bool strict) {
+  // A load is not an op to differentiate (as PyTorch's, under no_grad): a buffer that requires
+  // grad would otherwise refuse its write after the parameters were written.
+  NoGradGuard no_grad;
   auto params = named_parameters(true, /*remove_duplicate=*/false);
   auto buffers = named_buffers(true, /*remove_duplicate=*/false);
   IncompatibleKeys keys =
@@ -134,8 +138,13 @@ IncompatibleKeys Module::load_sharded_state_dict(const std::map<std::string, DTe
   NoGradGuard no_grad;
   auto params = named_parameters(true, /*remove_duplicate=*/false);
   auto buffers = named_buffers(true, /*remove_duplicate=*/false);
-  IncompatibleKeys keys = check_keys("load_sharded_state_dict", type_name_, state,
-                                     expected_shapes(params, buffers), strict);
+  // The load is collective: a dict that fails its check on some ranks only (ranks passing
+  // different dicts) must stop every rank, not leave the others in the collectives below.
+  IncompatibleKeys keys;
+  run_agreed(world_group(), "load_sharded_state_dict into " + type_name_, [&] {
+    keys = check_keys("load_sharded_state_dict", type_name_, state,
+                      expected_shapes(params, buffers), strict);
+  });
   for (auto& [name, p] : params) {
     auto it = state.find(name);
     if (it == state.end()) continue;

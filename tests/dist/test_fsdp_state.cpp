@@ -67,6 +67,17 @@ TEST(FullyShard, ShardedStateDictHoldsShardsAndLoadsIntoOtherLayouts) {
   expect_error([&] { plain->load_sharded_state_dict(bad); },
                {"load_sharded_state_dict into Decoder", "mis-shaped keys: norm.weight"});
   check_loaded(*plain, "after a failed load");
+  // A dict that is wrong on the last rank only stops every rank (the others went on into the
+  // collectives of the load and waited there), and nothing is written.
+  if (world_size() > 1) {
+    const int last = world_size() - 1;
+    auto partly = sharded;
+    if (world_rank() == last) partly.erase("norm.weight");
+    expect_error([&] { fsdp->load_sharded_state_dict(partly); },
+                 {"load_sharded_state_dict into Decoder", "[rank " + std::to_string(last) + "]",
+                  "missing keys: norm.weight"});
+    check_loaded(*fsdp, "after a load refused on one rank");
+  }
 }
 
 // Linear layers in custom modules, with bfloat16 reductions as well.

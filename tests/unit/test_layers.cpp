@@ -627,3 +627,27 @@ TEST(ParameterInit, KaimingUniformDefaultsToPyTorchsAZero) {
   uniform_(want, -bound, bound, ref);
   expect_equal(p.stored(), want, "kaiming_uniform_ with a = 0");
 }
+
+// A buffer that requires grad (a running statistic someone differentiates through) loads like
+// any: the load runs without grad, as PyTorch's does. It used to be refused by copy_ after the
+// parameters had been written.
+TEST(LayerModules, LoadStateDictWritesABufferThatRequiresGrad) {
+  class WithBuffer : public Module {
+   public:
+    explicit WithBuffer(Generator& gen) : Module("WithBuffer") {
+      proj = std::make_shared<Linear>(2, 2, false, gen);
+      register_module("proj", proj);
+      stat = zeros({2});
+      stat.set_requires_grad(true);
+      register_buffer("stat", &stat);
+    }
+    std::shared_ptr<Linear> proj;
+    Tensor stat;
+  };
+  Generator gen(5);
+  auto m = std::make_shared<WithBuffer>(gen);
+  std::map<std::string, Tensor> sd{{"proj.weight", full({2, 2}, 3.0)}, {"stat", full({2}, 7.0)}};
+  m->load_state_dict(sd);
+  EXPECT_EQ(m->proj->weight.local().to_vector<double>(), (std::vector<double>{3, 3, 3, 3}));
+  EXPECT_EQ(m->stat.to_vector<double>(), (std::vector<double>{7, 7}));
+}
