@@ -172,6 +172,17 @@ TEST(TestingKit, ChecksFailTheBuggyLayoutOnTheRightRanks) {
   }
 }
 
+TEST(TestingKit, ExpectErrorReportsACallThatDidNotThrow) {
+  EXPECT_EQ(joined(failures_of([] { expect_error([] {}, {"needle"}); })),
+            "Failed\nexpected an error containing 'needle'\n");
+  // With no needles: any tessera::Error passes, and no error is reported as such.
+  EXPECT_EQ(joined(failures_of([] { expect_error([] {}, std::vector<std::string>{}); })),
+            "Failed\nexpected a tessera::Error\n");
+  EXPECT_TRUE(failures_of([] {
+                expect_error([] { TESSERA_FAIL("any"); }, std::vector<std::string>{});
+              }).empty());
+}
+
 TEST(TestingKit, ReplicasEqualFindsTheOddRankOut) {
   for (const DeviceMesh& mesh : meshes()) {
     if (mesh.size() == 1) continue;

@@ -23,7 +23,10 @@ void expect_error(F&& f, const std::vector<std::string>& needles) {
           << "missing '" << n << "' in: " << e.what();
     return;
   }
-  ADD_FAILURE() << "expected an error containing '" << needles.front() << "'";
+  if (needles.empty())
+    ADD_FAILURE() << "expected a tessera::Error";
+  else
+    ADD_FAILURE() << "expected an error containing '" << needles.front() << "'";
 }
 
 // A braced list of needles picks this one (a one-element list would be ambiguous otherwise).
