@@ -382,6 +382,30 @@ TEST(TensorParallelStyles, PiecesDifferingOutsideTheShardedDimFailOnEveryRank) {
   TESSERA_EXPECT_CONTAINS(msg2, "PrepareModuleInput on Linear: the ranks' pieces");
 }
 
+// On a mesh of two dims, pieces that only one group along the first mesh dim finds wrong (one
+// data-parallel replica's second tensor-parallel piece is longer, cut as torch.chunk along tp
+// but not matching its dp neighbour) make every rank of the mesh fail, not only that group's:
+// the other ranks would otherwise wait for them in the gather along the second mesh dim.
+TEST(TensorParallelStyles, PiecesWrongInOneGroupOfATwoDimMeshFailOnEveryRank) {
+  if (world_size() != 4) GTEST_SKIP() << "needs a 2x2 mesh";
+  DeviceMesh mesh(Shape{2, 2}, {"dp", "tp"});
+  Generator g(3);
+  auto lin = std::make_shared<Linear>(5, 3, false, g);
+  PrepareModuleInput s;
+  s.input_layouts = {Shard(0), Shard(1)};
+  s.desired_input_layouts = {Replicate(), Replicate()};
+  s.apply(*lin, mesh);
+  // Dim 1 pieces: (2, 2) along tp on dp 0 and (3, 2) on dp 1, both chunks; along dp, the tp 0
+  // ranks (world 0 and 2) hold 2 and 3 rows there, which dp alone does not shard.
+  const int64_t len = world_rank() == 2 ? 3 : 2;
+  const std::string msg = error_of([&] { (*lin)(zeros({2, len, 5})); });
+  TESSERA_EXPECT_CONTAINS(msg, "PrepareModuleInput on Linear: the ranks' pieces");
+  TESSERA_EXPECT_CONTAINS(msg, "[2, 3, 5]");
+  // The mesh is still usable: a call with pieces cut right goes through on every rank.
+  const Tensor y = (*lin)(zeros({2, 2, 5}));
+  EXPECT_EQ(y.shape(), (Shape{4, 4, 3}));
+}
+
 // --- the decoder plan ---
 
 TEST(TensorParallel, PlanShardsTheProjectionsAndKeepsNames) {
