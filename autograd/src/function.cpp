@@ -60,6 +60,12 @@ std::vector<Tensor> Function::run(const std::vector<Tensor>& inputs) {
 
 std::vector<Tensor> Function::apply(std::vector<Tensor>&& grad_outputs) {
   grad_outputs.resize(output_meta_.size());
+  // No gradient reached any output (a custom backward returned none for the tensor this node
+  // made): no gradient flows on, as from PyTorch's nodes, so a leaf reached only through here
+  // keeps an undefined .grad rather than zeros.
+  if (std::none_of(grad_outputs.begin(), grad_outputs.end(),
+                   [](const Tensor& g) { return g.defined(); }))
+    return std::vector<Tensor>(needs_input_grad_.size());
   if (materialize_grads_) {
     for (size_t i = 0; i < grad_outputs.size(); ++i) {
       if (grad_outputs[i].defined()) continue;

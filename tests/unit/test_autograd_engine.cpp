@@ -97,6 +97,34 @@ TEST(AutogradEngine, UnusedOutputGetsZeroGradient) {
   EXPECT_DOUBLE_EQ(b.grad().item<double>(), -1.0);
 }
 
+namespace {
+
+// Identity forward; backward returns no gradient for its input.
+class DropsGradient final : public autograd::Function {
+ public:
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override { return {in[0].clone()}; }
+  std::vector<Tensor> backward(const std::vector<Tensor>&) override { return {Tensor()}; }
+};
+
+}  // namespace
+
+TEST(AutogradEngine, ANodeThatReceivedNoGradientPassesNoneOn) {
+  // As in PyTorch: x -> square -> (backward returns None) leaves x.grad None; the square node
+  // is not run with zeros (which gave x a zero gradient).
+  Tensor x = leaf({3.0});
+  Square::calls = 0;
+  Tensor y = autograd::Function::apply<DropsGradient>({loop_square(x)})[0];
+  backward(y);
+  EXPECT_FALSE(x.grad().defined());
+  EXPECT_EQ(Square::calls, 0);
+  // A node with one output's gradient still gets zeros for the other.
+  Tensor a = leaf({1.0}), b = leaf({2.0});
+  auto sd = autograd::Function::apply<SumDiff>({loop_square(a), b});
+  backward(autograd::Function::apply<DropsGradient>({sd[0]})[0] + sd[1]);
+  EXPECT_DOUBLE_EQ(a.grad().item<double>(), 2.0);
+  EXPECT_DOUBLE_EQ(b.grad().item<double>(), -1.0);
+}
+
 TEST(AutogradEngine, NoGradGuardRecordsNothing) {
   Tensor x = leaf({2.0});
   Tensor y;

@@ -35,7 +35,8 @@ class Function : public Node {
 
   virtual std::vector<Tensor> forward(const std::vector<Tensor>& inputs) = 0;
   // One gradient per forward output in (zeros where none flowed, see materialize_grads), one
-  // per forward input out (undefined for inputs that need none).
+  // per forward input out (undefined for inputs that need none). Not called when no output
+  // received a gradient: the node then passes none on.
   virtual std::vector<Tensor> backward(const std::vector<Tensor>& grad_outputs) = 0;
 
   std::string name() const override;
