@@ -84,8 +84,32 @@ std::vector<Tensor> Function::apply(std::vector<Tensor>&& grad_outputs) {
   std::vector<Tensor> grads = backward(grad_outputs);
   TESSERA_CHECK(grads.size() == needs_input_grad_.size(), name(), "::backward returned ",
                 grads.size(), " gradients for ", needs_input_grad_.size(), " inputs");
-  for (size_t i = 0; i < grads.size(); ++i)
-    if (!needs_input_grad_[i]) grads[i] = Tensor();
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (!needs_input_grad_[i]) {
+      grads[i] = Tensor();
+      continue;
+    }
+    if (!grads[i].defined()) continue;
+    // As PyTorch's engine validates each node's outputs against what the next node takes: a
+    // gradient of another shape reached the next node silently; one of another dtype is cast.
+    const Edge& e = next_edges()[i];
+    OutputMeta want{};
+    if (auto* f = dynamic_cast<const Function*>(e.function.get())) {
+      if (e.input_nr >= f->output_meta_.size()) continue;
+      want = f->output_meta_[e.input_nr];
+    } else if (auto* acc = dynamic_cast<const AccumulateGrad*>(e.function.get())) {
+      want = {acc->leaf().shape(), acc->leaf().dtype(), acc->leaf().device()};
+    } else {
+      continue;
+    }
+    TESSERA_CHECK(grads[i].shape() == want.shape, name(), " returned an invalid gradient at index ",
+                  i, " - got ", shape_str(grads[i].shape()), " but expected shape ",
+                  shape_str(want.shape));
+    TESSERA_CHECK(grads[i].device() == want.device, name(),
+                  " returned an invalid gradient at index ", i, " - expected device ",
+                  want.device.str(), " but got ", grads[i].device().str());
+    if (grads[i].dtype() != want.dtype) grads[i] = grads[i].to(want.dtype);
+  }
   return grads;
 }
 

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "tessera/tessera.h"
+#include "tessera/testing/expect_error.h"
 
 using namespace tessera;
 
@@ -106,6 +107,17 @@ class DropsGradient final : public autograd::Function {
   std::vector<Tensor> backward(const std::vector<Tensor>&) override { return {Tensor()}; }
 };
 
+// Identity forward; backward returns what `make` gives for the incoming gradient.
+class ReturnsGradient final : public autograd::Function {
+ public:
+  explicit ReturnsGradient(std::function<Tensor(const Tensor&)> make) : make_(std::move(make)) {}
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override { return {in[0].clone()}; }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) override { return {make_(g[0])}; }
+
+ private:
+  std::function<Tensor(const Tensor&)> make_;
+};
+
 }  // namespace
 
 TEST(AutogradEngine, ANodeThatReceivedNoGradientPassesNoneOn) {
@@ -123,6 +135,27 @@ TEST(AutogradEngine, ANodeThatReceivedNoGradientPassesNoneOn) {
   backward(autograd::Function::apply<DropsGradient>({sd[0]})[0] + sd[1]);
   EXPECT_DOUBLE_EQ(a.grad().item<double>(), 2.0);
   EXPECT_DOUBLE_EQ(b.grad().item<double>(), -1.0);
+}
+
+TEST(AutogradEngine, ANodesGradientsAreChecked) {
+  // PyTorch's engine validates every node's outputs: a gradient of the wrong shape is an error
+  // naming the node and the index (it reached the next node silently), one of another dtype is
+  // cast to the input's.
+  Tensor x = leaf({1, 2, 3, 4, 5, 6}, {2, 3});
+  Tensor y = autograd::Function::apply<ReturnsGradient>(
+      {loop_square(x)}, [](const Tensor&) { return ones({3}, DType::Float64); })[0];
+  tessera::testing::expect_error(
+      [&] {
+        backward(y, ones({2, 3}, DType::Float64));
+      },
+      {"ReturnsGradient", "invalid gradient at index 0", "[3]", "[2, 3]"});
+  EXPECT_FALSE(x.grad().defined());
+
+  Tensor z = autograd::Function::apply<ReturnsGradient>(
+      {loop_square(x)}, [](const Tensor& g) { return g.to(DType::Float32); })[0];
+  backward(z, ones({2, 3}, DType::Float64));
+  ASSERT_TRUE(x.grad().defined());
+  EXPECT_EQ(x.grad().to_vector<double>(), (std::vector<double>{2, 4, 6, 8, 10, 12}));
 }
 
 TEST(AutogradEngine, NoGradGuardRecordsNothing) {
