@@ -238,6 +238,7 @@ Tensor& Tensor::fill_(double value) {
     TESSERA_CHECK(held, "fill_: value ", value, " cannot be converted to ", dtype_name(dtype()),
                   " without overflow (", str(), ")");
   }
+  kernels::portable::check_float_fill("fill_", dtype(), value);
   refuse_untracked_write(*this, "fill_");
   if (numel() == 0) return count_empty_write(*this);
   kernels::fill_(*this, value);

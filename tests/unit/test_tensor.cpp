@@ -156,7 +156,7 @@ TEST(Tensor, DtypeConversionRoundsToNearestEven) {
   EXPECT_EQ(back[1], 1.0f + 4.0f / 256);
   EXPECT_EQ(back[4], -2.5f);
   Tensor h = f.to(DType::Float16);
-  std::vector<float> hb = h.to_vector<float>();
+  std::vector<float> hb = h.to(DType::Float32).to_vector<float>();
   EXPECT_EQ(hb[0], 1.0f + 1.0f / 256);  // exact in float16's 10-bit mantissa
   EXPECT_TRUE(std::isinf(hb[2]));       // 65520 rounds up past fp16's max 65504
   EXPECT_NEAR(hb[3], 0.0f, 1e-7f);
@@ -284,6 +284,32 @@ TEST(Tensor, FillingAnIntegerTensorWithAValueItCannotHoldIsAnError) {
   // An empty shard refuses it as well, so every rank of a sharded fill agrees.
   Tensor none = zeros({0}, DType::Int32);
   EXPECT_THROW(none.fill_(-3e9), Error);
+}
+
+TEST(Tensor, FillingAFloatTensorWithAFiniteValueBeyondItsRangeIsAnError) {
+  // As torch's fill_, full and masked_fill ("value cannot be converted to type at::Half without
+  // overflow"): 1e6 in float16 became inf silently. Infinities and NaN themselves are kept.
+  Tensor h = zeros({2}, DType::Float16);
+  tessera::testing::expect_error([&] { h.fill_(1e6); }, {"fill_", "1e+06", "float16", "overflow"});
+  EXPECT_EQ(h.to(DType::Float32).to_vector<float>(), (std::vector<float>{0, 0}));
+  EXPECT_THROW(h.fill_(-65520.0), Error);
+  h.fill_(65504.0);
+  EXPECT_EQ(h.to(DType::Float32).to_vector<float>()[0], 65504.0f);
+  h.fill_(-std::numeric_limits<double>::infinity());
+  EXPECT_TRUE(std::isinf(h.to(DType::Float32).to_vector<float>()[0]));
+  h.fill_(std::nan(""));
+  EXPECT_TRUE(std::isnan(h.to(DType::Float32).to_vector<float>()[0]));
+  EXPECT_THROW(full({2}, 1e39, DType::BFloat16), Error);
+  EXPECT_THROW(full({2}, -1e39, DType::Float32), Error);
+  EXPECT_EQ(full({1}, 1e38, DType::Float32).item<float>(), 1e38f);
+  EXPECT_EQ(full({1}, 1e300, DType::Float64).item<double>(), 1e300);
+  Tensor none = zeros({0}, DType::Float16);  // every shard agrees, the empty ones too
+  EXPECT_THROW(none.fill_(7e4), Error);
+  const Tensor mask = from_vector<bool>({true, false});
+  tessera::testing::expect_error([&] { kernels::masked_fill(h, mask, 1e5); },
+                                 {"masked_fill", "float16", "overflow"});
+  EXPECT_TRUE(std::isinf(kernels::masked_fill(h, mask, std::numeric_limits<double>::infinity())
+                             .to_vector<float>()[0]));
 }
 
 TEST(Tensor, AllocatorCountsEveryByte) {

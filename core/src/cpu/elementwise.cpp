@@ -356,6 +356,7 @@ Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
   const Shape shape = broadcast_shapes(x.shape(), mask.shape(), "masked_fill");
   TESSERA_CHECK(shape == x.shape(), "masked_fill: mask shape ", shape_str(mask.shape()),
                 " does not broadcast to input shape ", shape_str(x.shape()));
+  portable::check_float_fill("masked_fill", x.dtype(), value);
   // The fill value as a one-element tensor of x's dtype, whose bits the loop below copies.
   Tensor fill = empty({}, x.dtype());
   dispatch_dtype(x.dtype(), [&]<class T>() {

@@ -120,6 +120,29 @@ bool holds_integer(double s) {
          s < -double(std::numeric_limits<C>::lowest());
 }
 
+// A fill (fill_, full, masked_fill) of a floating dtype refuses a finite value beyond the dtype's
+// largest, as PyTorch's checked conversion does ("value cannot be converted to type at::Half
+// without overflow"): the conversion made it inf silently. Infinities and NaN are kept.
+inline void check_float_fill(const char* op, DType dt, double value) {
+  double max = 0;
+  switch (dt) {
+    case DType::Float16:
+      max = 65504.0;
+      break;
+    case DType::BFloat16:
+      max = 3.3895313892515355e38;  // (2 - 2^-7) * 2^127
+      break;
+    case DType::Float32:
+      max = double(std::numeric_limits<float>::max());
+      break;
+    default:
+      return;
+  }
+  TESSERA_CHECK(!std::isfinite(value) || std::fabs(value) <= max, op, ": value ", value,
+                " cannot be converted to ", dtype_name(dt), " without overflow (its largest is ",
+                max, ")");
+}
+
 // The scalar in the tensor's compute type. Integer tensors keep their dtype, so the scalar must
 // be an integer they can hold; anything else is an error rather than a silent truncation.
 template <class C>

@@ -489,6 +489,7 @@ struct Elementwise {
     const Shape shape = broadcast_shapes(x.shape(), mask.shape(), "masked_fill");
     TESSERA_CHECK(shape == x.shape(), "masked_fill: mask shape ", shape_str(mask.shape()),
                   " does not broadcast to input shape ", shape_str(x.shape()));
+    check_float_fill("masked_fill", x.dtype(), value);
     // The fill value's bits in x's dtype, made on the host and passed by value.
     uint64_t bits = 0;
     dispatch_dtype(x.dtype(), [&]<class T>() {
