@@ -359,7 +359,8 @@ GatheredSums gather_sums(const ProcessGroupPtr& pg, const std::vector<Entry>& en
   // whom each replica is compared with.
   const size_t words = sums.size(), stride = words + entries.size();
   std::vector<int64_t> mine(stride);
-  std::memcpy(mine.data(), sums.data(), sums.size_bytes());
+  // A rank that read no tensor has no words: an empty span may hold a null pointer.
+  if (!sums.empty()) std::memcpy(mine.data(), sums.data(), sums.size_bytes());
   for (size_t i = 0; i < entries.size(); ++i)
     mine[words + i] = entries[i].window_owner;
   Tensor all = empty({int64_t(pg->size() * stride)}, DType::Int64);
