@@ -340,17 +340,23 @@ TEST(TensorParallelStyles, ParametersComeFromTheMeshsFirstRank) {
   expect_close(row->bias.dtensor().to_local(), ref->bias.local(), 0, "replicated bias");
 }
 
-// Pieces not cut as torch.chunk cuts them make every rank fail with the sizes, none wait.
-TEST(TensorParallelStyles, PiecesNotCutAsChunkFailOnEveryRank) {
-  const int n = world_size();
-  if (n == 1) GTEST_SKIP() << "one rank holds the whole sequence";
-  DeviceMesh mesh = tp_mesh(n);
+// A Linear whose input arrives sharded on dim 0 over `mesh` and is gathered before it.
+std::shared_ptr<Linear> linear_on_dim0_pieces(const DeviceMesh& mesh) {
   Generator g(3);
   auto lin = std::make_shared<Linear>(5, 3, false, g);
   PrepareModuleInput s;
   s.input_layouts = {Shard(0)};
   s.desired_input_layouts = {Replicate()};
   s.apply(*lin, mesh);
+  return lin;
+}
+
+// Pieces not cut as torch.chunk cuts them make every rank fail with the sizes, none wait.
+TEST(TensorParallelStyles, PiecesNotCutAsChunkFailOnEveryRank) {
+  const int n = world_size();
+  if (n == 1) GTEST_SKIP() << "one rank holds the whole sequence";
+  DeviceMesh mesh = tp_mesh(n);
+  auto lin = linear_on_dim0_pieces(mesh);
   const int64_t total = 2 * n + 1;  // chunk: (3, 2) over 2 ranks, (3, 3, 3, 0) over 4
   const int64_t rows = chunk_of(total, n, n - 1 - world_rank()).length;  // the chunks reversed
   const std::string msg = error_of([&] { (*lin)(zeros({rows, 5})); });
@@ -365,12 +371,7 @@ TEST(TensorParallelStyles, PiecesDifferingOutsideTheShardedDimFailOnEveryRank) {
   const int n = world_size();
   if (n == 1) GTEST_SKIP() << "one rank has no other rank to differ from";
   DeviceMesh mesh = tp_mesh(n);
-  Generator g(3);
-  auto lin = std::make_shared<Linear>(5, 3, false, g);
-  PrepareModuleInput s;
-  s.input_layouts = {Shard(0)};
-  s.desired_input_layouts = {Replicate()};
-  s.apply(*lin, mesh);
+  auto lin = linear_on_dim0_pieces(mesh);
   const int64_t batch = world_rank() == 1 ? 3 : 2;
   const std::string msg = error_of([&] { (*lin)(zeros({2, batch, 5})); });
   TESSERA_EXPECT_CONTAINS(msg, "PrepareModuleInput on Linear: the ranks' pieces");
