@@ -30,11 +30,26 @@ void Node::set_retain_hook(uint32_t output_nr, GradHook hook) {
   retain_hooks_[output_nr] = std::move(hook);
 }
 
+namespace {
+
+// As PyTorch's: a hook may replace a gradient, not change what it is for (a gradient of another
+// shape would reach a backward that computes with it, or broadcasts it, silently).
+void check_hook_result(const Tensor& replaced, const Tensor& grad, const std::string& where) {
+  TESSERA_CHECK(replaced.shape() == grad.shape() && replaced.dtype() == grad.dtype() &&
+                    replaced.device() == grad.device(),
+                "a gradient hook on ", where, " returned ", replaced.str(), " for the gradient ",
+                grad.str(), ": it may replace the gradient, not change its shape, dtype or device");
+}
+
+}  // namespace
+
 std::vector<Tensor> Node::run_pre_hooks(std::vector<Tensor>&& grads) {
-  auto run = [&grads](uint32_t nr, GradHook& hook) {
+  auto run = [this, &grads](uint32_t nr, GradHook& hook) {
     if (nr >= grads.size() || !grads[nr].defined()) return;
     Tensor replaced = hook(grads[nr]);
-    if (replaced.defined()) grads[nr] = replaced;
+    if (!replaced.defined()) return;
+    check_hook_result(replaced, grads[nr], "output " + std::to_string(nr) + " of " + name());
+    grads[nr] = replaced;
   };
   for (auto& [nr, hook] : pre_hooks_)
     run(nr, hook);
@@ -51,7 +66,9 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
   AutogradMeta& meta = leaf_.autograd_meta();
   for (auto& hook : meta.grad_hooks) {
     Tensor replaced = hook(g);
-    if (replaced.defined()) g = replaced;
+    if (!replaced.defined()) continue;
+    check_hook_result(replaced, g, "a leaf " + leaf_.str());
+    g = replaced;
   }
   TESSERA_CHECK(g.shape() == leaf_.shape(), "gradient of shape ", shape_str(g.shape()),
                 " for a leaf of shape ", shape_str(leaf_.shape()));

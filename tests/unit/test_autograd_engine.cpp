@@ -213,6 +213,25 @@ TEST(AutogradEngine, NonLeafHookAndRetainGrad) {
   EXPECT_DOUBLE_EQ(x.grad().item<double>(), 18.0 * 6.0);
 }
 
+// As in PyTorch, a hook may replace a gradient but not change its shape, dtype or device: a
+// non-leaf's replacement of another shape reached its node's backward, which computed with it.
+TEST(AutogradEngine, AHookThatChangesTheGradientsShapeOrDtypeIsAnError) {
+  Tensor x = leaf({3.0});
+  Tensor y = loop_square(x);
+  register_hook(y, [](const Tensor&) { return zeros({2}, DType::Float64); });
+  tessera::testing::expect_error([&] { backward(loop_square(y)); },
+                                 {"a gradient hook on output 0 of", "not change its shape"});
+  Tensor a = leaf({3.0});
+  Tensor b = loop_square(a);
+  register_hook(b, [](const Tensor& g) { return g.to(DType::Float32); });
+  tessera::testing::expect_error([&] { backward(loop_square(b)); },
+                                 {"not change its shape, dtype"});
+  Tensor c = leaf({3.0});
+  register_hook(c, [](const Tensor& g) { return g.to(DType::Float32); });
+  tessera::testing::expect_error([&] { backward(loop_square(c)); },
+                                 {"a gradient hook on a leaf", "not change its shape, dtype"});
+}
+
 // As in PyTorch, .grad of a non-leaf is the gradient after all of its hooks, also those
 // registered (or prepended) after retain_grad.
 TEST(AutogradEngine, RetainedGradIsTheGradientAfterEveryHook) {

@@ -19,7 +19,8 @@ inline void backward(const Tensor& output, const Tensor& grad_output = {},
            retain_graph);
 }
 
-// Hooks. A gradient hook may return a replacement gradient (or an undefined tensor to keep it).
+// Hooks. A gradient hook may return a replacement gradient of the same shape, dtype and device
+// (or an undefined tensor to keep it).
 // On a leaf it runs before accumulation; on a non-leaf when its gradient is computed. A tensor's
 // hooks run in the order they were registered; `prepend` puts this one before those registered
 // so far.
