@@ -1,7 +1,9 @@
 // Views of DTensors. A view keeps a sharded dim intact when that dim leads the group of dims it
 // is merged with or split into and the shard count divides the sizes involved (so each rank's
 // chunk of the old dim is exactly its chunk of the new one). Anything else would need data
-// movement and is refused with an error naming the op, shapes and placements.
+// movement: `view` refuses it with an error naming the op, shapes and placements, while
+// `reshape`, which may copy, first gathers the tensor dims whose shards cannot stay intact, as
+// PyTorch's DTensor does (its view is strict, its reshape redistributes).
 #include "dispatch.h"
 #include "tessera/autograd/ops.h"
 #include "tessera/core/kernels/views.h"
@@ -47,48 +49,73 @@ int64_t first_nontrivial(const Shape& s, int64_t b, int64_t e) {
   return b;
 }
 
-ShardingDecision view_decision(const char* op, const DTensor& x, const Shape& out) {
+// Why the shards of tensor dim `d` (over every mesh dim that shards it, `k` pieces in all) cannot
+// stay intact in `out`, or "" when they can; `lead_out` receives the output dim they land on.
+std::string shard_break(const Shape& in, const Shape& out, const std::vector<Group>& groups,
+                        int64_t d, int64_t k, int64_t& lead_out) {
+  const Group* g = nullptr;
+  for (const Group& gr : groups)
+    if (d >= gr.in_begin && d < gr.in_end) g = &gr;
+  lead_out = g ? first_nontrivial(out, g->out_begin, g->out_end) : -1;
+  bool ok = g && first_nontrivial(in, g->in_begin, g->in_end) == d && lead_out < g->out_end;
+  if (ok) {
+    bool one_to_one =
+        in[size_t(d)] == out[size_t(lead_out)] &&
+        shape_numel(Shape(in.begin() + g->in_begin, in.begin() + g->in_end)) == in[size_t(d)];
+    ok = one_to_one || (in[size_t(d)] % k == 0 && out[size_t(lead_out)] % k == 0);
+  }
+  if (ok) return "";
+  return "sharded dim " + std::to_string(d) + " does not stay intact in shape " + shape_str(out) +
+         " (redistribute it first)";
+}
+
+// The placements of a view of `x` as `out`. With `strict` (view) a shard that cannot stay intact
+// is an error; without (reshape) every shard of that tensor dim becomes Replicate on the input,
+// gathered before the local reshape.
+ShardingDecision view_decision(const char* op, const DTensor& x, const Shape& out, bool strict) {
   const Shape& in = x.shape();
+  const Placements& ps = x.placements();
+  const int64_t nm = x.mesh().ndim();
   ShardingDecision dec{{{}}, {}};
   if (shape_numel(in) == 0) {
-    for (const Placement& p : x.placements()) {
-      if (p.is_shard() && !(out.size() == in.size()))
+    for (const Placement& p : ps) {
+      const bool keep = !p.is_shard() || out.size() == in.size();
+      if (!keep && strict)
         dtensor_ops::no_rule(op, {x}, "cannot view an empty sharded tensor as " + shape_str(out));
-      dec.inputs[0].push_back(p);
-      dec.output.push_back(p);
+      dec.inputs[0].push_back(keep ? p : Replicate());
+      dec.output.push_back(keep ? p : Replicate());
     }
     return dec;
   }
   std::vector<Group> groups = group_dims(in, out);
-  for (int64_t m = 0; m < x.mesh().ndim(); ++m) {
-    const Placement& p = x.placements()[size_t(m)];
-    dec.inputs[0].push_back(p);
+  // Tensor dims whose shards move, and where each kept one lands.
+  std::vector<std::string> broken(in.size());
+  std::vector<int64_t> lead(in.size(), -1);
+  for (int64_t d = 0; d < int64_t(in.size()); ++d) {
+    int64_t k = 1;
+    bool sharded = false;
+    for (int64_t m = 0; m < nm; ++m) {
+      if (!ps[size_t(m)].is_shard(d)) continue;
+      k *= x.mesh().size(m);
+      sharded = true;
+    }
+    if (sharded) broken[size_t(d)] = shard_break(in, out, groups, d, k, lead[size_t(d)]);
+  }
+  for (const Placement& p : ps) {
     if (!p.is_shard()) {
+      dec.inputs[0].push_back(p);
       dec.output.push_back(p);
       continue;
     }
-    // Shards of this tensor dim over all mesh dims: their product must divide the sizes.
-    int64_t k = 1;
-    for (int64_t mm = 0; mm < x.mesh().ndim(); ++mm)
-      if (x.placements()[size_t(mm)].is_shard(p.dim())) k *= x.mesh().size(mm);
-    const Group* g = nullptr;
-    for (const Group& gr : groups)
-      if (p.dim() >= gr.in_begin && p.dim() < gr.in_end) g = &gr;
-    int64_t lead_in = g ? first_nontrivial(in, g->in_begin, g->in_end) : -1;
-    int64_t lead_out = g ? first_nontrivial(out, g->out_begin, g->out_end) : -1;
-    bool ok = g && lead_in == p.dim() && lead_out < g->out_end;
-    if (ok) {
-      bool one_to_one = in[size_t(p.dim())] == out[size_t(lead_out)] &&
-                        shape_numel(Shape(in.begin() + g->in_begin, in.begin() + g->in_end)) ==
-                            in[size_t(p.dim())];
-      ok = one_to_one || (in[size_t(p.dim())] % k == 0 && out[size_t(lead_out)] % k == 0);
+    const std::string& why = broken[size_t(p.dim())];
+    if (!why.empty()) {
+      if (strict) dtensor_ops::no_rule(op, {x}, why);
+      dec.inputs[0].push_back(Replicate());
+      dec.output.push_back(Replicate());
+      continue;
     }
-    if (!ok)
-      dtensor_ops::no_rule(op, {x},
-                           "sharded dim " + std::to_string(p.dim()) +
-                               " does not stay intact in "
-                               "shape " +
-                               shape_str(out) + " (redistribute it first)");
+    const int64_t lead_out = lead[size_t(p.dim())];
+    dec.inputs[0].push_back(p);
     dec.output.push_back(p.is_strided_shard() ? StridedShard(lead_out, p.split_factor())
                                               : Shard(lead_out));
   }
@@ -99,7 +126,7 @@ ShardingDecision view_decision(const char* op, const DTensor& x, const Shape& ou
 
 DTensor view(const DTensor& x, const Shape& shape) {
   Shape out = kernels::infer_shape(shape, x.numel(), "view");
-  ShardingDecision dec = view_decision("view", x, out);
+  ShardingDecision dec = view_decision("view", x, out, true);
   auto spec = std::make_shared<const DTensorSpec>(x.mesh(), dec.output, out, x.dtype());
   Shape local = spec->local_layout().local_shape;
   return dtensor_ops::run("view", {x}, dec, out,
@@ -108,7 +135,7 @@ DTensor view(const DTensor& x, const Shape& shape) {
 
 DTensor reshape(const DTensor& x, const Shape& shape) {
   Shape out = kernels::infer_shape(shape, x.numel(), "reshape");
-  ShardingDecision dec = view_decision("reshape", x, out);
+  ShardingDecision dec = view_decision("reshape", x, out, false);
   auto spec = std::make_shared<const DTensorSpec>(x.mesh(), dec.output, out, x.dtype());
   Shape local = spec->local_layout().local_shape;
   return dtensor_ops::run("reshape", {x}, dec, out,

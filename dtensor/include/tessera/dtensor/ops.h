@@ -61,8 +61,9 @@ DTensor mean(const DTensor& x, const std::vector<int64_t>& dims = {}, bool keepd
 DTensor softmax(const DTensor& x, int64_t dim);
 DTensor log_softmax(const DTensor& x, int64_t dim);
 
-// --- views: allowed when every sharded dim survives intact (an error names the op and spec
-// otherwise) ---
+// --- views: a sharded dim survives when it leads the dims it is merged with or split into and its
+// shard count divides the sizes involved. view allows nothing else (an error names the op and
+// spec); reshape, as PyTorch's, gathers the tensor dims whose shards would not survive first ---
 DTensor view(const DTensor& x, const Shape& shape);
 DTensor reshape(const DTensor& x, const Shape& shape);
 DTensor transpose(const DTensor& x, int64_t d0, int64_t d1);

@@ -1,0 +1,353 @@
+// Every DTensor op against the same op on the global tensor, over every mesh of the world, every
+// placement list of its inputs (Partial included) and shapes whose shards are even, uneven and
+// empty: the result's full tensor and each input's gradient must be the reference's. Partial
+// inputs hold a random split of their value over the ranks (not all of it on one rank, as
+// distribute_tensor lays them out), so an op that runs on unreduced pieces where it must not
+// shows. An op may refuse a layout (a view that would cut a shard), but then every rank must
+// refuse it, with a message that names the op.
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "tessera/tessera.h"
+#include "tessera/testing.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+
+namespace {
+
+using UnaryOp = std::function<DTensor(const DTensor&)>;
+using UnaryRef = std::function<Tensor(const Tensor&)>;
+using BinaryOp = std::function<DTensor(const DTensor&, const DTensor&)>;
+using BinaryRef = std::function<Tensor(const Tensor&, const Tensor&)>;
+
+const std::vector<DeviceMesh>& meshes() {
+  static const std::vector<DeviceMesh> kMeshes = device_meshes(2);
+  return kMeshes;
+}
+
+uint64_t mix(uint64_t seed, int64_t v) {
+  return (seed ^ uint64_t(v + 0x9e37)) * 0x100000001b3ull;
+}
+
+// This rank's piece of `global` laid out by `p`. Over a Partial mesh dim, member c != 0 of the
+// group holds dyadic noise and member 0 the value minus the others' noise: the pieces add up to
+// the value exactly. Replicas (ranks differing only in Replicate mesh dims) hold the same piece.
+DTensor laid_out(const Tensor& global, const DeviceMesh& mesh, const Placements& p, uint64_t seed,
+                 bool requires_grad = true) {
+  const std::vector<int64_t> coord = mesh.coordinate();
+  Tensor local = cut_window(global, reference_window(global.shape(), mesh.shape(), coord, p));
+  for (size_t m = 0; m < p.size(); ++m) {
+    if (!p[m].is_partial()) continue;
+    uint64_t base = mix(seed, int64_t(m));
+    for (size_t k = 0; k < p.size(); ++k)
+      if (k != m && !p[k].is_replicate()) base = mix(base, coord[k]);
+    auto noise = [&](int64_t c) {
+      return dyadic_tensor(local.shape(), mix(base, c), global.dtype());
+    };
+    if (coord[m] != 0) {
+      local = noise(coord[m]);
+    } else {
+      for (int64_t c = 1; c < mesh.size(int64_t(m)); ++c)
+        local = sub(local, noise(c));
+    }
+  }
+  DTensor d = DTensor::from_local(local.contiguous(), mesh, p, global.shape());
+  if (requires_grad) d.set_requires_grad(true);
+  return d;
+}
+
+std::string case_name(const DeviceMesh& mesh, const std::vector<Placements>& ps,
+                      const std::vector<Shape>& shapes) {
+  std::string s = mesh.str();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    s += " input " + std::to_string(i) + " " + shape_str(shapes[i]) + " [";
+    for (size_t m = 0; m < ps[i].size(); ++m)
+      s += (m ? ", " : "") + ps[i][m].str();
+    s += "]";
+  }
+  return s;
+}
+
+// Whether every rank of the world says yes.
+bool all_ranks(bool mine) {
+  Tensor t = from_vector<int64_t>({mine ? 0 : 1}, {1});
+  world_group()->all_reduce(t, ReduceOp::Sum)->wait();
+  return t.item<int64_t>() == 0;
+}
+
+// Runs `op` on DTensors laid out as `ps` and `ref` on the global tensors, and compares the result
+// and every input's gradient after backpropagating sum(out * w). Only an op that `may_refuse`
+// (view) may refuse a layout, on every rank, naming `op_name`.
+void check_case(const std::string& op_name, const DeviceMesh& mesh,
+                const std::vector<Tensor>& globals, const std::vector<Placements>& ps,
+                const std::function<DTensor(const std::vector<DTensor>&)>& op,
+                const std::function<Tensor(const std::vector<Tensor>&)>& ref, uint64_t seed,
+                bool may_refuse = false) {
+  const double rtol = 1e-12;
+  std::vector<Shape> shapes;
+  for (const Tensor& g : globals)
+    shapes.push_back(g.shape());
+  const std::string what = op_name + " on " + case_name(mesh, ps, shapes);
+  std::vector<DTensor> in;
+  std::vector<Tensor> rin;
+  for (size_t i = 0; i < globals.size(); ++i) {
+    in.push_back(laid_out(globals[i], mesh, ps[i], mix(seed, int64_t(i))));
+    rin.push_back(globals[i].clone().set_requires_grad(true));
+  }
+  DTensor out;
+  std::string refused;
+  try {
+    out = op(in);
+  } catch (const Error& e) {
+    refused = e.what();
+  }
+  ASSERT_EQ(all_ranks(refused.empty()), refused.empty())
+      << what << ": refused on some ranks only; here: " << (refused.empty() ? "ran" : refused);
+  if (!refused.empty()) {
+    EXPECT_TRUE(may_refuse) << what << ": " << refused;
+    EXPECT_NE(refused.find(op_name), std::string::npos) << what << ": " << refused;
+
+    printf("REFUSED %s: %s\n", what.c_str(), refused.c_str());
+    return;
+  }
+  Tensor rout = ref(rin);
+  Tensor full = out.full_tensor();
+  expect_close(full, rout, {rtol, rtol}, what + ": output");
+  expect_replicas_equal(out);
+  Tensor w = dyadic_tensor(rout.shape(), mix(seed, 99), rout.dtype());
+  backward(sum(mul(full, w)));
+  backward(sum(mul(rout, w)));
+  for (size_t i = 0; i < in.size(); ++i) {
+    const std::string g = what + ": gradient of input " + std::to_string(i);
+    DTensor grad = in[i].grad();
+    ASSERT_TRUE(grad.defined()) << g << " is missing";
+    for (const Placement& q : grad.placements())
+      EXPECT_FALSE(q.is_partial()) << g << " is Partial: " << grad.str();
+    expect_close(grad.full_tensor(), rin[i].grad(), {rtol, rtol}, g);
+  }
+}
+
+// Every placement list, FSDP-over-TP's StridedShard included.
+std::vector<Placements> lists(const DeviceMesh& mesh, int64_t ndim) {
+  return placement_lists(mesh.shape(), ndim, {.strided = true});
+}
+
+// The lists of `b` that list i of the other input meets: all of them on a 1-D mesh; on larger
+// meshes, where the product runs to hundreds, three, chosen so that every list of `b` meets
+// several lists of the other input too.
+std::vector<Placements> partners(const DeviceMesh& mesh, size_t i,
+                                 const std::vector<Placements>& b) {
+  if (mesh.ndim() == 1) return b;
+  std::vector<Placements> out;
+  for (size_t k = 0; k < 3; ++k)
+    out.push_back(b[(i + k * (b.size() / 3 + 1)) % b.size()]);
+  return out;
+}
+
+std::vector<std::pair<Placements, Placements>> pairs(const DeviceMesh& mesh,
+                                                     const std::vector<Placements>& a,
+                                                     const std::vector<Placements>& b) {
+  std::vector<std::pair<Placements, Placements>> out;
+  for (size_t i = 0; i < a.size(); ++i)
+    for (const Placements& q : partners(mesh, i, b))
+      out.emplace_back(a[i], q);
+  return out;
+}
+
+Tensor positive(const Shape& s, uint64_t seed) {
+  return add(abs(dyadic_tensor(s, seed)), 1.0);
+}
+
+}  // namespace
+
+TEST(DTensorOpsSweep, UnaryOps) {
+  struct Case {
+    std::string name;
+    UnaryOp op;
+    UnaryRef ref;
+    bool positive = false;
+  };
+  const std::vector<Case> cases = {
+      {"neg", [](auto& x) { return neg(x); }, [](auto& x) { return neg(x); }},
+      {"exp", [](auto& x) { return exp(x); }, [](auto& x) { return exp(x); }},
+      {"log", [](auto& x) { return log(x); }, [](auto& x) { return log(x); }, true},
+      {"sqrt", [](auto& x) { return sqrt(x); }, [](auto& x) { return sqrt(x); }, true},
+      {"rsqrt", [](auto& x) { return rsqrt(x); }, [](auto& x) { return rsqrt(x); }, true},
+      {"tanh", [](auto& x) { return tanh(x); }, [](auto& x) { return tanh(x); }},
+      {"sigmoid", [](auto& x) { return sigmoid(x); }, [](auto& x) { return sigmoid(x); }},
+      {"relu", [](auto& x) { return relu(x); }, [](auto& x) { return relu(x); }},
+      {"gelu", [](auto& x) { return gelu(x); }, [](auto& x) { return gelu(x); }},
+      {"silu", [](auto& x) { return silu(x); }, [](auto& x) { return silu(x); }},
+      {"square", [](auto& x) { return square(x); }, [](auto& x) { return square(x); }},
+      {"mul", [](auto& x) { return mul(x, -2.5); }, [](auto& x) { return mul(x, -2.5); }},
+      {"add", [](auto& x) { return add(x, 3.0); }, [](auto& x) { return add(x, 3.0); }},
+  };
+  uint64_t seed = 1;
+  for (const DeviceMesh& mesh : meshes())
+    for (const Shape& shape : edge_shapes(mesh.shape(), 2))
+      for (const Placements& p : lists(mesh, 2))
+        for (const Case& c : cases) {
+          Tensor g = c.positive ? positive(shape, ++seed) : dyadic_tensor(shape, ++seed);
+          check_case(
+              c.name, mesh, {g}, {p}, [&](auto& in) { return c.op(in[0]); },
+              [&](auto& in) { return c.ref(in[0]); }, seed);
+          if (HasFatalFailure()) return;
+        }
+}
+
+TEST(DTensorOpsSweep, BinaryOps) {
+  struct Case {
+    std::string name;
+    BinaryOp op;
+    BinaryRef ref;
+  };
+  const std::vector<Case> cases = {
+      {"add", [](auto& a, auto& b) { return add(a, b); },
+       [](auto& a, auto& b) { return add(a, b); }},
+      {"sub", [](auto& a, auto& b) { return sub(a, b); },
+       [](auto& a, auto& b) { return sub(a, b); }},
+      {"mul", [](auto& a, auto& b) { return mul(a, b); },
+       [](auto& a, auto& b) { return mul(a, b); }},
+      {"div", [](auto& a, auto& b) { return div(a, b); },
+       [](auto& a, auto& b) { return div(a, b); }},
+  };
+  uint64_t seed = 5000;
+  for (const DeviceMesh& mesh : meshes()) {
+    const std::vector<Shape> shapes = edge_shapes(mesh.shape(), 2);
+    // The even shape and one uneven per dim, with the second operand the same shape or
+    // broadcast (a row, as a bias is).
+    for (size_t s : {size_t(0), size_t(1), size_t(4)}) {
+      const Shape& shape = shapes[s];
+      for (bool row : {false, true}) {
+        const Shape bshape = row ? Shape{shape[1]} : shape;
+        for (const auto& [pa, pb] :
+             pairs(mesh, lists(mesh, 2), lists(mesh, int64_t(bshape.size()))))
+          for (const Case& c : cases) {
+            Tensor a = dyadic_tensor(shape, ++seed);
+            // A divisor away from zero.
+            Tensor b = c.name == "div" ? positive(bshape, ++seed) : dyadic_tensor(bshape, ++seed);
+            check_case(
+                c.name, mesh, {a, b}, {pa, pb}, [&](auto& in) { return c.op(in[0], in[1]); },
+                [&](auto& in) { return c.ref(in[0], in[1]); }, seed);
+            if (HasFatalFailure()) return;
+          }
+      }
+    }
+  }
+}
+
+TEST(DTensorOpsSweep, ReductionsAndSoftmax) {
+  uint64_t seed = 9000;
+  const std::vector<std::vector<int64_t>> dim_lists = {{}, {0}, {1}, {-1}, {0, 1}};
+  for (const DeviceMesh& mesh : meshes())
+    for (const Shape& shape : edge_shapes(mesh.shape(), 2))
+      for (const Placements& p : lists(mesh, 2)) {
+        for (const auto& dims : dim_lists)
+          for (bool keepdim : {false, true}) {
+            Tensor g = dyadic_tensor(shape, ++seed);
+            check_case(
+                "sum", mesh, {g}, {p}, [&](auto& in) { return sum(in[0], dims, keepdim); },
+                [&](auto& in) { return sum(in[0], dims, keepdim); }, seed);
+            if (shape_numel(shape) > 0)
+              check_case(
+                  "mean", mesh, {g}, {p}, [&](auto& in) { return mean(in[0], dims, keepdim); },
+                  [&](auto& in) { return mean(in[0], dims, keepdim); }, seed);
+            if (HasFatalFailure()) return;
+          }
+        for (int64_t dim : {0, 1, -1}) {
+          Tensor g = dyadic_tensor(shape, ++seed);
+          check_case(
+              "softmax", mesh, {g}, {p}, [&](auto& in) { return softmax(in[0], dim); },
+              [&](auto& in) { return softmax(in[0], dim); }, seed);
+          check_case(
+              "log_softmax", mesh, {g}, {p}, [&](auto& in) { return log_softmax(in[0], dim); },
+              [&](auto& in) { return log_softmax(in[0], dim); }, seed);
+          if (HasFatalFailure()) return;
+        }
+      }
+}
+
+TEST(DTensorOpsSweep, ViewsAndSlices) {
+  uint64_t seed = 13000;
+  for (const DeviceMesh& mesh : meshes())
+    for (const Shape& shape : edge_shapes(mesh.shape(), 2))
+      for (size_t pi = 0; pi < lists(mesh, 2).size(); ++pi) {
+        const Placements p = lists(mesh, 2)[pi];
+        Tensor g = dyadic_tensor(shape, ++seed);
+        check_case(
+            "transpose", mesh, {g}, {p}, [](auto& in) { return transpose(in[0], 0, 1); },
+            [](auto& in) { return transpose(in[0], 0, 1); }, seed);
+        const Shape flat = {shape_numel(shape)};
+        const Shape split = {shape[0], 1, shape[1]};
+        for (const Shape& to : {flat, split}) {
+          check_case(
+              "view", mesh, {g}, {p}, [&](auto& in) { return view(in[0], to); },
+              [&](auto& in) { return view(in[0], to); }, seed, /*may_refuse=*/true);
+          check_case(
+              "reshape", mesh, {g}, {p}, [&](auto& in) { return reshape(in[0], to); },
+              [&](auto& in) { return reshape(in[0], to); }, seed);
+        }
+        for (int64_t dim : {0, 1}) {
+          const int64_t n = shape[size_t(dim)];
+          const int64_t start = n / 3, length = n - start - n / 4;
+          check_case(
+              "narrow", mesh, {g}, {p}, [&](auto& in) { return narrow(in[0], dim, start, length); },
+              [&](auto& in) { return narrow(in[0], dim, start, length); }, seed);
+          Shape other = shape;
+          other[size_t(dim)] = 3;
+          for (const Placements& q : partners(mesh, pi, lists(mesh, 2))) {
+            Tensor h = dyadic_tensor(other, ++seed);
+            check_case(
+                "cat", mesh, {g, h}, {p, q},
+                [&](auto& in) {
+                  return cat({in[0], in[1]}, dim);
+                },
+                [&](auto& in) {
+                  return cat({in[0], in[1]}, dim);
+                },
+                seed);
+          }
+        }
+        if (HasFatalFailure()) return;
+      }
+}
+
+TEST(DTensorOpsSweep, MatmulAndLinear) {
+  uint64_t seed = 17000;
+  for (const DeviceMesh& mesh : meshes()) {
+    const int64_t n = mesh.size();
+    // Even and uneven splits of every dim, and one shorter than the number of pieces.
+    for (const auto& [m, k, o] : std::vector<std::array<int64_t, 3>>{
+             {2 * n, 2 * n, 2 * n}, {2 * n + 1, n + 1, 3}, {1, n - 1, n + 1}}) {
+      for (const auto& [pa, pb] : pairs(mesh, lists(mesh, 2), lists(mesh, 2))) {
+        Tensor a = dyadic_tensor({m, k}, ++seed), b = dyadic_tensor({k, o}, ++seed);
+        check_case(
+            "matmul", mesh, {a, b}, {pa, pb}, [](auto& in) { return matmul(in[0], in[1]); },
+            [](auto& in) { return matmul(in[0], in[1]); }, seed);
+        Tensor w = dyadic_tensor({o, k}, ++seed);
+        check_case(
+            "linear", mesh, {a, w}, {pa, pb}, [](auto& in) { return linear(in[0], in[1]); },
+            [](auto& in) { return linear(in[0], in[1]); }, seed);
+        if (HasFatalFailure()) return;
+      }
+      // With a bias: every layout of it against the two tensor-parallel weights and a
+      // replicated one, the input following the weight.
+      for (const Placements& pw : lists(mesh, 2)) {
+        Placements px(pw.size(), Replicate());
+        for (size_t d = 0; d < pw.size(); ++d)
+          if (pw[d].is_shard(1)) px[d] = Shard(1);
+        for (const Placements& pbias : lists(mesh, 1)) {
+          Tensor x = dyadic_tensor({m, k}, ++seed), w = dyadic_tensor({o, k}, ++seed),
+                 bias = dyadic_tensor({o}, ++seed);
+          check_case(
+              "linear", mesh, {x, w, bias}, {px, pw, pbias},
+              [](auto& in) { return linear(in[0], in[1], in[2]); },
+              [](auto& in) { return linear(in[0], in[1], in[2]); }, seed);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+}
