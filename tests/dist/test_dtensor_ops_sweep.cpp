@@ -7,6 +7,7 @@
 // refuse it, with a message that names the op.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 
 #include "tessera/tessera.h"
@@ -92,9 +93,12 @@ void check_case(const std::string& op_name, const DeviceMesh& mesh,
   const std::string what = op_name + " on " + case_name(mesh, ps, shapes);
   std::vector<DTensor> in;
   std::vector<Tensor> rin;
+  // Integer inputs (embedding ids) take no gradient.
+  std::vector<bool> grads;
   for (size_t i = 0; i < globals.size(); ++i) {
-    in.push_back(laid_out(globals[i], mesh, ps[i], mix(seed, int64_t(i))));
-    rin.push_back(globals[i].clone().set_requires_grad(true));
+    grads.push_back(is_floating(globals[i].dtype()));
+    in.push_back(laid_out(globals[i], mesh, ps[i], mix(seed, int64_t(i)), grads[i]));
+    rin.push_back(globals[i].clone().set_requires_grad(grads[i]));
   }
   DTensor out;
   std::string refused;
@@ -120,6 +124,7 @@ void check_case(const std::string& op_name, const DeviceMesh& mesh,
   backward(sum(mul(full, w)));
   backward(sum(mul(rout, w)));
   for (size_t i = 0; i < in.size(); ++i) {
+    if (!grads[i]) continue;
     const std::string g = what + ": gradient of input " + std::to_string(i);
     DTensor grad = in[i].grad();
     ASSERT_TRUE(grad.defined()) << g << " is missing";
@@ -347,6 +352,91 @@ TEST(DTensorOpsSweep, MatmulAndLinear) {
               [](auto& in) { return linear(in[0], in[1], in[2]); }, seed);
           if (HasFatalFailure()) return;
         }
+      }
+    }
+  }
+}
+
+TEST(DTensorOpsSweep, LayerOps) {
+  uint64_t seed = 21000;
+  for (const DeviceMesh& mesh : meshes()) {
+    const int64_t n = mesh.size();
+    for (const Shape& shape : {Shape{2, 2 * n, 2 * n}, Shape{3, n + 1, 2 * n - 1}}) {
+      const int64_t d = shape[2];
+      const std::vector<Placements> xs = lists(mesh, 3), ws = lists(mesh, 1);
+      for (size_t i = 0; i < xs.size(); ++i)
+        for (const Placements& pw : partners(mesh, i, ws)) {
+          Tensor x = dyadic_tensor(shape, ++seed), w = dyadic_tensor({d}, ++seed),
+                 b = dyadic_tensor({d}, ++seed);
+          check_case(
+              "rms_norm", mesh, {x, w}, {xs[i], pw},
+              [](auto& in) { return rms_norm(in[0], in[1], 1e-6); },
+              [](auto& in) { return rms_norm(in[0], in[1], 1e-6); }, seed);
+          check_case(
+              "layer_norm", mesh, {x, w, b}, {xs[i], pw, pw},
+              [](auto& in) { return layer_norm(in[0], in[1], in[2]); },
+              [](auto& in) { return layer_norm(in[0], in[1], in[2]); }, seed);
+          if (HasFatalFailure()) return;
+        }
+    }
+    // Ids of any layout but Partial against every layout of the table (vocab parallel
+    // included), with vocabularies whose row shards are even, uneven and empty.
+    for (int64_t vocab : {2 * n, n + 1, n - 1 > 0 ? n - 1 : 1}) {
+      std::vector<Placements> ids_lists;
+      for (const Placements& p : lists(mesh, 2))
+        if (std::none_of(p.begin(), p.end(), [](const Placement& q) { return q.is_partial(); }))
+          ids_lists.push_back(p);
+      const std::vector<Placements> tables = lists(mesh, 2);
+      for (size_t i = 0; i < ids_lists.size(); ++i)
+        for (const Placements& pt : partners(mesh, i, tables)) {
+          std::vector<int64_t> v(size_t(3 * (n + 1)));
+          for (int64_t& id : v)
+            id = int64_t(mix(++seed, 7) % uint64_t(vocab));
+          Tensor ids = from_vector<int64_t>(v, {3, n + 1});
+          Tensor table = dyadic_tensor({vocab, 5}, ++seed);
+          check_case(
+              "embedding", mesh, {ids, table}, {ids_lists[i], pt},
+              [](auto& in) { return embedding(in[0], in[1]); },
+              [](auto& in) { return embedding(in[0], in[1]); }, seed);
+          if (HasFatalFailure()) return;
+        }
+    }
+  }
+}
+
+TEST(DTensorOpsSweep, BatchedMatmulAndLowRank) {
+  uint64_t seed = 25000;
+  for (const DeviceMesh& mesh : meshes()) {
+    const int64_t n = mesh.size();
+    const std::vector<Placements> a3 = lists(mesh, 3);
+    for (size_t i = 0; i < a3.size(); ++i)
+      for (const Placements& pb : partners(mesh, i, a3)) {
+        Tensor a = dyadic_tensor({n + 1, 3, 2 * n}, ++seed),
+               b = dyadic_tensor({n + 1, 2 * n, n + 2}, ++seed);
+        check_case(
+            "matmul", mesh, {a, b}, {a3[i], pb}, [](auto& in) { return matmul(in[0], in[1]); },
+            [](auto& in) { return matmul(in[0], in[1]); }, seed);
+        if (HasFatalFailure()) return;
+      }
+    // linear_lowrank: every weight layout with every layout of its low-rank factors, the input
+    // following the weight as a tensor-parallel layer's does.
+    const int64_t in_f = 2 * n, out_f = 2 * n + 1, r = 3;
+    const std::vector<Placements> w2 = lists(mesh, 2);
+    for (size_t i = 0; i < w2.size(); ++i) {
+      const Placements& pw = w2[i];
+      Placements px(pw.size(), Replicate());
+      for (size_t m = 0; m < pw.size(); ++m)
+        if (pw[m].is_shard(1)) px[m] = Shard(2);
+      for (const Placements& pab : partners(mesh, i, w2)) {
+        Tensor x = dyadic_tensor({2, n + 1, in_f}, ++seed),
+               w = dyadic_tensor({out_f, in_f}, ++seed), a = dyadic_tensor({r, in_f}, ++seed),
+               b = dyadic_tensor({out_f, r}, ++seed);
+        check_case(
+            "linear_lowrank", mesh, {x, w, a, b}, {px, pw, pab, pab},
+            [](auto& in) { return linear_lowrank(in[0], in[1], DTensor(), in[2], in[3], 0.5); },
+            [](auto& in) { return linear_lowrank(in[0], in[1], Tensor(), in[2], in[3], 0.5); },
+            seed);
+        if (HasFatalFailure()) return;
       }
     }
   }
