@@ -112,8 +112,6 @@ void check_case(const std::string& op_name, const DeviceMesh& mesh,
   if (!refused.empty()) {
     EXPECT_TRUE(may_refuse) << what << ": " << refused;
     EXPECT_NE(refused.find(op_name), std::string::npos) << what << ": " << refused;
-
-    printf("REFUSED %s: %s\n", what.c_str(), refused.c_str());
     return;
   }
   Tensor rout = ref(rin);
@@ -188,6 +186,11 @@ TEST(DTensorOpsSweep, UnaryOps) {
       {"square", [](auto& x) { return square(x); }, [](auto& x) { return square(x); }},
       {"mul", [](auto& x) { return mul(x, -2.5); }, [](auto& x) { return mul(x, -2.5); }},
       {"add", [](auto& x) { return add(x, 3.0); }, [](auto& x) { return add(x, 3.0); }},
+      {"sub", [](auto& x) { return sub(x, 3.0); }, [](auto& x) { return sub(x, 3.0); }},
+      {"div", [](auto& x) { return div(x, -4.0); }, [](auto& x) { return div(x, -4.0); }},
+      {"abs", [](auto& x) { return abs(x); }, [](auto& x) { return abs(x); }},
+      {"pow", [](auto& x) { return pow(x, 3.0); }, [](auto& x) { return pow(x, 3.0); }},
+      {"pow", [](auto& x) { return pow(x, 0.5); }, [](auto& x) { return pow(x, 0.5); }, true},
   };
   uint64_t seed = 1;
   for (const DeviceMesh& mesh : meshes())
@@ -217,6 +220,10 @@ TEST(DTensorOpsSweep, BinaryOps) {
        [](auto& a, auto& b) { return mul(a, b); }},
       {"div", [](auto& a, auto& b) { return div(a, b); },
        [](auto& a, auto& b) { return div(a, b); }},
+      {"maximum", [](auto& a, auto& b) { return maximum(a, b); },
+       [](auto& a, auto& b) { return maximum(a, b); }},
+      {"minimum", [](auto& a, auto& b) { return minimum(a, b); },
+       [](auto& a, auto& b) { return minimum(a, b); }},
   };
   uint64_t seed = 5000;
   for (const DeviceMesh& mesh : meshes()) {
@@ -238,6 +245,24 @@ TEST(DTensorOpsSweep, BinaryOps) {
                 [&](auto& in) { return c.ref(in[0], in[1]); }, seed);
             if (HasFatalFailure()) return;
           }
+        // where and masked_fill: the mask laid out as the second operand, never partial.
+        for (const auto& [pa, pb] :
+             pairs(mesh, lists(mesh, 2), lists(mesh, int64_t(bshape.size())))) {
+          if (std::any_of(pb.begin(), pb.end(), [](const Placement& q) { return q.is_partial(); }))
+            continue;
+          Tensor a = dyadic_tensor(shape, ++seed), x = dyadic_tensor(shape, ++seed);
+          Tensor mask =
+              kernels::compare_scalar(kernels::CompareOp::Gt, dyadic_tensor(bshape, ++seed), 0.0);
+          check_case(
+              "where", mesh, {mask, a, x}, {pb, pa, pa},
+              [](auto& in) { return where(in[0], in[1], in[2]); },
+              [](auto& in) { return where(in[0], in[1], in[2]); }, seed);
+          check_case(
+              "masked_fill", mesh, {a, mask}, {pa, pb},
+              [](auto& in) { return masked_fill(in[0], in[1], -7.5); },
+              [](auto& in) { return masked_fill(in[0], in[1], -7.5); }, seed);
+          if (HasFatalFailure()) return;
+        }
       }
     }
   }
@@ -245,7 +270,7 @@ TEST(DTensorOpsSweep, BinaryOps) {
 
 TEST(DTensorOpsSweep, ReductionsAndSoftmax) {
   uint64_t seed = 9000;
-  const std::vector<std::vector<int64_t>> dim_lists = {{}, {0}, {1}, {-1}, {0, 1}};
+  const std::vector<std::vector<int64_t>> dim_lists = {{}, {0}, {-1}, {0, 1}};
   for (const DeviceMesh& mesh : meshes())
     for (const Shape& shape : edge_shapes(mesh.shape(), 2))
       for (const Placements& p : lists(mesh, 2)) {
@@ -255,6 +280,13 @@ TEST(DTensorOpsSweep, ReductionsAndSoftmax) {
             check_case(
                 "sum", mesh, {g}, {p}, [&](auto& in) { return sum(in[0], dims, keepdim); },
                 [&](auto& in) { return sum(in[0], dims, keepdim); }, seed);
+            bool empty_reduction = false;
+            for (int64_t d : dims.empty() ? std::vector<int64_t>{0, 1} : dims)
+              empty_reduction = empty_reduction || shape[size_t(d < 0 ? d + 2 : d)] == 0;
+            if (!empty_reduction)
+              check_case(
+                  "amax", mesh, {g}, {p}, [&](auto& in) { return amax(in[0], dims, keepdim); },
+                  [&](auto& in) { return amax(in[0], dims, keepdim); }, seed);
             if (shape_numel(shape) > 0)
               check_case(
                   "mean", mesh, {g}, {p}, [&](auto& in) { return mean(in[0], dims, keepdim); },
@@ -284,6 +316,33 @@ TEST(DTensorOpsSweep, ViewsAndSlices) {
         check_case(
             "transpose", mesh, {g}, {p}, [](auto& in) { return transpose(in[0], 0, 1); },
             [](auto& in) { return transpose(in[0], 0, 1); }, seed);
+        check_case(
+            "permute", mesh, {g}, {p},
+            [](auto& in) {
+              return permute(in[0], {1, 0});
+            },
+            [](auto& in) {
+              return permute(in[0], {1, 0});
+            },
+            seed);
+        for (int64_t dim : {0, 1, 2, -1})
+          check_case(
+              "unsqueeze", mesh, {g}, {p}, [&](auto& in) { return unsqueeze(in[0], dim); },
+              [&](auto& in) { return unsqueeze(in[0], dim); }, seed);
+        check_case(
+            "flatten", mesh, {g}, {p}, [](auto& in) { return flatten(in[0]); },
+            [](auto& in) { return flatten(in[0]); }, seed);
+        // squeeze of a dim of size 1 and of one that is not (left alone, even where a shard of
+        // it has local size 1).
+        for (int64_t dim : {0, 1}) {
+          Tensor h = narrow(g, dim, 0, std::min<int64_t>(1, shape[size_t(dim)]));
+          check_case(
+              "squeeze", mesh, {h}, {p}, [&](auto& in) { return squeeze(in[0], dim); },
+              [&](auto& in) { return squeeze(in[0], dim); }, seed);
+          check_case(
+              "squeeze", mesh, {g}, {p}, [&](auto& in) { return squeeze(in[0], dim); },
+              [&](auto& in) { return squeeze(in[0], dim); }, seed);
+        }
         const Shape flat = {shape_numel(shape)};
         const Shape split = {shape[0], 1, shape[1]};
         for (const Shape& to : {flat, split}) {

@@ -96,6 +96,14 @@ DTensor binary(const char* op, const DTensor& a, const DTensor& b, Linearity lin
                           [fn](const std::vector<Tensor>& l) { return fn(l[0], l[1]); });
 }
 
+DTensor ternary(const char* op, const DTensor& a, const DTensor& b, const DTensor& c,
+                Tensor (*fn)(const Tensor&, const Tensor&, const Tensor&)) {
+  dtensor_ops::check_same_mesh(op, {a, b, c});
+  Shape out = broadcast_shapes(broadcast_shapes(a.shape(), b.shape(), op), c.shape(), op);
+  return dtensor_ops::run(op, {a, b, c}, pointwise_decision({a, b, c}, out, Linearity::None), out,
+                          [fn](const std::vector<Tensor>& l) { return fn(l[0], l[1], l[2]); });
+}
+
 template <class F>
 DTensor unary(const char* op, const DTensor& x, Linearity lin, F fn) {
   return dtensor_ops::run(op, {x}, pointwise_decision({x}, x.shape(), lin), x.shape(),
@@ -120,8 +128,37 @@ DTensor div(const DTensor& a, const DTensor& b) {
   return binary("div", a, b, Linearity::Divide,
                 [](const Tensor& x, const Tensor& y) { return div(x, y); });
 }
+DTensor maximum(const DTensor& a, const DTensor& b) {
+  return binary("maximum", a, b, Linearity::None,
+                [](const Tensor& x, const Tensor& y) { return maximum(x, y); });
+}
+DTensor minimum(const DTensor& a, const DTensor& b) {
+  return binary("minimum", a, b, Linearity::None,
+                [](const Tensor& x, const Tensor& y) { return minimum(x, y); });
+}
+DTensor where(const DTensor& cond, const DTensor& a, const DTensor& b) {
+  return ternary("where", cond, a, b,
+                 [](const Tensor& c, const Tensor& x, const Tensor& y) { return where(c, x, y); });
+}
+DTensor masked_fill(const DTensor& x, const DTensor& mask, double value) {
+  dtensor_ops::check_same_mesh("masked_fill", {x, mask});
+  Shape out = broadcast_shapes(x.shape(), mask.shape(), "masked_fill");
+  // Not linear in x: partial pieces would each get the value, and their sum too many of it.
+  return dtensor_ops::run(
+      "masked_fill", {x, mask}, pointwise_decision({x, mask}, out, Linearity::None), out,
+      [value](const std::vector<Tensor>& l) { return masked_fill(l[0], l[1], value); });
+}
 DTensor add(const DTensor& a, double s) {
   return unary("add", a, Linearity::None, [s](const Tensor& x) { return add(x, s); });
+}
+DTensor sub(const DTensor& a, double s) {
+  return unary("sub", a, Linearity::None, [s](const Tensor& x) { return sub(x, s); });
+}
+DTensor div(const DTensor& a, double s) {
+  return unary("div", a, Linearity::Multiplicative, [s](const Tensor& x) { return div(x, s); });
+}
+DTensor pow(const DTensor& a, double exponent) {
+  return unary("pow", a, Linearity::None, [exponent](const Tensor& x) { return pow(x, exponent); });
 }
 DTensor mul(const DTensor& a, double s) {
   return unary("mul", a, Linearity::Multiplicative, [s](const Tensor& x) { return mul(x, s); });
@@ -147,6 +184,7 @@ TESSERA_DTENSOR_UNARY(sigmoid)
 TESSERA_DTENSOR_UNARY(relu)
 TESSERA_DTENSOR_UNARY(silu)
 TESSERA_DTENSOR_UNARY(square)
+TESSERA_DTENSOR_UNARY(abs)
 #undef TESSERA_DTENSOR_UNARY
 
 DTensor gelu(const DTensor& x, bool approximate) {

@@ -85,6 +85,37 @@ DTensor mean(const DTensor& x, const std::vector<int64_t>& dims, bool keepdim) {
   return reduce_sum("mean", x, dims, keepdim, 1.0 / double(count));
 }
 
+DTensor amax(const DTensor& x, const std::vector<int64_t>& dims_in, bool keepdim) {
+  std::vector<int64_t> dims = normalize_dims(dims_in, x.dim(), "amax");
+  auto reduced = [&](int64_t d) { return std::binary_search(dims.begin(), dims.end(), d); };
+  ShardingDecision dec{{{}}, {}};
+  for (const Placement& p : x.placements()) {
+    // The reduced dims whole on every rank, so that the gradient finds the global maxima; a
+    // strided shard of a kept dim is gathered as in sum (its dim is renumbered).
+    const bool gather =
+        p.is_partial() || (p.is_shard() && (reduced(p.dim()) || p.is_strided_shard()));
+    const Placement q = gather ? Replicate() : p;
+    dec.inputs[0].push_back(q);
+    if (q.is_shard() && !keepdim) {
+      const int64_t below =
+          std::count_if(dims.begin(), dims.end(), [&](int64_t d) { return d < q.dim(); });
+      dec.output.push_back(Shard(q.dim() - below));
+    } else {
+      dec.output.push_back(q);
+    }
+  }
+  Shape out;
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    if (!reduced(d))
+      out.push_back(x.size(d));
+    else if (keepdim)
+      out.push_back(1);
+  }
+  return dtensor_ops::run("amax", {x}, dec, out, [dims, keepdim](const std::vector<Tensor>& l) {
+    return amax(l[0], dims, keepdim);
+  });
+}
+
 DTensor softmax(const DTensor& x, int64_t dim) {
   dim = wrap_dim(dim, x.dim(), "softmax");
   return dtensor_ops::run("softmax", {x}, keep_dim_whole(x, dim), x.shape(),

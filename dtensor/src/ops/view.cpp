@@ -163,6 +163,81 @@ DTensor transpose(const DTensor& x, int64_t d0, int64_t d1) {
 
 namespace {
 
+// `p` with its shard moved to tensor dim `dim` (the kind and split factor kept).
+Placement moved(const Placement& p, int64_t dim) {
+  return p.is_strided_shard() ? StridedShard(dim, p.split_factor()) : Shard(dim);
+}
+
+}  // namespace
+
+DTensor permute(const DTensor& x, const std::vector<int64_t>& dims) {
+  const int64_t nd = x.dim();
+  TESSERA_CHECK(int64_t(dims.size()) == nd, "permute: ", dims.size(), " dims given for ", x.str());
+  std::vector<int64_t> order, position(size_t(nd), -1);
+  Shape out;
+  for (size_t i = 0; i < dims.size(); ++i) {
+    const int64_t d = wrap_dim(dims[i], nd, "permute");
+    TESSERA_CHECK(position[size_t(d)] < 0, "permute: dim ", d, " repeated in ", shape_str(dims),
+                  " for ", x.str());
+    position[size_t(d)] = int64_t(i);
+    order.push_back(d);
+    out.push_back(x.size(d));
+  }
+  ShardingDecision dec{{x.placements()}, {}};
+  for (const Placement& p : x.placements())
+    dec.output.push_back(p.is_shard() ? moved(p, position[size_t(p.dim())]) : p);
+  return dtensor_ops::run("permute", {x}, dec, out,
+                          [order](const std::vector<Tensor>& l) { return permute(l[0], order); });
+}
+
+DTensor unsqueeze(const DTensor& x, int64_t dim) {
+  dim = wrap_dim(dim, x.dim() + 1, "unsqueeze");
+  ShardingDecision dec{{x.placements()}, {}};
+  for (const Placement& p : x.placements())
+    dec.output.push_back(p.is_shard() && p.dim() >= dim ? moved(p, p.dim() + 1) : p);
+  Shape out = x.shape();
+  out.insert(out.begin() + dim, 1);
+  return dtensor_ops::run("unsqueeze", {x}, dec, out,
+                          [dim](const std::vector<Tensor>& l) { return unsqueeze(l[0], dim); });
+}
+
+DTensor squeeze(const DTensor& x, int64_t dim) {
+  TESSERA_CHECK(x.dim() > 0, "squeeze: ", x.str(), " has no dims");
+  dim = wrap_dim(dim, x.dim(), "squeeze");
+  // A dim of another size stays, as in PyTorch. The decision is the global size's: a shard of
+  // a longer dim may have local size 1 on some rank, which must not squeeze there.
+  const bool drop = x.size(dim) == 1;
+  ShardingDecision dec{{{}}, {}};
+  for (const Placement& p : x.placements()) {
+    // Only the first rank of the mesh dim holds the one element of a sharded size-1 dim.
+    const Placement q = drop && p.is_shard(dim) ? Replicate() : p;
+    dec.inputs[0].push_back(q);
+    dec.output.push_back(drop && q.is_shard() && q.dim() > dim ? moved(q, q.dim() - 1) : q);
+  }
+  Shape out = x.shape();
+  if (drop) out.erase(out.begin() + dim);
+  return dtensor_ops::run("squeeze", {x}, dec, out, [dim, drop](const std::vector<Tensor>& l) {
+    return drop ? squeeze(l[0], dim) : view(l[0], l[0].shape());
+  });
+}
+
+DTensor flatten(const DTensor& x, int64_t start_dim, int64_t end_dim) {
+  if (x.dim() == 0) return reshape(x, {1});
+  start_dim = wrap_dim(start_dim, x.dim(), "flatten");
+  end_dim = wrap_dim(end_dim, x.dim(), "flatten");
+  TESSERA_CHECK(start_dim <= end_dim, "flatten: start_dim ", start_dim, " > end_dim ", end_dim,
+                " for ", x.str());
+  Shape out(x.shape().begin(), x.shape().begin() + start_dim);
+  int64_t merged = 1;
+  for (int64_t d = start_dim; d <= end_dim; ++d)
+    merged *= x.size(d);
+  out.push_back(merged);
+  out.insert(out.end(), x.shape().begin() + end_dim + 1, x.shape().end());
+  return reshape(x, out);
+}
+
+namespace {
+
 // Placements for an op along tensor dim `dim`: a shard of that dim is gathered (Replicate);
 // every other placement, Partial included (cat and narrow are linear), is kept.
 Placements along_dim(const Placements& ps, int64_t dim) {

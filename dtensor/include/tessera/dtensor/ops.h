@@ -20,8 +20,16 @@ DTensor add(const DTensor& a, const DTensor& b);
 DTensor sub(const DTensor& a, const DTensor& b);
 DTensor mul(const DTensor& a, const DTensor& b);
 DTensor div(const DTensor& a, const DTensor& b);
+DTensor maximum(const DTensor& a, const DTensor& b);
+DTensor minimum(const DTensor& a, const DTensor& b);
+DTensor where(const DTensor& cond, const DTensor& a, const DTensor& b);
+DTensor masked_fill(const DTensor& x, const DTensor& mask, double value);
 DTensor add(const DTensor& a, double s);
+DTensor sub(const DTensor& a, double s);
 DTensor mul(const DTensor& a, double s);
+DTensor div(const DTensor& a, double s);
+DTensor pow(const DTensor& a, double exponent);
+DTensor abs(const DTensor& x);
 DTensor neg(const DTensor& x);
 DTensor exp(const DTensor& x);
 DTensor log(const DTensor& x);
@@ -56,6 +64,9 @@ DTensor linear_lowrank(const DTensor& x, const DTensor& weight, const DTensor& b
 // --- reductions (a reduced sharded dim becomes Partial) ---
 DTensor sum(const DTensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
 DTensor mean(const DTensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+// amax gathers a shard (or reduces a Partial) of the dims it reduces first: the gradient goes to
+// the maxima of the whole dim, shared among ties as PyTorch's.
+DTensor amax(const DTensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
 
 // --- normalisation over a dim (that dim is gathered first if sharded) ---
 DTensor softmax(const DTensor& x, int64_t dim);
@@ -67,6 +78,13 @@ DTensor log_softmax(const DTensor& x, int64_t dim);
 DTensor view(const DTensor& x, const Shape& shape);
 DTensor reshape(const DTensor& x, const Shape& shape);
 DTensor transpose(const DTensor& x, int64_t d0, int64_t d1);
+// Always keep their shards (dims are only renumbered), except squeeze of a sharded dim of size
+// 1, which is gathered.
+DTensor permute(const DTensor& x, const std::vector<int64_t>& dims);
+DTensor unsqueeze(const DTensor& x, int64_t dim);
+DTensor squeeze(const DTensor& x, int64_t dim);
+// reshape to the merged shape.
+DTensor flatten(const DTensor& x, int64_t start_dim = 0, int64_t end_dim = -1);
 
 // --- along one dim: a shard of that dim is gathered first; other placements (Partial
 // included) are kept, every input of cat taking the first one's ---
