@@ -500,3 +500,20 @@ TEST(DTensorOpsSweep, BatchedMatmulAndLowRank) {
     }
   }
 }
+
+TEST(DTensorOpsSweep, Operators) {
+  uint64_t seed = 29000;
+  for (const DeviceMesh& mesh : meshes()) {
+    const std::vector<Placements> ps = lists(mesh, 2);
+    for (size_t i = 0; i < ps.size(); ++i)
+      for (const Placements& q : partners(mesh, i, ps)) {
+        Tensor a = dyadic_tensor({5, 3}, ++seed), b = positive({5, 3}, ++seed);
+        check_case(
+            "operators", mesh, {a, b}, {ps[i], q},
+            [](auto& in) { return -((in[0] + in[1]) * 2.0 - in[0] / in[1] * in[0]) / 4.0 + 1.0; },
+            [](auto& in) { return -((in[0] + in[1]) * 2.0 - in[0] / in[1] * in[0]) / 4.0 + 1.0; },
+            seed);
+        if (HasFatalFailure()) return;
+      }
+  }
+}

@@ -42,6 +42,37 @@ DTensor gelu(const DTensor& x, bool approximate = false);
 DTensor silu(const DTensor& x);
 DTensor square(const DTensor& x);
 DTensor cast(const DTensor& x, DType dtype);
+// Python's operators on DTensors, as on Tensor.
+inline DTensor operator+(const DTensor& a, const DTensor& b) {
+  return add(a, b);
+}
+inline DTensor operator-(const DTensor& a, const DTensor& b) {
+  return sub(a, b);
+}
+inline DTensor operator*(const DTensor& a, const DTensor& b) {
+  return mul(a, b);
+}
+inline DTensor operator/(const DTensor& a, const DTensor& b) {
+  return div(a, b);
+}
+inline DTensor operator+(const DTensor& a, double s) {
+  return add(a, s);
+}
+inline DTensor operator-(const DTensor& a, double s) {
+  return sub(a, s);
+}
+inline DTensor operator*(const DTensor& a, double s) {
+  return mul(a, s);
+}
+inline DTensor operator*(double s, const DTensor& a) {
+  return mul(a, s);
+}
+inline DTensor operator/(const DTensor& a, double s) {
+  return div(a, s);
+}
+inline DTensor operator-(const DTensor& x) {
+  return neg(x);
+}
 
 // --- linear algebra ---
 // [..., m, k] x [k, n] or batched [..., m, k] x [..., k, n].
