@@ -246,9 +246,12 @@ bool write_summary(const lm::Options& o, int64_t first_step, const std::vector<d
 int run(int argc, char** argv) {
   lm::Options o = lm::parse_options(argc, argv);
   const int64_t world = world_size();
+  // Without --dp the data-parallel ranks are what tensor parallelism leaves.
+  TESSERA_CHECK(o.dp != 0 || world % o.tp == 0, "train_lm: --tp ", o.tp,
+                " does not divide the number of ranks (", world, ")");
   if (o.dp == 0) o.dp = world / o.tp;
-  TESSERA_CHECK(o.tp >= 1 && o.dp >= 1 && o.tp * o.dp == world, "train_lm: --tp ", o.tp, " x --dp ",
-                o.dp, " must equal the number of ranks (", world, ")");
+  TESSERA_CHECK(o.tp * o.dp == world, "train_lm: --tp ", o.tp, " x --dp ", o.dp,
+                " must equal the number of ranks (", world, ")");
   TESSERA_CHECK(o.batch % (o.dp * o.grad_accum) == 0, "train_lm: --batch ", o.batch,
                 " must divide evenly over --dp ", o.dp, " x --grad-accum ", o.grad_accum);
   DeviceMesh mesh({o.dp, o.tp}, {"dp", "tp"});

@@ -176,6 +176,8 @@ bool base_file_fits(const Options& o) {
 int run_main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   const int64_t world = world_size();
+  TESSERA_CHECK(o.dp != 0 || world % o.tp == 0, "finetune_lora: --tp ", o.tp,
+                " does not divide the number of ranks (", world, ")");
   const int64_t dp = o.dp == 0 ? world / o.tp : o.dp;
   TESSERA_CHECK(o.tp * dp == world, "finetune_lora: --tp ", o.tp, " x --dp ", dp,
                 " must equal the number of ranks (", world, ")");
