@@ -32,9 +32,12 @@ uint64_t mix(uint64_t seed, int64_t v) {
   return (seed ^ uint64_t(v + 0x9e37)) * 0x100000001b3ull;
 }
 
-// This rank's piece of `global` laid out by `p`. Over a Partial mesh dim, member c != 0 of the
-// group holds dyadic noise and member 0 the value minus the others' noise: the pieces add up to
-// the value exactly. Replicas (ranks differing only in Replicate mesh dims) hold the same piece.
+// This rank's piece of `global` laid out by `p`. Over a Partial mesh dim the group's k members
+// hold a random split of the value, exact in dyadic values: for a sum, member c != 0 holds noise
+// and member 0 the value minus the others' noise; for avg, member 0 holds k times the value
+// minus the noise; for max (min), each member the value minus (plus) its own distance
+// |noise_c| - min_c' |noise_c'|, so that per element some member, not always the same, holds the
+// value itself. Replicas (ranks differing only in Replicate mesh dims) hold the same piece.
 DTensor laid_out(const Tensor& global, const DeviceMesh& mesh, const Placements& p, uint64_t seed,
                  bool requires_grad = true) {
   const std::vector<int64_t> coord = mesh.coordinate();
@@ -42,16 +45,37 @@ DTensor laid_out(const Tensor& global, const DeviceMesh& mesh, const Placements&
   for (size_t m = 0; m < p.size(); ++m) {
     if (!p[m].is_partial()) continue;
     uint64_t base = mix(seed, int64_t(m));
+    // The members of this group agree on the value being split: it depends on their shard
+    // coordinates and on the splits of earlier mesh dims, not on the later splits it is about
+    // to receive.
     for (size_t k = 0; k < p.size(); ++k)
-      if (k != m && !p[k].is_replicate()) base = mix(base, coord[k]);
+      if (p[k].is_shard() || (p[k].is_partial() && k < m)) base = mix(base, coord[k]);
     auto noise = [&](int64_t c) {
       return dyadic_tensor(local.shape(), mix(base, c), global.dtype());
     };
-    if (coord[m] != 0) {
-      local = noise(coord[m]);
-    } else {
-      for (int64_t c = 1; c < mesh.size(int64_t(m)); ++c)
-        local = sub(local, noise(c));
+    const int64_t k = mesh.size(int64_t(m)), me = coord[m];
+    switch (p[m].reduce_op()) {
+      case ReduceOp::Sum:
+      case ReduceOp::Avg:
+        if (me != 0) {
+          local = noise(me);
+        } else {
+          if (p[m].reduce_op() == ReduceOp::Avg) local = mul(local, double(k));
+          for (int64_t c = 1; c < k; ++c)
+            local = sub(local, noise(c));
+        }
+        break;
+      case ReduceOp::Max:
+      case ReduceOp::Min: {
+        Tensor nearest = abs(noise(0));
+        for (int64_t c = 1; c < k; ++c)
+          nearest = minimum(nearest, abs(noise(c)));
+        Tensor distance = sub(abs(noise(me)), nearest);
+        local = p[m].reduce_op() == ReduceOp::Max ? sub(local, distance) : add(local, distance);
+        break;
+      }
+      default:
+        ADD_FAILURE() << "no split for " << p[m].str();
     }
   }
   DTensor d = DTensor::from_local(local.contiguous(), mesh, p, global.shape());
@@ -137,6 +161,25 @@ std::vector<Placements> lists(const DeviceMesh& mesh, int64_t ndim) {
   return placement_lists(mesh.shape(), ndim, {.strided = true});
 }
 
+// The same, and again with Partials of avg, max and min, which the ops must reduce before
+// anything that is not linear in them: each list of Partial and Replicate only (the lists with
+// shards too would double a sweep on a 2-D mesh, and their Partials take the same paths).
+std::vector<Placements> lists_all_partials(const DeviceMesh& mesh, int64_t ndim) {
+  std::vector<Placements> out = lists(mesh, ndim);
+  const size_t n = out.size();
+  for (ReduceOp op : {ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min})
+    for (size_t i = 0; i < n; ++i) {
+      Placements q = out[i];
+      if (std::any_of(q.begin(), q.end(), [](const Placement& x) { return x.is_shard(); }) ||
+          std::none_of(q.begin(), q.end(), [](const Placement& x) { return x.is_partial(); }))
+        continue;
+      for (Placement& x : q)
+        if (x.is_partial()) x = Partial(op);
+      out.push_back(q);
+    }
+  return out;
+}
+
 // The lists of `b` that list i of the other input meets: all of them on a 1-D mesh; on larger
 // meshes, where the product runs to hundreds, three, chosen so that every list of `b` meets
 // several lists of the other input too.
@@ -195,7 +238,7 @@ TEST(DTensorOpsSweep, UnaryOps) {
   uint64_t seed = 1;
   for (const DeviceMesh& mesh : meshes())
     for (const Shape& shape : edge_shapes(mesh.shape(), 2))
-      for (const Placements& p : lists(mesh, 2))
+      for (const Placements& p : lists_all_partials(mesh, 2))
         for (const Case& c : cases) {
           Tensor g = c.positive ? positive(shape, ++seed) : dyadic_tensor(shape, ++seed);
           check_case(
@@ -235,7 +278,7 @@ TEST(DTensorOpsSweep, BinaryOps) {
       for (bool row : {false, true}) {
         const Shape bshape = row ? Shape{shape[1]} : shape;
         for (const auto& [pa, pb] :
-             pairs(mesh, lists(mesh, 2), lists(mesh, int64_t(bshape.size()))))
+             pairs(mesh, lists_all_partials(mesh, 2), lists(mesh, int64_t(bshape.size()))))
           for (const Case& c : cases) {
             Tensor a = dyadic_tensor(shape, ++seed);
             // A divisor away from zero.
@@ -273,7 +316,7 @@ TEST(DTensorOpsSweep, ReductionsAndSoftmax) {
   const std::vector<std::vector<int64_t>> dim_lists = {{}, {0}, {-1}, {0, 1}};
   for (const DeviceMesh& mesh : meshes())
     for (const Shape& shape : edge_shapes(mesh.shape(), 2))
-      for (const Placements& p : lists(mesh, 2)) {
+      for (const Placements& p : lists_all_partials(mesh, 2)) {
         for (const auto& dims : dim_lists)
           for (bool keepdim : {false, true}) {
             Tensor g = dyadic_tensor(shape, ++seed);
@@ -310,8 +353,8 @@ TEST(DTensorOpsSweep, ViewsAndSlices) {
   uint64_t seed = 13000;
   for (const DeviceMesh& mesh : meshes())
     for (const Shape& shape : edge_shapes(mesh.shape(), 2))
-      for (size_t pi = 0; pi < lists(mesh, 2).size(); ++pi) {
-        const Placements p = lists(mesh, 2)[pi];
+      for (size_t pi = 0; pi < lists_all_partials(mesh, 2).size(); ++pi) {
+        const Placements p = lists_all_partials(mesh, 2)[pi];
         Tensor g = dyadic_tensor(shape, ++seed);
         check_case(
             "transpose", mesh, {g}, {p}, [](auto& in) { return transpose(in[0], 0, 1); },
