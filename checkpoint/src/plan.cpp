@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <set>
+#include <utility>
 
 #include "checksum.h"
 #include "tessera/core/factory.h"
@@ -248,20 +250,73 @@ bool overlap(const Window& a, const Window& b) {
   return true;
 }
 
-struct Holders {
-  Window window;
-  std::vector<int> ranks;
-};
+// Whether windows inside `global`, whose sizes add up to its size, tile it. A box's indicator
+// is the sum, with signs, of the quadrants {x >= c} of its 2^d corners c; modulo 2 the signs go.
+// So when the corners met an odd number of times are exactly the global box's, every element
+// lies in an odd number of windows, at least one, and with the sizes adding up to the tensor's,
+// in exactly one; otherwise some element lies in none or in several. O(n log n) in the windows
+// (times 2^d), where comparing every pair is quadratic in the ranks.
+bool corners_tile(const std::vector<Holders>& windows, const Shape& global) {
+  const size_t d = global.size();
+  std::vector<Shape> corners;
+  corners.reserve(windows.size() << d);
+  for (const Holders& h : windows)
+    for (size_t bits = 0; bits < (size_t(1) << d); ++bits) {
+      Shape c = h.window.offset;
+      for (size_t k = 0; k < d; ++k)
+        if (bits >> k & 1) c[k] += h.window.shape[k];
+      corners.push_back(std::move(c));
+    }
+  std::sort(corners.begin(), corners.end());
+  std::vector<Shape> odd;
+  for (size_t i = 0; i < corners.size();) {
+    size_t j = i;
+    while (j < corners.size() && corners[j] == corners[i])
+      ++j;
+    if ((j - i) % 2 == 1) odd.push_back(corners[i]);
+    i = j;
+  }
+  std::vector<Shape> want;
+  for (size_t bits = 0; bits < (size_t(1) << d); ++bits) {
+    Shape c(d, 0);
+    for (size_t k = 0; k < d; ++k)
+      if (bits >> k & 1) c[k] = global[k];
+    want.push_back(std::move(c));
+  }
+  std::sort(want.begin(), want.end());
+  return odd == want;
+}
 
-// The distinct non-empty windows of entry `i` over the ranks, each with the ranks holding it;
-// an error unless they tile the global tensor.
-std::vector<Holders> distinct_windows(const std::vector<nlohmann::json>& all, size_t i,
-                                      const std::string& key, const Shape& global,
-                                      const std::string& context) {
+// Two distinct windows that overlap, if any, to name them: a sweep along dim 0 compares each
+// window only with those it meets there. Runs only when the windows do not tile.
+std::optional<std::pair<size_t, size_t>> overlapping_pair(const std::vector<Holders>& windows) {
+  if (windows.empty() || windows.front().window.offset.empty()) return std::nullopt;
+  std::vector<size_t> order(windows.size());
+  for (size_t i = 0; i < order.size(); ++i)
+    order[i] = i;
+  auto start = [&](size_t i) { return windows[i].window.offset[0]; };
+  auto end = [&](size_t i) { return start(i) + windows[i].window.shape[0]; };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return start(a) < start(b); });
+  std::vector<size_t> open;  // the windows reaching past the sweep's position on dim 0
+  for (size_t i : order) {
+    std::erase_if(open, [&](size_t o) { return end(o) <= start(i); });
+    for (size_t o : open)
+      if (overlap(windows[o].window, windows[i].window))
+        return std::make_pair(std::min(o, i), std::max(o, i));
+    open.push_back(i);
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::vector<Holders> distinct_windows(const std::vector<Window>& windows, const std::string& key,
+                                      const Shape& global, const std::string& context) {
   std::vector<Holders> out;
-  for (int r = 0; r < int(all.size()); ++r) {
-    const nlohmann::json& x = all[size_t(r)][i];
-    Window w{x["o"].get<Shape>(), x["s"].get<Shape>()};
+  std::map<std::pair<Shape, Shape>, size_t> index;  // a window's place in `out`
+  for (int r = 0; r < int(windows.size()); ++r) {
+    const Window& w = windows[size_t(r)];
     TESSERA_CHECK(w.offset.size() == global.size() && w.shape.size() == global.size(), context,
                   ": '", key, "': rank ", r, "'s piece does not match the tensor's rank");
     for (size_t d = 0; d < global.size(); ++d)
@@ -269,33 +324,29 @@ std::vector<Holders> distinct_windows(const std::vector<nlohmann::json>& all, si
                     context, ": '", key, "': rank ", r, "'s piece at ", shape_str(w.offset),
                     " of shape ", shape_str(w.shape), " lies outside ", shape_str(global));
     if (shape_numel(w.shape) == 0) continue;
-    auto it = std::find_if(out.begin(), out.end(), [&](const Holders& h) { return h.window == w; });
-    if (it == out.end())
+    const auto [it, made] = index.try_emplace({w.offset, w.shape}, out.size());
+    if (made)
       out.push_back({w, {r}});
     else
-      it->ranks.push_back(r);
+      out[it->second].ranks.push_back(r);
   }
   int64_t covered = 0;
   for (const Holders& h : out)
     covered += shape_numel(h.window.shape);
-  constexpr size_t kMaxPairwise = 256;
-  if (out.size() <= kMaxPairwise) {
-    for (size_t a = 0; a < out.size(); ++a)
-      for (size_t b = a + 1; b < out.size(); ++b)
-        TESSERA_CHECK(!overlap(out[a].window, out[b].window), context, ": '", key,
-                      "': the pieces of rank ", out[a].ranks.front(), " (at ",
-                      shape_str(out[a].window.offset), ", ", shape_str(out[a].window.shape),
-                      ") and rank ", out[b].ranks.front(), " (at ", shape_str(out[b].window.offset),
-                      ", ", shape_str(out[b].window.shape),
-                      ") overlap without being the same block");
+  // An empty tensor has no pieces (and its box's corners are not distinct).
+  if (covered == shape_numel(global) && (out.empty() || corners_tile(out, global))) return out;
+  if (const auto pair = overlapping_pair(out)) {
+    const Holders& a = out[pair->first];
+    const Holders& b = out[pair->second];
+    TESSERA_FAIL(context, ": '", key, "': the pieces of rank ", a.ranks.front(), " (at ",
+                 shape_str(a.window.offset), ", ", shape_str(a.window.shape), ") and rank ",
+                 b.ranks.front(), " (at ", shape_str(b.window.offset), ", ",
+                 shape_str(b.window.shape), ") overlap without being the same block");
   }
-  TESSERA_CHECK(covered == shape_numel(global), context, ": '", key, "': the ranks' pieces cover ",
-                covered, " of the ", shape_numel(global), " elements of ", shape_str(global),
-                " (a DTensor built from local pieces with a wrong global shape?)");
-  return out;
+  TESSERA_FAIL(context, ": '", key, "': the ranks' pieces cover ", covered, " of the ",
+               shape_numel(global), " elements of ", shape_str(global),
+               " (a DTensor built from local pieces with a wrong global shape?)");
 }
-
-}  // namespace
 
 std::vector<Entry> describe(const StateDict& state, const std::string& context, bool for_load) {
   std::set<std::string> tensor_keys;
@@ -341,7 +392,10 @@ void agree_on_entries(std::vector<Entry>& entries, const ProcessGroupPtr& pg,
     if (e.kind != ValueKind::Tensor) continue;
     e.owner = false;
     e.window_owner = -1;
-    for (const Holders& h : distinct_windows(all, i, e.key, e.global_shape, context)) {
+    std::vector<Window> windows;  // each rank's
+    for (const nlohmann::json& rank_entries : all)
+      windows.push_back({rank_entries[i]["o"].get<Shape>(), rank_entries[i]["s"].get<Shape>()});
+    for (const Holders& h : distinct_windows(windows, e.key, e.global_shape, context)) {
       int best = h.ranks.front();
       for (int r : h.ranks)
         if (load[size_t(r)] < load[size_t(best)]) best = r;

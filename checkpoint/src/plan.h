@@ -53,6 +53,19 @@ struct Entry {
 // Local: no communication.
 std::vector<Entry> describe(const StateDict& state, const std::string& context, bool for_load);
 
+// A distinct window of one tensor and the ranks holding it.
+struct Holders {
+  Window window;
+  std::vector<int> ranks;
+};
+
+// The distinct non-empty windows of one tensor among `windows` (rank r's at [r]), each with the
+// ranks holding it, in the order of their first holders; an error naming `key` and the ranks
+// unless they tile the global tensor (two that overlap without being the same block, or pieces
+// that cover less). O(n log n) in the ranks. Local: no communication.
+std::vector<Holders> distinct_windows(const std::vector<Window>& windows, const std::string& key,
+                                      const Shape& global, const std::string& context);
+
 // Exchanges the descriptions over `pg` and fills in `owner`; an inconsistency anywhere (a key,
 // shape, dtype or value differing between ranks, windows that do not tile a tensor) is an error
 // on every rank naming the key and the ranks. Collective.
