@@ -346,9 +346,11 @@ LoraLinear::Batch LoraLinear::batch(int64_t rows, Device device) const {
 
 namespace {
 
-// [rows, 1, ..., width]: broadcasts a per-row tensor over activations of x's rank.
+// [rows, 1, ..., width]: broadcasts a per-row tensor over activations of x's rank. A 1-D x is
+// one row, and its activations [width] keep its rank, as a Linear's output for it does.
 Shape per_row_shape(int64_t rows, int64_t width, int64_t ndim) {
-  Shape s(size_t(std::max<int64_t>(ndim, 2)), 1);
+  if (ndim <= 1) return {width};
+  Shape s(size_t(ndim), 1);
   s.front() = rows;
   s.back() = width;
   return s;

@@ -473,6 +473,49 @@ TEST(Lora, MixedBatchMasksAreSharedByLayersWithTheSameAdapters) {
   }
 }
 
+// A 1-D input is one sample, as in a plain Linear, whose output for it is [out]: under a mixed
+// batch too (its mask of the adapter activations, and dropout's per-sample rates, were shaped
+// [1, ...] and broadcast the output to [1, out]). Plain, column and row parallel; eval and
+// training with dropout.
+TEST(Lora, MixedBatchOfOneDimensionalInputHasTheLinearsShape) {
+  std::vector<std::pair<std::string, ParallelStylePtr>> styles = {{"plain", nullptr}};
+  if (world_size() > 1) {
+    styles.emplace_back("column parallel", std::make_shared<ColwiseParallel>());
+    auto row = std::make_shared<RowwiseParallel>();
+    row->input_layouts = {Replicate()};
+    styles.emplace_back("row parallel", row);
+  }
+  LoraConfig config = random_layer_config();
+  config.lora_dropout = 0.25;
+  for (const auto& [name, style] : styles) {
+    auto routing = std::make_shared<LoraRouting>();
+    Generator gen(5);
+    auto layer = std::make_shared<LoraLinear>(Linear(8, 6, true, gen),
+                                              LoraSlots{.max_adapters = 2, .max_rank = 4}, routing);
+    layer->init_slot(0, "a", config, "layer");
+    layer->init_slot(1, "b", config, "layer");
+    if (style) parallelize_module(layer, DeviceMesh(Shape{world_size()}, {"tp"}), {{"", style}});
+    Generator draw(21);  // the same input on every rank
+    const Tensor x = randn({8}, draw);
+    for (const bool training : {false, true}) {
+      layer->train(training);
+      const std::string what = name + (training ? ", training" : ", eval");
+      routing->masks.clear();
+      routing->sample_slots = std::vector<int64_t>{1};
+      const Tensor y = (*layer)(x);
+      const Tensor rows = (*layer)(kernels::reshape(x, {1, 8}));
+      ASSERT_EQ(y.dim(), 1) << what << ": " << y.str();
+      EXPECT_EQ(y.size(0), rows.size(1)) << what;
+      if (!training) expect_close(y, kernels::reshape(rows, {rows.size(1)}), 1e-6, what);
+      // The same sample, its adapter active for the whole batch.
+      routing->sample_slots.reset();
+      routing->active_slot = 1;
+      if (!training) expect_close(y, (*layer)(x), 1e-6, what + ": as the active adapter");
+      routing->active_slot = -1;
+    }
+  }
+}
+
 // merge folds scale B A into each rank's own window of W (W is never gathered): the merged model
 // gives the unmerged output within 1e-5, and unmerge restores W within 1e-6.
 TEST(Lora, MergeAndUnmerge) {
