@@ -154,8 +154,17 @@ void LoraModel::delete_adapter(const std::string& name) {
   if (merged(a)) unmerge_adapter(name);
   for (size_t i : a.layers)
     layers_[i].second->clear_slot(a.slot);
-  if (active_ == name) set_adapter("");
   adapters_.erase(name);
+  if (active_ != name) return;
+  // As PEFT: the first remaining adapter by name (its deterministic choice) becomes active, with
+  // a warning, so that a model with an active adapter keeps one; with none left, none is.
+  const std::string next = adapters_.empty() ? std::string() : adapters_.begin()->first;
+  set_adapter(next);
+  if (next.empty()) return;
+  const std::string line = "[rank " + std::to_string(world_rank()) + "] tessera: LoRA adapter '" +
+                           name + "' was active and is now deleted; the active adapter is now '" +
+                           next + "'\n";
+  std::fputs(line.c_str(), stderr);
 }
 
 void LoraModel::set_adapter(const std::string& name) {

@@ -595,8 +595,47 @@ TEST(Lora, MergedAdapterReachesNoOtherAdapterNorTheBase) {
     EXPECT_EQ(largest_change(*run.model, merged), 0.0) << l.name << ": a refusal changed weights";
     run.lora->delete_adapter("default");
     EXPECT_LE(largest_change(*run.model, base), 1e-6) << l.name << ": delete_adapter unmerges";
-    EXPECT_EQ(run.lora->active_adapter(), "");
-    expect_output("", "the base model after deleting the merged adapter");
+    EXPECT_EQ(run.lora->active_adapter(), "b");
+    expect_output("b", "the remaining adapter after deleting the merged one");
+  }
+}
+
+// As PEFT's delete_adapter: deleting the active adapter makes the first remaining adapter by
+// name active (not by slot: "a" sits after "b"), with a warning naming it; deleting the last
+// leaves none active. Deleting one that is not active changes nothing else.
+TEST(Lora, DeletingTheActiveAdapterActivatesTheFirstRemainingByName) {
+  const DecoderConfig cfg = lora_decoder_config();
+  const Batch batch = affine_batch(2, 4, cfg.max_seq_len, cfg.vocab_size);
+  for (const LoraLayout& l : lora_layouts({.max_adapters = 3, .max_rank = 4})) {
+    LoraRun run = l.build(cfg, lora_test_config(LoraInit::Random));
+    LoraConfig other = lora_test_config(LoraInit::Random);
+    other.seed = 21;
+    run.lora->add_adapter("b", other);
+    other.seed = 22;
+    run.lora->add_adapter("a", other);
+    ASSERT_EQ(run.lora->adapters(), (std::vector<std::string>{"default", "b", "a"}));
+    std::map<std::string, Tensor> want;
+    for (const std::string name : {"", "a", "b"}) {
+      run.lora->set_adapter(name);
+      want[name] = run.logits(batch.ids);
+    }
+    run.lora->set_adapter("default");
+    ::testing::internal::CaptureStderr();
+    run.lora->delete_adapter("default");
+    const std::string warned = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(run.lora->active_adapter(), "a") << l.name;
+    EXPECT_NE(warned.find("adapter 'default' was active and is now deleted; the active adapter "
+                          "is now 'a'"),
+              std::string::npos)
+        << l.name << ": " << warned;
+    expect_close(run.logits(batch.ids), want.at("a"), 1e-5, l.name + ": a after default");
+    run.lora->delete_adapter("b");  // not active
+    EXPECT_EQ(run.lora->active_adapter(), "a") << l.name;
+    ::testing::internal::CaptureStderr();
+    run.lora->delete_adapter("a");
+    EXPECT_EQ(::testing::internal::GetCapturedStderr(), "") << l.name;
+    EXPECT_EQ(run.lora->active_adapter(), "") << l.name;
+    expect_close(run.logits(batch.ids), want.at(""), 1e-5, l.name + ": none left");
   }
 }
 

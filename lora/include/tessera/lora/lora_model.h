@@ -48,8 +48,10 @@ class LoraModel {
   // slots were preallocated). Collective when the layers are sharded by FSDP.
   void add_adapter(const std::string& name, const LoraConfig& config);
   // Frees its slot (zeroes its matrices), unmerging the adapter first if it is merged; refused
-  // while the mixed batch routes samples to it. The optimizer keeps the slot's state: reset it
-  // with Optimizer::reset_state(adapter_parameters(name)) before reusing the slot.
+  // while the mixed batch routes samples to it. When it was the active adapter, the first
+  // remaining one by name becomes active, as in PEFT (a warning on stderr says which), or none
+  // when none remains. The optimizer keeps the slot's state: reset it with
+  // Optimizer::reset_state(adapter_parameters(name)) before reusing the slot.
   void delete_adapter(const std::string& name);
   // The adapter every sample uses ("" for none: the base model alone). PEFT's set_adapter: a
   // merged adapter other than `name` is unmerged first (collective then).
