@@ -3,14 +3,13 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <functional>
-#include <string_view>
 
 #include "agreement.h"
 #include "tessera/autograd/ops.h"
 #include "tessera/comm/agree.h"
 #include "tessera/comm/backend.h"
 #include "tessera/comm/runtime.h"
+#include "tessera/core/digest.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/views.h"
 
@@ -224,19 +223,15 @@ std::string tensor_description(const Tensor& t) {
   return s;
 }
 
-// A digest of a host tensor's values, for ranks to compare (kEveryRank: a local shard passed as
-// the global tensor, or replicas that drifted apart, would be cut into a tensor no rank holds).
-// Device tensors are not read back for it.
-std::string values_digest(const Tensor& t) {
+// The digest of a host tensor's values as the ranks compare it (kEveryRank: a local shard passed
+// as the global tensor, or replicas that drifted apart, would be cut into a tensor no rank
+// holds). Device tensors are not read back for it.
+std::string values_description(const Tensor& t) {
   if (!t.defined()) return "none";
   // The device's type only: ranks on cuda:0 and cuda:1 hold their tensors alike.
   if (!t.device().is_cpu()) return "on a device, not compared";
-  const Tensor c = t.contiguous();
-  const std::string_view bytes(static_cast<const char*>(c.raw_data()),
-                               size_t(c.numel()) * element_size(c.dtype()));
   char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx",
-                (unsigned long long)std::hash<std::string_view>()(bytes));
+  std::snprintf(hex, sizeof(hex), "%016llx", (unsigned long long)values_digest(t));
   return std::string("digest ") + hex;
 }
 
@@ -340,7 +335,7 @@ DTensor distribute_tensor(const Tensor& global, const DeviceMesh& mesh,
                                   {"mesh", detail::mesh_description(mesh)}};
   if (src_rank == -1) {
     desc.emplace_back("global tensor", tensor_description(global));
-    desc.emplace_back("global tensor values", values_digest(global));
+    desc.emplace_back("global tensor values", values_description(global));
   }
   detail::agree_on_call(mesh, "distribute_tensor", desc, error,
                         src_rank == -1 ? "with src_rank = -1 every rank must pass the same global "

@@ -9,6 +9,7 @@
 #include "tessera/checkpoint/safetensors.h"
 #include "tessera/comm/agree.h"
 #include "tessera/comm/runtime.h"
+#include "tessera/core/digest.h"
 #include "tessera/core/factory.h"
 #include "tessera/lora/lora_model.h"
 
@@ -150,12 +151,8 @@ void check_same_files(const std::string& dir, const std::string& name, const Lor
   if (world->size() == 1) return;
   std::hash<std::string_view> hash;
   size_t h = hash(to_peft(cfg, cfg.target_modules).dump());
-  for (const auto& [key, t] : values) {
-    const Tensor c = t.contiguous();
-    const std::string_view bytes(static_cast<const char*>(c.raw_data()),
-                                 size_t(c.numel()) * element_size(c.dtype()));
-    h = h * 1099511628211ull ^ hash(key) ^ (hash(bytes) << 1) ^ hash(shape_str(t.shape()));
-  }
+  for (const auto& [key, t] : values)
+    h = h * 1099511628211ull ^ hash(key) ^ (values_digest(t) << 1) ^ hash(shape_str(t.shape()));
   const std::vector<std::string> all = all_gather_strings(world, std::to_string(h));
   std::string differ;
   for (size_t r = 1; r < all.size(); ++r)

@@ -391,3 +391,17 @@ TEST(Tensor, StridedCopyWithinADtypeKeepsNaNPayloads) {
             << dtype_name(dt) << " [" << r << ", " << c << "]";
   }
 }
+
+// values_digest is what ranks compare to see that they hold the same values (distribute_tensor
+// with every rank's tensor, LoRA's load_adapter): it follows the logical values, not the layout.
+TEST(Tensor, ValuesDigestFollowsTheValuesInRowMajorOrder) {
+  const Tensor a = from_vector<float>({1, 2, 3, 4, 5, 6}, {2, 3});
+  EXPECT_EQ(values_digest(a), values_digest(a.clone()));
+  const Tensor t = a.as_strided({3, 2}, {1, 3}, 0);  // a's transpose, strided
+  EXPECT_EQ(values_digest(t), values_digest(from_vector<float>({1, 4, 2, 5, 3, 6}, {3, 2})));
+  EXPECT_NE(values_digest(t), values_digest(a));
+  Tensor b = a.clone();
+  static_cast<float*>(b.raw_data())[5] = 7;
+  EXPECT_NE(values_digest(b), values_digest(a));
+  expect_error([] { values_digest(Tensor()); }, {"undefined tensor"});
+}

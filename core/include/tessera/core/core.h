@@ -1,6 +1,7 @@
 #pragma once
 #include "tessera/core/allocator.h"
 #include "tessera/core/device.h"
+#include "tessera/core/digest.h"
 #include "tessera/core/dtype.h"
 #include "tessera/core/error.h"
 #include "tessera/core/factory.h"
