@@ -22,6 +22,9 @@ void LoraConfig::validate() const {
                 "modules to adapt, e.g. {\"wq\", \"wv\"})");
   for (const std::string& t : target_modules)
     TESSERA_CHECK(!t.empty(), "LoraConfig: an empty name in target_modules");
+  // PEFT's orthogonal init pairs Q's even rows (A) with its odd ones (B).
+  TESSERA_CHECK(init_lora_weights != LoraInit::Orthogonal || r % 2 == 0,
+                "LoraConfig: init_lora_weights \"orthogonal\" needs an even r, got ", r);
   TESSERA_CHECK(bias == "none", "LoraConfig: bias '", bias,
                 "' is not supported; only \"none\" (the base biases stay frozen)");
 }

@@ -57,6 +57,8 @@ nlohmann::json to_peft(const LoraConfig& c, const std::vector<std::string>& targ
   j["use_rslora"] = c.use_rslora;
   if (c.init_lora_weights == LoraInit::Gaussian)
     j["init_lora_weights"] = "gaussian";
+  else if (c.init_lora_weights == LoraInit::Orthogonal)
+    j["init_lora_weights"] = "orthogonal";
   else
     j["init_lora_weights"] = c.init_lora_weights == LoraInit::Kaiming;
   j["fan_in_fan_out"] = false;
@@ -131,11 +133,14 @@ LoraConfig from_peft(const nlohmann::json& j, const std::string& file) {
       c.init_lora_weights = w.get<bool>() ? LoraInit::Kaiming : LoraInit::Random;
     else if (w.is_string() && w.get<std::string>() == "gaussian")
       c.init_lora_weights = LoraInit::Gaussian;
+    else if (w.is_string() && w.get<std::string>() == "orthogonal")
+      c.init_lora_weights = LoraInit::Orthogonal;  // B A = 0: it fits the unchanged base
     else
       // PiSSA, OLoRA, LoftQ and the like change the base weights too: saved unconverted, the
       // adapter only fits the changed base, and on the original one it computes something else.
       bad("init_lora_weights is " + w.dump() +
-          ": only true, false and \"gaussian\" adapters fit an unchanged base model (convert "
+          ": only true, false, \"gaussian\" and \"orthogonal\" adapters fit an unchanged base "
+          "model (convert "
           "the adapter with PEFT's path_initial_model_for_weight_conversion first)");
   }
   c.validate();

@@ -28,6 +28,8 @@ const char* init_name(LoraInit i) {
       return "gaussian";
     case LoraInit::Random:
       return "random";
+    case LoraInit::Orthogonal:
+      return "orthogonal";
   }
   return "?";
 }
@@ -98,13 +100,13 @@ LoraConfig config_from(const nlohmann::json& j, const std::string& where) {
   c.use_rslora = field(j, "use_rslora", V::boolean, where).get<bool>();
   const std::string init = field(j, "init_lora_weights", V::string, where).get<std::string>();
   bool known = false;
-  for (LoraInit i : {LoraInit::Kaiming, LoraInit::Gaussian, LoraInit::Random})
+  for (LoraInit i : {LoraInit::Kaiming, LoraInit::Gaussian, LoraInit::Random, LoraInit::Orthogonal})
     if (init == init_name(i)) {
       c.init_lora_weights = i;
       known = true;
     }
   TESSERA_CHECK(known, where, ": init_lora_weights '", init,
-                "' is not kaiming, gaussian or random");
+                "' is not kaiming, gaussian, random or orthogonal");
   c.bias = field(j, "bias", V::string, where).get<std::string>();
   c.seed = field(j, "seed", V::number_unsigned, where).get<uint64_t>();
   c.validate();

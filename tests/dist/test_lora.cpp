@@ -19,17 +19,19 @@ using namespace tessera;
 using namespace tessera::testing;
 
 TEST(Lora, InitialValuesDoNotDependOnTheMesh) {
-  // Random init: B is drawn too, so both matrices carry values to compare.
-  const LoraConfig cfg = lora_test_config(LoraInit::Random);
-  auto plain = std::make_shared<Decoder>(lora_decoder_config());
-  auto ref = apply_lora(plain, cfg)->read_adapter("default");
-  ASSERT_EQ(ref.size(), 2u * 2u * 7u);  // 2 layers x 7 projections x (A, B)
-  for (const LoraLayout& l : lora_layouts()) {
-    LoraRun run = l.build(lora_decoder_config(), cfg);
-    const auto got = run.lora->read_adapter("default");
-    ASSERT_EQ(got.size(), ref.size()) << l.name;
-    for (const auto& [key, t] : ref)
-      expect_identical(got.at(key), t, l.name + " " + key);
+  // Random and orthogonal init: B is drawn too, so both matrices carry values to compare.
+  for (const LoraInit init : {LoraInit::Random, LoraInit::Orthogonal}) {
+    const LoraConfig cfg = lora_test_config(init);
+    auto plain = std::make_shared<Decoder>(lora_decoder_config());
+    auto ref = apply_lora(plain, cfg)->read_adapter("default");
+    ASSERT_EQ(ref.size(), 2u * 2u * 7u);  // 2 layers x 7 projections x (A, B)
+    for (const LoraLayout& l : lora_layouts()) {
+      LoraRun run = l.build(lora_decoder_config(), cfg);
+      const auto got = run.lora->read_adapter("default");
+      ASSERT_EQ(got.size(), ref.size()) << l.name;
+      for (const auto& [key, t] : ref)
+        expect_identical(got.at(key), t, l.name + " " + key);
+    }
   }
 }
 

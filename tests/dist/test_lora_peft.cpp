@@ -224,6 +224,46 @@ TEST(LoraPeft, PatternTargetsAreSavedAsThePathsTheyMatched) {
     expect_identical(got.at(key), t, key);
 }
 
+// PEFT's init_lora_weights "orthogonal": A and B both drawn, from the QR of a random matrix, so
+// that B A = 0 and the model starts as its base; r must be even. It changes no base weight, so
+// such an adapter's files load (they were refused with PiSSA's and the like), and the adapter
+// table keeps the init.
+TEST(LoraPeft, OrthogonalInitStartsAsTheBaseWithBothMatricesDrawn) {
+  Generator gen(5);
+  auto m = std::make_shared<Holder>(gen);
+  const Tensor x = randn({3, 8}, gen);
+  const Tensor base = (*m)(x);
+  LoraConfig cfg = targeting({"proj"}, LoraInit::Orthogonal);
+  cfg.r = 3;
+  expect_error([&] { apply_lora(m, cfg); },
+               {"init_lora_weights \"orthogonal\" needs an even r, got 3"});
+  cfg.r = 4;
+  auto lora = apply_lora(m, cfg, "default", {.max_adapters = 2, .max_rank = 6});
+  LoraLinear& layer = *lora->layers()[0].second;
+  const auto values = lora->read_adapter("default");
+  const Tensor a = values.at("proj.lora_A.weight"), b = values.at("proj.lora_B.weight");
+  auto largest = [](const Tensor& t) { return max_abs_diff(t, zeros(t.shape())); };
+  EXPECT_GT(largest(a), 1e-3) << "A was drawn";
+  EXPECT_GT(largest(b), 1e-3) << "B was drawn";
+  EXPECT_LT(largest(matmul(b, a)), 1e-7) << "B A = 0";
+  expect_close((*m)(x), base, 1e-6, "the model starts as its base");
+  // The slots' padding stays zero.
+  EXPECT_EQ(largest(kernels::narrow(layer.lora_A(0).full(), 0, 4, 2)), 0.0);
+  EXPECT_EQ(largest(kernels::narrow(layer.lora_B(0).full(), 1, 4, 2)), 0.0);
+  // PEFT's files, and the adapter table.
+  const std::string dir = scratch_dir("lora_peft_orthogonal_np" + std::to_string(world_size()));
+  lora->save_adapter(dir + "/adapter", "default");
+  EXPECT_NE(
+      read_text(dir + "/adapter/adapter_config.json").find("\"init_lora_weights\": \"orthogonal\""),
+      std::string::npos);
+  lora->load_adapter(dir + "/adapter", "loaded");
+  EXPECT_EQ(lora->config("loaded").init_lora_weights, LoraInit::Orthogonal);
+  for (const auto& [key, t] : lora->read_adapter("loaded"))
+    expect_identical(t, values.at(key), "loaded " + key);
+  lora->load_state_dict(lora->state_dict());
+  EXPECT_EQ(lora->config("default").init_lora_weights, LoraInit::Orthogonal);
+}
+
 // PEFT config fields that would load onto other modules than the adapter was trained on, or
 // onto a base it does not fit, are refused naming the field; they used to be ignored.
 TEST(LoraPeft, UnsupportedPeftFieldsAreRefused) {

@@ -8,8 +8,11 @@ namespace tessera {
 
 // PEFT's init_lora_weights: true (kaiming-uniform A with a = sqrt(5), B zero: the adapter starts
 // as the identity), "gaussian" (A ~ N(0, 1/r), B zero), false (B drawn too, as nn.Linear would:
-// the adapter changes the output from the start; for tests).
-enum class LoraInit { Kaiming, Gaussian, Random };
+// the adapter changes the output from the start; for tests), "orthogonal" (PEFT's: Q from the QR
+// of an [r, r] normal draw, A = (G [in, r/2] Q's even rows)^T / 10 and B = H^T [out, r/2] Q's odd
+// rows / 10 with G and H normal draws, so that B A = 0, the identity again, with both non-zero;
+// r must be even).
+enum class LoraInit { Kaiming, Gaussian, Random, Orthogonal };
 
 struct LoraConfig {
   int64_t r = 8;
@@ -30,7 +33,7 @@ struct LoraConfig {
 
   double scaling() const;  // lora_alpha / r, or / sqrt(r) with use_rslora
   // An error naming the field for r <= 0, alpha <= 0, dropout outside [0, 1), no targets, a bias
-  // other than "none".
+  // other than "none", an odd r with the orthogonal init.
   void validate() const;
 };
 
