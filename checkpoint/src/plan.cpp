@@ -254,17 +254,25 @@ bool overlap(const Window& a, const Window& b) {
 // is the sum, with signs, of the quadrants {x >= c} of its 2^d corners c; modulo 2 the signs go.
 // So when the corners met an odd number of times are exactly the global box's, every element
 // lies in an odd number of windows, at least one, and with the sizes adding up to the tensor's,
-// in exactly one; otherwise some element lies in none or in several. O(n log n) in the windows
-// (times 2^d), where comparing every pair is quadratic in the ranks.
+// in exactly one; otherwise some element lies in none or in several. Only the dims some window
+// splits count (in the others every window, and the global box, spans the whole): 2^k corners
+// per window for k split dims, at most the mesh's dims for a DTensor. O(n log n) in the windows,
+// where comparing every pair is quadratic in the ranks.
 bool corners_tile(const std::vector<Holders>& windows, const Shape& global) {
-  const size_t d = global.size();
+  std::vector<size_t> split;
+  for (size_t d = 0; d < global.size(); ++d)
+    if (std::any_of(windows.begin(), windows.end(), [&](const Holders& h) {
+          return h.window.offset[d] != 0 || h.window.shape[d] != global[d];
+        }))
+      split.push_back(d);
+  const size_t k = split.size(), n_corners = size_t(1) << k;
   std::vector<Shape> corners;
-  corners.reserve(windows.size() << d);
+  corners.reserve(windows.size() * n_corners);
   for (const Holders& h : windows)
-    for (size_t bits = 0; bits < (size_t(1) << d); ++bits) {
-      Shape c = h.window.offset;
-      for (size_t k = 0; k < d; ++k)
-        if (bits >> k & 1) c[k] += h.window.shape[k];
+    for (size_t bits = 0; bits < n_corners; ++bits) {
+      Shape c(k);
+      for (size_t j = 0; j < k; ++j)
+        c[j] = h.window.offset[split[j]] + ((bits >> j & 1) ? h.window.shape[split[j]] : 0);
       corners.push_back(std::move(c));
     }
   std::sort(corners.begin(), corners.end());
@@ -277,10 +285,10 @@ bool corners_tile(const std::vector<Holders>& windows, const Shape& global) {
     i = j;
   }
   std::vector<Shape> want;
-  for (size_t bits = 0; bits < (size_t(1) << d); ++bits) {
-    Shape c(d, 0);
-    for (size_t k = 0; k < d; ++k)
-      if (bits >> k & 1) c[k] = global[k];
+  for (size_t bits = 0; bits < n_corners; ++bits) {
+    Shape c(k, 0);
+    for (size_t j = 0; j < k; ++j)
+      if (bits >> j & 1) c[j] = global[split[j]];
     want.push_back(std::move(c));
   }
   std::sort(want.begin(), want.end());

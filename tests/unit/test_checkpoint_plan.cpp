@@ -95,6 +95,25 @@ TEST(CheckpointPlan, PiecesOutsideTheTensorOrOfAnotherRankAreNamed) {
       {"rank 2's piece does not match the tensor's rank"});
 }
 
+// A window has 2^d corners; only the dims the windows split count, so a tensor of many dims
+// split along one costs what a vector does (2^24 corners per window would not fit in memory).
+TEST(CheckpointPlan, ManyDimsCostOnlyTheDimsTheWindowsSplit) {
+  Shape global(24, 1);
+  global[0] = 512;
+  global[23] = 2;
+  std::vector<ckpt::Window> w;
+  for (int64_t r = 0; r < 512; ++r) {
+    ckpt::Window piece{Shape(24, 0), global};
+    piece.offset[0] = r;
+    piece.shape[0] = 1;
+    w.push_back(piece);
+  }
+  EXPECT_EQ(ckpt::distinct_windows(w, "deep", global, "save").size(), 512u);
+  w[300].shape[0] = 0;  // row 300 never
+  w[301].shape[0] = 2;  // rows 301 and 302, over 302's
+  expect_error([&] { ckpt::distinct_windows(w, "deep", global, "save"); }, {"rank 301", "overlap"});
+}
+
 TEST(CheckpointPlan, ScalarsAndEmptyTensors) {
   EXPECT_EQ(ckpt::distinct_windows({{{}, {}}, {{}, {}}}, "s", {}, "t").size(), 1u);
   EXPECT_TRUE(
