@@ -101,6 +101,8 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   // the stored parameters' gradients), waiting for each step when `block`, else only testing
   // it; false when it is still in flight.
   void start_reduce();
+  // Without gradient sync: adds this backward's gradients to the unsynced sums (accum_grad).
+  void accumulate_unsynced(DType reduce_dtype);
   // Before a reduce: a backward all-gather this rank owes or still has in flight for this group
   // is issued or finished (see the .cpp).
   void settle_backward_gather();
@@ -149,6 +151,9 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
     int64_t size = 0;
     bool across_replicas = false;  // HSDP: `work` is the all-reduce that follows
   };
+  // The send buffer of this backward's reduce-scatter: every rank's block of the trainable
+  // parameters' gradients (with the unsynced sums), then the flags; the sums are consumed.
+  PendingReduce pack_gradients(DType reduce_dtype);
 
   std::weak_ptr<Module> module_;
   // The data-parallel groups, each duplicated for FSDP's own use: all-gathers, reduce-scatters

@@ -1,0 +1,169 @@
+// FSDPGroup's hooks: what fully_shard's module hooks (before and after forward) and the autograd
+// hooks (on the outputs, the leaves and the input) do, and when a group's backward is over.
+#include "fsdp_group.h"
+#include "schedule.h"
+#include "tessera/autograd/checkpoint.h"
+#include "tessera/autograd/engine.h"
+#include "tessera/autograd/grad_mode.h"
+#include "tessera/autograd/ops.h"
+
+namespace tessera::detail {
+
+Tensor FSDPGroup::pre_forward(const Tensor& x) {
+  // Its recomputation inside the backward would gather again, out of the backward's order of
+  // collectives. (Every rank runs the same forward, so every rank refuses.)
+  if (autograd::in_checkpoint_region()) {
+    TESSERA_FAIL(label(),
+                 ": its forward runs inside an activation-checkpointed region, whose "
+                 "recomputation in the backward would gather its parameters again; checkpoint "
+                 "this module itself (checkpoint(module) keeps fully_shard's hooks outside the "
+                 "region) or modules inside it instead");
+  }
+  forget_dropped_forward();
+  schedule_->record_forward(shared_from_this());
+  // This group's all-gather first, then the next group's, then the wait: both transfers run
+  // during it and during this group's compute.
+  if (!unsharded_) start_gather();
+  prefetch(/*forward=*/true);
+  unshard();
+  const auto& pd = opts_.mp_policy.param_dtype;
+  Tensor in = x;
+  if (pd && opts_.mp_policy.cast_forward_inputs && x.defined() && is_floating(x.dtype()) &&
+      x.dtype() != *pd)
+    in = cast(x, *pd);
+  // The gradients of the group's trainable parameters can all be ready while its backward still
+  // uses gathered weights that get none (frozen ones, such as a LoRA base: the gradient of the
+  // input still flows through them). When the input requires grad, its gradient marks the end
+  // of the group's backward; when it does not, no step of the group's backward is left once its
+  // trainable parameters have their gradients.
+  //
+  // The input is usually the previous group's output, whose hook (registered in its
+  // post_forward) starts that group's backward. This one goes first (prepended), as in PyTorch's
+  // FSDP2: this group packs its gradients and frees its weights before the previous group
+  // prefetches the one before it, so their buffers never coexist.
+  if (!backward_pending_) input_grad_pending_ = 0;
+  if (grad_enabled() && in.defined() && in.requires_grad()) {
+    ++input_grad_pending_;
+    std::weak_ptr<FSDPGroup> weak = weak_from_this();
+    register_hook(
+        in,
+        [weak](const Tensor&) {
+          if (auto s = weak.lock()) s->on_input_grad();
+          return Tensor();
+        },
+        /*prepend=*/true);
+  }
+  return in.is_same(x) ? Tensor() : in;
+}
+
+// Every rank runs the same program, so every rank finds the same graphs gone.
+void FSDPGroup::forget_dropped_forward() {
+  if (!backward_pending_ || pending_outputs_.empty() || in_backward_) return;
+  for (const auto& node : pending_outputs_)
+    if (!node.expired()) return;
+  // The leaves that graph saved are nobody's now: the next gather makes fresh ones, and the
+  // next backward waits for this step's uses only.
+  backward_pending_ = false;
+  input_grad_pending_ = 0;
+  pending_outputs_.clear();
+}
+
+Tensor FSDPGroup::post_forward(const Tensor& y) {
+  if (grad_enabled() && y.defined() && y.requires_grad()) {
+    if (!backward_pending_) pending_outputs_.clear();
+    backward_pending_ = true;
+    if (y.grad_fn()) pending_outputs_.push_back(y.grad_fn());
+    std::weak_ptr<FSDPGroup> weak = weak_from_this();
+    register_hook(y, [weak](const Tensor&) {
+      if (auto s = weak.lock()) s->pre_backward();
+      return Tensor();
+    });
+  }
+  // A root keeps what its backward is about to gather again, unless told otherwise.
+  const bool reshard_now =
+      is_root_ && !reshard_after_forward_set_ ? !backward_pending_ : opts_.reshard_after_forward;
+  if (reshard_now) reshard();
+  const auto& od = opts_.mp_policy.output_dtype;
+  if (od && y.defined() && is_floating(y.dtype()) && y.dtype() != *od) return cast(y, *od);
+  return Tensor();
+}
+
+void FSDPGroup::begin_backward() {
+  schedule_->begin_backward(shared_from_this());
+}
+
+void FSDPGroup::pre_backward() {
+  // The end of the first backward freed the gathered weights this graph saved.
+  TESSERA_CHECK(backward_pending_, label(),
+                ": a second backward through the same forward (retain_graph) is not supported; "
+                "run the forward again");
+  begin_backward();
+  in_backward_ = true;
+  if (unsharded_) {
+    // Kept gathered since the forward (the root, reshard_after_forward off): a write to the
+    // shards meanwhile reaches no saved leaf's version counter, so it is caught here.
+    TESSERA_CHECK(flat_.version() == leaves_shards_version_, label(),
+                  ": its parameters were modified by an in-place operation (an optimizer step, "
+                  "a load) between the forward and this backward, which would differentiate at "
+                  "the old values; run backward before changing them");
+    prefetch(/*forward=*/false);
+    return;
+  }
+  // The leaves from this step's forward are what the autograd graph saved and where backward
+  // accumulates gradients; when resharding released their bytes, gather into them again.
+  if (!params_.empty() && params_.front().leaf.defined()) {
+    schedule_->gather_through(this);
+    prefetch(/*forward=*/false);  // before waiting for this group's own, as in pre_forward
+    if (pending_gather_ || leaves_released_) finish_gather(/*fresh=*/false);
+    set_unsharded_params();
+  } else {
+    unshard();
+    prefetch(/*forward=*/false);
+  }
+}
+
+bool FSDPGroup::all_grads_in() const {
+  for (const ParamInfo& i : params_) {
+    if (!i.leaf.defined() || !i.leaf.requires_grad() || i.grad_in) continue;
+    if (!in_backward_) return false;
+    const AutogradMeta* m = i.leaf.autograd_meta_if_exists();
+    if (m && !m->grad_accumulator.expired()) return false;  // a graph can still deliver it
+  }
+  return true;
+}
+
+void FSDPGroup::clear_grads_in() {
+  for (ParamInfo& i : params_)
+    i.grad_in = false;
+  in_backward_ = false;
+}
+
+void FSDPGroup::on_grad_ready(size_t param) {
+  begin_backward();
+  params_[param].grad_in = true;
+  if (!all_grads_in() || input_grad_pending_ > 0) return;
+  grads_ready_for_reduce_ = true;
+  schedule_->issue_ready_reduces();
+}
+
+void FSDPGroup::on_input_grad() {
+  if (input_grad_pending_ == 0) return;
+  if (--input_grad_pending_ > 0) return;  // another use's input still waits for its gradient
+  if (!all_grads_in()) return;
+  // Ready, also with nothing to reduce (frozen parameters only): reduces go out in backward
+  // order, so one that never became ready would hold back every group after it until the end
+  // of backward, each keeping its gathered weights and gradients.
+  begin_backward();
+  grads_ready_for_reduce_ = true;
+  schedule_->issue_ready_reduces();
+}
+
+void FSDPGroup::mark_grads_pending(bool pending) {
+  if (pending && !requires_gradient_sync_) return;  // the stored gradients are not touched
+  for (ParamInfo& i : params_) {
+    i.param->set_grad_pending(pending && i.param->requires_grad());
+    sync_aliases(i);
+  }
+}
+
+}  // namespace tessera::detail
