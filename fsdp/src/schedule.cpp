@@ -28,11 +28,10 @@ void FSDPSchedule::record_forward(const Group& group) {
     drop_unused_prefetches(group.get());
     if (!order.empty()) last_order = std::move(order);
     order.clear();
-    // A prefetch the last step issued for a group that then did not run would hold the shards
-    // from before the optimizer step.
-    for_each_live(last_order, [&](const Group& s) {
-      if (s != group) s->drop_pending_gather();
-    });
+    // Other all-gathers still in flight are the user's unshard(async_op) of this step (the
+    // prefetches of the last step that its forward did not use are dropped above; its backward
+    // left none): the groups' forwards use them, as PyTorch's forward uses the gather behind an
+    // UnshardHandle.
   }
   if (index_of(order, group.get()) < 0) order.push_back(group);
 }

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -51,14 +52,16 @@ constexpr int kSteps = 4;
 
 struct TrainRun {
   tessera::testing::Trajectory trajectory;  // losses of each step, parameters after the last
-  int64_t all_gathers = 0;
+  int64_t all_gathers = 0;                  // finished into the groups (comm_stats)
+  int64_t issued = 0;                       // all-gathers issued, used or not
 };
 
-// `configure` sets prefetch on the groups (blocks first, root last) before training.
+// `configure` sets prefetch on the groups (blocks first, root last) before training;
+// `async_unshard` names the group whose unshard(async_op) the loop calls before each forward.
 TrainRun train_decoder(
     FSDPOptions opts,
     const std::function<void(std::vector<std::shared_ptr<FSDPState>>&)>& configure,
-    bool async_unshard_root = false) {
+    std::optional<size_t> async_unshard = std::nullopt) {
   auto net = std::make_shared<Decoder>(tiny_config());
   std::vector<std::shared_ptr<FSDPState>> states;
   for (auto& block : net->layers)
@@ -67,15 +70,17 @@ TrainRun train_decoder(
   if (configure) configure(states);
   AdamW opt(net->parameters(), AdamWOptions{.lr = 1e-2});
   TrainRun run;
+  reset_comm_op_counts();
   for (int s = 0; s < kSteps; ++s) {
     auto [ids, targets] = tokens(s);
-    if (async_unshard_root) states.back()->unshard(/*async_op=*/true);
+    if (async_unshard) states.at(*async_unshard)->unshard(/*async_op=*/true);
     Tensor loss = cross_entropy((*net)(ids), targets);
     backward(loss);
     opt.step();
     opt.zero_grad();
     run.trajectory.losses.push_back(loss.item<float>());
   }
+  run.issued = comm_op_counts()["all_gather_runs"];
   for (auto& st : states)
     run.all_gathers += st->comm_stats().all_gathers;
   run.trajectory.parameters[kSteps - 1] = net->state_dict();
@@ -108,14 +113,22 @@ TEST(FSDPSchedule, PrefetchChangesNoBitAndGathersNothingTwice) {
     }
   });
   expect_identical(explicit_targets, reference, "explicit prefetch");
-  const TrainRun async_root = train_decoder(FSDPOptions{}, {}, /*async_unshard_root=*/true);
-  expect_identical(async_root, reference, "unshard(async_op) before forward");
+  // unshard(async_op) by hand before the forward, of the root and of a block: the forward uses
+  // that all-gather (PyTorch's UnshardHandle), it issues none of its own.
+  const TrainRun async_root = train_decoder(FSDPOptions{}, {}, /*async_unshard=*/3);
+  expect_identical(async_root, reference, "unshard(async_op) of the root before forward");
+  const TrainRun async_block = train_decoder(FSDPOptions{}, {}, /*async_unshard=*/1);
+  expect_identical(async_block, reference, "unshard(async_op) of a block before forward");
   // Per step: each group once before forward, each block again before its backward.
   const int64_t per_step = 3 + 1 + 3;
-  EXPECT_EQ(reference.all_gathers, kSteps * per_step);
-  EXPECT_EQ(implicit.all_gathers, kSteps * per_step);
-  EXPECT_EQ(explicit_targets.all_gathers, kSteps * per_step);
-  EXPECT_EQ(async_root.all_gathers, kSteps * per_step);
+  for (const auto& [run, what] : {std::pair{&reference, "no prefetch"},
+                                  {&implicit, "implicit"},
+                                  {&explicit_targets, "explicit"},
+                                  {&async_root, "async root"},
+                                  {&async_block, "async block"}}) {
+    EXPECT_EQ(run->all_gathers, kSteps * per_step) << what;
+    EXPECT_EQ(run->issued, kSteps * per_step) << what << ": all-gathers issued";
+  }
 }
 
 // A trunk of three groups and two heads, each its own group under the root. Odd ranks put both

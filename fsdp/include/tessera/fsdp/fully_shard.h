@@ -61,10 +61,9 @@ class FSDPState {
  public:
   // All-gathers the group (no-op when already unsharded) and points each Parameter at its
   // gathered value. async_op only issues the all-gather, which then runs in the background;
-  // the next unshard() or forward of the group finishes it. Not so for a non-root group that ran
-  // in the previous step, unsharded this way before the root's forward: that forward's start
-  // drops it (it cannot tell it from a prefetch issued before an optimizer step) and the group
-  // gathers again at its forward: the values are right, at one more all-gather.
+  // the next unshard() or forward of the group finishes it and uses it (as PyTorch's forward
+  // uses the gather behind an UnshardHandle), whatever ran in between: issue it after the
+  // optimizer step, or reshard() drops it.
   void unshard(bool async_op = false);
   // Points each Parameter back at its stored shard.
   void reshard();
