@@ -80,6 +80,7 @@ void FSDPGroup::start_gather() {
   NoGradGuard no_grad;
   const DType gather_dtype = opts_.mp_policy.param_dtype.value_or(flat_.dtype());
   PendingGather g;
+  g.id = ++gathers_started_;
   g.send = gather_dtype == flat_.dtype() ? flat_ : flat_.to(gather_dtype);
   // Before this group's backward the graph's saved leaves are views of the released buffer:
   // gather into its bytes again. Otherwise into a fresh buffer for fresh leaves.
@@ -188,8 +189,11 @@ void FSDPGroup::prefetch(bool forward) {
     if (t.get() == this || t->unsharded_) continue;
     if (forward) {
       t->start_gather();
-      // Under another root (an explicit target), its own forward may still come in this step.
-      if (t->schedule_ == schedule_) schedule_->forward_prefetched.push_back(t);
+      // This step's, also for a group under another root (an explicit target): its forward uses
+      // it in this step, or this step drops it. A gather into the leaves a pending backward
+      // saved (a module used again later in its forward) is its own step's to settle.
+      if (!t->pending_gather_->reuse)
+        schedule_->forward_prefetched.push_back({t, t->pending_gather_->id});
     } else {
       schedule_->gather_through(t.get());  // in backward order, like every rank
     }

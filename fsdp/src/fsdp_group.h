@@ -127,6 +127,7 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
 
   // Both in flight between issue and use.
   struct PendingGather {
+    uint64_t id = 0;  // this group's count of gathers started: which one a prefetch issued
     WorkPtr work;
     Tensor send, target;
     bool reuse = false;  // target is the released buffer the saved leaves view
@@ -201,6 +202,7 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   int64_t input_grad_pending_ = 0;
   FSDPCommStats stats_;
   std::optional<PendingGather> pending_gather_;
+  uint64_t gathers_started_ = 0;
   std::optional<PendingReduce> pending_reduce_;
   // Shared by every group under one root: forward order, prefetch, reduce-scatter order.
   std::shared_ptr<FSDPSchedule> schedule_;

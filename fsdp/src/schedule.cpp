@@ -25,21 +25,23 @@ void for_each_live(const Groups& groups, F&& f) {
 void FSDPSchedule::record_forward(const Group& group) {
   if (group->is_root_ && group->starts_step_) {
     if (backward_running) abandon();
-    drop_unused_prefetches(group.get());
+    drop_unused_prefetches();
     if (!order.empty()) last_order = std::move(order);
     order.clear();
-    // Other all-gathers still in flight are the user's unshard(async_op) of this step (the
-    // prefetches of the last step that its forward did not use are dropped above; its backward
-    // left none): the groups' forwards use them, as PyTorch's forward uses the gather behind an
-    // UnshardHandle.
+    // Other all-gathers still in flight are the user's unshard(async_op) of this step, or another
+    // root's prefetches of its step (the prefetches of the last step that its forward did not
+    // use are dropped above; its backward left none): the groups' forwards use them, as
+    // PyTorch's forward uses the gather behind an UnshardHandle.
   }
   if (index_of(order, group.get()) < 0) order.push_back(group);
 }
 
-void FSDPSchedule::drop_unused_prefetches(const FSDPGroup* keep) {
-  for_each_live(forward_prefetched, [&](const Group& s) {
-    if (s.get() != keep && index_of(order, s.get()) < 0) s->drop_pending_gather();
-  });
+void FSDPSchedule::drop_unused_prefetches() {
+  for (const Prefetch& p : forward_prefetched) {
+    auto s = p.group.lock();
+    // Used, it is gone; a group's later gathers (its backward's, the user's) have other ids.
+    if (s && s->pending_gather_ && s->pending_gather_->id == p.gather) s->drop_pending_gather();
+  }
   forward_prefetched.clear();
 }
 

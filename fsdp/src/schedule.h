@@ -37,9 +37,13 @@ struct FSDPSchedule : std::enable_shared_from_this<FSDPSchedule> {
   // backward and the next to reduce-scatter.
   std::vector<std::weak_ptr<FSDPGroup>> backward_order;
   size_t next_gather = 0, next_reduce = 0;
-  // The groups this step's forward prefetched (their all-gathers issued by another group's
-  // forward, before their own): see drop_unused_prefetches.
-  std::vector<std::weak_ptr<FSDPGroup>> forward_prefetched;
+  // The all-gathers this step's forward prefetched (issued by another group's forward, before
+  // the group's own; under another root too): see drop_unused_prefetches.
+  struct Prefetch {
+    std::weak_ptr<FSDPGroup> group;
+    uint64_t gather = 0;  // PendingGather::id
+  };
+  std::vector<Prefetch> forward_prefetched;
   // Issued reduce-scatters, oldest first; retired in this order.
   std::deque<std::weak_ptr<FSDPGroup>> in_flight;
   bool backward_running = false;
@@ -48,11 +52,13 @@ struct FSDPSchedule : std::enable_shared_from_this<FSDPSchedule> {
   // From each group's pre-forward; the root's starts a new step.
   void record_forward(const Group& group);
   // At the end of backward, and when the root's next forward starts (a step without backward):
-  // a group prefetched in this step whose forward did not run (a block skipped) drops that
-  // all-gather, which holds its shards as they were, so that its next forward, after an
-  // optimizer step or a load, gathers them anew. Not at the end of the root's forward: modules
-  // under the root may run after it (heads applied to its output). `keep`'s is left alone.
-  void drop_unused_prefetches(const FSDPGroup* keep = nullptr);
+  // an all-gather this step prefetched that the group's forward did not use (a block skipped, a
+  // tower of another root that did not run) is dropped: it holds the shards as they were, and
+  // the group's next forward, after an optimizer step or a load, must gather them anew. Not at
+  // the end of the root's forward: modules under the root may run after it (heads applied to
+  // its output). Whatever else is in flight (the user's unshard(async_op), another root's
+  // prefetch) is left alone.
+  void drop_unused_prefetches();
   // The group after `g` in the previous step's forward order, and the one after it in this
   // step's backward order; null when none.
   Group next_in_forward(const FSDPGroup* g) const;

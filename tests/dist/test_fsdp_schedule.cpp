@@ -396,6 +396,63 @@ TEST(FSDPSchedule, PrefetchOfAGroupThatDidNotRunIsNotUsedLater) {
   }
 }
 
+// Two roots (the towers of a two-tower model): the first's root prefetches, by an explicit
+// target, a group of the second (its root, or a block inside it). Used in the step, that
+// all-gather is all the group issues; when the second tower does not run in the first's step,
+// the first's step drops it as its own unused prefetches, so the group's next gather, after a
+// write to its shards, reads them anew (seen by an unshard() by hand).
+TEST(FSDPSchedule, PrefetchOfAGroupUnderAnotherRootFollowsThePrefetchingStep) {
+  for (bool target_block : {false, true}) {
+    const std::string what = target_block ? "a block of the other root" : "the other root";
+    FSDPOptions opts;
+    opts.backward_prefetch = false;  // each root's depends on timing (docs/fsdp.md, Limits)
+    auto tower_a = std::make_shared<SkippableBlock>();
+    auto tower_b = std::make_shared<SkippableBlock>();
+    auto a_block = fully_shard(tower_a->a, dp_mesh(), opts);
+    auto a_root = fully_shard(tower_a, dp_mesh(), opts);
+    auto b_block = fully_shard(tower_b->b, dp_mesh(), opts);
+    auto b_root = fully_shard(tower_b, dp_mesh(), opts);
+    const auto target = target_block ? b_block : b_root;
+    Generator gen(47);
+    Tensor x = randn({4, 6}, gen);
+    auto both_towers = [&] {
+      backward(add(mean(square((*tower_a)(x))), mean(square((*tower_b)(x)))));
+    };
+    both_towers();  // the first step sets each root's forward order
+    reset_comm_op_counts();
+    both_towers();
+    const int64_t without = comm_op_counts()["all_gather_runs"];
+    a_root->set_modules_to_forward_prefetch({a_block, target});
+    reset_comm_op_counts();
+    both_towers();
+    EXPECT_EQ(comm_op_counts()["all_gather_runs"], without) << what << ": all-gathers issued";
+    for (bool grad : {true, false}) {
+      const double value = grad ? 0.25 : 0.5;
+      auto write_target = [&] {
+        for (Parameter* p : target->parameters())
+          p->fill_(value);
+      };
+      // The first tower's forward prefetches the target, which does not run.
+      if (grad) {
+        backward(mean(square((*tower_a)(x))));
+        write_target();
+      } else {
+        NoGradGuard no_grad;
+        (*tower_a)(x);
+        write_target();
+        (*tower_a)(x);  // its start drops the last step's prefetch, then prefetches anew
+      }
+      const std::string when = what + (grad ? ", step with backward" : ", under no_grad");
+      target->unshard();
+      for (Parameter* p : target->parameters())
+        for (double v : p->local().to_vector<double>())
+          ASSERT_EQ(v, value) << when << ": " << p->str()
+                              << " holds the values from before the write";
+      target->reshard();
+    }
+  }
+}
+
 // A frozen group between trainable ones has nothing to reduce, but must not hold back the
 // reduce-scatters after it in backward order: the block below it reduces, and frees its gathered
 // weights, as soon as its own backward is done, not at the end of backward.

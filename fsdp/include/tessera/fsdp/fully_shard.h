@@ -90,7 +90,9 @@ class FSDPState {
   void set_gradient_divide_factor(double factor);
   // Explicit prefetch targets (PyTorch's FSDPModule methods of these names): the groups whose
   // all-gather this group issues when its forward (backward) starts. Replaces the implicit
-  // choice; an empty list turns prefetch off for this group.
+  // choice; an empty list turns prefetch off for this group. A forward prefetch belongs to this
+  // group's root's step, also when it targets a group under another root: one whose forward has
+  // not used it when that step's backward ends (or its root's next forward starts) drops it.
   void set_modules_to_forward_prefetch(const std::vector<std::shared_ptr<FSDPState>>& groups);
   void set_modules_to_backward_prefetch(const std::vector<std::shared_ptr<FSDPState>>& groups);
 
