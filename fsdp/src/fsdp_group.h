@@ -118,6 +118,10 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   std::vector<int64_t> reduce_offsets(int64_t& size) const;
   // Whether sums kept for a later all-reduce were packed for the parameters trainable now.
   bool partial_reduce_fits() const;
+  // Whether this group holds sums of earlier micro-batches (unsynced, or kept for a later
+  // all-reduce across replicas) that a backward starting now, with its settings, would reduce:
+  // such a backward reduces the group even if its forward did not run in the step.
+  bool reduces_waiting_sums() const;
   // New leaves over gathered_ (no communication), when kept ones no longer match which
   // parameters require gradients.
   void refresh_leaves();
@@ -190,6 +194,9 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   bool requires_all_reduce_ = true;
   bool reshard_after_backward_ = true;
   std::optional<PendingReduce> partial_reduce_;
+  // Gradients of micro-batches run without sync wait in accum_grad (on some ranks only, where
+  // they got any; this flag is the same on every rank).
+  bool unsynced_sums_ = false;
   bool backward_pending_ = false;
   // The graph nodes of this step's outputs (where the pre-backward hook sits): when every one
   // is gone, no backward can come for them (a forward under grad mode whose result was dropped).

@@ -103,17 +103,23 @@ FSDPGroup::PendingReduce FSDPGroup::pack_gradients(DType reduce_dtype) {
 
 void FSDPGroup::start_reduce() {
   NoGradGuard no_grad;
+  // Not run in this step: reduced only for the sums it holds from earlier micro-batches, with no
+  // backward gather owed for it.
+  const bool ran = backward_pending_;
   backward_pending_ = false;
   grads_ready_for_reduce_ = false;
   clear_grads_in();
-  settle_backward_gather();
+  if (ran) settle_backward_gather();
   const DType reduce_dtype =
       opts_.mp_policy.reduce_dtype.value_or(opts_.mp_policy.param_dtype.value_or(flat_.dtype()));
   if (!requires_gradient_sync_) {
     accumulate_unsynced(reduce_dtype);
+    unsynced_sums_ = true;
+    schedule_->hold_sums(shared_from_this());
     finish_backward();
     return;
   }
+  unsynced_sums_ = false;  // packed below, or dropped with the parameters frozen since
   bool trainable = false;
   for (const ParamInfo& i : params_)
     trainable |= i.param->requires_grad();
@@ -169,6 +175,10 @@ bool FSDPGroup::partial_reduce_fits() const {
   return !partial_reduce_ || partial_reduce_->offsets == reduce_offsets(size);
 }
 
+bool FSDPGroup::reduces_waiting_sums() const {
+  return requires_gradient_sync_ && (unsynced_sums_ || (partial_reduce_ && requires_all_reduce_));
+}
+
 bool FSDPGroup::merge_partial_reduce() {
   PendingReduce& pr = *pending_reduce_;
   if (partial_reduce_) {
@@ -187,6 +197,7 @@ bool FSDPGroup::merge_partial_reduce() {
   pr.work = nullptr;
   partial_reduce_ = std::move(pr);
   pending_reduce_.reset();
+  schedule_->hold_sums(shared_from_this());
   return false;
 }
 

@@ -57,6 +57,10 @@ FSDPSchedule::Group FSDPSchedule::next_in_backward(const FSDPGroup* g) const {
   return backward_order[size_t(i + 1)].lock();
 }
 
+void FSDPSchedule::hold_sums(const Group& group) {
+  if (index_of(holding_sums, group.get()) < 0) holding_sums.push_back(group);
+}
+
 void FSDPSchedule::begin_backward(const Group& caller) {
   if (backward_running && backward_id == autograd::backward_id()) return;
   if (backward_running) abandon();
@@ -68,6 +72,15 @@ void FSDPSchedule::begin_backward(const Group& caller) {
     if (auto s = it->lock(); s && s->backward_pending_) backward_order.push_back(s);
   if (index_of(backward_order, caller.get()) < 0 && caller->backward_pending_)
     backward_order.push_back(caller);
+  // After the groups that ran: reduced at the end of backward (no gradient of this backward can
+  // come to them), on every rank alike.
+  std::erase_if(holding_sums, [&](const std::weak_ptr<FSDPGroup>& w) {
+    auto s = w.lock();
+    if (!s) return true;
+    if (!s->reduces_waiting_sums()) return !s->unsynced_sums_ && !s->partial_reduce_;
+    if (index_of(backward_order, s.get()) < 0) backward_order.push_back(s);
+    return true;  // listed again if it keeps this backward's sums for a later one
+  });
   refuse_unfit_partial_reduces();
   for_each_live(backward_order, [](const Group& s) { s->mark_grads_pending(true); });
   std::weak_ptr<FSDPSchedule> weak = weak_from_this();
@@ -161,6 +174,7 @@ void FSDPSchedule::abandon() {
     // whole, no group keeps a share of it.
     for (auto& i : s->params_)
       i.accum_grad = Tensor();
+    s->unsynced_sums_ = false;
     s->backward_pending_ = false;
     s->grads_ready_for_reduce_ = false;
     s->clear_grads_in();
@@ -170,6 +184,14 @@ void FSDPSchedule::abandon() {
   };
   for_each_live(order, drop);
   for_each_live(backward_order, drop);
+  // The sums of groups this backward had not reached (its forward skipped them) go too.
+  for_each_live(holding_sums, [](const Group& s) {
+    s->partial_reduce_.reset();
+    for (auto& i : s->params_)
+      i.accum_grad = Tensor();
+    s->unsynced_sums_ = false;
+  });
+  holding_sums.clear();
   in_flight.clear();
   backward_order.clear();
   next_gather = next_reduce = 0;

@@ -44,6 +44,12 @@ struct FSDPSchedule : std::enable_shared_from_this<FSDPSchedule> {
     uint64_t gather = 0;  // PendingGather::id
   };
   std::vector<Prefetch> forward_prefetched;
+  // The groups that kept gradient sums of a backward for a later one (set_requires_gradient_sync
+  // or, for HSDP, set_requires_all_reduce off), in the order they kept them, the same on every
+  // rank: the backward that reduces those sums takes each in its order, also one whose forward
+  // did not run in its step (a block skipped, a task head the last micro-batch did not use), or
+  // they would miss the step they belong to and be added to a later one's.
+  std::vector<std::weak_ptr<FSDPGroup>> holding_sums;
   // Issued reduce-scatters, oldest first; retired in this order.
   std::deque<std::weak_ptr<FSDPGroup>> in_flight;
   bool backward_running = false;
@@ -63,6 +69,7 @@ struct FSDPSchedule : std::enable_shared_from_this<FSDPSchedule> {
   // step's backward order; null when none.
   Group next_in_forward(const FSDPGroup* g) const;
   Group next_in_backward(const FSDPGroup* g) const;
+  void hold_sums(const Group& group);
   // The first backward hook of any group: fixes the backward order and queues finalize().
   void begin_backward(const Group& caller);
   // Sums kept for a later all-reduce (set_requires_all_reduce(false)) were packed for the

@@ -138,4 +138,63 @@ TEST(FSDPSchedule, PrefetchOfAGroupUnderAnotherRootFollowsThePrefetchingStep) {
   }
 }
 
+// Micro-batches accumulated without sync, the last (synced) one skipping `b`: the sums `b` holds
+// from the earlier ones belong to this step. They must reach its stored gradients with the
+// others', not wait for a later synced backward that runs `b` (adding them to another step's).
+// Likewise for HSDP's sums kept for a later all-reduce (set_requires_all_reduce(false)).
+// `hsdp`: every micro-batch reduce-scatters, only the last all-reduces across replicas.
+void expect_skipped_group_keeps_its_sums(const DeviceMesh& mesh, bool hsdp) {
+  const std::string what = hsdp ? "all-reduce kept for later" : "gradient sync off";
+  auto ref = std::make_shared<SkippableBlock>();
+  auto net = std::make_shared<SkippableBlock>();
+  fully_shard(net->a, mesh);
+  fully_shard(net->b, mesh);
+  auto root = fully_shard(net, mesh);
+  auto micro_batch = [&](int m, bool skip_b, bool last) {
+    if (hsdp)
+      root->set_requires_all_reduce(last);
+    else
+      root->set_requires_gradient_sync(last);
+    ref->skip_b = net->skip_b = skip_b;
+    Tensor total;
+    for (int r = 0; r < world_size(); ++r) {
+      Generator gen(uint64_t(600 + 11 * m + r));
+      Tensor l = mean(square((*ref)(randn({3, 6}, gen))));
+      total = total.defined() ? add(total, l) : l;
+    }
+    backward(mul(total, 1.0 / world_size()));
+    Generator gen(uint64_t(600 + 11 * m + world_rank()));
+    backward(mean(square((*net)(randn({3, 6}, gen)))));
+  };
+  auto expect_grads = [&](const std::string& when) {
+    const auto want = ref->named_parameters(), got = net->named_parameters();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      const std::string where = what + ", " + when + ": " + want[i].first;
+      const Tensor& w = want[i].second->grad();
+      ASSERT_EQ(got[i].second->grad().defined(), w.defined()) << where;
+      if (w.defined())
+        tessera::testing::expect_close(got[i].second->grad_dtensor().full_tensor(), w, 1e-5, where);
+    }
+  };
+  micro_batch(0, /*skip_b=*/false, /*last=*/false);
+  micro_batch(1, /*skip_b=*/false, /*last=*/false);
+  micro_batch(2, /*skip_b=*/true, /*last=*/true);
+  expect_grads("b skipped by the last micro-batch");
+  for (Module* m : {static_cast<Module*>(ref.get()), static_cast<Module*>(net.get())})
+    for (Parameter* p : m->parameters())
+      p->zero_grad();
+  micro_batch(3, /*skip_b=*/false, /*last=*/true);
+  expect_grads("the next step, b in its one micro-batch");
+}
+
+TEST(FSDPSkipped, GroupSkippedByTheSyncedMicroBatchKeepsItsSums) {
+  expect_skipped_group_keeps_its_sums(dp_mesh(), /*hsdp=*/false);
+  if (world_size() == 4) {
+    const DeviceMesh hsdp(Shape{2, 2}, {"replicate", "shard"});
+    expect_skipped_group_keeps_its_sums(hsdp, /*hsdp=*/false);
+    expect_skipped_group_keeps_its_sums(hsdp, /*hsdp=*/true);
+  }
+}
+
 }  // namespace
