@@ -37,10 +37,23 @@ FSDPState::FSDPState(std::vector<std::shared_ptr<FSDPGroup>> groups) : groups_(s
 
 FSDPState::~FSDPState() = default;
 
-void FSDPState::unshard(bool async_op) {
+UnshardHandle FSDPState::unshard(bool async_op) {
   check_module_alive(groups_, "unshard");
-  for (const auto& g : groups_)
+  UnshardHandle handle;
+  for (const auto& g : groups_) {
     g->unshard(async_op);
+    if (g->pending_gather_) handle.gathers_.emplace_back(g, g->pending_gather_->id);
+  }
+  return handle;
+}
+
+void UnshardHandle::wait() {
+  for (const auto& [weak, id] : gathers_) {
+    auto g = weak.lock();
+    // Another gather of the group since (or none) means this one was used or dropped.
+    if (g && g->pending_gather_ && g->pending_gather_->id == id) g->unshard();
+  }
+  gathers_.clear();
 }
 
 void FSDPState::reshard() {

@@ -332,6 +332,56 @@ TEST(FSDPSchedule, UnshardBetweenForwardAndBackwardKeepsTheSavedWeights) {
   }
 }
 
+// unshard(async_op)'s handle, as PyTorch's UnshardHandle: wait() finishes the all-gather and
+// unshards the parameters, and the forward then gathers nothing for the group; a wait() after
+// the forward used the all-gather, or a second wait(), does nothing (no communication at all).
+TEST(FSDPSchedule, UnshardHandleWaitsForItsOwnGatherOnly) {
+  auto net = std::make_shared<Reuse>(0);
+  auto blk = fully_shard(net->blk, dp_mesh());
+  fully_shard(net, dp_mesh());
+  Generator gen(73);
+  Tensor x = randn({4, 6}, gen);
+  auto ops = [] {
+    int64_t n = 0;
+    for (const auto& [op, count] : comm_op_counts())
+      n += count;
+    return n;
+  };
+  auto expect_no_communication = [&](UnshardHandle& handle, const std::string& what) {
+    const int64_t before = ops();
+    handle.wait();
+    EXPECT_EQ(ops(), before) << what;
+  };
+  auto gathers_of_a_step = [&](const std::function<void()>& before_forward,
+                               const std::function<void()>& after_forward) {
+    reset_comm_op_counts();
+    before_forward();
+    Tensor loss = mean(square((*net)(x)));
+    after_forward();
+    backward(loss);
+    return comm_op_counts()["all_gather_runs"];
+  };
+  const int64_t plain = gathers_of_a_step([] {}, [] {});
+  UnshardHandle handle;
+  const int64_t waited_before = gathers_of_a_step(
+      [&] {
+        handle = blk->unshard(/*async_op=*/true);
+        EXPECT_FALSE(blk->is_unsharded());
+        handle.wait();
+        EXPECT_TRUE(blk->is_unsharded());
+        const Tensor gathered = net->blk->weight.local().clone();
+        EXPECT_EQ(gathered.shape(), (Shape{6, 6}));
+        tessera::testing::expect_close(gathered, net->blk->weight.full(), 0, "waited weight");
+        expect_no_communication(handle, "a second wait()");
+      },
+      [] {});
+  EXPECT_EQ(waited_before, plain) << "wait() before the forward";
+  const int64_t waited_after =
+      gathers_of_a_step([&] { handle = blk->unshard(/*async_op=*/true); },
+                        [&] { expect_no_communication(handle, "wait() after the forward"); });
+  EXPECT_EQ(waited_after, plain) << "wait() after the forward used the all-gather";
+}
+
 // A frozen group between trainable ones has nothing to reduce, but must not hold back the
 // reduce-scatters after it in backward order: the block below it reduces, and frees its gathered
 // weights, as soon as its own backward is done, not at the end of backward.

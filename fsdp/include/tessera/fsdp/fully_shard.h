@@ -55,6 +55,21 @@ struct FSDPCommStats {
   double reduce_scatter_wait_seconds = 0;
 };
 
+// What FSDPState::unshard(async_op = true) returns (PyTorch's UnshardHandle): wait() finishes the
+// all-gather it issued and points the parameters at the gathered values. A no-op once the
+// group's forward or unshard() has used that all-gather (or reshard() dropped it), and for a
+// group that was already unsharded.
+class UnshardHandle {
+ public:
+  UnshardHandle() = default;
+  void wait();
+
+ private:
+  friend class FSDPState;
+  // Each dtype group and the id of the all-gather issued for it (PendingGather::id).
+  std::vector<std::pair<std::weak_ptr<detail::FSDPGroup>, uint64_t>> gathers_;
+};
+
 // The handle fully_shard returns (PyTorch's FSDPModule methods). The groups it acts on live as
 // long as the module's hooks, which own them, so dropping the handle changes nothing.
 class FSDPState {
@@ -63,8 +78,8 @@ class FSDPState {
   // gathered value. async_op only issues the all-gather, which then runs in the background;
   // the next unshard() or forward of the group finishes it and uses it (as PyTorch's forward
   // uses the gather behind an UnshardHandle), whatever ran in between: issue it after the
-  // optimizer step, or reshard() drops it.
-  void unshard(bool async_op = false);
+  // optimizer step, or reshard() drops it. The handle's wait() finishes it by hand.
+  UnshardHandle unshard(bool async_op = false);
   // Points each Parameter back at its stored shard.
   void reshard();
   // Off: backward keeps summing the unsharded gradients across micro-batches (in the reduce
