@@ -108,6 +108,8 @@ class FSDPState {
   // choice; an empty list turns prefetch off for this group. A forward prefetch belongs to this
   // group's root's step, also when it targets a group under another root: one whose forward has
   // not used it when that step's backward ends (or its root's next forward starts) drops it.
+  // Backward gathers go out in the root's one backward order (every rank alike), so a backward
+  // target under another root, or one whose backward this step does not expect, is skipped.
   void set_modules_to_forward_prefetch(const std::vector<std::shared_ptr<FSDPState>>& groups);
   void set_modules_to_backward_prefetch(const std::vector<std::shared_ptr<FSDPState>>& groups);
 
