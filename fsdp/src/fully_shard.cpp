@@ -237,6 +237,23 @@ std::vector<std::vector<std::pair<std::string, Parameter*>>> unclaimed_by_dtype(
   return by_dtype;
 }
 
+// PyTorch's FSDP2 is applied bottom-up. A call on a module inside one already sharded finds its
+// parameters taken by that module's group and would make a second root inside the first: an
+// empty group with a schedule of its own, whose collectives can interleave with the outer
+// root's on FSDP's communicators in an order that depends on timing.
+void check_not_inside_a_sharded_module(Module& module,
+                                       const std::vector<std::shared_ptr<FSDPGroup>>& live) {
+  for (const auto& g : live) {
+    const auto outer = g->module_.lock();
+    if (!outer || outer.get() == &module) continue;
+    for (const auto& [name, m] : outer->named_modules())
+      TESSERA_CHECK(m.get() != &module, "fully_shard(", module.type_name(), "): the module is '",
+                    name, "' inside fully_shard(", outer->type_name(),
+                    "), whose group already holds its parameters; apply fully_shard bottom-up "
+                    "(the modules inside first, then the one that holds them)");
+  }
+}
+
 }  // namespace
 
 bool is_fully_sharded(const Parameter& p) {
@@ -249,6 +266,7 @@ std::shared_ptr<FSDPState> fully_shard(const ModulePtr& module, const DeviceMesh
   const auto live = detail::live_groups();
   TESSERA_CHECK(detail::groups_of(live, *module).empty(), "fully_shard: ", module->type_name(),
                 " is already fully_shard'ed; call it once per module");
+  check_not_inside_a_sharded_module(*module, live);
   const MixedPrecisionPolicy& mp = opts.mp_policy;
   for (const auto& [field, dtype] :
        {std::pair{"param_dtype", mp.param_dtype}, std::pair{"reduce_dtype", mp.reduce_dtype},

@@ -771,6 +771,14 @@ TEST(FullyShard, MisuseErrors) {
   expect_error([&] { fully_shard(net->layers[0], mesh); },
                {"fully_shard", "DecoderBlock", "already fully_shard'ed"});
   expect_error([&] { fully_shard(net, mesh["nope"]); }, {"no mesh dim named 'nope'"});
+  // Top-down: the root's group took the block's parameters; the block's call would make a second
+  // root inside the first (an empty group of its own, out of the root's collective order).
+  auto top_down = std::make_shared<Decoder>(small_decoder_config());
+  fully_shard(top_down, mesh);
+  for (int attempt = 0; attempt < 2; ++attempt)  // the first made no group: not "already"
+    expect_error(
+        [&] { fully_shard(top_down->layers[1], mesh); },
+        {"fully_shard(DecoderBlock)", "inside fully_shard(Decoder)", "'layers.1'", "bottom-up"});
   // A tied table sharded on its own is resharded after the lookup, before the projection needs it.
   auto tied = std::make_shared<Decoder>(decoder_config(true));
   fully_shard(tied->tok_embeddings, mesh);
