@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "tessera/tessera.h"
+#include "tessera/testing.h"
 
 using namespace tessera;
 
@@ -29,6 +30,27 @@ TEST(RedistributePlanCache, ReusesAPlanAndForgetsTheLeastRecentlyUsed) {
   const auto again = plan_redistribute(rows_spec(mesh, 1), to);
   EXPECT_NE(again, first);
   EXPECT_EQ(again->str(), first->str());
+}
+
+// clear_redistribute_plan_cache empties the cache; plans handed out before stay usable, and the
+// plans made again have the same steps and move the same values.
+TEST(RedistributePlanCache, ClearEmptiesItAndPlansAreMadeAgain) {
+  DeviceMesh mesh(Shape{world_size()}, {"x"});
+  const Tensor global = tessera::testing::random_tensor({5, 3}, 7, DType::Float32);  // uneven
+  const DTensor rows = distribute_tensor(global, mesh, {Shard(0)});
+  const DTensor before = rows.redistribute({Shard(1)});
+  const auto kept = plan_redistribute(rows.spec(), {Shard(1)});
+  ASSERT_GT(redistribute_plan_cache_size(), size_t(0));
+  clear_redistribute_plan_cache();
+  EXPECT_EQ(redistribute_plan_cache_size(), size_t(0));
+  EXPECT_FALSE(kept->str().empty());
+  const auto again = plan_redistribute(rows.spec(), {Shard(1)});
+  EXPECT_NE(again, kept) << "the cleared plan was handed out again";
+  EXPECT_EQ(again->str(), kept->str());
+  EXPECT_EQ(redistribute_plan_cache_size(), size_t(1));
+  const DTensor after = rows.redistribute({Shard(1)});
+  tessera::testing::expect_close(after.to_local(), before.to_local(), 0, "S(0) -> S(1)");
+  tessera::testing::expect_close(after.full_tensor(), global, 0, "full tensor");
 }
 
 // On a (2, 2) mesh, 1 MiB of float32: FSDP x TP's layout of a row-parallel weight, [SS(1, 2),

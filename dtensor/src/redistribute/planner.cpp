@@ -51,6 +51,13 @@ class PlanCache {
     return order_.size();
   }
 
+  // Plans handed out before stay valid: callers hold them by shared_ptr.
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    index_.clear();
+    order_.clear();
+  }
+
  private:
   std::mutex mu_;
   std::list<std::pair<std::string, PlanPtr>> order_;
@@ -186,6 +193,10 @@ std::shared_ptr<const RedistributePlan> plan_redistribute(const DTensorSpec& src
 
 size_t redistribute_plan_cache_size() {
   return plan_cache().size();
+}
+
+void clear_redistribute_plan_cache() {
+  plan_cache().clear();
 }
 
 namespace redistribute_detail {

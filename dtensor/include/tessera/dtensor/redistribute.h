@@ -54,6 +54,11 @@ std::shared_ptr<const RedistributePlan> plan_redistribute(const DTensorSpec& src
                                                           const Placements& dst);
 // Plans the cache holds now (for tests and memory accounting).
 size_t redistribute_plan_cache_size();
+// Drops every cached plan (PyTorch's _gen_transform_infos.cache_clear()), e.g. to free the
+// memory of plans for shapes a program will not see again; the next redistribute of each key
+// plans anew, the same steps. Plans already handed out stay valid. Not collective: the cache is
+// per process and a plan is a function of its key alone, so ranks may clear at different times.
+void clear_redistribute_plan_cache();
 
 // Runs a plan on a local tensor without autograd (as the differentiable wrapper does; for code
 // that moves gradients or optimizer state). `local` must have the shape src gives this rank.
