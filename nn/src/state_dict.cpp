@@ -1,10 +1,12 @@
 // Full and sharded state dicts of a Module. Both check every key before writing anything, so a
 // failed load leaves the model as it was.
 #include <algorithm>
+#include <map>
 #include <set>
 
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/comm/agree.h"
+#include "tessera/comm/backend.h"
 #include "tessera/comm/runtime.h"
 #include "tessera/nn/module.h"
 
@@ -121,10 +123,22 @@ std::map<std::string, DTensor> Module::sharded_state_dict() {
   std::map<std::string, DTensor> out;
   auto params = named_parameters(true, /*remove_duplicate=*/false);
   auto buffers = named_buffers(true, /*remove_duplicate=*/false);
-  std::optional<DeviceMesh> world;
+  // One world mesh per device type the plain tensors live on: PyTorch's state_dict keeps each
+  // tensor on its device, and a mesh of another device type would make from_local copy a device
+  // tensor to the host (and the entry stop sharing the parameter's storage). Only where that
+  // device type has no communication backend (a CUDA build without NCCL, none registered) do its
+  // tensors come as host copies on the CPU's mesh. Making a mesh is collective; every rank meets
+  // the same device types in the same order in the same model.
+  std::map<DeviceType, DeviceMesh> worlds;
   auto replicated = [&](const Tensor& t) {
-    if (!world) world.emplace(Shape{world_size()}, std::vector<std::string>{"world"});
-    return DTensor::from_local(t.detach(), *world, {Replicate()}, t.shape());
+    DeviceType type = t.device().type;
+    if (type != DeviceType::CPU && backend_name(type).empty() &&
+        (type != DeviceType::CUDA || !nccl_unavailable().empty()))
+      type = DeviceType::CPU;
+    auto it = worlds.find(type);
+    if (it == worlds.end())
+      it = worlds.emplace(type, DeviceMesh(type, Shape{world_size()}, {"world"})).first;
+    return DTensor::from_local(t.detach(), it->second, {Replicate()}, t.shape());
   };
   for (auto& [name, p] : params)
     out[name] = p->is_dtensor() ? p->stored_dtensor().detach() : replicated(p->stored());

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <string>
 
 #include "tessera/dtensor/nn_ops.h"
@@ -189,6 +190,46 @@ TEST(NnDTensor, ModuleToRefusingADistributedParameterMovesNothing) {
   EXPECT_TRUE(net->plain->bias.stored().is_same(bias)) << "plain.bias moved";
   EXPECT_EQ(net->steps.device(), Device::cpu()) << "the buffer moved";
   EXPECT_TRUE(net->plain->weight.requires_grad());
+}
+
+// A sharded state dict keeps every tensor where it lives, as PyTorch's state_dict does: the plain
+// parameters and buffers of a model on the device come as DTensors over a device mesh whose
+// pieces are those tensors (sharing their storage, as on the CPU), not host copies; the dict
+// loads back into a model on the device and into one on the CPU.
+TEST(NnDTensor, ShardedStateDictKeepsPlainDeviceTensorsOnTheDevice) {
+  tessera::testing::TestDevice device;
+  Generator gen(3);
+  auto net = std::make_shared<PlainThenDistributed>(gen);
+  net->to(Device::cuda(0));
+  const DeviceMesh mesh(DeviceType::CUDA, Shape{world_size()}, {"tp"});
+  distribute(net->sharded->weight, mesh, {Shard(0)});
+  const std::map<std::string, DTensor> sd = net->sharded_state_dict();
+  ASSERT_EQ(sd.size(), 4u);
+  for (const auto& [name, t] :
+       std::map<std::string, Tensor>{{"plain.weight", net->plain->weight.stored()},
+                                     {"plain.bias", net->plain->bias.stored()},
+                                     {"steps", net->steps}}) {
+    const DTensor& d = sd.at(name);
+    EXPECT_EQ(d.to_local().device(), Device::cuda(0)) << name;
+    EXPECT_EQ(d.mesh().device_type(), DeviceType::CUDA) << name;
+    EXPECT_EQ(d.placements(), (Placements{Replicate()})) << name;
+    EXPECT_TRUE(d.to_local().storage().is_same(t.storage())) << name << " was copied";
+  }
+  EXPECT_TRUE(sd.at("sharded.weight")
+                  .to_local()
+                  .storage()
+                  .is_same(net->sharded->weight.stored().storage()));
+
+  Generator other_gen(4);
+  auto other = std::make_shared<PlainThenDistributed>(other_gen);
+  other->to(Device::cuda(0));
+  EXPECT_TRUE(other->load_sharded_state_dict(sd).empty());
+  auto cpu = std::make_shared<PlainThenDistributed>(other_gen);
+  EXPECT_TRUE(cpu->load_sharded_state_dict(sd).empty());
+  const std::map<std::string, Tensor> want = net->state_dict();
+  for (auto* m : {other.get(), cpu.get()})
+    for (const auto& [name, t] : m->state_dict())
+      expect_close(t.to(Device::cpu()), want.at(name).to(Device::cpu()), 0, name);
 }
 
 // --- Embedding ---

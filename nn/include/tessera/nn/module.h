@@ -99,7 +99,9 @@ class Module : public std::enable_shared_from_this<Module> {
   IncompatibleKeys load_state_dict(const std::map<std::string, Tensor>& state, bool strict = true);
   // The same names without gathering anything: each distributed parameter as its DTensor (the
   // stored shard, sharing its storage, as for checkpointing a sharded model), and each plain
-  // parameter or buffer as a DTensor replicated on a 1-D mesh over the world. Collective.
+  // parameter or buffer as a DTensor replicated on a 1-D mesh over the world of its own device
+  // type, whose piece is that tensor (on its device, sharing its storage, as PyTorch's
+  // state_dict keeps tensors where they are). Collective.
   std::map<std::string, DTensor> sharded_state_dict();
   // Loads DTensors of the right global shapes in any placements and on any mesh: each parameter
   // takes its own piece (redistributed when the mesh is its own, else gathered and cut). Checked
