@@ -692,6 +692,56 @@ TEST(TensorParallelErrors, ARefusedPlanChangesNothing) {
   tessera::testing::expect_close(logits, (*net)(b.ids), 0, "after the refused second plan");
 }
 
+// A target refused on one rank only (its model differs there: the output layer is already
+// tensor-parallel) is refused on every rank, naming that rank, before any rank changes anything:
+// the others used to go on into the first target's distribution and wait there for the rank
+// that had thrown.
+TEST(TensorParallelErrors, ATargetRefusedOnOneRankIsRefusedOnEveryRank) {
+  const int n = world_size();
+  if (n == 1) GTEST_SKIP() << "one rank has no other rank to differ from";
+  DeviceMesh mesh = tp_mesh(n);
+  auto net = std::make_shared<Decoder>(tiny_config());
+  if (world_rank() == n - 1)
+    net->output->set_dtensor_io(DTensorIO{mesh, {Replicate()}, {Replicate()}, {Replicate()}});
+  auto col = std::make_shared<const ColwiseParallel>();
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"layers.*.attention.wq", col}, {"output", col}});
+      },
+      {"parallelize_module(Decoder)", "[rank " + std::to_string(n - 1) + "]",
+       "already tensor-parallel"});
+  for (const auto& layer : net->layers) {
+    EXPECT_FALSE(layer->attention->wq->weight.is_dtensor());
+    EXPECT_FALSE(layer->attention->wq->dtensor_io().has_value());
+  }
+  EXPECT_FALSE(net->output->weight.is_dtensor());
+}
+
+// A parameter whose shape differs on one rank (a model built with another vocabulary there) is
+// found before anything is distributed: every rank throws, naming both shapes, and the first
+// target is left as it was, where it used to be distributed before the second one's
+// distribution failed.
+TEST(TensorParallelErrors, ParametersDifferingAcrossRanksChangeNothing) {
+  const int n = world_size();
+  if (n == 1) GTEST_SKIP() << "one rank has no other rank to differ from";
+  DeviceMesh mesh = tp_mesh(n);
+  DecoderConfig cfg = tiny_config();
+  if (world_rank() == n - 1) cfg.vocab_size = 40;
+  auto net = std::make_shared<Decoder>(cfg);
+  auto col = std::make_shared<const ColwiseParallel>();
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"layers.*.attention.wq", col}, {"output", col}});
+      },
+      {"parallelize_module(Decoder)", "[rank " + std::to_string(n - 1) + "]", "differs from rank 0",
+       "'output.weight' float32 [48, 32]", "'output.weight' float32 [40, 32]"});
+  for (const auto& layer : net->layers) {
+    EXPECT_FALSE(layer->attention->wq->weight.is_dtensor());
+    EXPECT_FALSE(layer->attention->wq->dtensor_io().has_value());
+  }
+  EXPECT_FALSE(net->output->weight.is_dtensor());
+}
+
 // A parameter tied by assignment to another name would be distributed under one name only: the
 // style is refused, naming both, before anything changes.
 TEST(TensorParallelErrors, DistributingATiedParameterIsRefused) {

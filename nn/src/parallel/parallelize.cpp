@@ -1,6 +1,7 @@
 // parallelize_module and the decoder's tensor-parallel plan.
 #include "tessera/nn/parallel/parallelize.h"
 
+#include "tessera/comm/agree.h"
 #include "tessera/nn/module_path.h"
 
 #include <algorithm>
@@ -70,6 +71,74 @@ void check_plan(Module& root, const std::vector<std::pair<std::string, ModulePtr
   }
 }
 
+// What this rank's plan does to its model, one line per target and per parameter a style
+// distributes: the ranks must agree on it, since distributing a parameter sends the mesh's
+// first rank's values to tensors the other ranks hold, of their own shapes and dtypes.
+std::vector<std::string> plan_description(
+    const std::vector<std::pair<std::string, ModulePtr>>& modules, const ParallelizePlan& plan,
+    const std::vector<std::vector<ModulePtr>>& targets) {
+  std::map<const Module*, std::string> paths;
+  for (const auto& [path, m] : modules)
+    paths[m.get()] = path;
+  std::vector<std::string> lines;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const auto& [pattern, style] = plan[i];
+    for (const ModulePtr& m : targets[i]) {
+      const std::string path = paths[m.get()];
+      lines.push_back(detail::concat("'", pattern, "' ", style->name(), " on '", path, "' (",
+                                     m->type_name(), ")"));
+      if (!style->distributes_parameters()) continue;
+      for (auto& [name, p] : m->named_parameters(/*recurse=*/false, false))
+        if (p->defined())
+          lines.push_back(detail::concat("'", path, path.empty() ? "" : ".", name, "' ",
+                                         dtype_name(p->dtype()), " ",
+                                         shape_str(p->global_shape())));
+    }
+  }
+  return lines;
+}
+
+std::string join_lines(const std::vector<std::string>& lines) {
+  std::string s;
+  for (const std::string& l : lines) {
+    s += l;
+    s += '\n';
+  }
+  return s;
+}
+
+// Collective over the mesh: every rank throws, naming the ranks and what they found, when any
+// rank's checks failed or its plan does not do to its model what the mesh's first rank's does to
+// its own (a model or plan built differently on one rank); otherwise the styles are applied on
+// every rank. Without this, a rank refusing the plan would leave the others waiting in the first
+// distribution, and parameters differing in shape would fail there after earlier targets had
+// changed.
+void agree_on_plan(const Module& root, const DeviceMesh& mesh, const std::string& error,
+                   const std::vector<std::string>& lines) {
+  const ProcessGroupPtr& group = mesh.host_group(0);
+  // A rank whose checks failed has no description to compare; its error says enough.
+  const std::string text =
+      error.empty() ? detail::concat("checked\n", join_lines(lines)) : std::string("failed\n");
+  const std::vector<std::string> all = all_gather_strings(group, text);
+  std::string mine = error;
+  const std::string& first = all.front();
+  if (mine.empty() && first.rfind("checked\n", 0) == 0 && text != first) {
+    std::vector<std::string> theirs;
+    for (size_t pos = first.find('\n') + 1, end; (end = first.find('\n', pos)) != std::string::npos;
+         pos = end + 1)
+      theirs.push_back(first.substr(pos, end - pos));
+    size_t k = 0;
+    while (k < lines.size() && k < theirs.size() && lines[k] == theirs[k])
+      ++k;
+    const int me = group->world_ranks()[size_t(group->rank())];
+    const int them = group->world_ranks().front();
+    mine = detail::concat("[rank ", me, "] its plan differs from rank ", them, "'s: rank ", them,
+                          " has ", k < theirs.size() ? theirs[k] : "nothing more", ", rank ", me,
+                          " has ", k < lines.size() ? lines[k] : "nothing more");
+  }
+  agree(group, detail::concat("parallelize_module(", root.type_name(), ") on ", mesh.str()), mine);
+}
+
 }  // namespace
 
 ModulePtr parallelize_module(const ModulePtr& module, const DeviceMesh& mesh,
@@ -79,19 +148,28 @@ ModulePtr parallelize_module(const ModulePtr& module, const DeviceMesh& mesh,
                 "): tensor parallelism needs a 1-D mesh, got ", mesh.str(),
                 " (pass the tensor-parallel sub-mesh, e.g. mesh[\"tp\"])");
   const auto modules = module->named_modules();
-  // Every pattern is resolved before any style runs, so a typo leaves the model untouched.
+  // Every pattern is resolved and every target checked before any style runs, on every rank,
+  // so a typo or a refused target leaves the model untouched on all of them.
   std::vector<std::vector<ModulePtr>> targets;
-  for (const auto& [pattern, style] : plan) {
-    TESSERA_CHECK(style != nullptr, "parallelize_module: null style for '", pattern, "'");
-    std::vector<ModulePtr> hits;
-    for (const auto& [path, m] : modules)
-      if (module_path_matches(pattern, path)) hits.push_back(m);
-    TESSERA_CHECK(!hits.empty(), "parallelize_module: pattern '", pattern, "' (", style->name(),
-                  ") matches no module of ", module->type_name(), "; ",
-                  module_path_candidates(pattern, modules));
-    targets.push_back(std::move(hits));
+  std::string error;
+  try {
+    for (const auto& [pattern, style] : plan) {
+      TESSERA_CHECK(style != nullptr, "parallelize_module: null style for '", pattern, "'");
+      std::vector<ModulePtr> hits;
+      for (const auto& [path, m] : modules)
+        if (module_path_matches(pattern, path)) hits.push_back(m);
+      TESSERA_CHECK(!hits.empty(), "parallelize_module: pattern '", pattern, "' (", style->name(),
+                    ") matches no module of ", module->type_name(), "; ",
+                    module_path_candidates(pattern, modules));
+      targets.push_back(std::move(hits));
+    }
+    check_plan(*module, modules, mesh, plan, targets);
+  } catch (...) {
+    error = current_error_text();
   }
-  check_plan(*module, modules, mesh, plan, targets);
+  agree_on_plan(
+      *module, mesh, error,
+      error.empty() ? plan_description(modules, plan, targets) : std::vector<std::string>{});
   for (size_t i = 0; i < plan.size(); ++i)
     for (const ModulePtr& m : targets[i])
       plan[i].second->apply(*m, mesh);

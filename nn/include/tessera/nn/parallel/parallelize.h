@@ -12,7 +12,10 @@ namespace tessera {
 using ParallelizePlan = std::vector<std::pair<std::string, ParallelStylePtr>>;
 
 // Applies each style to every module its pattern matches, on a 1-D mesh. A pattern that matches
-// nothing is an error naming it. Returns `module`.
+// nothing is an error naming it. Collective over the mesh: every target is checked, and the ranks
+// agree on the outcome and on the parameters to distribute, before any rank changes anything, so
+// a refusal on any rank is an error on every rank and leaves every model as it was. Returns
+// `module`.
 ModulePtr parallelize_module(const ModulePtr& module, const DeviceMesh& mesh,
                              const ParallelizePlan& plan);
 
