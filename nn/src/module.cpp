@@ -264,9 +264,9 @@ Module& Module::to(Device device) {
   return *this;
 }
 
-void Module::zero_grad() {
+void Module::zero_grad(bool set_to_none) {
   for (Parameter* p : parameters())
-    p->zero_grad();
+    p->zero_grad(set_to_none);
 }
 
 }  // namespace tessera

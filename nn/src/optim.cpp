@@ -65,9 +65,9 @@ void Optimizer::apply_group_options(const ParamGroups& list) {
     if (!list.groups[g].options.empty()) set_hyperparameters(g, list.groups[g].options);
 }
 
-void Optimizer::zero_grad() {
+void Optimizer::zero_grad(bool set_to_none) {
   for (Parameter* p : params_)
-    p->zero_grad();
+    p->zero_grad(set_to_none);
 }
 
 void Optimizer::check_index(size_t i, const char* op) const {

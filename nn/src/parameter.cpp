@@ -93,6 +93,20 @@ void Parameter::copy_from_full(const Tensor& full) {
   }
 }
 
+void Parameter::zero_grad(bool set_to_none) {
+  const Tensor grad = local_.grad();
+  if (set_to_none || !grad.defined()) {
+    local_.set_grad(Tensor());
+    return;
+  }
+  // As PyTorch: a gradient built with create_graph leaves its graph, and one that requires grad
+  // stops; the storage stays, so the next backward accumulates into it.
+  NoGradGuard no_grad;
+  Tensor zeroed = grad.detach();
+  zeroed.zero_();
+  local_.set_grad(zeroed);
+}
+
 DTensor Parameter::grad_dtensor() const {
   TESSERA_CHECK(is_dtensor(), "Parameter ", str(), " is not a DTensor");
   return dtensor_.grad();

@@ -202,6 +202,42 @@ TEST(Optimizer, SetLrAndZeroGrad) {
   expect_near_all(p.local(), {0.5, 2.5}, 0, "no-op step");
 }
 
+// PyTorch's zero_grad(set_to_none=False), on the optimizer and on a module: each gradient stays,
+// zeroed in place (the next backward accumulates into it), and a missing one stays missing; the
+// default still drops them.
+TEST(Optimizer, ZeroGradWithoutSetToNoneZeroesInPlace) {
+  Parameter p = make_param({1.0, 2.0}), q = make_param({3.0});
+  SGD opt({&p, &q}, {.lr = 0.1});
+  set_grad(p, {1.0, -1.0});
+  const Tensor before = p.grad();
+  opt.zero_grad(/*set_to_none=*/false);
+  ASSERT_TRUE(p.grad().defined());
+  EXPECT_TRUE(p.grad().storage().is_same(before.storage())) << "the gradient was replaced";
+  expect_near_all(p.grad(), {0.0, 0.0}, 0, "zeroed gradient");
+  EXPECT_FALSE(q.grad().defined()) << "a missing gradient was created";
+  opt.step();
+  expect_near_all(p.local(), {1.0, 2.0}, 0, "a step on zeroed gradients");
+  opt.zero_grad();
+  EXPECT_FALSE(p.grad().defined());
+
+  Generator gen(5);
+  auto lin = std::make_shared<Linear>(3, 2, true, gen);
+  const Tensor x = randn({4, 3}, gen);
+  backward(sum((*lin)(x)));
+  const Tensor first = lin->weight.grad().clone();
+  lin->zero_grad(/*set_to_none=*/false);
+  for (Parameter* w : lin->parameters()) {
+    ASSERT_TRUE(w->grad().defined());
+    EXPECT_FALSE(w->grad().requires_grad());
+    expect_near_all(w->grad(), Vec(size_t(w->grad().numel()), 0.0), 0, "module zero_grad");
+  }
+  backward(sum((*lin)(x)));
+  expect_near_all(lin->weight.grad(), first.to(DType::Float64).to_vector<double>(), 0,
+                  "a backward after zeroing");
+  lin->zero_grad();
+  EXPECT_FALSE(lin->weight.grad().defined());
+}
+
 TEST(Optimizer, RejectsBadOptions) {
   Parameter p = make_param({1.0, 2.0});
   expect_error([&] { SGD({&p}, {.lr = -1}); }, "SGD: lr (-1)");

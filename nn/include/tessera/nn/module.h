@@ -109,7 +109,8 @@ class Module : public std::enable_shared_from_this<Module> {
   IncompatibleKeys load_sharded_state_dict(const std::map<std::string, DTensor>& state,
                                            bool strict = true);
 
-  void zero_grad();
+  // Every parameter's gradient, as Optimizer::zero_grad (PyTorch's Module.zero_grad).
+  void zero_grad(bool set_to_none = true);
   // PyTorch's module.to(device): moves every parameter (Parameter::to) and buffer, recursively.
   // Returns this module for chaining.
   Module& to(Device device);

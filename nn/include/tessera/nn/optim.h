@@ -33,7 +33,9 @@ class Optimizer {
  public:
   virtual ~Optimizer() = default;
   virtual void step() = 0;
-  void zero_grad();
+  // Each parameter's gradient dropped (the default, PyTorch's set_to_none=True) or zeroed in
+  // place (set_to_none=false: kept allocated for the next backward to accumulate into).
+  void zero_grad(bool set_to_none = true);
   // Every group's parameters, group after group: the indices below are into this list.
   const std::vector<Parameter*>& params() const { return params_; }
 

@@ -61,7 +61,9 @@ class Parameter {
   // The local gradient (undefined when none), and it as a DTensor in grad placements.
   Tensor grad() const { return local_.grad(); }
   DTensor grad_dtensor() const;
-  void zero_grad() { local_.set_grad(Tensor()); }
+  // Drops the gradient (PyTorch's set_to_none=True), or zeroes it in place, detached from any
+  // graph, leaving a missing one missing (set_to_none=False).
+  void zero_grad(bool set_to_none = true);
   // FSDP sets this from the start of a backward until the parameter's reduce-scattered gradient
   // is written; optimizers and clip_grad_norm_ refuse to read the gradient meanwhile.
   void set_grad_pending(bool pending) { grad_pending_ = pending; }
