@@ -742,6 +742,26 @@ TEST(TensorParallelErrors, ParametersDifferingAcrossRanksChangeNothing) {
   EXPECT_FALSE(net->output->weight.is_dtensor());
 }
 
+// A style given other layouts on one rank would make that rank run other collectives in every
+// forward (an all-gather of the output where the others keep their slices): refused on every
+// rank before anything changes, naming both.
+TEST(TensorParallelErrors, LayoutsDifferingAcrossRanksAreRefused) {
+  const int n = world_size();
+  if (n == 1) GTEST_SKIP() << "one rank has no other rank to differ from";
+  DeviceMesh mesh = tp_mesh(n);
+  auto net = std::make_shared<Decoder>(tiny_config());
+  auto col = std::make_shared<ColwiseParallel>();
+  if (world_rank() == n - 1) col->output_layouts = {Replicate()};
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"output", col}});
+      },
+      {"parallelize_module(Decoder)", "[rank " + std::to_string(n - 1) + "]",
+       "ColwiseParallel(input [R], output [S(-1)])", "ColwiseParallel(input [R], output [R])"});
+  EXPECT_FALSE(net->output->weight.is_dtensor());
+  EXPECT_FALSE(net->output->dtensor_io().has_value());
+}
+
 // A parameter tied by assignment to another name would be distributed under one name only: the
 // style is refused, naming both, before anything changes.
 TEST(TensorParallelErrors, DistributingATiedParameterIsRefused) {

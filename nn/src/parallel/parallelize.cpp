@@ -71,9 +71,11 @@ void check_plan(Module& root, const std::vector<std::pair<std::string, ModulePtr
   }
 }
 
-// What this rank's plan does to its model, one line per target and per parameter a style
-// distributes: the ranks must agree on it, since distributing a parameter sends the mesh's
-// first rank's values to tensors the other ranks hold, of their own shapes and dtypes.
+// What this rank's plan does to its model, one line per target (its style with the layouts it
+// was given) and per parameter a style distributes: the ranks must agree on it, since
+// distributing a parameter sends the mesh's first rank's values to tensors the other ranks hold,
+// of their own shapes and dtypes, and ranks given different layouts would run different
+// collectives in every forward.
 std::vector<std::string> plan_description(
     const std::vector<std::pair<std::string, ModulePtr>>& modules, const ParallelizePlan& plan,
     const std::vector<std::vector<ModulePtr>>& targets) {
@@ -85,7 +87,7 @@ std::vector<std::string> plan_description(
     const auto& [pattern, style] = plan[i];
     for (const ModulePtr& m : targets[i]) {
       const std::string path = paths[m.get()];
-      lines.push_back(detail::concat("'", pattern, "' ", style->name(), " on '", path, "' (",
+      lines.push_back(detail::concat("'", pattern, "' ", style->str(), " on '", path, "' (",
                                      m->type_name(), ")"));
       if (!style->distributes_parameters()) continue;
       for (auto& [name, p] : m->named_parameters(/*recurse=*/false, false))

@@ -98,6 +98,30 @@ void check_linear_or_embedding(const Module& module, const std::string& style) {
 
 }  // namespace
 
+std::string ColwiseParallel::str() const {
+  return detail::concat(name(), "(input ", placements_str(input_layouts), ", output ",
+                        placements_str(output_layouts), ")");
+}
+
+std::string RowwiseParallel::str() const {
+  return detail::concat(name(), "(input ", placements_str(input_layouts), ", output ",
+                        placements_str(output_layouts), ")");
+}
+
+std::string SequenceParallel::str() const {
+  return detail::concat(name(), "(sequence_dim ", sequence_dim, ")");
+}
+
+std::string PrepareModuleInput::str() const {
+  return detail::concat(name(), "(input ", placements_str(input_layouts), ", desired ",
+                        placements_str(desired_input_layouts), ")");
+}
+
+std::string PrepareModuleOutput::str() const {
+  return detail::concat(name(), "(output ", placements_str(output_layouts), ", desired ",
+                        placements_str(desired_output_layouts), ")");
+}
+
 void ColwiseParallel::check(const Module& module, const DeviceMesh& mesh) const {
   check_linear_style(mesh, input_layouts, output_layouts, name(), module);
   check_linear_or_embedding(module, name());

@@ -16,6 +16,10 @@ class ParallelStyle {
   virtual void check(const Module& module, const DeviceMesh& mesh) const = 0;
   virtual void apply(Module& module, const DeviceMesh& mesh) const = 0;
   virtual std::string name() const = 0;
+  // The name and the layouts it was given ("ColwiseParallel(input [R], output [S(-1)])"): what
+  // the ranks compare before parallelize_module changes anything, since ranks given different
+  // layouts would run different collectives in every forward.
+  virtual std::string str() const { return name(); }
   // Whether it turns the module's own parameters into DTensors (and sets how its input and
   // output cross into DTensors: at most one such style per module).
   virtual bool distributes_parameters() const { return false; }
@@ -30,6 +34,7 @@ struct ColwiseParallel : ParallelStyle {
   void check(const Module& module, const DeviceMesh& mesh) const override;
   void apply(Module& module, const DeviceMesh& mesh) const override;
   std::string name() const override { return "ColwiseParallel"; }
+  std::string str() const override;
   bool distributes_parameters() const override { return true; }
 };
 
@@ -42,6 +47,7 @@ struct RowwiseParallel : ParallelStyle {
   void check(const Module& module, const DeviceMesh& mesh) const override;
   void apply(Module& module, const DeviceMesh& mesh) const override;
   std::string name() const override { return "RowwiseParallel"; }
+  std::string str() const override;
   bool distributes_parameters() const override { return true; }
 };
 
@@ -52,6 +58,7 @@ struct SequenceParallel : ParallelStyle {
   void check(const Module& module, const DeviceMesh& mesh) const override;
   void apply(Module& module, const DeviceMesh& mesh) const override;
   std::string name() const override { return "SequenceParallel"; }
+  std::string str() const override;
   bool distributes_parameters() const override { return true; }
 };
 
@@ -63,6 +70,7 @@ struct PrepareModuleInput : ParallelStyle {
   void check(const Module& module, const DeviceMesh& mesh) const override;
   void apply(Module& module, const DeviceMesh& mesh) const override;
   std::string name() const override { return "PrepareModuleInput"; }
+  std::string str() const override;
 };
 
 // Only changes how a module's output leaves it: redistributed from output_layouts to
@@ -74,6 +82,7 @@ struct PrepareModuleOutput : ParallelStyle {
   void check(const Module& module, const DeviceMesh& mesh) const override;
   void apply(Module& module, const DeviceMesh& mesh) const override;
   std::string name() const override { return "PrepareModuleOutput"; }
+  std::string str() const override;
 };
 
 }  // namespace tessera
