@@ -399,6 +399,51 @@ TEST(DeviceKernels, RefuseWhatTheCpuRefusesNamingTheOp) {
                {"neg", "[2, 2, 2, 2, 2, 2, 2, 2, 2]", "8"});
 }
 
+// The device's masked_fill checks its value as the CPU's does: a finite value beyond a floating
+// dtype's largest would have become inf, an integer dtype's out-of-range or fractional one
+// wrapped or truncated. Infinities and NaN are kept; the mask's shape is checked first.
+TEST(DeviceKernels, MaskedFillRefusesAValueTheDtypeCannotHold) {
+  TestDevice device(KernelsOn::Device);
+  const Tensor mask = from_vector<bool>({true, false, true});
+  const std::vector<std::tuple<DType, double, double>> cases = {
+      {DType::Float16, 1e5, 65504.0}, {DType::BFloat16, -1e39, -3.3895313892515355e38},
+      {DType::Float32, 1e39, 3e38},   {DType::Int32, 3e9, -2147483648.0},
+      {DType::Int64, 0.5, -9.0},
+  };
+  for (const auto& [dt, bad, largest] : cases) {
+    const std::string name = dtype_name(dt);
+    const Tensor x = full({3}, 2.0, dt);
+    expect_error([&] { kernels::masked_fill(cuda(x), cuda(mask), bad); }, {"masked_fill", name});
+    EXPECT_THROW(kernels::masked_fill(x, mask, bad), Error) << name;
+    expect_matches(kernels::masked_fill(cuda(x), cuda(mask), largest),
+                   kernels::masked_fill(x, mask, largest), {}, "masked_fill at the edge " + name);
+    // Every shard refuses alike, an empty one too.
+    expect_error(
+        [&] { kernels::masked_fill(cuda(zeros({0}, dt)), cuda(zeros({0}, DType::Bool)), bad); },
+        {"masked_fill", name});
+  }
+  for (DType dt : kFloatDtypes) {
+    const Tensor x = full({3}, 2.0, dt);
+    for (double v : {INFINITY, -INFINITY, NAN}) {
+      const Tensor got = kernels::masked_fill(cuda(x), cuda(mask), v).to(Device::cpu());
+      const std::vector<double> vals = got.to(DType::Float64).to_vector<double>();
+      EXPECT_EQ(vals[1], 2.0) << dtype_name(dt);
+      for (double g : {vals[0], vals[2]}) {
+        if (std::isnan(v))
+          EXPECT_TRUE(std::isnan(g)) << dtype_name(dt);
+        else
+          EXPECT_EQ(g, v) << dtype_name(dt);
+      }
+    }
+  }
+  expect_error(
+      [&] {
+        kernels::masked_fill(cuda(full({3}, 2.0, DType::Float16)), cuda(zeros({2}, DType::Bool)),
+                             1e5);
+      },
+      {"masked_fill", "[2]", "[3]"});
+}
+
 // Writes whose source shares the destination's memory read the source as it was before the
 // call.
 TEST(DeviceKernels, OverlappingWritesAsTheCpu) {
