@@ -93,24 +93,23 @@ std::vector<Tensor> Function::apply(std::vector<Tensor>&& grad_outputs) {
     // As PyTorch's engine validates each node's outputs against what the next node takes: a
     // gradient of another shape reached the next node silently; one of another dtype is cast.
     const Edge& e = next_edges()[i];
-    OutputMeta want{};
-    if (auto* f = dynamic_cast<const Function*>(e.function.get())) {
-      if (e.input_nr >= f->output_meta_.size()) continue;
-      want = f->output_meta_[e.input_nr];
-    } else if (auto* acc = dynamic_cast<const AccumulateGrad*>(e.function.get())) {
-      want = {acc->leaf().shape(), acc->leaf().dtype(), acc->leaf().device()};
-    } else {
-      continue;
-    }
-    TESSERA_CHECK(grads[i].shape() == want.shape, name(), " returned an invalid gradient at index ",
-                  i, " - got ", shape_str(grads[i].shape()), " but expected shape ",
-                  shape_str(want.shape));
+    const GradientMeta want = e.function ? e.function->gradient_meta(e.input_nr) : GradientMeta{};
+    if (!want.known()) continue;
+    TESSERA_CHECK(grads[i].shape() == *want.shape, name(),
+                  " returned an invalid gradient at index ", i, " - got ",
+                  shape_str(grads[i].shape()), " but expected shape ", shape_str(*want.shape));
     TESSERA_CHECK(grads[i].device() == want.device, name(),
                   " returned an invalid gradient at index ", i, " - expected device ",
                   want.device.str(), " but got ", grads[i].device().str());
     if (grads[i].dtype() != want.dtype) grads[i] = grads[i].to(want.dtype);
   }
   return grads;
+}
+
+GradientMeta Function::gradient_meta(uint32_t output_nr) const {
+  if (output_nr >= output_meta_.size()) return {};
+  const OutputMeta& m = output_meta_[output_nr];
+  return {&m.shape, m.dtype, m.device};
 }
 
 void Function::save_for_backward(std::vector<Tensor> tensors) {

@@ -60,6 +60,11 @@ std::vector<Tensor> Node::run_pre_hooks(std::vector<Tensor>&& grads) {
 
 AccumulateGrad::AccumulateGrad(Tensor leaf) : leaf_(std::move(leaf)) {}
 
+GradientMeta AccumulateGrad::gradient_meta(uint32_t output_nr) const {
+  if (output_nr != 0) return {};
+  return {&leaf_.shape(), leaf_.dtype(), leaf_.device()};
+}
+
 std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
   Tensor g = grad_outputs.empty() ? Tensor() : grad_outputs[0];
   if (!g.defined()) return {};

@@ -42,6 +42,8 @@ class Function : public Node {
   std::string name() const override;
   void release_saved_tensors() override;
   std::vector<Tensor> apply(std::vector<Tensor>&& grad_outputs) final;
+  // The shape, dtype and device forward output `output_nr` had.
+  GradientMeta gradient_meta(uint32_t output_nr) const final;
 
  protected:
   // Keeps tensors for backward with their versions: saved_tensors() refuses any that an

@@ -15,6 +15,16 @@ namespace tessera::autograd {
 
 class Node;
 
+// What a gradient for one of a node's forward outputs must be, as PyTorch's InputMetadata: the
+// engine checks each gradient a node returns against what the next node takes. `shape` points
+// into the node (valid while it lives); null where the node takes any gradient.
+struct GradientMeta {
+  const Shape* shape = nullptr;
+  DType dtype = DType::Float32;
+  Device device;
+  bool known() const { return shape != nullptr; }
+};
+
 struct Edge {
   std::shared_ptr<Node> function;
   uint32_t input_nr = 0;  // which of function's forward outputs this edge feeds
@@ -34,6 +44,8 @@ class Node : public std::enable_shared_from_this<Node> {
   virtual std::string name() const = 0;
   // Drops tensors kept for backward; called once the node has run unless retain_graph.
   virtual void release_saved_tensors() {}
+  // What the gradient of forward output `output_nr` must be; unknown by default.
+  virtual GradientMeta gradient_meta(uint32_t /*output_nr*/) const { return {}; }
 
   const std::vector<Edge>& next_edges() const { return next_edges_; }
   void set_next_edges(std::vector<Edge> edges) { next_edges_ = std::move(edges); }
@@ -85,6 +97,8 @@ class AccumulateGrad final : public Node {
   explicit AccumulateGrad(Tensor leaf);
   std::vector<Tensor> apply(std::vector<Tensor>&& grad_outputs) override;
   std::string name() const override { return "AccumulateGrad"; }
+  // The leaf's, read when asked: its gradient has the leaf's shape, dtype and device.
+  GradientMeta gradient_meta(uint32_t output_nr) const override;
   const Tensor& leaf() const { return leaf_; }
 
  private:
