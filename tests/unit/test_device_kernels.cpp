@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -609,6 +610,17 @@ TEST(DeviceKernels, ReductionsOverAnyDimsFollowTheCpu) {
   const Tensor cols = rows.as_strided({2048, 64}, {1, 2048}, 0);
   expect_matches(kernels::sum(cuda(rows).as_strided({2048, 64}, {1, 2048}, 0), {0}, false),
                  kernels::sum(cols, {0}, false), {1e-6, 1e-9}, "sum by teams over columns");
+  // Integer totals past int64's range wrap around as on the CPU (torch.sum's two's complement),
+  // by one thread per output and by chunks: 9000 * (2^63 - 1) = -9000 mod 2^64.
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  const Tensor huge = from_vector<int64_t>(std::vector<int64_t>(3 * 9000, kMax), {3, 9000});
+  expect_matches(kernels::sum(cuda(huge), {1}, false), kernels::sum(huge, {1}, false), {},
+                 "chunked int64 sum past its range");
+  EXPECT_EQ(kernels::sum(cuda(huge), {1}, false).to(Device::cpu()).to_vector<int64_t>(),
+            (std::vector<int64_t>{-9000, -9000, -9000}));
+  const Tensor pair = from_vector<int64_t>({kMax, 1, kMax, kMax}, {2, 2});
+  EXPECT_EQ(kernels::sum(cuda(pair), {1}, false).to(Device::cpu()).to_vector<int64_t>(),
+            (std::vector<int64_t>{std::numeric_limits<int64_t>::min(), -2}));
   // Long rows, whose float maxima and minima a team of lanes shares, with NaN in some rows (it
   // must win wherever a lane meets it) and a permuted view (elements not contiguous). Equal bit
   // for bit, NaN where the CPU has NaN.

@@ -161,6 +161,19 @@ TEST(Sum, IntegerAndBoolGiveInt64) {
   EXPECT_NE(msg.find("int32"), std::string::npos) << msg;
 }
 
+TEST(Sum, IntegerTotalsPastInt64WrapAround) {
+  // As torch.sum: two's complement wrap-around, where adding in int64 was undefined behaviour.
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  constexpr int64_t kMin = std::numeric_limits<int64_t>::min();
+  EXPECT_EQ(kernels::sum(from_vector<int64_t>({kMax, 1})).item<int64_t>(), kMin);
+  // A contiguous run long enough for the independent lanes: 40 * (2^63 - 1) = -40 mod 2^64.
+  const Tensor run = from_vector<int64_t>(std::vector<int64_t>(40, kMax));
+  EXPECT_EQ(kernels::sum(run).item<int64_t>(), -40);
+  // Over a strided dim, downwards: kMin - 1 = kMax.
+  const Tensor cols = from_vector<int64_t>({kMin, 3, -1, 4}, {2, 2});
+  EXPECT_EQ(kernels::sum(cols, {0}).to_vector<int64_t>(), (std::vector<int64_t>{kMax, 7}));
+}
+
 TEST(Sum, Float32IsAccurateOverLongRuns) {
   // 0.1f summed 2^22 times: float32 running sums drift by percent; the kernel must not.
   const int64_t n = int64_t(1) << 22;

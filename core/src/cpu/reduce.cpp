@@ -252,7 +252,9 @@ Tensor sum_impl(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim,
   const int64_t n_out = shape_numel(p.keep_shape);
   Tensor out;
   dispatch_dtype(dt, [&]<class T>() {
-    using A = std::conditional_t<std::is_floating_point_v<compute_t<T>>, double, int64_t>;
+    // Integers add in uint64: a total past int64's range wraps around as PyTorch's does, where
+    // signed overflow would be undefined.
+    using A = std::conditional_t<std::is_floating_point_v<compute_t<T>>, double, uint64_t>;
     const std::unique_ptr<A[]> acc = filled(n_out, A(0));
     reduce_runs<T>(
         x, p, acc.get(),
@@ -275,7 +277,9 @@ Tensor sum_impl(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim,
       }
     } else {
       // Integer and bool sums are int64, like torch.sum: int32 totals overflow too easily.
-      out = finish_output<int64_t>(p, DType::Int64, acc.get(), [](int64_t a) { return a; });
+      // uint64 to int64 is modulo 2^64 (C++20).
+      out =
+          finish_output<int64_t>(p, DType::Int64, acc.get(), [](uint64_t a) { return int64_t(a); });
     }
   });
   return out;

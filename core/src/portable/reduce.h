@@ -2,11 +2,11 @@
 // Private to core: reductions on devices (see kernels.h for executors). One thread per output
 // element walks its reduced elements in row-major order, except for the float maxima, minima and
 // sums of long rows, which a team of lanes shares (launch.h: launch_rows). Sums accumulate as the
-// CPU's do (float64 for floating inputs, int64 for integers and bools), so results agree within one
-// rounding of the exact sum. A few outputs over many elements (a loss, a squared norm) would
-// leave all but a few threads idle; there each output's elements are cut into chunks summed by
-// separate threads, and a second pass adds the chunks in order, so the result does not depend
-// on timing.
+// CPU's do (float64 for floating inputs, wrapping int64 for integers and bools), so results agree
+// within one rounding of the exact sum. A few outputs over many elements (a loss, a squared norm)
+// would leave all but a few threads idle; there each output's elements are cut into chunks summed
+// by separate threads, and a second pass adds the chunks in order, so the result does not depend on
+// timing.
 #include <algorithm>
 #include <limits>
 #include <type_traits>
@@ -71,9 +71,10 @@ inline ReduceGeometry reduce_geometry(const Tensor& x, const std::vector<int64_t
   return g;
 }
 
-// Floating inputs sum in double, integers and bools in int64.
+// Floating inputs sum in double, integers and bools in uint64 read back as int64: an int64 total
+// past its range wraps around as PyTorch's does, where signed overflow would be undefined.
 template <class T>
-using SumAcc = std::conditional_t<std::is_floating_point_v<compute_t<T>>, double, int64_t>;
+using SumAcc = std::conditional_t<std::is_floating_point_v<compute_t<T>>, double, uint64_t>;
 
 // Partial sums: thread t sums chunk t % chunks of output t / chunks into partial[t].
 template <class T>
@@ -139,7 +140,7 @@ struct FinishSumFn {
     if constexpr (std::is_floating_point_v<A>) {
       out[o] = TO(compute_t<TO>(acc * scale));
     } else {
-      out[o] = TO(acc);
+      out[o] = TO(int64_t(acc));  // modulo 2^64 (C++20)
     }
   }
 };
@@ -244,7 +245,8 @@ struct Reduce {
       }
     }
     const int64_t chunk = std::max<int64_t>((g.count + chunks - 1) / chunks, 1);
-    Tensor partial = empty({n_out * chunks}, TensorOptions(DTypeOf<A>::value, x.device()));
+    const DType partial_dtype = std::is_floating_point_v<A> ? DType::Float64 : DType::Int64;
+    Tensor partial = empty({n_out * chunks}, TensorOptions(partial_dtype, x.device()));
     run(op, x.device(), n_out * chunks,
         PartialSumFn<T>{g.kept, g.reduced, data_of<T>(x), data_of<A>(partial), g.count, chunks,
                         chunk, squares});
