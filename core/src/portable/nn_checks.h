@@ -1,7 +1,7 @@
 #pragma once
 // Private to core: the argument checks and shared geometry of the nn kernels (softmax, norms,
-// cross-entropy, attention), used by the CPU implementation and the device one (portable/nn.h),
-// so both refuse the same inputs with the same words.
+// cross-entropy, attention), used by the CPU implementation and the device one (portable/nn.h and
+// its parts), so both refuse the same inputs with the same words.
 #include <algorithm>
 #include <cmath>
 #include <vector>
