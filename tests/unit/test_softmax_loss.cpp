@@ -316,6 +316,64 @@ TEST(CrossEntropy, Gradcheck) {
       {leaf({5, 4}, 16)});
 }
 
+// A floating target of the logits' shape holds class probabilities, as in PyTorch: the loss is
+// -sum(target * log_softmax(logits)) per row, and the target receives its gradient,
+// -log_softmax(logits) times the reduction's scale (the logits' is softmax * sum(target) -
+// target). The last row's probabilities do not add up to one, which PyTorch allows too.
+TEST(CrossEntropy, ClassProbabilityTargetsAndTheirGradient) {
+  const int64_t n = 3, c = 4;
+  const std::vector<double> p = {0.1, 0.2, 0.3, 0.4, 1.0, 0, 0, 0, 0.5, 0.25, 0.5, 0.0};
+  for (Reduction red : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
+    Tensor x = leaf({n, c}, 41);
+    Tensor t = from_vector<double>(p, {n, c});
+    t.set_requires_grad(true);
+    const Tensor loss = tessera::cross_entropy(x, t, -100, red);
+    const std::vector<double> ls = kernels::log_softmax(x.detach(), 1).to_vector<double>();
+    const std::vector<double> sm = kernels::softmax(x.detach(), 1).to_vector<double>();
+    std::vector<double> rows(n, 0.0);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < c; ++j)
+        rows[size_t(i)] -= p[size_t(i * c + j)] * ls[size_t(i * c + j)];
+    const double total = rows[0] + rows[1] + rows[2];
+    const double scale = red == Reduction::Mean ? 1.0 / double(n) : 1.0;
+    if (red == Reduction::None) {
+      expect_close(loss, rows, 1e-12, 1e-12);
+      backward(loss, full({n}, 1.0, DType::Float64));
+    } else {
+      expect_close(loss, {total * scale}, 1e-12, 1e-12);
+      backward(loss);
+    }
+    ASSERT_TRUE(t.grad().defined()) << "reduction " << int(red);
+    ASSERT_TRUE(x.grad().defined()) << "reduction " << int(red);
+    std::vector<double> want_t(size_t(n * c)), want_x(size_t(n * c));
+    for (int64_t i = 0; i < n; ++i) {
+      double mass = 0;
+      for (int64_t j = 0; j < c; ++j)
+        mass += p[size_t(i * c + j)];
+      for (int64_t j = 0; j < c; ++j) {
+        const size_t k = size_t(i * c + j);
+        want_t[k] = -ls[k] * scale;
+        want_x[k] = (sm[k] * mass - p[k]) * scale;
+      }
+    }
+    expect_close(t.grad(), want_t, 1e-12, 1e-12);
+    expect_close(x.grad(), want_x, 1e-12, 1e-12);
+  }
+  // Finite differences, both inputs, over logits of higher rank.
+  for (Reduction red : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
+    expect_gradcheck(
+        [&](const std::vector<Tensor>& in) {
+          return tessera::cross_entropy(in[0], in[1], -100, red);
+        },
+        {leaf({2, 2, 3}, 42), leaf({2, 2, 3}, 43)});
+  }
+  // ignore_index applies to class indices only: a probability equal to it is a probability.
+  const Tensor x = random_tensor({2, 3}, 44, DType::Float64);
+  const Tensor t = from_vector<double>({-100, 0, 1, 0, 0, 1}, {2, 3});
+  EXPECT_NE(tessera::cross_entropy(x, t).item<double>(), 0.0);
+  EXPECT_TRUE(std::isfinite(tessera::cross_entropy(x, t).item<double>()));
+}
+
 TEST(CrossEntropy, Errors) {
   Tensor x = random_tensor({2, 3, 5}, 17, DType::Float32);
   std::string msg = error_of([&] {
@@ -337,4 +395,12 @@ TEST(CrossEntropy, Errors) {
 
   msg = error_of([&] { kernels::cross_entropy(x2, zeros({4}, DType::Float32)); });
   EXPECT_NE(msg.find("int64"), std::string::npos) << msg;
+  // Class probabilities must have the logits' shape and dtype.
+  msg = error_of([&] { tessera::cross_entropy(x2, zeros({4, 4}, DType::Float32)); });
+  EXPECT_NE(msg.find("probabilities"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[4, 4]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[4, 5]"), std::string::npos) << msg;
+  msg = error_of([&] { tessera::cross_entropy(x2, zeros({4, 5}, DType::Float64)); });
+  EXPECT_NE(msg.find("float64"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("float32"), std::string::npos) << msg;
 }

@@ -28,6 +28,32 @@ class CrossEntropyFn final : public autograd::Function {
   kernels::Reduction reduction_;
 };
 
+// Class probabilities, a floating target of the logits' shape, as PyTorch's: each row's loss is
+// -sum(target * log_softmax(logits)). Built of differentiable ops so that a target which requires
+// grad receives its gradient too (-log_softmax(logits) times the reduction's scale), as in
+// PyTorch; ignore_index applies to class indices only.
+Tensor cross_entropy_probabilities(const Tensor& logits, const Tensor& target,
+                                   kernels::Reduction reduction) {
+  TESSERA_CHECK(target.shape() == logits.shape(),
+                "cross_entropy: a floating target holds class "
+                "probabilities and must have the logits' shape ",
+                shape_str(logits.shape()), ", got ", shape_str(target.shape()),
+                " (class indices are int64 of shape ",
+                shape_str(Shape(logits.shape().begin(), logits.shape().end() - 1)), ")");
+  TESSERA_CHECK(target.dtype() == logits.dtype(), "cross_entropy: class probabilities ",
+                target.str(), " must have the logits' dtype ", dtype_name(logits.dtype()));
+  Tensor per_row = neg(sum(mul(log_softmax(logits, -1), target), {-1}));
+  switch (reduction) {
+    case kernels::Reduction::None:
+      return per_row;
+    case kernels::Reduction::Sum:
+      return sum(per_row);
+    case kernels::Reduction::Mean:
+      break;
+  }
+  return mean(per_row);  // over the rows, not the probabilities' total, as PyTorch's
+}
+
 }  // namespace
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index,
@@ -35,6 +61,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_
   TESSERA_CHECK(logits.defined() && target.defined(), "cross_entropy: undefined logits or target");
   TESSERA_CHECK(logits.dim() >= 1, "cross_entropy: logits must have a class dim, got ",
                 logits.str());
+  if (is_floating(target.dtype())) return cross_entropy_probabilities(logits, target, reduction);
   Shape rows(logits.shape().begin(), logits.shape().end() - 1);
   TESSERA_CHECK(target.shape() == rows, "cross_entropy: target shape ", shape_str(target.shape()),
                 " does not match logits shape ", shape_str(logits.shape()),

@@ -94,7 +94,9 @@ Tensor linear_lowrank(const Tensor& x, const Tensor& weight, const Tensor& bias,
 // --- neural-network ops ---
 Tensor softmax(const Tensor& x, int64_t dim);
 Tensor log_softmax(const Tensor& x, int64_t dim);
-// logits [..., C] (flattened to [N, C]), target int64 [...].
+// logits [..., C] (flattened to [N, C]), target int64 class indices [...], or, as PyTorch's,
+// floating class probabilities [..., C] of the logits' dtype: -sum(target * log_softmax(logits))
+// per row, differentiable in the target too (ignore_index does not apply to them).
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
                      kernels::Reduction reduction = kernels::Reduction::Mean);
 Tensor embedding(const Tensor& indices, const Tensor& weight);
