@@ -283,8 +283,15 @@ Tensor Tensor::grad() const {
 
 void Tensor::set_grad(const Tensor& grad) {
   if (grad.defined()) {
+    // As PyTorch's `x.grad = g`: backward accumulates into .grad, and optimizers update the
+    // tensor from it, so it must be what backward would make, not only of the same shape.
     TESSERA_CHECK(grad.shape() == shape(), "set_grad: gradient shape ", shape_str(grad.shape()),
                   " does not match tensor shape ", shape_str(shape()));
+    TESSERA_CHECK(grad.dtype() == dtype(), "set_grad: gradient ", grad.str(), " has dtype ",
+                  dtype_name(grad.dtype()), " but the tensor ", str(), " has dtype ",
+                  dtype_name(dtype()));
+    TESSERA_CHECK(grad.device() == device(), "set_grad: gradient ", grad.str(), " is on ",
+                  grad.device().str(), " but the tensor ", str(), " is on ", device().str());
   }
   autograd_meta().grad = grad;
 }

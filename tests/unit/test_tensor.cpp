@@ -7,6 +7,7 @@
 
 #include "tessera/tessera.h"
 #include "tessera/testing/expect_error.h"
+#include "tessera/testing/stand_in_device.h"
 
 using namespace tessera;
 using tessera::testing::error_of;
@@ -145,6 +146,30 @@ TEST(Tensor, ViewOfAZeroDimTensor) {
   backward(tessera::sum(tessera::mul(y, y)));
   EXPECT_EQ(x.grad().shape(), Shape{});
   EXPECT_EQ(x.grad().item<double>(), 4.0);
+}
+
+// As PyTorch's `x.grad = g` ("assigned grad has data of a different type / located on a different
+// device"): a float64 gradient set on a float32 leaf was kept, backward then accumulated into it
+// in float64 and an optimizer met a gradient of another dtype than its parameter.
+TEST(Tensor, SetGradRefusesAnotherDtypeOrDeviceKeepingTheOldGradient) {
+  Tensor x = full({2}, 1.0);
+  x.set_requires_grad(true);
+  x.set_grad(full({2}, 0.5));
+  tessera::testing::expect_error([&] { x.set_grad(full({2}, 1.0, DType::Float64)); },
+                                 {"set_grad", "float64", "float32"});
+  tessera::testing::expect_error([&] { x.set_grad(full({3}, 1.0)); }, {"set_grad", "[3]", "[2]"});
+  {
+    tessera::testing::TestDevice device(tessera::testing::KernelsOn::Device);
+    tessera::testing::expect_error([&] { x.set_grad(full({2}, 1.0).to(Device::cuda(0))); },
+                                   {"set_grad", "cuda:0", "cpu"});
+  }
+  EXPECT_EQ(x.grad().dtype(), DType::Float32);
+  EXPECT_EQ(x.grad().to_vector<float>(), (std::vector<float>{0.5f, 0.5f}));
+  backward(tessera::sum(tessera::mul(x, 2.0)));
+  EXPECT_EQ(x.grad().dtype(), DType::Float32);
+  EXPECT_EQ(x.grad().to_vector<float>(), (std::vector<float>{2.5f, 2.5f}));
+  x.set_grad(Tensor());
+  EXPECT_FALSE(x.grad().defined());
 }
 
 TEST(Tensor, DtypeConversionRoundsToNearestEven) {
