@@ -51,9 +51,15 @@ std::vector<Tensor> Node::run_pre_hooks(std::vector<Tensor>&& grads) {
     check_hook_result(replaced, grads[nr], "output " + std::to_string(nr) + " of " + name());
     grads[nr] = replaced;
   };
-  for (auto& [nr, hook] : pre_hooks_)
+  if (pre_hooks_.empty() && retain_hooks_.empty()) return std::move(grads);
+  // A hook may register hooks on this node (on the tensor it runs for): as the module hooks,
+  // the pass runs the hooks there were when it started, so one that adds a hook each time it
+  // runs still ends.
+  auto pre_hooks = pre_hooks_;
+  auto retain_hooks = retain_hooks_;
+  for (auto& [nr, hook] : pre_hooks)
     run(nr, hook);
-  for (auto& [nr, hook] : retain_hooks_)
+  for (auto& [nr, hook] : retain_hooks)
     run(nr, hook);
   return std::move(grads);
 }
@@ -69,7 +75,10 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
   Tensor g = grad_outputs.empty() ? Tensor() : grad_outputs[0];
   if (!g.defined()) return {};
   AutogradMeta& meta = leaf_.autograd_meta();
-  for (auto& hook : meta.grad_hooks) {
+  // Copies: a hook may register hooks on the leaf, which would move the lists being walked;
+  // the pass runs the hooks there were when it started.
+  const auto grad_hooks = meta.grad_hooks;
+  for (const auto& hook : grad_hooks) {
     Tensor replaced = hook(g);
     if (!replaced.defined()) continue;
     check_hook_result(replaced, g, "a leaf " + leaf_.str());
@@ -84,7 +93,8 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
   } else {
     kernels::add_(meta.grad, g);
   }
-  for (auto& hook : meta.post_accumulate_grad_hooks)
+  const auto post_hooks = meta.post_accumulate_grad_hooks;
+  for (const auto& hook : post_hooks)
     hook(leaf_);
   return {};
 }

@@ -2,6 +2,7 @@
 // depends on nothing but the engine itself.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 
 #include "tessera/tessera.h"
@@ -282,6 +283,48 @@ TEST(AutogradEngine, HooksRunInRegistrationOrderAndPrependGoesFirst) {
     register_hook(y, mark('e'), /*prepend=*/true);
     backward(loop_square(y));
     EXPECT_EQ(order, "ecabd");
+  }
+}
+
+// A hook that registers hooks on the tensor it runs for: the loop went on over the leaf's list
+// that the registration had reallocated (a crash, or hooks run from freed memory), and on a
+// non-leaf the new hook joined the pass that added it, so a hook adding one each time never
+// ended. As the module hooks do, a pass runs the hooks there were when it started; the new ones
+// run from the next backward.
+TEST(AutogradEngine, AHookThatRegistersHooksOnItsTensorRunsTheOnesThereWereWhenItStarted) {
+  for (bool on_leaf : {false, true}) {
+    SCOPED_TRACE(on_leaf ? "leaf" : "non-leaf");
+    Tensor x = leaf({3.0});
+    Tensor y = on_leaf ? x : loop_square(x);
+    int runs = 0, added_runs = 0, post_runs = 0;
+    std::function<Tensor(const Tensor&)> adder = [&](const Tensor&) {
+      ++runs;
+      // Enough to move the leaf's list; each added hook adds another when it runs.
+      for (int i = 0; i < 16; ++i)
+        register_hook(y, [&](const Tensor& g) {
+          ++added_runs;
+          register_hook(y, [](const Tensor&) { return Tensor(); });
+          return kernels::binary_scalar(kernels::BinaryOp::Mul, g, 1.0);
+        });
+      return Tensor();
+    };
+    register_hook(y, adder);
+    if (on_leaf) {
+      register_post_accumulate_grad_hook(x, [&](Tensor&) {
+        ++post_runs;
+        for (int i = 0; i < 16; ++i)
+          register_post_accumulate_grad_hook(x, [&](Tensor&) { ++post_runs; });
+      });
+    }
+    backward(loop_square(y), {}, /*retain_graph=*/true);
+    EXPECT_EQ(runs, 1);
+    EXPECT_EQ(added_runs, 0);
+    EXPECT_EQ(post_runs, on_leaf ? 1 : 0);
+    // The next pass runs them all, once each.
+    backward(loop_square(y));
+    EXPECT_EQ(runs, 2);
+    EXPECT_EQ(added_runs, 16);
+    EXPECT_EQ(post_runs, on_leaf ? 2 + 16 : 0);
   }
 }
 
