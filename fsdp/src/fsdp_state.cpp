@@ -129,11 +129,27 @@ std::vector<std::string> FSDPState::parameter_names() const {
 }
 
 const Tensor& FSDPState::flat_buffer() const {
+  if (groups_.size() > 1) {
+    std::string dtypes;
+    for (const auto& g : groups_)
+      dtypes += std::string(dtypes.empty() ? "" : ", ") + dtype_name(g->flat_.dtype());
+    TESSERA_FAIL("FSDPState::flat_buffer: the parameters have several dtypes (", dtypes,
+                 "), one buffer each; say which: flat_buffer(dtype)");
+  }
   return groups_.front()->flat_;
 }
 
+const Tensor& FSDPState::flat_buffer(DType dtype) const {
+  for (const auto& g : groups_)
+    if (g->flat_.dtype() == dtype) return g->flat_;
+  TESSERA_FAIL("FSDPState::flat_buffer: no parameter of dtype ", dtype_name(dtype),
+               " in this group");
+}
+
 bool FSDPState::is_unsharded() const {
-  return groups_.front()->unsharded_;
+  for (const auto& g : groups_)
+    if (!g->unsharded_) return false;
+  return true;
 }
 
 bool FSDPState::is_root() const {

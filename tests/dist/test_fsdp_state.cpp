@@ -524,6 +524,53 @@ TEST(FullyShard, RootWithTwoDtypesReducesEveryGroup) {
   }
 }
 
+// A group holding parameters of two dtypes is unsharded only when both are: in backward the
+// bfloat16 group (fc2, whose gradients come first) reshards while the float32 one (fc1) is still
+// to run, and is_unsharded() said what the first dtype group alone was. flat_buffer() names its
+// dtype when there are two.
+TEST(FullyShard, TwoDtypeGroupsAreUnshardedOnlyTogether) {
+  DeviceMesh mesh = dp_mesh();
+  auto net = std::make_shared<Mlp>();
+  for (Parameter* p : {&net->b0->fc2->weight, &net->b0->fc2->bias})
+    *p = Parameter(p->full().to(DType::BFloat16), true);
+  FSDPOptions opts;
+  opts.mp_policy.param_dtype = DType::Float32;
+  auto b0 = fully_shard(net->b0, mesh, opts);
+  fully_shard(net->b1, mesh, opts);
+  fully_shard(net, mesh, opts);
+  std::vector<std::pair<bool, bool>> seen;  // (every parameter unsharded, is_unsharded())
+  auto record = [&] {
+    bool all = true;
+    for (Parameter* p : b0->parameters())
+      all = all && p->is_unsharded();
+    seen.emplace_back(all, b0->is_unsharded());
+  };
+  net->b0->fc1->register_forward_hook([&](Module&, const Tensor&, const Tensor& y) {
+    if (grad_enabled())
+      register_hook(y, [&](const Tensor&) {
+        record();
+        return Tensor();
+      });
+    return Tensor();
+  });
+  Generator gen(5);
+  const Tensor x = randn({4, 16}, gen);
+  Tensor loss = mean(square((*net)(x)));
+  record();
+  backward(loss);
+  record();
+  b0->unshard();
+  record();
+  ASSERT_EQ(seen.size(), 4u);
+  for (size_t i = 0; i < seen.size(); ++i)
+    EXPECT_EQ(seen[i].second, seen[i].first) << "point " << i;
+
+  EXPECT_EQ(b0->flat_buffer(DType::BFloat16).dtype(), DType::BFloat16);
+  EXPECT_EQ(b0->flat_buffer(DType::Float32).dtype(), DType::Float32);
+  expect_error([&] { (void)b0->flat_buffer(); }, "float32");
+  expect_error([&] { (void)b0->flat_buffer(DType::Float64); }, "no parameter of dtype float64");
+}
+
 // set_reshard_after_backward(false): after each backward the groups stay gathered, so each
 // micro-batch after the first gathers only what reshard_after_forward freed (the blocks'
 // backward gathers), and the forward after an optimizer step, which wrote the shards, gathers

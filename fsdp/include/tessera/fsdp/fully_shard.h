@@ -118,8 +118,12 @@ class FSDPState {
   // parameters() lists all.
   std::vector<Parameter*> parameters() const;
   std::vector<std::string> parameter_names() const;  // relative to the module
-  // The first dtype group's per-rank buffer, which its parameters' stored shards view.
+  // The per-rank buffer that the stored shards of the parameters of `dtype` view; without a
+  // dtype, that of the only group (an error naming the dtypes when there are several).
   const Tensor& flat_buffer() const;
+  const Tensor& flat_buffer(DType dtype) const;
+  // Whether every dtype group is unsharded (in backward each reshards when its own gradients
+  // are reduced, so one may already be while another is not).
   bool is_unsharded() const;
   // The outermost fully_shard'ed module: it stays unsharded from forward through backward.
   bool is_root() const;
