@@ -68,11 +68,16 @@ void FSDPGroup::forget_dropped_forward() {
   pending_outputs_.clear();
 }
 
-Tensor FSDPGroup::post_forward(const Tensor& y) {
+Tensor FSDPGroup::post_forward(const Tensor& y_in) {
+  Tensor y = y_in;
   if (grad_enabled() && y.defined() && y.requires_grad()) {
+    // A leaf output (the input passed through) has no node of this forward whose end says the
+    // forward was dropped, and a hook on it would stay for every later backward that reaches it
+    // (a trainable input reused each step). Its alias has both, as any computed output.
+    if (!y.grad_fn()) y = reshape(y, y.shape());
     if (!backward_pending_) pending_outputs_.clear();
     backward_pending_ = true;
-    if (y.grad_fn()) pending_outputs_.push_back(y.grad_fn());
+    pending_outputs_.push_back(y.grad_fn());
     std::weak_ptr<FSDPGroup> weak = weak_from_this();
     register_hook(y, [weak](const Tensor&) {
       if (auto s = weak.lock()) s->pre_backward();
@@ -85,7 +90,7 @@ Tensor FSDPGroup::post_forward(const Tensor& y) {
   if (reshard_now) reshard();
   const auto& od = opts_.mp_policy.output_dtype;
   if (od && y.defined() && is_floating(y.dtype()) && y.dtype() != *od) return cast(y, *od);
-  return Tensor();
+  return y.is_same(y_in) ? Tensor() : y;
 }
 
 void FSDPGroup::begin_backward() {
