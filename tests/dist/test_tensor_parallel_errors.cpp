@@ -1,0 +1,252 @@
+// Tensor parallelism's errors: plans, styles, meshes and models it refuses, on every rank alike
+// and before anything changes. Part of the test_tensor_parallel binary.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/affine_batch.h"
+#include "dist/tensor_parallel_util.h"
+#include "tessera/tessera.h"
+#include "tessera/testing.h"
+
+using namespace tessera;
+using namespace tessera::tensor_parallel_test;
+using tessera::testing::affine_batch;
+using tessera::testing::Batch;
+using tessera::testing::error_of;
+using tessera::testing::expect_error;
+using tessera::testing::random_tensor;
+
+// --- errors ---
+
+TEST(TensorParallelErrors, HeadsNotDivisibleByTheDegree) {
+  const int64_t n = world_size();
+  if (n == 1) GTEST_SKIP() << "every head count divides by 1";
+  DecoderConfig cfg = tiny_config();
+  cfg.dim = 48;
+  cfg.n_heads = 6;
+  cfg.n_kv_heads = 3;  // odd: divides by neither 2 nor 4
+  expect_error([&] { decoder_tp_plan(cfg, tp_mesh(n)); },
+               {"heads not divisible by the tensor-parallel degree", "n_heads = 6",
+                "n_kv_heads = 3", "tensor-parallel degree = " + std::to_string(n)});
+}
+
+// A hand-written plan that splits heads unevenly (one head of 6 features over 4 ranks: 2, 2, 2,
+// 0) leaves ranks 0-2 partial heads while rank 3 holds none and would go on into wo's
+// all-gather: every rank refuses, naming a position whose share is not whole heads.
+TEST(TensorParallelErrors, AnUnevenHeadSplitFailsOnEveryRank) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  DecoderConfig cfg = tiny_config();
+  cfg.dim = 6;
+  cfg.n_heads = 1;
+  cfg.n_kv_heads = 1;
+  Generator gen(3);
+  auto attn = std::make_shared<Attention>(cfg, gen);
+  parallelize_module(attn, tp_mesh(4),
+                     {{"wq", std::make_shared<ColwiseParallel>()},
+                      {"wk", std::make_shared<ColwiseParallel>()},
+                      {"wv", std::make_shared<ColwiseParallel>()},
+                      {"wo", std::make_shared<RowwiseParallel>()}});
+  const Tensor x = tessera::testing::random_tensor({1, 4, 6}, 5, DType::Float32);
+  expect_error([&] { (*attn)(x); }, {"Attention: the tensor-parallel split gives mesh position 0",
+                                     "q width 2", "not whole heads of head_dim 6"});
+}
+
+TEST(TensorParallelErrors, PatternMatchingNothingNamesItAndChangesNothing) {
+  const DecoderConfig cfg = tiny_config();
+  DeviceMesh mesh = tp_mesh(world_size());
+  auto net = std::make_shared<Decoder>(cfg);
+  auto col = std::make_shared<const ColwiseParallel>();
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"layers.*.attention.wz", col}});
+      },
+      {"'layers.*.attention.wz'", "matches no module", "wq, wk, wv, wo"});
+  // '*' stands for exactly one path component.
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"layers.*.attention.wq", col}, {"layers.*.wq", col}});
+      },
+      {"'layers.*.wq'", "attention_norm"});
+  // The first pattern was fine, but nothing is applied before every pattern has matched.
+  EXPECT_FALSE(net->layers[0]->attention->wq->weight.is_dtensor());
+  EXPECT_FALSE(net->layers[0]->attention->wq->dtensor_io().has_value());
+  // Within a component '*' matches any run of characters, as fnmatch does.
+  parallelize_module(net, mesh, {{"layers.*.feed_forward.w*", col}});
+  for (const auto& layer : net->layers) {
+    EXPECT_TRUE(layer->feed_forward->w1->weight.is_dtensor());
+    EXPECT_TRUE(layer->feed_forward->w2->weight.is_dtensor());
+    EXPECT_TRUE(layer->feed_forward->w3->weight.is_dtensor());
+    EXPECT_FALSE(layer->attention->wq->weight.is_dtensor());
+  }
+}
+
+TEST(TensorParallelErrors, StyleOnTheWrongModuleType) {
+  const DecoderConfig cfg = tiny_config();
+  DeviceMesh mesh = tp_mesh(world_size());
+  auto net = std::make_shared<Decoder>(cfg);
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"norm", std::make_shared<ColwiseParallel>()}});
+      },
+      {"ColwiseParallel", "Linear or Embedding", "RMSNorm"});
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh,
+                           {{"layers.0.attention", std::make_shared<RowwiseParallel>()}});
+      },
+      {"RowwiseParallel", "Attention"});
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"output", std::make_shared<SequenceParallel>()}});
+      },
+      {"SequenceParallel", "RMSNorm, LayerNorm or Dropout", "Linear"});
+  // A second style on an already sharded layer would cut its shards again.
+  parallelize_module(net, mesh, {{"output", std::make_shared<ColwiseParallel>()}});
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"output", std::make_shared<RowwiseParallel>()}});
+      },
+      {"RowwiseParallel", "already tensor-parallel"});
+}
+
+// Every style checks every target before any style changes the model: a plan refused for its
+// last entry (a wrong module type, a module taken twice, a plan applied again) leaves the model
+// as it was, where the entries before it used to stay applied.
+TEST(TensorParallelErrors, ARefusedPlanChangesNothing) {
+  const DecoderConfig cfg = tiny_config();
+  DeviceMesh mesh = tp_mesh(world_size());
+  auto net = std::make_shared<Decoder>(cfg);
+  auto col = std::make_shared<const ColwiseParallel>();
+  auto untouched = [&](const char* what) {
+    EXPECT_FALSE(net->layers[0]->attention->wq->weight.is_dtensor()) << what;
+    EXPECT_FALSE(net->layers[0]->attention->wq->dtensor_io().has_value()) << what;
+  };
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"layers.*.attention.wq", col}, {"norm", col}});
+      },
+      {"ColwiseParallel", "Linear or Embedding", "RMSNorm"});
+  untouched("a wrong type last");
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh,
+                           {{"layers.*.attention.wq", col},
+                            {"layers.0.attention.wq", std::make_shared<RowwiseParallel>()}});
+      },
+      {"'layers.0.attention.wq' is targeted by 'layers.*.attention.wq' and by "
+       "'layers.0.attention.wq'"});
+  untouched("a module taken twice");
+  const ParallelizePlan plan = decoder_tp_plan(cfg, mesh, {.sequence_parallel = true});
+  parallelize_module(net, mesh, plan);
+  const Batch b = affine_batch(0, 2, cfg.max_seq_len, cfg.vocab_size);
+  const Tensor logits = (*net)(b.ids);
+  expect_error([&] { parallelize_module(net, mesh, plan); }, {"already"});
+  // The refused second plan added no hook: the same logits, of the full shape.
+  tessera::testing::expect_close(logits, (*net)(b.ids), 0, "after the refused second plan");
+}
+
+// A target refused on one rank only (its model differs there: the output layer is already
+// tensor-parallel) is refused on every rank, naming that rank, before any rank changes anything:
+// the others used to go on into the first target's distribution and wait there for the rank
+// that had thrown.
+TEST(TensorParallelErrors, ATargetRefusedOnOneRankIsRefusedOnEveryRank) {
+  const int n = world_size();
+  if (n == 1) GTEST_SKIP() << "one rank has no other rank to differ from";
+  DeviceMesh mesh = tp_mesh(n);
+  auto net = std::make_shared<Decoder>(tiny_config());
+  if (world_rank() == n - 1)
+    net->output->set_dtensor_io(DTensorIO{mesh, {Replicate()}, {Replicate()}, {Replicate()}});
+  auto col = std::make_shared<const ColwiseParallel>();
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"layers.*.attention.wq", col}, {"output", col}});
+      },
+      {"parallelize_module(Decoder)", "[rank " + std::to_string(n - 1) + "]",
+       "already tensor-parallel"});
+  for (const auto& layer : net->layers) {
+    EXPECT_FALSE(layer->attention->wq->weight.is_dtensor());
+    EXPECT_FALSE(layer->attention->wq->dtensor_io().has_value());
+  }
+  EXPECT_FALSE(net->output->weight.is_dtensor());
+}
+
+// A parameter whose shape differs on one rank (a model built with another vocabulary there) is
+// found before anything is distributed: every rank throws, naming both shapes, and the first
+// target is left as it was, where it used to be distributed before the second one's
+// distribution failed.
+TEST(TensorParallelErrors, ParametersDifferingAcrossRanksChangeNothing) {
+  const int n = world_size();
+  if (n == 1) GTEST_SKIP() << "one rank has no other rank to differ from";
+  DeviceMesh mesh = tp_mesh(n);
+  DecoderConfig cfg = tiny_config();
+  if (world_rank() == n - 1) cfg.vocab_size = 40;
+  auto net = std::make_shared<Decoder>(cfg);
+  auto col = std::make_shared<const ColwiseParallel>();
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"layers.*.attention.wq", col}, {"output", col}});
+      },
+      {"parallelize_module(Decoder)", "[rank " + std::to_string(n - 1) + "]", "differs from rank 0",
+       "'output.weight' float32 [48, 32]", "'output.weight' float32 [40, 32]"});
+  for (const auto& layer : net->layers) {
+    EXPECT_FALSE(layer->attention->wq->weight.is_dtensor());
+    EXPECT_FALSE(layer->attention->wq->dtensor_io().has_value());
+  }
+  EXPECT_FALSE(net->output->weight.is_dtensor());
+}
+
+// A style given other layouts on one rank would make that rank run other collectives in every
+// forward (an all-gather of the output where the others keep their slices): refused on every
+// rank before anything changes, naming both.
+TEST(TensorParallelErrors, LayoutsDifferingAcrossRanksAreRefused) {
+  const int n = world_size();
+  if (n == 1) GTEST_SKIP() << "one rank has no other rank to differ from";
+  DeviceMesh mesh = tp_mesh(n);
+  auto net = std::make_shared<Decoder>(tiny_config());
+  auto col = std::make_shared<ColwiseParallel>();
+  if (world_rank() == n - 1) col->output_layouts = {Replicate()};
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"output", col}});
+      },
+      {"parallelize_module(Decoder)", "[rank " + std::to_string(n - 1) + "]",
+       "ColwiseParallel(input [R], output [S(-1)])", "ColwiseParallel(input [R], output [R])"});
+  EXPECT_FALSE(net->output->weight.is_dtensor());
+  EXPECT_FALSE(net->output->dtensor_io().has_value());
+}
+
+// A parameter tied by assignment to another name would be distributed under one name only: the
+// style is refused, naming both, before anything changes.
+TEST(TensorParallelErrors, DistributingATiedParameterIsRefused) {
+  const DecoderConfig cfg = tiny_config();
+  DeviceMesh mesh = tp_mesh(world_size());
+  auto net = std::make_shared<Decoder>(cfg);
+  net->output->weight = net->tok_embeddings->weight;  // tied by assignment
+  auto row = std::make_shared<RowwiseParallel>();
+  row->input_layouts = {Replicate()};
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"tok_embeddings", row}});
+      },
+      {"would distribute 'tok_embeddings.weight'", "shared with 'output.weight'",
+       "tied by assignment"});
+  EXPECT_FALSE(net->tok_embeddings->weight.is_dtensor());
+  EXPECT_FALSE(net->tok_embeddings->dtensor_io().has_value());
+}
+
+TEST(TensorParallelErrors, MeshMustBeOneDimensional) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  DeviceMesh mesh({2, 2}, {"dp", "tp"});
+  auto net = std::make_shared<Decoder>(tiny_config());
+  expect_error(
+      [&] {
+        parallelize_module(net, mesh, {{"output", std::make_shared<ColwiseParallel>()}});
+      },
+      {"1-D mesh", "DeviceMesh(dp=2, tp=2)"});
+  expect_error([&] { decoder_tp_plan(tiny_config(), mesh); }, {"must be 1-D"});
+}
