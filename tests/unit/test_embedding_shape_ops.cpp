@@ -196,6 +196,27 @@ TEST(Cat, PromotesDtypesAndChecksShapes) {
   EXPECT_NE(error_of([&] { kernels::cat({}, 0); }).find("non-empty"), std::string::npos);
 }
 
+// PyTorch skips legacy empty tensors [0] whatever the others' shapes (torch.cat([torch.empty(0),
+// x]) is x), counting them only in the result's dtype.
+TEST(Cat, SkipsLegacyEmptyTensors) {
+  Tensor a = random_tensor({2, 3, 4}, 15, DType::Float32),
+         b = random_tensor({2, 1, 4}, 16, DType::Float32);
+  Tensor e32 = empty({0}, DType::Float32), e64 = empty({0}, DType::Float64);
+  for (int64_t dim : {1, -2}) {
+    Tensor out = kernels::cat({e32, a, e64, b, e32}, dim);
+    EXPECT_EQ(out.shape(), (Shape{2, 4, 4}));
+    EXPECT_EQ(out.dtype(), DType::Float64);
+    expect_values(out, kernels::cat({a, b}, dim).to_vector<double>());
+  }
+  Tensor all_empty = kernels::cat({e32, e32}, 3);
+  EXPECT_EQ(all_empty.shape(), Shape{0});
+  // Only the 1-D empty tensor is skipped: [2, 0] must still match the others.
+  std::string msg = error_of([&] { kernels::cat({a, empty({2, 0})}, 1); });
+  EXPECT_NE(msg.find("[2, 0]"), std::string::npos) << msg;
+  msg = error_of([&] { kernels::cat({e32, a, random_tensor({}, 17, DType::Float32)}, 0); });
+  EXPECT_NE(msg.find("zero-dimensional tensor 2"), std::string::npos) << msg;
+}
+
 TEST(Stack, NewDimAtEveryPosition) {
   Tensor a = random_tensor({2, 3}, 14, DType::Float32),
          b = random_tensor({2, 3}, 15, DType::Float32);
@@ -312,6 +333,25 @@ TEST(ShapeOpsAutograd, CatGradientOnlyToInputsThatNeedIt) {
   ASSERT_TRUE(a.grad().defined());
   EXPECT_EQ(a.grad().to_vector<double>(), std::vector<double>(4, 1.0));
   EXPECT_FALSE(b.grad().defined());
+}
+
+TEST(ShapeOpsAutograd, CatGivesSkippedEmptyInputAnEmptyGradient) {
+  Tensor e = leaf({0}, 28);
+  Tensor a = leaf({2, 3}, 29);
+  Tensor y = tessera::cat({e, a, e}, 1);
+  EXPECT_EQ(y.shape(), (Shape{2, 3}));
+  Tensor w = random_tensor({2, 3}, 30, DType::Float64);
+  tessera::backward(y, w);
+  ASSERT_TRUE(e.grad().defined());
+  EXPECT_EQ(e.grad().shape(), Shape{0});
+  EXPECT_EQ(a.grad().to_vector<double>(), w.to_vector<double>());
+  expect_gradcheck([](const std::vector<Tensor>& in) { return tessera::cat(in, 0); },
+                   {leaf({0}, 31), leaf({2, 2}, 32)});
+  Tensor only = leaf({0}, 33);
+  Tensor z = tessera::cat({only, only}, 2);
+  EXPECT_EQ(z.shape(), Shape{0});
+  tessera::backward(z, empty({0}, DType::Float64));
+  EXPECT_EQ(only.grad().shape(), Shape{0});
 }
 
 TEST(CopyRuns, MovesEveryRunAndLeavesTheRestAlone) {

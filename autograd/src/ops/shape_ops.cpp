@@ -2,8 +2,12 @@
 // returned as views, or an index_add (index_select). cat and stack may promote mixed dtypes, so
 // each input's gradient is cast back to that input's dtype.
 #include "tessera/core/kernels/shape_ops.h"
+
+#include <algorithm>
+
 #include "tessera/autograd/function.h"
 #include "tessera/autograd/ops.h"
+#include "tessera/core/factory.h"
 #include "tessera/core/kernels/views.h"
 
 namespace tessera {
@@ -19,19 +23,28 @@ class CatFn final : public autograd::Function {
   explicit CatFn(int64_t dim) : dim_(dim) {}
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     Tensor out = kernels::cat(in, dim_);
-    dim_ = wrap_dim(dim_, out.dim(), "cat");
+    // A legacy empty input [0] took no part in the output (kernels::cat skips it); when all
+    // are such, dim was never checked, as in PyTorch.
     for (const Tensor& t : in) {
-      sizes_.push_back(t.size(dim_));
+      skipped_.push_back(t.dim() == 1 && t.size(0) == 0);
       dtypes_.push_back(t.dtype());
     }
+    const bool all_skipped = std::find(skipped_.begin(), skipped_.end(), false) == skipped_.end();
+    if (!all_skipped) dim_ = wrap_dim(dim_, out.dim(), "cat");
+    for (size_t i = 0; i < in.size(); ++i)
+      sizes_.push_back(skipped_[i] ? 0 : in[i].size(dim_));
     return {out};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
     std::vector<Tensor> out(sizes_.size());
     int64_t offset = 0;
     for (size_t i = 0; i < sizes_.size(); ++i) {
-      if (needs_input_grad(i))
-        out[i] = as_dtype(kernels::narrow(grads[0], dim_, offset, sizes_[i]), dtypes_[i]);
+      if (needs_input_grad(i)) {
+        // As PyTorch's cat backward: a skipped input gets an empty gradient of its own shape.
+        out[i] = skipped_[i]
+                     ? zeros({0}, TensorOptions(dtypes_[i], grads[0].device()))
+                     : as_dtype(kernels::narrow(grads[0], dim_, offset, sizes_[i]), dtypes_[i]);
+      }
       offset += sizes_[i];
     }
     return out;
@@ -41,6 +54,7 @@ class CatFn final : public autograd::Function {
   int64_t dim_;
   std::vector<int64_t> sizes_;
   std::vector<DType> dtypes_;
+  std::vector<bool> skipped_;
 };
 
 class StackFn final : public autograd::Function {

@@ -30,28 +30,44 @@ inline DType common_dtype(const std::vector<Tensor>& tensors) {
   return dt;
 }
 
+// PyTorch's legacy empty tensor: a 1-D tensor with no elements, which cat skips whatever the
+// others' shapes, so that an accumulator started as empty(0) can be concatenated to.
+inline bool cat_skips(const Tensor& t) {
+  return t.dim() == 1 && t.size(0) == 0;
+}
+
 // cat and stack copy each input into its window of the output through Tensor::copy_, which
-// handles any strides and dtype conversion on the output's device.
+// handles any strides and dtype conversion on the output's device. Skipped inputs still take part
+// in the result's dtype, as in PyTorch; when all are skipped the result is empty [0].
 inline Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
   TESSERA_CHECK(!tensors.empty(), "cat: expected a non-empty list of tensors");
   check_same_device("cat", tensors);
-  const Tensor& first = tensors[0];
-  TESSERA_CHECK(first.dim() > 0, "cat: zero-dimensional tensor 0 cannot be concatenated");
+  for (size_t i = 0; i < tensors.size(); ++i)
+    TESSERA_CHECK(tensors[i].dim() > 0, "cat: zero-dimensional tensor ", i,
+                  " cannot be concatenated");
+  const TensorOptions options(common_dtype(tensors), tensors[0].device());
+  size_t ref = 0;
+  while (ref < tensors.size() && cat_skips(tensors[ref]))
+    ++ref;
+  if (ref == tensors.size()) return empty({0}, options);
+  const Tensor& first = tensors[ref];
   dim = wrap_dim(dim, first.dim(), "cat");
   Shape out_shape = first.shape();
   out_shape[size_t(dim)] = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
+    if (cat_skips(tensors[i])) continue;
     const Shape& s = tensors[i].shape();
     bool ok = s.size() == out_shape.size();
     for (size_t d = 0; ok && d < s.size(); ++d)
       ok = int64_t(d) == dim || s[d] == first.size(d);
-    TESSERA_CHECK(ok, "cat: tensor ", i, " has shape ", shape_str(s), " but tensor 0 has ",
+    TESSERA_CHECK(ok, "cat: tensor ", i, " has shape ", shape_str(s), " but tensor ", ref, " has ",
                   shape_str(first.shape()), "; all sizes but dim ", dim, " must match");
     out_shape[size_t(dim)] += s[size_t(dim)];
   }
-  Tensor out = empty(out_shape, TensorOptions(common_dtype(tensors), first.device()));
+  Tensor out = empty(out_shape, options);
   int64_t offset = 0;
   for (const Tensor& t : tensors) {
+    if (cat_skips(t)) continue;
     int64_t len = t.size(dim);
     if (len > 0) narrow(out, dim, offset, len).copy_(t);
     offset += len;
