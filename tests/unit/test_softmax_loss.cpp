@@ -374,6 +374,82 @@ TEST(CrossEntropy, ClassProbabilityTargetsAndTheirGradient) {
   EXPECT_TRUE(std::isfinite(tessera::cross_entropy(x, t).item<double>()));
 }
 
+// label_smoothing eps, as PyTorch's: per kept row (1 - eps) * -log_softmax[target] + eps * the
+// mean over the classes of -log_softmax; ignored rows count in neither term nor in the mean's
+// divisor. Checked against that closed form at rank 3, with eps 0 and 1 at the ends.
+TEST(CrossEntropy, LabelSmoothingOfClassIndices) {
+  const int64_t c = 5;
+  const std::vector<int64_t> t = {0, 4, -100, 2, 2, -100};
+  const Tensor target = from_vector<int64_t>(t, {2, 3});
+  for (double eps : {0.0, 0.1, 0.3, 1.0}) {
+    SCOPED_TRACE(eps);
+    Tensor x = leaf({2, 3, c}, 61);
+    const std::vector<double> ls = kernels::log_softmax(x.detach(), -1).to_vector<double>();
+    std::vector<double> rows(t.size(), 0.0);
+    for (size_t i = 0; i < t.size(); ++i) {
+      if (t[i] == -100) continue;
+      double mean_neg = 0;
+      for (int64_t j = 0; j < c; ++j)
+        mean_neg -= ls[i * size_t(c) + size_t(j)] / double(c);
+      rows[i] = (1 - eps) * -ls[i * size_t(c) + size_t(t[i])] + eps * mean_neg;
+    }
+    double sum = 0;
+    for (double r : rows)
+      sum += r;
+    const Tensor none = tessera::cross_entropy(x, target, -100, Reduction::None, eps);
+    EXPECT_EQ(none.shape(), (Shape{2, 3}));
+    expect_close(none, rows, 1e-12, 1e-12);
+    expect_close(tessera::cross_entropy(x, target, -100, Reduction::Sum, eps), {sum}, 1e-12, 1e-12);
+    expect_close(tessera::cross_entropy(x, target, -100, Reduction::Mean, eps), {sum / 4.0}, 1e-12,
+                 1e-12);
+    for (Reduction red : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
+      expect_gradcheck(
+          [&](const std::vector<Tensor>& in) {
+            return tessera::cross_entropy(in[0], target, -100, red, eps);
+          },
+          {x});
+    }
+  }
+  // Nothing kept: the mean is 0/0 as without smoothing, the sum 0.
+  const Tensor x = random_tensor({3, c}, 62, DType::Float32);
+  const Tensor all_ignored = full({3}, -100, DType::Int64);
+  EXPECT_TRUE(std::isnan(
+      tessera::cross_entropy(x, all_ignored, -100, Reduction::Mean, 0.2).item<double>()));
+  EXPECT_EQ(tessera::cross_entropy(x, all_ignored, -100, Reduction::Sum, 0.2).item<double>(), 0.0);
+}
+
+// Class probabilities are smoothed as PyTorch's: target * (1 - eps) + eps / C.
+TEST(CrossEntropy, LabelSmoothingOfClassProbabilities) {
+  const int64_t n = 2, c = 3;
+  const std::vector<double> p = {0.2, 0.3, 0.5, 1.0, 0.0, 0.0};
+  const double eps = 0.25;
+  Tensor x = leaf({n, c}, 63);
+  const std::vector<double> ls = kernels::log_softmax(x.detach(), 1).to_vector<double>();
+  std::vector<double> rows(n, 0.0);
+  for (size_t k = 0; k < p.size(); ++k)
+    rows[k / size_t(c)] -= (p[k] * (1 - eps) + eps / double(c)) * ls[k];
+  const Tensor t = from_vector<double>(p, {n, c});
+  expect_close(tessera::cross_entropy(x, t, -100, Reduction::None, eps), rows, 1e-12, 1e-12);
+  expect_close(tessera::cross_entropy(x, t, -100, Reduction::Mean, eps),
+               {(rows[0] + rows[1]) / 2.0}, 1e-12, 1e-12);
+  expect_gradcheck(
+      [&](const std::vector<Tensor>& in) {
+        return tessera::cross_entropy(in[0], in[1], -100, Reduction::Sum, eps);
+      },
+      {x, leaf({n, c}, 64)});
+}
+
+TEST(CrossEntropy, LabelSmoothingOutOfRangeIsAnError) {
+  const Tensor x = random_tensor({2, 3}, 65, DType::Float32);
+  const Tensor t = from_vector<int64_t>({0, 2}, {2});
+  for (double eps : {-0.1, 1.5, std::numeric_limits<double>::quiet_NaN()}) {
+    const std::string msg =
+        error_of([&] { tessera::cross_entropy(x, t, -100, Reduction::Mean, eps); });
+    EXPECT_NE(msg.find("label_smoothing"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[0, 1]"), std::string::npos) << msg;
+  }
+}
+
 TEST(CrossEntropy, Errors) {
   Tensor x = random_tensor({2, 3, 5}, 17, DType::Float32);
   std::string msg = error_of([&] {

@@ -1,6 +1,7 @@
 // Cross-entropy over logits of any rank: the class dim is last, every other dim is a row.
 #include "tessera/autograd/function.h"
 #include "tessera/autograd/ops.h"
+#include "tessera/core/factory.h"
 #include "tessera/core/kernels/nn.h"
 #include "tessera/core/kernels/views.h"
 
@@ -33,7 +34,7 @@ class CrossEntropyFn final : public autograd::Function {
 // grad receives its gradient too (-log_softmax(logits) times the reduction's scale), as in
 // PyTorch; ignore_index applies to class indices only.
 Tensor cross_entropy_probabilities(const Tensor& logits, const Tensor& target,
-                                   kernels::Reduction reduction) {
+                                   kernels::Reduction reduction, double label_smoothing) {
   TESSERA_CHECK(target.shape() == logits.shape(),
                 "cross_entropy: a floating target holds class "
                 "probabilities and must have the logits' shape ",
@@ -42,7 +43,11 @@ Tensor cross_entropy_probabilities(const Tensor& logits, const Tensor& target,
                 shape_str(Shape(logits.shape().begin(), logits.shape().end() - 1)), ")");
   TESSERA_CHECK(target.dtype() == logits.dtype(), "cross_entropy: class probabilities ",
                 target.str(), " must have the logits' dtype ", dtype_name(logits.dtype()));
-  Tensor per_row = neg(sum(mul(log_softmax(logits, -1), target), {-1}));
+  // PyTorch mixes the uniform distribution into the given one.
+  const Tensor smoothed = label_smoothing == 0.0 ? target
+                                                 : add(mul(target, 1.0 - label_smoothing),
+                                                       label_smoothing / double(logits.size(-1)));
+  Tensor per_row = neg(sum(mul(log_softmax(logits, -1), smoothed), {-1}));
   switch (reduction) {
     case kernels::Reduction::None:
       return per_row;
@@ -54,14 +59,43 @@ Tensor cross_entropy_probabilities(const Tensor& logits, const Tensor& target,
   return mean(per_row);  // over the rows, not the probabilities' total, as PyTorch's
 }
 
+// The smoothing term of class-index targets, as PyTorch's: each kept row's -(1/C) * sum over
+// the classes of log_softmax, reduced as the loss is (a mean divides by the kept rows, as the
+// nll's mean does: PyTorch without class weights).
+Tensor smoothing_term(const Tensor& l2, const Tensor& t1, int64_t ignore_index,
+                      kernels::Reduction reduction) {
+  const std::vector<int64_t> t = t1.to_vector<int64_t>();
+  std::vector<bool> ignored(t.size());
+  int64_t kept = 0;
+  for (size_t i = 0; i < t.size(); ++i) {
+    ignored[i] = t[i] == ignore_index;
+    kept += ignored[i] ? 0 : 1;
+  }
+  const Tensor mask = from_vector<bool>(ignored, {int64_t(t.size())}).to(l2.device());
+  const Tensor per_row =
+      masked_fill(div(neg(sum(log_softmax(l2, -1), {-1})), double(l2.size(-1))), mask, 0.0);
+  switch (reduction) {
+    case kernels::Reduction::None:
+      return per_row;
+    case kernels::Reduction::Sum:
+      return sum(per_row);
+    case kernels::Reduction::Mean:
+      break;
+  }
+  return div(sum(per_row), double(kept));  // no kept row: 0/0, NaN as the nll's mean
+}
+
 }  // namespace
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index,
-                     kernels::Reduction reduction) {
+                     kernels::Reduction reduction, double label_smoothing) {
   TESSERA_CHECK(logits.defined() && target.defined(), "cross_entropy: undefined logits or target");
   TESSERA_CHECK(logits.dim() >= 1, "cross_entropy: logits must have a class dim, got ",
                 logits.str());
-  if (is_floating(target.dtype())) return cross_entropy_probabilities(logits, target, reduction);
+  TESSERA_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0,
+                "cross_entropy: label_smoothing must be in [0, 1], got ", label_smoothing);
+  if (is_floating(target.dtype()))
+    return cross_entropy_probabilities(logits, target, reduction, label_smoothing);
   Shape rows(logits.shape().begin(), logits.shape().end() - 1);
   TESSERA_CHECK(target.shape() == rows, "cross_entropy: target shape ", shape_str(target.shape()),
                 " does not match logits shape ", shape_str(logits.shape()),
@@ -70,6 +104,11 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_
   Tensor l2 = logits.dim() == 2 ? logits : reshape(logits, {n, c});
   Tensor t1 = target.dim() == 1 ? target : kernels::reshape(target, {n});
   Tensor loss = autograd::Function::apply<CrossEntropyFn>({l2, t1}, ignore_index, reduction)[0];
+  if (label_smoothing != 0.0) {
+    // (1 - eps) * nll + eps * smoothing, each reduced alike: the fused kernel keeps the nll.
+    loss = add(mul(loss, 1.0 - label_smoothing),
+               mul(smoothing_term(l2, t1, ignore_index, reduction), label_smoothing));
+  }
   if (reduction == kernels::Reduction::None && target.dim() != 1) loss = reshape(loss, rows);
   return loss;
 }

@@ -97,8 +97,12 @@ Tensor log_softmax(const Tensor& x, int64_t dim);
 // logits [..., C] (flattened to [N, C]), target int64 class indices [...], or, as PyTorch's,
 // floating class probabilities [..., C] of the logits' dtype: -sum(target * log_softmax(logits))
 // per row, differentiable in the target too (ignore_index does not apply to them).
+// label_smoothing eps in [0, 1], as PyTorch's: class indices give (1 - eps) * nll + eps * (the
+// mean over the classes of -log_softmax) per kept row, a mean dividing both by the kept rows;
+// probabilities become target * (1 - eps) + eps / C.
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
-                     kernels::Reduction reduction = kernels::Reduction::Mean);
+                     kernels::Reduction reduction = kernels::Reduction::Mean,
+                     double label_smoothing = 0.0);
 Tensor embedding(const Tensor& indices, const Tensor& weight);
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
 // rms_norm's eps when none is given, as F.rms_norm's eps=None: the machine epsilon of the type it
