@@ -1,4 +1,5 @@
-// Cross-entropy over logits of any rank: the class dim is last, every other dim is a row.
+// Cross-entropy over logits of any rank: the class dim is last (not dim 1 as in PyTorch), every
+// other dim is a row.
 #include "tessera/autograd/function.h"
 #include "tessera/autograd/ops.h"
 #include "tessera/core/factory.h"

@@ -100,6 +100,11 @@ Tensor log_softmax(const Tensor& x, int64_t dim);
 // label_smoothing eps in [0, 1], as PyTorch's: class indices give (1 - eps) * nll + eps * (the
 // mean over the classes of -log_softmax) per kept row, a mean dividing both by the kept rows;
 // probabilities become target * (1 - eps) + eps / C.
+// Unlike PyTorch, the class dim is the LAST dim at every rank: PyTorch's F.cross_entropy on
+// [N, C, d1, ...] takes dim 1 as the classes, so a [B, T, V] call here is PyTorch's
+// F.cross_entropy(logits.flatten(0, -2), target.flatten()), not F.cross_entropy(logits, target).
+// Move a class dim 1 last (permute) before calling: [N, C, d] logits with C == d, or with
+// probabilities (their shape is the logits' under both conventions), are accepted and read dim 2.
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
                      kernels::Reduction reduction = kernels::Reduction::Mean,
                      double label_smoothing = 0.0);
