@@ -12,6 +12,7 @@
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
 #include "tessera/core/kernels/reduce.h"
+#include "tessera/core/kernels/shape_ops.h"
 #include "tessera/core/kernels/views.h"
 #include "tessera/core/kernels/vocab_parallel.h"
 
@@ -34,8 +35,12 @@ class VocabParallelCrossEntropy final : public autograd::Function {
  public:
   // target: int64 [N] on the logits' device, -1 for ignored rows.
   VocabParallelCrossEntropy(VocabShard shard, Tensor target, int64_t kept,
-                            kernels::Reduction reduction)
-      : shard_(std::move(shard)), target_(std::move(target)), kept_(kept), reduction_(reduction) {}
+                            kernels::Reduction reduction, double label_smoothing)
+      : shard_(std::move(shard)),
+        target_(std::move(target)),
+        kept_(kept),
+        reduction_(reduction),
+        smoothing_(label_smoothing) {}
 
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor& logits = in[0];
@@ -51,6 +56,7 @@ class VocabParallelCrossEntropy final : public autograd::Function {
                                               TensorOptions(x.dtype(), x.device()));
     all_reduce(row_max, ReduceOp::Max);
     Tensor stats = kernels::vocab_ce_stats(x, row_max, target_, shard_.start);
+    if (smoothing_ != 0.0) return {smoothed_forward(x, row_max, stats)};
     all_reduce(stats, ReduceOp::Sum);
     kernels::VocabCrossEntropy ce = kernels::vocab_ce_loss(stats, row_max, target_, kept_);
     save_for_backward({x, ce.lse});
@@ -66,6 +72,7 @@ class VocabParallelCrossEntropy final : public autograd::Function {
 
   std::vector<Tensor> backward(const std::vector<Tensor>& g) override {
     const std::vector<Tensor>& s = saved_tensors();
+    if (smoothing_ != 0.0) return {smoothed_backward(g[0], s[0], s[1])};
     if (reduction_ == kernels::Reduction::None) {
       // Each row's softmax - onehot scaled by that row's incoming gradient.
       Tensor grad = kernels::vocab_ce_backward(s[0], s[1], target_, shard_.start, 1.0);
@@ -81,6 +88,71 @@ class VocabParallelCrossEntropy final : public autograd::Function {
   }
 
  private:
+  // Label smoothing's term -(1/V) * sum_j log_softmax = lse - (1/V) * sum_j x needs each row's
+  // sum of logits over the whole vocabulary: a third column of the statistics' all-reduce.
+  Tensor smoothed_forward(const Tensor& x, const Tensor& row_max, const Tensor& stats) {
+    const int64_t rows = x.size(0);
+    const Tensor local_sum = shard_.length > 0
+                                 ? kernels::sum(x, {1}, true)
+                                 : zeros({rows, 1}, TensorOptions(x.dtype(), x.device()));
+    Tensor all = kernels::cat({stats, local_sum}, 1);
+    all_reduce(all, ReduceOp::Sum);
+    const Tensor two = kernels::narrow(all, 1, 0, 2).contiguous();
+    kernels::VocabCrossEntropy ce = kernels::vocab_ce_loss(two, row_max, target_, kept_);
+    save_for_backward({x, ce.lse});
+    using kernels::BinaryOp;
+    // Per kept row: lse - (1 - eps) * target logit - (eps / V) * sum of logits.
+    const Tensor nll_part = kernels::binary_scalar(
+        BinaryOp::Mul, kernels::select(two, 1, 1).contiguous(), 1.0 - smoothing_);
+    const Tensor smooth_part =
+        kernels::binary_scalar(BinaryOp::Mul, kernels::select(all, 1, 2).contiguous(),
+                               smoothing_ / double(shard_.vocab_size));
+    const Tensor per_row = kernels::where(
+        kernels::compare_scalar(kernels::CompareOp::Eq, target_, -1.0),
+        zeros({}, TensorOptions(x.dtype(), x.device())),
+        kernels::binary(BinaryOp::Sub, kernels::binary(BinaryOp::Sub, ce.lse, nll_part),
+                        smooth_part));
+    switch (reduction_) {
+      case kernels::Reduction::None:
+        return kernels::reshape(per_row, Shape(shape_.begin(), shape_.end() - 1)).to(dtype_);
+      case kernels::Reduction::Sum:
+        return kernels::sum(per_row, {}, false).to(dtype_);
+      case kernels::Reduction::Mean:
+        break;
+    }
+    // No kept row: 0/0, NaN as the unsmoothed mean.
+    return kernels::binary_scalar(BinaryOp::Div, kernels::sum(per_row, {}, false), double(kept_))
+        .to(dtype_);
+  }
+
+  // (1 - eps) * (softmax - onehot) + eps * (softmax - 1/V) on kept rows, times the incoming
+  // gradient (per row, or the reduction's scale).
+  Tensor smoothed_backward(const Tensor& g, const Tensor& x, const Tensor& lse) const {
+    using kernels::BinaryOp;
+    const int64_t rows = x.size(0);
+    Tensor grad = kernels::vocab_ce_backward(x, lse, target_, shard_.start, 1.0 - smoothing_);
+    const Tensor softmax = kernels::unary(
+        kernels::UnaryOp::Exp, kernels::binary(BinaryOp::Sub, x, kernels::reshape(lse, {rows, 1})));
+    Tensor uniform = kernels::binary_scalar(
+        BinaryOp::Mul,
+        kernels::binary_scalar(BinaryOp::Sub, softmax, 1.0 / double(shard_.vocab_size)),
+        smoothing_);
+    uniform = kernels::masked_fill(
+        uniform,
+        kernels::reshape(kernels::compare_scalar(kernels::CompareOp::Eq, target_, -1.0), {rows, 1}),
+        0.0);
+    grad = kernels::binary(BinaryOp::Add, grad, uniform);
+    if (reduction_ == kernels::Reduction::None) {
+      grad = kernels::binary(BinaryOp::Mul, grad,
+                             kernels::reshape(g.to(grad.dtype()).contiguous(), {rows, 1}));
+    } else {
+      double scale = g.to(DType::Float64).item<double>();
+      if (reduction_ == kernels::Reduction::Mean) scale /= double(kept_);
+      grad = kernels::binary_scalar(BinaryOp::Mul, grad, scale);
+    }
+    return kernels::reshape(grad, shape_).to(dtype_);
+  }
+
   void all_reduce(Tensor& t, ReduceOp op) const {
     for (const ProcessGroupPtr& g : shard_.groups)
       g->all_reduce(t, op)->wait();
@@ -90,6 +162,7 @@ class VocabParallelCrossEntropy final : public autograd::Function {
   Tensor target_;
   int64_t kept_;
   kernels::Reduction reduction_;
+  double smoothing_;
   Shape shape_;
   DType dtype_ = DType::Float32;
 };
@@ -144,8 +217,11 @@ void agree_on_vocabulary(const VocabShard& shard, const LocalFindings& mine, Dev
 }  // namespace
 
 DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target,
-                                     int64_t ignore_index, kernels::Reduction reduction) {
+                                     int64_t ignore_index, kernels::Reduction reduction,
+                                     double label_smoothing) {
   TESSERA_CHECK(logits.defined(), kOp, ": logits are undefined");
+  TESSERA_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, kOp,
+                ": label_smoothing must be in [0, 1], got ", label_smoothing);
   TESSERA_CHECK(target.defined(), kOp, ": target is undefined");
   const DTensorSpec& spec = logits.spec();
   TESSERA_CHECK(spec.ndim() >= 1 && is_floating(spec.dtype), kOp,
@@ -179,7 +255,8 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
   if (shard.groups.empty()) {
     TESSERA_CHECK(bad_call.empty(), kOp, ": ", bad_call);
     // Every rank holds the whole vocabulary: the plain loss is already replicated.
-    Tensor loss = tessera::cross_entropy(logits.to_local(), target, ignore_index, reduction);
+    Tensor loss =
+        tessera::cross_entropy(logits.to_local(), target, ignore_index, reduction, label_smoothing);
     return DTensor::from_local(loss, spec.mesh, Placements(spec.placements.size()), loss.shape());
   }
 
@@ -211,7 +288,7 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
 
   const Tensor local_target = from_vector(t).to(logits.to_local().device());
   Tensor loss = autograd::Function::apply<VocabParallelCrossEntropy>(
-      {logits.to_local()}, std::move(shard), local_target, kept, reduction)[0];
+      {logits.to_local()}, std::move(shard), local_target, kept, reduction, label_smoothing)[0];
   return DTensor::from_local(loss, spec.mesh, Placements(spec.placements.size()), loss.shape());
 }
 

@@ -58,7 +58,8 @@ std::vector<MeshCase> mesh_cases() {
 
 // Loss and logits gradient of the vocab-parallel loss against the plain loss on one rank.
 void check_against_plain(const Shape& shape, DType dtype, int64_t ignore_index, double tol,
-                         kernels::Reduction reduction = kernels::Reduction::Mean) {
+                         kernels::Reduction reduction = kernels::Reduction::Mean,
+                         double label_smoothing = 0.0) {
   const int64_t vocab = shape.back();
   Shape rows(shape.begin(), shape.end() - 1);
   Tensor full = global_randn(shape, 31, dtype).to(dtype);
@@ -70,15 +71,17 @@ void check_against_plain(const Shape& shape, DType dtype, int64_t ignore_index, 
   const Shape loss_shape = reduction == kernels::Reduction::None ? rows : Shape{};
 
   Tensor ref_in = full.clone().set_requires_grad(true);
-  Tensor ref = cross_entropy(ref_in, target, ignore_index, reduction);
+  Tensor ref = cross_entropy(ref_in, target, ignore_index, reduction, label_smoothing);
   backward(sum(mul(ref, upstream)));
 
   for (const MeshCase& mc : mesh_cases()) {
     const std::string what = "logits " + shape_str(shape) + " " + dtype_name(dtype) + " on " +
-                             mc.mesh.str() + " " + placements_str(mc.placements);
+                             mc.mesh.str() + " " + placements_str(mc.placements) +
+                             " label_smoothing " + std::to_string(label_smoothing);
     DTensor logits = distribute_tensor(full, mc.mesh, mc.placements);
     logits.set_requires_grad(true);
-    DTensor loss = vocab_parallel_cross_entropy(logits, target, ignore_index, reduction);
+    DTensor loss =
+        vocab_parallel_cross_entropy(logits, target, ignore_index, reduction, label_smoothing);
     EXPECT_EQ(loss.shape(), loss_shape) << what;
     EXPECT_EQ(loss.placements(), Placements(mc.placements.size(), Replicate())) << what;
     EXPECT_EQ(loss.dtype(), dtype) << what;
@@ -104,6 +107,27 @@ TEST(VocabParallelLoss, SumAndPerRowReductionsMatchPlainCrossEntropy) {
     check_against_plain({4, 13}, DType::Float32, -100, 1e-5, r);
     check_against_plain({6, 3}, DType::Float64, -1, 1e-12, r);  // an empty slice at 4 ranks
   }
+}
+
+// label_smoothing as the plain loss's (itself checked against PyTorch's closed form), loss and
+// gradient, with uneven and empty vocabulary slices.
+TEST(VocabParallelLoss, LabelSmoothingMatchesPlainCrossEntropy) {
+  for (kernels::Reduction r :
+       {kernels::Reduction::Mean, kernels::Reduction::Sum, kernels::Reduction::None}) {
+    for (double eps : {0.1, 1.0}) {
+      check_against_plain({3, 5, 13}, DType::Float64, -100, 1e-12, r, eps);
+      check_against_plain({4, 13}, DType::Float32, -100, 1e-5, r, eps);
+      check_against_plain({6, 3}, DType::Float64, -1, 1e-12, r, eps);
+    }
+  }
+  const DeviceMesh tp(Shape{world_size()}, {"tp"});
+  const DTensor logits = distribute_tensor(global_randn({2, 5}, 34), tp, {Shard(-1)});
+  expect_error(
+      [&] {
+        vocab_parallel_cross_entropy(logits, from_vector<int64_t>({0, 1}, {2}), -100,
+                                     kernels::Reduction::Mean, 1.5);
+      },
+      "label_smoothing must be in [0, 1], got 1.5");
 }
 
 TEST(VocabParallelLoss, EmptyVocabularyShardsAndCustomIgnoreIndex) {
