@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/affine_batch.h"
@@ -18,6 +19,7 @@
 #include "tessera/tessera.h"
 #include "tessera/testing/checks.h"
 #include "tessera/testing/expect_error.h"
+#include "tessera/testing/generators.h"
 #include "tessera/testing/stand_in_device.h"
 
 using namespace tessera;
@@ -137,4 +139,28 @@ TEST(DeviceTraining, WithDeviceKernelsTheLossCurveFollowsTheCpu) {
         << "step " << s << " on " << device.str();
   for (const auto& [name, t] : cpu.final_state)
     tessera::testing::expect_close(cuda.final_state.at(name), t, 1e-4, name);
+}
+
+// label_smoothing's term is made of dispatching ops (log_softmax, sum, masked_fill) around the
+// fused kernel: on the device's own kernels it gives the CPU's loss and gradient, without a
+// kernel run on host copies.
+TEST(DeviceTraining, LabelSmoothedCrossEntropyFollowsTheCpu) {
+  const Tensor logits = tessera::testing::random_tensor({2, 3, 5}, 71, DType::Float32);
+  const Tensor target = from_vector<int64_t>({0, 4, -100, 2, 1, -100}, {2, 3});
+  for (Reduction red : {Reduction::None, Reduction::Mean, Reduction::Sum}) {
+    auto run = [&](Device dev) {
+      Tensor x = logits.clone().to(dev);  // a fresh leaf: to(cpu) of a CPU tensor is itself
+      x.set_requires_grad(true);
+      Tensor loss = cross_entropy(x, target.to(dev), -100, red, 0.2);
+      backward(sum(loss));
+      return std::make_pair(loss.detach().to(Device::cpu()), x.grad().to(Device::cpu()));
+    };
+    const auto cpu = run(Device::cpu());
+    TestDevice device(tessera::testing::KernelsOn::Device);
+    const int64_t fallbacks = kernels::host_fallback_calls();
+    const auto dev = run(Device::cuda(0));
+    EXPECT_EQ(kernels::host_fallback_calls(), fallbacks) << device.str();
+    tessera::testing::expect_close(dev.first, cpu.first, 1e-6, "loss");
+    tessera::testing::expect_close(dev.second, cpu.second, 1e-6, "grad");
+  }
 }
