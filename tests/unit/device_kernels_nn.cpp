@@ -342,6 +342,10 @@ TEST(DeviceKernels, CrossEntropyAndGathersFollowTheCpu) {
   const Tensor parts = random_tensor({2, 3}, 128, DType::Float32);
   expect_matches(kernels::cat({cuda(parts), cuda(parts)}, 1), kernels::cat({parts, parts}, 1), {},
                  "cat");
+  // PyTorch's legacy empty tensors [0] are skipped on the device too.
+  const Tensor none = empty({0}, DType::Float32);
+  expect_matches(kernels::cat({cuda(none), cuda(parts), cuda(none)}, 1), parts, {},
+                 "cat of legacy empty tensors");
   expect_matches(kernels::stack({cuda(parts), cuda(parts)}, 0), kernels::stack({parts, parts}, 0),
                  {}, "stack");
 }
