@@ -79,6 +79,7 @@ void Adam::step() {
   NoGradGuard no_grad;
   const std::string op = name_ + ".step";
   check_grads_ready(op.c_str(), params_);
+  check_updatable(op.c_str(), params_);
   ++step_;
   for (size_t i = 0; i < params_.size(); ++i) {
     Parameter& p = *params_[i];
@@ -95,7 +96,7 @@ void Adam::step() {
         .eps = o.eps,
         .l2_weight_decay = decoupled_ ? 0.0 : o.weight_decay,
         .maximize = o.maximize};
-    update_local(name_.c_str(), i, p, [&](Tensor& w, const Tensor& g) {
+    update_local(p, [&](Tensor& w, const Tensor& g) {
       state_slot(m_, i, p, /*allocate=*/true);
       state_slot(v_, i, p, /*allocate=*/true);
       // amsgrad switched on after some updates starts its maximum at zeros, i.e. from the

@@ -28,14 +28,27 @@ inline DType compute_dtype_of(DType dt) {
 
 // Runs `update(param, grad)` on contiguous compute-dtype views of a parameter's local piece and
 // gradient, writing the result back when the piece had to be copied.
+// Checks every parameter a step would update before any is: PyTorch's step refuses before it
+// changes anything, and a refusal halfway would leave some parameters (and step counts) one
+// step ahead of the others.
+inline void check_updatable(const char* opt, const std::vector<Parameter*>& params) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Parameter& p = *params[i];
+    const Tensor grad = p.grad();
+    if (!grad.defined()) continue;
+    const Tensor& local = p.stored();
+    TESSERA_CHECK(grad.shape() == local.shape(), opt, ": gradient ", grad.str(), " of parameter ",
+                  i, " ", p.str(), " does not have the local shape ", shape_str(local.shape()));
+    TESSERA_CHECK(is_floating(local.dtype()), opt, ": parameter ", i, " ", p.str(),
+                  " is not floating point (dtype ", dtype_name(local.dtype()), ")");
+  }
+}
+
+// Checked beforehand by check_updatable.
 template <class F>
-void update_local(const char* opt, size_t index, Parameter& p, F&& update) {
+void update_local(Parameter& p, F&& update) {
   const Tensor& local = p.stored();
   Tensor grad = p.grad();
-  TESSERA_CHECK(grad.shape() == local.shape(), opt, ": gradient ", grad.str(), " of parameter ",
-                index, " ", p.str(), " does not have the local shape ", shape_str(local.shape()));
-  TESSERA_CHECK(is_floating(local.dtype()), opt, ": parameter ", index, " ", p.str(),
-                " is not floating point");
   const DType ct = compute_dtype_of(local.dtype());
   Tensor work = local.detach();
   const bool in_place = work.dtype() == ct && work.is_contiguous();

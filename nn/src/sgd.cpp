@@ -68,11 +68,12 @@ Tensor SGD::state_tensor(size_t i, const std::string& name, bool allocate) {
 void SGD::step() {
   NoGradGuard no_grad;
   check_grads_ready("SGD.step", params_);
+  check_updatable("SGD.step", params_);
   for (size_t i = 0; i < params_.size(); ++i) {
     Parameter& p = *params_[i];
     if (!p.grad().defined()) continue;
     const SGDOptions& o = groups_[param_group_of(i)];
-    update_local("SGD", i, p, [&](Tensor& w, const Tensor& g) {
+    update_local(p, [&](Tensor& w, const Tensor& g) {
       // PyTorch's first momentum step copies the gradient into the buffer: the first step of
       // the parameter (a buffer allocated to load a checkpoint of a run that never stepped is
       // fresh too), or the first with momentum after steps without (no buffer yet).

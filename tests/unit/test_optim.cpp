@@ -367,3 +367,22 @@ TEST(Optimizer, ResetStateForgetsAParametersUpdates) {
   tessera::testing::expect_error([&] { opt.reset_state({&stranger}); },
                                  "is not a parameter of this optimizer");
 }
+
+// A step refuses before it changes anything, as PyTorch's: a parameter it cannot update after
+// one it can left the first (and the step counts) one step ahead of the rest.
+TEST(Optimizer, RefusedStepChangesNothing) {
+  const Vec a0 = {1.0, 2.0};
+  Parameter a = make_param(a0);
+  Parameter n(from_vector<int64_t>({3, 4}), /*requires_grad=*/false);
+  Tensor(n.stored()).set_grad(from_vector<int64_t>({1, 1}));
+  AdamW adam({&a, &n}, {.lr = 0.1});
+  SGD sgd({&a, &n}, {.lr = 0.1});
+  for (Optimizer* opt : std::vector<Optimizer*>{&adam, &sgd}) {
+    set_grad(a, {1.0, -1.0});
+    expect_error([&] { opt->step(); }, {"parameter 1", "not floating point", "int64"});
+    expect_near_all(a.local(), a0, 0, "a parameter before the refused one");
+    EXPECT_EQ(opt->param_step(0), 0);
+  }
+  EXPECT_EQ(adam.step_count(), 0);
+  EXPECT_FALSE(adam.exp_avg()[0].defined());
+}
