@@ -2,6 +2,7 @@
 // failed load leaves the model as it was.
 #include <algorithm>
 #include <map>
+#include <mutex>
 #include <set>
 
 #include "tessera/autograd/grad_mode.h"
@@ -63,6 +64,28 @@ std::vector<std::pair<std::string, Shape>> expected_shapes(
   for (const auto& [name, b] : buffers)
     out.emplace_back(name, b->shape());
   return out;
+}
+
+// The world mesh of a device type that sharded_state_dict puts plain tensors on, the same one
+// for every call: a mesh owns process groups (on NCCL a communicator each), so a new one per call
+// would pile them up over a run that checkpoints often. Made on first use, which is collective:
+// every rank meets the same device types in the same order in the same model, so every rank makes
+// the same meshes in the same call. Dropped when the runtime finalizes, while MPI still runs.
+DeviceMesh world_mesh(DeviceType type) {
+  static std::mutex mutex;
+  static std::map<DeviceType, DeviceMesh> meshes;
+  static bool clear_at_finalize = false;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = meshes.find(type);
+  if (it != meshes.end()) return it->second;
+  if (!clear_at_finalize) {
+    detail::at_finalize([] {
+      std::lock_guard<std::mutex> l(mutex);
+      meshes.clear();
+    });
+    clear_at_finalize = true;
+  }
+  return meshes.emplace(type, DeviceMesh(type, Shape{world_size()}, {"world"})).first->second;
 }
 
 }  // namespace
@@ -127,18 +150,13 @@ std::map<std::string, DTensor> Module::sharded_state_dict() {
   // tensor on its device, and a mesh of another device type would make from_local copy a device
   // tensor to the host (and the entry stop sharing the parameter's storage). Only where that
   // device type has no communication backend (a CUDA build without NCCL, none registered) do its
-  // tensors come as host copies on the CPU's mesh. Making a mesh is collective; every rank meets
-  // the same device types in the same order in the same model.
-  std::map<DeviceType, DeviceMesh> worlds;
+  // tensors come as host copies on the CPU's mesh.
   auto replicated = [&](const Tensor& t) {
     DeviceType type = t.device().type;
     if (type != DeviceType::CPU && backend_name(type).empty() &&
         (type != DeviceType::CUDA || !nccl_unavailable().empty()))
       type = DeviceType::CPU;
-    auto it = worlds.find(type);
-    if (it == worlds.end())
-      it = worlds.emplace(type, DeviceMesh(type, Shape{world_size()}, {"world"})).first;
-    return DTensor::from_local(t.detach(), it->second, {Replicate()}, t.shape());
+    return DTensor::from_local(t.detach(), world_mesh(type), {Replicate()}, t.shape());
   };
   for (auto& [name, p] : params)
     out[name] = p->is_dtensor() ? p->stored_dtensor().detach() : replicated(p->stored());

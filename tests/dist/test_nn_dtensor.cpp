@@ -232,6 +232,26 @@ TEST(NnDTensor, ShardedStateDictKeepsPlainDeviceTensorsOnTheDevice) {
       expect_close(t.to(Device::cpu()), want.at(name).to(Device::cpu()), 0, name);
 }
 
+// Every call puts the plain tensors on the same world meshes: a mesh per call made new process
+// groups (on NCCL a communicator each), which a run that checkpoints often piled up.
+TEST(NnDTensor, ShardedStateDictReusesItsWorldMeshes) {
+  tessera::testing::TestDevice device;
+  Generator gen(3);
+  auto on_device = std::make_shared<PlainThenDistributed>(gen);
+  on_device->to(Device::cuda(0));
+  auto on_host = std::make_shared<PlainThenDistributed>(gen);
+  const DeviceMesh device_world = on_device->sharded_state_dict().at("plain.weight").mesh();
+  const DeviceMesh host_world = on_host->sharded_state_dict().at("plain.weight").mesh();
+  const int64_t splits = comm_op_counts()["split"];
+  for (int again = 0; again < 3; ++again) {
+    const std::map<std::string, DTensor> d = on_device->sharded_state_dict();
+    const std::map<std::string, DTensor> h = on_host->sharded_state_dict();
+    EXPECT_EQ(d.at("steps").mesh(), device_world);
+    EXPECT_EQ(h.at("steps").mesh(), host_world);
+  }
+  EXPECT_EQ(comm_op_counts()["split"], splits) << "sharded_state_dict made new process groups";
+}
+
 // --- Embedding ---
 
 TEST(NnDTensor, VocabParallelEmbeddingMatchesSingleRank) {
