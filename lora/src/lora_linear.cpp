@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <utility>
 #include <vector>
 
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/autograd/ops.h"
+#include "tessera/core/digest.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
 #include "tessera/core/kernels/reduce.h"
@@ -203,6 +205,30 @@ Parameter& LoraLinear::lora_A(int64_t i) {
 Parameter& LoraLinear::lora_B(int64_t i) {
   check_slot(i, "lora_B");
   return b_[size_t(i)]->weight;
+}
+
+std::vector<std::pair<std::string, std::string>> LoraLinear::tensor_parallel_inputs() const {
+  // after_tensor_parallel cuts each adapter from this rank's own copy (kEveryRank), whose values
+  // must be every rank's: compared here, a rank holding other values is refused before the first
+  // target changes rather than in this layer's distribution, after earlier targets had. Device
+  // tensors are not read back, as distribute_tensor does not.
+  std::vector<std::pair<std::string, std::string>> out;
+  auto describe = [&](const std::string& name, const Parameter& p) {
+    const Tensor& t = p.stored();
+    std::string values = "on a device";
+    if (t.device().is_cpu()) {
+      char hex[17];
+      std::snprintf(hex, sizeof(hex), "%016llx", (unsigned long long)values_digest(t));
+      values = std::string("digest ") + hex;
+    }
+    out.emplace_back(
+        name, detail::concat(dtype_name(t.dtype()), " ", shape_str(p.global_shape()), " ", values));
+  };
+  for (size_t i = 0; i < a_.size(); ++i) {
+    describe(detail::concat("lora_A.", i, ".weight"), a_[i]->weight);
+    describe(detail::concat("lora_B.", i, ".weight"), b_[i]->weight);
+  }
+  return out;
 }
 
 void LoraLinear::after_tensor_parallel(const DeviceMesh& mesh) {

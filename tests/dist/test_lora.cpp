@@ -224,6 +224,28 @@ TEST(Lora, AdaptersAddNoCollectives) {
   }
 }
 
+// Each rank cuts its adapters' windows from its own copy, so adapters holding other values on one
+// rank are refused on every rank before any target changes, naming the adapter; the refusal used
+// to come from the distribution of that layer's adapters, after earlier targets were sharded.
+TEST(Lora, AdaptersDifferingAcrossRanksChangeNothing) {
+  const int n = world_size();
+  if (n == 1) GTEST_SKIP() << "one rank has no other rank to differ from";
+  const DecoderConfig cfg = lora_decoder_config();
+  auto m = std::make_shared<Decoder>(cfg);
+  auto lora = apply_lora(m, lora_test_config(LoraInit::Random));
+  for (const auto& [path, layer] : lora->layers())
+    if (path == "layers.1.feed_forward.w2" && world_rank() == n - 1) layer->lora_A(0).fill_(0.25);
+  const DeviceMesh mesh(Shape{n}, {"tp"});
+  expect_error(
+      [&] { parallelize_module(m, mesh, decoder_tp_plan(cfg, mesh)); },
+      {"parallelize_module(Decoder)", "[rank " + std::to_string(n - 1) + "]", "differs from rank 0",
+       "'layers.1.feed_forward.w2.lora_A.0.weight' float32 [4, 64]"});
+  for (Parameter* p : m->parameters())
+    EXPECT_FALSE(p->is_dtensor()) << p->str();
+  for (const auto& [path, layer] : lora->layers())
+    EXPECT_FALSE(layer->dtensor_io().has_value()) << path;
+}
+
 // A model put in eval mode before apply_lora stays so in the layers LoRA wraps: dropout does not
 // run at inference (two forwards agree bit for bit), and does again in train mode.
 TEST(Lora, WrappedLayersKeepTheModelsEvalMode) {

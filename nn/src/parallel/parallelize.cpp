@@ -2,6 +2,7 @@
 #include "tessera/nn/parallel/parallelize.h"
 
 #include "tessera/comm/agree.h"
+#include "tessera/nn/layers.h"
 #include "tessera/nn/module_path.h"
 
 #include <algorithm>
@@ -90,11 +91,14 @@ std::vector<std::string> plan_description(
       lines.push_back(detail::concat("'", pattern, "' ", style->str(), " on '", path, "' (",
                                      m->type_name(), ")"));
       if (!style->distributes_parameters()) continue;
+      const std::string prefix = path.empty() ? path : path + ".";
       for (auto& [name, p] : m->named_parameters(/*recurse=*/false, false))
         if (p->defined())
-          lines.push_back(detail::concat("'", path, path.empty() ? "" : ".", name, "' ",
-                                         dtype_name(p->dtype()), " ",
+          lines.push_back(detail::concat("'", prefix, name, "' ", dtype_name(p->dtype()), " ",
                                          shape_str(p->global_shape())));
+      if (const auto* linear = dynamic_cast<const Linear*>(m.get()))
+        for (const auto& [name, what] : linear->tensor_parallel_inputs())
+          lines.push_back(detail::concat("'", prefix, name, "' ", what));
     }
   }
   return lines;

@@ -81,6 +81,7 @@ class LoraLinear : public Linear {
   Tensor forward(const Tensor& x) override;
   DTensor forward_dtensor(const DTensor& x) override;
   void after_tensor_parallel(const DeviceMesh& mesh) override;
+  std::vector<std::pair<std::string, std::string>> tensor_parallel_inputs() const override;
 
   struct Slot {
     std::string adapter;  // empty: free

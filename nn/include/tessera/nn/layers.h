@@ -2,6 +2,9 @@
 // Basic layers. Each draws its initial values with the shard-invariant RNG in registration
 // order, so the same seed gives the same model under any parallelism.
 #include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "tessera/nn/module.h"
 
@@ -21,6 +24,12 @@ class Linear : public Module {
   // Called by ColwiseParallel and RowwiseParallel once weight and bias are distributed on
   // `mesh`, so that a subclass holding more parameters (a LoRA linear) lays them out to match.
   virtual void after_tensor_parallel(const DeviceMesh& mesh) { (void)mesh; }
+  // What after_tensor_parallel takes from this rank alone, as (name, description) per tensor:
+  // parallelize_module has the ranks agree on it before any style changes the model, as on the
+  // weight and bias. None for a plain Linear.
+  virtual std::vector<std::pair<std::string, std::string>> tensor_parallel_inputs() const {
+    return {};
+  }
   // A plain Linear taking over `base`'s weight and bias, as the constructor below does (undoing
   // a wrapper: LoRA's unload).
   static std::shared_ptr<Linear> unwrapped(const Linear& base);
