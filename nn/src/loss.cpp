@@ -4,7 +4,9 @@
 #include "tessera/nn/loss.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -176,21 +178,46 @@ class VocabParallelCrossEntropy final : public autograd::Function {
 // groups, so that no rank goes on into the forward's all-reduces while another throws.
 struct LocalFindings {
   bool local_shape_ok = true;
-  std::string bad_target;  // this rank's first out-of-range target, described
+  std::string bad_target;  // this rank's first out-of-range target (or bad argument), described
   uint64_t target_hash = 0;
+  // ignore_index, reduction and label_smoothing, described and hashed (the value's bits): ranks
+  // passing different ones would each compute another loss through the same collectives,
+  // silently.
+  std::string options;
+  uint64_t options_hash = 0;
 };
 
+// Halves of a 64-bit hash, each also negated, so that one all-reduce with Max finds both the
+// largest and the smallest value of each.
+void push_hash(std::vector<int64_t>& v, uint64_t h) {
+  const int64_t hi = int64_t(h >> 32), lo = int64_t(h & 0xffffffffu);
+  v.insert(v.end(), {hi, -hi, lo, -lo});
+}
+
+const char* reduction_name(kernels::Reduction r) {
+  switch (r) {
+    case kernels::Reduction::Mean:
+      return "mean";
+    case kernels::Reduction::Sum:
+      return "sum";
+    default:
+      return "none";
+  }
+}
+
+bool hashes_agree(const std::vector<int64_t>& r, size_t at) {
+  return r[at] == -r[at + 1] && r[at + 2] == -r[at + 3];
+}
+
 void agree_on_vocabulary(const VocabShard& shard, const LocalFindings& mine, Device device) {
-  // The hash travels as two 32-bit halves, each also negated, so that Max finds both the
-  // largest and the smallest value of each.
-  const int64_t hi = int64_t(mine.target_hash >> 32), lo = int64_t(mine.target_hash & 0xffffffffu);
   // Reduced over every vocabulary mesh dim in turn before any check: the maxima are then those
   // of every rank sharing the vocabulary, so all of them decide alike (checked after each dim,
   // one dim's group could throw while another's went on into the next all-reduce).
-  Tensor v = from_vector<int64_t>({shard.vocab_size, -shard.vocab_size, mine.local_shape_ok ? 0 : 1,
-                                   mine.bad_target.empty() ? 0 : 1, hi, -hi, lo, -lo},
-                                  {8})
-                 .to(device);
+  std::vector<int64_t> values = {shard.vocab_size, -shard.vocab_size, mine.local_shape_ok ? 0 : 1,
+                                 mine.bad_target.empty() ? 0 : 1};
+  push_hash(values, mine.target_hash);
+  push_hash(values, mine.options_hash);
+  Tensor v = from_vector<int64_t>(values, {int64_t(values.size())}).to(device);
   for (const ProcessGroupPtr& g : shard.groups)
     g->all_reduce(v, ReduceOp::Max)->wait();
   {
@@ -208,9 +235,13 @@ void agree_on_vocabulary(const VocabShard& shard, const LocalFindings& mine, Dev
                       ? std::string("another rank's target is out of range, or not an int64 "
                                     "tensor of the logits' rows")
                       : mine.bad_target);
-    TESSERA_CHECK(r[4] == -r[5] && r[6] == -r[7], kOp,
+    TESSERA_CHECK(hashes_agree(r, 4), kOp,
                   ": the ranks sharing the vocabulary pass different targets (each needs the "
                   "same whole target: shard the batch over another mesh dim)");
+    TESSERA_CHECK(hashes_agree(r, 8), kOp,
+                  ": the ranks sharing the vocabulary pass different ignore_index, reduction or "
+                  "label_smoothing (this rank: ",
+                  mine.options, ")");
   }
 }
 
@@ -220,8 +251,6 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
                                      int64_t ignore_index, kernels::Reduction reduction,
                                      double label_smoothing) {
   TESSERA_CHECK(logits.defined(), kOp, ": logits are undefined");
-  TESSERA_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, kOp,
-                ": label_smoothing must be in [0, 1], got ", label_smoothing);
   TESSERA_CHECK(target.defined(), kOp, ": target is undefined");
   const DTensorSpec& spec = logits.spec();
   TESSERA_CHECK(spec.ndim() >= 1 && is_floating(spec.dtype), kOp,
@@ -231,7 +260,11 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
   // A target of another dtype or shape is a finding like an out-of-range one: agreed before the
   // loss's collectives (a last batch of another size on one rank, say), not thrown alone.
   std::string bad_call;
-  if (target.dtype() != DType::Int64)
+  if (!(label_smoothing >= 0.0 && label_smoothing <= 1.0))
+    bad_call =
+        (std::ostringstream() << "label_smoothing must be in [0, 1], got " << label_smoothing)
+            .str();
+  else if (target.dtype() != DType::Int64)
     bad_call = "target must be int64 class indices, got " + target.str();
   else if (target.shape() != row_shape)
     bad_call = "target " + shape_str(target.shape()) + " does not match logits " +
@@ -267,6 +300,15 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
   LocalFindings mine;
   mine.bad_target = bad_call;
   mine.local_shape_ok = logits.to_local().shape() == layout.local_shape;
+  mine.options =
+      (std::ostringstream() << "ignore_index " << ignore_index << ", reduction "
+                            << reduction_name(reduction) << ", label_smoothing " << label_smoothing)
+          .str();
+  uint64_t smoothing_bits = 0;
+  std::memcpy(&smoothing_bits, &label_smoothing, sizeof smoothing_bits);
+  mine.options_hash =
+      std::hash<std::string>()(std::to_string(ignore_index) + "/" + std::to_string(int(reduction)) +
+                               "/" + std::to_string(smoothing_bits));
   mine.target_hash = std::hash<std::string_view>()(
       std::string_view(reinterpret_cast<const char*>(t.data()), t.size() * sizeof(int64_t)));
   int64_t kept = 0;

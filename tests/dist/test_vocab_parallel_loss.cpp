@@ -206,10 +206,34 @@ TEST(VocabParallelLoss, RanksWithDifferentTargetsFailTogether) {
       [&] { vocab_parallel_cross_entropy(logits, targets({last ? 3 : 4}, 13, -100, 7)); },
       last ? "target [3] does not match logits [4, 13]"
            : "another rank's target is out of range, or not an int64 tensor of the logits' rows");
+  // An argument refused on the last rank only, or arguments that differ: every rank fails.
+  const Tensor good = from_vector<int64_t>({0, 3, 2, 1}, {4});
+  expect_error(
+      [&] {
+        vocab_parallel_cross_entropy(logits, good, -100, kernels::Reduction::Mean,
+                                     last ? 1.5 : 0.1);
+      },
+      last ? "label_smoothing must be in [0, 1], got 1.5"
+           : "another rank's target is out of range");
+  const std::string theirs =
+      "the ranks sharing the vocabulary pass different ignore_index, "
+      "reduction or label_smoothing (this rank: ignore_index ";
+  expect_error(
+      [&] {
+        vocab_parallel_cross_entropy(logits, good, -100, kernels::Reduction::Mean,
+                                     last ? 0.2 : 0.1);
+      },
+      {theirs, last ? "label_smoothing 0.2" : "label_smoothing 0.1"});
+  expect_error(
+      [&] {
+        vocab_parallel_cross_entropy(logits, good, -100,
+                                     last ? kernels::Reduction::Sum : kernels::Reduction::Mean);
+      },
+      {theirs, last ? "reduction sum" : "reduction mean"});
+  expect_error([&] { vocab_parallel_cross_entropy(logits, good, last ? -1 : -100); },
+               {theirs, last ? "ignore_index -1," : "ignore_index -100,"});
   // Afterwards the loss runs (no collective was left half done).
-  EXPECT_TRUE(vocab_parallel_cross_entropy(logits, from_vector<int64_t>({0, 3, 2, 1}, {4}))
-                  .to_local()
-                  .defined());
+  EXPECT_TRUE(vocab_parallel_cross_entropy(logits, good).to_local().defined());
 }
 
 // The vocabulary split over both dims of a (2, 2) mesh: a bad target on rank 0 fails all four,
