@@ -26,8 +26,6 @@ inline DType compute_dtype_of(DType dt) {
   return dt == DType::Float64 ? DType::Float64 : DType::Float32;
 }
 
-// Runs `update(param, grad)` on contiguous compute-dtype views of a parameter's local piece and
-// gradient, writing the result back when the piece had to be copied.
 // Checks every parameter a step would update before any is: PyTorch's step refuses before it
 // changes anything, and a refusal halfway would leave some parameters (and step counts) one
 // step ahead of the others.
@@ -44,7 +42,9 @@ inline void check_updatable(const char* opt, const std::vector<Parameter*>& para
   }
 }
 
-// Checked beforehand by check_updatable.
+// Runs `update(param, grad)` on contiguous compute-dtype views of a parameter's local piece and
+// gradient, writing the result back when the piece had to be copied. The step has called
+// check_updatable on every parameter first.
 template <class F>
 void update_local(Parameter& p, F&& update) {
   const Tensor& local = p.stored();
