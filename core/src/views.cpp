@@ -201,18 +201,23 @@ Tensor squeeze(const Tensor& x) {
   return x.as_strided(sizes, strides, x.storage_offset());
 }
 
-Tensor flatten(const Tensor& x, int64_t start_dim, int64_t end_dim) {
-  if (x.dim() == 0) return reshape(x, {1});
-  start_dim = wrap_dim(start_dim, x.dim(), "flatten");
-  end_dim = wrap_dim(end_dim, x.dim(), "flatten");
+Shape flatten_shape(const Shape& shape, int64_t start_dim, int64_t end_dim) {
+  const int64_t nd = int64_t(shape.size());
+  if (nd == 0) return {1};
+  start_dim = wrap_dim(start_dim, nd, "flatten");
+  end_dim = wrap_dim(end_dim, nd, "flatten");
   TESSERA_CHECK(start_dim <= end_dim, "flatten: start_dim ", start_dim, " > end_dim ", end_dim);
-  Shape s(x.shape().begin(), x.shape().begin() + start_dim);
+  Shape s(shape.begin(), shape.begin() + start_dim);
   int64_t m = 1;
   for (int64_t d = start_dim; d <= end_dim; ++d)
-    m *= x.size(d);
+    m *= shape[size_t(d)];
   s.push_back(m);
-  s.insert(s.end(), x.shape().begin() + end_dim + 1, x.shape().end());
-  return reshape(x, s);
+  s.insert(s.end(), shape.begin() + end_dim + 1, shape.end());
+  return s;
+}
+
+Tensor flatten(const Tensor& x, int64_t start_dim, int64_t end_dim) {
+  return reshape(x, flatten_shape(x.shape(), start_dim, end_dim));
 }
 
 std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {

@@ -27,38 +27,51 @@ std::vector<int64_t> normalize_dims(const std::vector<int64_t>& dims, int64_t nd
   return out;
 }
 
+// The geometry of a reduction over `dims`: which input dims go, where a kept one lands, and the
+// output's shape.
+struct Reduced {
+  std::vector<int64_t> dims;  // sorted, unique
+  bool keepdim;
+
+  bool has(int64_t d) const { return std::binary_search(dims.begin(), dims.end(), d); }
+  int64_t out_dim(int64_t d) const {
+    if (keepdim) return d;
+    return d - std::count_if(dims.begin(), dims.end(), [&](int64_t r) { return r < d; });
+  }
+  Shape out_shape(const Shape& in) const {
+    Shape out;
+    for (int64_t d = 0; d < int64_t(in.size()); ++d) {
+      if (!has(d))
+        out.push_back(in[size_t(d)]);
+      else if (keepdim)
+        out.push_back(1);
+    }
+    return out;
+  }
+};
+
 DTensor reduce_sum(const char* op, const DTensor& x, const std::vector<int64_t>& dims_in,
                    bool keepdim, double scale) {
-  std::vector<int64_t> dims = normalize_dims(dims_in, x.dim(), op);
-  auto reduced = [&](int64_t d) { return std::binary_search(dims.begin(), dims.end(), d); };
+  const Reduced r{normalize_dims(dims_in, x.dim(), op), keepdim};
   ShardingDecision dec{{{}}, {}};
   for (const Placement& p0 : x.placements()) {
     Placement p = p0;
     if (p.is_partial() && p.reduce_op() != ReduceOp::Sum) p = Replicate();
-    if (p.is_strided_shard() && !reduced(p.dim())) p = Replicate();
+    if (p.is_strided_shard() && !r.has(p.dim())) p = Replicate();
     dec.inputs[0].push_back(p);
-    if (p.is_shard() && reduced(p.dim())) {
+    if (p.is_shard() && r.has(p.dim())) {
       dec.output.push_back(Partial());
     } else if (p.is_shard()) {
-      int64_t od = p.dim();
-      if (!keepdim)
-        od -= std::count_if(dims.begin(), dims.end(), [&](int64_t d) { return d < p.dim(); });
-      dec.output.push_back(Shard(od));
+      dec.output.push_back(Shard(r.out_dim(p.dim())));
     } else {
       dec.output.push_back(p);
     }
   }
-  Shape out;
-  for (int64_t d = 0; d < x.dim(); ++d) {
-    if (!reduced(d))
-      out.push_back(x.size(d));
-    else if (keepdim)
-      out.push_back(1);
-  }
-  return dtensor_ops::run(op, {x}, dec, out, [dims, keepdim, scale](const std::vector<Tensor>& l) {
-    Tensor s = sum(l[0], dims, keepdim);
-    return scale == 1.0 ? s : mul(s, scale);
-  });
+  return dtensor_ops::run(op, {x}, dec, r.out_shape(x.shape()),
+                          [dims = r.dims, keepdim, scale](const std::vector<Tensor>& l) {
+                            Tensor s = sum(l[0], dims, keepdim);
+                            return scale == 1.0 ? s : mul(s, scale);
+                          });
 }
 
 ShardingDecision keep_dim_whole(const DTensor& x, int64_t dim) {
@@ -85,35 +98,21 @@ DTensor mean(const DTensor& x, const std::vector<int64_t>& dims, bool keepdim) {
   return reduce_sum("mean", x, dims, keepdim, 1.0 / double(count));
 }
 
-DTensor amax(const DTensor& x, const std::vector<int64_t>& dims_in, bool keepdim) {
-  std::vector<int64_t> dims = normalize_dims(dims_in, x.dim(), "amax");
-  auto reduced = [&](int64_t d) { return std::binary_search(dims.begin(), dims.end(), d); };
+DTensor amax(const DTensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  const Reduced r{normalize_dims(dims, x.dim(), "amax"), keepdim};
   ShardingDecision dec{{{}}, {}};
   for (const Placement& p : x.placements()) {
     // The reduced dims whole on every rank, so that the gradient finds the global maxima; a
     // strided shard of a kept dim is gathered as in sum (its dim is renumbered).
     const bool gather =
-        p.is_partial() || (p.is_shard() && (reduced(p.dim()) || p.is_strided_shard()));
+        p.is_partial() || (p.is_shard() && (r.has(p.dim()) || p.is_strided_shard()));
     const Placement q = gather ? Replicate() : p;
     dec.inputs[0].push_back(q);
-    if (q.is_shard() && !keepdim) {
-      const int64_t below =
-          std::count_if(dims.begin(), dims.end(), [&](int64_t d) { return d < q.dim(); });
-      dec.output.push_back(Shard(q.dim() - below));
-    } else {
-      dec.output.push_back(q);
-    }
+    dec.output.push_back(q.is_shard() ? Shard(r.out_dim(q.dim())) : q);
   }
-  Shape out;
-  for (int64_t d = 0; d < x.dim(); ++d) {
-    if (!reduced(d))
-      out.push_back(x.size(d));
-    else if (keepdim)
-      out.push_back(1);
-  }
-  return dtensor_ops::run("amax", {x}, dec, out, [dims, keepdim](const std::vector<Tensor>& l) {
-    return amax(l[0], dims, keepdim);
-  });
+  return dtensor_ops::run(
+      "amax", {x}, dec, r.out_shape(x.shape()),
+      [dims = r.dims, keepdim](const std::vector<Tensor>& l) { return amax(l[0], dims, keepdim); });
 }
 
 DTensor softmax(const DTensor& x, int64_t dim) {

@@ -15,6 +15,11 @@ namespace {
 
 using dtensor_ops::ShardingDecision;
 
+// `p` with its shard moved to tensor dim `dim` (the kind and split factor kept).
+Placement moved(const Placement& p, int64_t dim) {
+  return p.is_strided_shard() ? StridedShard(dim, p.split_factor()) : Shard(dim);
+}
+
 struct Group {
   int64_t in_begin, in_end, out_begin, out_end;  // [begin, end)
 };
@@ -114,10 +119,8 @@ ShardingDecision view_decision(const char* op, const DTensor& x, const Shape& ou
       dec.output.push_back(Replicate());
       continue;
     }
-    const int64_t lead_out = lead[size_t(p.dim())];
     dec.inputs[0].push_back(p);
-    dec.output.push_back(p.is_strided_shard() ? StridedShard(lead_out, p.split_factor())
-                                              : Shard(lead_out));
+    dec.output.push_back(moved(p, lead[size_t(p.dim())]));
   }
   return dec;
 }
@@ -152,7 +155,7 @@ DTensor transpose(const DTensor& x, int64_t d0, int64_t d1) {
       continue;
     }
     int64_t nd = p.dim() == d0 ? d1 : d0;
-    dec.output.push_back(p.is_strided_shard() ? StridedShard(nd, p.split_factor()) : Shard(nd));
+    dec.output.push_back(moved(p, nd));
   }
   Shape out = x.shape();
   std::swap(out[size_t(d0)], out[size_t(d1)]);
@@ -160,15 +163,6 @@ DTensor transpose(const DTensor& x, int64_t d0, int64_t d1) {
     return transpose(l[0], d0, d1);
   });
 }
-
-namespace {
-
-// `p` with its shard moved to tensor dim `dim` (the kind and split factor kept).
-Placement moved(const Placement& p, int64_t dim) {
-  return p.is_strided_shard() ? StridedShard(dim, p.split_factor()) : Shard(dim);
-}
-
-}  // namespace
 
 DTensor permute(const DTensor& x, const std::vector<int64_t>& dims) {
   const int64_t nd = x.dim();
@@ -222,18 +216,7 @@ DTensor squeeze(const DTensor& x, int64_t dim) {
 }
 
 DTensor flatten(const DTensor& x, int64_t start_dim, int64_t end_dim) {
-  if (x.dim() == 0) return reshape(x, {1});
-  start_dim = wrap_dim(start_dim, x.dim(), "flatten");
-  end_dim = wrap_dim(end_dim, x.dim(), "flatten");
-  TESSERA_CHECK(start_dim <= end_dim, "flatten: start_dim ", start_dim, " > end_dim ", end_dim,
-                " for ", x.str());
-  Shape out(x.shape().begin(), x.shape().begin() + start_dim);
-  int64_t merged = 1;
-  for (int64_t d = start_dim; d <= end_dim; ++d)
-    merged *= x.size(d);
-  out.push_back(merged);
-  out.insert(out.end(), x.shape().begin() + end_dim + 1, x.shape().end());
-  return reshape(x, out);
+  return reshape(x, kernels::flatten_shape(x.shape(), start_dim, end_dim));
 }
 
 namespace {

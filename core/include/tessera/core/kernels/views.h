@@ -20,6 +20,8 @@ Tensor expand(const Tensor& x, const Shape& shape);
 Tensor unsqueeze(const Tensor& x, int64_t dim);
 Tensor squeeze(const Tensor& x, int64_t dim);
 Tensor squeeze(const Tensor& x);
+// The shape flatten gives: dims start_dim..end_dim merged into one ([1] for a 0-d shape).
+Shape flatten_shape(const Shape& shape, int64_t start_dim, int64_t end_dim);
 Tensor flatten(const Tensor& x, int64_t start_dim = 0, int64_t end_dim = -1);
 // torch.chunk: ceil(n / chunks) per piece; fewer pieces when n is small, `chunks` empty ones
 // when n is 0.
