@@ -194,17 +194,6 @@ void push_hash(std::vector<int64_t>& v, uint64_t h) {
   v.insert(v.end(), {hi, -hi, lo, -lo});
 }
 
-const char* reduction_name(kernels::Reduction r) {
-  switch (r) {
-    case kernels::Reduction::Mean:
-      return "mean";
-    case kernels::Reduction::Sum:
-      return "sum";
-    default:
-      return "none";
-  }
-}
-
 bool hashes_agree(const std::vector<int64_t>& r, size_t at) {
   return r[at] == -r[at + 1] && r[at + 2] == -r[at + 3];
 }

@@ -30,6 +30,19 @@ class CrossEntropyFn final : public autograd::Function {
   kernels::Reduction reduction_;
 };
 
+// A per-row loss reduced as `reduction` asks; a mean divides the sum by `rows`.
+Tensor reduce_rows(const Tensor& per_row, kernels::Reduction reduction, double rows) {
+  switch (reduction) {
+    case kernels::Reduction::None:
+      return per_row;
+    case kernels::Reduction::Sum:
+      return sum(per_row);
+    case kernels::Reduction::Mean:
+      break;
+  }
+  return div(sum(per_row), rows);
+}
+
 // Class probabilities, a floating target of the logits' shape, as PyTorch's: each row's loss is
 // -sum(target * log_softmax(logits)). Built of differentiable ops so that a target which requires
 // grad receives its gradient too (-log_softmax(logits) times the reduction's scale), as in
@@ -49,15 +62,8 @@ Tensor cross_entropy_probabilities(const Tensor& logits, const Tensor& target,
                                                  : add(mul(target, 1.0 - label_smoothing),
                                                        label_smoothing / double(logits.size(-1)));
   Tensor per_row = neg(sum(mul(log_softmax(logits, -1), smoothed), {-1}));
-  switch (reduction) {
-    case kernels::Reduction::None:
-      return per_row;
-    case kernels::Reduction::Sum:
-      return sum(per_row);
-    case kernels::Reduction::Mean:
-      break;
-  }
-  return mean(per_row);  // over the rows, not the probabilities' total, as PyTorch's
+  // A mean over the rows, not the probabilities' total, as PyTorch's.
+  return reduce_rows(per_row, reduction, double(per_row.numel()));
 }
 
 // The smoothing term of class-index targets, as PyTorch's: each kept row's -(1/C) * sum over
@@ -75,15 +81,8 @@ Tensor smoothing_term(const Tensor& l2, const Tensor& t1, int64_t ignore_index,
   const Tensor mask = from_vector<bool>(ignored, {int64_t(t.size())}).to(l2.device());
   const Tensor per_row =
       masked_fill(div(neg(sum(log_softmax(l2, -1), {-1})), double(l2.size(-1))), mask, 0.0);
-  switch (reduction) {
-    case kernels::Reduction::None:
-      return per_row;
-    case kernels::Reduction::Sum:
-      return sum(per_row);
-    case kernels::Reduction::Mean:
-      break;
-  }
-  return div(sum(per_row), double(kept));  // no kept row: 0/0, NaN as the nll's mean
+  // No kept row: a mean of 0/0, NaN as the nll's.
+  return reduce_rows(per_row, reduction, double(kept));
 }
 
 }  // namespace

@@ -79,18 +79,6 @@ inline void check_norm_backward(const char* op, const Tensor& grad_out, const Te
                 " does not match x's leading dims ", shape_str(r.lead));
 }
 
-inline const char* reduction_name(Reduction r) {
-  switch (r) {
-    case Reduction::None:
-      return "none";
-    case Reduction::Mean:
-      return "mean";
-    case Reduction::Sum:
-      return "sum";
-  }
-  return "?";
-}
-
 inline void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor& target) {
   TESSERA_CHECK(logits.defined() && target.defined(), op, ": undefined logits or target");
   TESSERA_CHECK(logits.dim() == 2 && is_floating(logits.dtype()), op,

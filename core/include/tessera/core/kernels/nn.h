@@ -8,6 +8,18 @@ namespace tessera {
 // that argument-dependent lookup of an unqualified cross_entropy(logits, target, ignore_index,
 // Reduction::Sum) finds only the differentiable tessera::cross_entropy, not this kernel too.
 enum class Reduction : uint8_t { None, Mean, Sum };
+// PyTorch's spelling of it ("none", "mean", "sum"), for messages.
+inline const char* reduction_name(Reduction r) {
+  switch (r) {
+    case Reduction::None:
+      return "none";
+    case Reduction::Mean:
+      return "mean";
+    case Reduction::Sum:
+      return "sum";
+  }
+  return "?";
+}
 }  // namespace tessera
 
 namespace tessera::kernels {
