@@ -25,8 +25,8 @@ void LoraConfig::validate() const {
   // PEFT's orthogonal init pairs Q's even rows (A) with its odd ones (B).
   TESSERA_CHECK(init_lora_weights != LoraInit::Orthogonal || r % 2 == 0,
                 "LoraConfig: init_lora_weights \"orthogonal\" needs an even r, got ", r);
-  TESSERA_CHECK(bias == "none", "LoraConfig: bias '", bias,
-                "' is not supported; only \"none\" (the base biases stay frozen)");
+  TESSERA_CHECK(bias == "none" || bias == "all" || bias == "lora_only", "LoraConfig: bias '", bias,
+                "' is not one of PEFT's \"none\", \"all\", \"lora_only\"");
 }
 
 // The path's last components, as many as the entry has: PEFT's suffix rule, patterns included.

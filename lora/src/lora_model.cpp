@@ -102,11 +102,52 @@ std::vector<size_t> LoraModel::targets(const LoraConfig& config) const {
   return out;
 }
 
+std::vector<std::pair<std::string, Parameter*>> LoraModel::bias_parameters(
+    const LoraConfig& config, const std::vector<size_t>& layers) const {
+  std::vector<std::pair<std::string, Parameter*>> out;
+  if (config.bias == "lora_only") {
+    for (size_t i : layers)
+      if (layers_[i].second->bias.defined())
+        out.emplace_back(layers_[i].first + ".base_layer.bias", &layers_[i].second->bias);
+  } else if (config.bias == "all") {
+    // PEFT's rule is the name: every parameter whose name says "bias", wherever it is.
+    std::set<const Parameter*> seen;
+    for (const auto& [name, p] : model_->named_parameters()) {
+      if (name.find("bias") == std::string::npos || !seen.insert(p).second) continue;
+      std::string key = name;
+      for (const auto& [path, l] : layers_)
+        if (&l->bias == p) key = path + ".base_layer.bias";
+      out.emplace_back(std::move(key), p);
+    }
+  }
+  return out;
+}
+
+// The biases are the base model's: two adapters training them would train the same tensors, and
+// each adapter's file would carry the other's changes.
+void LoraModel::check_bias_adapters(const std::string& name, const LoraConfig& config) const {
+  if (adapters_.empty()) return;
+  std::vector<std::string> with_bias;
+  for (const auto& [n, a] : adapters_)
+    if (a.config.bias != "none") with_bias.push_back(n + " (bias \"" + a.config.bias + "\")");
+  if (config.bias != "none") with_bias.push_back(name + " (bias \"" + config.bias + "\")");
+  TESSERA_CHECK(with_bias.empty(), "LoRA add_adapter '", name,
+                "': a model with several adapters cannot have one that trains the base biases, "
+                "which every adapter shares (as in PEFT); set bias \"none\" for ",
+                join(with_bias));
+}
+
+void LoraModel::set_biases_trainable(const Adapter& a, bool trainable) {
+  for (auto& [key, p] : bias_parameters(a.config, a.layers))
+    p->set_requires_grad(trainable);
+}
+
 void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
   config.validate();
   TESSERA_CHECK(!name.empty(), "LoRA add_adapter: an adapter needs a name");
   TESSERA_CHECK(!adapters_.count(name), "LoRA add_adapter: adapter '", name,
                 "' exists already (delete it first)");
+  check_bias_adapters(name, config);
   TESSERA_CHECK(config.r <= slots_.max_rank, "LoRA add_adapter: adapter '", name, "' has r ",
                 config.r, " but the slots hold at most rank ", slots_.max_rank,
                 " (LoraSlots::max_rank, fixed by apply_lora)");
@@ -137,6 +178,7 @@ void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
     }
     throw;
   }
+  set_biases_trainable(a, true);
   adapters_[name] = std::move(a);
 }
 
@@ -154,6 +196,7 @@ void LoraModel::delete_adapter(const std::string& name) {
   if (merged(a)) unmerge_adapter(name);
   for (size_t i : a.layers)
     layers_[i].second->clear_slot(a.slot);
+  set_biases_trainable(a, false);
   adapters_.erase(name);
   if (active_ != name) return;
   // As PEFT: the first remaining adapter by name (its deterministic choice) becomes active, with
@@ -238,6 +281,8 @@ std::vector<Parameter*> LoraModel::adapter_parameters(const std::string& name) {
     out.push_back(&layers_[i].second->lora_A(a.slot));
     out.push_back(&layers_[i].second->lora_B(a.slot));
   }
+  for (auto& [key, p] : bias_parameters(a.config, a.layers))
+    out.push_back(p);
   return out;
 }
 
@@ -248,6 +293,9 @@ std::vector<Parameter*> LoraModel::parameters() {
       out.push_back(&l->lora_A(s));
       out.push_back(&l->lora_B(s));
     }
+  for (const auto& [name, a] : adapters_)
+    for (auto& [key, p] : bias_parameters(a.config, a.layers))
+      out.push_back(p);
   return out;
 }
 
@@ -350,6 +398,9 @@ ModulePtr LoraModel::unload() {
 }
 
 ModulePtr LoraModel::unwrap() {
+  // The returned base model is frozen, the biases a `bias` mode trained too.
+  for (const auto& [name, a] : adapters_)
+    set_biases_trainable(a, false);
   for (const auto& [path, l] : layers_) {  // checked by check_unwrappable
     model_->replace_submodule(path, Linear::unwrapped(*l));
     retired_.push_back(l);

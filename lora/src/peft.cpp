@@ -2,10 +2,12 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 
+#include "tessera/autograd/grad_mode.h"
 #include "tessera/checkpoint/safetensors.h"
 #include "tessera/comm/agree.h"
 #include "tessera/comm/runtime.h"
@@ -182,7 +184,12 @@ void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
           std::find(targets.begin(), targets.end(), layers_[i].first) == targets.end())
         targets.push_back(layers_[i].first);
   }
-  const std::map<std::string, Tensor> values = read_adapter(name);  // collective
+  std::map<std::string, Tensor> values = read_adapter(name);  // collective
+  {
+    NoGradGuard no_grad;
+    for (const auto& [key, p] : bias_parameters(cfg, find(name, "save_adapter").layers))
+      values[key] = p->full();  // collective, in the same order on every rank
+  }
   on_rank0("LoRA save_adapter '" + name + "' to '" + dir + "'", [&] {
     std::filesystem::create_directories(dir);
     std::map<std::string, Tensor> peft;
@@ -193,6 +200,43 @@ void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
     out << to_peft(cfg, targets).dump(2) << "\n";
     TESSERA_CHECK(out.good(), "writing '", dir, "/", kConfig, "' failed");
   });
+}
+
+// Every rank checks the same files against the same model: the outcome is the same everywhere.
+std::vector<std::pair<Parameter*, Tensor>> LoraModel::take_bias_values(
+    const std::string& dir, const std::string& name, const LoraConfig& cfg,
+    std::map<std::string, Tensor>& values) const {
+  const std::string ctx = "LoRA load_adapter '" + name + "' from '" + dir + "/" + kWeights + "'";
+  std::map<std::string, Parameter*> wanted;
+  for (const auto& [key, p] : bias_parameters(cfg, targets(cfg)))
+    wanted[key] = p;
+  std::vector<std::pair<Parameter*, Tensor>> out;
+  std::vector<std::string> absent;
+  for (const auto& [key, p] : wanted) {
+    auto it = values.find(key);
+    if (it == values.end()) {
+      absent.push_back(key);
+      continue;
+    }
+    TESSERA_CHECK(it->second.shape() == p->global_shape(), ctx, ": '", kPrefix, key, "' is ",
+                  shape_str(it->second.shape()), ", the model's bias ",
+                  shape_str(p->global_shape()));
+    TESSERA_CHECK(is_floating(it->second.dtype()), ctx, ": '", kPrefix, key, "' is ",
+                  dtype_name(it->second.dtype()), ", not floating");
+    out.emplace_back(p, it->second);
+    values.erase(it);
+  }
+  // Older PEFT saved no bias for bias="lora_only" (it looked for "<path>.bias" in a wrapped
+  // layer): such a file still loads, its biases staying the base model's.
+  if (!absent.empty() && world_rank() == 0) {
+    std::string line =
+        "[rank 0] tessera: " + ctx + " (bias \"" + cfg.bias + "\") holds no value for";
+    for (const std::string& k : absent)
+      line += " " + k;
+    line += "; those biases keep their values\n";
+    std::fputs(line.c_str(), stderr);
+  }
+  return out;
 }
 
 void LoraModel::load_adapter(const std::string& dir, const std::string& name) {
@@ -220,9 +264,17 @@ void LoraModel::load_adapter(const std::string& dir, const std::string& name) {
     }
   });
   check_same_files(dir, name, cfg, values);
+  const std::vector<std::pair<Parameter*, Tensor>> biases =
+      take_bias_values(dir, name, cfg, values);
   add_adapter(name, cfg);
   try {
     write_adapter(name, values);
+    NoGradGuard no_grad;
+    for (const auto& [p, value] : biases) {
+      Tensor full = zeros(p->global_shape(), p->dtype());
+      full.copy_(value);
+      p->copy_from_full(full);
+    }
   } catch (...) {
     delete_adapter(name);
     throw;

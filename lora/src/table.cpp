@@ -217,6 +217,12 @@ std::vector<LoraModel::SavedAdapter> LoraModel::parse_table(const std::string& t
     }
     out.push_back(std::move(a));
   }
+  if (out.size() > 1)
+    for (const SavedAdapter& a : out)
+      TESSERA_CHECK(a.config.bias == "none", ctx, ": adapter '", a.name, "' has bias \"",
+                    a.config.bias,
+                    "\" beside other adapters (only a model's single adapter may train the base "
+                    "biases)");
   const bool known = active.empty() || names.count(active);
   TESSERA_CHECK(known, ctx, ": the active adapter '", active, "' is not in the table");
   for (const SavedAdapter& a : out)
@@ -253,6 +259,8 @@ void LoraModel::load_state_dict(const StateDict& state) {
   for (size_t li = 0; li < layers_.size(); ++li)
     for (int64_t s = 0; s < slots_.max_adapters; ++s)
       layers_[li].second->restore_slot(s, "", LoraConfig{}, layers_[li].first, false, 0);
+  for (const auto& [name, a] : adapters_)
+    set_biases_trainable(a, false);
   adapters_.clear();
   for (const SavedAdapter& a : saved) {
     for (size_t k = 0; k < a.layers.size(); ++k) {
@@ -261,6 +269,7 @@ void LoraModel::load_state_dict(const StateDict& state) {
                                        a.dropout_offset[k]);
     }
     adapters_[a.name] = Adapter{a.slot, a.config, a.layers};
+    set_biases_trainable(adapters_.at(a.name), true);
   }
   active_ = active;
   routing_->active_slot = active.empty() ? -1 : adapters_.at(active).slot;

@@ -807,8 +807,8 @@ TEST(Lora, BadUseIsAClearError) {
   bad.lora_alpha = std::numeric_limits<double>::infinity();  // the adapter table cannot hold it
   expect_error([&] { apply_lora(m, bad); }, {"lora_alpha must be positive and finite, got inf"});
   bad = lora_test_config();
-  bad.bias = "all";
-  expect_error([&] { apply_lora(m, bad); }, {"bias 'all' is not supported"});
+  bad.bias = "lora";
+  expect_error([&] { apply_lora(m, bad); }, {"bias 'lora' is not one of PEFT's"});
   auto lora = apply_lora(m, lora_test_config(), "default", {.max_adapters = 2, .max_rank = 4});
   expect_error([&] { apply_lora(m, lora_test_config()); }, {"already has LoRA slots"});
   expect_error([&] { lora->add_adapter("default", lora_test_config()); },

@@ -26,14 +26,19 @@ struct LoraConfig {
   // alpha / sqrt(r) instead of alpha / r.
   bool use_rslora = false;
   LoraInit init_lora_weights = LoraInit::Kaiming;
-  std::string bias = "none";  // the only value supported
+  // PEFT's: which of the base model's biases train with the adapter. "none": none; "all": every
+  // parameter whose name contains "bias"; "lora_only": the biases of the layers the adapter
+  // targets. They are the base model's, shared by every adapter, so only a model's single
+  // adapter may have bias other than "none" (as in PEFT), and save_adapter writes them with the
+  // adapter.
+  std::string bias = "none";
   // An adapter's initial values depend on this seed, the adapter's name and the module's path
   // only: the same under any mesh or parallelism.
   uint64_t seed = 0;
 
   double scaling() const;  // lora_alpha / r, or / sqrt(r) with use_rslora
   // An error naming the field for r <= 0, alpha <= 0, dropout outside [0, 1), no targets, a bias
-  // other than "none", an odd r with the orthogonal init.
+  // other than "none", "all" and "lora_only", an odd r with the orthogonal init.
   void validate() const;
 };
 

@@ -45,9 +45,12 @@ class LoraModel {
   const LoraConfig& config(const std::string& adapter) const;
   // Into a free slot, initialised from (config.seed, name, path) alone. Every module its targets
   // match must be one apply_lora wrapped (an error names the others). Works after fully_shard (the
-  // slots were preallocated). Collective when the layers are sharded by FSDP.
+  // slots were preallocated). Collective when the layers are sharded by FSDP. Its config's `bias`
+  // mode makes those base biases trainable; as in PEFT, refused when the model has another
+  // adapter and either one's bias is not "none" (the biases are shared).
   void add_adapter(const std::string& name, const LoraConfig& config);
-  // Frees its slot (zeroes its matrices), unmerging the adapter first if it is merged; refused
+  // Frees its slot (zeroes its matrices) and freezes the biases its `bias` mode trained
+  // (keeping their values), unmerging the adapter first if it is merged; refused
   // while the mixed batch routes samples to it. When it was the active adapter, the first
   // remaining one by name becomes active, as in PEFT (a warning on stderr says which), or none
   // when none remains. The optimizer keeps the slot's state: reset it with
@@ -69,9 +72,11 @@ class LoraModel {
   // used by every forward until cleared with an undefined tensor. Only adapters that appear get
   // gradients. Refused while an adapter is merged (it would apply to every sample).
   void set_batch_adapters(const Tensor& ids);
-  // An adapter's A and B in every layer it targets (what its optimizer updates).
+  // An adapter's A and B in every layer it targets, then the biases its `bias` mode trains (what
+  // its optimizer updates).
   std::vector<Parameter*> adapter_parameters(const std::string& name);
-  // Every slot's matrices, used or free.
+  // Every slot's matrices, used or free, then the biases an adapter's `bias` mode trains (an
+  // optimizer made before such an adapter is added does not hold them).
   std::vector<Parameter*> parameters();
   // PEFT's get_nb_trainable_parameters: (trainable, all) element counts over the model's
   // parameters, global (a sharded parameter counts its whole shape, on every rank alike, without
@@ -114,10 +119,13 @@ class LoraModel {
 
   // --- PEFT files (peft.cpp) ---
   // dir/adapter_model.safetensors (keys "base_model.model.<path>.lora_A.weight" [r, in] and
-  // ".lora_B.weight" [out, r], float32 global tensors) and dir/adapter_config.json, by rank 0.
-  // Collective.
+  // ".lora_B.weight" [out, r], float32 global tensors; with a `bias` mode, its biases too, in
+  // their dtype, under PEFT's names: "<path>.base_layer.bias" in a wrapped layer, the
+  // parameter's name elsewhere) and dir/adapter_config.json, by rank 0. Collective.
   void save_adapter(const std::string& dir, const std::string& name);
-  // Adds adapter `name` from PEFT files, onto whatever mesh this model has. Collective.
+  // Adds adapter `name` from PEFT files, onto whatever mesh this model has. With a `bias` mode,
+  // the file's biases are written into the base model (every adapter then sees them, as in
+  // PEFT); every key is checked before anything changes. Collective.
   void load_adapter(const std::string& dir, const std::string& name);
 
   // --- checkpoints (table.cpp) ---
@@ -155,6 +163,17 @@ class LoraModel {
   void check_merge_is_finite(const std::string& name, const Adapter& a);
   std::vector<std::string> merged_adapters() const;
   std::vector<size_t> targets(const LoraConfig& config) const;
+  // The base biases `config.bias` trains for an adapter over `layers`, each once, by PEFT key
+  // (without "base_model.model."): "<path>.base_layer.bias" for a wrapped layer's bias, the
+  // parameter's name for any other.
+  std::vector<std::pair<std::string, Parameter*>> bias_parameters(
+      const LoraConfig& config, const std::vector<size_t>& layers) const;
+  void check_bias_adapters(const std::string& name, const LoraConfig& config) const;
+  void set_biases_trainable(const Adapter& a, bool trainable);
+  // Moves the bias values out of a PEFT file's `values`, checked against this model's biases.
+  std::vector<std::pair<Parameter*, Tensor>> take_bias_values(
+      const std::string& dir, const std::string& name, const LoraConfig& cfg,
+      std::map<std::string, Tensor>& values) const;
   void check_unwrappable(const char* op) const;
   ModulePtr unwrap();
   struct SavedAdapter;
@@ -172,7 +191,7 @@ class LoraModel {
 
 // Wraps every Linear of `model` that config.target_modules names (plain or tensor-parallel,
 // before fully_shard) in a LoraLinear, freezes every other parameter of the model (but the
-// adapters of an earlier apply_lora), adds adapter
+// adapters of an earlier apply_lora, and the biases config.bias trains), adds adapter
 // `adapter_name` and makes it active. Applying it before parallelize_module or after gives the
 // same model. A target matching nothing, or something other than a Linear, is an error naming
 // it.
