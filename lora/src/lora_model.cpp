@@ -137,9 +137,21 @@ void LoraModel::check_bias_adapters(const std::string& name, const LoraConfig& c
                 join(with_bias));
 }
 
-void LoraModel::set_biases_trainable(const Adapter& a, bool trainable) {
-  for (auto& [key, p] : bias_parameters(a.config, a.layers))
-    p->set_requires_grad(trainable);
+std::vector<std::pair<std::string, Parameter*>> LoraModel::trained_biases(const Adapter& a) const {
+  if (a.config.inference_mode) return {};
+  return bias_parameters(a.config, a.layers);
+}
+
+// A slot's matrices train unless its adapter is in inference mode; a freed slot's train again, so
+// that the next adapter in it does.
+void LoraModel::set_trainable(const Adapter& a, bool holds) {
+  for (size_t i : a.layers) {
+    const bool train = !holds || !a.config.inference_mode;
+    layers_[i].second->lora_A(a.slot).set_requires_grad(train);
+    layers_[i].second->lora_B(a.slot).set_requires_grad(train);
+  }
+  for (auto& [key, p] : trained_biases(a))
+    p->set_requires_grad(holds);
 }
 
 void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
@@ -178,7 +190,7 @@ void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
     }
     throw;
   }
-  set_biases_trainable(a, true);
+  set_trainable(a, true);
   adapters_[name] = std::move(a);
 }
 
@@ -196,7 +208,7 @@ void LoraModel::delete_adapter(const std::string& name) {
   if (merged(a)) unmerge_adapter(name);
   for (size_t i : a.layers)
     layers_[i].second->clear_slot(a.slot);
-  set_biases_trainable(a, false);
+  set_trainable(a, false);
   adapters_.erase(name);
   if (active_ != name) return;
   // As PEFT: the first remaining adapter by name (its deterministic choice) becomes active, with
@@ -281,7 +293,7 @@ std::vector<Parameter*> LoraModel::adapter_parameters(const std::string& name) {
     out.push_back(&layers_[i].second->lora_A(a.slot));
     out.push_back(&layers_[i].second->lora_B(a.slot));
   }
-  for (auto& [key, p] : bias_parameters(a.config, a.layers))
+  for (auto& [key, p] : trained_biases(a))
     out.push_back(p);
   return out;
 }
@@ -294,7 +306,7 @@ std::vector<Parameter*> LoraModel::parameters() {
       out.push_back(&l->lora_B(s));
     }
   for (const auto& [name, a] : adapters_)
-    for (auto& [key, p] : bias_parameters(a.config, a.layers))
+    for (auto& [key, p] : trained_biases(a))
       out.push_back(p);
   return out;
 }
@@ -400,7 +412,8 @@ ModulePtr LoraModel::unload() {
 ModulePtr LoraModel::unwrap() {
   // The returned base model is frozen, the biases a `bias` mode trained too.
   for (const auto& [name, a] : adapters_)
-    set_biases_trainable(a, false);
+    for (auto& [key, p] : trained_biases(a))
+      p->set_requires_grad(false);
   for (const auto& [path, l] : layers_) {  // checked by check_unwrappable
     model_->replace_submodule(path, Linear::unwrapped(*l));
     retired_.push_back(l);

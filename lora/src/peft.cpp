@@ -67,7 +67,7 @@ nlohmann::json to_peft(const LoraConfig& c, const std::vector<std::string>& targ
   j["modules_to_save"] = nullptr;
   j["base_model_name_or_path"] = nullptr;
   j["revision"] = nullptr;
-  j["inference_mode"] = false;
+  j["inference_mode"] = c.inference_mode;
   j["layers_to_transform"] = nullptr;
   j["layers_pattern"] = nullptr;
   j["rank_pattern"] = nlohmann::json::object();
@@ -239,7 +239,7 @@ std::vector<std::pair<Parameter*, Tensor>> LoraModel::take_bias_values(
   return out;
 }
 
-void LoraModel::load_adapter(const std::string& dir, const std::string& name) {
+void LoraModel::load_adapter(const std::string& dir, const std::string& name, bool is_trainable) {
   // Every rank reads the (small) files itself; a rank that cannot (a directory on node-local
   // storage) makes every rank throw, before add_adapter's collectives.
   LoraConfig cfg;
@@ -264,6 +264,8 @@ void LoraModel::load_adapter(const std::string& dir, const std::string& name) {
     }
   });
   check_same_files(dir, name, cfg, values);
+  // PEFT's: the file's own inference_mode says how it was saved, not how it is to be used.
+  cfg.inference_mode = !is_trainable;
   const std::vector<std::pair<Parameter*, Tensor>> biases =
       take_bias_values(dir, name, cfg, values);
   add_adapter(name, cfg);

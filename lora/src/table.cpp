@@ -43,6 +43,7 @@ nlohmann::json config_json(const LoraConfig& c) {
   j["use_rslora"] = c.use_rslora;
   j["init_lora_weights"] = init_name(c.init_lora_weights);
   j["bias"] = c.bias;
+  j["inference_mode"] = c.inference_mode;
   j["seed"] = c.seed;
   return j;
 }
@@ -108,6 +109,9 @@ LoraConfig config_from(const nlohmann::json& j, const std::string& where) {
   TESSERA_CHECK(known, where, ": init_lora_weights '", init,
                 "' is not kaiming, gaussian, random or orthogonal");
   c.bias = field(j, "bias", V::string, where).get<std::string>();
+  // Absent from the tables of builds before it: those adapters trained.
+  if (j.contains("inference_mode"))
+    c.inference_mode = field(j, "inference_mode", V::boolean, where).get<bool>();
   c.seed = field(j, "seed", V::number_unsigned, where).get<uint64_t>();
   c.validate();
   return c;
@@ -260,7 +264,7 @@ void LoraModel::load_state_dict(const StateDict& state) {
     for (int64_t s = 0; s < slots_.max_adapters; ++s)
       layers_[li].second->restore_slot(s, "", LoraConfig{}, layers_[li].first, false, 0);
   for (const auto& [name, a] : adapters_)
-    set_biases_trainable(a, false);
+    set_trainable(a, false);
   adapters_.clear();
   for (const SavedAdapter& a : saved) {
     for (size_t k = 0; k < a.layers.size(); ++k) {
@@ -269,7 +273,7 @@ void LoraModel::load_state_dict(const StateDict& state) {
                                        a.dropout_offset[k]);
     }
     adapters_[a.name] = Adapter{a.slot, a.config, a.layers};
-    set_biases_trainable(adapters_.at(a.name), true);
+    set_trainable(adapters_.at(a.name), true);
   }
   active_ = active;
   routing_->active_slot = active.empty() ? -1 : adapters_.at(active).slot;

@@ -32,6 +32,9 @@ struct LoraConfig {
   // adapter may have bias other than "none" (as in PEFT), and save_adapter writes them with the
   // adapter.
   std::string bias = "none";
+  // PEFT's: the adapter's matrices, and the biases of its `bias` mode, stay frozen (serving, or
+  // a fixed reference model). load_adapter(dir, name, is_trainable = false) sets it.
+  bool inference_mode = false;
   // An adapter's initial values depend on this seed, the adapter's name and the module's path
   // only: the same under any mesh or parallelism.
   uint64_t seed = 0;

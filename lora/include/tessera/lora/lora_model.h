@@ -46,11 +46,13 @@ class LoraModel {
   // Into a free slot, initialised from (config.seed, name, path) alone. Every module its targets
   // match must be one apply_lora wrapped (an error names the others). Works after fully_shard (the
   // slots were preallocated). Collective when the layers are sharded by FSDP. Its config's `bias`
-  // mode makes those base biases trainable; as in PEFT, refused when the model has another
-  // adapter and either one's bias is not "none" (the biases are shared).
+  // mode makes those base biases trainable, unless config.inference_mode, which freezes its
+  // matrices too; as in PEFT, refused when the model has another adapter and either one's bias
+  // is not "none" (the biases are shared).
   void add_adapter(const std::string& name, const LoraConfig& config);
-  // Frees its slot (zeroes its matrices) and freezes the biases its `bias` mode trained
-  // (keeping their values), unmerging the adapter first if it is merged; refused
+  // Frees its slot (zeroes its matrices, which train again for the next adapter in it) and
+  // freezes the biases its `bias` mode trained (keeping their values), unmerging the adapter
+  // first if it is merged; refused
   // while the mixed batch routes samples to it. When it was the active adapter, the first
   // remaining one by name becomes active, as in PEFT (a warning on stderr says which), or none
   // when none remains. The optimizer keeps the slot's state: reset it with
@@ -123,10 +125,12 @@ class LoraModel {
   // their dtype, under PEFT's names: "<path>.base_layer.bias" in a wrapped layer, the
   // parameter's name elsewhere) and dir/adapter_config.json, by rank 0. Collective.
   void save_adapter(const std::string& dir, const std::string& name);
-  // Adds adapter `name` from PEFT files, onto whatever mesh this model has. With a `bias` mode,
-  // the file's biases are written into the base model (every adapter then sees them, as in
-  // PEFT); every key is checked before anything changes. Collective.
-  void load_adapter(const std::string& dir, const std::string& name);
+  // Adds adapter `name` from PEFT files, onto whatever mesh this model has. As PEFT's, it loads
+  // for inference unless is_trainable: its config's inference_mode is then set, so its matrices
+  // (and the biases of its `bias` mode) stay frozen. With a `bias` mode, the file's biases are
+  // written into the base model (every adapter then sees them, as in PEFT); every key is checked
+  // before anything changes. Collective.
+  void load_adapter(const std::string& dir, const std::string& name, bool is_trainable = false);
 
   // --- checkpoints (table.cpp) ---
   // The adapter table, to save next to the model's state dict: one key, "adapters", a JSON
@@ -169,7 +173,10 @@ class LoraModel {
   std::vector<std::pair<std::string, Parameter*>> bias_parameters(
       const LoraConfig& config, const std::vector<size_t>& layers) const;
   void check_bias_adapters(const std::string& name, const LoraConfig& config) const;
-  void set_biases_trainable(const Adapter& a, bool trainable);
+  // bias_parameters of `a`, or none in inference mode: the biases it trains.
+  std::vector<std::pair<std::string, Parameter*>> trained_biases(const Adapter& a) const;
+  // What trains while `a` holds its slot (holds) or after it leaves it.
+  void set_trainable(const Adapter& a, bool holds);
   // Moves the bias values out of a PEFT file's `values`, checked against this model's biases.
   std::vector<std::pair<Parameter*, Tensor>> take_bias_values(
       const std::string& dir, const std::string& name, const LoraConfig& cfg,

@@ -1,9 +1,12 @@
-// PEFT's `bias` modes: which base biases train with an adapter ("none", "all", "lora_only"), the
-// single-adapter rule, and trained biases that travel in the adapter's files, under tensor
-// parallelism and FSDP as on one rank.
+// What trains with an adapter, as in PEFT: the `bias` modes ("none", "all", "lora_only") with
+// their single-adapter rule and trained biases that travel in the adapter's files, and adapters
+// in inference mode (load_adapter's default) that stay frozen; under tensor parallelism and FSDP
+// as on one rank.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <set>
 #include <string>
@@ -211,9 +214,10 @@ TEST(LoraBias, TrainedBiasesTravelWithTheAdapter) {
       none.bias = "none";
       auto loaded = apply_lora(fresh, none, "first");
       loaded->delete_adapter("first");
-      loaded->load_adapter(dir, "default");
+      loaded->load_adapter(dir, "default", /*is_trainable=*/true);
       loaded->set_adapter("default");
       EXPECT_EQ(loaded->config("default").bias, mode);
+      EXPECT_EQ(trainable_base(*fresh).size(), mode == "all" ? 3u : 2u) << what;
       const Tensor x = input(9);
       Tensor want_y = (*b.net)(
           kernels::narrow(x, 0, b.dp_rank * (kRows / b.dp_size), kRows / b.dp_size).contiguous());
@@ -244,7 +248,7 @@ TEST(LoraBias, MisShapedBiasInAFileIsRefusedWhole) {
   auto fresh = std::make_shared<BiasNet>();
   auto other = apply_lora(fresh, bias_config("none"), "first");
   other->delete_adapter("first");
-  const Tensor bias_before = fresh->fc1->bias.full();
+  const Tensor bias_before = fresh->fc1->bias.full().clone();
   expect_error([&] { other->load_adapter(dir + "/bad", "default"); },
                {"'base_model.model.fc2.base_layer.bias' is [7], the model's bias [8]"});
   EXPECT_TRUE(other->adapters().empty());
@@ -274,4 +278,84 @@ TEST(LoraBias, TheAdapterTableRestoresWhichBiasesTrain) {
       apply_lora(std::make_shared<BiasNet>(), bias_config("none"), "default", {.max_adapters = 2});
   plain->load_state_dict(none->state_dict());
   EXPECT_EQ(trainable_base(*plain->model()), Names());
+}
+
+// load_adapter loads for inference unless asked otherwise, as PEFT's does: the adapter's
+// matrices and its bias mode's biases stay frozen, its table and files say so, and its slot
+// trains again once it is deleted.
+TEST(LoraInference, LoadedAdaptersAreFrozenUnlessTrainable) {
+  const std::string dir = scratch_dir("lora_inference_np" + std::to_string(world_size()));
+  auto src = std::make_shared<BiasNet>();
+  apply_lora(src, bias_config("lora_only"))->save_adapter(dir + "/a", "default");
+  auto net = std::make_shared<BiasNet>();
+  auto lora = apply_lora(net, bias_config("none"), "first", {.max_adapters = 2});
+  lora->delete_adapter("first");
+  const int64_t all_slots = lora->get_nb_trainable_parameters().first;
+  lora->load_adapter(dir + "/a", "served");
+  EXPECT_TRUE(lora->config("served").inference_mode);
+  EXPECT_EQ(trainable_base(*net), Names()) << "its biases stay frozen";
+  for (Parameter* p : lora->adapter_parameters("served"))
+    EXPECT_FALSE(p->requires_grad()) << p->str();
+  EXPECT_EQ(lora->adapter_parameters("served").size(), 4u) << "no bias: it trains none";
+  EXPECT_EQ(lora->get_nb_trainable_parameters().first, all_slots - (16 + 24 + 24 + 16));
+  lora->save_adapter(dir + "/again", "served");
+  const std::string text = [&] {
+    std::ifstream in(dir + "/again/adapter_config.json");
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }();
+  EXPECT_NE(text.find("\"inference_mode\": true"), std::string::npos) << text;
+
+  // The adapter table keeps the mode; a table written before it existed loads as trained.
+  const std::string table = std::get<std::string>(lora->state_dict().at("adapters"));
+  auto other_net = std::make_shared<BiasNet>();
+  auto other = apply_lora(other_net, bias_config("none"), "first", {.max_adapters = 2});
+  other->load_state_dict(lora->state_dict());
+  EXPECT_FALSE(other->adapter_parameters("served")[0]->requires_grad());
+  EXPECT_TRUE(other->config("served").inference_mode);
+  std::string old = table;
+  const std::string field = "\"inference_mode\":true,";
+  ASSERT_NE(old.find(field), std::string::npos) << old;
+  old.erase(old.find(field), field.size());
+  other->load_state_dict(StateDict{{"adapters", old}});
+  EXPECT_FALSE(other->config("served").inference_mode);
+  EXPECT_TRUE(other->adapter_parameters("served")[0]->requires_grad());
+  EXPECT_EQ(trainable_base(*other_net), (Names{"fc1.bias", "fc2.bias"}));
+
+  // Freed, the slot trains for the next adapter.
+  lora->delete_adapter("served");
+  EXPECT_EQ(lora->get_nb_trainable_parameters().first, all_slots);
+  lora->load_adapter(dir + "/a", "tuned", /*is_trainable=*/true);
+  EXPECT_FALSE(lora->config("tuned").inference_mode);
+  EXPECT_EQ(trainable_base(*net), (Names{"fc1.bias", "fc2.bias"}));
+  for (Parameter* p : lora->adapter_parameters("tuned"))
+    EXPECT_TRUE(p->requires_grad()) << p->str();
+}
+
+// An adapter in inference mode on any layout: training the rest of the model leaves it as it
+// was, FSDP included, where it is added after fully_shard.
+TEST(LoraInference, AFrozenAdapterStaysAsItWasWhileTheRestTrains) {
+  LoraConfig cfg = bias_config("lora_only");
+  cfg.inference_mode = true;
+  for (const auto& [name, build] : layouts()) {
+    Built b = build(cfg);
+    b.net->head->weight.set_requires_grad(true);
+    // Copies: full() of a plain parameter is a view of it.
+    std::map<std::string, Tensor> before;
+    for (const auto& [key, t] : b.lora->read_adapter("default"))
+      before[key] = t.clone();
+    const Tensor fc1_bias = b.net->fc1->bias.full().clone();
+    const Tensor head = b.net->head->weight.full().clone();
+    AdamW opt(b.net->parameters(), AdamWOptions{.lr = 5e-2});
+    for (int s = 0; s < 2; ++s) {
+      const int64_t n = kRows / b.dp_size;
+      const Tensor x = kernels::narrow(input(s), 0, b.dp_rank * n, n).contiguous();
+      opt.zero_grad();
+      backward(mean(square((*b.net)(x))));
+      opt.step();
+    }
+    for (const auto& [key, t] : b.lora->read_adapter("default"))
+      expect_identical(t, before.at(key), name + ": " + key);
+    expect_identical(b.net->fc1->bias.full(), fc1_bias, name + ": fc1.bias");
+    EXPECT_GT(max_abs_diff(b.net->head->weight.full(), head), 1e-3) << name << ": head trained";
+  }
 }
