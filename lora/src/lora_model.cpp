@@ -286,6 +286,17 @@ void LoraModel::set_batch_adapters(const Tensor& ids) {
   routing_->sample_slots = std::move(host);
 }
 
+void LoraModel::set_requires_grad(const std::vector<std::string>& names, bool requires_grad) {
+  for (const std::string& name : names)
+    find(name, "set_requires_grad");
+  for (const std::string& name : names) {
+    Adapter& a = adapters_.at(name);
+    set_trainable(a, false);  // the biases a mode trained freeze; trained again below if asked
+    a.config.inference_mode = !requires_grad;
+    set_trainable(a, true);
+  }
+}
+
 std::vector<Parameter*> LoraModel::adapter_parameters(const std::string& name) {
   const Adapter& a = find(name, "adapter_parameters");
   std::vector<Parameter*> out;

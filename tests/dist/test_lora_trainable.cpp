@@ -359,3 +359,22 @@ TEST(LoraInference, AFrozenAdapterStaysAsItWasWhileTheRestTrains) {
     EXPECT_GT(max_abs_diff(b.net->head->weight.full(), head), 1e-3) << name << ": head trained";
   }
 }
+
+// PEFT's set_requires_grad switches adapters between training and frozen, biases included.
+TEST(LoraInference, SetRequiresGradSwitchesAnAdapter) {
+  auto net = std::make_shared<BiasNet>();
+  auto lora = apply_lora(net, bias_config("all"));
+  expect_error(
+      [&] {
+        lora->set_requires_grad({"default", "nope"}, false);
+      },
+      {"set_requires_grad: no adapter 'nope'"});
+  EXPECT_FALSE(lora->config("default").inference_mode) << "nothing changed";
+  lora->set_requires_grad({"default"}, false);
+  EXPECT_TRUE(lora->config("default").inference_mode);
+  EXPECT_EQ(trainable_base(*net), Names());
+  EXPECT_FALSE(lora->adapter_parameters("default")[0]->requires_grad());
+  lora->set_requires_grad({"default"});
+  EXPECT_EQ(trainable_base(*net), (Names{"fc1.bias", "fc2.bias", "head.bias"}));
+  EXPECT_TRUE(lora->adapter_parameters("default")[0]->requires_grad());
+}

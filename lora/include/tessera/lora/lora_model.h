@@ -74,6 +74,10 @@ class LoraModel {
   // used by every forward until cleared with an undefined tensor. Only adapters that appear get
   // gradients. Refused while an adapter is merged (it would apply to every sample).
   void set_batch_adapters(const Tensor& ids);
+  // PEFT's set_requires_grad: the adapters named train (or, with false, stay frozen: their
+  // configs' inference_mode is set), with the biases of their `bias` modes. Every name is
+  // checked before anything changes.
+  void set_requires_grad(const std::vector<std::string>& names, bool requires_grad = true);
   // An adapter's A and B in every layer it targets, then the biases its `bias` mode trains (what
   // its optimizer updates).
   std::vector<Parameter*> adapter_parameters(const std::string& name);
