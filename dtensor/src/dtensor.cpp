@@ -5,6 +5,8 @@
 #include <cstring>
 
 #include "agreement.h"
+#include "ops/dispatch.h"
+#include "tessera/autograd/grad_mode.h"
 #include "tessera/autograd/ops.h"
 #include "tessera/comm/agree.h"
 #include "tessera/comm/backend.h"
@@ -181,6 +183,34 @@ void DTensor::copy_from_full(const Tensor& full) {
 DTensor& DTensor::set_requires_grad(bool r) {
   local_.set_requires_grad(r);
   return *this;
+}
+
+Tensor DTensor::to_local(const Placements& grad_placements) const {
+  const Placements usual = spec().grad_placements();
+  auto refuse = [&](const std::string& why) {
+    TESSERA_FAIL("DTensor to_local: grad_placements ", placements_str(grad_placements), " for ",
+                 str(), ": ", why, " (they may differ from the gradient's usual ",
+                 placements_str(usual),
+                 " only by Partial() where that is Replicate: a gradient each rank holds a "
+                 "term of)");
+  };
+  if (int64_t(grad_placements.size()) != mesh().ndim())
+    refuse("one placement per mesh dim is needed, the mesh " + mesh().str() + " has " +
+           std::to_string(mesh().ndim()));
+  std::vector<int64_t> sum_dims;
+  for (int64_t m = 0; m < mesh().ndim(); ++m) {
+    const Placement& want = grad_placements[size_t(m)];
+    if (want == usual[size_t(m)]) continue;
+    if (!want.is_partial() || !usual[size_t(m)].is_replicate())
+      refuse("mesh dim " + std::to_string(m) + " has " + want.str() + " where the gradient is " +
+             usual[size_t(m)].str());
+    if (want.reduce_op() != ReduceOp::Sum)
+      refuse("mesh dim " + std::to_string(m) + " has " + want.str() +
+             "; only terms of a sum are taken");
+    if (mesh().size(m) > 1) sum_dims.push_back(m);
+  }
+  if (sum_dims.empty() || !local_.requires_grad() || !grad_enabled()) return local_;
+  return dtensor_ops::sum_grad_over(local_, mesh(), std::move(sum_dims));
 }
 
 DTensor DTensor::grad() const {

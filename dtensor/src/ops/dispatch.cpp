@@ -131,4 +131,8 @@ DTensor run(const char* op, const std::vector<DTensor>& inputs, const ShardingDe
   return DTensor(std::move(spec), out);
 }
 
+Tensor sum_grad_over(const Tensor& local, const DeviceMesh& mesh, std::vector<int64_t> mesh_dims) {
+  return autograd::Function::apply<SumGradsOver>({local}, mesh, std::move(mesh_dims))[0];
+}
+
 }  // namespace tessera::dtensor_ops

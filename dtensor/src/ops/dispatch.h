@@ -21,6 +21,10 @@ using LocalFn = std::function<Tensor(const std::vector<Tensor>&)>;
 DTensor run(const char* op, const std::vector<DTensor>& inputs, const ShardingDecision& decision,
             const Shape& out_shape, const LocalFn& local);
 
+// `local` itself, with a backward that sums its gradient over `mesh_dims` (deferred, so that the
+// terms several uses of one input contribute are summed once).
+Tensor sum_grad_over(const Tensor& local, const DeviceMesh& mesh, std::vector<int64_t> mesh_dims);
+
 // Checks that all inputs live on one mesh; the error names the op and both meshes.
 void check_same_mesh(const char* op, const std::vector<DTensor>& inputs);
 

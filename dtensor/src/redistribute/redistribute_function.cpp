@@ -78,4 +78,8 @@ Tensor DTensor::full_tensor() const {
   return redistribute(Placements(size_t(mesh().ndim()), Replicate())).to_local();
 }
 
+Tensor DTensor::full_tensor(const Placements& grad_placements) const {
+  return redistribute(Placements(size_t(mesh().ndim()), Replicate())).to_local(grad_placements);
+}
+
 }  // namespace tessera

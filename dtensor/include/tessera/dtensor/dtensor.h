@@ -40,10 +40,22 @@ class DTensor {
   int64_t numel() const { return shape_numel(shape()); }
   DType dtype() const { return spec().dtype; }
 
-  // This rank's piece (the autograd graph lives on it; differentiable by construction).
+  // This rank's piece (the autograd graph lives on it; differentiable by construction). The
+  // gradient it receives is taken to be laid out as this tensor's (its placements, Partial read
+  // as Replicate): on a Replicate mesh dim, each rank's gradient as the whole gradient.
   const Tensor& to_local() const { return local_; }
-  // The global tensor on every rank (gathers; differentiable).
+  // PyTorch's to_local(grad_placements): the gradient the piece will receive is laid out as
+  // `grad_placements` say. They may differ from this tensor's grad placements only by Partial
+  // (sum) where those are Replicate: the local computation gives each rank one term of the
+  // gradient, and the backward sums the terms over those mesh dims (a replicated weight used on
+  // each rank's own data). Anything else is an error naming both.
+  Tensor to_local(const Placements& grad_placements) const;
+  // The global tensor on every rank (gathers; differentiable). Its gradient is taken to be the
+  // same on every rank (Replicate).
   Tensor full_tensor() const;
+  // The same with the gradient laid out as `grad_placements` say, as to_local's: [Partial()]
+  // when each rank computes something of its own from the full tensor, whose gradients then sum.
+  Tensor full_tensor(const Placements& grad_placements) const;
   // The same global tensor with other placements, by the cheapest plan (differentiable).
   DTensor redistribute(const Placements& placements) const;
   // Copies this rank's window of `full` (the global tensor, checked against the global shape)
