@@ -41,9 +41,11 @@ Tensor Module::operator()(const Tensor& x_in) {
 Tensor Module::run_forward(const Tensor& x) {
   if (!dtensor_io_) return forward(x);
   const DTensorIO& io = *dtensor_io_;
+  const std::string who = io.owner.empty() ? type_name_ : io.owner;
   DTensor xd = DTensor::from_local(
       x, io.mesh, io.input_layouts,
-      detail::global_shape_of_pieces(x, io.mesh, io.input_layouts, type_name_ + " input"));
+      detail::global_shape_of_pieces(x, io.mesh, io.input_layouts, who + " input"));
+  if (io.check_input) io.check_input(xd);
   if (!io.desired_input_layouts.empty()) xd = xd.redistribute(io.desired_input_layouts);
   DTensor yd = forward_dtensor(xd);
   if (!io.output_layouts.empty()) yd = yd.redistribute(io.output_layouts);

@@ -250,3 +250,132 @@ TEST(TensorParallelErrors, MeshMustBeOneDimensional) {
       {"1-D mesh", "DeviceMesh(dp=2, tp=2)"});
   expect_error([&] { decoder_tp_plan(tiny_config(), mesh); }, {"must be 1-D"});
 }
+
+// --- the layouts PrepareModuleInput/Output and SequenceParallel are given ---
+
+// One child under a path, so that errors can be seen to name it.
+struct Holder : Module {
+  ModulePtr inner;
+  explicit Holder(ModulePtr m) : Module("Holder"), inner(std::move(m)) {
+    register_module("inner", inner);
+  }
+  Tensor forward(const Tensor& x) override { return (*inner)(x); }
+};
+
+std::shared_ptr<Holder> held_linear() {
+  Generator g(3);
+  return std::make_shared<Holder>(std::make_shared<Linear>(5, 3, false, g));
+}
+
+template <class Style>
+ParallelizePlan plan_for_inner(const Style& s) {
+  return {{"inner", std::make_shared<const Style>(s)}};
+}
+
+// A desired layout that cannot be reached (a Partial the activation is not in: PyTorch's
+// redistribute refuses to make one too) or cannot describe a local activation (StridedShard, a
+// wrong number of placements) is refused when parallelizing, naming the module's path, before
+// any forward.
+TEST(TensorParallelErrors, DesiredLayoutsAreCheckedWhenParallelizing) {
+  DeviceMesh mesh = tp_mesh(world_size());
+  PrepareModuleInput in;
+  in.input_layouts = {Shard(0)};
+  in.desired_input_layouts = {Partial()};
+  auto m = held_linear();
+  expect_error([&] { parallelize_module(m, mesh, plan_for_inner(in)); },
+               {"PrepareModuleInput on 'inner' (Linear)", "desired_input_layouts [P(sum)]",
+                "input_layouts [S(0)]", "Partial"});
+  in.desired_input_layouts = {StridedShard(0, 2)};
+  expect_error([&] { parallelize_module(m, mesh, plan_for_inner(in)); },
+               {"PrepareModuleInput on 'inner' (Linear)", "desired_input_layouts [SS(0,2)]"});
+  in.desired_input_layouts = {Replicate(), Replicate()};
+  expect_error([&] { parallelize_module(m, mesh, plan_for_inner(in)); },
+               {"PrepareModuleInput on 'inner' (Linear)", "one placement per dim"});
+  PrepareModuleOutput out;
+  out.output_layouts = {Replicate()};
+  out.desired_output_layouts = {Partial()};
+  expect_error([&] { parallelize_module(m, mesh, plan_for_inner(out)); },
+               {"PrepareModuleOutput on 'inner' (Linear)", "desired_output_layouts [P(sum)]",
+                "output_layouts [R]"});
+  // Nothing was applied: the plain linear's output.
+  const Tensor x = random_tensor({4, 5}, 1, DType::Float32);
+  Generator g(3);
+  tessera::testing::expect_close((*m)(x), Linear(5, 3, false, g)(x), 0, "after the refusals");
+  // A Partial that needs no redistribution stays, as in PyTorch.
+  out.output_layouts = {Partial()};
+  parallelize_module(m, mesh, plan_for_inner(out));
+}
+
+// A desired Shard dim the activation does not have fails on every rank at the forward, naming
+// the module's path, the style, the layouts and the activation's shape, where redistribute used
+// to fail without saying for which module.
+TEST(TensorParallelErrors, DesiredShardDimOutOfRangeNamesTheModuleAtTheForward) {
+  const int64_t n = world_size();
+  DeviceMesh mesh = tp_mesh(n);
+  PrepareModuleInput in;
+  in.input_layouts = {Shard(0)};
+  in.desired_input_layouts = {Shard(2)};
+  auto m = held_linear();
+  parallelize_module(m, mesh, plan_for_inner(in));
+  const std::string rows = std::to_string(2 * n);
+  expect_error(
+      [&] {
+        (*m)(zeros({2, 5}));
+      },
+      {"PrepareModuleInput on 'inner' (Linear)", "desired_input_layouts [S(2)]", "shard dim 2",
+       "[" + rows + ", 5]"});
+  PrepareModuleOutput out;
+  out.output_layouts = {Replicate()};
+  out.desired_output_layouts = {Shard(-3)};
+  auto m2 = held_linear();
+  parallelize_module(m2, mesh, plan_for_inner(out));
+  expect_error(
+      [&] {
+        (*m2)(zeros({4, 5}));
+      },
+      {"PrepareModuleOutput on 'inner' (Linear)", "desired_output_layouts [S(-3)]", "shard dim -3",
+       "[4, 3]"});
+}
+
+// A norm's sequence_dim of -1 is the dim it normalises over: refused when parallelizing.
+TEST(TensorParallelErrors, SequenceDimANormNormalisesOverIsRefusedWhenParallelizing) {
+  DeviceMesh mesh = tp_mesh(world_size());
+  SequenceParallel s;
+  s.sequence_dim = -1;
+  for (ModulePtr norm :
+       {ModulePtr(std::make_shared<RMSNorm>(6)), ModulePtr(std::make_shared<LayerNorm>(6))}) {
+    auto m = std::make_shared<Holder>(norm);
+    expect_error([&] { parallelize_module(m, mesh, plan_for_inner(s)); },
+                 {"SequenceParallel on 'inner' (" + norm->type_name() + ")", "sequence_dim -1",
+                  "normalises over"});
+    EXPECT_FALSE(norm->dtensor_io().has_value());
+  }
+  // A Dropout normalises nothing: any dim is its sequence dim.
+  auto drop = std::make_shared<Holder>(std::make_shared<Dropout>(0.1));
+  parallelize_module(drop, mesh, plan_for_inner(s));
+}
+
+// At the forward, a sequence_dim the input does not have, or that is the norm's normalised
+// (last) dim, fails on every rank naming the path, the style and the input's shape.
+TEST(TensorParallelErrors, SequenceDimIsCheckedAgainstTheInputAtTheForward) {
+  DeviceMesh mesh = tp_mesh(world_size());
+  SequenceParallel s;
+  s.sequence_dim = 3;
+  auto m = std::make_shared<Holder>(std::make_shared<RMSNorm>(6));
+  parallelize_module(m, mesh, plan_for_inner(s));
+  expect_error(
+      [&] {
+        (*m)(zeros({2, 4, 6}));
+      },
+      {"SequenceParallel on 'inner' (RMSNorm)", "[S(3)]", "shard dim 3", "out of range",
+       "[2, 4, 6]"});
+  s.sequence_dim = 2;
+  auto m2 = std::make_shared<Holder>(std::make_shared<LayerNorm>(6));
+  parallelize_module(m2, mesh, plan_for_inner(s));
+  expect_error(
+      [&] {
+        (*m2)(zeros({2, 4, 6}));
+      },
+      {"SequenceParallel on 'inner' (LayerNorm)", "sequence_dim 2", "normalises over",
+       "[2, 4, " + std::to_string(6 * world_size()) + "]"});
+}

@@ -41,20 +41,22 @@ std::string check_pieces_along(const Tensor& x, const DeviceMesh& mesh,
   Tensor all_shapes = empty({n * x.dim()}, TensorOptions(DType::Int64));
   mesh.host_group(m)->all_gather_into_tensor(all_shapes, from_vector<int64_t>(x.shape()))->wait();
   const std::vector<int64_t> flat = all_shapes.to_vector<int64_t>();
+  std::vector<Shape> shapes;
+  std::string list;
+  for (int64_t i = 0; i < n; ++i) {
+    shapes.emplace_back(flat.begin() + i * x.dim(), flat.begin() + (i + 1) * x.dim());
+    list += (i ? ", " : "") + shape_str(shapes.back());
+  }
   // Dims out of range fail like wrap_dim, but as a text every rank of the mesh can agree on.
   for (const Placement& q : placements)
     if (q.is_shard() && (q.dim() < -x.dim() || q.dim() >= x.dim()))
       return concat(what, ": layouts ", placements_str(placements), " shard dim ", q.dim(),
-                    ", out of range for pieces of ", x.dim(), " dims");
+                    ", out of range for pieces of ", x.dim(), " dims (", list, ")");
   const int64_t d = wrap_dim(p.dim(), x.dim(), what.c_str());
   bool same_elsewhere = true;
-  std::string list;
-  for (int64_t i = 0; i < n; ++i) {
-    const Shape s(flat.begin() + i * x.dim(), flat.begin() + (i + 1) * x.dim());
-    list += (i ? ", " : "") + shape_str(s);
+  for (const Shape& s : shapes)
     for (int64_t k = 0; k < x.dim(); ++k)
       same_elsewhere = same_elsewhere && (k == d || s[size_t(k)] == flat[size_t(k)]);
-  }
   if (!same_elsewhere)
     return concat(what, ": the ranks' pieces (", placements_str(placements), " over ", mesh.str(),
                   ") have shapes ", list, "; they may differ only along dim ", d,

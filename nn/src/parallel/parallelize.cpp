@@ -53,7 +53,7 @@ void check_plan(Module& root, const std::vector<std::pair<std::string, ModulePtr
     const auto& [pattern, style] = plan[i];
     const std::string kind = style->distributes_parameters() ? "parallel" : style->name();
     for (const ModulePtr& m : targets[i]) {
-      style->check(*m, mesh);
+      style->check(*m, mesh, paths[m.get()]);
       auto [at, fresh] = kinds.emplace(std::pair(m.get(), kind), pattern);
       TESSERA_CHECK(fresh, "parallelize_module: '", paths[m.get()], "' is targeted by '",
                     at->second, "' and by '", pattern, "' (", style->name(),
@@ -176,9 +176,12 @@ ModulePtr parallelize_module(const ModulePtr& module, const DeviceMesh& mesh,
   agree_on_plan(
       *module, mesh, error,
       error.empty() ? plan_description(modules, plan, targets) : std::vector<std::string>{});
+  std::map<const Module*, std::string> paths;
+  for (const auto& [path, m] : modules)
+    paths.emplace(m.get(), path);
   for (size_t i = 0; i < plan.size(); ++i)
     for (const ModulePtr& m : targets[i])
-      plan[i].second->apply(*m, mesh);
+      plan[i].second->apply(*m, mesh, paths[m.get()]);
   return module;
 }
 

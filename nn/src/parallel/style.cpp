@@ -13,6 +13,13 @@ namespace tessera {
 
 namespace {
 
+// Who an error is about: "PrepareModuleInput on 'layers.0.attention' (Attention)", or, for a
+// style applied to a module directly (no path known), "PrepareModuleInput on Attention".
+std::string where(const std::string& style, const Module& m, const std::string& path) {
+  return path.empty() ? detail::concat(style, " on ", m.type_name())
+                      : detail::concat(style, " on '", path, "' (", m.type_name(), ")");
+}
+
 // A hook's local tensor as a DTensor (uneven pieces allowed where torch.chunk makes them).
 DTensor local_to_dtensor(const Tensor& x, const DeviceMesh& mesh, const Placements& placements,
                          const std::string& what) {
@@ -20,34 +27,56 @@ DTensor local_to_dtensor(const Tensor& x, const DeviceMesh& mesh, const Placemen
                              detail::global_shape_of_pieces(x, mesh, placements, what));
 }
 
+// The layouts a hook converts between. The given one describes local pieces, which a
+// StridedShard (FSDP's parameter layout) cannot; the desired one is handed to the module (or the
+// next one) as a local tensor, which a StridedShard cannot describe either, and a Partial the
+// activation is not already in would hand it one term of a sum as if it were the activation
+// (PyTorch's redistribute refuses to make a Partial as well).
 void check_hook_layouts(const Placements& have, const Placements& want, const char* have_name,
-                        const char* want_name, const std::string& style, const Module& m,
-                        const DeviceMesh& mesh) {
-  TESSERA_CHECK(int64_t(have.size()) == mesh.ndim() && have.size() == want.size(), style, " on ",
-                m.type_name(), ": ", have_name, " ", placements_str(have), " and ", want_name, " ",
-                placements_str(want), " must each hold one placement per dim of ", mesh.str());
+                        const char* want_name, const std::string& at, const DeviceMesh& mesh) {
+  TESSERA_CHECK(int64_t(have.size()) == mesh.ndim() && have.size() == want.size(), at, ": ",
+                have_name, " ", placements_str(have), " and ", want_name, " ", placements_str(want),
+                " must each hold one placement per dim of ", mesh.str());
   for (const Placement& p : have)
-    TESSERA_CHECK(!p.is_strided_shard(), style, " on ", m.type_name(), ": ", have_name, " ",
-                  placements_str(have), " cannot describe a local activation");
+    TESSERA_CHECK(!p.is_strided_shard(), at, ": ", have_name, " ", placements_str(have),
+                  " cannot describe a local activation");
+  for (size_t i = 0; i < want.size(); ++i) {
+    TESSERA_CHECK(!want[i].is_strided_shard(), at, ": ", want_name, " ", placements_str(want),
+                  " cannot describe a local activation");
+    TESSERA_CHECK(!want[i].is_partial() || want[i] == have[i], at, ": ", want_name, " ",
+                  placements_str(want), " ask for ", want[i].str(), " on mesh dim ", i, " where ",
+                  have_name, " ", placements_str(have), " have ", have[i].str(),
+                  "; redistributing to Partial would hand on one term of a sum as the "
+                  "activation (only an activation already Partial may stay so)");
+  }
 }
 
-void check_mesh(const DeviceMesh& mesh, const std::string& style, const Module& m) {
-  TESSERA_CHECK(mesh.ndim() == 1, style, " on ", m.type_name(), ": tensor-parallel styles need a ",
-                "1-D mesh, got ", mesh.str(),
+// The desired layouts' Shard dims against the activation's global shape, which every rank of
+// the mesh agreed on before, so all of them fail here together (redistribute would fail as
+// well, without naming the module).
+void check_desired_dims(const DTensor& x, const Placements& want, const char* want_name,
+                        const std::string& at) {
+  for (const Placement& p : want)
+    TESSERA_CHECK(!p.is_shard() || (p.dim() >= -x.dim() && p.dim() < x.dim()), at, ": ", want_name,
+                  " ", placements_str(want), " shard dim ", p.dim(),
+                  ", which an activation of shape ", shape_str(x.shape()),
+                  " does not have (this rank's piece ", shape_str(x.to_local().shape()), ")");
+}
+
+void check_mesh(const DeviceMesh& mesh, const std::string& at) {
+  TESSERA_CHECK(mesh.ndim() == 1, at, ": tensor-parallel styles need a 1-D mesh, got ", mesh.str(),
                 " (pass the tensor-parallel sub-mesh, e.g. mesh[\"tp\"])");
 }
 
-void check_layouts(const Placements& p, const char* what, const std::string& style,
-                   const Module& m) {
-  TESSERA_CHECK(p.size() == 1, style, " on ", m.type_name(), ": ", what,
-                " must hold one placement for the 1-D mesh, got ", placements_str(p));
+void check_layouts(const Placements& p, const char* what, const std::string& at) {
+  TESSERA_CHECK(p.size() == 1, at, ": ", what, " must hold one placement for the 1-D mesh, got ",
+                placements_str(p));
 }
 
 // A module is parallelized once; a second style would silently re-cut already sharded weights
 // or stack a second DTensor conversion on its input.
-void check_not_parallel(const Module& m, const std::string& style) {
-  TESSERA_CHECK(!m.dtensor_io().has_value(), style, " on ", m.type_name(),
-                ": the module is already tensor-parallel (input ",
+void check_not_parallel(const Module& m, const std::string& at) {
+  TESSERA_CHECK(!m.dtensor_io().has_value(), at, ": the module is already tensor-parallel (input ",
                 placements_str(m.dtensor_io()->input_layouts), ", output ",
                 placements_str(m.dtensor_io()->output_layouts), ")");
 }
@@ -56,44 +85,59 @@ void check_not_parallel(const Module& m, const std::string& style) {
 // initialised the model differently (another seed, a forgotten seed) still get one model, where
 // cutting each rank's own copy would silently mix their windows and leave replicas unequal.
 void distribute_parameter(Parameter& p, const char* name, const DeviceMesh& mesh,
-                          const Placements& placements, const std::string& style, const Module& m) {
+                          const Placements& placements, const std::string& at) {
   if (!p.defined()) return;
-  TESSERA_CHECK(!p.is_dtensor(), style, " on ", m.type_name(), ": ", name, " is already a DTensor ",
-                p.str(), "; apply tensor parallelism before fully_shard and only once");
+  TESSERA_CHECK(!p.is_dtensor(), at, ": ", name, " is already a DTensor ", p.str(),
+                "; apply tensor parallelism before fully_shard and only once");
   p = Parameter(distribute_tensor(p.full(), mesh, placements), p.requires_grad());
 }
 
-void check_plain_parameter(const Parameter& p, const char* name, const std::string& style,
-                           const Module& m) {
-  TESSERA_CHECK(!p.defined() || !p.is_dtensor(), style, " on ", m.type_name(), ": ", name,
-                " is already a DTensor ", p.str(),
+void check_plain_parameter(const Parameter& p, const char* name, const std::string& at) {
+  TESSERA_CHECK(!p.defined() || !p.is_dtensor(), at, ": ", name, " is already a DTensor ", p.str(),
                 "; apply tensor parallelism before fully_shard and only once");
 }
 
 // What Colwise and Rowwise both check before touching the module.
 void check_linear_style(const DeviceMesh& mesh, const Placements& input_layouts,
-                        const Placements& output_layouts, const std::string& style,
-                        const Module& m) {
-  check_mesh(mesh, style, m);
-  check_layouts(input_layouts, "input_layouts", style, m);
-  check_layouts(output_layouts, "output_layouts", style, m);
-  check_not_parallel(m, style);
+                        const Placements& output_layouts, const Module& m, const std::string& at) {
+  check_mesh(mesh, at);
+  check_layouts(input_layouts, "input_layouts", at);
+  check_layouts(output_layouts, "output_layouts", at);
+  check_not_parallel(m, at);
 }
 
-[[noreturn]] void wrong_module(const std::string& style, const char* accepted, const Module& m) {
-  TESSERA_FAIL(style, " applies to ", accepted, " modules; got a ", m.type_name());
+[[noreturn]] void wrong_module(const std::string& style, const char* accepted, const Module& m,
+                               const std::string& at) {
+  TESSERA_FAIL(at, ": ", style, " applies to ", accepted, " modules; got a ", m.type_name());
 }
 
 // Linear and Embedding: the module's type, and its parameters still plain.
-void check_linear_or_embedding(const Module& module, const std::string& style) {
+void check_linear_or_embedding(const Module& module, const std::string& style,
+                               const std::string& at) {
   if (auto* linear = dynamic_cast<const Linear*>(&module)) {
-    check_plain_parameter(linear->weight, "weight", style, module);
-    check_plain_parameter(linear->bias, "bias", style, module);
+    check_plain_parameter(linear->weight, "weight", at);
+    check_plain_parameter(linear->bias, "bias", at);
   } else if (auto* emb = dynamic_cast<const Embedding*>(&module)) {
-    check_plain_parameter(emb->weight, "weight", style, module);
+    check_plain_parameter(emb->weight, "weight", at);
   } else {
-    wrong_module(style, "Linear or Embedding", module);
+    wrong_module(style, "Linear or Embedding", module, at);
   }
+}
+
+// The norms SequenceParallel takes (RMSNorm, LayerNorm) normalise over the input's last dim.
+bool is_norm(const Module& m) {
+  return dynamic_cast<const RMSNorm*>(&m) != nullptr ||
+         dynamic_cast<const LayerNorm*>(&m) != nullptr;
+}
+
+// A norm with its normalised dim sharded would compute on the gathered activation, once per
+// forward, while seeming sequence-parallel: refused where the input's shape shows it.
+void check_sequence_dim_of_input(const DTensor& x, int64_t sequence_dim, const std::string& at) {
+  const int64_t d = sequence_dim < 0 ? sequence_dim + x.dim() : sequence_dim;
+  TESSERA_CHECK(d != x.dim() - 1, at, ": sequence_dim ", sequence_dim,
+                " is the last dim of the input of shape ", shape_str(x.shape()),
+                ", the one the norm normalises over; pass the sequence dim (1 for [batch, "
+                "sequence, features])");
 }
 
 }  // namespace
@@ -122,114 +166,138 @@ std::string PrepareModuleOutput::str() const {
                         placements_str(desired_output_layouts), ")");
 }
 
-void ColwiseParallel::check(const Module& module, const DeviceMesh& mesh) const {
-  check_linear_style(mesh, input_layouts, output_layouts, name(), module);
-  check_linear_or_embedding(module, name());
+void ColwiseParallel::check(const Module& module, const DeviceMesh& mesh,
+                            const std::string& path) const {
+  const std::string at = where(name(), module, path);
+  check_linear_style(mesh, input_layouts, output_layouts, module, at);
+  check_linear_or_embedding(module, name(), at);
 }
 
-void ColwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
-  const std::string style = name();
-  check(module, mesh);
+void ColwiseParallel::apply(Module& module, const DeviceMesh& mesh, const std::string& path) const {
+  const std::string at = where(name(), module, path);
+  check(module, mesh, path);
   if (auto* linear = dynamic_cast<Linear*>(&module)) {
     // Output features split: each rank's slice of y needs its rows of W and of b.
-    distribute_parameter(linear->weight, "weight", mesh, {Shard(0)}, style, module);
-    distribute_parameter(linear->bias, "bias", mesh, {Shard(0)}, style, module);
+    distribute_parameter(linear->weight, "weight", mesh, {Shard(0)}, at);
+    distribute_parameter(linear->bias, "bias", mesh, {Shard(0)}, at);
     linear->after_tensor_parallel(mesh);
   } else if (auto* emb = dynamic_cast<Embedding*>(&module)) {
-    distribute_parameter(emb->weight, "weight", mesh, {Shard(1)}, style, module);
+    distribute_parameter(emb->weight, "weight", mesh, {Shard(1)}, at);
   } else {
-    wrong_module(style, "Linear or Embedding", module);
+    wrong_module(name(), "Linear or Embedding", module, at);
   }
   // Every rank needs the whole input; a sharded input is gathered here, and a replicated one
   // has its gradient summed over the ranks by the linear's backward.
-  module.set_dtensor_io(DTensorIO{mesh, input_layouts, {Replicate()}, output_layouts});
+  module.set_dtensor_io(DTensorIO{mesh, input_layouts, {Replicate()}, output_layouts, at});
 }
 
-void RowwiseParallel::check(const Module& module, const DeviceMesh& mesh) const {
-  check_linear_style(mesh, input_layouts, output_layouts, name(), module);
-  check_linear_or_embedding(module, name());
+void RowwiseParallel::check(const Module& module, const DeviceMesh& mesh,
+                            const std::string& path) const {
+  const std::string at = where(name(), module, path);
+  check_linear_style(mesh, input_layouts, output_layouts, module, at);
+  check_linear_or_embedding(module, name(), at);
 }
 
-void RowwiseParallel::apply(Module& module, const DeviceMesh& mesh) const {
-  const std::string style = name();
-  check(module, mesh);
+void RowwiseParallel::apply(Module& module, const DeviceMesh& mesh, const std::string& path) const {
+  const std::string at = where(name(), module, path);
+  check(module, mesh, path);
   if (auto* linear = dynamic_cast<Linear*>(&module)) {
     // Input features split: each rank's product is a partial sum; the bias must be added once,
     // which the DTensor linear does for a Replicate bias against a Partial product.
-    distribute_parameter(linear->weight, "weight", mesh, {Shard(1)}, style, module);
-    distribute_parameter(linear->bias, "bias", mesh, {Replicate()}, style, module);
+    distribute_parameter(linear->weight, "weight", mesh, {Shard(1)}, at);
+    distribute_parameter(linear->bias, "bias", mesh, {Replicate()}, at);
     linear->after_tensor_parallel(mesh);
-    module.set_dtensor_io(DTensorIO{mesh, input_layouts, {Shard(-1)}, output_layouts});
+    module.set_dtensor_io(DTensorIO{mesh, input_layouts, {Shard(-1)}, output_layouts, at});
   } else if (auto* emb = dynamic_cast<Embedding*>(&module)) {
     // Vocabulary parallel: each rank looks up the ids it owns (zeros elsewhere), so every rank
     // needs all ids.
-    distribute_parameter(emb->weight, "weight", mesh, {Shard(0)}, style, module);
-    module.set_dtensor_io(DTensorIO{mesh, input_layouts, {Replicate()}, output_layouts});
+    distribute_parameter(emb->weight, "weight", mesh, {Shard(0)}, at);
+    module.set_dtensor_io(DTensorIO{mesh, input_layouts, {Replicate()}, output_layouts, at});
   } else {
-    wrong_module(style, "Linear or Embedding", module);
+    wrong_module(name(), "Linear or Embedding", module, at);
   }
 }
 
-void SequenceParallel::check(const Module& module, const DeviceMesh& mesh) const {
-  const std::string style = name();
-  check_mesh(mesh, style, module);
-  check_not_parallel(module, style);
+void SequenceParallel::check(const Module& module, const DeviceMesh& mesh,
+                             const std::string& path) const {
+  const std::string at = where(name(), module, path);
+  check_mesh(mesh, at);
+  check_not_parallel(module, at);
   if (auto* rms = dynamic_cast<const RMSNorm*>(&module)) {
-    check_plain_parameter(rms->weight, "weight", style, module);
+    check_plain_parameter(rms->weight, "weight", at);
   } else if (auto* ln = dynamic_cast<const LayerNorm*>(&module)) {
-    check_plain_parameter(ln->weight, "weight", style, module);
-    check_plain_parameter(ln->bias, "bias", style, module);
+    check_plain_parameter(ln->weight, "weight", at);
+    check_plain_parameter(ln->bias, "bias", at);
   } else if (dynamic_cast<const Dropout*>(&module) == nullptr) {
-    wrong_module(style, "RMSNorm, LayerNorm or Dropout", module);
+    wrong_module(name(), "RMSNorm, LayerNorm or Dropout", module, at);
   }
+  // Without the input's rank only -1 is known to be the last dim; other dims are checked
+  // against the input at the forward.
+  TESSERA_CHECK(!is_norm(module) || sequence_dim != -1, at, ": sequence_dim -1 is the dim ",
+                module.type_name(),
+                " normalises over (its weight holds one value per feature); "
+                "pass the sequence dim (1 for [batch, sequence, features])");
 }
 
-void SequenceParallel::apply(Module& module, const DeviceMesh& mesh) const {
-  const std::string style = name();
-  check(module, mesh);
+void SequenceParallel::apply(Module& module, const DeviceMesh& mesh,
+                             const std::string& path) const {
+  const std::string at = where(name(), module, path);
+  check(module, mesh, path);
   if (auto* rms = dynamic_cast<RMSNorm*>(&module)) {
-    distribute_parameter(rms->weight, "weight", mesh, {Replicate()}, style, module);
+    distribute_parameter(rms->weight, "weight", mesh, {Replicate()}, at);
   } else if (auto* ln = dynamic_cast<LayerNorm*>(&module)) {
-    distribute_parameter(ln->weight, "weight", mesh, {Replicate()}, style, module);
-    distribute_parameter(ln->bias, "bias", mesh, {Replicate()}, style, module);
+    distribute_parameter(ln->weight, "weight", mesh, {Replicate()}, at);
+    distribute_parameter(ln->bias, "bias", mesh, {Replicate()}, at);
   } else if (dynamic_cast<Dropout*>(&module) == nullptr) {
-    wrong_module(style, "RMSNorm, LayerNorm or Dropout", module);
+    wrong_module(name(), "RMSNorm, LayerNorm or Dropout", module, at);
   }
   // Replicate weights (rather than plain tensors) against a sequence-sharded input are what make
   // the norm's backward sum their gradients over the ranks, each of which saw only its tokens.
   const Placements seq = {Shard(sequence_dim)};
-  module.set_dtensor_io(DTensorIO{mesh, seq, seq, seq});
+  DTensorIO io{mesh, seq, seq, seq, at};
+  if (is_norm(module))
+    io.check_input = [at, dim = sequence_dim](const DTensor& x) {
+      check_sequence_dim_of_input(x, dim, at);
+    };
+  module.set_dtensor_io(std::move(io));
 }
 
-void PrepareModuleInput::check(const Module& module, const DeviceMesh& mesh) const {
+void PrepareModuleInput::check(const Module& module, const DeviceMesh& mesh,
+                               const std::string& path) const {
   check_hook_layouts(input_layouts, desired_input_layouts, "input_layouts", "desired_input_layouts",
-                     name(), module, mesh);
+                     where(name(), module, path), mesh);
 }
 
-void PrepareModuleInput::apply(Module& module, const DeviceMesh& mesh) const {
-  check(module, mesh);
+void PrepareModuleInput::apply(Module& module, const DeviceMesh& mesh,
+                               const std::string& path) const {
+  check(module, mesh, path);
   // A pre-hook, not DTensorIO: the module itself keeps running on local tensors (a block whose
-  // children are the tensor-parallel ones), it only receives its input in another layout.
-  module.register_forward_pre_hook(
-      [mesh, have = input_layouts, want = desired_input_layouts](Module& m, const Tensor& x) {
-        return local_to_dtensor(x, mesh, have, "PrepareModuleInput on " + m.type_name())
-            .redistribute(want)
-            .to_local();
-      });
+  // children are the tensor-parallel ones), it only receives its input in another layout. The
+  // module's type is read at each call: a wrapper that took the hook over (LoRA) is named.
+  module.register_forward_pre_hook([mesh, have = input_layouts, want = desired_input_layouts,
+                                    style = name(), path](Module& m, const Tensor& x) {
+    const std::string at = where(style, m, path);
+    const DTensor xd = local_to_dtensor(x, mesh, have, at);
+    check_desired_dims(xd, want, "desired_input_layouts", at);
+    return xd.redistribute(want).to_local();
+  });
 }
 
-void PrepareModuleOutput::check(const Module& module, const DeviceMesh& mesh) const {
+void PrepareModuleOutput::check(const Module& module, const DeviceMesh& mesh,
+                                const std::string& path) const {
   check_hook_layouts(output_layouts, desired_output_layouts, "output_layouts",
-                     "desired_output_layouts", name(), module, mesh);
+                     "desired_output_layouts", where(name(), module, path), mesh);
 }
 
-void PrepareModuleOutput::apply(Module& module, const DeviceMesh& mesh) const {
-  check(module, mesh);
-  module.register_forward_hook([mesh, have = output_layouts, want = desired_output_layouts](
-                                   Module& m, const Tensor&, const Tensor& y) {
-    return local_to_dtensor(y, mesh, have, "PrepareModuleOutput on " + m.type_name())
-        .redistribute(want)
-        .to_local();
+void PrepareModuleOutput::apply(Module& module, const DeviceMesh& mesh,
+                                const std::string& path) const {
+  check(module, mesh, path);
+  module.register_forward_hook([mesh, have = output_layouts, want = desired_output_layouts,
+                                style = name(), path](Module& m, const Tensor&, const Tensor& y) {
+    const std::string at = where(style, m, path);
+    const DTensor yd = local_to_dtensor(y, mesh, have, at);
+    check_desired_dims(yd, want, "desired_output_layouts", at);
+    return yd.redistribute(want).to_local();
   });
 }
 

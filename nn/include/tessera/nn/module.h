@@ -27,6 +27,12 @@ struct DTensorIO {
   Placements input_layouts;
   Placements desired_input_layouts;
   Placements output_layouts;
+  // Who set it, for the forward's errors ("SequenceParallel on 'norm' (RMSNorm)"); empty, the
+  // module's type.
+  std::string owner = {};
+  // The style's own check of the input, run once the ranks agree on its global shape, so that
+  // all of them fail together (a norm's sequence dim that is the dim it normalises over).
+  std::function<void(const DTensor& input)> check_input = {};
 };
 
 // What a load did not take: PyTorch's _IncompatibleKeys (missing_keys, unexpected_keys), plus

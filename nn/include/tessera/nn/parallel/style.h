@@ -12,9 +12,13 @@ class ParallelStyle {
  public:
   virtual ~ParallelStyle() = default;
   // Every check apply() makes, without changing anything: parallelize_module checks all its
-  // targets before applying any style, so a refused plan leaves the model as it was.
-  virtual void check(const Module& module, const DeviceMesh& mesh) const = 0;
-  virtual void apply(Module& module, const DeviceMesh& mesh) const = 0;
+  // targets before applying any style, so a refused plan leaves the model as it was. `path` is
+  // the module's path in the model parallelize_module was given, for errors (those of the
+  // forward too); applied to a module directly, errors name the module's type only.
+  virtual void check(const Module& module, const DeviceMesh& mesh,
+                     const std::string& path = "") const = 0;
+  virtual void apply(Module& module, const DeviceMesh& mesh,
+                     const std::string& path = "") const = 0;
   virtual std::string name() const = 0;
   // The name and the layouts it was given ("ColwiseParallel(input [R], output [S(-1)])"): what
   // the ranks compare before parallelize_module changes anything, since ranks given different
@@ -31,8 +35,9 @@ using ParallelStylePtr = std::shared_ptr<const ParallelStyle>;
 struct ColwiseParallel : ParallelStyle {
   Placements input_layouts = {Replicate()};
   Placements output_layouts = {Shard(-1)};
-  void check(const Module& module, const DeviceMesh& mesh) const override;
-  void apply(Module& module, const DeviceMesh& mesh) const override;
+  void check(const Module& module, const DeviceMesh& mesh,
+             const std::string& path = "") const override;
+  void apply(Module& module, const DeviceMesh& mesh, const std::string& path = "") const override;
   std::string name() const override { return "ColwiseParallel"; }
   std::string str() const override;
   bool distributes_parameters() const override { return true; }
@@ -44,43 +49,52 @@ struct ColwiseParallel : ParallelStyle {
 struct RowwiseParallel : ParallelStyle {
   Placements input_layouts = {Shard(-1)};
   Placements output_layouts = {Replicate()};
-  void check(const Module& module, const DeviceMesh& mesh) const override;
-  void apply(Module& module, const DeviceMesh& mesh) const override;
+  void check(const Module& module, const DeviceMesh& mesh,
+             const std::string& path = "") const override;
+  void apply(Module& module, const DeviceMesh& mesh, const std::string& path = "") const override;
   std::string name() const override { return "RowwiseParallel"; }
   std::string str() const override;
   bool distributes_parameters() const override { return true; }
 };
 
 // Norms over activations sharded on the sequence dim: weights Replicate (their gradients are
-// summed over the ranks), input and output Shard(sequence_dim).
+// summed over the ranks), input and output Shard(sequence_dim). A norm's sequence_dim may not be
+// the dim it normalises over (the last): -1 is refused when parallelizing, and a dim that is the
+// last of the input at the forward fails there, as does a dim the input does not have.
 struct SequenceParallel : ParallelStyle {
   int64_t sequence_dim = 1;
-  void check(const Module& module, const DeviceMesh& mesh) const override;
-  void apply(Module& module, const DeviceMesh& mesh) const override;
+  void check(const Module& module, const DeviceMesh& mesh,
+             const std::string& path = "") const override;
+  void apply(Module& module, const DeviceMesh& mesh, const std::string& path = "") const override;
   std::string name() const override { return "SequenceParallel"; }
   std::string str() const override;
   bool distributes_parameters() const override { return true; }
 };
 
 // Only changes how a module's input arrives (e.g. a block whose input is sequence-sharded but
-// whose attention needs it whole).
+// whose attention needs it whole). The desired layouts hold no StridedShard, and no Partial the
+// input is not already in (the module would take one term of a sum for its input; PyTorch's
+// redistribute refuses to make a Partial too): both refused when parallelizing. A desired Shard
+// dim the input does not have fails at the forward.
 struct PrepareModuleInput : ParallelStyle {
   Placements input_layouts;
   Placements desired_input_layouts;
-  void check(const Module& module, const DeviceMesh& mesh) const override;
-  void apply(Module& module, const DeviceMesh& mesh) const override;
+  void check(const Module& module, const DeviceMesh& mesh,
+             const std::string& path = "") const override;
+  void apply(Module& module, const DeviceMesh& mesh, const std::string& path = "") const override;
   std::string name() const override { return "PrepareModuleInput"; }
   std::string str() const override;
 };
 
 // Only changes how a module's output leaves it: redistributed from output_layouts to
 // desired_output_layouts by a forward hook (an embedding whose replicated output the next
-// layers want sequence-sharded).
+// layers want sequence-sharded). The desired layouts are checked as PrepareModuleInput's.
 struct PrepareModuleOutput : ParallelStyle {
   Placements output_layouts;
   Placements desired_output_layouts;
-  void check(const Module& module, const DeviceMesh& mesh) const override;
-  void apply(Module& module, const DeviceMesh& mesh) const override;
+  void check(const Module& module, const DeviceMesh& mesh,
+             const std::string& path = "") const override;
+  void apply(Module& module, const DeviceMesh& mesh, const std::string& path = "") const override;
   std::string name() const override { return "PrepareModuleOutput"; }
   std::string str() const override;
 };
