@@ -1,15 +1,11 @@
 #pragma once
-// Shared by the tests of layers, optimizers and clip_grad_norm_ on DTensor parameters: seeded
-// global tensors, the world as a 1-D mesh, parameters made float64 or distributed by hand (as a
-// parallel style would), and gradients and pieces as global or local tensors.
+// Shared by the tests of layers, optimizers and clip_grad_norm_ on DTensor parameters: the world
+// as a 1-D mesh, parameters made float64 or distributed by hand (as a parallel style would), and
+// gradients and pieces as global or local tensors. Seeded global tensors are the testing kit's
+// random_tensor.
 #include "tessera/tessera.h"
 
 namespace tessera::nn_dtensor_test {
-
-inline Tensor global_randn(const Shape& s, uint64_t seed, DType dtype = DType::Float64) {
-  Generator g(seed);
-  return randn(s, g, dtype);
-}
 
 inline DeviceMesh world_mesh() {
   return DeviceMesh(Shape{world_size()}, {"tp"});

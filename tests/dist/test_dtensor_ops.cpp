@@ -3,15 +3,12 @@
 #include <gtest/gtest.h>
 
 #include "tessera/tessera.h"
+#include "tessera/testing/generators.h"
 
 using namespace tessera;
+using tessera::testing::random_tensor;
 
 namespace {
-
-Tensor global_randn(const Shape& s, uint64_t seed) {
-  Generator g(seed);
-  return randn(s, g, DType::Float64);
-}
 
 // A leaf DTensor holding the window of `global`.
 DTensor leaf(const Tensor& global, const DeviceMesh& mesh, const Placements& p) {
@@ -33,7 +30,7 @@ void expect_close(const Tensor& got, const Tensor& want, double tol, const std::
 
 // Backpropagates sum(out * weight) through the DTensor result and the reference.
 void backward_weighted(const DTensor& out, const Tensor& ref_out, uint64_t seed) {
-  Tensor w = global_randn(ref_out.shape(), seed);
+  Tensor w = random_tensor(ref_out.shape(), seed, DType::Float64);
   backward(sum(mul(out.full_tensor(), w)));
   backward(sum(mul(ref_out, w)));
 }
@@ -51,8 +48,9 @@ std::vector<DeviceMesh> meshes() {
 TEST(DTensorOps, ColumnParallelLinearSumsReplicatedInputGradient) {
   for (const DeviceMesh& mesh0 : meshes()) {
     DeviceMesh mesh = mesh0["tp"];
-    Tensor xg = global_randn({3, 5, 6}, 1), wg = global_randn({10, 6}, 2),
-           bg = global_randn({10}, 3);
+    Tensor xg = random_tensor({3, 5, 6}, 1, DType::Float64),
+           wg = random_tensor({10, 6}, 2, DType::Float64),
+           bg = random_tensor({10}, 3, DType::Float64);
     DTensor x = leaf(xg, mesh, {Replicate()});
     DTensor w = leaf(wg, mesh, {Shard(0)});  // 10 rows: uneven over 3 or 4 ranks
     DTensor b = leaf(bg, mesh, {Shard(0)});
@@ -75,13 +73,14 @@ TEST(DTensorOps, RetainGradSeesTheReducedGradientOfAGatheredInput) {
   for (const DeviceMesh& mesh0 : meshes()) {
     DeviceMesh mesh = mesh0["tp"];
     const int64_t n = mesh.size();
-    Tensor xg = global_randn({2 * n, 6}, 5), wg = global_randn({8, 6}, 6);
+    Tensor xg = random_tensor({2 * n, 6}, 5, DType::Float64),
+           wg = random_tensor({8, 6}, 6, DType::Float64);
     DTensor x = leaf(xg, mesh, {Shard(0)});
     DTensor y = x.redistribute({Replicate()});
     Tensor yl = y.to_local();
     retain_grad(yl);
     DTensor out = linear(y, leaf(wg, mesh, {Shard(0)}));
-    Tensor g = global_randn({2 * n, 8}, 7);
+    Tensor g = random_tensor({2 * n, 8}, 7, DType::Float64);
     backward(sum(mul(out.full_tensor(), g)));
     expect_close(yl.grad(), matmul(g, wg), 1e-12, "the retained gradient of the gathered input");
     expect_close(x.grad().full_tensor(), matmul(g, wg), 1e-12, "dx");
@@ -91,7 +90,9 @@ TEST(DTensorOps, RetainGradSeesTheReducedGradientOfAGatheredInput) {
 TEST(DTensorOps, RowParallelLinearGivesPartialAndAddsBiasOnce) {
   for (const DeviceMesh& mesh0 : meshes()) {
     DeviceMesh mesh = mesh0["tp"];
-    Tensor xg = global_randn({4, 7}, 5), wg = global_randn({3, 7}, 6), bg = global_randn({3}, 7);
+    Tensor xg = random_tensor({4, 7}, 5, DType::Float64),
+           wg = random_tensor({3, 7}, 6, DType::Float64),
+           bg = random_tensor({3}, 7, DType::Float64);
     DTensor x = leaf(xg, mesh, {Shard(1)});
     DTensor w = leaf(wg, mesh, {Shard(1)});
     DTensor b = leaf(bg, mesh, {Replicate()});
@@ -112,7 +113,8 @@ TEST(DTensorOps, RowParallelLinearGivesPartialAndAddsBiasOnce) {
 TEST(DTensorOps, BatchShardedInputWithReplicatedWeight) {
   for (const DeviceMesh& mesh : meshes()) {
     Placements px(size_t(mesh.ndim()), Shard(0)), pw(size_t(mesh.ndim()), Replicate());
-    Tensor xg = global_randn({9, 4}, 9), wg = global_randn({5, 4}, 10);
+    Tensor xg = random_tensor({9, 4}, 9, DType::Float64),
+           wg = random_tensor({5, 4}, 10, DType::Float64);
     DTensor x = leaf(xg, mesh, px), w = leaf(wg, mesh, pw);
     DTensor y = linear(x, w);
     EXPECT_EQ(y.placements(), px);
@@ -128,7 +130,8 @@ TEST(DTensorOps, BatchShardedInputWithReplicatedWeight) {
 TEST(DTensorOps, TwoDimMeshLinear) {
   if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
   DeviceMesh mesh({2, 2}, {"dp", "tp"});
-  Tensor xg = global_randn({6, 8}, 12), wg = global_randn({6, 8}, 13);
+  Tensor xg = random_tensor({6, 8}, 12, DType::Float64),
+         wg = random_tensor({6, 8}, 13, DType::Float64);
   DTensor x = leaf(xg, mesh, {Shard(0), Replicate()});
   DTensor w = leaf(wg, mesh, {Replicate(), Shard(0)});
   DTensor y = linear(x, w);
@@ -144,7 +147,8 @@ TEST(DTensorOps, TwoDimMeshLinear) {
 TEST(DTensorOps, MatmulContractionShardedGivesPartial) {
   for (const DeviceMesh& mesh0 : meshes()) {
     DeviceMesh mesh = mesh0["tp"];
-    Tensor ag = global_randn({2, 3, 10}, 15), bg = global_randn({10, 4}, 16);
+    Tensor ag = random_tensor({2, 3, 10}, 15, DType::Float64),
+           bg = random_tensor({10, 4}, 16, DType::Float64);
     DTensor a = leaf(ag, mesh, {Shard(2)}), b = leaf(bg, mesh, {Replicate()});
     DTensor y = matmul(a, b);
     if (mesh.size() > 1) {
@@ -162,7 +166,8 @@ TEST(DTensorOps, MatmulContractionShardedGivesPartial) {
 TEST(DTensorOps, BatchedMatmulHeadSharded) {
   for (const DeviceMesh& mesh0 : meshes()) {
     DeviceMesh mesh = mesh0["tp"];
-    Tensor qg = global_randn({2, 5, 3, 4}, 18), kg = global_randn({2, 5, 4, 3}, 19);
+    Tensor qg = random_tensor({2, 5, 3, 4}, 18, DType::Float64),
+           kg = random_tensor({2, 5, 4, 3}, 19, DType::Float64);
     DTensor q = leaf(qg, mesh, {Shard(1)}), k = leaf(kg, mesh, {Replicate()});
     DTensor s = matmul(q, k);
     EXPECT_EQ(s.placements(), (Placements{Shard(1)}));
@@ -188,7 +193,8 @@ TEST(DTensorOps, BatchedMatmulWithOperandsShardedOnDifferentDims) {
                           Case{{2, 5, 3, 4}, {2, 5, 4, 3}, Shard(0), Shard(2)},
                           Case{{2, 5, 3, 4}, {2, 5, 4, 9}, Shard(1), Shard(3)}}) {
       SCOPED_TRACE(shape_str(c.a) + " " + c.pa.str() + " @ " + shape_str(c.b) + " " + c.pb.str());
-      Tensor ag = global_randn(c.a, 25), bg = global_randn(c.b, 26);
+      Tensor ag = random_tensor(c.a, 25, DType::Float64),
+             bg = random_tensor(c.b, 26, DType::Float64);
       DTensor a = leaf(ag, mesh, {c.pa}), b = leaf(bg, mesh, {c.pb});
       DTensor s = matmul(a, b);
       Tensor ra = leaf(ag), rb = leaf(bg);
@@ -204,7 +210,9 @@ TEST(DTensorOps, BatchedMatmulWithOperandsShardedOnDifferentDims) {
 TEST(DTensorOps, ElementwiseBroadcastAndPartialAddition) {
   for (const DeviceMesh& mesh0 : meshes()) {
     DeviceMesh mesh = mesh0["tp"];
-    Tensor ag = global_randn({7, 4}, 21), bg = global_randn({4}, 22), cg = global_randn({7, 4}, 23);
+    Tensor ag = random_tensor({7, 4}, 21, DType::Float64),
+           bg = random_tensor({4}, 22, DType::Float64),
+           cg = random_tensor({7, 4}, 23, DType::Float64);
     DTensor a = leaf(ag, mesh, {Shard(0)}), b = leaf(bg, mesh, {Replicate()});
     DTensor c = leaf(cg, mesh, {Shard(1)});
     // gelu(a * b) + c: c is re-cut to a's shard; b's gradient is summed over shards.
@@ -218,23 +226,24 @@ TEST(DTensorOps, ElementwiseBroadcastAndPartialAddition) {
     expect_close(b.grad().full_tensor(), rb.grad(), 1e-12, "db");
     expect_close(c.grad().full_tensor(), rc.grad(), 1e-12, "dc");
     // Partial + Replicate: the replicated addend counts once.
-    DTensor p = linear(leaf(global_randn({3, 6}, 25), mesh, {Shard(1)}),
-                       leaf(global_randn({2, 6}, 26), mesh, {Shard(1)}));
-    DTensor r = leaf(global_randn({3, 2}, 27), mesh, {Replicate()});
-    Tensor want =
-        add(linear(global_randn({3, 6}, 25), global_randn({2, 6}, 26)), global_randn({3, 2}, 27));
+    DTensor p = linear(leaf(random_tensor({3, 6}, 25, DType::Float64), mesh, {Shard(1)}),
+                       leaf(random_tensor({2, 6}, 26, DType::Float64), mesh, {Shard(1)}));
+    DTensor r = leaf(random_tensor({3, 2}, 27, DType::Float64), mesh, {Replicate()});
+    Tensor want = add(linear(random_tensor({3, 6}, 25, DType::Float64),
+                             random_tensor({2, 6}, 26, DType::Float64)),
+                      random_tensor({3, 2}, 27, DType::Float64));
     expect_close(add(p, r).full_tensor(), want, 1e-12, "P + R");
-    expect_close(mul(p, 3.0).full_tensor(), mul(sub(want, global_randn({3, 2}, 27)), 3.0), 1e-12,
-                 "P * s");
-    expect_close(relu(p).full_tensor(), relu(sub(want, global_randn({3, 2}, 27))), 1e-12,
-                 "relu(P) reduces first");
+    expect_close(mul(p, 3.0).full_tensor(),
+                 mul(sub(want, random_tensor({3, 2}, 27, DType::Float64)), 3.0), 1e-12, "P * s");
+    expect_close(relu(p).full_tensor(), relu(sub(want, random_tensor({3, 2}, 27, DType::Float64))),
+                 1e-12, "relu(P) reduces first");
   }
 }
 
 TEST(DTensorOps, ReductionsOverShardedDimsArePartial) {
   for (const DeviceMesh& mesh0 : meshes()) {
     DeviceMesh mesh = mesh0["tp"];
-    Tensor xg = global_randn({5, 6, 3}, 28);
+    Tensor xg = random_tensor({5, 6, 3}, 28, DType::Float64);
     for (std::vector<int64_t> dims : {std::vector<int64_t>{0}, {1}, {0, 2}, {}}) {
       for (bool keep : {false, true}) {
         DTensor x = leaf(xg, mesh, {Shard(0)});
@@ -254,7 +263,7 @@ TEST(DTensorOps, ReductionsOverShardedDimsArePartial) {
 TEST(DTensorOps, SoftmaxGathersItsDimOnly) {
   for (const DeviceMesh& mesh0 : meshes()) {
     DeviceMesh mesh = mesh0["tp"];
-    Tensor xg = global_randn({6, 5}, 30);
+    Tensor xg = random_tensor({6, 5}, 30, DType::Float64);
     DTensor x = leaf(xg, mesh, {Shard(0)});
     DTensor y = log_softmax(x, -1);
     EXPECT_EQ(y.placements(), (Placements{Shard(0)}));
@@ -274,7 +283,8 @@ TEST(DTensorOps, ViewsKeepShardedDimsIntact) {
   for (const DeviceMesh& mesh0 : meshes()) {
     DeviceMesh mesh = mesh0["tp"];
     const int64_t n = mesh.size();
-    Tensor xg = global_randn({2, 3, 4 * n * 2}, 32);  // [B, T, H*Dh] with H = 4n heads of 2
+    Tensor xg = random_tensor({2, 3, 4 * n * 2}, 32,
+                              DType::Float64);  // [B, T, H*Dh] with H = 4n heads of 2
     DTensor x = leaf(xg, mesh, {Shard(2)});
     DTensor heads = view(x, {2, 3, 4 * n, 2});
     EXPECT_EQ(heads.placements(), (Placements{Shard(2)}));
@@ -289,7 +299,8 @@ TEST(DTensorOps, ViewsKeepShardedDimsIntact) {
     EXPECT_EQ(back.placements(), (Placements{Shard(2)}));
     expect_close(back.full_tensor(), xg, 0, "round trip");
     if (n > 1) {
-      DTensor odd = leaf(global_randn({2, 3}, 34), mesh, {Shard(1)});  // 3 rows over n ranks
+      DTensor odd =
+          leaf(random_tensor({2, 3}, 34, DType::Float64), mesh, {Shard(1)});  // 3 rows over n ranks
       try {
         view(odd, {6});
         if (n != 3) FAIL() << "merging an unevenly sharded dim must be refused";
@@ -305,8 +316,8 @@ TEST(DTensorOps, ViewsKeepShardedDimsIntact) {
 TEST(DTensorOps, MismatchedMeshesAreAnError) {
   if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
   DeviceMesh mesh({2, 2}, {"dp", "tp"});
-  DTensor a = distribute_tensor(global_randn({4, 4}, 35), mesh["dp"], {Shard(0)});
-  DTensor b = distribute_tensor(global_randn({4, 4}, 36), mesh["tp"], {Shard(0)});
+  DTensor a = distribute_tensor(random_tensor({4, 4}, 35, DType::Float64), mesh["dp"], {Shard(0)});
+  DTensor b = distribute_tensor(random_tensor({4, 4}, 36, DType::Float64), mesh["tp"], {Shard(0)});
   try {
     add(a, b);
     FAIL();

@@ -15,11 +15,13 @@
 #include "tessera/tessera.h"
 #include "tessera/testing/checks.h"
 #include "tessera/testing/expect_error.h"
+#include "tessera/testing/generators.h"
 #include "tessera/testing/stand_in_device.h"
 
 using namespace tessera;
 using tessera::testing::expect_close;
 using tessera::testing::expect_error;
+using tessera::testing::random_tensor;
 using namespace tessera::nn_dtensor_test;
 
 // --- Linear ---
@@ -39,10 +41,10 @@ TEST(NnDTensor, ColwiseLinearMatchesSingleRank) {
     const Placements out = shard_output ? Placements{Shard(-1)} : Placements{Replicate()};
     lin.set_dtensor_io({mesh, {Replicate()}, {Replicate()}, out});
 
-    Tensor xg = global_randn({2, 3, 6}, 1);
+    Tensor xg = random_tensor({2, 3, 6}, 1, DType::Float64);
     Tensor x = xg.clone().set_requires_grad(true), rx = xg.clone().set_requires_grad(true);
     Tensor y = lin(x), ry = ref(rx);
-    Tensor w = global_randn({2, 3, 10}, 2);
+    Tensor w = random_tensor({2, 3, 10}, 2, DType::Float64);
     if (shard_output) {
       expect_close(gather(y, mesh, {Shard(2)}, {2, 3, 10}), ry, 1e-12, "y (sharded)");
       backward(sum(mul(y, distribute_tensor(w, mesh, {Shard(2)}).to_local())));
@@ -73,11 +75,11 @@ TEST(NnDTensor, RowwiseLinearMatchesSingleRank) {
     if (dtensor_bias) distribute(lin.bias, mesh, {Replicate()});
     lin.set_dtensor_io({mesh, {Shard(-1)}, {Shard(-1)}, {Replicate()}});
 
-    Tensor xg = global_randn({3, 8}, 5);
+    Tensor xg = random_tensor({3, 8}, 5, DType::Float64);
     Tensor x = local_leaf(xg, mesh, {Shard(1)}), rx = xg.clone().set_requires_grad(true);
     Tensor y = lin(x), ry = ref(rx);
     expect_close(y, ry, 1e-12, "y");
-    Tensor w = global_randn({3, 5}, 6);
+    Tensor w = random_tensor({3, 5}, 6, DType::Float64);
     backward(sum(mul(y, w)));
     backward(sum(mul(ry, w)));
     expect_close(gather(x.grad(), mesh, {Shard(1)}, {3, 8}), rx.grad(), 1e-12, "dx");
@@ -97,7 +99,7 @@ TEST(NnDTensor, RowwiseLinearUnevenInputThroughForwardDTensor) {
   to_float64(ref);
   to_float64(lin);
   distribute(lin.weight, mesh, {Shard(1)});
-  Tensor xg = global_randn({4, 7}, 7);
+  Tensor xg = random_tensor({4, 7}, 7, DType::Float64);
   DTensor x = distribute_tensor(xg, mesh, {Shard(1)});
   x.set_requires_grad(true);
   Tensor rx = xg.clone().set_requires_grad(true);
@@ -115,7 +117,7 @@ TEST(NnDTensor, PlainForwardRefusesShardedParameter) {
   Generator gen(1);
   auto mod_ptr = std::make_shared<Linear>(4, 8, true, gen);
   Linear& lin = *mod_ptr;
-  Tensor x = global_randn({2, 4}, 1, DType::Float32);
+  Tensor x = random_tensor({2, 4}, 1, DType::Float32);
   Tensor want = lin(x);
   distribute(lin.weight, mesh, {Shard(0)});
   if (world_size() == 1) {
@@ -232,17 +234,17 @@ void check_norm(const DeviceMesh& mesh, const Placements& x_placements, int64_t 
   to_float64(ref);
   to_float64(norm);
   for (auto& [name, p] : ref.named_parameters()) {
-    Tensor v = global_randn({6}, seed + 100 + name.size());
+    Tensor v = random_tensor({6}, seed + 100 + name.size(), DType::Float64);
     p->copy_from_full(v);
     for (auto& [n2, q] : norm.named_parameters())
       if (n2 == name) q->copy_from_full(v);
   }
   const std::string what = norm.type_name() + " " + placements_str(x_placements) +
                            " T=" + std::to_string(seq) + (through_module ? " module" : " op");
-  Tensor xg = global_randn({2, seq, 6}, seed);
+  Tensor xg = random_tensor({2, seq, 6}, seed, DType::Float64);
   Tensor rx = xg.clone().set_requires_grad(true);
   Tensor ry = ref(rx);
-  Tensor w = global_randn({2, seq, 6}, seed + 1);
+  Tensor w = random_tensor({2, seq, 6}, seed + 1, DType::Float64);
   Tensor xgrad, y;
   if (through_module) {
     norm.set_dtensor_io({mesh, x_placements, x_placements, x_placements});
@@ -288,7 +290,8 @@ TEST(NnDTensor, SequenceParallelNormsMatchSingleRank) {
 
 TEST(NnDTensor, NormsWithDTensorWeightsAndPartialInput) {
   DeviceMesh mesh = world_mesh();
-  Tensor xg = global_randn({3, 5}, 30), wg = global_randn({5}, 31), bg = global_randn({5}, 32);
+  Tensor xg = random_tensor({3, 5}, 30, DType::Float64),
+         wg = random_tensor({5}, 31, DType::Float64), bg = random_tensor({5}, 32, DType::Float64);
   // A Partial input: rank 0 holds x, the others zeros (distribute_tensor's convention).
   DTensor x = distribute_tensor(xg, mesh, {Partial()});
   x.set_requires_grad(true);
@@ -302,15 +305,18 @@ TEST(NnDTensor, NormsWithDTensorWeightsAndPartialInput) {
          rb = bg.clone().set_requires_grad(true);
   Tensor ry = layer_norm(rx, rw, rb, 1e-5);
   expect_close(y.full_tensor(), ry, 1e-12, "y");
-  Tensor wt = global_randn({3, 5}, 33);
+  Tensor wt = random_tensor({3, 5}, 33, DType::Float64);
   backward(sum(mul(y.to_local(), wt)));
   backward(sum(mul(ry, wt)));
   EXPECT_EQ(b.grad().placements(), (Placements{Shard(0)}));
   expect_close(w.grad().full_tensor(), rw.grad(), 1e-12, "dw");
   expect_close(b.grad().full_tensor(), rb.grad(), 1e-12, "db");
   expect_close(x.grad().full_tensor(), rx.grad(), 1e-12, "dx");
-  expect_error([&] { rms_norm(x, distribute_tensor(global_randn({4}, 1), mesh, {Replicate()})); },
-               {"rms_norm", "[4]", "[3, 5]"});
+  expect_error(
+      [&] {
+        rms_norm(x, distribute_tensor(random_tensor({4}, 1, DType::Float64), mesh, {Replicate()}));
+      },
+      {"rms_norm", "[4]", "[3, 5]"});
 }
 
 TEST(NnDTensor, NormsOnTwoDimMesh) {

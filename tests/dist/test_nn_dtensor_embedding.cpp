@@ -15,10 +15,12 @@
 #include "tessera/tessera.h"
 #include "tessera/testing/checks.h"
 #include "tessera/testing/expect_error.h"
+#include "tessera/testing/generators.h"
 
 using namespace tessera;
 using tessera::testing::expect_close;
 using tessera::testing::expect_error;
+using tessera::testing::random_tensor;
 using namespace tessera::nn_dtensor_test;
 
 // --- Embedding ---
@@ -43,7 +45,7 @@ TEST(NnDTensor, VocabParallelEmbeddingMatchesSingleRank) {
         idv.push_back((i * 5 + i / 3) % vocab);  // every row, several repeated
       Tensor ids = from_vector<int64_t>(idv, {2, 8});
       Tensor y = emb(ids), ry = ref(ids);
-      Tensor w = global_randn({2, 8, 4}, 9);
+      Tensor w = random_tensor({2, 8, 4}, 9, DType::Float64);
       const std::string what =
           "vocab " + std::to_string(vocab) + (seq_sharded_output ? " (reduce-scattered)" : "");
       if (seq_sharded_output) {
@@ -77,7 +79,7 @@ TEST(NnDTensor, VocabParallelEmbeddingIgnoresNonFiniteRowsItDoesNotLookUp) {
   // Row 0 (the first row of rank 0's shard, which stands in for every id rank 0 does not own)
   // is infinite; no id selects it, so no output may be touched by it.
   DeviceMesh mesh = world_mesh();
-  Tensor wg = global_randn({13, 3}, 16);
+  Tensor wg = random_tensor({13, 3}, 16, DType::Float64);
   for (int64_t d = 0; d < 3; ++d)
     wg.data<double>()[d] = std::numeric_limits<double>::infinity();
   DTensor w = distribute_tensor(wg, mesh, {Shard(0)});
@@ -109,7 +111,7 @@ TEST(NnDTensor, ColwiseEmbeddingMatchesSingleRank) {
   emb.set_dtensor_io({mesh, {Replicate()}, {Replicate()}, {Replicate()}});
   Tensor y = emb(ids), ry = ref(ids);
   expect_close(y, ry, 1e-12, "y");
-  Tensor w = global_randn({3, 2, 6}, 11);
+  Tensor w = random_tensor({3, 2, 6}, 11, DType::Float64);
   backward(sum(mul(y, w)));
   backward(sum(mul(ry, w)));
   expect_close(full_grad(emb.weight), ref.weight.grad(), 1e-12, "dW");
@@ -130,7 +132,7 @@ TEST(NnDTensor, EmbeddingWithSequenceShardedIdsSumsReplicatedWeightGradient) {
   EXPECT_EQ(y.placements(), (Placements{Shard(1)}));
   Tensor ry = ref(ids);
   expect_close(y.full_tensor(), ry, 1e-12, "y");
-  Tensor w = global_randn({2, 7, 3}, 13);
+  Tensor w = random_tensor({2, 7, 3}, 13, DType::Float64);
   backward(sum(mul(y.full_tensor(), w)));
   backward(sum(mul(ry, w)));
   expect_close(emb.weight.grad(), ref.weight.grad(), 1e-12, "dW summed over sequence shards");
@@ -152,7 +154,7 @@ TEST(NnDTensor, SequenceShardedIdsOutOfRangeFailOnEveryRank) {
 TEST(NnDTensor, EmbeddingOnTwoDimMesh) {
   if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
   DeviceMesh mesh({2, 2}, {"dp", "tp"});
-  Tensor wg = global_randn({11, 5}, 14);
+  Tensor wg = random_tensor({11, 5}, 14, DType::Float64);
   Tensor ids = from_vector<int64_t>({10, 0, 4, 7, 7, 2, 9, 1}, {4, 2});
   DTensor w = distribute_tensor(wg, mesh, {Replicate(), Shard(0)});
   w.set_requires_grad(true);
@@ -162,7 +164,7 @@ TEST(NnDTensor, EmbeddingOnTwoDimMesh) {
   Tensor rw = wg.clone().set_requires_grad(true);
   Tensor ry = embedding(ids, rw);
   expect_close(y.full_tensor(), ry, 1e-12, "y");
-  Tensor wt = global_randn({4, 2, 5}, 15);
+  Tensor wt = random_tensor({4, 2, 5}, 15, DType::Float64);
   backward(sum(mul(y.full_tensor(), wt)));
   backward(sum(mul(ry, wt)));
   expect_close(w.grad().full_tensor(), rw.grad(), 1e-12, "dW");
@@ -176,7 +178,7 @@ TEST(NnDTensor, OutOfRangeIdsOfOneReplicaFailEveryRankOfATwoDimMesh) {
   if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
   DeviceMesh mesh({2, 2}, {"dp", "tp"});
   Tensor ids = from_vector<int64_t>({10, 0, 4, 7, 7, 2, 9, 11}, {4, 2});  // 11: row 3, dp 1
-  const Tensor wg = global_randn({11, 4}, 17);
+  const Tensor wg = random_tensor({11, 4}, 17, DType::Float64);
   for (const auto& [wp, ip] : std::vector<std::pair<Placements, Placements>>{
            {{Replicate(), Shard(0)}, {Shard(0), Replicate()}},
            {{Replicate(), Shard(0)}, {Shard(0), Shard(0)}},
@@ -193,7 +195,7 @@ TEST(NnDTensor, StridedShardedIdsBesideAVocabParallelTable) {
   if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
   DeviceMesh mesh({2, 2}, {"dp", "tp"});
   const Tensor ids = from_vector<int64_t>({10, 0, 4, 7, 7, 2, 9, 1}, {4, 2});
-  const Tensor wg = global_randn({11, 4}, 18);
+  const Tensor wg = random_tensor({11, 4}, 18, DType::Float64);
   DTensor w = distribute_tensor(wg, mesh, {Replicate(), Shard(0)});
   DTensor idd = distribute_tensor(ids, mesh, {StridedShard(0, 2), Shard(0)});
   expect_close(embedding(idd, w).full_tensor(), embedding(ids, wg), 0, "strided-sharded ids");

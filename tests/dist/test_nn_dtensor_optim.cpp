@@ -14,10 +14,12 @@
 #include "tessera/tessera.h"
 #include "tessera/testing/checks.h"
 #include "tessera/testing/expect_error.h"
+#include "tessera/testing/generators.h"
 
 using namespace tessera;
 using tessera::testing::expect_close;
 using tessera::testing::expect_error;
+using tessera::testing::random_tensor;
 using namespace tessera::nn_dtensor_test;
 
 // --- optimizers ---
@@ -37,8 +39,8 @@ TEST(NnDTensor, AdamWOnDTensorParametersMatchesPlain) {
   AdamWOptions o{.lr = 0.05, .weight_decay = 0.1};
   AdamW opt(lin.parameters(), o), ref_opt(ref.parameters(), o);
   for (int step = 0; step < 3; ++step) {
-    Tensor x = global_randn({4, 6}, 60 + uint64_t(step));
-    Tensor t = global_randn({4, 10}, 70 + uint64_t(step));
+    Tensor x = random_tensor({4, 6}, 60 + uint64_t(step), DType::Float64);
+    Tensor t = random_tensor({4, 10}, 70 + uint64_t(step), DType::Float64);
     backward(sum(square(sub(lin(x), t))));
     backward(sum(square(sub(ref(x), t))));
     opt.step();
@@ -69,7 +71,7 @@ TEST(NnDTensor, SGDMomentumOnDTensorParametersMatchesPlain) {
   SGDOptions o{.lr = 0.1, .momentum = 0.9, .weight_decay = 0.01};
   SGD opt(lin.parameters(), o), ref_opt(ref.parameters(), o);
   for (int step = 0; step < 3; ++step) {
-    Tensor x = global_randn({5, 8}, 80 + uint64_t(step));
+    Tensor x = random_tensor({5, 8}, 80 + uint64_t(step), DType::Float64);
     backward(sum(square(lin(x))));
     backward(sum(square(ref(x))));
     opt.step();
@@ -95,8 +97,8 @@ void check_clip(const DeviceMesh* mesh, const std::vector<ClipCase>& cases, doub
   std::vector<Parameter> dist, plain;
   std::vector<Tensor> grads;
   for (size_t i = 0; i < cases.size(); ++i) {
-    Tensor v = global_randn(cases[i].shape, seed + 2 * i);
-    Tensor g = global_randn(cases[i].shape, seed + 2 * i + 1);
+    Tensor v = random_tensor(cases[i].shape, seed + 2 * i, DType::Float64);
+    Tensor g = random_tensor(cases[i].shape, seed + 2 * i + 1, DType::Float64);
     grads.push_back(g);
     plain.emplace_back(v.clone());
     if (cases[i].placements.empty())

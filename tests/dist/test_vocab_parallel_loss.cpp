@@ -11,17 +11,14 @@
 #include "tessera/tessera.h"
 #include "tessera/testing/checks.h"
 #include "tessera/testing/expect_error.h"
+#include "tessera/testing/generators.h"
 
 using namespace tessera;
 using tessera::testing::expect_close;
 using tessera::testing::expect_error;
+using tessera::testing::random_tensor;
 
 namespace {
-
-Tensor global_randn(const Shape& s, uint64_t seed, DType dtype = DType::Float64) {
-  Generator g(seed);
-  return randn(s, g, dtype);
-}
 
 // Targets in [0, vocab) with every third row ignored.
 Tensor targets(const Shape& s, int64_t vocab, int64_t ignore_index, uint64_t seed) {
@@ -62,11 +59,11 @@ void check_against_plain(const Shape& shape, DType dtype, int64_t ignore_index, 
                          double label_smoothing = 0.0) {
   const int64_t vocab = shape.back();
   Shape rows(shape.begin(), shape.end() - 1);
-  Tensor full = global_randn(shape, 31, dtype).to(dtype);
+  Tensor full = random_tensor(shape, 31, dtype).to(dtype);
   Tensor target = targets(rows, vocab, ignore_index, 32);
   // A gradient that differs per row, so a per-row loss's backward shows any row mixed up.
   const Tensor upstream = reduction == kernels::Reduction::None
-                              ? global_randn(rows, 33, dtype).to(dtype)
+                              ? random_tensor(rows, 33, dtype).to(dtype)
                               : full_like_scalar(1.75, dtype);
   const Shape loss_shape = reduction == kernels::Reduction::None ? rows : Shape{};
 
@@ -121,7 +118,8 @@ TEST(VocabParallelLoss, LabelSmoothingMatchesPlainCrossEntropy) {
     }
   }
   const DeviceMesh tp(Shape{world_size()}, {"tp"});
-  const DTensor logits = distribute_tensor(global_randn({2, 5}, 34), tp, {Shard(-1)});
+  const DTensor logits =
+      distribute_tensor(random_tensor({2, 5}, 34, DType::Float64), tp, {Shard(-1)});
   expect_error(
       [&] {
         vocab_parallel_cross_entropy(logits, from_vector<int64_t>({0, 1}, {2}), -100,
@@ -138,7 +136,8 @@ TEST(VocabParallelLoss, EmptyVocabularyShardsAndCustomIgnoreIndex) {
 
 TEST(VocabParallelLoss, LargeLogitsStayFinite) {
   // Far beyond exp's range: only the shared max keeps the sum finite.
-  Tensor full = kernels::binary_scalar(kernels::BinaryOp::Mul, global_randn({5, 9}, 3), 800.0);
+  Tensor full = kernels::binary_scalar(kernels::BinaryOp::Mul,
+                                       random_tensor({5, 9}, 3, DType::Float64), 800.0);
   Tensor target = targets({5}, 9, -100, 4);
   Tensor ref = cross_entropy(full, target);
   DeviceMesh mesh(Shape{world_size()}, {"tp"});
@@ -148,7 +147,7 @@ TEST(VocabParallelLoss, LargeLogitsStayFinite) {
 }
 
 TEST(VocabParallelLoss, AllRowsIgnoredIsNanLikeCrossEntropy) {
-  Tensor full = global_randn({3, 7}, 5);
+  Tensor full = random_tensor({3, 7}, 5, DType::Float64);
   Tensor target = full_like(zeros({3}, DType::Int64), -100);
   DeviceMesh mesh(Shape{world_size()}, {"tp"});
   DTensor logits = distribute_tensor(full, mesh, {Shard(1)});
@@ -163,7 +162,7 @@ TEST(VocabParallelLoss, AllRowsIgnoredIsNanLikeCrossEntropy) {
 
 TEST(VocabParallelLoss, ErrorsNameTheProblem) {
   DeviceMesh mesh(Shape{world_size()}, {"tp"});
-  Tensor full = global_randn({4, 13}, 6);
+  Tensor full = random_tensor({4, 13}, 6, DType::Float64);
   DTensor logits = distribute_tensor(full, mesh, {Shard(1)});
   Tensor target = targets({4}, 13, -100, 7);
   expect_error([&] { vocab_parallel_cross_entropy(logits, targets({5}, 13, -100, 7)); },
@@ -188,7 +187,7 @@ TEST(VocabParallelLoss, ErrorsNameTheProblem) {
 TEST(VocabParallelLoss, RanksWithDifferentTargetsFailTogether) {
   if (world_size() == 1) GTEST_SKIP() << "needs several ranks";
   DeviceMesh mesh(Shape{world_size()}, {"tp"});
-  DTensor logits = distribute_tensor(global_randn({4, 13}, 10), mesh, {Shard(1)});
+  DTensor logits = distribute_tensor(random_tensor({4, 13}, 10, DType::Float64), mesh, {Shard(1)});
   const bool last = world_rank() == world_size() - 1;
   expect_error(
       [&] {
@@ -241,7 +240,8 @@ TEST(VocabParallelLoss, RanksWithDifferentTargetsFailTogether) {
 TEST(VocabParallelLoss, ABadTargetFailsEveryRankOfATwoDimVocabularySplit) {
   if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
   DeviceMesh mesh(Shape{2, 2}, {"a", "b"});
-  DTensor logits = distribute_tensor(global_randn({4, 13}, 11), mesh, {Shard(1), Shard(1)});
+  DTensor logits =
+      distribute_tensor(random_tensor({4, 13}, 11, DType::Float64), mesh, {Shard(1), Shard(1)});
   const bool first = world_rank() == 0;
   expect_error(
       [&] {
@@ -259,7 +259,7 @@ TEST(VocabParallelLoss, ABadTargetFailsEveryRankOfATwoDimVocabularySplit) {
 TEST(VocabParallelLoss, RanksGuessingDifferentVocabularySizesFailTogether) {
   DeviceMesh mesh(Shape{world_size()}, {"tp"});
   if (world_size() == 1 || 13 % world_size() == 0) GTEST_SKIP() << "the vocabulary splits evenly";
-  Tensor full = global_randn({4, 13}, 8);
+  Tensor full = random_tensor({4, 13}, 8, DType::Float64);
   Tensor local = distribute_tensor(full, mesh, {Shard(1)}).to_local();
   DTensor guessed = DTensor::from_local(local, mesh, {Shard(1)});
   expect_error([&] { vocab_parallel_cross_entropy(guessed, targets({4}, 13, -100, 9)); },
@@ -289,9 +289,9 @@ TEST(DecoderTensorParallel, AttentionDerivesLocalHeadsFromLocalWeights) {
     ASSERT_TRUE(split->wq->weight.is_dtensor()) << what;
     EXPECT_EQ(split->wk->weight.local().size(0), kv_heads * 2 / n) << what;
 
-    Tensor xg = global_randn({2, 5, 48}, 8, DType::Float32);
+    Tensor xg = random_tensor({2, 5, 48}, 8, DType::Float32);
     Tensor xf = xg.clone().set_requires_grad(true), xs = xg.clone().set_requires_grad(true);
-    Tensor w = global_randn({2, 5, 48}, 9, DType::Float32);
+    Tensor w = random_tensor({2, 5, 48}, 9, DType::Float32);
     Tensor yf = (*full)(xf), ys = (*split)(xs);
     expect_close(ys, yf, 1e-5, what + ": output");
     backward(sum(mul(yf, w)));
