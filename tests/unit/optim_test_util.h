@@ -1,12 +1,13 @@
 #pragma once
 // What the optimizer tests share: double-precision vectors, parameters made from them, gradients
-// set by hand, and element-wise comparison against a reference update.
+// set by hand, and element-wise comparison against a reference update (common/near.h).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <string>
 #include <vector>
 
+#include "common/near.h"
 #include "tessera/tessera.h"
 
 namespace tessera::optim_test {
@@ -27,12 +28,6 @@ inline void set_grad(Parameter& p, const Vec& g) {
   leaf.set_grad(from_vector<double>(g).to(p.dtype()));
 }
 
-inline void expect_near_all(const Tensor& got, const Vec& want, double tol,
-                            const std::string& what) {
-  Vec g = got.to_vector<double>();
-  ASSERT_EQ(g.size(), want.size()) << what;
-  for (size_t i = 0; i < g.size(); ++i)
-    ASSERT_NEAR(g[i], want[i], tol * (1.0 + std::abs(want[i]))) << what << " element " << i;
-}
+using tessera::testing::expect_near_all;
 
 }  // namespace tessera::optim_test

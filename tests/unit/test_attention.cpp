@@ -6,25 +6,20 @@
 #include <limits>
 #include <string>
 
+#include "common/near.h"
 #include "tessera/tessera.h"
 #include "tessera/testing/expect_error.h"
 #include "tessera/testing/generators.h"
 
 using namespace tessera;
 using tessera::testing::expect_error;
+using tessera::testing::expect_near_all;
 using tessera::testing::random_tensor;
 
 namespace {
 
 std::vector<double> values(const Tensor& t) {
   return t.to_vector<double>();
-}
-
-void expect_near_all(const std::vector<double>& got, const std::vector<double>& want, double tol,
-                     const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i)
-    ASSERT_NEAR(got[i], want[i], tol * (1.0 + std::abs(want[i]))) << what << " element " << i;
 }
 
 // Direct formula: pair (2i, 2i+1) at position t rotated by t * theta^(-2i/D).

@@ -4,12 +4,14 @@
 #include <cmath>
 #include <string>
 
+#include "common/near.h"
 #include "tessera/tessera.h"
 #include "tessera/testing/expect_error.h"
 #include "tessera/testing/generators.h"
 
 using namespace tessera;
 using tessera::testing::expect_error;
+using tessera::testing::expect_near_all;
 using tessera::testing::random_tensor;
 
 namespace {
@@ -55,13 +57,6 @@ std::vector<double> ref_layer_norm(const std::vector<double>& x, int64_t d,
     }
   }
   return out;
-}
-
-void expect_near_all(const std::vector<double>& got, const std::vector<double>& want, double tol,
-                     const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i)
-    ASSERT_NEAR(got[i], want[i], tol * (1.0 + std::abs(want[i]))) << what << " element " << i;
 }
 
 std::vector<double> values(const Tensor& t) {
