@@ -19,6 +19,17 @@
 
 namespace tessera::testing {
 
+// A model of one Linear under the path "proj": what a layer alone does (its collectives, its
+// merges), with the Linear built by the test.
+class OneLayer : public Module {
+ public:
+  explicit OneLayer(std::shared_ptr<Linear> l) : Module("OneLayer"), proj(std::move(l)) {
+    register_module("proj", proj);
+  }
+  Tensor forward(const Tensor& x) override { return (*proj)(x); }
+  std::shared_ptr<Linear> proj;
+};
+
 inline DecoderConfig lora_decoder_config() {
   DecoderConfig cfg;
   cfg.vocab_size = 32;

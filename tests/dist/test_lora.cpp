@@ -132,16 +132,6 @@ TEST(Lora, FineTuningMatchesSingleRank) {
 
 namespace {
 
-// One projection, for counting what a layer alone communicates.
-class OneLayer : public Module {
- public:
-  explicit OneLayer(std::shared_ptr<Linear> l) : Module("OneLayer"), proj(std::move(l)) {
-    register_module("proj", proj);
-  }
-  Tensor forward(const Tensor& x) override { return (*proj)(x); }
-  std::shared_ptr<Linear> proj;
-};
-
 std::string str(const std::map<std::string, int64_t>& m) {
   std::string s;
   for (const auto& [k, v] : m)

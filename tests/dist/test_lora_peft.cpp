@@ -34,17 +34,6 @@ LoraConfig targeting(std::vector<std::string> targets, LoraInit init = LoraInit:
   return c;
 }
 
-// One Linear, "proj".
-class Holder : public Module {
- public:
-  explicit Holder(Generator& gen) : Module("Holder") {
-    proj = std::make_shared<Linear>(8, 4, false, gen);
-    register_module("proj", proj);
-  }
-  Tensor forward(const Tensor& x) override { return (*proj)(x); }
-  std::shared_ptr<Linear> proj;
-};
-
 std::string read_text(const std::string& path) {
   std::ifstream in(path);
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -103,7 +92,7 @@ TEST(LoraPeft, TargetsNeverNameTheAdapterSlots) {
 TEST(LoraPeft, AFloat64BaseMergesInFloat64) {
   for (LoraInit init : {LoraInit::Kaiming, LoraInit::Random}) {
     Generator gen(5);
-    auto m = std::make_shared<Holder>(gen);
+    auto m = std::make_shared<OneLayer>(std::make_shared<Linear>(8, 4, false, gen));
     // Values float32 cannot hold.
     m->proj->weight = Parameter(mul(m->proj->weight.full().to(DType::Float64), 1.0 + 1e-9), false);
     const Tensor w0 = m->proj->weight.full().clone();
@@ -182,7 +171,7 @@ TEST(LoraPeft, AddingAnAdapterLeavesAnothersDropoutMasks) {
 // 1/(1-p), is a whole multiple of 1/(1-p), which a bfloat16-rounded multiplier is not.
 TEST(LoraPeft, DropoutScaleStaysExactUnderABfloat16Base) {
   Generator gen(1);
-  auto holder = std::make_shared<Holder>(gen);
+  auto holder = std::make_shared<OneLayer>(std::make_shared<Linear>(8, 4, false, gen));
   holder->proj->weight = Parameter(holder->proj->weight.full().to(DType::BFloat16), false);
   LoraConfig cfg = targeting({"proj"}, LoraInit::Random);
   cfg.r = 2;
@@ -231,7 +220,7 @@ TEST(LoraPeft, PatternTargetsAreSavedAsThePathsTheyMatched) {
 // table keeps the init.
 TEST(LoraPeft, OrthogonalInitStartsAsTheBaseWithBothMatricesDrawn) {
   Generator gen(5);
-  auto m = std::make_shared<Holder>(gen);
+  auto m = std::make_shared<OneLayer>(std::make_shared<Linear>(8, 4, false, gen));
   const Tensor x = randn({3, 8}, gen);
   const Tensor base = (*m)(x);
   LoraConfig cfg = targeting({"proj"}, LoraInit::Orthogonal);
