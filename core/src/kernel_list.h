@@ -59,12 +59,13 @@ void philox_fill(Tensor& out, RandomKind kind, double a, double b, uint64_t seed
   X(log_softmax_backward, Tensor, (const Tensor& grad_out, const Tensor& out, int64_t dim),        \
     (grad_out, out, dim))                                                                          \
   X(cross_entropy, Tensor,                                                                         \
-    (const Tensor& logits, const Tensor& target, int64_t ignore_index, Reduction reduction),       \
-    (logits, target, ignore_index, reduction))                                                     \
+    (const Tensor& logits, const Tensor& target, int64_t ignore_index, Reduction reduction,        \
+     double label_smoothing, const Tensor& weight),                                                \
+    (logits, target, ignore_index, reduction, label_smoothing, weight))                            \
   X(cross_entropy_backward, Tensor,                                                                \
     (const Tensor& grad_loss, const Tensor& logits, const Tensor& target, int64_t ignore_index,    \
-     Reduction reduction),                                                                         \
-    (grad_loss, logits, target, ignore_index, reduction))                                          \
+     Reduction reduction, double label_smoothing, const Tensor& weight),                           \
+    (grad_loss, logits, target, ignore_index, reduction, label_smoothing, weight))                 \
   X(embedding, Tensor, (const Tensor& weight, const Tensor& indices), (weight, indices))           \
   X(embedding_backward, Tensor,                                                                    \
     (const Tensor& grad_out, const Tensor& indices, int64_t num_embeddings),                       \

@@ -285,16 +285,24 @@ TEST(DeviceKernels, CrossEntropyAndGathersFollowTheCpu) {
     const std::string dn = dtype_name(dt);
     const Tensor logits = random_tensor({6, 9}, 121, dt, 3.0);
     const Tensor target = from_vector<int64_t>({3, -100, 0, 8, 8, 2}, {6});
+    const Tensor weight = random_tensor({9}, 125, DType::Float64, 1.0).to(dt);
     for (auto red : {kernels::Reduction::None, kernels::Reduction::Mean, kernels::Reduction::Sum}) {
-      const std::string what = dn + " reduction " + std::to_string(int(red));
-      expect_matches(kernels::cross_entropy(cuda(logits), cuda(target), -100, red),
-                     kernels::cross_entropy(logits, target, -100, red), tol, "ce " + what);
-      const Tensor gl =
-          red == kernels::Reduction::None ? random_tensor({6}, 122, dt) : full({}, 0.7, dt);
-      expect_matches(
-          kernels::cross_entropy_backward(cuda(gl), cuda(logits), cuda(target), -100, red),
-          kernels::cross_entropy_backward(gl, logits, target, -100, red), tol,
-          "ce backward " + what);
+      for (double eps : {0.0, 0.2}) {
+        for (const Tensor& w : {Tensor(), weight}) {
+          const std::string what = dn + " reduction " + std::to_string(int(red)) + " smoothing " +
+                                   std::to_string(eps) + (w.defined() ? " weighted" : "");
+          const Tensor wd = w.defined() ? cuda(w) : w;
+          expect_matches(kernels::cross_entropy(cuda(logits), cuda(target), -100, red, eps, wd),
+                         kernels::cross_entropy(logits, target, -100, red, eps, w), tol,
+                         "ce " + what);
+          const Tensor gl =
+              red == kernels::Reduction::None ? random_tensor({6}, 122, dt) : full({}, 0.7, dt);
+          expect_matches(kernels::cross_entropy_backward(cuda(gl), cuda(logits), cuda(target), -100,
+                                                         red, eps, wd),
+                         kernels::cross_entropy_backward(gl, logits, target, -100, red, eps, w),
+                         tol, "ce backward " + what);
+        }
+      }
     }
     // A mean over no kept rows is NaN, as on the CPU.
     const Tensor all_ignored = full({6}, -100.0, DType::Int64);

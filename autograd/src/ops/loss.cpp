@@ -2,7 +2,6 @@
 // other dim is a row.
 #include "tessera/autograd/function.h"
 #include "tessera/autograd/ops.h"
-#include "tessera/core/factory.h"
 #include "tessera/core/kernels/nn.h"
 #include "tessera/core/kernels/views.h"
 
@@ -10,25 +9,51 @@ namespace tessera {
 
 namespace {
 
+// Class indices: the fused kernel both ways, label smoothing and class weights included. The
+// weights are a constant of the loss: they receive no gradient.
 class CrossEntropyFn final : public autograd::Function {
  public:
-  CrossEntropyFn(int64_t ignore_index, kernels::Reduction reduction)
-      : ignore_index_(ignore_index), reduction_(reduction) {}
+  CrossEntropyFn(int64_t ignore_index, kernels::Reduction reduction, double label_smoothing,
+                 Tensor weight)
+      : ignore_index_(ignore_index),
+        reduction_(reduction),
+        label_smoothing_(label_smoothing),
+        weight_(std::move(weight)) {}
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     save_for_backward({in[0], in[1]});
-    return {kernels::cross_entropy(in[0], in[1], ignore_index_, reduction_)};
+    return {
+        kernels::cross_entropy(in[0], in[1], ignore_index_, reduction_, label_smoothing_, weight_)};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) override {
     const Tensor& logits = saved_tensors()[0];
     const Tensor& target = saved_tensors()[1];
-    return {kernels::cross_entropy_backward(grads[0], logits, target, ignore_index_, reduction_),
+    return {kernels::cross_entropy_backward(grads[0], logits, target, ignore_index_, reduction_,
+                                            label_smoothing_, weight_),
             Tensor()};
   }
 
  private:
   int64_t ignore_index_;
   kernels::Reduction reduction_;
+  double label_smoothing_;
+  Tensor weight_;
 };
+
+// PyTorch's weight: one per class, of the logits' dtype and device. PyTorch's backward refuses a
+// weight that requires grad; refusing it here, before the forward, says so where it is passed.
+void check_class_weight(const Tensor& logits, const Tensor& weight) {
+  if (!weight.defined()) return;
+  const int64_t c = logits.size(-1);
+  TESSERA_CHECK(weight.shape() == Shape{c}, "cross_entropy: weight of shape ",
+                shape_str(weight.shape()), " must hold one weight per class of logits ",
+                shape_str(logits.shape()), " (expected [", c, "], the last dim)");
+  TESSERA_CHECK(weight.dtype() == logits.dtype(), "cross_entropy: weight ", weight.str(),
+                " must have the logits' dtype ", dtype_name(logits.dtype()));
+  TESSERA_CHECK(weight.device() == logits.device(), "cross_entropy: weight ", weight.str(),
+                " is not on the logits' device ", logits.device().str());
+  TESSERA_CHECK(!weight.requires_grad(), "cross_entropy: weight ", weight.str(),
+                " requires grad, but class weights receive no gradient (detach it)");
+}
 
 // A per-row loss reduced as `reduction` asks; a mean divides the sum by `rows`.
 Tensor reduce_rows(const Tensor& per_row, kernels::Reduction reduction, double rows) {
@@ -47,8 +72,10 @@ Tensor reduce_rows(const Tensor& per_row, kernels::Reduction reduction, double r
 // -sum(target * log_softmax(logits)). Built of differentiable ops so that a target which requires
 // grad receives its gradient too (-log_softmax(logits) times the reduction's scale), as in
 // PyTorch; ignore_index applies to class indices only.
+// With weight, each class's term is scaled by weight[c], as PyTorch's.
 Tensor cross_entropy_probabilities(const Tensor& logits, const Tensor& target,
-                                   kernels::Reduction reduction, double label_smoothing) {
+                                   kernels::Reduction reduction, double label_smoothing,
+                                   const Tensor& weight) {
   TESSERA_CHECK(target.shape() == logits.shape(),
                 "cross_entropy: a floating target holds class "
                 "probabilities and must have the logits' shape ",
@@ -61,41 +88,24 @@ Tensor cross_entropy_probabilities(const Tensor& logits, const Tensor& target,
   const Tensor smoothed = label_smoothing == 0.0 ? target
                                                  : add(mul(target, 1.0 - label_smoothing),
                                                        label_smoothing / double(logits.size(-1)));
-  Tensor per_row = neg(sum(mul(log_softmax(logits, -1), smoothed), {-1}));
+  const Tensor terms = mul(log_softmax(logits, -1), smoothed);
+  Tensor per_row = neg(sum(weight.defined() ? mul(terms, weight) : terms, {-1}));
   // A mean over the rows, not the probabilities' total, as PyTorch's.
   return reduce_rows(per_row, reduction, double(per_row.numel()));
-}
-
-// The smoothing term of class-index targets, as PyTorch's: each kept row's -(1/C) * sum over
-// the classes of log_softmax, reduced as the loss is (a mean divides by the kept rows, as the
-// nll's mean does: PyTorch without class weights).
-Tensor smoothing_term(const Tensor& l2, const Tensor& t1, int64_t ignore_index,
-                      kernels::Reduction reduction) {
-  const std::vector<int64_t> t = t1.to_vector<int64_t>();
-  std::vector<bool> ignored(t.size());
-  int64_t kept = 0;
-  for (size_t i = 0; i < t.size(); ++i) {
-    ignored[i] = t[i] == ignore_index;
-    kept += ignored[i] ? 0 : 1;
-  }
-  const Tensor mask = from_vector<bool>(ignored, {int64_t(t.size())}).to(l2.device());
-  const Tensor per_row =
-      masked_fill(div(neg(sum(log_softmax(l2, -1), {-1})), double(l2.size(-1))), mask, 0.0);
-  // No kept row: a mean of 0/0, NaN as the nll's.
-  return reduce_rows(per_row, reduction, double(kept));
 }
 
 }  // namespace
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index,
-                     kernels::Reduction reduction, double label_smoothing) {
+                     kernels::Reduction reduction, double label_smoothing, const Tensor& weight) {
   TESSERA_CHECK(logits.defined() && target.defined(), "cross_entropy: undefined logits or target");
   TESSERA_CHECK(logits.dim() >= 1, "cross_entropy: logits must have a class dim, got ",
                 logits.str());
   TESSERA_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0,
                 "cross_entropy: label_smoothing must be in [0, 1], got ", label_smoothing);
+  check_class_weight(logits, weight);
   if (is_floating(target.dtype()))
-    return cross_entropy_probabilities(logits, target, reduction, label_smoothing);
+    return cross_entropy_probabilities(logits, target, reduction, label_smoothing, weight);
   Shape rows(logits.shape().begin(), logits.shape().end() - 1);
   TESSERA_CHECK(target.shape() == rows, "cross_entropy: target shape ", shape_str(target.shape()),
                 " does not match logits shape ", shape_str(logits.shape()),
@@ -103,12 +113,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_
   const int64_t n = shape_numel(rows), c = logits.size(-1);
   Tensor l2 = logits.dim() == 2 ? logits : reshape(logits, {n, c});
   Tensor t1 = target.dim() == 1 ? target : kernels::reshape(target, {n});
-  Tensor loss = autograd::Function::apply<CrossEntropyFn>({l2, t1}, ignore_index, reduction)[0];
-  if (label_smoothing != 0.0) {
-    // (1 - eps) * nll + eps * smoothing, each reduced alike: the fused kernel keeps the nll.
-    loss = add(mul(loss, 1.0 - label_smoothing),
-               mul(smoothing_term(l2, t1, ignore_index, reduction), label_smoothing));
-  }
+  Tensor loss = autograd::Function::apply<CrossEntropyFn>({l2, t1}, ignore_index, reduction,
+                                                          label_smoothing, weight)[0];
   if (reduction == kernels::Reduction::None && target.dim() != 1) loss = reshape(loss, rows);
   return loss;
 }

@@ -79,8 +79,11 @@ inline void check_norm_backward(const char* op, const Tensor& grad_out, const Te
                 " does not match x's leading dims ", shape_str(r.lead));
 }
 
-inline void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor& target) {
+inline void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor& target,
+                                     double label_smoothing, const Tensor& weight) {
   TESSERA_CHECK(logits.defined() && target.defined(), op, ": undefined logits or target");
+  TESSERA_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op,
+                ": label_smoothing must be in [0, 1], got ", label_smoothing);
   TESSERA_CHECK(logits.dim() == 2 && is_floating(logits.dtype()), op,
                 ": logits must be a floating-point [N, C] tensor, got ", logits.str());
   TESSERA_CHECK(target.dtype() == DType::Int64, op, ": target must be int64 class indices, got ",
@@ -88,6 +91,14 @@ inline void check_cross_entropy_args(const char* op, const Tensor& logits, const
   TESSERA_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), op, ": target shape ",
                 shape_str(target.shape()), " does not match logits ", shape_str(logits.shape()),
                 " (expected [", logits.size(0), "])");
+  if (!weight.defined()) return;
+  TESSERA_CHECK(weight.shape() == Shape{logits.size(1)}, op, ": weight of shape ",
+                shape_str(weight.shape()), " must hold one weight per class of logits ",
+                shape_str(logits.shape()), " (expected [", logits.size(1), "])");
+  TESSERA_CHECK(weight.dtype() == logits.dtype(), op, ": weight ", weight.str(),
+                " must have the logits' dtype ", dtype_name(logits.dtype()));
+  TESSERA_CHECK(weight.device() == logits.device(), op, ": weight ", weight.str(),
+                " is not on the logits' device ", logits.device().str());
 }
 
 // cross_entropy_backward's grad_loss: [N] for reduction none, one value otherwise.
@@ -103,22 +114,36 @@ inline void check_cross_entropy_grad(const char* op, const Tensor& grad_loss, in
   }
 }
 
-// Target classes read to the host and checked; ignored rows become -1, `kept` counts the rest.
-inline std::vector<int64_t> class_indices(const char* op, const Tensor& target, int64_t num_classes,
-                                          int64_t ignore_index, int64_t& kept) {
-  std::vector<int64_t> t = target.to_vector<int64_t>();
-  kept = 0;
-  for (size_t i = 0; i < t.size(); ++i) {
-    if (t[i] == ignore_index) {
-      t[i] = -1;
+// cross_entropy's targets read to the host and checked (ignored rows become -1), the class
+// weights in float64 (empty without), their total (C without), and what a mean divides by: the
+// kept rows' count, or the sum of their targets' weights (PyTorch's weighted mean).
+struct CrossEntropyTargets {
+  std::vector<int64_t> classes;
+  std::vector<double> weight;
+  double weight_total = 0;
+  double mean_divisor = 0;
+};
+
+inline CrossEntropyTargets cross_entropy_targets(const char* op, const Tensor& target,
+                                                 int64_t num_classes, int64_t ignore_index,
+                                                 const Tensor& weight) {
+  CrossEntropyTargets r;
+  r.classes = target.to_vector<int64_t>();
+  if (weight.defined()) r.weight = weight.to_vector<double>();
+  for (int64_t j = 0; j < num_classes; ++j)
+    r.weight_total += r.weight.empty() ? 1.0 : r.weight[size_t(j)];
+  for (size_t i = 0; i < r.classes.size(); ++i) {
+    int64_t& t = r.classes[i];
+    if (t == ignore_index) {
+      t = -1;
       continue;
     }
-    TESSERA_CHECK(t[i] >= 0 && t[i] < num_classes, op, ": target ", t[i], " at row ", i,
+    TESSERA_CHECK(t >= 0 && t < num_classes, op, ": target ", t, " at row ", i,
                   " is out of range for ", num_classes, " classes (ignore_index is ", ignore_index,
                   ")");
-    ++kept;
+    r.mean_divisor += r.weight.empty() ? 1.0 : r.weight[size_t(t)];
   }
-  return t;
+  return r;
 }
 
 // q [B, H, T, D], k [B, H, S, D], v [B, H, S, Dv]; with `causal`, query i sees the keys up to

@@ -98,8 +98,15 @@ Tensor log_softmax(const Tensor& x, int64_t dim);
 // floating class probabilities [..., C] of the logits' dtype: -sum(target * log_softmax(logits))
 // per row, differentiable in the target too (ignore_index does not apply to them).
 // label_smoothing eps in [0, 1], as PyTorch's: class indices give (1 - eps) * nll + eps * (the
-// mean over the classes of -log_softmax) per kept row, a mean dividing both by the kept rows;
-// probabilities become target * (1 - eps) + eps / C.
+// mean over the classes of -log_softmax) per kept row, a mean dividing both by the kept rows,
+// fused into one kernel each way (no [N, C] temporary but the gradient); probabilities become
+// target * (1 - eps) + eps / C.
+// weight, as PyTorch's: C class weights of the logits' dtype and device, which receive no
+// gradient (PyTorch's backward refuses one; here a weight requiring grad is an error). With class
+// indices a kept row's nll is scaled by weight[target], the smoothing term is the mean of
+// weight[c] * -log_softmax[c], and a mean divides by the sum of weight[target] over the kept rows;
+// with probabilities each class's term is scaled by weight[c] and a mean still divides by the
+// rows.
 // Unlike PyTorch, the class dim is the LAST dim at every rank: PyTorch's F.cross_entropy on
 // [N, C, d1, ...] takes dim 1 as the classes, so a [B, T, V] call here is PyTorch's
 // F.cross_entropy(logits.flatten(0, -2), target.flatten()), not F.cross_entropy(logits, target).
@@ -107,7 +114,7 @@ Tensor log_softmax(const Tensor& x, int64_t dim);
 // probabilities (their shape is the logits' under both conventions), are accepted and read dim 2.
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
                      kernels::Reduction reduction = kernels::Reduction::Mean,
-                     double label_smoothing = 0.0);
+                     double label_smoothing = 0.0, const Tensor& weight = Tensor());
 Tensor embedding(const Tensor& indices, const Tensor& weight);
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
 // rms_norm's eps when none is given, as F.rms_norm's eps=None: the machine epsilon of the type it

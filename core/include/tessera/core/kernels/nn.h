@@ -32,12 +32,19 @@ Tensor softmax_backward(const Tensor& grad_out, const Tensor& out, int64_t dim);
 Tensor log_softmax_backward(const Tensor& grad_out, const Tensor& out, int64_t dim);
 
 // logits [N, C], target int64 [N]; rows whose target is ignore_index contribute nothing and
-// Mean divides by the count of the others.
+// Mean divides by the count of the others. label_smoothing eps in [0, 1] makes a kept row's
+// loss (1 - eps) * -log p[target] + eps * mean over the classes of -log p, as PyTorch's; both
+// terms come from the row's log-sum-exp and sum of logits, so no [N, C] log-softmax is made.
+// weight, when defined, holds C class weights (the logits' dtype and device), as PyTorch's: the
+// first term is scaled by weight[target], the second becomes the mean of weight[j] * -log p[j],
+// and Mean divides by the sum of weight[target] over the kept rows instead of their count.
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
-                     Reduction reduction = Reduction::Mean);
+                     Reduction reduction = Reduction::Mean, double label_smoothing = 0.0,
+                     const Tensor& weight = Tensor());
 // grad_loss has the loss's shape (scalar, or [N] for None).
 Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
-                              int64_t ignore_index, Reduction reduction);
+                              int64_t ignore_index, Reduction reduction,
+                              double label_smoothing = 0.0, const Tensor& weight = Tensor());
 
 // weight [V, D], indices int64 of any shape -> [..., D].
 Tensor embedding(const Tensor& weight, const Tensor& indices);
