@@ -222,7 +222,7 @@ void agree_on_vocabulary(const VocabShard& shard, const LocalFindings& mine, Dev
     TESSERA_CHECK(r[3] == 0, kOp, ": ",
                   mine.bad_target.empty()
                       ? std::string("another rank's target is out of range, or not an int64 "
-                                    "tensor of the logits' rows")
+                                    "or int32 tensor of the logits' rows")
                       : mine.bad_target);
     TESSERA_CHECK(hashes_agree(r, 4), kOp,
                   ": the ranks sharing the vocabulary pass different targets (each needs the "
@@ -253,8 +253,8 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
     bad_call =
         (std::ostringstream() << "label_smoothing must be in [0, 1], got " << label_smoothing)
             .str();
-  else if (target.dtype() != DType::Int64)
-    bad_call = "target must be int64 class indices, got " + target.str();
+  else if (target.dtype() != DType::Int64 && target.dtype() != DType::Int32)
+    bad_call = "target must be int64 or int32 class indices, got " + target.str();
   else if (target.shape() != row_shape)
     bad_call = "target " + shape_str(target.shape()) + " does not match logits " +
                shape_str(spec.global_shape) + " (expected " + shape_str(row_shape) +

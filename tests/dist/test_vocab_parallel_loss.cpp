@@ -128,6 +128,33 @@ TEST(VocabParallelLoss, LabelSmoothingMatchesPlainCrossEntropy) {
       "label_smoothing must be in [0, 1], got 1.5");
 }
 
+// int32 class indices are int64's, as in the plain cross_entropy: loss and gradient, sharded and
+// replicated, smoothed or not.
+TEST(VocabParallelLoss, Int32TargetsAreInt64s) {
+  const Tensor full = global_randn({2, 3, 13}, 35);
+  const Tensor target = targets({2, 3}, 13, -100, 36);
+  for (const MeshCase& mc : mesh_cases()) {
+    for (double eps : {0.0, 0.2}) {
+      std::vector<Tensor> losses, grads;
+      for (DType dt : {DType::Int64, DType::Int32}) {
+        DTensor logits = distribute_tensor(full, mc.mesh, mc.placements);
+        logits.set_requires_grad(true);
+        const DTensor loss = vocab_parallel_cross_entropy(logits, target.to(dt), -100,
+                                                          kernels::Reduction::Mean, eps);
+        backward(loss.to_local());
+        losses.push_back(loss.to_local());
+        grads.push_back(logits.grad().full_tensor());
+      }
+      expect_close(losses[1], losses[0], 0.0, "int32 loss");
+      expect_close(grads[1], grads[0], 0.0, "int32 grad");
+      expect_close(
+          losses[1],
+          cross_entropy(full, target.to(DType::Int32), -100, kernels::Reduction::Mean, eps), 1e-12,
+          "int32 against the plain loss");
+    }
+  }
+}
+
 TEST(VocabParallelLoss, EmptyVocabularyShardsAndCustomIgnoreIndex) {
   // 3 classes over 4 ranks leaves the last rank an empty slice.
   check_against_plain({6, 3}, DType::Float64, -1, 1e-12);
@@ -167,8 +194,8 @@ TEST(VocabParallelLoss, ErrorsNameTheProblem) {
   Tensor target = targets({4}, 13, -100, 7);
   expect_error([&] { vocab_parallel_cross_entropy(logits, targets({5}, 13, -100, 7)); },
                "target [5] does not match logits [4, 13] (expected [4]");
-  expect_error([&] { vocab_parallel_cross_entropy(logits, target.to(DType::Int32)); },
-               "target must be int64");
+  expect_error([&] { vocab_parallel_cross_entropy(logits, target.to(DType::Float32)); },
+               "target must be int64 or int32 class indices, got");
   expect_error(
       [&] {
         vocab_parallel_cross_entropy(logits, from_vector<int64_t>({0, 13, 2, 1}, {4}));
@@ -204,7 +231,8 @@ TEST(VocabParallelLoss, RanksWithDifferentTargetsFailTogether) {
   expect_error(
       [&] { vocab_parallel_cross_entropy(logits, targets({last ? 3 : 4}, 13, -100, 7)); },
       last ? "target [3] does not match logits [4, 13]"
-           : "another rank's target is out of range, or not an int64 tensor of the logits' rows");
+           : "another rank's target is out of range, or not an int64 or int32 tensor of the "
+             "logits' rows");
   // An argument refused on the last rank only, or arguments that differ: every rank fails.
   const Tensor good = from_vector<int64_t>({0, 3, 2, 1}, {4});
   expect_error(

@@ -202,6 +202,28 @@ TEST(CrossEntropyOptions, ClassWeightErrorsNameShapesAndDtypes) {
   EXPECT_NE(msg.find("weight of shape [6]"), std::string::npos) << msg;
 }
 
+// int32 class indices are int64's (the loss-parallel cross-entropy takes both too); other
+// integer dtypes are refused by name.
+TEST(CrossEntropyOptions, Int32TargetsAreInt64s) {
+  const std::vector<int64_t> t = {3, kIgnore, 0, 4};
+  const Tensor t64 = from_vector<int64_t>(t, {4});
+  for (double eps : {0.0, 0.2}) {
+    std::vector<Tensor> losses, grads;
+    for (DType dt : {DType::Int64, DType::Int32}) {
+      Tensor x = kernel_test::leaf(kernel_test::wavy(20, -2.0, 2.0), {4, 5});
+      Tensor loss = cross_entropy(x, t64.to(dt), kIgnore, Reduction::Mean, eps);
+      backward(loss);
+      losses.push_back(loss);
+      grads.push_back(x.grad());
+    }
+    expect_close(losses[1], losses[0].to_vector<double>(), 0.0, 0.0, "int32 loss");
+    expect_close(grads[1], grads[0].to_vector<double>(), 0.0, 0.0, "int32 grad");
+  }
+  const Tensor x = random_tensor({4, 5}, 74, DType::Float32);
+  const std::string msg = error_of([&] { cross_entropy(x, t64.to(DType::Bool)); });
+  EXPECT_NE(msg.find("int64 or int32 class indices"), std::string::npos) << msg;
+}
+
 // The smoothing term is fused into the kernel both ways: a forward and backward with
 // label_smoothing allocates no more than without it (the gradient and per-row statistics), no
 // log-softmax of the logits' size.

@@ -86,8 +86,8 @@ inline void check_cross_entropy_args(const char* op, const Tensor& logits, const
                 ": label_smoothing must be in [0, 1], got ", label_smoothing);
   TESSERA_CHECK(logits.dim() == 2 && is_floating(logits.dtype()), op,
                 ": logits must be a floating-point [N, C] tensor, got ", logits.str());
-  TESSERA_CHECK(target.dtype() == DType::Int64, op, ": target must be int64 class indices, got ",
-                target.str());
+  TESSERA_CHECK(target.dtype() == DType::Int64 || target.dtype() == DType::Int32, op,
+                ": target must be int64 or int32 class indices, got ", target.str());
   TESSERA_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), op, ": target shape ",
                 shape_str(target.shape()), " does not match logits ", shape_str(logits.shape()),
                 " (expected [", logits.size(0), "])");

@@ -94,9 +94,10 @@ Tensor linear_lowrank(const Tensor& x, const Tensor& weight, const Tensor& bias,
 // --- neural-network ops ---
 Tensor softmax(const Tensor& x, int64_t dim);
 Tensor log_softmax(const Tensor& x, int64_t dim);
-// logits [..., C] (flattened to [N, C]), target int64 class indices [...], or, as PyTorch's,
-// floating class probabilities [..., C] of the logits' dtype: -sum(target * log_softmax(logits))
-// per row, differentiable in the target too (ignore_index does not apply to them).
+// logits [..., C] (flattened to [N, C]), target class indices [...] (int64 as PyTorch's, or
+// int32, as vocab_parallel_cross_entropy takes too), or, as PyTorch's, floating class
+// probabilities [..., C] of the logits' dtype: -sum(target * log_softmax(logits)) per row,
+// differentiable in the target too (ignore_index does not apply to them).
 // label_smoothing eps in [0, 1], as PyTorch's: class indices give (1 - eps) * nll + eps * (the
 // mean over the classes of -log_softmax) per kept row, a mean dividing both by the kept rows,
 // fused into one kernel each way (no [N, C] temporary but the gradient); probabilities become

@@ -6,11 +6,11 @@ namespace tessera {
 
 // Loss-parallel cross-entropy: logits sharded on the vocabulary (last) dim, never gathered; each
 // rank reduces its slice and the row statistics (max, sum of exponentials, target logit) are
-// combined with all-reduces. target int64 [...] (Replicate). Returns the loss (Replicate) as
-// PyTorch's cross_entropy under loss_parallel: the mean over the rows whose target is not
-// ignore_index (NaN when there are none), their sum, or with Reduction::None one loss per row of
-// the target's shape (0 on ignored rows). label_smoothing as cross_entropy's: each row's sum of
-// logits over the vocabulary rides in the statistics' all-reduce (no collective more).
+// combined with all-reduces. target int64 or int32 [...] (Replicate), as cross_entropy's. Returns
+// the loss (Replicate) as PyTorch's cross_entropy under loss_parallel: the mean over the rows whose
+// target is not ignore_index (NaN when there are none), their sum, or with Reduction::None one loss
+// per row of the target's shape (0 on ignored rows). label_smoothing as cross_entropy's: each row's
+// sum of logits over the vocabulary rides in the statistics' all-reduce (no collective more).
 DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target,
                                      int64_t ignore_index = -100,
                                      kernels::Reduction reduction = kernels::Reduction::Mean,

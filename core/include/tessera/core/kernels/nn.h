@@ -31,8 +31,8 @@ Tensor log_softmax(const Tensor& x, int64_t dim);
 Tensor softmax_backward(const Tensor& grad_out, const Tensor& out, int64_t dim);
 Tensor log_softmax_backward(const Tensor& grad_out, const Tensor& out, int64_t dim);
 
-// logits [N, C], target int64 [N]; rows whose target is ignore_index contribute nothing and
-// Mean divides by the count of the others. label_smoothing eps in [0, 1] makes a kept row's
+// logits [N, C], target int64 or int32 [N]; rows whose target is ignore_index contribute nothing
+// and Mean divides by the count of the others. label_smoothing eps in [0, 1] makes a kept row's
 // loss (1 - eps) * -log p[target] + eps * mean over the classes of -log p, as PyTorch's; both
 // terms come from the row's log-sum-exp and sum of logits, so no [N, C] log-softmax is made.
 // weight, when defined, holds C class weights (the logits' dtype and device), as PyTorch's: the
