@@ -66,9 +66,15 @@ void row_grad(const T* row, int64_t target, const RowOptions& o, double scale, T
   const C mass = o.weight ? C((1.0 - eps) * wt + eps * o.weight_total / double(o.c)) : C(1);
   const C hit = C((1.0 - eps) * wt), uniform = C(eps / double(o.c));
   const C s = C(scale);
+  // The unweighted loop apart: it is the common one, and needs no multiply more than before.
+  if (!o.weight) {
+    for (int64_t j = 0; j < o.c; ++j)
+      grow[j] = T((std::exp(C(row[j]) - lse) - (j == target ? hit : C(0)) - uniform) * s);
+    return;
+  }
   for (int64_t j = 0; j < o.c; ++j) {
-    const C w = o.weight ? C(o.weight[j]) : C(1);
-    const C p = std::exp(C(row[j]) - lse) * mass - (j == target ? hit : C(0)) - uniform * w;
+    const C p =
+        std::exp(C(row[j]) - lse) * mass - (j == target ? hit : C(0)) - uniform * C(o.weight[j]);
     grow[j] = T(p * s);
   }
 }
