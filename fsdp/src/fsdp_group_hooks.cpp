@@ -37,21 +37,24 @@ Tensor FSDPGroup::pre_forward(const Tensor& x) {
   // of the group's backward; when it does not, no step of the group's backward is left once its
   // trainable parameters have their gradients.
   //
-  // The input is usually the previous group's output, whose hook (registered in its
-  // post_forward) starts that group's backward. This one goes first (prepended), as in PyTorch's
-  // FSDP2: this group packs its gradients and frees its weights before the previous group
-  // prefetches the one before it, so their buffers never coexist.
+  // The hook sits on an alias of the caller's tensor, made by this forward, as FSDP2 hooks the
+  // outputs of its RegisterPostBackwardFunction: a hook on the caller's tensor would stay as long
+  // as that tensor lives, so a trainable input or a kept tensor reused each step would collect
+  // one per step, and every later backward would run them all (an earlier step's hook ending this
+  // group's backward at that tensor's gradient while another use's backward still reads its
+  // weights). The alias's gradient also comes before the caller's tensor's, whose hooks include
+  // the previous group's (registered in its post_forward, starting that group's backward): this
+  // group packs its gradients and frees its weights before the previous group prefetches the one
+  // before it, so their buffers never coexist.
   if (!backward_pending_) input_grad_pending_ = 0;
   if (grad_enabled() && in.defined() && in.requires_grad()) {
     ++input_grad_pending_;
+    if (in.is_same(x)) in = reshape(in, in.shape());
     std::weak_ptr<FSDPGroup> weak = weak_from_this();
-    register_hook(
-        in,
-        [weak](const Tensor&) {
-          if (auto s = weak.lock()) s->on_input_grad();
-          return Tensor();
-        },
-        /*prepend=*/true);
+    register_hook(in, [weak](const Tensor&) {
+      if (auto s = weak.lock()) s->on_input_grad();
+      return Tensor();
+    });
   }
   return in.is_same(x) ? Tensor() : in;
 }

@@ -121,6 +121,66 @@ TEST(FSDPSchedule, SecondBackwardThroughOneForwardIsAnError) {
     EXPECT_TRUE(p->grad().defined());
 }
 
+// A trainable input kept across steps (an input being optimised, a learned prompt) passed to a
+// frozen group that also runs, before it, on a computed tensor. Each forward's hook that marks
+// the end of a group's backward (its input's gradient) stays with that forward's graph: on the
+// kept tensor itself, every step added one more, and from the second step on they ended the
+// frozen group's backward at the kept input's gradient, freeing its weights before its first
+// use's backward read them.
+class FrozenTwiceOnKeptInput : public Module {
+ public:
+  FrozenTwiceOnKeptInput() : Module("FrozenTwiceOnKeptInput") {
+    Generator gen(43);
+    stem = std::make_shared<Linear>(6, 6, true, gen);
+    frozen = std::make_shared<Linear>(6, 6, true, gen);
+    head = std::make_shared<Linear>(6, 3, true, gen);
+    register_module("stem", stem);
+    register_module("frozen", frozen);
+    register_module("head", head);
+    for (Parameter* p : frozen->parameters())
+      p->set_requires_grad(false);
+    z_ = randn({4, 6}, gen);
+  }
+  // The kept input's gradient node is made by its first use, the frozen group's second: the
+  // engine runs it (and its hooks) before the first use's backward.
+  Tensor forward(const Tensor& x) override {
+    Tensor first = (*frozen)(silu((*stem)(z_)));
+    Tensor second = (*frozen)(x);
+    return (*head)(add(first, second));
+  }
+  std::shared_ptr<Linear> stem, frozen, head;
+
+ private:
+  Tensor z_;
+};
+
+TEST(FSDPLifetime, KeptInputCarriesNoHookOfEarlierSteps) {
+  auto net = std::make_shared<FrozenTwiceOnKeptInput>();
+  auto ref = std::make_shared<FrozenTwiceOnKeptInput>();
+  fully_shard(net->frozen, dp_mesh());
+  fully_shard(net, dp_mesh());
+  Generator gen(45);
+  Tensor x = randn({4, 6}, gen).set_requires_grad(true);
+  Tensor x_ref = x.detach().clone().set_requires_grad(true);
+  auto hooks_on = [](const Tensor& t) {
+    const AutogradMeta* m = t.autograd_meta_if_exists();
+    return m ? m->grad_hooks.size() : size_t(0);
+  };
+  for (int step = 0; step < 3; ++step) {
+    x.set_grad(Tensor());
+    x_ref.set_grad(Tensor());
+    backward(mean(square((*net)(x))));
+    backward(mean(square((*ref)(x_ref))));
+    const std::string what = "step " + std::to_string(step);
+    EXPECT_EQ(hooks_on(x), 0u) << what;
+    tessera::testing::expect_close(x.grad(), x_ref.grad(), 1e-6, what + ": input gradient");
+    tessera::testing::expect_close(net->stem->weight.grad_dtensor().full_tensor(),
+                                   ref->stem->weight.grad(), 1e-6, what + ": stem gradient");
+    net->zero_grad();
+    ref->zero_grad();
+  }
+}
+
 // A long-running program shards and drops models: each dropped model's groups go with it (the
 // module's hooks own them), a handle that outlives its model keeps only its own groups, and a
 // new model, wherever it is allocated, is sharded afresh.
