@@ -112,7 +112,6 @@ void FSDPGroup::drop_pending_gather() {
 void FSDPGroup::settle_refill_version(const PendingGather& g) {
   StorageImpl* buffer = g.target.storage().impl();
   buffer->restore_version(g.saved_version);
-  if (g.shards_version != leaves_shards_version_) buffer->bump_version();
 }
 
 void FSDPGroup::release_unsharded() {

@@ -118,6 +118,8 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   std::vector<int64_t> reduce_offsets(int64_t& size) const;
   // Whether sums kept for a later all-reduce were packed for the parameters trainable now.
   bool partial_reduce_fits() const;
+  // Whether its backward all-gathers (resharded after forward): the same on every rank.
+  bool gathers_for_backward() const;
   // Whether this group holds sums of earlier micro-batches (unsynced, or kept for a later
   // all-reduce across replicas) that a backward starting now, with its settings, would reduce:
   // such a backward reduces the group even if its forward did not run in the step.
@@ -137,28 +139,33 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
     bool reuse = false;  // target is the released buffer the saved leaves view
     // reuse: the buffer's version before the gather. The gather refills what the graph saved,
     // so it is no in-place change backward must refuse (some backends count it as one: a generic
-    // all_gather_runs copies out, a staged group copies back), unless the shards changed since
-    // the forward's gather (an optimizer step in between): then the refill brings other values
-    // and the saved leaves count as written.
+    // all_gather_runs copies out, a staged group copies back). When the shards changed since the
+    // forward's gather (an optimizer step in between) the refill brings other values: that is
+    // refused at the end of backward, on every rank alike (shards_written_), not here by the
+    // engine on the writing rank alone.
     uint32_t saved_version = 0;
     uint32_t shards_version = 0;  // flat_'s when the gather started
   };
-  // After a gather into the released buffer: its version as before, or one more when the shards
-  // changed since the gather that made the leaves.
+  // After a gather into the released buffer: its version as before.
   void settle_refill_version(const PendingGather& g);
   struct PendingReduce {
     WorkPtr work;
     Tensor send, reduced;
     // Where each trainable parameter's padded piece lies in a rank's block (frozen ones: -1),
-    // and the pieces' total, after which come the flags: frozen parameters take no room, so a
-    // LoRA group reduces and keeps the adapters' gradients only.
+    // and the pieces' total, after which come the flags (one per parameter, then kWrittenSlots):
+    // frozen parameters take no room, so a LoRA group reduces and keeps the adapters' gradients
+    // only.
     std::vector<int64_t> offsets;
     int64_t size = 0;
     bool across_replicas = false;  // HSDP: `work` is the all-reduce that follows
   };
   // The send buffer of this backward's reduce-scatter: every rank's block of the trainable
-  // parameters' gradients (with the unsynced sums), then the flags; the sums are consumed.
+  // parameters' gradients (with the unsynced sums), then the flags; the sums and shards_written_
+  // are consumed.
   PendingReduce pack_gradients(DType reduce_dtype);
+  // The flag slot of a reduce that completed (after the all-reduce across replicas, when one
+  // follows): how many ranks wrote their shards between a forward and its backward.
+  void read_written_flag(const PendingReduce& pr);
 
   std::weak_ptr<Module> module_;
   // The data-parallel groups, each duplicated for FSDP's own use: all-gathers, reduce-scatters
@@ -175,6 +182,19 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   // rank's pieces go in it.
   Tensor gathered_;
   uint32_t leaves_shards_version_ = 0;  // flat_'s version when the leaves' values were gathered
+  // This rank's shards changed between the gather that made a step's leaves and the group's
+  // backward (an optimizer step or a load in between): that backward differentiated at other
+  // values than its forward. The writing rank alone knows it, and refusing there alone, in the
+  // middle of backward, would leave the other ranks waiting for its collectives until the timeout
+  // ends the job. So it travels in the slot after the flags of the next reduce-scatter, which
+  // every rank issues anyway, and every rank refuses at the end of that backward
+  // (FSDPSchedule::finalize), once all its collectives are done.
+  bool shards_written_ = false;
+  bool wrote_here_ = false;       // this rank's flag in the reduce that carries it
+  int64_t ranks_that_wrote_ = 0;  // the flag's sum over the ranks, once that reduce completed
+  int64_t writing_rank_ = -1;     // its world rank, when one rank wrote
+  // The slots after the per-parameter flags: shards_written_, and the writing rank + 1.
+  static constexpr int64_t kWrittenSlots = 2;
   int64_t unsharded_numel_ = 0;
   std::vector<std::vector<GatherRun>> gather_runs_;
   bool unsharded_ = false;

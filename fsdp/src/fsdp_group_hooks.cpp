@@ -108,12 +108,8 @@ void FSDPGroup::pre_backward() {
   begin_backward();
   in_backward_ = true;
   if (unsharded_) {
-    // Kept gathered since the forward (the root, reshard_after_forward off): a write to the
-    // shards meanwhile reaches no saved leaf's version counter, so it is caught here.
-    TESSERA_CHECK(flat_.version() == leaves_shards_version_, label(),
-                  ": its parameters were modified by an in-place operation (an optimizer step, "
-                  "a load) between the forward and this backward, which would differentiate at "
-                  "the old values; run backward before changing them");
+    // Kept gathered since the forward (the root, reshard_after_forward off). A write to the
+    // shards meanwhile is refused at the end of backward (shards_written_).
     prefetch(/*forward=*/false);
     return;
   }

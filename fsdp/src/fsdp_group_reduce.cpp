@@ -1,6 +1,7 @@
 // FSDPGroup's reduction: its gradients packed and reduce-scattered (then, for HSDP, all-reduced
 // across replicas, or kept for a later all-reduce), and the averaged shards added to the stored
 // parameters' gradients.
+#include <utility>
 #include <vector>
 
 #include "fsdp_group.h"
@@ -9,6 +10,7 @@
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/autograd/ops.h"
 #include "tessera/comm/progress.h"
+#include "tessera/comm/runtime.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/views.h"
 #include "tessera/dtensor/layout.h"
@@ -60,17 +62,23 @@ void FSDPGroup::accumulate_unsynced(DType reduce_dtype) {
 
 FSDPGroup::PendingReduce FSDPGroup::pack_gradients(DType reduce_dtype) {
   // Each rank's block holds its rows of every trainable parameter's gradient, padded, then one
-  // flag per parameter (1 where this rank has a gradient for it): the reduce-scatter sums the
-  // flags too, so every rank learns which parameters got a gradient anywhere without another
-  // collective.
+  // flag per parameter (1 where this rank has a gradient for it), then shards_written_ and, where
+  // set, the world rank + 1: the reduce-scatter sums the flags too, so every rank learns which
+  // parameters got a gradient anywhere, and how many ranks wrote their shards (and which, when
+  // one did), without another collective.
   const int64_t k = reduce_pg_->size();
   PendingReduce pr;
   pr.offsets = reduce_offsets(pr.size);
-  const int64_t block = pr.size + int64_t(params_.size());
+  const int64_t block = pr.size + int64_t(params_.size()) + kWrittenSlots;
   pr.send = zeros(Shape{k * block}, TensorOptions(reduce_dtype, flat_.device()));
   const int64_t n_params = int64_t(params_.size());
   const int64_t pre = predivide_factor(data_parallel_size(reduce_pg_, replicate_pg_), reduce_dtype);
-  std::vector<float> has_grad(params_.size(), 0.0f);
+  std::vector<float> has_grad(params_.size() + kWrittenSlots, 0.0f);
+  wrote_here_ = std::exchange(shards_written_, false);
+  if (wrote_here_) {
+    has_grad[params_.size()] = 1.0f;
+    has_grad[params_.size() + 1] = float(world_rank() + 1);
+  }
   for (size_t p = 0; p < params_.size(); ++p) {
     ParamInfo& i = params_[p];
     if (!i.param->requires_grad()) {
@@ -96,8 +104,9 @@ FSDPGroup::PendingReduce FSDPGroup::pack_gradients(DType reduce_dtype) {
   }
   // The flags of every rank's block at once: one copy from the host, not one fill per parameter
   // and rank (each a kernel launch on a device).
-  pr.send.as_strided({k, n_params}, {block, 1}, pr.size)
-      .copy_(kernels::expand(from_vector<float>(has_grad, {1, n_params}), {k, n_params}));
+  const int64_t n_flags = n_params + kWrittenSlots;
+  pr.send.as_strided({k, n_flags}, {block, 1}, pr.size)
+      .copy_(kernels::expand(from_vector<float>(has_grad, {1, n_flags}), {k, n_flags}));
   return pr;
 }
 
@@ -106,6 +115,7 @@ void FSDPGroup::start_reduce() {
   // Not run in this step: reduced only for the sums it holds from earlier micro-batches, with no
   // backward gather owed for it.
   const bool ran = backward_pending_;
+  if (ran && flat_.version() != leaves_shards_version_) shards_written_ = true;
   backward_pending_ = false;
   grads_ready_for_reduce_ = false;
   clear_grads_in();
@@ -123,9 +133,14 @@ void FSDPGroup::start_reduce() {
   bool trainable = false;
   for (const ParamInfo& i : params_)
     trainable |= i.param->requires_grad();
-  if (!trainable) {  // the same on every rank: nothing to reduce
+  // Nothing to reduce (the same on every rank). Kept gathered, its backward read the values its
+  // forward saved, and a write to its shards meanwhile changed no gradient. Gathered again for
+  // backward, it read the written values: the flags alone are reduced then, on a backward that
+  // communicates for this group anyway.
+  if (!trainable && !gathers_for_backward()) {
     for (ParamInfo& i : params_)
       i.accum_grad = Tensor();  // unsynced sums of parameters frozen since
+    shards_written_ = false;
     finish_backward();
     return;
   }
@@ -134,8 +149,8 @@ void FSDPGroup::start_reduce() {
   PendingReduce pr = pack_gradients(reduce_dtype);
   // The unsharded gradients are packed: free them before the transfer.
   finish_backward();
-  pr.reduced =
-      empty(Shape{pr.size + int64_t(params_.size())}, TensorOptions(reduce_dtype, flat_.device()));
+  pr.reduced = empty(Shape{pr.size + int64_t(params_.size()) + kWrittenSlots},
+                     TensorOptions(reduce_dtype, flat_.device()));
   pr.work = reduce_pg_->reduce_scatter_tensor(pr.reduced, pr.send, ReduceOp::Sum);
   progress_in_background(pr.work);
   pending_reduce_ = std::move(pr);
@@ -170,6 +185,21 @@ std::vector<int64_t> FSDPGroup::reduce_offsets(int64_t& size) const {
   return offsets;
 }
 
+bool FSDPGroup::gathers_for_backward() const {
+  // As post_forward decides it for a forward with a backward to come.
+  return (!is_root_ || reshard_after_forward_set_) && opts_.reshard_after_forward;
+}
+
+void FSDPGroup::read_written_flag(const PendingReduce& pr) {
+  const std::vector<double> slots =
+      flat_window(pr.reduced, pr.size + int64_t(params_.size()), kWrittenSlots).to_vector<double>();
+  ranks_that_wrote_ = int64_t(slots[0]);
+  // A 16-bit reduce dtype holds the rank exactly up to 256 only; past it no rank is named.
+  const bool exact = slots[1] <= 256 || pr.reduced.dtype() == DType::Float32 ||
+                     pr.reduced.dtype() == DType::Float64;
+  writing_rank_ = ranks_that_wrote_ == 1 && exact ? int64_t(slots[1]) - 1 : -1;
+}
+
 bool FSDPGroup::partial_reduce_fits() const {
   int64_t size = 0;
   return !partial_reduce_ || partial_reduce_->offsets == reduce_offsets(size);
@@ -189,6 +219,9 @@ bool FSDPGroup::merge_partial_reduce() {
     partial_reduce_.reset();
   }
   if (requires_all_reduce_) return true;
+  // Read from the reduce-scatter; kept, it would count again in the all-reduce that takes it.
+  read_written_flag(pr);
+  flat_window(pr.reduced, pr.size + int64_t(params_.size()), kWrittenSlots).zero_();
   for (size_t p = 0; p < params_.size(); ++p)
     if (pr.offsets[p] >= 0) {
       params_[p].param->set_grad_pending(false);
@@ -222,6 +255,7 @@ bool FSDPGroup::advance_reduce(bool block) {
   const double divide = gradient_divide_factor_.value_or(double(dp));
   const std::vector<double> flags =
       flat_window(pr.reduced, pr.size, int64_t(params_.size())).to_vector<double>();
+  read_written_flag(pr);
   // Each rank's loss is the mean over its own rows: averaging over the data-parallel ranks
   // gives the gradient of the mean loss over the global batch (or set_gradient_divide_factor's).
   const DType stored_dtype = flat_.dtype();

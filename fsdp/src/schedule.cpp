@@ -142,6 +142,10 @@ void FSDPSchedule::finalize() {
   // of its own.
   retire(/*block=*/true);
   drop_unused_prefetches();
+  std::vector<Group> written;
+  for_each_live(backward_order, [&](const Group& s) {
+    if (s->ranks_that_wrote_ > 0) written.push_back(s);
+  });
   auto settle = [](const Group& s) {
     s->drop_pending_gather();
     s->backward_pending_ = false;
@@ -156,6 +160,43 @@ void FSDPSchedule::finalize() {
   backward_order.clear();
   next_gather = next_reduce = 0;
   backward_running = false;
+  if (!written.empty()) refuse_written_shards(written);
+}
+
+void FSDPSchedule::refuse_written_shards(const std::vector<Group>& written) {
+  drop_kept_sums();
+  const Group& s = written.front();
+  const int64_t others = s->ranks_that_wrote_ - (s->wrote_here_ ? 1 : 0);
+  std::string where = s->wrote_here_ ? "on this rank" : "";
+  if (s->writing_rank_ >= 0 && !s->wrote_here_)
+    where = "on rank " + std::to_string(s->writing_rank_) + " (not this one)";
+  else if (others > 0)
+    where += (s->wrote_here_ ? " and on " : "on ") + std::to_string(others) + " other rank(s)";
+  for (const Group& g : written)
+    g->ranks_that_wrote_ = 0;
+  std::string names;
+  for (const auto& i : s->params_)
+    names += (names.empty() ? "" : ", ") + i.name;
+  TESSERA_FAIL(s->label(), ": its parameters (", names,
+               ") were modified by an in-place operation (an optimizer step, a load) between a "
+               "forward and its backward, ",
+               where,
+               "; this backward's gradients do not fit the values now stored (zero them), and "
+               "the sums kept for later backwards were dropped. Run backward before changing "
+               "the parameters");
+}
+
+void FSDPSchedule::drop_kept_sums() {
+  auto drop = [](const Group& s) {
+    s->partial_reduce_.reset();
+    for (auto& i : s->params_)
+      i.accum_grad = Tensor();
+    s->unsynced_sums_ = false;
+  };
+  for_each_live(order, drop);
+  for_each_live(backward_order, drop);
+  for_each_live(holding_sums, drop);
+  holding_sums.clear();
 }
 
 void FSDPSchedule::abandon() {
@@ -165,16 +206,8 @@ void FSDPSchedule::abandon() {
       s->pending_reduce_->work->wait();
       s->pending_reduce_.reset();
     }
-    // Sums kept for a later all-reduce (set_requires_all_reduce(false)) go too: some groups'
-    // were already merged into the reduce just dropped, and the next backward must not add the
-    // others' to gradients of another step.
-    s->partial_reduce_.reset();
-    // So do the sums of micro-batches accumulated without sync: the groups whose backward ended
-    // before the throw hold part of the failed micro-batch, the others none of it; dropped
-    // whole, no group keeps a share of it.
-    for (auto& i : s->params_)
-      i.accum_grad = Tensor();
-    s->unsynced_sums_ = false;
+    s->shards_written_ = false;
+    s->ranks_that_wrote_ = 0;
     s->backward_pending_ = false;
     s->grads_ready_for_reduce_ = false;
     s->clear_grads_in();
@@ -184,14 +217,13 @@ void FSDPSchedule::abandon() {
   };
   for_each_live(order, drop);
   for_each_live(backward_order, drop);
-  // The sums of groups this backward had not reached (its forward skipped them) go too.
-  for_each_live(holding_sums, [](const Group& s) {
-    s->partial_reduce_.reset();
-    for (auto& i : s->params_)
-      i.accum_grad = Tensor();
-    s->unsynced_sums_ = false;
-  });
-  holding_sums.clear();
+  // Sums kept for a later all-reduce (set_requires_all_reduce(false)) go too: some groups' were
+  // already merged into the reduces just dropped, and the next backward must not add the others'
+  // to gradients of another step. So do the sums of micro-batches accumulated without sync: the
+  // groups whose backward ended before the throw hold part of the failed micro-batch, the others
+  // none of it; dropped whole, no group keeps a share of it. Also those of groups this backward
+  // had not reached (its forward skipped them).
+  drop_kept_sums();
   in_flight.clear();
   backward_order.clear();
   next_gather = next_reduce = 0;

@@ -16,8 +16,10 @@
 // rank is reduce-scattered there only at the end of backward, and that rank may meanwhile wait
 // for an all-gather (or a collective of the application's backward) that the blocked rank has not
 // reached. Which parameters got a gradient on any rank travels inside the reduce-scatter (one
-// flag per parameter, summed), so the ranks agree on it without another collective. Neither
-// the result nor termination depends on timing; only memory does: the packed gradients of
+// flag per parameter, summed), so the ranks agree on it without another collective; so does
+// whether a rank wrote a group's shards between its forward and its backward, which every rank
+// then refuses at the end of backward, none earlier (the others would wait for its collectives).
+// Neither the result nor termination depends on timing; only memory does: the packed gradients of
 // reduce-scatters still in flight (the progress thread moves them meanwhile, and every later
 // hook retires those that completed).
 #include <deque>
@@ -85,8 +87,15 @@ struct FSDPSchedule : std::enable_shared_from_this<FSDPSchedule> {
   // Retires issued reduce-scatters in issue order: those that completed, or (block) all.
   void retire(bool block);
   // End of backward: the groups left reduce (with zeros where no gradient came), the
-  // collectives are waited for, and every group is resharded.
+  // collectives are waited for, and every group is resharded; then a write to shards between
+  // forward and backward, on any rank, is refused.
   void finalize();
+  // Throws, on every rank alike, for the groups whose reduce said a rank wrote their shards
+  // between forward and backward; the sums kept for later backwards go (they hold this one's).
+  void refuse_written_shards(const std::vector<Group>& written);
+  // Drops the gradient sums kept for a later backward (unsynced, or waiting for the all-reduce
+  // across replicas) by every group it knows.
+  void drop_kept_sums();
   // A backward that threw never ran finalize(): wait for what it left in flight, discard it
   // and reshard, so that the next backward starts clean.
   void abandon();

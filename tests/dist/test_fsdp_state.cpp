@@ -295,6 +295,48 @@ TEST(FullyShard, StepBetweenForwardAndBackwardIsAnErrorForGatheredRoot) {
   expect_error([&] { backward(loss); }, "modified by an in-place operation");
 }
 
+// A write between forward and backward on one rank only (that rank's optimizer, or a load, run
+// alone): every rank refuses the backward, at its end, naming the parameters and the rank that
+// wrote. The writing rank refusing alone, in the middle, left the others waiting for its
+// collectives until the timeout ended the job. The written group: a resharded block, a root kept
+// gathered, a block under HSDP (the other replica learns it from the all-reduce), a frozen block
+// (its flags alone are reduced), and a block written in a micro-batch without gradient sync (the
+// synced backward that follows refuses).
+TEST(FullyShard, WriteOnOneRankBetweenForwardAndBackwardIsAnErrorOnEveryRank) {
+  enum Case { kBlock, kRoot, kHsdp, kFrozen, kUnsynced };
+  for (Case c : {kBlock, kRoot, kHsdp, kFrozen, kUnsynced}) {
+    if (c == kHsdp && world_size() % 2 != 0) continue;
+    const DeviceMesh mesh =
+        c == kHsdp ? DeviceMesh(Shape{2, world_size() / 2}, {"replicate", "shard"}) : dp_mesh();
+    auto net = std::make_shared<Mlp>();
+    if (c == kFrozen)
+      for (Parameter* p : net->b1->parameters())
+        p->set_requires_grad(false);
+    if (c != kRoot) {
+      fully_shard(net->b0, mesh);
+      fully_shard(net->b1, mesh);
+    }
+    auto root = fully_shard(net, mesh);
+    Generator gen(5);
+    const Tensor x = randn({4, 16}, gen);
+    Parameter& written = c == kRoot ? net->head->weight : net->b1->fc2->weight;
+    const std::string what = "case " + std::to_string(int(c));
+    if (c == kUnsynced) root->set_requires_gradient_sync(false);
+    Tensor loss = mean(square((*net)(x)));
+    if (world_rank() == 0) written.fill_(0.5);
+    if (c == kUnsynced) {
+      EXPECT_NO_THROW(backward(loss)) << what << ": nothing is reduced yet";
+      root->set_requires_gradient_sync(true);
+      loss = mean(square((*net)(x)));
+    }
+    expect_error([&] { backward(loss); },
+                 {c == kRoot ? "head.weight" : "fc2.weight", "modified by an in-place operation",
+                  world_rank() == 0 ? "on this rank" : "on rank 0 (not this one)"});
+    // Nothing of the refused backward stays: the next step trains on, on every rank alike.
+    EXPECT_NO_THROW(backward(mean(square((*net)(x))))) << what;
+  }
+}
+
 // A group kept gathered after a forward (the root's, under grad) whose shards are then written
 // is gathered again by the next forward: it computes with the new values, not the stale ones.
 TEST(FullyShard, GatheredGroupSeesWritesToItsShards) {
