@@ -43,6 +43,7 @@ void FSDPGroup::unshard(bool async_op) {
     // still pending on the old values then refuses them through the version counter.
     reshard();
   }
+  drop_stale_prefetch();
   if (async_op) {
     start_gather();
     return;
@@ -65,14 +66,23 @@ void FSDPGroup::unshard(bool async_op) {
 }
 
 bool FSDPGroup::shards_written_since_gather() const {
-  const bool here = flat_.version() != leaves_shards_version_;
-  if (gather_pg_->size() == 1) return here;
   // Whether to gather again must be the same on every rank, or their all-gathers would not
   // match: a rank whose pieces nobody wrote follows the others. Only a group found gathered at
   // its forward pays this (kept after backward or after a no_grad forward, a module used twice).
+  return on_any_rank(flat_.version() != leaves_shards_version_);
+}
+
+bool FSDPGroup::on_any_rank(bool here) const {
+  if (gather_pg_->size() == 1) return here;
   Tensor flag = full({1}, here ? 1.0 : 0.0, TensorOptions(DType::Int32, flat_.device()));
   gather_pg_->all_reduce(flag, ReduceOp::Max)->wait();
   return flag.item<int32_t>() != 0;
+}
+
+void FSDPGroup::drop_stale_prefetch() {
+  if (!pending_gather_ || !pending_gather_->other_root) return;
+  pending_gather_->other_root = false;  // checked once
+  if (on_any_rank(pending_gather_->shards_version != flat_.version())) drop_pending_gather();
 }
 
 void FSDPGroup::start_gather() {
@@ -188,6 +198,7 @@ void FSDPGroup::prefetch(bool forward) {
     if (t.get() == this || t->unsharded_) continue;
     if (forward) {
       t->start_gather();
+      if (t->schedule_ != schedule_) t->pending_gather_->other_root = true;
       // This step's, also for a group under another root (an explicit target): its forward uses
       // it in this step, or this step drops it. A gather into the leaves a pending backward
       // saved (a module used again later in its forward) is its own step's to settle.

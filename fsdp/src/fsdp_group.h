@@ -81,6 +81,12 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   // Finishes it into fresh leaves, or into the existing ones whose storage reshard() released.
   void finish_gather(bool fresh);
   void drop_pending_gather();
+  // A gather that another root's forward prefetched lives until that root's next forward or
+  // the end of its backward; an evaluation under no_grad has no backward, so this group's own
+  // root may run next, after an optimizer step or a load. Before it is used, the ranks agree
+  // (a 4-byte all-reduce on the gather group, once per such prefetch) whether any wrote the
+  // shards since it was issued, and if so it is dropped, to be gathered anew.
+  void drop_stale_prefetch();
   // Frees the gathered buffer's bytes while its leaves stay referenced (by the autograd graph).
   void release_unsharded();
   void prefetch(bool forward);
@@ -96,6 +102,8 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   // Collective over the gather group: whether any rank's shards changed since the leaves were
   // gathered.
   bool shards_written_since_gather() const;
+  // Collective over the gather group: whether `here` holds on any rank.
+  bool on_any_rank(bool here) const;
   // Packs this backward's gradients and issues their reduce-scatter. advance_reduce moves it on
   // (reduce-scatter, then for HSDP the all-reduce across replicas, then the averaged shards into
   // the stored parameters' gradients), waiting for each step when `block`, else only testing
@@ -145,6 +153,8 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
     // engine on the writing rank alone.
     uint32_t saved_version = 0;
     uint32_t shards_version = 0;  // flat_'s when the gather started
+    // Prefetched by another root's forward: see drop_stale_prefetch.
+    bool other_root = false;
   };
   // After a gather into the released buffer: its version as before.
   void settle_refill_version(const PendingGather& g);

@@ -138,6 +138,49 @@ TEST(FSDPSchedule, PrefetchOfAGroupUnderAnotherRootFollowsThePrefetchingStep) {
   }
 }
 
+// An evaluation forward under no_grad prefetches, then an optimizer step writes the shards, then
+// a training forward runs: it must compute with the stepped parameters, never with an all-gather
+// issued before the step. kSkip: the evaluation skips b, whose prefetch (issued by a) it leaves
+// unused; dropped when the root's next forward starts. kOtherRoot: the prefetch is of b from
+// another root (an explicit target), and b's root, not the prefetching one, runs next: b's
+// forward used the all-gather from before the step. kOtherRootOneRank: rank 0 alone writes b's
+// shards instead (a load on one rank): every rank must drop that all-gather alike.
+TEST(FSDPSchedule, PrefetchUnderNoGradIsNotUsedAfterAnOptimizerStep) {
+  enum Case { kOneRoot, kSkip, kOtherRoot, kOtherRootOneRank };
+  for (Case c : {kOneRoot, kSkip, kOtherRoot, kOtherRootOneRank}) {
+    const std::string what = "case " + std::to_string(int(c));
+    const bool other_root = c == kOtherRoot || c == kOtherRootOneRank;
+    auto tower_a = std::make_shared<SkippableBlock>();
+    auto net = std::make_shared<SkippableBlock>(), ref = std::make_shared<SkippableBlock>();
+    auto a_block = fully_shard(tower_a->a, dp_mesh());
+    auto a_root = fully_shard(tower_a, dp_mesh());
+    fully_shard(net->a, dp_mesh());
+    auto b = fully_shard(net->b, dp_mesh());
+    fully_shard(net, dp_mesh());
+    if (other_root) a_root->set_modules_to_forward_prefetch({a_block, b});
+    SGD opt(net->parameters(), SGDOptions{.lr = 0.5});
+    SGD ref_opt(ref->parameters(), SGDOptions{.lr = 0.5});
+    Generator gen(49);
+    const Tensor x = randn({4, 6}, gen);  // the same on every rank: no averaging to mirror
+    backward(mean(square((*net)(x))));    // sets the forward order, and the gradients to step
+    backward(mean(square((*ref)(x))));
+    {
+      NoGradGuard no_grad;
+      net->skip_b = c == kSkip;
+      (*(other_root ? tower_a : net))(x);
+      net->skip_b = false;
+    }
+    if (c == kOtherRootOneRank) {
+      if (world_rank() == 0) net->b->weight.fill_(0.25);
+      ref->b->weight.copy_from_full(net->b->weight.full());
+    } else {
+      opt.step();
+      ref_opt.step();
+    }
+    tessera::testing::expect_close((*net)(x), (*ref)(x), 1e-6, what);
+  }
+}
+
 // Micro-batches accumulated without sync, the last (synced) one skipping `b`: the sums `b` holds
 // from the earlier ones belong to this step. They must reach its stored gradients with the
 // others', not wait for a later synced backward that runs `b` (adding them to another step's).
