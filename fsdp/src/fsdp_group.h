@@ -111,6 +111,9 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   void start_reduce();
   // Without gradient sync: adds this backward's gradients to the unsynced sums (accum_grad).
   void accumulate_unsynced(DType reduce_dtype);
+  // For a group that did not run in this step: issues the all-reduce across replicas of the sums
+  // kept for it, when those are all it has to reduce; false when it must reduce-scatter.
+  bool all_reduce_kept_sums();
   // Before a reduce: a backward all-gather this rank owes or still has in flight for this group
   // is issued or finished (see the .cpp).
   void settle_backward_gather();

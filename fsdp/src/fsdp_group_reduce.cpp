@@ -129,6 +129,7 @@ void FSDPGroup::start_reduce() {
     finish_backward();
     return;
   }
+  if (!ran && all_reduce_kept_sums()) return;
   unsynced_sums_ = false;  // packed below, or dropped with the parameters frozen since
   bool trainable = false;
   for (const ParamInfo& i : params_)
@@ -154,6 +155,21 @@ void FSDPGroup::start_reduce() {
   pr.work = reduce_pg_->reduce_scatter_tensor(pr.reduced, pr.send, ReduceOp::Sum);
   progress_in_background(pr.work);
   pending_reduce_ = std::move(pr);
+}
+
+bool FSDPGroup::all_reduce_kept_sums() {
+  // Skipped by this step's forward (on every rank alike), it has no gradient of this step: its
+  // sums kept for the all-reduce across replicas were reduce-scattered when they were kept, and a
+  // reduce-scatter of zeros would add nothing to them. Sums of micro-batches without sync are
+  // not reduce-scattered yet: those take the full path. The all-reduce itself goes out when
+  // the schedule retires this reduce (advance_reduce), in issue order like every group's: issued
+  // here, it could pass those of groups before it on some ranks and not on others.
+  if (unsynced_sums_ || !partial_reduce_ || !requires_all_reduce_ || !replicate_pg_) return false;
+  pending_reduce_ = std::move(*partial_reduce_);
+  partial_reduce_.reset();
+  pending_reduce_->work = nullptr;
+  finish_backward();
+  return true;
 }
 
 void FSDPGroup::settle_backward_gather() {
@@ -238,9 +254,10 @@ bool FSDPGroup::advance_reduce(bool block) {
   if (!pending_reduce_) return true;
   NoGradGuard no_grad;
   PendingReduce& pr = *pending_reduce_;
-  if (!wait_or_test(pr.work, block, stats_.reduce_scatter_wait_seconds)) return false;
+  // No work: kept sums with no reduce-scatter in this step (all_reduce_kept_sums).
+  if (pr.work && !wait_or_test(pr.work, block, stats_.reduce_scatter_wait_seconds)) return false;
   if (!pr.across_replicas) {
-    ++stats_.reduce_scatters;
+    if (pr.work) ++stats_.reduce_scatters;
     pr.send = Tensor();
     if (replicate_pg_) {
       if (!merge_partial_reduce()) return true;

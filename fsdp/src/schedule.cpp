@@ -203,7 +203,7 @@ void FSDPSchedule::abandon() {
   auto drop = [](const Group& s) {
     s->drop_pending_gather();
     if (s->pending_reduce_) {
-      s->pending_reduce_->work->wait();
+      if (s->pending_reduce_->work) s->pending_reduce_->work->wait();
       s->pending_reduce_.reset();
     }
     s->shards_written_ = false;

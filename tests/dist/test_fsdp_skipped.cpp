@@ -185,13 +185,15 @@ TEST(FSDPSchedule, PrefetchUnderNoGradIsNotUsedAfterAnOptimizerStep) {
 // from the earlier ones belong to this step. They must reach its stored gradients with the
 // others', not wait for a later synced backward that runs `b` (adding them to another step's).
 // Likewise for HSDP's sums kept for a later all-reduce (set_requires_all_reduce(false)).
-// `hsdp`: every micro-batch reduce-scatters, only the last all-reduces across replicas.
+// `hsdp`: every micro-batch reduce-scatters, only the last all-reduces across replicas; `b`,
+// skipped by the last, has nothing new to reduce-scatter then (its sums are reduce-scattered
+// already), only the all-reduce of its kept sums: it issues no reduce-scatter of zeros.
 void expect_skipped_group_keeps_its_sums(const DeviceMesh& mesh, bool hsdp) {
   const std::string what = hsdp ? "all-reduce kept for later" : "gradient sync off";
   auto ref = std::make_shared<SkippableBlock>();
   auto net = std::make_shared<SkippableBlock>();
   fully_shard(net->a, mesh);
-  fully_shard(net->b, mesh);
+  auto b = fully_shard(net->b, mesh);
   auto root = fully_shard(net, mesh);
   auto micro_batch = [&](int m, bool skip_b, bool last) {
     if (hsdp)
@@ -222,8 +224,11 @@ void expect_skipped_group_keeps_its_sums(const DeviceMesh& mesh, bool hsdp) {
   };
   micro_batch(0, /*skip_b=*/false, /*last=*/false);
   micro_batch(1, /*skip_b=*/false, /*last=*/false);
+  const int64_t reduce_scatters = b->comm_stats().reduce_scatters;
   micro_batch(2, /*skip_b=*/true, /*last=*/true);
   expect_grads("b skipped by the last micro-batch");
+  EXPECT_EQ(b->comm_stats().reduce_scatters - reduce_scatters, hsdp ? 0 : 1)
+      << what << ": b's reduce-scatters in the last micro-batch";
   for (Module* m : {static_cast<Module*>(ref.get()), static_cast<Module*>(net.get())})
     for (Parameter* p : m->parameters())
       p->zero_grad();
