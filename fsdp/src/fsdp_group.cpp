@@ -198,7 +198,8 @@ void FSDPGroup::prefetch(bool forward) {
     if (t.get() == this || t->unsharded_) continue;
     if (forward) {
       t->start_gather();
-      if (t->schedule_ != schedule_) t->pending_gather_->other_root = true;
+      if (t->schedule_ != schedule_ && !t->pending_gather_->reuse)
+        t->pending_gather_->other_root = true;
       // This step's, also for a group under another root (an explicit target): its forward uses
       // it in this step, or this step drops it. A gather into the leaves a pending backward
       // saved (a module used again later in its forward) is its own step's to settle.

@@ -200,10 +200,11 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   // values than its forward. The writing rank alone knows it, and refusing there alone, in the
   // middle of backward, would leave the other ranks waiting for its collectives until the timeout
   // ends the job. So it travels in the slot after the flags of the next reduce-scatter, which
-  // every rank issues anyway, and every rank refuses at the end of that backward
+  // every rank issues anyway (and in the sums kept for a later all-reduce across replicas, until
+  // that all-reduce), and every rank refuses at the end of the backward that completes it
   // (FSDPSchedule::finalize), once all its collectives are done.
   bool shards_written_ = false;
-  bool wrote_here_ = false;       // this rank's flag in the reduce that carries it
+  bool wrote_here_ = false;       // this rank's flag in the reduce (or kept sums) carrying it
   int64_t ranks_that_wrote_ = 0;  // the flag's sum over the ranks, once that reduce completed
   int64_t writing_rank_ = -1;     // its world rank, when one rank wrote
   // The slots after the per-parameter flags: shards_written_, and the writing rank + 1.

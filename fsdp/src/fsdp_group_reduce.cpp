@@ -74,8 +74,9 @@ FSDPGroup::PendingReduce FSDPGroup::pack_gradients(DType reduce_dtype) {
   const int64_t n_params = int64_t(params_.size());
   const int64_t pre = predivide_factor(data_parallel_size(reduce_pg_, replicate_pg_), reduce_dtype);
   std::vector<float> has_grad(params_.size() + kWrittenSlots, 0.0f);
-  wrote_here_ = std::exchange(shards_written_, false);
-  if (wrote_here_) {
+  const bool wrote = std::exchange(shards_written_, false);
+  wrote_here_ |= wrote;  // also in sums kept for a later all-reduce, which hold its flag
+  if (wrote) {
     has_grad[params_.size()] = 1.0f;
     has_grad[params_.size() + 1] = float(world_rank() + 1);
   }
@@ -210,6 +211,7 @@ void FSDPGroup::read_written_flag(const PendingReduce& pr) {
   const std::vector<double> slots =
       flat_window(pr.reduced, pr.size + int64_t(params_.size()), kWrittenSlots).to_vector<double>();
   ranks_that_wrote_ = int64_t(slots[0]);
+  if (ranks_that_wrote_ == 0) wrote_here_ = false;
   // A 16-bit reduce dtype holds the rank exactly up to 256 only; past it no rank is named.
   const bool exact = slots[1] <= 256 || pr.reduced.dtype() == DType::Float32 ||
                      pr.reduced.dtype() == DType::Float64;
@@ -234,10 +236,9 @@ bool FSDPGroup::merge_partial_reduce() {
     pr.reduced = add(pr.reduced, partial_reduce_->reduced);
     partial_reduce_.reset();
   }
+  // Kept, the sums keep their flag of a write to the shards too: only the replicas' all-reduce
+  // tells every rank, and the backward that runs it refuses.
   if (requires_all_reduce_) return true;
-  // Read from the reduce-scatter; kept, it would count again in the all-reduce that takes it.
-  read_written_flag(pr);
-  flat_window(pr.reduced, pr.size + int64_t(params_.size()), kWrittenSlots).zero_();
   for (size_t p = 0; p < params_.size(); ++p)
     if (pr.offsets[p] >= 0) {
       params_[p].param->set_grad_pending(false);

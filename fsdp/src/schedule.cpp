@@ -172,8 +172,10 @@ void FSDPSchedule::refuse_written_shards(const std::vector<Group>& written) {
     where = "on rank " + std::to_string(s->writing_rank_) + " (not this one)";
   else if (others > 0)
     where += (s->wrote_here_ ? " and on " : "on ") + std::to_string(others) + " other rank(s)";
-  for (const Group& g : written)
+  for (const Group& g : written) {
     g->ranks_that_wrote_ = 0;
+    g->wrote_here_ = false;
+  }
   std::string names;
   for (const auto& i : s->params_)
     names += (names.empty() ? "" : ", ") + i.name;
@@ -206,7 +208,7 @@ void FSDPSchedule::abandon() {
       if (s->pending_reduce_->work) s->pending_reduce_->work->wait();
       s->pending_reduce_.reset();
     }
-    s->shards_written_ = false;
+    s->shards_written_ = s->wrote_here_ = false;
     s->ranks_that_wrote_ = 0;
     s->backward_pending_ = false;
     s->grads_ready_for_reduce_ = false;

@@ -300,14 +300,16 @@ TEST(FullyShard, StepBetweenForwardAndBackwardIsAnErrorForGatheredRoot) {
 // wrote. The writing rank refusing alone, in the middle, left the others waiting for its
 // collectives until the timeout ended the job. The written group: a resharded block, a root kept
 // gathered, a block under HSDP (the other replica learns it from the all-reduce), a frozen block
-// (its flags alone are reduced), and a block written in a micro-batch without gradient sync (the
-// synced backward that follows refuses).
+// (its flags alone are reduced), and a block written in a micro-batch without gradient sync, or
+// under HSDP in one whose sums wait for a later all-reduce across replicas (the backward that
+// syncs, or all-reduces, refuses: only then do all ranks know).
 TEST(FullyShard, WriteOnOneRankBetweenForwardAndBackwardIsAnErrorOnEveryRank) {
-  enum Case { kBlock, kRoot, kHsdp, kFrozen, kUnsynced };
-  for (Case c : {kBlock, kRoot, kHsdp, kFrozen, kUnsynced}) {
-    if (c == kHsdp && world_size() % 2 != 0) continue;
+  enum Case { kBlock, kRoot, kHsdp, kFrozen, kUnsynced, kHsdpKept };
+  for (Case c : {kBlock, kRoot, kHsdp, kFrozen, kUnsynced, kHsdpKept}) {
+    const bool hsdp = c == kHsdp || c == kHsdpKept;
+    if (hsdp && world_size() % 2 != 0) continue;
     const DeviceMesh mesh =
-        c == kHsdp ? DeviceMesh(Shape{2, world_size() / 2}, {"replicate", "shard"}) : dp_mesh();
+        hsdp ? DeviceMesh(Shape{2, world_size() / 2}, {"replicate", "shard"}) : dp_mesh();
     auto net = std::make_shared<Mlp>();
     if (c == kFrozen)
       for (Parameter* p : net->b1->parameters())
@@ -322,11 +324,13 @@ TEST(FullyShard, WriteOnOneRankBetweenForwardAndBackwardIsAnErrorOnEveryRank) {
     Parameter& written = c == kRoot ? net->head->weight : net->b1->fc2->weight;
     const std::string what = "case " + std::to_string(int(c));
     if (c == kUnsynced) root->set_requires_gradient_sync(false);
+    if (c == kHsdpKept) root->set_requires_all_reduce(false);
     Tensor loss = mean(square((*net)(x)));
     if (world_rank() == 0) written.fill_(0.5);
-    if (c == kUnsynced) {
-      EXPECT_NO_THROW(backward(loss)) << what << ": nothing is reduced yet";
+    if (c == kUnsynced || c == kHsdpKept) {
+      EXPECT_NO_THROW(backward(loss)) << what << ": not every rank knows yet";
       root->set_requires_gradient_sync(true);
+      root->set_requires_all_reduce(true);
       loss = mean(square((*net)(x)));
     }
     expect_error([&] { backward(loss); },
