@@ -91,11 +91,15 @@ void FSDPGroup::start_gather() {
   const DType gather_dtype = opts_.mp_policy.param_dtype.value_or(flat_.dtype());
   PendingGather g;
   g.id = ++gathers_started_;
-  g.send = gather_dtype == flat_.dtype() ? flat_ : flat_.to(gather_dtype);
   // Before this group's backward the graph's saved leaves are views of the released buffer:
   // gather into its bytes again. Otherwise into a fresh buffer for fresh leaves.
   g.reuse = leaves_released_;
+  g.from_post_forward = g.reuse && post_forward_piece_.has_value();
   g.shards_version = flat_.version();
+  if (g.from_post_forward)
+    g.send = post_forward_piece_->piece;
+  else
+    g.send = gather_dtype == flat_.dtype() ? flat_ : flat_.to(gather_dtype);
   if (g.reuse) {
     g.saved_version = gathered_.version();
     gathered_.storage().impl()->reallocate();
@@ -104,7 +108,14 @@ void FSDPGroup::start_gather() {
   } else {
     g.target = empty(Shape{unsharded_numel_}, TensorOptions(gather_dtype, flat_.device()));
   }
-  g.work = gather_pg_->all_gather_runs(g.target, g.send, gather_runs_);
+  if (g.from_post_forward) {
+    const PostForwardPlan& plan = *post_forward_piece_->plan;
+    g.work = plan.pg->all_gather_runs(g.target, g.send, plan.runs);
+    g.group_size = plan.pg->size();
+  } else {
+    g.work = gather_pg_->all_gather_runs(g.target, g.send, gather_runs_);
+    g.group_size = gather_pg_->size();
+  }
   progress_in_background(g.work);
   pending_gather_ = std::move(g);
 }
@@ -137,7 +148,10 @@ void FSDPGroup::finish_gather(bool fresh) {
   PendingGather g = std::move(*pending_gather_);
   pending_gather_.reset();
   ++stats_.all_gathers;
+  ++stats_.all_gathers_by_group_size[g.group_size];
   stats_.all_gather_wait_seconds += wait_seconds(g.work);
+  // The leaves hold the values now; a later release gathers from the stored shards.
+  if (g.from_post_forward) post_forward_piece_.reset();
   if (g.reuse) settle_refill_version(g);
   if (g.reuse && !fresh) return;  // the leaves are views of the bytes just gathered
   leaves_shards_version_ = g.shards_version;
@@ -234,6 +248,7 @@ void FSDPGroup::reshard() {
 void FSDPGroup::drop_leaves() {
   for (ParamInfo& i : params_)
     i.leaf = Tensor();
+  post_forward_piece_.reset();
   gathered_ = Tensor();
   leaves_released_ = false;
 }
@@ -258,6 +273,52 @@ void FSDPGroup::finish_backward() {
   // if the shards were written meanwhile, by an optimizer step say); their gradients were read.
   for (ParamInfo& i : params_)
     if (i.leaf.defined()) i.leaf.set_grad(Tensor());
+}
+
+ReshardAfterForward FSDPGroup::resolve_reshard_after_forward(const ReshardAfterForward& r) const {
+  const std::optional<int64_t> n = r.world_size();
+  if (!n) return r;
+  const int64_t size = gather_pg_->size();
+  TESSERA_CHECK(*n >= 1 && size % *n == 0, label(), ": reshard_after_forward=", *n,
+                " is not a world size to reshard to within the shard group of ", size,
+                " ranks; an int must divide ", size, " (1 acts as false, ", size,
+                " as true; true and false stay bools)");
+  if (*n == 1) return false;
+  if (*n == size) return true;
+  return r;
+}
+
+void FSDPGroup::apply_reshard_after_forward(const ReshardAfterForward& r) {
+  opts_.reshard_after_forward = r;
+  post_forward_plan_.reset();
+  const std::optional<int64_t> n = r.world_size();
+  if (!n) return;
+  auto plan = std::make_shared<PostForwardPlan>();
+  plan->pg = post_forward_group(shard_pg_, *n);
+  // Sub-group rank j keeps the stored shards of shard ranks j*k .. j*k + k - 1, so the ranks of
+  // every sub-group together hold the whole group, in the shard group's order.
+  const int64_t k = gather_pg_->size() / *n;
+  plan->runs.assign(size_t(*n), {});
+  for (int64_t j = 0; j < *n; ++j)
+    for (int64_t t = 0; t < k; ++t)
+      for (const GatherRun& run : gather_runs_[size_t(j * k + t)])
+        plan->runs[size_t(j)].push_back({t * padded_size_ + run.src, run.dst, run.length});
+  post_forward_plan_ = std::move(plan);
+}
+
+void FSDPGroup::keep_post_forward_piece() {
+  NoGradGuard no_grad;
+  const PostForwardPlan& plan = *post_forward_plan_;
+  const int64_t k = gather_pg_->size() / plan.pg->size();
+  const int64_t j = plan.pg->rank();
+  // Zeros: the padding between runs is sent (by some backends) though never placed.
+  Tensor piece =
+      zeros(Shape{k * padded_size_}, TensorOptions(gathered_.dtype(), gathered_.device()));
+  for (int64_t t = 0; t < k; ++t)
+    for (const GatherRun& run : gather_runs_[size_t(j * k + t)])
+      flat_window(piece, t * padded_size_ + run.src, run.length)
+          .copy_(flat_window(gathered_, run.dst, run.length));
+  post_forward_piece_ = PostForwardPiece{post_forward_plan_, piece};
 }
 
 std::string FSDPGroup::label() const {

@@ -89,6 +89,15 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   void drop_stale_prefetch();
   // Frees the gathered buffer's bytes while its leaves stay referenced (by the autograd graph).
   void release_unsharded();
+  // reshard_after_forward as this group takes it: an int 1 is false and the shard group size
+  // true (PyTorch); a value <= 0 or one that does not divide the shard group size is refused
+  // with an error naming it, the size and the module. The same on every rank.
+  ReshardAfterForward resolve_reshard_after_forward(const ReshardAfterForward& r) const;
+  // Takes a resolved value; the int form creates its sub-group (collective over the shard group).
+  void apply_reshard_after_forward(const ReshardAfterForward& r);
+  // After a forward with a backward to come, under the int form: copies this rank's piece for
+  // its sub-group out of the gathered buffer, which reshard() then frees.
+  void keep_post_forward_piece();
   void prefetch(bool forward);
   bool needs_backward_gather() const;
   // Whether every trainable leaf's gradient is in, or, once this group's backward began (its
@@ -158,6 +167,9 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
     uint32_t shards_version = 0;  // flat_'s when the gather started
     // Prefetched by another root's forward: see drop_stale_prefetch.
     bool other_root = false;
+    // From the piece kept after forward, over its sub-group (reshard_after_forward = N).
+    bool from_post_forward = false;
+    int64_t group_size = 0;  // the ranks it runs over
   };
   // After a gather into the released buffer: its version as before.
   void settle_refill_version(const PendingGather& g);
@@ -187,6 +199,22 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   ProcessGroupPtr gather_pg_;
   ProcessGroupPtr reduce_pg_;
   ProcessGroupPtr replicate_pg_;  // HSDP only
+  ProcessGroupPtr shard_pg_;      // the mesh's, which the sub-groups of the int form split
+  // reshard_after_forward = N: the sub-group of N ranks holding this rank, and where each of its
+  // ranks' kept pieces land in the gathered buffer (a piece is the stored shards of S / N
+  // consecutive ranks of the shard group, one after another, so the runs are theirs).
+  struct PostForwardPlan {
+    ProcessGroupPtr pg;
+    std::vector<std::vector<GatherRun>> runs;
+  };
+  std::shared_ptr<const PostForwardPlan> post_forward_plan_;
+  // The piece kept since forward, with the plan it was cut for (the option may change before
+  // the backward that gathers it).
+  struct PostForwardPiece {
+    std::shared_ptr<const PostForwardPlan> plan;
+    Tensor piece;
+  };
+  std::optional<PostForwardPiece> post_forward_piece_;
   FSDPOptions opts_;
   std::vector<ParamInfo> params_;
   Tensor flat_;

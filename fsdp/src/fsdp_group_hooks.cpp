@@ -88,8 +88,13 @@ Tensor FSDPGroup::post_forward(const Tensor& y_in) {
     });
   }
   // A root keeps what its backward is about to gather again, unless told otherwise.
-  const bool reshard_now =
-      is_root_ && !reshard_after_forward_set_ ? !backward_pending_ : opts_.reshard_after_forward;
+  const bool own_choice = !is_root_ || reshard_after_forward_set_;
+  const bool reshard_now = own_choice ? bool(opts_.reshard_after_forward) : !backward_pending_;
+  // The int form keeps a piece only for a backward to come, and only when reshard() frees the
+  // gathered buffer (not while a gather into it is in flight); otherwise it reshards fully.
+  if (reshard_now && own_choice && post_forward_plan_ && backward_pending_ && unsharded_ &&
+      !pending_gather_ && gathered_.defined())
+    keep_post_forward_piece();
   if (reshard_now) reshard();
   const auto& od = opts_.mp_policy.output_dtype;
   if (od && y.defined() && is_floating(y.dtype()) && y.dtype() != *od) return cast(y, *od);

@@ -204,7 +204,7 @@ std::vector<int64_t> FSDPGroup::reduce_offsets(int64_t& size) const {
 
 bool FSDPGroup::gathers_for_backward() const {
   // As post_forward decides it for a forward with a backward to come.
-  return (!is_root_ || reshard_after_forward_set_) && opts_.reshard_after_forward;
+  return (!is_root_ || reshard_after_forward_set_) && bool(opts_.reshard_after_forward);
 }
 
 void FSDPGroup::read_written_flag(const PendingReduce& pr) {

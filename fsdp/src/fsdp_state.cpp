@@ -1,6 +1,7 @@
 // FSDPState, the public handle: each call acts on every dtype group of its fully_shard call.
 #include <cmath>
 #include <functional>
+#include <string>
 
 #include "fsdp_group.h"
 #include "registry.h"
@@ -30,6 +31,11 @@ void for_groups(const std::vector<std::shared_ptr<FSDPGroup>>& groups, bool recu
 }
 
 }  // namespace
+
+std::string ReshardAfterForward::str() const {
+  if (world_size_) return std::to_string(*world_size_);
+  return reshard_ ? "true" : "false";
+}
 
 FSDPState::FSDPState(std::vector<std::shared_ptr<FSDPGroup>> groups) : groups_(std::move(groups)) {
   TESSERA_CHECK(!groups_.empty(), "FSDPState: no parameter group");
@@ -74,9 +80,11 @@ void FSDPState::set_reshard_after_backward(bool r, bool recurse) {
   for_groups(groups_, recurse, [r](FSDPGroup& g) { g.reshard_after_backward_ = r; });
 }
 
-void FSDPState::set_reshard_after_forward(bool r, bool recurse) {
-  for_groups(groups_, recurse, [r](FSDPGroup& g) {
-    g.opts_.reshard_after_forward = r;
+void FSDPState::set_reshard_after_forward(ReshardAfterForward r, bool recurse) {
+  // Every group checks the value before any takes it: a refused call changes nothing.
+  for_groups(groups_, recurse, [&r](FSDPGroup& g) { g.resolve_reshard_after_forward(r); });
+  for_groups(groups_, recurse, [&r](FSDPGroup& g) {
+    g.apply_reshard_after_forward(g.resolve_reshard_after_forward(r));
     g.reshard_after_forward_set_ = true;
   });
 }
@@ -164,6 +172,8 @@ FSDPCommStats FSDPState::comm_stats() const {
   FSDPCommStats t;
   for (const auto& g : groups_) {
     t.all_gathers += g->stats_.all_gathers;
+    for (const auto& [size, n] : g->stats_.all_gathers_by_group_size)
+      t.all_gathers_by_group_size[size] += n;
     t.all_gather_wait_seconds += g->stats_.all_gather_wait_seconds;
     t.reduce_scatters += g->stats_.reduce_scatters;
     t.reduce_scatter_wait_seconds += g->stats_.reduce_scatter_wait_seconds;

@@ -182,7 +182,10 @@ struct GroupBuilder {
     state->gather_pg_ = detail::dedicated_group(shard_pg, "fsdp_all_gather");
     state->reduce_pg_ = detail::dedicated_group(shard_pg, "fsdp_reduce_scatter");
     if (hsdp) state->replicate_pg_ = detail::dedicated_group(mesh.group(0), "fsdp_replicate");
+    state->shard_pg_ = shard_pg;
     Layout layout = lay_out(*state, *module, mesh, params, shard_pg->size());
+    state->apply_reshard_after_forward(
+        state->resolve_reshard_after_forward(opts.reshard_after_forward));
     return {std::move(state), std::move(layout)};
   }
 

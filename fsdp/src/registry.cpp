@@ -71,7 +71,10 @@ bool held_by(const std::vector<std::shared_ptr<FSDPGroup>>& groups, const Parame
   });
 }
 
-ProcessGroupPtr dedicated_group(const ProcessGroupPtr& pg, const std::string& role) {
+namespace {
+
+// Splits `pg` by `color` once per (pg, role); the cache holds only communicators still in use.
+ProcessGroupPtr cached_split(const ProcessGroupPtr& pg, const std::string& role, int color) {
   struct Entry {
     std::weak_ptr<ProcessGroup> source, dup;
     std::string role;
@@ -82,9 +85,19 @@ ProcessGroupPtr dedicated_group(const ProcessGroupPtr& pg, const std::string& ro
   std::erase_if(cache, [](const Entry& e) { return e.source.expired() || e.dup.expired(); });
   for (const Entry& e : cache)
     if (e.role == role && e.source.lock() == pg) return e.dup.lock();
-  ProcessGroupPtr dup = pg->split(0, pg->rank(), pg->name() + "." + role);
+  ProcessGroupPtr dup = pg->split(color, pg->rank(), pg->name() + "." + role);
   cache.push_back({pg, dup, role});
   return dup;
+}
+
+}  // namespace
+
+ProcessGroupPtr dedicated_group(const ProcessGroupPtr& pg, const std::string& role) {
+  return cached_split(pg, role, 0);
+}
+
+ProcessGroupPtr post_forward_group(const ProcessGroupPtr& pg, int64_t n) {
+  return cached_split(pg, "fsdp_post_forward_" + std::to_string(n), int(pg->rank() / n));
 }
 
 }  // namespace tessera::detail

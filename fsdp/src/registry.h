@@ -38,5 +38,9 @@ bool held_by(const std::vector<std::shared_ptr<FSDPGroup>>& groups, const Parame
 // holds it. Creating one is collective over `pg`; every rank shards the same modules in the same
 // order, so every rank finds or creates the same duplicates.
 ProcessGroupPtr dedicated_group(const ProcessGroupPtr& pg, const std::string& role);
+// reshard_after_forward = n: the sub-group of `pg` holding this rank, its ranks split into
+// consecutive runs of n (PyTorch's post-forward mesh, the ranks viewed as (-1, n)), shared like
+// dedicated_group's duplicates. Collective over `pg`.
+ProcessGroupPtr post_forward_group(const ProcessGroupPtr& pg, int64_t n);
 
 }  // namespace tessera::detail

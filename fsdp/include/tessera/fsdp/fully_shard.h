@@ -3,6 +3,9 @@
 // parameters (those no child's fully_shard claimed) become DTensors sharded on dim 0 over the
 // data-parallel mesh dim, stored as views of one flat per-rank buffer so that one all-gather
 // unshards the whole group before its forward and one reduce-scatter returns its gradients.
+#include <concepts>
+#include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -30,13 +33,42 @@ struct MixedPrecisionPolicy {
   bool cast_forward_inputs = true;
 };
 
+// PyTorch's `reshard_after_forward: bool | int`. An int N is the world size to reshard to after
+// forward: the shard group's ranks split into consecutive sub-groups of N, each rank keeps its
+// 1/N of the gathered parameters (rather than 1/shard size), and the backward all-gathers over
+// its sub-group only, at the cost of that memory between forward and backward. fully_shard and
+// set_reshard_after_forward check N against the shard group size S: it must divide S; 1 acts
+// as false and S as true (as in PyTorch); N <= 0 or one that does not divide S is refused.
+class ReshardAfterForward {
+ public:
+  ReshardAfterForward(bool reshard) : reshard_(reshard) {}  // NOLINT: converts, as in PyTorch
+  template <std::integral T>
+  requires(!std::same_as<T, bool>)
+      ReshardAfterForward(T world_size)  // NOLINT: converts, as in PyTorch
+      : reshard_(true), world_size_(int64_t(world_size)) {}
+
+  // Whether the gathered parameters are freed after forward, fully or down to a sub-group's.
+  explicit operator bool() const { return reshard_; }
+  // The int form: the world size to reshard to (nullopt for true and false).
+  std::optional<int64_t> world_size() const { return world_size_; }
+  std::string str() const;
+  friend bool operator==(const ReshardAfterForward&, const ReshardAfterForward&) = default;
+
+ private:
+  bool reshard_ = true;
+  std::optional<int64_t> world_size_;
+};
+
 struct FSDPOptions {
   // After forward, free the gathered parameters (they are gathered again for backward); off,
   // they stay gathered until after backward, or, after a forward under no_grad, until reshard()
-  // (an evaluation or generation loop then gathers once). The root's parameters stay gathered
-  // from a forward with grad to its backward, since backward needs them at once, unless
-  // set_reshard_after_forward(true) names the root itself.
-  bool reshard_after_forward = true;
+  // (an evaluation or generation loop then gathers once). An int N keeps 1/N of them on each
+  // rank instead, and the backward gathers within a sub-group of N ranks (ReshardAfterForward;
+  // a forward under no_grad frees them all). The root's parameters stay gathered from a forward
+  // with grad to its backward, since backward needs them at once, unless
+  // set_reshard_after_forward names the root itself. options() reports the value as fully_shard
+  // resolved it (an int 1 as false, the shard group size as true).
+  ReshardAfterForward reshard_after_forward = true;
   // Issue the next group's all-gather while this group computes: in forward the group after it
   // in the previous step's forward order, in backward the group before it in this step's.
   // set_modules_to_forward_prefetch / _backward_prefetch choose the groups instead.
@@ -50,6 +82,9 @@ struct FSDPOptions {
 // costs (almost) nothing here; without prefetch every all-gather is waited for in full.
 struct FSDPCommStats {
   int64_t all_gathers = 0;
+  // all_gathers by the number of ranks they ran over: the shard group's size, or for the
+  // backward's after reshard_after_forward = N, N.
+  std::map<int64_t, int64_t> all_gathers_by_group_size;
   double all_gather_wait_seconds = 0;
   int64_t reduce_scatters = 0;
   double reduce_scatter_wait_seconds = 0;
@@ -93,7 +128,9 @@ class FSDPState {
   // Nothing for plain FSDP. A backward that throws drops the waiting sums.
   void set_requires_all_reduce(bool all_reduce, bool recurse = true);
   // PyTorch's FSDPModule methods: `recurse` sets it on every fully_shard'ed module inside too.
-  void set_reshard_after_forward(bool r, bool recurse = true);
+  // An int is checked against each group's shard group size first (a refused call changes
+  // nothing); it creates the sub-groups' communicators, so every rank must call it alike.
+  void set_reshard_after_forward(ReshardAfterForward r, bool recurse = true);
   // Off: a group stays gathered after its backward (its unsharded gradients are still freed),
   // so that the next micro-batch's forward gathers nothing (it checks, with one small
   // all-reduce, whether the shards were written since: after an optimizer step it gathers
