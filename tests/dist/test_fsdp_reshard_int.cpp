@@ -35,6 +35,7 @@ struct Outcome {
 struct Variant {
   bool accumulate = false;               // two micro-batches, the first without gradient sync
   bool unshard_before_backward = false;  // the user's unshard() between forward and backward
+  bool reshard_before_backward = false;  // unshard() and then reshard() in between
   bool checkpoint_blocks = false;        // activation checkpointing of every block
   bool bf16 = false;                     // MixedPrecisionPolicy param_dtype
 };
@@ -42,7 +43,8 @@ struct Variant {
 Tensor step_loss(Decoder& net, const Batch& b, const Variant& v,
                  const std::vector<std::shared_ptr<FSDPState>>& states) {
   Tensor loss = cross_entropy(net(b.ids), b.targets);
-  if (v.unshard_before_backward) states.front()->unshard();
+  if (v.unshard_before_backward || v.reshard_before_backward) states.front()->unshard();
+  if (v.reshard_before_backward) states.front()->reshard();
   return loss;
 }
 
@@ -135,6 +137,7 @@ TEST(ReshardAfterForwardInt, KeepsOtherFeaturesAsTrue) {
   const std::vector<std::pair<std::string, Variant>> variants = {
       {"gradient accumulation", {.accumulate = true}},
       {"unshard() before backward", {.unshard_before_backward = true}},
+      {"unshard() and reshard() before backward", {.reshard_before_backward = true}},
       {"checkpointed blocks", {.checkpoint_blocks = true}},
       {"bfloat16 parameters", {.bf16 = true}},
   };
@@ -143,8 +146,14 @@ TEST(ReshardAfterForwardInt, KeepsOtherFeaturesAsTrue) {
     const Outcome want = train_with(true, blocks_and_root(mesh), world_rank(), 4, v);
     const Outcome got = train_with(2, blocks_and_root(mesh), world_rank(), 4, v);
     expect_same(got, want, name);
-    // unshard() before backward gathers the first block from its kept piece, as backward would.
-    expect_block_gathers(got, 4, 2, v.accumulate ? 2 : 1, name);
+    // unshard() before backward gathers the first block from its kept piece, as backward would;
+    // reshard() after it frees the piece too, so that block's backward gathers over all 4 ranks.
+    if (!v.reshard_before_backward) {
+      expect_block_gathers(got, 4, 2, v.accumulate ? 2 : 1, name);
+    } else {
+      const std::map<int64_t, int64_t> first{{4, 2 * kSteps}, {2, kSteps}};
+      EXPECT_EQ(got.stats.front().all_gathers_by_group_size, first) << name;
+    }
   }
 }
 
