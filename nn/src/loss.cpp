@@ -32,15 +32,28 @@ struct VocabShard {
   std::vector<ProcessGroupPtr> groups;  // one per mesh dim that shards the vocabulary
 };
 
+// Class weights as the Function needs them (undefined tensors without weights, where every class
+// weighs 1): the weights of the rows' targets, this rank's slice of the class weights, their
+// total over the vocabulary and a mean's divisor. The weight is global and the target
+// replicated, so each rank finds all of these without a collective.
+struct RowWeights {
+  Tensor rows;   // [N] w[target] of the compute dtype, 0 on ignored rows
+  Tensor slice;  // [length] w[start, start + length) of the compute dtype
+  double total = 0;
+  int64_t kept = 0;    // rows whose target is not ignore_index
+  double divisor = 0;  // sum of the kept rows' weights (their count without weights)
+  bool defined() const { return rows.defined(); }
+};
+
 // Per-row statistics kept for the backward: the row's log-sum-exp over the whole vocabulary.
 class VocabParallelCrossEntropy final : public autograd::Function {
  public:
   // target: int64 [N] on the logits' device, -1 for ignored rows.
-  VocabParallelCrossEntropy(VocabShard shard, Tensor target, int64_t kept,
+  VocabParallelCrossEntropy(VocabShard shard, Tensor target, RowWeights weights,
                             kernels::Reduction reduction, double label_smoothing)
       : shard_(std::move(shard)),
         target_(std::move(target)),
-        kept_(kept),
+        weights_(std::move(weights)),
         reduction_(reduction),
         smoothing_(label_smoothing) {}
 
@@ -58,15 +71,15 @@ class VocabParallelCrossEntropy final : public autograd::Function {
                                               TensorOptions(x.dtype(), x.device()));
     all_reduce(row_max, ReduceOp::Max);
     Tensor stats = kernels::vocab_ce_stats(x, row_max, target_, shard_.start);
-    if (smoothing_ != 0.0) return {smoothed_forward(x, row_max, stats)};
+    if (smoothing_ != 0.0 || weights_.defined())
+      return {weighted_forward(x, row_max, std::move(stats))};
     all_reduce(stats, ReduceOp::Sum);
-    kernels::VocabCrossEntropy ce = kernels::vocab_ce_loss(stats, row_max, target_, kept_);
+    kernels::VocabCrossEntropy ce = kernels::vocab_ce_loss(stats, row_max, target_, weights_.kept);
     save_for_backward({x, ce.lse});
     if (reduction_ == kernels::Reduction::Mean) return {ce.loss.to(dtype_)};
     // Per row: lse - the target's logit, 0 on ignored rows.
     const Tensor per_row = kernels::where(
-        kernels::compare_scalar(kernels::CompareOp::Eq, target_, -1.0),
-        zeros({}, TensorOptions(x.dtype(), x.device())),
+        ignored_rows(), zeros({}, TensorOptions(x.dtype(), x.device())),
         kernels::binary(kernels::BinaryOp::Sub, ce.lse, kernels::select(stats, 1, 1)));
     if (reduction_ == kernels::Reduction::Sum) return {kernels::sum(per_row, {}, false).to(dtype_)};
     return {kernels::reshape(per_row, Shape(shape_.begin(), shape_.end() - 1)).to(dtype_)};
@@ -74,7 +87,7 @@ class VocabParallelCrossEntropy final : public autograd::Function {
 
   std::vector<Tensor> backward(const std::vector<Tensor>& g) override {
     const std::vector<Tensor>& s = saved_tensors();
-    if (smoothing_ != 0.0) return {smoothed_backward(g[0], s[0], s[1])};
+    if (smoothing_ != 0.0 || weights_.defined()) return {weighted_backward(g[0], s[0], s[1])};
     if (reduction_ == kernels::Reduction::None) {
       // Each row's softmax - onehot scaled by that row's incoming gradient.
       Tensor grad = kernels::vocab_ce_backward(s[0], s[1], target_, shard_.start, 1.0);
@@ -84,36 +97,50 @@ class VocabParallelCrossEntropy final : public autograd::Function {
       return {kernels::reshape(grad, shape_).to(dtype_)};
     }
     double scale = g[0].to(DType::Float64).item<double>();
-    if (reduction_ == kernels::Reduction::Mean) scale /= double(kept_);
+    if (reduction_ == kernels::Reduction::Mean) scale /= weights_.divisor;
     Tensor grad = kernels::vocab_ce_backward(s[0], s[1], target_, shard_.start, scale);
     return {kernels::reshape(grad, shape_).to(dtype_)};
   }
 
  private:
-  // Label smoothing's term -(1/V) * sum_j log_softmax = lse - (1/V) * sum_j x needs each row's
-  // sum of logits over the whole vocabulary: a third column of the statistics' all-reduce.
-  Tensor smoothed_forward(const Tensor& x, const Tensor& row_max, const Tensor& stats) {
-    const int64_t rows = x.size(0);
-    const Tensor local_sum = shard_.length > 0
-                                 ? kernels::sum(x, {1}, true)
-                                 : zeros({rows, 1}, TensorOptions(x.dtype(), x.device()));
-    Tensor all = kernels::cat({stats, local_sum}, 1);
-    all_reduce(all, ReduceOp::Sum);
-    const Tensor two = kernels::narrow(all, 1, 0, 2).contiguous();
-    kernels::VocabCrossEntropy ce = kernels::vocab_ce_loss(two, row_max, target_, kept_);
-    save_for_backward({x, ce.lse});
+  Tensor ignored_rows() const {
+    return kernels::compare_scalar(kernels::CompareOp::Eq, target_, -1.0);
+  }
+
+  // PyTorch's per-row loss with class weights w (all 1 without) and label smoothing eps:
+  // (1 - eps) * w[t] * (lse - x[t]) + (eps / V) * (W * lse - sum_j w[j] * x[j]), W the weights'
+  // total. The weighted sum of logits over the whole vocabulary is a third column of the
+  // statistics' all-reduce (no collective more); without smoothing it is not needed.
+  Tensor weighted_forward(const Tensor& x, const Tensor& row_max, Tensor stats) {
     using kernels::BinaryOp;
-    // Per kept row: lse - (1 - eps) * target logit - (eps / V) * sum of logits.
-    const Tensor nll_part = kernels::binary_scalar(
-        BinaryOp::Mul, kernels::select(two, 1, 1).contiguous(), 1.0 - smoothing_);
-    const Tensor smooth_part =
-        kernels::binary_scalar(BinaryOp::Mul, kernels::select(all, 1, 2).contiguous(),
-                               smoothing_ / double(shard_.vocab_size));
-    const Tensor per_row = kernels::where(
-        kernels::compare_scalar(kernels::CompareOp::Eq, target_, -1.0),
-        zeros({}, TensorOptions(x.dtype(), x.device())),
-        kernels::binary(BinaryOp::Sub, kernels::binary(BinaryOp::Sub, ce.lse, nll_part),
-                        smooth_part));
+    const int64_t rows = x.size(0);
+    if (smoothing_ != 0.0) {
+      const Tensor terms =
+          weights_.defined()
+              ? kernels::binary(BinaryOp::Mul, x, kernels::reshape(weights_.slice, {1, -1}))
+              : x;
+      const Tensor local_sum = shard_.length > 0
+                                   ? kernels::sum(terms, {1}, true)
+                                   : zeros({rows, 1}, TensorOptions(x.dtype(), x.device()));
+      stats = kernels::cat({stats, local_sum}, 1);
+    }
+    all_reduce(stats, ReduceOp::Sum);
+    const Tensor two = kernels::narrow(stats, 1, 0, 2).contiguous();
+    kernels::VocabCrossEntropy ce = kernels::vocab_ce_loss(two, row_max, target_, weights_.kept);
+    save_for_backward({x, ce.lse});
+    Tensor per_row =
+        kernels::binary(BinaryOp::Sub, ce.lse, kernels::select(two, 1, 1).contiguous());
+    if (weights_.defined()) per_row = kernels::binary(BinaryOp::Mul, per_row, weights_.rows);
+    if (smoothing_ != 0.0) {
+      const Tensor smooth = kernels::binary(
+          BinaryOp::Sub, kernels::binary_scalar(BinaryOp::Mul, ce.lse, weights_.total),
+          kernels::select(stats, 1, 2).contiguous());
+      per_row = kernels::binary(
+          BinaryOp::Add, kernels::binary_scalar(BinaryOp::Mul, per_row, 1.0 - smoothing_),
+          kernels::binary_scalar(BinaryOp::Mul, smooth, smoothing_ / double(shard_.vocab_size)));
+    }
+    per_row =
+        kernels::where(ignored_rows(), zeros({}, TensorOptions(x.dtype(), x.device())), per_row);
     switch (reduction_) {
       case kernels::Reduction::None:
         return kernels::reshape(per_row, Shape(shape_.begin(), shape_.end() - 1)).to(dtype_);
@@ -122,34 +149,42 @@ class VocabParallelCrossEntropy final : public autograd::Function {
       case kernels::Reduction::Mean:
         break;
     }
-    // No kept row: 0/0, NaN as the unsmoothed mean.
-    return kernels::binary_scalar(BinaryOp::Div, kernels::sum(per_row, {}, false), double(kept_))
+    // No kept row: 0/0, NaN as PyTorch's mean.
+    return kernels::binary_scalar(BinaryOp::Div, kernels::sum(per_row, {}, false), weights_.divisor)
         .to(dtype_);
   }
 
-  // (1 - eps) * (softmax - onehot) + eps * (softmax - 1/V) on kept rows, times the incoming
-  // gradient (per row, or the reduction's scale).
-  Tensor smoothed_backward(const Tensor& g, const Tensor& x, const Tensor& lse) const {
+  // The gradient of weighted_forward's loss on kept rows: (1 - eps) * w[t] * (softmax - onehot)
+  // + eps * (W / V * softmax - w / V), times the incoming gradient (per row, or the reduction's
+  // scale).
+  Tensor weighted_backward(const Tensor& g, const Tensor& x, const Tensor& lse) const {
     using kernels::BinaryOp;
     const int64_t rows = x.size(0);
     Tensor grad = kernels::vocab_ce_backward(x, lse, target_, shard_.start, 1.0 - smoothing_);
-    const Tensor softmax = kernels::unary(
-        kernels::UnaryOp::Exp, kernels::binary(BinaryOp::Sub, x, kernels::reshape(lse, {rows, 1})));
-    Tensor uniform = kernels::binary_scalar(
-        BinaryOp::Mul,
-        kernels::binary_scalar(BinaryOp::Sub, softmax, 1.0 / double(shard_.vocab_size)),
-        smoothing_);
-    uniform = kernels::masked_fill(
-        uniform,
-        kernels::reshape(kernels::compare_scalar(kernels::CompareOp::Eq, target_, -1.0), {rows, 1}),
-        0.0);
-    grad = kernels::binary(BinaryOp::Add, grad, uniform);
+    if (weights_.defined())
+      grad = kernels::binary(BinaryOp::Mul, grad, kernels::reshape(weights_.rows, {rows, 1}));
+    if (smoothing_ != 0.0) {
+      const double v = double(shard_.vocab_size);
+      const Tensor softmax =
+          kernels::unary(kernels::UnaryOp::Exp,
+                         kernels::binary(BinaryOp::Sub, x, kernels::reshape(lse, {rows, 1})));
+      Tensor uniform =
+          weights_.defined()
+              ? kernels::binary(BinaryOp::Sub,
+                                kernels::binary_scalar(BinaryOp::Mul, softmax, weights_.total / v),
+                                kernels::binary_scalar(
+                                    BinaryOp::Div, kernels::reshape(weights_.slice, {1, -1}), v))
+              : kernels::binary_scalar(BinaryOp::Sub, softmax, 1.0 / v);
+      uniform = kernels::masked_fill(kernels::binary_scalar(BinaryOp::Mul, uniform, smoothing_),
+                                     kernels::reshape(ignored_rows(), {rows, 1}), 0.0);
+      grad = kernels::binary(BinaryOp::Add, grad, uniform);
+    }
     if (reduction_ == kernels::Reduction::None) {
       grad = kernels::binary(BinaryOp::Mul, grad,
                              kernels::reshape(g.to(grad.dtype()).contiguous(), {rows, 1}));
     } else {
       double scale = g.to(DType::Float64).item<double>();
-      if (reduction_ == kernels::Reduction::Mean) scale /= double(kept_);
+      if (reduction_ == kernels::Reduction::Mean) scale /= weights_.divisor;
       grad = kernels::binary_scalar(BinaryOp::Mul, grad, scale);
     }
     return kernels::reshape(grad, shape_).to(dtype_);
@@ -162,7 +197,7 @@ class VocabParallelCrossEntropy final : public autograd::Function {
 
   VocabShard shard_;
   Tensor target_;
-  int64_t kept_;
+  RowWeights weights_;
   kernels::Reduction reduction_;
   double smoothing_;
   Shape shape_;
@@ -185,6 +220,9 @@ struct LocalFindings {
   // silently.
   std::string options;
   uint64_t options_hash = 0;
+  // The class weights' values (and whether there are any): each rank weighs its own slice, so
+  // ranks passing different weights would sum terms of different losses.
+  uint64_t weight_hash = 0;
 };
 
 // Halves of a 64-bit hash, each also negated, so that one all-reduce with Max finds both the
@@ -206,6 +244,7 @@ void agree_on_vocabulary(const VocabShard& shard, const LocalFindings& mine, Dev
                                  mine.bad_target.empty() ? 0 : 1};
   push_hash(values, mine.target_hash);
   push_hash(values, mine.options_hash);
+  push_hash(values, mine.weight_hash);
   Tensor v = from_vector<int64_t>(values, {int64_t(values.size())}).to(device);
   for (const ProcessGroupPtr& g : shard.groups)
     g->all_reduce(v, ReduceOp::Max)->wait();
@@ -222,7 +261,8 @@ void agree_on_vocabulary(const VocabShard& shard, const LocalFindings& mine, Dev
     TESSERA_CHECK(r[3] == 0, kOp, ": ",
                   mine.bad_target.empty()
                       ? std::string("another rank's target is out of range, or not an int64 "
-                                    "or int32 tensor of the logits' rows")
+                                    "or int32 tensor of the logits' rows, or its "
+                                    "label_smoothing or weight is refused")
                       : mine.bad_target);
     TESSERA_CHECK(hashes_agree(r, 4), kOp,
                   ": the ranks sharing the vocabulary pass different targets (each needs the "
@@ -231,14 +271,60 @@ void agree_on_vocabulary(const VocabShard& shard, const LocalFindings& mine, Dev
                   ": the ranks sharing the vocabulary pass different ignore_index, reduction or "
                   "label_smoothing (this rank: ",
                   mine.options, ")");
+    TESSERA_CHECK(hashes_agree(r, 12), kOp,
+                  ": the ranks sharing the vocabulary pass different class weights (each needs "
+                  "the same global weight of one value per class; this rank: ",
+                  mine.weight_hash == 0 ? "none" : "a weight", ")");
   }
+}
+
+// The class weight as cross_entropy takes it, checked against the global logits: a problem is a
+// finding like a bad target, agreed before the loss's collectives.
+std::string class_weight_problem(const Tensor& weight, const DTensorSpec& spec, Device device) {
+  if (!weight.defined()) return {};
+  const int64_t v = spec.global_shape.back();
+  if (weight.shape() != Shape{v})
+    return "weight of shape " + shape_str(weight.shape()) + " must hold one weight per class of " +
+           "the global logits " + shape_str(spec.global_shape) + " (expected [" +
+           std::to_string(v) + "], the whole vocabulary, not this rank's slice)";
+  if (weight.dtype() != spec.dtype)
+    return "weight " + weight.str() + " must have the logits' dtype " +
+           std::string(dtype_name(spec.dtype));
+  if (weight.device() != device)
+    return "weight " + weight.str() + " is not on the logits' device " + device.str();
+  if (weight.requires_grad())
+    return "weight " + weight.str() +
+           " requires grad, but class weights receive no gradient (detach it)";
+  return {};
+}
+
+// t: the targets with -1 on ignored rows; w: the global class weights, empty for none.
+RowWeights row_weights(const std::vector<int64_t>& t, const std::vector<double>& w,
+                       const VocabShard& shard, const Tensor& logits) {
+  RowWeights r;
+  r.total = w.empty() ? double(shard.vocab_size) : 0.0;
+  for (double x : w)
+    r.total += x;
+  std::vector<double> rows(t.size(), 0.0);
+  for (size_t i = 0; i < t.size(); ++i) {
+    if (t[i] < 0) continue;
+    ++r.kept;
+    rows[i] = w.empty() ? 1.0 : w[size_t(t[i])];
+    r.divisor += rows[i];
+  }
+  if (w.empty()) return r;
+  const TensorOptions opts(compute_dtype(logits.dtype()), logits.device());
+  r.rows = from_vector<double>(rows).to(opts.dtype).to(opts.device);
+  const std::vector<double> slice(w.begin() + shard.start, w.begin() + shard.start + shard.length);
+  r.slice = from_vector<double>(slice).to(opts.dtype).to(opts.device);
+  return r;
 }
 
 }  // namespace
 
 DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target,
                                      int64_t ignore_index, kernels::Reduction reduction,
-                                     double label_smoothing) {
+                                     double label_smoothing, const Tensor& weight) {
   TESSERA_CHECK(logits.defined(), kOp, ": logits are undefined");
   TESSERA_CHECK(target.defined(), kOp, ": target is undefined");
   const DTensorSpec& spec = logits.spec();
@@ -259,6 +345,8 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
     bad_call = "target " + shape_str(target.shape()) + " does not match logits " +
                shape_str(spec.global_shape) + " (expected " + shape_str(row_shape) +
                ", the logits' shape without the vocabulary dim)";
+  else
+    bad_call = class_weight_problem(weight, spec, logits.to_local().device());
 
   VocabShard shard;
   shard.vocab_size = spec.global_shape.back();
@@ -277,8 +365,8 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
   if (shard.groups.empty()) {
     TESSERA_CHECK(bad_call.empty(), kOp, ": ", bad_call);
     // Every rank holds the whole vocabulary: the plain loss is already replicated.
-    Tensor loss =
-        tessera::cross_entropy(logits.to_local(), target, ignore_index, reduction, label_smoothing);
+    Tensor loss = tessera::cross_entropy(logits.to_local(), target, ignore_index, reduction,
+                                         label_smoothing, weight);
     return DTensor::from_local(loss, spec.mesh, Placements(spec.placements.size()), loss.shape());
   }
 
@@ -300,7 +388,13 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
                                "/" + std::to_string(smoothing_bits));
   mine.target_hash = std::hash<std::string_view>()(
       std::string_view(reinterpret_cast<const char*>(t.data()), t.size() * sizeof(int64_t)));
-  int64_t kept = 0;
+  const std::vector<double> w =
+      weight.defined() && bad_call.empty() ? weight.to_vector<double>() : std::vector<double>();
+  // 0 stands for no weight; a weight whose hash is 0 would pass for none, as unlikely as any
+  // other collision.
+  mine.weight_hash = w.empty() ? 0
+                               : std::hash<std::string_view>()(std::string_view(
+                                     reinterpret_cast<const char*>(w.data()), w.size() * 8));
   for (size_t i = 0; i < t.size(); ++i) {
     if (t[i] == ignore_index) {
       t[i] = -1;
@@ -310,7 +404,6 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
       mine.bad_target = "target " + std::to_string(t[i]) + " at row " + std::to_string(i) +
                         " is out of range for a vocabulary of " + std::to_string(shard.vocab_size) +
                         " (ignore_index is " + std::to_string(ignore_index) + ")";
-    ++kept;
   }
   agree_on_vocabulary(shard, mine, logits.to_local().device());
   TESSERA_CHECK(logits.to_local().shape() == layout.local_shape, kOp, ": local logits ",
@@ -318,8 +411,10 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
                 shape_str(layout.local_shape), " of ", spec.str());
 
   const Tensor local_target = from_vector(t).to(logits.to_local().device());
+  RowWeights weights = row_weights(t, w, shard, logits.to_local());
   Tensor loss = autograd::Function::apply<VocabParallelCrossEntropy>(
-      {logits.to_local()}, std::move(shard), local_target, kept, reduction, label_smoothing)[0];
+      {logits.to_local()}, std::move(shard), local_target, std::move(weights), reduction,
+      label_smoothing)[0];
   return DTensor::from_local(loss, spec.mesh, Placements(spec.placements.size()), loss.shape());
 }
 

@@ -56,8 +56,12 @@ std::vector<MeshCase> mesh_cases() {
 // Loss and logits gradient of the vocab-parallel loss against the plain loss on one rank.
 void check_against_plain(const Shape& shape, DType dtype, int64_t ignore_index, double tol,
                          kernels::Reduction reduction = kernels::Reduction::Mean,
-                         double label_smoothing = 0.0) {
+                         double label_smoothing = 0.0, bool weighted = false) {
   const int64_t vocab = shape.back();
+  // Positive class weights of the logits' dtype, unlike one another, so that a slice taken at the
+  // wrong offset shows.
+  const Tensor weight =
+      weighted ? add(random_tensor({vocab}, 37, DType::Float64).to(dtype), 1.5) : Tensor();
   Shape rows(shape.begin(), shape.end() - 1);
   Tensor full = random_tensor(shape, 31, dtype).to(dtype);
   Tensor target = targets(rows, vocab, ignore_index, 32);
@@ -68,17 +72,18 @@ void check_against_plain(const Shape& shape, DType dtype, int64_t ignore_index, 
   const Shape loss_shape = reduction == kernels::Reduction::None ? rows : Shape{};
 
   Tensor ref_in = full.clone().set_requires_grad(true);
-  Tensor ref = cross_entropy(ref_in, target, ignore_index, reduction, label_smoothing);
+  Tensor ref = cross_entropy(ref_in, target, ignore_index, reduction, label_smoothing, weight);
   backward(sum(mul(ref, upstream)));
 
   for (const MeshCase& mc : mesh_cases()) {
     const std::string what = "logits " + shape_str(shape) + " " + dtype_name(dtype) + " on " +
                              mc.mesh.str() + " " + placements_str(mc.placements) +
-                             " label_smoothing " + std::to_string(label_smoothing);
+                             " label_smoothing " + std::to_string(label_smoothing) +
+                             (weighted ? " weighted" : "");
     DTensor logits = distribute_tensor(full, mc.mesh, mc.placements);
     logits.set_requires_grad(true);
-    DTensor loss =
-        vocab_parallel_cross_entropy(logits, target, ignore_index, reduction, label_smoothing);
+    DTensor loss = vocab_parallel_cross_entropy(logits, target, ignore_index, reduction,
+                                                label_smoothing, weight);
     EXPECT_EQ(loss.shape(), loss_shape) << what;
     EXPECT_EQ(loss.placements(), Placements(mc.placements.size(), Replicate())) << what;
     EXPECT_EQ(loss.dtype(), dtype) << what;
@@ -126,6 +131,54 @@ TEST(VocabParallelLoss, LabelSmoothingMatchesPlainCrossEntropy) {
                                      kernels::Reduction::Mean, 1.5);
       },
       "label_smoothing must be in [0, 1], got 1.5");
+}
+
+// Class weights as the plain loss's (PyTorch's): each row scaled by weight[target], a mean over
+// the kept rows' weights, the smoothing term weighted per class; loss and gradient, with ignored
+// rows, uneven and empty vocabulary slices and nested shards.
+TEST(VocabParallelLoss, ClassWeightsMatchPlainCrossEntropy) {
+  for (kernels::Reduction r :
+       {kernels::Reduction::Mean, kernels::Reduction::Sum, kernels::Reduction::None}) {
+    for (double eps : {0.0, 0.1, 1.0}) {
+      check_against_plain({3, 5, 13}, DType::Float64, -100, 1e-12, r, eps, true);
+      check_against_plain({4, 13}, DType::Float32, -100, 1e-5, r, eps, true);
+      check_against_plain({6, 3}, DType::Float64, -1, 1e-12, r, eps, true);
+      check_against_plain({2, 2, 2}, DType::Float64, 0, 1e-12, r, eps, true);
+    }
+  }
+}
+
+// A weight that cannot be the whole vocabulary's, or that differs between the ranks (given on
+// one only, or another value on one), fails every rank before the loss's first all-reduce.
+TEST(VocabParallelLoss, ClassWeightsMustBeGlobalAndAgreed) {
+  DeviceMesh mesh(Shape{world_size()}, {"tp"});
+  DTensor logits = distribute_tensor(random_tensor({4, 13}, 12, DType::Float64), mesh, {Shard(1)});
+  const Tensor good = from_vector<int64_t>({0, 3, 2, 1}, {4});
+  const Tensor weight = add(random_tensor({13}, 13, DType::Float64), 1.0);
+  const auto loss_with = [&](const Tensor& w) {
+    return vocab_parallel_cross_entropy(logits, good, -100, kernels::Reduction::Mean, 0.0, w);
+  };
+  expect_error([&] { loss_with(zeros({5}, DType::Float64)); },
+               "weight of shape [5] must hold one weight per class of the global logits [4, 13]");
+  expect_error([&] { loss_with(weight.to(DType::Float32)); }, "must have the logits' dtype");
+  expect_error([&] { loss_with(weight.clone().set_requires_grad(true)); },
+               "class weights receive no gradient");
+  if (world_size() > 1) {
+    const bool last = world_rank() == world_size() - 1;
+    expect_error([&] { loss_with(last ? Tensor() : weight); },
+                 {"the ranks sharing the vocabulary pass different class weights",
+                  last ? "this rank: none" : "this rank: a weight"});
+    expect_error([&] { loss_with(last ? add(weight, 1.0) : weight); },
+                 "the ranks sharing the vocabulary pass different class weights");
+    expect_error([&] { loss_with(last ? zeros({5}, DType::Float64) : weight); },
+                 last ? "weight of shape [5] must hold one weight per class"
+                      : "another rank's target is out of range");
+  }
+  // Afterwards the loss runs (no collective was left half done).
+  expect_close(
+      loss_with(weight).to_local(),
+      cross_entropy(logits.full_tensor(), good, -100, kernels::Reduction::Mean, 0.0, weight), 1e-12,
+      "weighted loss after the errors");
 }
 
 // int32 class indices are int64's, as in the plain cross_entropy: loss and gradient, sharded and

@@ -11,9 +11,15 @@ namespace tessera {
 // target is not ignore_index (NaN when there are none), their sum, or with Reduction::None one loss
 // per row of the target's shape (0 on ignored rows). label_smoothing as cross_entropy's: each row's
 // sum of logits over the vocabulary rides in the statistics' all-reduce (no collective more).
+// weight as cross_entropy's (PyTorch's): one per class of the whole vocabulary, a plain Tensor
+// [V] of the logits' dtype and device, the same on every rank (each weighs its own slice; the
+// ranks agree on it in the check they already make, so a mismatch fails every rank). Each row's
+// loss is scaled by weight[target], a mean divides by the sum of the kept rows' weights, and with
+// label_smoothing the uniform term weighs each class by its weight; the weighted sum of logits
+// rides in the same all-reduce. Three all-reduces per vocabulary mesh dim, with or without it.
 DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target,
                                      int64_t ignore_index = -100,
                                      kernels::Reduction reduction = kernels::Reduction::Mean,
-                                     double label_smoothing = 0.0);
+                                     double label_smoothing = 0.0, const Tensor& weight = {});
 
 }  // namespace tessera
