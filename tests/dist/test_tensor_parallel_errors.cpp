@@ -114,6 +114,52 @@ TEST(TensorParallelErrors, StyleOnTheWrongModuleType) {
       {"RowwiseParallel", "already tensor-parallel"});
 }
 
+// Layouts a linear style cannot hand over are refused when the plan is applied, naming the style,
+// the module and the layouts, before anything changes: a StridedShard (FSDP's parameter layout)
+// describes no local activation, Partial ids are no ids, and a column-parallel output is a slice,
+// not a term of a sum (a row-parallel one is a sum's term: Partial() keeps it so, as PyTorch).
+TEST(TensorParallelErrors, LayoutsALinearStyleCannotHandOverAreRefused) {
+  DeviceMesh mesh = tp_mesh(world_size());
+  auto net = std::make_shared<Decoder>(tiny_config());
+  const auto refused = [&](const std::string& path, std::shared_ptr<ParallelStyle> style,
+                           const std::vector<std::string>& needles) {
+    expect_error([&] { parallelize_module(net, mesh, {{path, style}}); }, needles);
+    EXPECT_FALSE(net->output->weight.is_dtensor());
+    EXPECT_FALSE(net->tok_embeddings->weight.is_dtensor());
+  };
+  auto col = std::make_shared<ColwiseParallel>();
+  col->input_layouts = {StridedShard(0, 2)};
+  refused("output", col, {"ColwiseParallel on 'output' (Linear)", "input_layouts [SS(0,2)]"});
+  auto row = std::make_shared<RowwiseParallel>();
+  row->output_layouts = {StridedShard(1, 2)};
+  refused("layers.0.attention.wo", row,
+          {"RowwiseParallel on 'layers.0.attention.wo' (Linear)", "output_layouts"});
+  auto col_partial_out = std::make_shared<ColwiseParallel>();
+  col_partial_out->output_layouts = {Partial()};
+  refused("output", col_partial_out,
+          {"ColwiseParallel on 'output' (Linear)", "output_layouts [P(sum)]", "not a sum"});
+  auto row_max_out = std::make_shared<RowwiseParallel>();
+  row_max_out->output_layouts = {Partial(ReduceOp::Max)};
+  refused("layers.0.attention.wo", row_max_out, {"RowwiseParallel", "output_layouts [P(max)]"});
+  for (std::shared_ptr<ParallelStyle> style :
+       {std::shared_ptr<ParallelStyle>(std::make_shared<ColwiseParallel>()),
+        std::shared_ptr<ParallelStyle>(std::make_shared<RowwiseParallel>())}) {
+    if (auto* c = dynamic_cast<ColwiseParallel*>(style.get())) c->input_layouts = {Partial()};
+    if (auto* r = dynamic_cast<RowwiseParallel*>(style.get())) r->input_layouts = {Partial()};
+    refused("tok_embeddings", style, {"on 'tok_embeddings' (Embedding)", "input_layouts [P(sum)]"});
+  }
+  // What PyTorch accepts still applies: a Partial input to a linear is reduced into the layout
+  // the layer needs, and a row-parallel output may stay a Partial sum.
+  auto row_partial = std::make_shared<RowwiseParallel>();
+  row_partial->input_layouts = {Partial()};
+  row_partial->output_layouts = {Partial()};
+  auto col_partial_in = std::make_shared<ColwiseParallel>();
+  col_partial_in->input_layouts = {Partial()};
+  parallelize_module(net, mesh,
+                     {{"layers.0.attention.wo", row_partial}, {"output", col_partial_in}});
+  EXPECT_TRUE(net->output->weight.is_dtensor());
+}
+
 // Every style checks every target before any style changes the model: a plan refused for its
 // last entry (a wrong module type, a module taken twice, a plan applied again) leaves the model
 // as it was, where the entries before it used to stay applied.

@@ -97,12 +97,43 @@ void check_plain_parameter(const Parameter& p, const char* name, const std::stri
                 "; apply tensor parallelism before fully_shard and only once");
 }
 
+// The layouts a linear style converts from and to, as PyTorch's redistribute of the module's
+// input and output allows them: a StridedShard (FSDP's parameter layout) describes no local
+// activation; a Partial input is reduced into the layout the layer needs, but the ids an
+// Embedding looks up are not terms of a sum; and only a row-parallel output, whose ranks hold
+// terms of a sum, may be handed on as Partial (sum) — making a Partial of a column-parallel
+// slice would hand on one rank's piece as if it were a term.
+void check_linear_layouts(const Placements& input_layouts, const Placements& output_layouts,
+                          bool output_is_partial_sum, const Module& m, const std::string& at) {
+  const std::string both = detail::concat(" (input_layouts ", placements_str(input_layouts),
+                                          ", output_layouts ", placements_str(output_layouts), ")");
+  TESSERA_CHECK(!input_layouts[0].is_strided_shard() && !output_layouts[0].is_strided_shard(), at,
+                ": a StridedShard cannot describe a local activation", both);
+  TESSERA_CHECK(!input_layouts[0].is_partial() || dynamic_cast<const Embedding*>(&m) == nullptr, at,
+                ": input_layouts ", placements_str(input_layouts),
+                " make the ids an Embedding looks up terms of a sum", both);
+  const Placement& out = output_layouts[0];
+  TESSERA_CHECK(!out.is_partial() || output_is_partial_sum, at, ": output_layouts ",
+                placements_str(output_layouts),
+                " would hand on this rank's slice of the output features as a term of a sum; "
+                "the column-parallel output is a slice, not a sum (Shard(-1) keeps it, Replicate() "
+                "gathers it)",
+                both);
+  TESSERA_CHECK(!out.is_partial() || out.reduce_op() == ReduceOp::Sum, at, ": output_layouts ",
+                placements_str(output_layouts),
+                " cannot describe the row-parallel output, a sum of the ranks' terms (Partial() "
+                "keeps it so)",
+                both);
+}
+
 // What Colwise and Rowwise both check before touching the module.
 void check_linear_style(const DeviceMesh& mesh, const Placements& input_layouts,
-                        const Placements& output_layouts, const Module& m, const std::string& at) {
+                        const Placements& output_layouts, bool output_is_partial_sum,
+                        const Module& m, const std::string& at) {
   check_mesh(mesh, at);
   check_layouts(input_layouts, "input_layouts", at);
   check_layouts(output_layouts, "output_layouts", at);
+  check_linear_layouts(input_layouts, output_layouts, output_is_partial_sum, m, at);
   check_not_parallel(m, at);
 }
 
@@ -169,7 +200,7 @@ std::string PrepareModuleOutput::str() const {
 void ColwiseParallel::check(const Module& module, const DeviceMesh& mesh,
                             const std::string& path) const {
   const std::string at = where(name(), module, path);
-  check_linear_style(mesh, input_layouts, output_layouts, module, at);
+  check_linear_style(mesh, input_layouts, output_layouts, false, module, at);
   check_linear_or_embedding(module, name(), at);
 }
 
@@ -194,7 +225,7 @@ void ColwiseParallel::apply(Module& module, const DeviceMesh& mesh, const std::s
 void RowwiseParallel::check(const Module& module, const DeviceMesh& mesh,
                             const std::string& path) const {
   const std::string at = where(name(), module, path);
-  check_linear_style(mesh, input_layouts, output_layouts, module, at);
+  check_linear_style(mesh, input_layouts, output_layouts, true, module, at);
   check_linear_or_embedding(module, name(), at);
 }
 
