@@ -6,6 +6,7 @@
 #include <string>
 #include <thread>
 
+#include "dist/fsdp_parity.h"
 #include "dist/fsdp_tiny_decoder.h"
 #include "tessera/fsdp/fully_shard.h"
 #include "tessera/tessera.h"
@@ -16,10 +17,6 @@ using namespace tessera::fsdp_test;
 using tessera::testing::expect_error;
 
 namespace {
-
-DeviceMesh dp_mesh() {
-  return DeviceMesh(Shape{world_size()}, {"dp"});
-}
 
 TEST(FSDPSchedule, OptimizerDuringBackwardIsAnError) {
   auto net = std::make_shared<Decoder>(tiny_config());

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "dist/fsdp_parity.h"
 #include "dist/fsdp_tiny_decoder.h"
 #include "tessera/fsdp/fully_shard.h"
 #include "tessera/tessera.h"
@@ -17,10 +18,6 @@ using namespace tessera;
 using namespace tessera::fsdp_test;
 
 namespace {
-
-DeviceMesh dp_mesh() {
-  return DeviceMesh(Shape{world_size()}, {"dp"});
-}
 
 constexpr int kSteps = 4;
 

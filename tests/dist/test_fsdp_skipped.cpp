@@ -5,17 +5,15 @@
 
 #include <string>
 
+#include "dist/fsdp_parity.h"
 #include "tessera/fsdp/fully_shard.h"
 #include "tessera/tessera.h"
 #include "tessera/testing.h"
 
 using namespace tessera;
+using namespace tessera::fsdp_test;
 
 namespace {
-
-DeviceMesh dp_mesh() {
-  return DeviceMesh(Shape{world_size()}, {"dp"});
-}
 
 // A block that a forward may skip (as layer drop or a task head used every other step does).
 class SkippableBlock : public Module {
