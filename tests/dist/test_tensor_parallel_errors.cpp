@@ -158,6 +158,25 @@ TEST(TensorParallelErrors, LayoutsALinearStyleCannotHandOverAreRefused) {
   parallelize_module(net, mesh,
                      {{"layers.0.attention.wo", row_partial}, {"output", col_partial_in}});
   EXPECT_TRUE(net->output->weight.is_dtensor());
+  // And computes what it says: each rank's input a term of x, the row-parallel output summed
+  // over the ranks is the unsplit layer's, the column-parallel output its slice.
+  const int n = world_size();
+  const Tensor x = random_tensor({3, 8}, 41, DType::Float32);
+  const Tensor term = div(x, double(n));
+  for (bool rowwise : {false, true}) {
+    Generator g1(42), g2(42);
+    Linear full(8, 6, true, g1), split(8, 6, true, g2);
+    const Tensor want = full(x);
+    if (rowwise) {
+      row_partial->apply(split, mesh);
+      DTensor y = DTensor::from_local(split(term), mesh, {Partial()});
+      expect_close(y.full_tensor(), want, 1e-5, "row-parallel, Partial in and out");
+    } else {
+      col_partial_in->apply(split, mesh);
+      DTensor y = DTensor::from_local(split(term), mesh, {Shard(-1)}, Shape{3, 6});
+      expect_close(y.full_tensor(), want, 1e-5, "column-parallel, Partial in");
+    }
+  }
 }
 
 // Every style checks every target before any style changes the model: a plan refused for its
