@@ -48,6 +48,12 @@ Tensor Module::run_forward(const Tensor& x) {
   if (io.check_input) io.check_input(xd);
   if (!io.desired_input_layouts.empty()) xd = xd.redistribute(io.desired_input_layouts);
   DTensor yd = forward_dtensor(xd);
+  // The output's rank is known here only; every rank holds the same global shape, so all of
+  // them refuse alike, naming whose layouts they are (redistribute's error would not).
+  for (const Placement& p : io.output_layouts)
+    TESSERA_CHECK(!p.is_shard() || (p.dim() >= -yd.dim() && p.dim() < yd.dim()), who,
+                  ": output_layouts ", placements_str(io.output_layouts), " shard dim ", p.dim(),
+                  ", which the output of shape ", shape_str(yd.shape()), " does not have");
   if (!io.output_layouts.empty()) yd = yd.redistribute(io.output_layouts);
   return yd.to_local();
 }

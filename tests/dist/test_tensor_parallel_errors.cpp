@@ -179,6 +179,46 @@ TEST(TensorParallelErrors, LayoutsALinearStyleCannotHandOverAreRefused) {
   }
 }
 
+// A Shard dim of a linear style's output layouts needs the output's rank, known at the forward
+// only (an input's dims are checked where its pieces are put together): the forward refuses one
+// the output lacks on every rank, naming the style, the module and the layouts, rather than
+// redistribute failing without saying whose layouts they were.
+namespace {
+struct OneProjection : Module {
+  std::shared_ptr<Linear> proj;
+  explicit OneProjection(Generator& g) : Module("OneProjection") {
+    proj = std::make_shared<Linear>(8, 6, true, g);
+    register_module("proj", proj);
+  }
+  Tensor forward(const Tensor& x) override { return (*proj)(x); }
+};
+}  // namespace
+
+TEST(TensorParallelErrors, AnOutputShardDimTheOutputLacksNamesTheStyle) {
+  DeviceMesh mesh = tp_mesh(world_size());
+  const Tensor x = random_tensor({3, 8}, 43, DType::Float32);
+  for (bool rowwise : {false, true}) {
+    Generator g(44);
+    auto holder = std::make_shared<OneProjection>(g);
+    std::shared_ptr<ParallelStyle> style;
+    if (rowwise) {
+      auto r = std::make_shared<RowwiseParallel>();
+      r->input_layouts = {Replicate()};
+      r->output_layouts = {Shard(2)};
+      style = r;
+    } else {
+      auto c = std::make_shared<ColwiseParallel>();
+      c->output_layouts = {Shard(-3)};
+      style = c;
+    }
+    parallelize_module(holder, mesh, {{"proj", style}});
+    expect_error(
+        [&] { (*holder)(x); },
+        {rowwise ? "RowwiseParallel on 'proj' (Linear)" : "ColwiseParallel on 'proj' (Linear)",
+         rowwise ? "output_layouts [S(2)]" : "output_layouts [S(-3)]", "[3, 6]"});
+  }
+}
+
 // Every style checks every target before any style changes the model: a plan refused for its
 // last entry (a wrong module type, a module taken twice, a plan applied again) leaves the model
 // as it was, where the entries before it used to stay applied.
