@@ -278,6 +278,38 @@ void agree_on_vocabulary(const VocabShard& shard, const LocalFindings& mine, Dev
   }
 }
 
+uint64_t bytes_hash(const void* data, size_t bytes) {
+  return std::hash<std::string_view>()(std::string_view(static_cast<const char*>(data), bytes));
+}
+
+void describe_options(LocalFindings& mine, int64_t ignore_index, kernels::Reduction reduction,
+                      double label_smoothing) {
+  mine.options =
+      (std::ostringstream() << "ignore_index " << ignore_index << ", reduction "
+                            << reduction_name(reduction) << ", label_smoothing " << label_smoothing)
+          .str();
+  uint64_t smoothing_bits = 0;
+  std::memcpy(&smoothing_bits, &label_smoothing, sizeof smoothing_bits);
+  mine.options_hash =
+      std::hash<std::string>()(std::to_string(ignore_index) + "/" + std::to_string(int(reduction)) +
+                               "/" + std::to_string(smoothing_bits));
+}
+
+// Ignored rows become -1 (the kernels' mark); the first target out of range is a finding.
+void mark_ignored_rows(std::vector<int64_t>& t, int64_t ignore_index, int64_t vocab_size,
+                       LocalFindings& mine) {
+  for (size_t i = 0; i < t.size(); ++i) {
+    if (t[i] == ignore_index) {
+      t[i] = -1;
+      continue;
+    }
+    if ((t[i] < 0 || t[i] >= vocab_size) && mine.bad_target.empty())
+      mine.bad_target = "target " + std::to_string(t[i]) + " at row " + std::to_string(i) +
+                        " is out of range for a vocabulary of " + std::to_string(vocab_size) +
+                        " (ignore_index is " + std::to_string(ignore_index) + ")";
+  }
+}
+
 // The class weight as cross_entropy takes it, checked against the global logits: a problem is a
 // finding like a bad target, agreed before the loss's collectives.
 std::string class_weight_problem(const Tensor& weight, const DTensorSpec& spec, Device device) {
@@ -377,34 +409,14 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
   LocalFindings mine;
   mine.bad_target = bad_call;
   mine.local_shape_ok = logits.to_local().shape() == layout.local_shape;
-  mine.options =
-      (std::ostringstream() << "ignore_index " << ignore_index << ", reduction "
-                            << reduction_name(reduction) << ", label_smoothing " << label_smoothing)
-          .str();
-  uint64_t smoothing_bits = 0;
-  std::memcpy(&smoothing_bits, &label_smoothing, sizeof smoothing_bits);
-  mine.options_hash =
-      std::hash<std::string>()(std::to_string(ignore_index) + "/" + std::to_string(int(reduction)) +
-                               "/" + std::to_string(smoothing_bits));
-  mine.target_hash = std::hash<std::string_view>()(
-      std::string_view(reinterpret_cast<const char*>(t.data()), t.size() * sizeof(int64_t)));
+  describe_options(mine, ignore_index, reduction, label_smoothing);
+  mine.target_hash = bytes_hash(t.data(), t.size() * sizeof(int64_t));
   const std::vector<double> w =
       weight.defined() && bad_call.empty() ? weight.to_vector<double>() : std::vector<double>();
   // 0 stands for no weight; a weight whose hash is 0 would pass for none, as unlikely as any
   // other collision.
-  mine.weight_hash = w.empty() ? 0
-                               : std::hash<std::string_view>()(std::string_view(
-                                     reinterpret_cast<const char*>(w.data()), w.size() * 8));
-  for (size_t i = 0; i < t.size(); ++i) {
-    if (t[i] == ignore_index) {
-      t[i] = -1;
-      continue;
-    }
-    if ((t[i] < 0 || t[i] >= shard.vocab_size) && mine.bad_target.empty())
-      mine.bad_target = "target " + std::to_string(t[i]) + " at row " + std::to_string(i) +
-                        " is out of range for a vocabulary of " + std::to_string(shard.vocab_size) +
-                        " (ignore_index is " + std::to_string(ignore_index) + ")";
-  }
+  mine.weight_hash = w.empty() ? 0 : bytes_hash(w.data(), w.size() * sizeof(double));
+  mark_ignored_rows(t, ignore_index, shard.vocab_size, mine);
   agree_on_vocabulary(shard, mine, logits.to_local().device());
   TESSERA_CHECK(logits.to_local().shape() == layout.local_shape, kOp, ": local logits ",
                 shape_str(logits.to_local().shape()), " do not match the local shape ",
