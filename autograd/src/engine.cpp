@@ -40,8 +40,10 @@ struct Slot {
   autograd::GradientReductionPtr pending;
   std::function<Tensor()> started;
 
+  // Moves the value out: the slot must hold no reference of its own to a gradient it hands on,
+  // or AccumulateGrad could never take that buffer as the leaf's .grad without a copy.
   Tensor reduced() {
-    if (!pending) return value;
+    if (!pending) return std::move(value);
     Tensor out = started ? started() : pending->start(value)();
     pending = nullptr;
     started = nullptr;
@@ -49,12 +51,12 @@ struct Slot {
   }
 };
 
-void accumulate(std::vector<Slot>& buf, uint32_t nr, uint32_t size, const Tensor& g,
+void accumulate(std::vector<Slot>& buf, uint32_t nr, uint32_t size, Tensor g,
                 autograd::GradientReductionPtr pending) {
   if (buf.size() < size) buf.resize(size);
   Slot& s = buf[nr];
   if (!s.value.defined()) {
-    s.value = g;
+    s.value = std::move(g);
     s.pending = std::move(pending);
     return;
   }
@@ -117,7 +119,8 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
       // operands and failed inside the backward).
       if (g.dtype() != out.dtype()) g = g.to(out.dtype());
     }
-    accumulate(buffers[e.function.get()], e.input_nr, e.function->num_outputs(), g, nullptr);
+    accumulate(buffers[e.function.get()], e.input_nr, e.function->num_outputs(), std::move(g),
+               nullptr);
     roots.push_back(e.function);
   }
 
@@ -199,8 +202,8 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
       if (!e.valid()) continue;
       if (j < input_grads.size() && input_grads[j].defined()) {
         auto d = task.deferred.find(input_grads[j].impl());
-        accumulate(buffers[e.function.get()], e.input_nr, e.function->num_outputs(), input_grads[j],
-                   d == task.deferred.end() ? nullptr : d->second);
+        accumulate(buffers[e.function.get()], e.input_nr, e.function->num_outputs(),
+                   std::move(input_grads[j]), d == task.deferred.end() ? nullptr : d->second);
       }
       if (--deps[e.function.get()] == 0) {
         start_reductions(*e.function, buffers[e.function.get()]);

@@ -2,6 +2,7 @@
 
 #include <atomic>
 
+#include "tessera/autograd/grad_mode.h"
 #include "tessera/core/kernels/elementwise.h"
 
 namespace tessera::autograd {
@@ -41,6 +42,14 @@ void check_hook_result(const Tensor& replaced, const Tensor& grad, const std::st
                 grad.str(), ": it may replace the gradient, not change its shape, dtype or device");
 }
 
+// Whether `g` is the only reference to its tensor and the tensor to its storage, which it covers
+// exactly and densely: nothing else can read or write those bytes, nor keep a larger buffer alive
+// through them.
+bool owns_whole_buffer(const Tensor& g) {
+  return !grad_enabled() && g.use_count() == 1 && g.storage().use_count() == 1 &&
+         g.is_contiguous() && g.storage_offset() == 0 && g.storage().nbytes() == g.nbytes();
+}
+
 }  // namespace
 
 std::vector<Tensor> Node::run_pre_hooks(std::vector<Tensor>&& grads) {
@@ -72,7 +81,7 @@ GradientMeta AccumulateGrad::gradient_meta(uint32_t output_nr) const {
 }
 
 std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
-  Tensor g = grad_outputs.empty() ? Tensor() : grad_outputs[0];
+  Tensor g = grad_outputs.empty() ? Tensor() : std::move(grad_outputs[0]);
   if (!g.defined()) return {};
   AutogradMeta& meta = leaf_.autograd_meta();
   // Copies: a hook may register hooks on the leaf, which would move the lists being walked;
@@ -87,9 +96,16 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
   TESSERA_CHECK(g.shape() == leaf_.shape(), "gradient of shape ", shape_str(g.shape()),
                 " for a leaf of shape ", shape_str(leaf_.shape()));
   if (!meta.grad.defined()) {
-    // The incoming buffer may be shared with other graph values; own a private copy in the
-    // leaf's dtype so later in-place accumulation never aliases.
-    meta.grad = g.dtype() == leaf_.dtype() ? g.clone() : g.to(leaf_.dtype());
+    // As PyTorch's AccumulateGrad, the first gradient becomes .grad without a copy when nothing
+    // else can see its buffer; otherwise (another slot, a hook, the caller of backward, a saved
+    // tensor or a view shares it) .grad gets a private copy, so that accumulating into it in
+    // place never writes anyone else's values.
+    if (g.dtype() != leaf_.dtype())
+      meta.grad = g.to(leaf_.dtype());
+    else if (owns_whole_buffer(g))
+      meta.grad = g.autograd_meta_if_exists() ? g.detach() : std::move(g);
+    else
+      meta.grad = g.clone();
   } else {
     kernels::add_(meta.grad, g);
   }

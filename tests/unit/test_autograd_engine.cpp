@@ -483,3 +483,77 @@ TEST(AutogradEngine, DeferredReductionsReduceSummedTermsOnce) {
             std::vector<float>{6});
   EXPECT_EQ(count, 1);
 }
+
+namespace {
+
+// y = a + b, whose backward hands the one incoming gradient to both inputs, as an add does.
+class SharedGradAdd final : public autograd::Function {
+ public:
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
+    Tensor y = in[0].clone();
+    for (int64_t i = 0; i < y.numel(); ++i)
+      y.data<double>()[i] += in[1].contiguous().data<double>()[i];
+    return {y};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) override { return {g[0], g[0]}; }
+};
+
+// y = x, whose backward returns a window of a larger buffer (as a split's does).
+class WindowGrad final : public autograd::Function {
+ public:
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) override { return {in[0].clone()}; }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) override {
+    Tensor big = zeros({2 * g[0].numel()}, g[0].dtype());
+    Tensor window = big.as_strided(g[0].shape(), {1}, 0);
+    window.copy_(g[0]);
+    return {window};
+  }
+};
+
+}  // namespace
+
+// As PyTorch's AccumulateGrad: a first gradient nothing else holds becomes .grad as it is.
+TEST(AutogradEngine, AFirstGradientNobodyElseHoldsBecomesGradWithoutACopy) {
+  Tensor x = leaf({1.0, 2.0});
+  const void* arrived = nullptr;
+  register_hook(x, [&](const Tensor& g) {
+    arrived = g.raw_data();
+    return Tensor();
+  });
+  backward(loop_square(x), {ones({2}, DType::Float64)});
+  ASSERT_NE(arrived, nullptr);
+  EXPECT_EQ(x.grad().raw_data(), arrived);
+  EXPECT_EQ(x.grad().to_vector<double>(), (std::vector<double>{2.0, 4.0}));
+  // The next backward accumulates into that buffer.
+  const void* grad_buffer = x.grad().raw_data();
+  backward(loop_square(x), {ones({2}, DType::Float64)});
+  EXPECT_EQ(x.grad().raw_data(), grad_buffer);
+  EXPECT_EQ(x.grad().to_vector<double>(), (std::vector<double>{4.0, 8.0}));
+}
+
+// Whoever else holds the gradient (another leaf's slot, the caller of backward, a larger buffer
+// it is a window of) keeps its values when .grad is later accumulated into in place.
+TEST(AutogradEngine, AGradientOthersCanSeeIsCopiedIntoGrad) {
+  Tensor a = leaf({1.0, 2.0}), b = leaf({3.0, 4.0});
+  Tensor given = from_vector<double>({1.0, 1.0});
+  backward(autograd::Function::apply<SharedGradAdd>({a, b})[0], {given});
+  EXPECT_NE(a.grad().raw_data(), given.raw_data());
+  EXPECT_NE(b.grad().raw_data(), given.raw_data());
+  EXPECT_NE(a.grad().raw_data(), b.grad().raw_data());
+
+  // Without the caller's reference one of the two may own the buffer, never both.
+  Tensor c = leaf({1.0, 2.0}), d = leaf({3.0, 4.0});
+  backward(loop_square(autograd::Function::apply<SharedGradAdd>({c, d})[0]),
+           {ones({2}, DType::Float64)});
+  EXPECT_NE(c.grad().raw_data(), d.grad().raw_data());
+  backward(loop_square(autograd::Function::apply<SharedGradAdd>({c, d})[0]),
+           {ones({2}, DType::Float64)});
+  EXPECT_EQ(c.grad().to_vector<double>(), (std::vector<double>{16.0, 24.0}));
+  EXPECT_EQ(d.grad().to_vector<double>(), (std::vector<double>{16.0, 24.0}));
+  EXPECT_EQ(given.to_vector<double>(), (std::vector<double>{1.0, 1.0}));
+
+  // A window of a larger buffer is copied: .grad keeps only its own bytes alive.
+  Tensor w = leaf({1.0, 2.0});
+  backward(autograd::Function::apply<WindowGrad>({w})[0], {ones({2}, DType::Float64)});
+  EXPECT_EQ(w.grad().storage().nbytes(), w.grad().nbytes());
+}

@@ -48,6 +48,9 @@ class Tensor {
   bool defined() const { return impl_ != nullptr; }
   TensorImpl* impl() const { return impl_.get(); }
   bool is_same(const Tensor& o) const { return impl_ == o.impl_; }
+  // How many Tensors share this one's impl (autograd takes a gradient nobody else holds as .grad
+  // without a copy).
+  long use_count() const { return impl_.use_count(); }
 
   const Shape& shape() const { return checked().sizes; }
   const Shape& sizes() const { return checked().sizes; }
