@@ -5,6 +5,7 @@
 #include <optional>
 #include <queue>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "tessera/autograd/deferred_reduction.h"
 #include "tessera/autograd/grad_mode.h"
@@ -85,35 +86,51 @@ void start_reductions(const autograd::Node& node, std::vector<Slot>& buf) {
   }
 }
 
-}  // namespace
+using autograd::Edge;
+using autograd::Node;
+using Buffers = std::unordered_map<Node*, std::vector<Slot>>;
 
-void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& grad_outputs,
-              bool retain_graph) {
-  using autograd::Edge;
-  using autograd::Node;
-  TESSERA_CHECK(grad_outputs.empty() || grad_outputs.size() == outputs.size(),
-                "backward: ", grad_outputs.size(), " gradients given for ", outputs.size(),
-                " outputs");
-  TESSERA_CHECK(t_task == nullptr, "backward: called re-entrantly from inside a backward pass");
+// What grad() asks of a run: which nodes' gradients to take, and which nodes to apply (those
+// from which a taken gradient can be reached); nothing else runs, so no leaf accumulates.
+struct Captures {
+  // node -> (its forward output, index into `values`)
+  std::unordered_map<const Node*, std::vector<std::pair<uint32_t, size_t>>> at;
+  std::unordered_set<const Node*> runs;
+  std::vector<Tensor> values;
+  bool wants(const Node* node) const { return runs.count(node) || at.count(node); }
+  bool taken(const Node* node, uint32_t nr) const {
+    auto it = at.find(node);
+    if (it == at.end()) return false;
+    for (const auto& [n, i] : it->second)
+      if (n == nr) return true;
+    return false;
+  }
+};
 
-  std::unordered_map<Node*, std::vector<Slot>> buffers;
+// Puts each output's starting gradient into its node's slot; returns the nodes, in order.
+std::vector<std::shared_ptr<Node>> seed(const std::vector<Tensor>& outputs,
+                                        const std::vector<Tensor>& grad_outputs, Buffers& buffers,
+                                        const char* op) {
+  TESSERA_CHECK(grad_outputs.empty() || grad_outputs.size() == outputs.size(), op, ": ",
+                grad_outputs.size(), " gradients given for ", outputs.size(), " outputs");
+  TESSERA_CHECK(t_task == nullptr, op, ": called re-entrantly from inside a backward pass");
   std::vector<std::shared_ptr<Node>> roots;
   for (size_t i = 0; i < outputs.size(); ++i) {
     const Tensor& out = outputs[i];
     Edge e = autograd::gradient_edge(out);
-    TESSERA_CHECK(e.valid(), "backward: output ", i, " (", out.str(),
+    TESSERA_CHECK(e.valid(), op, ": output ", i, " (", out.str(),
                   ") does not require grad and has no grad_fn");
     Tensor g;
     if (grad_outputs.empty() || !grad_outputs[i].defined()) {
-      TESSERA_CHECK(out.numel() == 1, "backward: output ", i, " has shape ", shape_str(out.shape()),
+      TESSERA_CHECK(out.numel() == 1, op, ": output ", i, " has shape ", shape_str(out.shape()),
                     "; a gradient is needed for non-scalar outputs");
       g = ones_like(out);
     } else {
       g = grad_outputs[i];
-      TESSERA_CHECK(g.shape() == out.shape(), "backward: gradient shape ", shape_str(g.shape()),
+      TESSERA_CHECK(g.shape() == out.shape(), op, ": gradient shape ", shape_str(g.shape()),
                     " does not match output shape ", shape_str(out.shape()));
-      TESSERA_CHECK(g.device() == out.device(), "backward: gradient ", g.str(), " for output ", i,
-                    " (", out.str(), ") is on another device");
+      TESSERA_CHECK(g.device() == out.device(), op, ": gradient ", g.str(), " for output ", i, " (",
+                    out.str(), ") is on another device");
       // As PyTorch's engine, a gradient of another dtype is cast to the output's: every node
       // computes in the dtypes of its forward (a float64 gradient met a float32 matmul's saved
       // operands and failed inside the backward).
@@ -123,31 +140,87 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
                nullptr);
     roots.push_back(e.function);
   }
+  return roots;
+}
 
-  // Dependencies: how many edges point at each node from the part of the graph we reach.
+// How many edges point at each node from the part of the graph the roots reach; `order`, when
+// given, gets those nodes in an order where every node comes before the nodes its edges reach.
+std::unordered_map<Node*, int> count_dependencies(const std::vector<std::shared_ptr<Node>>& roots,
+                                                  std::vector<Node*>* order) {
   std::unordered_map<Node*, int> deps;
-  {
-    std::vector<Node*> stack;
-    std::unordered_map<Node*, bool> seen;
-    for (auto& r : roots)
-      if (!seen[r.get()]) {
-        seen[r.get()] = true;
-        stack.push_back(r.get());
-      }
+  std::vector<Node*> stack;
+  std::unordered_set<Node*> seen;
+  for (auto& r : roots)
+    if (seen.insert(r.get()).second) stack.push_back(r.get());
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    for (const Edge& e : n->next_edges()) {
+      if (!e.valid()) continue;
+      ++deps[e.function.get()];
+      if (seen.insert(e.function.get()).second) stack.push_back(e.function.get());
+    }
+  }
+  if (order) {
+    std::unordered_map<Node*, int> left = deps;
+    for (Node* n : seen)
+      if (left[n] == 0) stack.push_back(n);
     while (!stack.empty()) {
       Node* n = stack.back();
       stack.pop_back();
-      for (const Edge& e : n->next_edges()) {
-        if (!e.valid()) continue;
-        ++deps[e.function.get()];
-        if (!seen[e.function.get()]) {
-          seen[e.function.get()] = true;
-          stack.push_back(e.function.get());
-        }
-      }
+      order->push_back(n);
+      for (const Edge& e : n->next_edges())
+        if (e.valid() && --left[e.function.get()] == 0) stack.push_back(e.function.get());
     }
   }
+  return deps;
+}
 
+// Marks the nodes grad() applies: those with an edge to a node whose gradient is taken or that
+// is applied itself (walked against `order`, so successors are decided first).
+void mark_runs(const std::vector<Node*>& order, Captures& captures) {
+  std::unordered_set<const Node*> leads;  // taken from, or applied
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    Node* n = *it;
+    bool runs = false;
+    for (const Edge& e : n->next_edges())
+      if (e.valid() && leads.count(e.function.get())) runs = true;
+    if (runs) captures.runs.insert(n);
+    if (runs || captures.at.count(n)) leads.insert(n);
+  }
+}
+
+// The gradients `node` receives, from its slots: reduced, unless the node takes a slot's terms
+// unreduced (into `terms`) and grad() takes nothing there.
+std::vector<Tensor> gather_inputs(Node& node, std::vector<Slot>& slots, const Captures* captures,
+                                  std::map<uint32_t, autograd::GradientReductionPtr>& terms) {
+  std::vector<Tensor> grads(node.num_outputs());
+  for (uint32_t i = 0; i < slots.size() && i < grads.size(); ++i) {
+    if (passes_terms(node, i, slots[i]) && !(captures && captures->taken(&node, i))) {
+      terms[i] = slots[i].pending;
+      grads[i] = slots[i].value;
+    } else {
+      grads[i] = slots[i].reduced();
+    }
+  }
+  return grads;
+}
+
+// Takes grad()'s gradients at `node`, after the hooks a backward would run there (a leaf's
+// hooks, which its accumulator runs otherwise, included), as PyTorch's engine does.
+void take(Node& node, std::vector<Tensor>& grads, Captures& captures) {
+  auto it = captures.at.find(&node);
+  if (it == captures.at.end()) return;
+  if (auto* acc = dynamic_cast<autograd::AccumulateGrad*>(&node); acc && !grads.empty())
+    grads[0] = acc->run_leaf_hooks(std::move(grads[0]));
+  for (const auto& [nr, index] : it->second)
+    if (nr < grads.size()) captures.values[index] = grads[nr];
+}
+
+// Runs the graph below `roots` (every node, or with `captures` only the nodes it marks),
+// then the callbacks queued meanwhile.
+void run_graph(const std::vector<std::shared_ptr<Node>>& roots, Buffers& buffers,
+               std::unordered_map<Node*, int>& deps, bool retain_graph, Captures* captures) {
   GraphTask task;
   static std::atomic<uint64_t> next_id{1};
   task.id = next_id++;
@@ -161,29 +234,25 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
   std::optional<NoGradGuard> no_grad(std::in_place);
   std::priority_queue<std::shared_ptr<Node>, std::vector<std::shared_ptr<Node>>, ByLatest> ready;
   {
-    std::unordered_map<Node*, bool> queued;
+    std::unordered_set<Node*> queued;
     for (auto& r : roots)
-      if (deps[r.get()] == 0 && !queued[r.get()]) {
-        queued[r.get()] = true;
+      if (deps[r.get()] == 0 && (!captures || captures->wants(r.get())) &&
+          queued.insert(r.get()).second)
         ready.push(r);
-      }
   }
   while (!ready.empty()) {
     std::shared_ptr<Node> node = ready.top();
     ready.pop();
     std::vector<Slot> slots = std::move(buffers[node.get()]);
     buffers.erase(node.get());
-    std::vector<Tensor> grads(node->num_outputs());
+    const bool runs = !captures || captures->runs.count(node.get());
     std::map<uint32_t, autograd::GradientReductionPtr> terms;
-    for (uint32_t i = 0; i < slots.size() && i < grads.size(); ++i) {
-      if (passes_terms(*node, i, slots[i])) {
-        terms[i] = slots[i].pending;
-        grads[i] = slots[i].value;
-      } else {
-        grads[i] = slots[i].reduced();
-      }
-    }
+    std::vector<Tensor> grads = gather_inputs(*node, slots, captures, terms);
     grads = node->run_pre_hooks(std::move(grads));
+    if (captures) take(*node, grads, *captures);
+    // A node grad() takes from but does not apply passes nothing on: the nodes its edges reach
+    // lead to no gradient it takes.
+    if (!runs) continue;
     std::vector<Tensor> input_grads;
     {
       node->set_incoming_reductions(std::move(terms));
@@ -205,7 +274,9 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
         accumulate(buffers[e.function.get()], e.input_nr, e.function->num_outputs(),
                    std::move(input_grads[j]), d == task.deferred.end() ? nullptr : d->second);
       }
-      if (--deps[e.function.get()] == 0) {
+      // A node grad() neither applies nor takes from is left alone: its reductions (collectives)
+      // are never started, as none would be waited on.
+      if (--deps[e.function.get()] == 0 && (!captures || captures->wants(e.function.get()))) {
         start_reductions(*e.function, buffers[e.function.get()]);
         ready.push(e.function);
       }
@@ -219,6 +290,57 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
     cb();
   }
 }
+
+}  // namespace
+
+void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& grad_outputs,
+              bool retain_graph) {
+  Buffers buffers;
+  std::vector<std::shared_ptr<Node>> roots = seed(outputs, grad_outputs, buffers, "backward");
+  std::unordered_map<Node*, int> deps = count_dependencies(roots, nullptr);
+  run_graph(roots, buffers, deps, retain_graph, nullptr);
+}
+
+namespace autograd {
+
+std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                         const std::vector<Tensor>& grad_outputs, bool retain_graph,
+                         bool allow_unused) {
+  TESSERA_CHECK(!inputs.empty(), "grad: no inputs given");
+  Captures captures;
+  captures.values.resize(inputs.size());
+  // The inputs' nodes first, so that a bad input fails before any gradient is seeded.
+  std::vector<Edge> at(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    TESSERA_CHECK(inputs[i].defined(), "grad: input ", i, " is undefined");
+    TESSERA_CHECK(inputs[i].requires_grad(), "grad: input ", i, " (", inputs[i].str(),
+                  ") does not require grad");
+    at[i] = gradient_edge(inputs[i]);
+  }
+  Buffers buffers;
+  std::vector<std::shared_ptr<Node>> roots = seed(outputs, grad_outputs, buffers, "grad");
+  std::vector<Node*> order;
+  std::unordered_map<Node*, int> deps = count_dependencies(roots, &order);
+  const std::unordered_set<Node*> reached(order.begin(), order.end());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    // Checked before anything runs, so that the graph survives the error.
+    TESSERA_CHECK(allow_unused || reached.count(at[i].function.get()), "grad: input ", i, " (",
+                  inputs[i].str(),
+                  ") is not used in the graph of the outputs; pass allow_unused = true to get an "
+                  "undefined gradient for it");
+    captures.at[at[i].function.get()].push_back({at[i].input_nr, i});
+  }
+  mark_runs(order, captures);
+  run_graph(roots, buffers, deps, retain_graph, &captures);
+  for (size_t i = 0; i < inputs.size(); ++i)
+    TESSERA_CHECK(allow_unused || captures.values[i].defined(), "grad: input ", i, " (",
+                  inputs[i].str(),
+                  ") received no gradient (the nodes between it and the outputs passed none); "
+                  "pass allow_unused = true to get an undefined gradient for it");
+  return std::move(captures.values);
+}
+
+}  // namespace autograd
 
 void register_hook(const Tensor& t, std::function<Tensor(const Tensor&)> hook, bool prepend) {
   TESSERA_CHECK(t.requires_grad(), "register_hook on ", t.str(), " which does not require grad");

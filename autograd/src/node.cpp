@@ -80,19 +80,24 @@ GradientMeta AccumulateGrad::gradient_meta(uint32_t output_nr) const {
   return {&leaf_.shape(), leaf_.dtype(), leaf_.device()};
 }
 
-std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
-  Tensor g = grad_outputs.empty() ? Tensor() : std::move(grad_outputs[0]);
-  if (!g.defined()) return {};
-  AutogradMeta& meta = leaf_.autograd_meta();
-  // Copies: a hook may register hooks on the leaf, which would move the lists being walked;
-  // the pass runs the hooks there were when it started.
-  const auto grad_hooks = meta.grad_hooks;
+Tensor AccumulateGrad::run_leaf_hooks(Tensor g) {
+  // A copy: a hook may register hooks on the leaf, which would move the list being walked; the
+  // pass runs the hooks there were when it started.
+  const auto grad_hooks = leaf_.autograd_meta().grad_hooks;
   for (const auto& hook : grad_hooks) {
     Tensor replaced = hook(g);
     if (!replaced.defined()) continue;
     check_hook_result(replaced, g, "a leaf " + leaf_.str());
-    g = replaced;
+    g = std::move(replaced);
   }
+  return g;
+}
+
+std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
+  Tensor g = grad_outputs.empty() ? Tensor() : std::move(grad_outputs[0]);
+  if (!g.defined()) return {};
+  g = run_leaf_hooks(std::move(g));
+  AutogradMeta& meta = leaf_.autograd_meta();
   TESSERA_CHECK(g.shape() == leaf_.shape(), "gradient of shape ", shape_str(g.shape()),
                 " for a leaf of shape ", shape_str(leaf_.shape()));
   if (!meta.grad.defined()) {

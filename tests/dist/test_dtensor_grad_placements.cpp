@@ -123,3 +123,27 @@ TEST(DTensorGradPlacements, LayoutsThatCannotDescribeTheGradientAreRefused) {
                {"only terms of a sum are taken"});
   EXPECT_TRUE(w.to_local({Shard(0)}).is_same(w.to_local())) << "the usual layout: the piece";
 }
+
+// autograd::grad takes a DTensor leaf's gradient where a backward would accumulate it: reduced
+// the same way (the ranks' terms summed), with nothing accumulated into .grad.
+TEST(DTensorGradPlacements, AutogradGradReducesAsBackwardDoes) {
+  const Shape shape{5, 6};
+  const Tensor global = random_tensor(shape, 7, DType::Float64);
+  for (const DeviceMesh& mesh : device_meshes(2))
+    for (const Placements& p : placement_lists(mesh.shape(), 2)) {
+      const std::string what = mesh.str() + " " + placements_str(p);
+      auto loss_of = [&](const DTensor& w) {
+        return sum(mul(w.full_tensor(Placements(size_t(mesh.ndim()), Partial())),
+                       coefficients(shape, world_rank())));
+      };
+      DTensor w = distribute_tensor(global, mesh, p);
+      w.set_requires_grad(true);
+      backward(loss_of(w));
+      DTensor v = distribute_tensor(global, mesh, p);
+      v.set_requires_grad(true);
+      const Tensor taken = autograd::grad({loss_of(v)}, {v.to_local()})[0];
+      EXPECT_FALSE(v.to_local().grad().defined()) << what;
+      ASSERT_TRUE(taken.defined()) << what;
+      EXPECT_EQ(max_abs_diff(taken, w.grad().to_local()), 0.0) << what;
+    }
+}

@@ -33,6 +33,19 @@ void register_post_accumulate_grad_hook(const Tensor& leaf, std::function<void(T
 void retain_grad(const Tensor& t);
 
 namespace autograd {
+// PyTorch's torch.autograd.grad: the gradients of `outputs` (seeded as backward() seeds them)
+// with respect to `inputs`, leaves or not, returned in their order instead of accumulated into
+// any .grad: only the nodes between the outputs and the inputs run, so no leaf's .grad changes
+// and no post-accumulate hook (FSDP's reduce-scatter) runs. The hooks a backward would run at an
+// input (a leaf's, a non-leaf's, retain_grad's) run before its gradient is taken. Refused, before
+// anything runs, for an input that does not require grad or that the outputs' graph does not
+// reach (unless allow_unused, which returns an undefined tensor for it, as for an input that a
+// node passed no gradient to). Saved tensors of the nodes run are freed unless retain_graph.
+// No create_graph: the gradients record no history.
+std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                         const std::vector<Tensor>& grad_outputs = {}, bool retain_graph = false,
+                         bool allow_unused = false);
+
 // Runs `cb` once the backward pass currently executing has finished all its nodes; callbacks
 // queued by callbacks also run. Outside a backward pass this is an error.
 void queue_callback(std::function<void()> cb);

@@ -100,6 +100,9 @@ class AccumulateGrad final : public Node {
   // The leaf's, read when asked: its gradient has the leaf's shape, dtype and device.
   GradientMeta gradient_meta(uint32_t output_nr) const override;
   const Tensor& leaf() const { return leaf_; }
+  // The leaf's gradient hooks over `g`, each given the previous one's result; apply() runs them
+  // before accumulating, autograd::grad before taking the gradient instead.
+  Tensor run_leaf_hooks(Tensor g);
 
  private:
   Tensor leaf_;
