@@ -236,22 +236,24 @@ bool hashes_agree(const std::vector<int64_t>& r, size_t at) {
   return r[at] == -r[at + 1] && r[at + 2] == -r[at + 3];
 }
 
-void agree_on_vocabulary(const VocabShard& shard, const LocalFindings& mine, Device device) {
-  // Reduced over every vocabulary mesh dim in turn before any check: the maxima are then those
+// groups: the vocabulary mesh dims' groups, or every mesh dim's when none shards it.
+void agree_on_vocabulary(const std::vector<ProcessGroupPtr>& groups, int64_t vocab_size,
+                         const LocalFindings& mine, Device device) {
+  // Reduced over every agreeing mesh dim in turn before any check: the maxima are then those
   // of every rank sharing the vocabulary, so all of them decide alike (checked after each dim,
   // one dim's group could throw while another's went on into the next all-reduce).
-  std::vector<int64_t> values = {shard.vocab_size, -shard.vocab_size, mine.local_shape_ok ? 0 : 1,
+  std::vector<int64_t> values = {vocab_size, -vocab_size, mine.local_shape_ok ? 0 : 1,
                                  mine.bad_target.empty() ? 0 : 1};
   push_hash(values, mine.target_hash);
   push_hash(values, mine.options_hash);
   push_hash(values, mine.weight_hash);
   Tensor v = from_vector<int64_t>(values, {int64_t(values.size())}).to(device);
-  for (const ProcessGroupPtr& g : shard.groups)
+  for (const ProcessGroupPtr& g : groups)
     g->all_reduce(v, ReduceOp::Max)->wait();
   {
     const std::vector<int64_t> r = v.to_vector<int64_t>();
     TESSERA_CHECK(r[0] == -r[1], kOp, ": the ranks disagree on the vocabulary size (from ", -r[1],
-                  " to ", r[0], ", this rank ", shard.vocab_size,
+                  " to ", r[0], ", this rank ", vocab_size,
                   "): pass the global shape to DTensor::from_local when the vocabulary does not "
                   "split evenly over the ranks");
     TESSERA_CHECK(r[2] == 0, kOp,
@@ -352,34 +354,28 @@ RowWeights row_weights(const std::vector<int64_t>& t, const std::vector<double>&
   return r;
 }
 
-}  // namespace
-
-DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target,
-                                     int64_t ignore_index, kernels::Reduction reduction,
-                                     double label_smoothing, const Tensor& weight) {
-  TESSERA_CHECK(logits.defined(), kOp, ": logits are undefined");
-  TESSERA_CHECK(target.defined(), kOp, ": target is undefined");
-  const DTensorSpec& spec = logits.spec();
-  TESSERA_CHECK(spec.ndim() >= 1 && is_floating(spec.dtype), kOp,
-                ": logits must be a floating-point [..., V] DTensor, got ", spec.str());
-  const int64_t vdim = spec.ndim() - 1;
+// What the call itself gets wrong (empty when nothing): a finding like an out-of-range target,
+// agreed before the loss's collectives (a last batch of another size on one rank, say), not
+// thrown alone.
+std::string call_problem(const DTensorSpec& spec, const Tensor& target, double label_smoothing,
+                         const Tensor& weight, Device device) {
   const Shape row_shape(spec.global_shape.begin(), spec.global_shape.end() - 1);
-  // A target of another dtype or shape is a finding like an out-of-range one: agreed before the
-  // loss's collectives (a last batch of another size on one rank, say), not thrown alone.
-  std::string bad_call;
   if (!(label_smoothing >= 0.0 && label_smoothing <= 1.0))
-    bad_call =
-        (std::ostringstream() << "label_smoothing must be in [0, 1], got " << label_smoothing)
-            .str();
-  else if (target.dtype() != DType::Int64 && target.dtype() != DType::Int32)
-    bad_call = "target must be int64 or int32 class indices, got " + target.str();
-  else if (target.shape() != row_shape)
-    bad_call = "target " + shape_str(target.shape()) + " does not match logits " +
-               shape_str(spec.global_shape) + " (expected " + shape_str(row_shape) +
-               ", the logits' shape without the vocabulary dim)";
-  else
-    bad_call = class_weight_problem(weight, spec, logits.to_local().device());
+    return (std::ostringstream() << "label_smoothing must be in [0, 1], got " << label_smoothing)
+        .str();
+  if (target.dtype() != DType::Int64 && target.dtype() != DType::Int32)
+    return "target must be int64 or int32 class indices, got " + target.str();
+  if (target.shape() != row_shape)
+    return "target " + shape_str(target.shape()) + " does not match logits " +
+           shape_str(spec.global_shape) + " (expected " + shape_str(row_shape) +
+           ", the logits' shape without the vocabulary dim)";
+  return class_weight_problem(weight, spec, device);
+}
 
+// This rank's vocabulary slice and the groups of the mesh dims that shard it (none when every
+// rank holds the whole vocabulary).
+VocabShard vocab_shard(const DTensorSpec& spec) {
+  const int64_t vdim = spec.ndim() - 1;
   VocabShard shard;
   shard.vocab_size = spec.global_shape.back();
   for (size_t d = 0; d < spec.placements.size(); ++d) {
@@ -393,40 +389,83 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
                   p.is_partial() ? " — redistribute Partial logits first" : "");
     shard.groups.push_back(spec.mesh.group(int64_t(d)));
   }
-
-  if (shard.groups.empty()) {
-    TESSERA_CHECK(bad_call.empty(), kOp, ": ", bad_call);
-    // Every rank holds the whole vocabulary: the plain loss is already replicated.
-    Tensor loss = tessera::cross_entropy(logits.to_local(), target, ignore_index, reduction,
-                                         label_smoothing, weight);
-    return DTensor::from_local(loss, spec.mesh, Placements(spec.placements.size()), loss.shape());
-  }
-
   const LocalLayout layout = spec.local_layout();
   shard.start = layout.global_offset.back();
   shard.length = layout.local_shape.back();
-  std::vector<int64_t> t = bad_call.empty() ? target.to_vector<int64_t>() : std::vector<int64_t>();
+  return shard;
+}
+
+// The ranks that must agree before the loss: those sharing the vocabulary. Without a vocabulary
+// mesh dim every rank holds the whole logits and returns the plain loss as Replicate, so the
+// ranks of every mesh dim agree: a weight, target or option that differs on one rank then fails
+// all of them instead of giving each another loss.
+std::vector<ProcessGroupPtr> agreeing_groups(const DTensorSpec& spec, const VocabShard& shard) {
+  if (!shard.groups.empty()) return shard.groups;
+  std::vector<ProcessGroupPtr> groups;
+  for (int64_t d = 0; d < spec.mesh.ndim(); ++d)
+    groups.push_back(spec.mesh.group(d));
+  return groups;
+}
+
+// The call as this rank reads it: its findings, the targets (-1 on ignored rows) and the class
+// weights (empty without), read only when the call itself is sound.
+struct LocalCall {
   LocalFindings mine;
-  mine.bad_target = bad_call;
-  mine.local_shape_ok = logits.to_local().shape() == layout.local_shape;
-  describe_options(mine, ignore_index, reduction, label_smoothing);
-  mine.target_hash = bytes_hash(t.data(), t.size() * sizeof(int64_t));
-  const std::vector<double> w =
-      weight.defined() && bad_call.empty() ? weight.to_vector<double>() : std::vector<double>();
+  std::vector<int64_t> target;
+  std::vector<double> weight;
+};
+
+LocalCall read_call(const DTensor& logits, const Tensor& target, int64_t ignore_index,
+                    kernels::Reduction reduction, double label_smoothing, const Tensor& weight) {
+  const DTensorSpec& spec = logits.spec();
+  LocalCall c;
+  c.mine.bad_target =
+      call_problem(spec, target, label_smoothing, weight, logits.to_local().device());
+  const bool sound = c.mine.bad_target.empty();
+  c.mine.local_shape_ok = logits.to_local().shape() == spec.local_layout().local_shape;
+  describe_options(c.mine, ignore_index, reduction, label_smoothing);
+  if (sound) c.target = target.to_vector<int64_t>();
+  c.mine.target_hash = bytes_hash(c.target.data(), c.target.size() * sizeof(int64_t));
+  if (sound && weight.defined()) c.weight = weight.to_vector<double>();
   // 0 stands for no weight; a weight whose hash is 0 would pass for none, as unlikely as any
   // other collision.
-  mine.weight_hash = w.empty() ? 0 : bytes_hash(w.data(), w.size() * sizeof(double));
-  mark_ignored_rows(t, ignore_index, shard.vocab_size, mine);
-  agree_on_vocabulary(shard, mine, logits.to_local().device());
-  TESSERA_CHECK(logits.to_local().shape() == layout.local_shape, kOp, ": local logits ",
-                shape_str(logits.to_local().shape()), " do not match the local shape ",
-                shape_str(layout.local_shape), " of ", spec.str());
+  c.mine.weight_hash =
+      c.weight.empty() ? 0 : bytes_hash(c.weight.data(), c.weight.size() * sizeof(double));
+  mark_ignored_rows(c.target, ignore_index, spec.global_shape.back(), c.mine);
+  return c;
+}
 
-  const Tensor local_target = from_vector(t).to(logits.to_local().device());
-  RowWeights weights = row_weights(t, w, shard, logits.to_local());
-  Tensor loss = autograd::Function::apply<VocabParallelCrossEntropy>(
-      {logits.to_local()}, std::move(shard), local_target, std::move(weights), reduction,
-      label_smoothing)[0];
+}  // namespace
+
+DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target,
+                                     int64_t ignore_index, kernels::Reduction reduction,
+                                     double label_smoothing, const Tensor& weight) {
+  TESSERA_CHECK(logits.defined(), kOp, ": logits are undefined");
+  TESSERA_CHECK(target.defined(), kOp, ": target is undefined");
+  const DTensorSpec& spec = logits.spec();
+  TESSERA_CHECK(spec.ndim() >= 1 && is_floating(spec.dtype), kOp,
+                ": logits must be a floating-point [..., V] DTensor, got ", spec.str());
+  VocabShard shard = vocab_shard(spec);
+  const LocalCall call =
+      read_call(logits, target, ignore_index, reduction, label_smoothing, weight);
+  agree_on_vocabulary(agreeing_groups(spec, shard), shard.vocab_size, call.mine,
+                      logits.to_local().device());
+  const Shape local_shape = spec.local_layout().local_shape;
+  TESSERA_CHECK(logits.to_local().shape() == local_shape, kOp, ": local logits ",
+                shape_str(logits.to_local().shape()), " do not match the local shape ",
+                shape_str(local_shape), " of ", spec.str());
+
+  Tensor loss;
+  if (shard.groups.empty()) {
+    loss = tessera::cross_entropy(logits.to_local(), target, ignore_index, reduction,
+                                  label_smoothing, weight);
+  } else {
+    const Tensor local_target = from_vector(call.target).to(logits.to_local().device());
+    RowWeights weights = row_weights(call.target, call.weight, shard, logits.to_local());
+    loss = autograd::Function::apply<VocabParallelCrossEntropy>(
+        {logits.to_local()}, std::move(shard), local_target, std::move(weights), reduction,
+        label_smoothing)[0];
+  }
   return DTensor::from_local(loss, spec.mesh, Placements(spec.placements.size()), loss.shape());
 }
 

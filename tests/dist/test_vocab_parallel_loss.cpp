@@ -181,6 +181,51 @@ TEST(VocabParallelLoss, ClassWeightsMustBeGlobalAndAgreed) {
       "weighted loss after the errors");
 }
 
+// Logits without a vocabulary-sharded mesh dim (every rank holds the whole vocabulary) take the
+// plain loss, but the ranks still agree first, over every mesh dim: a weight, target or option
+// that differs on one rank fails every rank rather than giving each rank another "replicated"
+// loss. On a (2, 2) mesh the odd one is rank 0, so that the ranks outside its first dim's group
+// must learn of it too.
+TEST(VocabParallelLoss, ReplicatedLogitsAgreeAsShardedOnes) {
+  if (world_size() == 1) GTEST_SKIP() << "needs several ranks";
+  const Tensor full = random_tensor({4, 13}, 14, DType::Float64);
+  const Tensor good = from_vector<int64_t>({0, 3, 2, 1}, {4});
+  const Tensor weight = add(random_tensor({13}, 15, DType::Float64), 1.0);
+  std::vector<MeshCase> cases = {{DeviceMesh(Shape{world_size()}, {"tp"}), {Replicate()}}};
+  if (world_size() == 4)
+    cases.push_back({DeviceMesh(Shape{2, 2}, {"a", "b"}), {Replicate(), Replicate()}});
+  for (const MeshCase& mc : cases) {
+    SCOPED_TRACE(mc.mesh.str());
+    const DTensor logits = distribute_tensor(full, mc.mesh, mc.placements);
+    const bool odd = mc.mesh.ndim() == 2 ? world_rank() == 0 : world_rank() == world_size() - 1;
+    const auto loss_with = [&](const Tensor& t, const Tensor& w, double eps = 0.0) {
+      return vocab_parallel_cross_entropy(logits, t, -100, kernels::Reduction::Mean, eps, w);
+    };
+    const std::string weights = "the ranks sharing the vocabulary pass different class weights";
+    expect_error([&] { loss_with(good, odd ? add(weight, 1.0) : weight); }, weights);
+    expect_error([&] { loss_with(good, odd ? Tensor() : weight); },
+                 {weights, odd ? "this rank: none" : "this rank: a weight"});
+    expect_error(
+        [&] {
+          loss_with(from_vector<int64_t>({0, 3, 2, odd ? 1 : 4}, {4}), weight);
+        },
+        "the ranks sharing the vocabulary pass different targets");
+    expect_error([&] { loss_with(good, weight, odd ? 0.2 : 0.1); },
+                 "pass different ignore_index, reduction or label_smoothing");
+    expect_error(
+        [&] {
+          loss_with(from_vector<int64_t>({0, odd ? 13 : 3, 2, 1}, {4}), weight);
+        },
+        odd ? "target 13 at row 1 is out of range" : "another rank's target is out of range");
+    // Afterwards the loss runs (no collective was left half done), as the plain loss.
+    const DTensor loss = loss_with(good, weight);
+    EXPECT_EQ(loss.placements(), Placements(mc.placements.size(), Replicate()));
+    expect_close(loss.to_local(),
+                 cross_entropy(full, good, -100, kernels::Reduction::Mean, 0.0, weight), 0.0,
+                 "replicated weighted loss after the errors");
+  }
+}
+
 // int32 class indices are int64's, as in the plain cross_entropy: loss and gradient, sharded and
 // replicated, smoothed or not.
 TEST(VocabParallelLoss, Int32TargetsAreInt64s) {

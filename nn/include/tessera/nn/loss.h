@@ -17,6 +17,8 @@ namespace tessera {
 // loss is scaled by weight[target], a mean divides by the sum of the kept rows' weights, and with
 // label_smoothing the uniform term weighs each class by its weight; the weighted sum of logits
 // rides in the same all-reduce. Three all-reduces per vocabulary mesh dim, with or without it.
+// Logits with no vocabulary-sharded mesh dim give the plain cross_entropy on every rank, after
+// the same agreement over every mesh dim (one all-reduce per mesh dim).
 DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target,
                                      int64_t ignore_index = -100,
                                      kernels::Reduction reduction = kernels::Reduction::Mean,
