@@ -220,8 +220,10 @@ struct LocalFindings {
   // silently.
   std::string options;
   uint64_t options_hash = 0;
-  // The class weights' values (and whether there are any): each rank weighs its own slice, so
-  // ranks passing different weights would sum terms of different losses.
+  // Whether there are class weights, and a hash of their values: each rank weighs its own slice,
+  // so ranks passing different weights would sum terms of different losses. Presence is agreed
+  // on its own, so that no weight's hash can pass for "none".
+  bool has_weight = false;
   uint64_t weight_hash = 0;
 };
 
@@ -242,8 +244,12 @@ void agree_on_vocabulary(const std::vector<ProcessGroupPtr>& groups, int64_t voc
   // Reduced over every agreeing mesh dim in turn before any check: the maxima are then those
   // of every rank sharing the vocabulary, so all of them decide alike (checked after each dim,
   // one dim's group could throw while another's went on into the next all-reduce).
-  std::vector<int64_t> values = {vocab_size, -vocab_size, mine.local_shape_ok ? 0 : 1,
-                                 mine.bad_target.empty() ? 0 : 1};
+  std::vector<int64_t> values = {vocab_size,
+                                 -vocab_size,
+                                 mine.local_shape_ok ? 0 : 1,
+                                 mine.bad_target.empty() ? 0 : 1,
+                                 mine.has_weight ? 1 : 0,
+                                 mine.has_weight ? -1 : 0};
   push_hash(values, mine.target_hash);
   push_hash(values, mine.options_hash);
   push_hash(values, mine.weight_hash);
@@ -266,17 +272,17 @@ void agree_on_vocabulary(const std::vector<ProcessGroupPtr>& groups, int64_t voc
                                     "or int32 tensor of the logits' rows, or its "
                                     "label_smoothing or weight is refused")
                       : mine.bad_target);
-    TESSERA_CHECK(hashes_agree(r, 4), kOp,
+    TESSERA_CHECK(hashes_agree(r, 6), kOp,
                   ": the ranks sharing the vocabulary pass different targets (each needs the "
                   "same whole target: shard the batch over another mesh dim)");
-    TESSERA_CHECK(hashes_agree(r, 8), kOp,
+    TESSERA_CHECK(hashes_agree(r, 10), kOp,
                   ": the ranks sharing the vocabulary pass different ignore_index, reduction or "
                   "label_smoothing (this rank: ",
                   mine.options, ")");
-    TESSERA_CHECK(hashes_agree(r, 12), kOp,
+    TESSERA_CHECK(r[4] == -r[5] && hashes_agree(r, 14), kOp,
                   ": the ranks sharing the vocabulary pass different class weights (each needs "
                   "the same global weight of one value per class; this rank: ",
-                  mine.weight_hash == 0 ? "none" : "a weight", ")");
+                  mine.has_weight ? "a weight" : "none", ")");
   }
 }
 
@@ -426,11 +432,9 @@ LocalCall read_call(const DTensor& logits, const Tensor& target, int64_t ignore_
   describe_options(c.mine, ignore_index, reduction, label_smoothing);
   if (sound) c.target = target.to_vector<int64_t>();
   c.mine.target_hash = bytes_hash(c.target.data(), c.target.size() * sizeof(int64_t));
+  c.mine.has_weight = weight.defined();
   if (sound && weight.defined()) c.weight = weight.to_vector<double>();
-  // 0 stands for no weight; a weight whose hash is 0 would pass for none, as unlikely as any
-  // other collision.
-  c.mine.weight_hash =
-      c.weight.empty() ? 0 : bytes_hash(c.weight.data(), c.weight.size() * sizeof(double));
+  c.mine.weight_hash = bytes_hash(c.weight.data(), c.weight.size() * sizeof(double));
   mark_ignored_rows(c.target, ignore_index, spec.global_shape.back(), c.mine);
   return c;
 }

@@ -181,6 +181,32 @@ TEST(VocabParallelLoss, ClassWeightsMustBeGlobalAndAgreed) {
       "weighted loss after the errors");
 }
 
+// Whether a rank passes a weight is agreed on its own, not read from the weight's digest: an
+// empty weight (a vocabulary of no classes, every row ignored) has the digest of no bytes, yet
+// one rank passing it while the others pass none still fails every rank.
+TEST(VocabParallelLoss, AWeightIsAgreedOnEvenWhenItHoldsNothing) {
+  if (world_size() == 1) GTEST_SKIP() << "needs several ranks";
+  const DeviceMesh mesh(Shape{world_size()}, {"tp"});
+  const Tensor ignored = from_vector<int64_t>({-100, -100}, {2});
+  const bool last = world_rank() == world_size() - 1;
+  for (const Placements& placements : {Placements{Shard(-1)}, Placements{Replicate()}}) {
+    SCOPED_TRACE(placements_str(placements));
+    const DTensor logits = distribute_tensor(zeros({2, 0}, DType::Float64), mesh, placements);
+    expect_error(
+        [&] {
+          vocab_parallel_cross_entropy(logits, ignored, -100, kernels::Reduction::Sum, 0.0,
+                                       last ? zeros({0}, DType::Float64) : Tensor());
+        },
+        {"the ranks sharing the vocabulary pass different class weights",
+         last ? "this rank: a weight" : "this rank: none"});
+    const Tensor weight = zeros({0}, DType::Float64);
+    expect_close(
+        vocab_parallel_cross_entropy(logits, ignored, -100, kernels::Reduction::Sum, 0.0, weight)
+            .to_local(),
+        zeros({}, DType::Float64), 0.0, "no classes, every row ignored");
+  }
+}
+
 // Logits without a vocabulary-sharded mesh dim (every rank holds the whole vocabulary) take the
 // plain loss, but the ranks still agree first, over every mesh dim: a weight, target or option
 // that differs on one rank fails every rank rather than giving each rank another "replicated"
