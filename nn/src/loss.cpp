@@ -318,26 +318,6 @@ void mark_ignored_rows(std::vector<int64_t>& t, int64_t ignore_index, int64_t vo
   }
 }
 
-// The class weight as cross_entropy takes it, checked against the global logits: a problem is a
-// finding like a bad target, agreed before the loss's collectives.
-std::string class_weight_problem(const Tensor& weight, const DTensorSpec& spec, Device device) {
-  if (!weight.defined()) return {};
-  const int64_t v = spec.global_shape.back();
-  if (weight.shape() != Shape{v})
-    return "weight of shape " + shape_str(weight.shape()) + " must hold one weight per class of " +
-           "the global logits " + shape_str(spec.global_shape) + " (expected [" +
-           std::to_string(v) + "], the whole vocabulary, not this rank's slice)";
-  if (weight.dtype() != spec.dtype)
-    return "weight " + weight.str() + " must have the logits' dtype " +
-           std::string(dtype_name(spec.dtype));
-  if (weight.device() != device)
-    return "weight " + weight.str() + " is not on the logits' device " + device.str();
-  if (weight.requires_grad())
-    return "weight " + weight.str() +
-           " requires grad, but class weights receive no gradient (detach it)";
-  return {};
-}
-
 // t: the targets with -1 on ignored rows; w: the global class weights, empty for none.
 RowWeights row_weights(const std::vector<int64_t>& t, const std::vector<double>& w,
                        const VocabShard& shard, const Tensor& logits) {
@@ -375,7 +355,10 @@ std::string call_problem(const DTensorSpec& spec, const Tensor& target, double l
     return "target " + shape_str(target.shape()) + " does not match logits " +
            shape_str(spec.global_shape) + " (expected " + shape_str(row_shape) +
            ", the logits' shape without the vocabulary dim)";
-  return class_weight_problem(weight, spec, device);
+  // The class weight as cross_entropy takes it, checked against the global logits.
+  return cross_entropy_weight_problem(weight, spec.global_shape, spec.dtype, device,
+                                      "the global logits",
+                                      "the whole vocabulary, not this rank's slice");
 }
 
 // This rank's vocabulary slice and the groups of the mesh dims that shard it (none when every

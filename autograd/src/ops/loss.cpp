@@ -1,5 +1,7 @@
 // Cross-entropy over logits of any rank: the class dim is last (not dim 1 as in PyTorch), every
 // other dim is a row.
+#include <string>
+
 #include "tessera/autograd/function.h"
 #include "tessera/autograd/ops.h"
 #include "tessera/core/kernels/nn.h"
@@ -38,22 +40,6 @@ class CrossEntropyFn final : public autograd::Function {
   double label_smoothing_;
   Tensor weight_;
 };
-
-// PyTorch's weight: one per class, of the logits' dtype and device. PyTorch's backward refuses a
-// weight that requires grad; refusing it here, before the forward, says so where it is passed.
-void check_class_weight(const Tensor& logits, const Tensor& weight) {
-  if (!weight.defined()) return;
-  const int64_t c = logits.size(-1);
-  TESSERA_CHECK(weight.shape() == Shape{c}, "cross_entropy: weight of shape ",
-                shape_str(weight.shape()), " must hold one weight per class of logits ",
-                shape_str(logits.shape()), " (expected [", c, "], the last dim)");
-  TESSERA_CHECK(weight.dtype() == logits.dtype(), "cross_entropy: weight ", weight.str(),
-                " must have the logits' dtype ", dtype_name(logits.dtype()));
-  TESSERA_CHECK(weight.device() == logits.device(), "cross_entropy: weight ", weight.str(),
-                " is not on the logits' device ", logits.device().str());
-  TESSERA_CHECK(!weight.requires_grad(), "cross_entropy: weight ", weight.str(),
-                " requires grad, but class weights receive no gradient (detach it)");
-}
 
 // A per-row loss reduced as `reduction` asks; a mean divides the sum by `rows`.
 Tensor reduce_rows(const Tensor& per_row, kernels::Reduction reduction, double rows) {
@@ -96,6 +82,19 @@ Tensor cross_entropy_probabilities(const Tensor& logits, const Tensor& target,
 
 }  // namespace
 
+// PyTorch's backward refuses a weight that requires grad; refusing it before the forward says so
+// where it is passed.
+std::string cross_entropy_weight_problem(const Tensor& weight, const Shape& logits_shape,
+                                         DType logits_dtype, const Device& logits_device,
+                                         std::string_view logits_name, std::string_view classes) {
+  std::string problem = kernels::class_weight_problem(weight, logits_shape, logits_dtype,
+                                                      logits_device, logits_name, classes);
+  if (problem.empty() && weight.defined() && weight.requires_grad())
+    problem = "weight " + weight.str() +
+              " requires grad, but class weights receive no gradient (detach it)";
+  return problem;
+}
+
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index,
                      kernels::Reduction reduction, double label_smoothing, const Tensor& weight) {
   TESSERA_CHECK(logits.defined() && target.defined(), "cross_entropy: undefined logits or target");
@@ -103,7 +102,10 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_
                 logits.str());
   TESSERA_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0,
                 "cross_entropy: label_smoothing must be in [0, 1], got ", label_smoothing);
-  check_class_weight(logits, weight);
+  // Checked against the logits as passed (any number of dims), before they become [N, C].
+  const std::string weight_problem =
+      cross_entropy_weight_problem(weight, logits.shape(), logits.dtype(), logits.device());
+  TESSERA_CHECK(weight_problem.empty(), "cross_entropy: ", weight_problem);
   if (is_floating(target.dtype()))
     return cross_entropy_probabilities(logits, target, reduction, label_smoothing, weight);
   Shape rows(logits.shape().begin(), logits.shape().end() - 1);

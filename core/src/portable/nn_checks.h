@@ -91,14 +91,9 @@ inline void check_cross_entropy_args(const char* op, const Tensor& logits, const
   TESSERA_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), op, ": target shape ",
                 shape_str(target.shape()), " does not match logits ", shape_str(logits.shape()),
                 " (expected [", logits.size(0), "])");
-  if (!weight.defined()) return;
-  TESSERA_CHECK(weight.shape() == Shape{logits.size(1)}, op, ": weight of shape ",
-                shape_str(weight.shape()), " must hold one weight per class of logits ",
-                shape_str(logits.shape()), " (expected [", logits.size(1), "])");
-  TESSERA_CHECK(weight.dtype() == logits.dtype(), op, ": weight ", weight.str(),
-                " must have the logits' dtype ", dtype_name(logits.dtype()));
-  TESSERA_CHECK(weight.device() == logits.device(), op, ": weight ", weight.str(),
-                " is not on the logits' device ", logits.device().str());
+  const std::string problem =
+      class_weight_problem(weight, logits.shape(), logits.dtype(), logits.device());
+  TESSERA_CHECK(problem.empty(), op, ": ", problem);
 }
 
 // cross_entropy_backward's grad_loss: [N] for reduction none, one value otherwise.

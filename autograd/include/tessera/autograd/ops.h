@@ -1,6 +1,8 @@
 #pragma once
 // Differentiable operations on Tensors. Each records autograd history when grad mode is on and an
 // input requires grad; the raw kernels they call are in <tessera/core/kernels/*.h>.
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "tessera/core/kernels/nn.h"
@@ -116,6 +118,13 @@ Tensor log_softmax(const Tensor& x, int64_t dim);
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
                      kernels::Reduction reduction = kernels::Reduction::Mean,
                      double label_smoothing = 0.0, const Tensor& weight = Tensor());
+// What cross_entropy refuses in a class weight for logits of this shape, dtype and device,
+// described (empty when nothing): kernels::class_weight_problem's findings, and a weight that
+// requires grad. For a caller that must agree on it across ranks before it throws.
+std::string cross_entropy_weight_problem(const Tensor& weight, const Shape& logits_shape,
+                                         DType logits_dtype, const Device& logits_device,
+                                         std::string_view logits_name = "logits",
+                                         std::string_view classes = "the last dim");
 Tensor embedding(const Tensor& indices, const Tensor& weight);
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
 // rms_norm's eps when none is given, as F.rms_norm's eps=None: the machine epsilon of the type it

@@ -1,5 +1,8 @@
 #pragma once
 // Raw neural-network kernels and their backward kernels.
+#include <string>
+#include <string_view>
+
 #include "tessera/core/random.h"
 #include "tessera/core/tensor.h"
 
@@ -41,6 +44,16 @@ Tensor log_softmax_backward(const Tensor& grad_out, const Tensor& out, int64_t d
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index = -100,
                      Reduction reduction = Reduction::Mean, double label_smoothing = 0.0,
                      const Tensor& weight = Tensor());
+// What is wrong with a class weight for logits of this shape (the classes last), dtype and
+// device, described for an error message (empty when nothing, and for an undefined weight): it
+// must hold one weight per class, of the logits' dtype and device. The message calls the logits
+// `logits_name` and says where the count of classes comes from (`classes`). Every cross-entropy
+// checks with it: these kernels, the differentiable loss and the loss-parallel one (whose ranks
+// agree on the finding before throwing).
+std::string class_weight_problem(const Tensor& weight, const Shape& logits_shape,
+                                 DType logits_dtype, const Device& logits_device,
+                                 std::string_view logits_name = "logits",
+                                 std::string_view classes = "the last dim");
 // grad_loss has the loss's shape (scalar, or [N] for None).
 Tensor cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
                               int64_t ignore_index, Reduction reduction,
