@@ -245,6 +245,12 @@ void FSDPGroup::reshard() {
   }
 }
 
+void FSDPGroup::reshard_fully() {
+  reshard();
+  // A gather issued from the piece (a prefetch) still holds it until it is used or dropped.
+  post_forward_piece_.reset();
+}
+
 void FSDPGroup::drop_leaves() {
   for (ParamInfo& i : params_)
     i.leaf = Tensor();

@@ -69,6 +69,10 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   // async_op only issues the all-gather; the next unshard() or forward finishes it.
   void unshard(bool async_op = false);
   void reshard();
+  // The user's reshard() (FSDPState::reshard): reshard(), and the piece kept since forward under
+  // reshard_after_forward = N freed too, as PyTorch's reshard() takes a group from its
+  // post-forward state to the sharded one; the backward then gathers over the whole shard group.
+  void reshard_fully();
   void set_unsharded_params();
   void drop_leaves();
   void free_leaves_after_backward();

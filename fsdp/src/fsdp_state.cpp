@@ -65,7 +65,7 @@ void UnshardHandle::wait() {
 void FSDPState::reshard() {
   check_module_alive(groups_, "reshard");
   for (const auto& g : groups_)
-    g->reshard();
+    g->reshard_fully();
 }
 
 void FSDPState::set_requires_gradient_sync(bool sync, bool recurse) {

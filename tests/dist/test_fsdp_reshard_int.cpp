@@ -33,18 +33,19 @@ struct Outcome {
 
 // Variations on the plain loop that must leave the int form's results those of true.
 struct Variant {
-  bool accumulate = false;               // two micro-batches, the first without gradient sync
-  bool unshard_before_backward = false;  // the user's unshard() between forward and backward
-  bool reshard_before_backward = false;  // unshard() and then reshard() in between
-  bool checkpoint_blocks = false;        // activation checkpointing of every block
-  bool bf16 = false;                     // MixedPrecisionPolicy param_dtype
+  bool accumulate = false;                    // two micro-batches, the first without gradient sync
+  bool unshard_before_backward = false;       // the user's unshard() between forward and backward
+  bool reshard_before_backward = false;       // unshard() and then reshard() in between
+  bool reshard_only_before_backward = false;  // reshard() alone in between
+  bool checkpoint_blocks = false;             // activation checkpointing of every block
+  bool bf16 = false;                          // MixedPrecisionPolicy param_dtype
 };
 
 Tensor step_loss(Decoder& net, const Batch& b, const Variant& v,
                  const std::vector<std::shared_ptr<FSDPState>>& states) {
   Tensor loss = cross_entropy(net(b.ids), b.targets);
   if (v.unshard_before_backward || v.reshard_before_backward) states.front()->unshard();
-  if (v.reshard_before_backward) states.front()->reshard();
+  if (v.reshard_before_backward || v.reshard_only_before_backward) states.front()->reshard();
   return loss;
 }
 
@@ -138,6 +139,7 @@ TEST(ReshardAfterForwardInt, KeepsOtherFeaturesAsTrue) {
       {"gradient accumulation", {.accumulate = true}},
       {"unshard() before backward", {.unshard_before_backward = true}},
       {"unshard() and reshard() before backward", {.reshard_before_backward = true}},
+      {"reshard() before backward", {.reshard_only_before_backward = true}},
       {"checkpointed blocks", {.checkpoint_blocks = true}},
       {"bfloat16 parameters", {.bf16 = true}},
   };
@@ -148,11 +150,16 @@ TEST(ReshardAfterForwardInt, KeepsOtherFeaturesAsTrue) {
     expect_same(got, want, name);
     // unshard() before backward gathers the first block from its kept piece, as backward would;
     // reshard() after it frees the piece too, so that block's backward gathers over all 4 ranks.
-    if (!v.reshard_before_backward) {
-      expect_block_gathers(got, 4, 2, v.accumulate ? 2 : 1, name);
-    } else {
+    // reshard() alone frees the piece as well (PyTorch's goes from the post-forward state to the
+    // sharded one): the backward gathers over all 4 ranks, and nothing over 2.
+    if (v.reshard_before_backward) {
       const std::map<int64_t, int64_t> first{{4, 2 * kSteps}, {2, kSteps}};
       EXPECT_EQ(got.stats.front().all_gathers_by_group_size, first) << name;
+    } else if (v.reshard_only_before_backward) {
+      const std::map<int64_t, int64_t> first{{4, 2 * kSteps}};
+      EXPECT_EQ(got.stats.front().all_gathers_by_group_size, first) << name;
+    } else {
+      expect_block_gathers(got, 4, 2, v.accumulate ? 2 : 1, name);
     }
   }
 }
@@ -222,6 +229,37 @@ TEST(ReshardAfterForwardInt, HoldsMemoryBetweenTrueAndFalse) {
   EXPECT_LT(half.after_forward, kept.after_forward);
   EXPECT_LT(full.peak, half.peak);
   EXPECT_LT(half.peak, kept.peak);
+}
+
+// reshard() between forward and backward frees the piece the int form kept, at least the half of
+// the block's parameters it holds at N = 2 on 4 ranks; under true there is none, and nothing is
+// freed. A second reshard() frees nothing more.
+TEST(ReshardAfterForwardInt, ReshardFreesTheKeptPiece) {
+  if (world_size() != 4) GTEST_SKIP() << "runs on 4 ranks, N = 2";
+  const Batch b = rows_of(make_batch(0), world_rank(), world_size());
+  for (const ReshardAfterForward& r : {ReshardAfterForward(2), ReshardAfterForward(true)}) {
+    SCOPED_TRACE("reshard_after_forward=" + r.str());
+    auto net = std::make_shared<Decoder>(decoder_config());
+    FSDPOptions opts;
+    opts.reshard_after_forward = r;
+    auto states = shard_blocks_and_root(net, dp_mesh(), opts);
+    int64_t block_bytes = 0;
+    for (const auto& p : net->layers[0]->parameters())
+      block_bytes += shape_numel(p->global_shape()) * int64_t(element_size(p->dtype()));
+    Tensor loss = cross_entropy((*net)(b.ids), b.targets);
+    const int64_t kept = memory_stats().current_bytes;
+    states.front()->reshard();
+    const int64_t freed = kept - memory_stats().current_bytes;
+    states.front()->reshard();
+    EXPECT_EQ(memory_stats().current_bytes, kept - freed) << "a second reshard()";
+    if (r.world_size())
+      EXPECT_GE(freed, block_bytes / 2) << "the block's parameters: " << block_bytes << " bytes";
+    else
+      EXPECT_EQ(freed, 0);
+    backward(loss);
+    const std::map<int64_t, int64_t> gathers{{4, 2}};  // forward and backward, over all 4
+    EXPECT_EQ(states.front()->comm_stats().all_gathers_by_group_size, gathers);
+  }
 }
 
 TEST(ReshardAfterForwardInt, ValuesThatAreNoWorldSizeAreRefused) {

@@ -115,7 +115,8 @@ class FSDPState {
   // uses the gather behind an UnshardHandle), whatever ran in between: issue it after the
   // optimizer step, or reshard() drops it. The handle's wait() finishes it by hand.
   UnshardHandle unshard(bool async_op = false);
-  // Points each Parameter back at its stored shard.
+  // Points each Parameter back at its stored shard, and frees what reshard_after_forward = N
+  // kept since forward (the next forward or backward gathers over the whole shard group).
   void reshard();
   // Off: backward keeps summing the unsharded gradients across micro-batches (in the reduce
   // dtype); the next synced backward reduce-scatters the sum. `recurse` (PyTorch's default) sets
