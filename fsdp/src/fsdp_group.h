@@ -239,8 +239,11 @@ class FSDPGroup : public std::enable_shared_from_this<FSDPGroup> {
   bool wrote_here_ = false;       // this rank's flag in the reduce (or kept sums) carrying it
   int64_t ranks_that_wrote_ = 0;  // the flag's sum over the ranks, once that reduce completed
   int64_t writing_rank_ = -1;     // its world rank, when one rank wrote
-  // The slots after the per-parameter flags: shards_written_, and the writing rank + 1.
-  static constexpr int64_t kWrittenSlots = 2;
+  // The slots after the per-parameter flags: shards_written_, and the writing world rank + 1 in
+  // base-256 digits, least significant first (a 16-bit reduce dtype holds integers exactly only
+  // up to 256, bfloat16's case).
+  static constexpr int64_t kRankDigits = 4;
+  static constexpr int64_t kWrittenSlots = 1 + kRankDigits;
   int64_t unsharded_numel_ = 0;
   std::vector<std::vector<GatherRun>> gather_runs_;
   bool unsharded_ = false;

@@ -1,6 +1,7 @@
 // FSDPGroup's reduction: its gradients packed and reduce-scattered (then, for HSDP, all-reduced
 // across replicas, or kept for a later all-reduce), and the averaged shards added to the stored
 // parameters' gradients.
+#include <cmath>
 #include <utility>
 #include <vector>
 
@@ -63,9 +64,9 @@ void FSDPGroup::accumulate_unsynced(DType reduce_dtype) {
 FSDPGroup::PendingReduce FSDPGroup::pack_gradients(DType reduce_dtype) {
   // Each rank's block holds its rows of every trainable parameter's gradient, padded, then one
   // flag per parameter (1 where this rank has a gradient for it), then shards_written_ and, where
-  // set, the world rank + 1: the reduce-scatter sums the flags too, so every rank learns which
-  // parameters got a gradient anywhere, and how many ranks wrote their shards (and which, when
-  // one did), without another collective.
+  // set, the world rank + 1 in base-256 digits: the reduce-scatter sums the flags too, so every
+  // rank learns which parameters got a gradient anywhere, and how many ranks wrote their shards
+  // (and which, when one did), without another collective.
   const int64_t k = reduce_pg_->size();
   PendingReduce pr;
   pr.offsets = reduce_offsets(pr.size);
@@ -75,11 +76,17 @@ FSDPGroup::PendingReduce FSDPGroup::pack_gradients(DType reduce_dtype) {
   const int64_t pre = predivide_factor(data_parallel_size(reduce_pg_, replicate_pg_), reduce_dtype);
   std::vector<float> has_grad(params_.size() + kWrittenSlots, 0.0f);
   const bool wrote = std::exchange(shards_written_, false);
-  wrote_here_ |= wrote;  // also in sums kept for a later all-reduce, which hold its flag
-  if (wrote) {
+  // Sums kept for a later all-reduce that already hold this rank's flag (a write in an earlier
+  // micro-batch) are added to this reduce: flagged again, one rank would count as two.
+  if (wrote && !wrote_here_) {
     has_grad[params_.size()] = 1.0f;
-    has_grad[params_.size() + 1] = float(world_rank() + 1);
+    // Each digit is below 256, exact in any 16-bit reduce dtype, and summed only with zeros
+    // when one rank wrote (the only case that names it).
+    int64_t id = world_rank() + 1;
+    for (int64_t d = 0; d < kRankDigits; ++d, id >>= 8)
+      has_grad[params_.size() + 1 + size_t(d)] = float(id & 0xff);
   }
+  wrote_here_ |= wrote;  // also in sums kept for a later all-reduce, which hold its flag
   for (size_t p = 0; p < params_.size(); ++p) {
     ParamInfo& i = params_[p];
     if (!i.param->requires_grad()) {
@@ -210,12 +217,14 @@ bool FSDPGroup::gathers_for_backward() const {
 void FSDPGroup::read_written_flag(const PendingReduce& pr) {
   const std::vector<double> slots =
       flat_window(pr.reduced, pr.size + int64_t(params_.size()), kWrittenSlots).to_vector<double>();
-  ranks_that_wrote_ = int64_t(slots[0]);
+  ranks_that_wrote_ = std::llround(slots[0]);
   if (ranks_that_wrote_ == 0) wrote_here_ = false;
-  // A 16-bit reduce dtype holds the rank exactly up to 256 only; past it no rank is named.
-  const bool exact = slots[1] <= 256 || pr.reduced.dtype() == DType::Float32 ||
-                     pr.reduced.dtype() == DType::Float64;
-  writing_rank_ = ranks_that_wrote_ == 1 && exact ? int64_t(slots[1]) - 1 : -1;
+  writing_rank_ = -1;
+  if (ranks_that_wrote_ != 1) return;
+  int64_t id = 0;
+  for (int64_t d = kRankDigits - 1; d >= 0; --d)
+    id = id * 256 + std::llround(slots[size_t(1 + d)]);
+  writing_rank_ = id - 1;
 }
 
 bool FSDPGroup::partial_reduce_fits() const {

@@ -164,7 +164,6 @@ void FSDPSchedule::finalize() {
 }
 
 void FSDPSchedule::refuse_written_shards(const std::vector<Group>& written) {
-  drop_kept_sums();
   const Group& s = written.front();
   const int64_t others = s->ranks_that_wrote_ - (s->wrote_here_ ? 1 : 0);
   std::string where = s->wrote_here_ ? "on this rank" : "";
@@ -176,6 +175,7 @@ void FSDPSchedule::refuse_written_shards(const std::vector<Group>& written) {
     g->ranks_that_wrote_ = 0;
     g->wrote_here_ = false;
   }
+  drop_kept_sums();
   std::string names;
   for (const auto& i : s->params_)
     names += (names.empty() ? "" : ", ") + i.name;
@@ -190,6 +190,9 @@ void FSDPSchedule::refuse_written_shards(const std::vector<Group>& written) {
 
 void FSDPSchedule::drop_kept_sums() {
   auto drop = [](const Group& s) {
+    // The flag of a write on this rank that the sums held goes with them: a later write must
+    // flag the next reduce anew.
+    if (s->partial_reduce_) s->wrote_here_ = false;
     s->partial_reduce_.reset();
     for (auto& i : s->params_)
       i.accum_grad = Tensor();

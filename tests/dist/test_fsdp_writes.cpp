@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "dist/fsdp_mlp.h"
@@ -138,6 +140,42 @@ TEST(FullyShard, WriteOnOneRankBetweenForwardAndBackwardIsAnErrorOnEveryRank) {
                   world_rank() == 0 ? "on this rank" : "on rank 0 (not this one)"});
     // Nothing of the refused backward stays: the next step trains on, on every rank alike.
     EXPECT_NO_THROW(backward(mean(square((*net)(x))))) << what;
+  }
+}
+
+// One rank writing in two micro-batches whose sums wait for a later all-reduce across replicas
+// (HSDP, set_requires_all_reduce(false)) is still one rank: the kept sums carry its flag once,
+// and every rank names it. Also with a 16-bit reduce dtype, whose flags name the rank in base-256
+// digits (each exact in any 16-bit float, so past rank 256 too).
+TEST(FullyShard, OneRankWritingInTwoKeptMicroBatchesIsNamedOnce) {
+  if (world_size() % 2 != 0) GTEST_SKIP() << "needs a (2, n) mesh";
+  const DeviceMesh mesh(Shape{2, world_size() / 2}, {"replicate", "shard"});
+  const int writer = world_size() - 1;
+  const bool here = world_rank() == writer;
+  for (const std::optional<DType>& reduce :
+       {std::optional<DType>(), std::optional(DType::BFloat16)}) {
+    SCOPED_TRACE(reduce ? dtype_name(*reduce) : "no reduce dtype");
+    auto net = std::make_shared<Mlp>();
+    FSDPOptions opts;
+    opts.mp_policy.reduce_dtype = reduce;
+    fully_shard(net->b0, mesh, opts);
+    fully_shard(net->b1, mesh, opts);
+    auto root = fully_shard(net, mesh, opts);
+    Generator gen(5);
+    const Tensor x = randn({4, 16}, gen);
+    root->set_requires_all_reduce(false);
+    for (int micro = 0; micro < 2; ++micro) {
+      Tensor loss = mean(square((*net)(x)));
+      if (here) net->b1->fc2->weight.fill_(0.5 + micro);
+      EXPECT_NO_THROW(backward(loss)) << "micro-batch " << micro << ": not every rank knows yet";
+    }
+    root->set_requires_all_reduce(true);
+    Tensor loss = mean(square((*net)(x)));
+    expect_error([&] { backward(loss); },
+                 {"fc2.weight", "modified by an in-place operation",
+                  here ? "between a forward and its backward, on this rank;"
+                       : "on rank " + std::to_string(writer) + " (not this one)"});
+    EXPECT_NO_THROW(backward(mean(square((*net)(x)))));
   }
 }
 
