@@ -196,6 +196,34 @@ Tensor train_tied_pair(const std::shared_ptr<TiedPair>& m, int64_t first, int64_
 
 // A tie within one fully_shard call holds: both slots share the sharded parameter, and training
 // matches one process training the tied pair.
+// autograd::grad through a sharded model (an input's gradient, say) gathers what its backward
+// needs and accumulates nothing: it equals the unsharded model's, and training afterwards is as
+// if it had not been called.
+TEST(FullyShard, AutogradGradThroughAShardedModelLeavesTrainingAsItWas) {
+  DeviceMesh mesh = dp_mesh();
+  const int64_t n = kBatch / world_size(), row = mesh.local_rank(0) * n;
+  Generator gen(5);
+  Tensor x = kernels::narrow(randn({kBatch, 16}, gen), 0, row, n).contiguous();
+  auto input_gradient = [&](Module& m) {
+    Tensor xi = x.clone().set_requires_grad(true);
+    std::vector<Tensor> g = autograd::grad({sum(square(m(xi)))}, {xi});
+    return g[0];
+  };
+  auto ref = std::make_shared<Mlp>();
+  const Tensor want = input_gradient(*ref);
+  auto net = std::make_shared<Mlp>();
+  fully_shard(net->b0, mesh);
+  fully_shard(net->b1, mesh);
+  fully_shard(net, mesh);
+  expect_close(input_gradient(*net), want, 1e-5, "input gradient");
+  for (Parameter* p : net->parameters())
+    EXPECT_FALSE(p->grad().defined());
+  const std::vector<double> want_losses = train_mlp(ref, 3, 0, 1);
+  const std::vector<double> got = train_mlp(net, 3, mesh.local_rank(0), world_size());
+  for (size_t s = 0; s < want_losses.size(); ++s)
+    EXPECT_NEAR(got[s], want_losses[s], 1e-5 * want_losses[s]) << "step " << s;
+}
+
 TEST(FullyShard, WeightsTiedByAssignmentStayTied) {
   DeviceMesh mesh = dp_mesh();
   auto net = std::make_shared<TiedPair>();
