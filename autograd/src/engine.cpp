@@ -176,8 +176,9 @@ std::unordered_map<Node*, int> count_dependencies(const std::vector<std::shared_
   return deps;
 }
 
-// Marks the nodes grad() applies: those with an edge to a node whose gradient is taken or that
-// is applied itself (walked against `order`, so successors are decided first).
+// Marks the nodes to apply besides those already marked (backward's leaf accumulators): those
+// with an edge to a node whose gradient is taken or that is applied itself (walked against
+// `order`, so successors are decided first).
 void mark_runs(const std::vector<Node*>& order, Captures& captures) {
   std::unordered_set<const Node*> leads;  // taken from, or applied
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
@@ -186,7 +187,7 @@ void mark_runs(const std::vector<Node*>& order, Captures& captures) {
     for (const Edge& e : n->next_edges())
       if (e.valid() && leads.count(e.function.get())) runs = true;
     if (runs) captures.runs.insert(n);
-    if (runs || captures.at.count(n)) leads.insert(n);
+    if (captures.wants(n)) leads.insert(n);
   }
 }
 
@@ -291,10 +292,58 @@ void run_graph(const std::vector<std::shared_ptr<Node>>& roots, Buffers& buffers
   }
 }
 
+// Where each input's gradient arrives, refusing an input that cannot have one.
+std::vector<Edge> input_edges(const std::vector<Tensor>& inputs, const char* op) {
+  std::vector<Edge> at(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    TESSERA_CHECK(inputs[i].defined(), op, ": input ", i, " is undefined");
+    TESSERA_CHECK(inputs[i].requires_grad(), op, ": input ", i, " (", inputs[i].str(),
+                  ") does not require grad");
+    at[i] = autograd::gradient_edge(inputs[i]);
+  }
+  return at;
+}
+
+// backward(inputs): leaves accumulate as in any backward; a non-leaf input's gradient is taken
+// and accumulated into its .grad afterwards, as retain_grad would (which, if set, already does).
+void backward_into(const std::vector<Tensor>& outputs, const std::vector<Tensor>& grad_outputs,
+                   bool retain_graph, const std::vector<Tensor>& inputs) {
+  const std::vector<Edge> at = input_edges(inputs, "backward");
+  Captures captures;
+  captures.values.resize(inputs.size());
+  std::vector<size_t> non_leaves;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].is_leaf()) {
+      captures.runs.insert(at[i].function.get());
+      continue;
+    }
+    bool repeated = false;
+    for (size_t j : non_leaves)
+      repeated = repeated || inputs[j].is_same(inputs[i]);
+    if (repeated) continue;
+    non_leaves.push_back(i);
+    captures.at[at[i].function.get()].push_back({at[i].input_nr, i});
+  }
+  Buffers buffers;
+  std::vector<std::shared_ptr<Node>> roots = seed(outputs, grad_outputs, buffers, "backward");
+  std::vector<Node*> order;
+  std::unordered_map<Node*, int> deps = count_dependencies(roots, &order);
+  mark_runs(order, captures);
+  run_graph(roots, buffers, deps, retain_graph, &captures);
+  for (size_t i : non_leaves) {
+    const Tensor& g = captures.values[i];
+    AutogradMeta& meta = const_cast<Tensor&>(inputs[i]).autograd_meta();
+    if (!g.defined() || meta.retains_grad) continue;
+    meta.grad =
+        meta.grad.defined() ? kernels::binary(kernels::BinaryOp::Add, meta.grad, g) : g.clone();
+  }
+}
+
 }  // namespace
 
 void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& grad_outputs,
-              bool retain_graph) {
+              bool retain_graph, const std::vector<Tensor>& inputs) {
+  if (!inputs.empty()) return backward_into(outputs, grad_outputs, retain_graph, inputs);
   Buffers buffers;
   std::vector<std::shared_ptr<Node>> roots = seed(outputs, grad_outputs, buffers, "backward");
   std::unordered_map<Node*, int> deps = count_dependencies(roots, nullptr);
@@ -310,13 +359,7 @@ std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<T
   Captures captures;
   captures.values.resize(inputs.size());
   // The inputs' nodes first, so that a bad input fails before any gradient is seeded.
-  std::vector<Edge> at(inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    TESSERA_CHECK(inputs[i].defined(), "grad: input ", i, " is undefined");
-    TESSERA_CHECK(inputs[i].requires_grad(), "grad: input ", i, " (", inputs[i].str(),
-                  ") does not require grad");
-    at[i] = gradient_edge(inputs[i]);
-  }
+  const std::vector<Edge> at = input_edges(inputs, "grad");
   Buffers buffers;
   std::vector<std::shared_ptr<Node>> roots = seed(outputs, grad_outputs, buffers, "grad");
   std::vector<Node*> order;

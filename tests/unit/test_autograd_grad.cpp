@@ -106,3 +106,40 @@ TEST(AutogradGrad, NonScalarOutputsTakeGradientsAsBackwardDoes) {
   std::vector<Tensor> g = autograd::grad({y}, {x}, {from_vector<double>({1.0, 0.5})});
   EXPECT_EQ(g[0].to_vector<double>(), (std::vector<double>{2.0, 2.0}));
 }
+
+// backward(inputs): PyTorch's backward(inputs=...). Only the inputs accumulate, and only the
+// nodes that lead to them run.
+TEST(AutogradBackwardInputs, OnlyTheInputsAccumulate) {
+  Tensor x = leaf({1.0, 2.0}), w = leaf({3.0, 5.0}), z = leaf({2.0});
+  Triple::calls = 0;
+  Tensor h = mul(x, w);
+  Tensor y = add(sum(mul(h, h)), sum(triple(z)));
+  backward({y}, {}, /*retain_graph=*/true, {w, h});
+  EXPECT_EQ(w.grad().to_vector<double>(), (std::vector<double>{6.0, 40.0}));  // 2 x^2 w
+  EXPECT_EQ(h.grad().to_vector<double>(), (std::vector<double>{6.0, 20.0}));  // 2 h
+  EXPECT_FALSE(x.grad().defined());
+  EXPECT_FALSE(z.grad().defined());
+  EXPECT_EQ(Triple::calls, 0);
+  // Accumulates as any backward; a repeated input counts once.
+  backward({y}, {}, true, {h, w, h});
+  EXPECT_EQ(w.grad().to_vector<double>(), (std::vector<double>{12.0, 80.0}));
+  EXPECT_EQ(h.grad().to_vector<double>(), (std::vector<double>{12.0, 40.0}));
+  // A retained non-leaf gets its gradient once, through retain_grad.
+  retain_grad(h);
+  backward({y}, {}, true, {h});
+  EXPECT_EQ(h.grad().to_vector<double>(), (std::vector<double>{18.0, 60.0}));
+  backward({y}, {}, false, {z});
+  EXPECT_EQ(z.grad().to_vector<double>(), std::vector<double>{3.0});
+  EXPECT_EQ(Triple::calls, 1);
+  EXPECT_FALSE(x.grad().defined());
+}
+
+TEST(AutogradBackwardInputs, AnInputMustRequireGrad) {
+  Tensor x = leaf({1.0});
+  Tensor y = sum(mul(x, x));
+  tessera::testing::expect_error([&] { backward({y}, {}, false, {from_vector<double>({1.0})}); },
+                                 {"backward: input 0", "does not require grad"});
+  // Refused before anything ran.
+  backward({y}, {}, false, {x});
+  EXPECT_EQ(x.grad().to_vector<double>(), std::vector<double>{2.0});
+}

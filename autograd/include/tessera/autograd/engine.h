@@ -10,8 +10,11 @@ namespace tessera {
 // Backpropagates from `outputs`. Without grad_outputs each output must be a scalar and gets 1; a
 // gradient given in another dtype is cast to its output's (PyTorch's engine does the same).
 // Saved tensors are freed as each node runs unless retain_graph.
+// `inputs` (PyTorch's backward(inputs=...)): when given, only these accumulate into .grad, and
+// only the nodes between the outputs and them run; a non-leaf among them gets its .grad as
+// retain_grad would give it. Each must require grad; one the graph does not reach gets nothing.
 void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& grad_outputs = {},
-              bool retain_graph = false);
+              bool retain_graph = false, const std::vector<Tensor>& inputs = {});
 inline void backward(const Tensor& output, const Tensor& grad_output = {},
                      bool retain_graph = false) {
   backward(std::vector<Tensor>{output},
