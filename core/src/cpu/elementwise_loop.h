@@ -1,6 +1,7 @@
 #pragma once
-// Private to the cpu elementwise kernels: the driver that feeds a kernel written for contiguous
-// arrays in the compute type (float for 16-bit dtypes) with data of any strides and dtype.
+// Private to the cpu kernels: their input check (the reductions' too), and the elementwise
+// kernels' driver that feeds a kernel written for contiguous arrays in the compute type (float
+// for 16-bit dtypes) with data of any strides and dtype.
 #include <algorithm>
 #include <array>
 #include <type_traits>

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "../portable/reduce.h"
+#include "elementwise_loop.h"
 #include "kernels.h"
 #include "tessera/core/detail/strided_loop.h"
 #include "tessera/core/factory.h"
@@ -21,12 +22,6 @@
 namespace tessera::kernels::cpu {
 
 namespace {
-
-void check_cpu(const char* op, const Tensor& t) {
-  TESSERA_CHECK(t.defined(), op, ": got an undefined tensor");
-  TESSERA_CHECK(t.device().is_cpu(), op, ": ", t.str(),
-                " is not a cpu tensor; the cpu kernels need cpu inputs");
-}
 
 template <class T>
 constexpr bool is_nan(T v) {
