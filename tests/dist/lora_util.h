@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -157,6 +159,70 @@ inline double lora_train_step(LoraRun& run, Optimizer& opt, int step) {
   Tensor l = from_vector<double>({double(loss.item<float>())});
   world_group()->all_reduce(l, ReduceOp::Sum)->wait();
   return l.item<double>() / double(world_size());
+}
+
+// A fine-tuning run's losses, adapter (read_adapter) and base weights, for parity checks.
+struct LoraTrained {
+  std::vector<double> losses;
+  std::map<std::string, Tensor> adapter;
+  std::map<std::string, Tensor> base;
+};
+
+// `steps` AdamW steps of lora_train_step on the active adapter "default".
+inline LoraTrained lora_train(LoraRun& run, int steps) {
+  // eps 1e-6: where a gradient is as small as Adam's eps (the first layer's key adapters see
+  // gradients near 1e-8), eps 1e-8 turns its last-bit differences between layouts into 2e-6
+  // differences of the update, which says nothing about the sharding.
+  AdamW opt(run.lora->parameters(), AdamWOptions{.lr = 3e-3, .eps = 1e-6, .weight_decay = 0.0});
+  LoraTrained t;
+  for (int s = 0; s < steps; ++s)
+    t.losses.push_back(lora_train_step(run, opt, s));
+  t.adapter = run.lora->read_adapter("default");
+  for (auto& [name, p] : run.model->named_parameters())
+    if (name.find("lora_") == std::string::npos) t.base[name] = p->full();
+  return t;
+}
+
+// A sharded run against the single-rank one: losses within 1e-6 relative, each adapter tensor
+// within 1e-6 of the reference relative to its norm, the frozen base as it was (`initial`), and
+// every replicated adapter tensor bitwise identical on the ranks that hold it.
+inline void expect_lora_parity(LoraRun& run, const LoraTrained& got, const LoraTrained& ref,
+                               const std::map<std::string, Tensor>& initial,
+                               const std::string& name) {
+  double worst_loss = 0, worst_param = 0;
+  for (size_t s = 0; s < ref.losses.size(); ++s) {
+    EXPECT_NEAR(got.losses[s], ref.losses[s], 1e-6 * std::abs(ref.losses[s]))
+        << name << " step " << s;
+    worst_loss = std::max(worst_loss, std::abs(got.losses[s] - ref.losses[s]) / ref.losses[s]);
+  }
+  ASSERT_EQ(got.adapter.size(), ref.adapter.size()) << name;
+  for (const auto& [key, t] : ref.adapter) {
+    const auto a = got.adapter.at(key).to_vector<double>(), b = t.to_vector<double>();
+    double diff = 0, norm = 0, worst_elem = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      diff += (a[i] - b[i]) * (a[i] - b[i]);
+      norm += b[i] * b[i];
+      worst_elem = std::max(worst_elem, std::abs(a[i] - b[i]));
+    }
+    const double rel = std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+    EXPECT_LE(rel, 1e-6) << name << " " << key << " (largest element difference " << worst_elem
+                         << ")";
+    worst_param = std::max(worst_param, rel);
+  }
+  for (const auto& [base, t] : got.base)
+    EXPECT_EQ(max_abs_diff(t, initial.at(base)), 0.0) << name << ": frozen " << base;
+  // Replicated adapter tensors (over dp without FSDP, over tp for the unsplit factor) stay
+  // bitwise identical.
+  for (Parameter* p : run.lora->parameters()) {
+    if (!p->is_dtensor()) continue;
+    SCOPED_TRACE(name + " " + p->str());
+    expect_replicas_equal(p->stored_dtensor());
+  }
+  if (world_rank() == 0)
+    std::printf(
+        "[lora parity] %s: worst relative loss %.2e, worst relative adapter tensor %.2e "
+        "(tolerance 1e-6)\n",
+        name.c_str(), worst_loss, worst_param);
 }
 
 // A copy of the PEFT adapter saved in `dir`/adapter, in `dir`/`name`, whose adapter_config.json

@@ -51,31 +51,11 @@ TEST(Lora, ForwardEqualsThePlainModelUnderEveryLayout) {
 
 namespace {
 
-struct Trained {
-  std::vector<double> losses;
-  std::map<std::string, Tensor> adapter;
-  std::map<std::string, Tensor> base;
-};
-
-Trained train(LoraRun& run, int steps) {
-  // eps 1e-6: where a gradient is as small as Adam's eps (the first layer's key adapters see
-  // gradients near 1e-8), eps 1e-8 turns its last-bit differences between layouts into 2e-6
-  // differences of the update, which says nothing about the sharding.
-  AdamW opt(run.lora->parameters(), AdamWOptions{.lr = 3e-3, .eps = 1e-6, .weight_decay = 0.0});
-  Trained t;
-  for (int s = 0; s < steps; ++s)
-    t.losses.push_back(lora_train_step(run, opt, s));
-  t.adapter = run.lora->read_adapter("default");
-  for (auto& [name, p] : run.model->named_parameters())
-    if (name.find("lora_") == std::string::npos) t.base[name] = p->full();
-  return t;
-}
-
-const Trained& reference() {
-  static const Trained r = [] {
+const LoraTrained& reference() {
+  static const LoraTrained r = [] {
     LoraRun run{"plain", std::make_shared<Decoder>(lora_decoder_config()), nullptr, 0, 1};
     run.lora = apply_lora(run.model, lora_test_config());
-    return train(run, 20);
+    return lora_train(run, 20);
   }();
   return r;
 }
@@ -86,45 +66,11 @@ const Trained& reference() {
 // single-rank run within 1e-6 relative, the frozen base untouched, every replicated adapter
 // matrix bitwise identical on the ranks that hold it.
 TEST(Lora, FineTuningMatchesSingleRank) {
-  const Trained& ref = reference();
+  const LoraTrained& ref = reference();
   const auto initial = std::make_shared<Decoder>(lora_decoder_config())->state_dict();
   for (const LoraLayout& l : lora_layouts()) {
     LoraRun run = l.build(lora_decoder_config(), lora_test_config());
-    const Trained got = train(run, 20);
-    double worst_loss = 0, worst_param = 0;
-    for (size_t s = 0; s < ref.losses.size(); ++s) {
-      EXPECT_NEAR(got.losses[s], ref.losses[s], 1e-6 * std::abs(ref.losses[s]))
-          << l.name << " step " << s;
-      worst_loss = std::max(worst_loss, std::abs(got.losses[s] - ref.losses[s]) / ref.losses[s]);
-    }
-    // Each adapter matrix within 1e-6 of the reference, relative to its norm.
-    for (const auto& [key, t] : ref.adapter) {
-      const auto a = got.adapter.at(key).to_vector<double>(), b = t.to_vector<double>();
-      double diff = 0, norm = 0, worst_elem = 0;
-      for (size_t i = 0; i < a.size(); ++i) {
-        diff += (a[i] - b[i]) * (a[i] - b[i]);
-        norm += b[i] * b[i];
-        worst_elem = std::max(worst_elem, std::abs(a[i] - b[i]));
-      }
-      const double rel = std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
-      EXPECT_LE(rel, 1e-6) << l.name << " " << key << " (largest element difference " << worst_elem
-                           << ")";
-      worst_param = std::max(worst_param, rel);
-    }
-    for (const auto& [name, t] : got.base)
-      expect_identical(t, initial.at(name), l.name + ": frozen " + name);
-    // Replicated adapter matrices (over dp without FSDP, over tp for the unsplit factor) stay
-    // bitwise identical.
-    for (Parameter* p : run.lora->parameters()) {
-      if (!p->is_dtensor()) continue;
-      SCOPED_TRACE(l.name + " " + p->str());
-      tessera::testing::expect_replicas_equal(p->stored_dtensor());
-    }
-    if (world_rank() == 0)
-      std::printf(
-          "[lora parity] %s: worst relative loss %.2e, worst relative adapter matrix "
-          "%.2e (tolerance 1e-6)\n",
-          l.name.c_str(), worst_loss, worst_param);
+    expect_lora_parity(run, lora_train(run, 20), ref, initial, l.name);
   }
   // The reference itself moved: a run that trained nothing could not pass.
   EXPECT_LT(ref.losses.back(), ref.losses.front() * 0.9);
