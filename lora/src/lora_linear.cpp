@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "orthogonal_init.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/autograd/ops.h"
 #include "tessera/core/digest.h"
@@ -15,8 +16,13 @@
 #include "tessera/core/kernels/views.h"
 #include "tessera/dtensor/ops.h"
 #include "tessera/dtensor/random.h"
+#include "window.h"
 
 namespace tessera {
+
+using lora_detail::orthogonal_init;
+using lora_detail::window_of;
+using lora_detail::write_window;
 
 namespace {
 
@@ -53,10 +59,15 @@ Parameter adapter_parameter(const Shape& shape, const Parameter& base, bool a) {
   return Parameter(DTensor(spec, zeros(spec->local_layout().local_shape, opts)));
 }
 
-// The window [offset, offset + shape) this rank holds of a parameter's global value.
-LocalLayout window_of(const Parameter& p) {
-  if (!p.is_dtensor()) return {p.stored().shape(), Shape(p.stored().dim(), 0)};
-  return p.stored_dtensor().spec().local_layout();
+// DoRA's magnitude [out], laid out as B's rows: Shard(0) under a column-parallel W, replicated
+// under a row-parallel or replicated one.
+Parameter magnitude_parameter(int64_t out, const Parameter& base) {
+  const TensorOptions opts(DType::Float32, base.stored().device());
+  if (!base.is_dtensor()) return Parameter(zeros({out}, opts));
+  const DTensor& w = base.stored_dtensor();
+  auto spec = std::make_shared<const DTensorSpec>(w.mesh(), adapter_placements(w).second,
+                                                  Shape{out}, DType::Float32);
+  return Parameter(DTensor(spec, zeros(spec->local_layout().local_shape, opts)));
 }
 
 // Zeroes the rows >= r (dim 0) or columns >= r (dim 1) of this rank's piece.
@@ -66,70 +77,6 @@ void zero_from(Parameter& p, int64_t dim, int64_t r) {
   const int64_t lo = l.global_offset[size_t(dim)], n = l.local_shape[size_t(dim)];
   const int64_t first = std::clamp<int64_t>(r - lo, 0, n);
   if (first < n) kernels::narrow(p.stored().detach(), dim, first, n - first).zero_();
-}
-
-// This rank's window of `full`, the parameter's global value, written into the piece it holds.
-void write_window(Parameter& p, const Tensor& full) {
-  NoGradGuard no_grad;
-  const LocalLayout l = window_of(p);
-  Tensor piece = full;
-  for (size_t d = 0; d < l.local_shape.size(); ++d)
-    piece = kernels::narrow(piece, int64_t(d), l.global_offset[d], l.local_shape[d]);
-  p.stored().detach().copy_(piece);
-}
-
-// An [n, n] orthogonal matrix, row-major: the Q of the QR of `x` (modified Gram-Schmidt over its
-// columns, twice for orthogonality to rounding, in float64).
-std::vector<double> orthogonal_q(const std::vector<double>& x, int64_t n) {
-  std::vector<double> q = x;
-  auto at = [&](int64_t r, int64_t c) -> double& { return q[size_t(r * n + c)]; };
-  for (int64_t c = 0; c < n; ++c) {
-    for (int pass = 0; pass < 2; ++pass)
-      for (int64_t k = 0; k < c; ++k) {
-        double dot = 0;
-        for (int64_t r = 0; r < n; ++r)
-          dot += at(r, k) * at(r, c);
-        for (int64_t r = 0; r < n; ++r)
-          at(r, c) -= dot * at(r, k);
-      }
-    double norm = 0;
-    for (int64_t r = 0; r < n; ++r)
-      norm += at(r, c) * at(r, c);
-    norm = std::sqrt(norm);
-    TESSERA_CHECK(norm > 0, "LoRA orthogonal init: a singular draw");
-    for (int64_t r = 0; r < n; ++r)
-      at(r, c) /= norm;
-  }
-  return q;
-}
-
-// PEFT's orthogonal init (LoraLayer.orthogonal_init): Q from the QR of an [r, r] normal draw,
-// A = (G Q[0::2])^T / 10 with G [in, r/2] and B = H^T Q[1::2] / 10 with H [r/2, out], both
-// normal. Q's rows are orthonormal, so B A = H^T Q[1::2] Q[0::2]^T G^T / 100 = 0: the adapter
-// starts as the identity with neither matrix zero. The global [r, in] and [out, r], from `gen`
-// alone.
-std::pair<Tensor, Tensor> orthogonal_init(int64_t r, int64_t in, int64_t out, Generator& gen) {
-  const int64_t h = r / 2;
-  const std::vector<double> q =
-      orthogonal_q(randn({r, r}, gen, DType::Float64).to_vector<double>(), r);
-  const std::vector<double> g = randn({in, h}, gen, DType::Float64).to_vector<double>();
-  const std::vector<double> hh = randn({h, out}, gen, DType::Float64).to_vector<double>();
-  std::vector<float> a(size_t(r * in)), b(size_t(out * r));
-  for (int64_t j = 0; j < r; ++j)
-    for (int64_t i = 0; i < in; ++i) {
-      double v = 0;  // (G Q[0::2])[i, j]
-      for (int64_t k = 0; k < h; ++k)
-        v += g[size_t(i * h + k)] * q[size_t(2 * k * r + j)];
-      a[size_t(j * in + i)] = float(v / 10.0);
-    }
-  for (int64_t o = 0; o < out; ++o)
-    for (int64_t j = 0; j < r; ++j) {
-      double v = 0;  // (H^T Q[1::2])[o, j]
-      for (int64_t k = 0; k < h; ++k)
-        v += hh[size_t(k * out + o)] * q[size_t((2 * k + 1) * r + j)];
-      b[size_t(o * r + j)] = float(v / 10.0);
-    }
-  return {from_vector<float>(a, {r, in}), from_vector<float>(b, {out, r})};
 }
 
 uint64_t fnv1a(const std::string& s, uint64_t h) {
@@ -184,7 +131,14 @@ LoraLinear::LoraLinear(const Linear& base, const LoraSlots& slots,
   b_list_ = std::make_shared<LoraWeights>(b_);
   register_module("lora_A", a_list_);
   register_module("lora_B", b_list_);
+  if (slots.use_dora) {
+    for (int64_t i = 0; i < slots.max_adapters; ++i)
+      m_.push_back(std::make_shared<LoraWeight>(magnitude_parameter(out_features(), weight)));
+    m_list_ = std::make_shared<LoraWeights>(m_);
+    register_module("lora_magnitude_vector", m_list_);
+  }
   slots_.resize(size_t(slots.max_adapters));
+  dora_norms_.resize(size_t(slots.max_adapters));
 }
 
 void LoraLinear::check_slot(int64_t i, const char* op) const {
@@ -207,6 +161,18 @@ Parameter& LoraLinear::lora_B(int64_t i) {
   return b_[size_t(i)]->weight;
 }
 
+Parameter& LoraLinear::lora_magnitude_vector(int64_t i) {
+  check_slot(i, "lora_magnitude_vector");
+  TESSERA_CHECK(has_magnitude(), "LoraLinear: no DoRA magnitude slots (LoraSlots::use_dora)");
+  return m_[size_t(i)]->weight;
+}
+
+bool LoraLinear::can_unmerge(int64_t i) const {
+  check_slot(i, "can_unmerge");
+  const Slot& s = slots_[size_t(i)];
+  return !s.merged || !s.use_dora || dora_norms_[size_t(i)].defined();
+}
+
 std::vector<std::pair<std::string, std::string>> LoraLinear::tensor_parallel_inputs() const {
   // after_tensor_parallel cuts each adapter from this rank's own copy (kEveryRank), whose values
   // must be every rank's: compared here, a rank holding other values is refused before the first
@@ -227,6 +193,8 @@ std::vector<std::pair<std::string, std::string>> LoraLinear::tensor_parallel_inp
   for (size_t i = 0; i < a_.size(); ++i) {
     describe(detail::concat("lora_A.", i, ".weight"), a_[i]->weight);
     describe(detail::concat("lora_B.", i, ".weight"), b_[i]->weight);
+    if (has_magnitude())
+      describe(detail::concat("lora_magnitude_vector.", i, ".weight"), m_[i]->weight);
   }
   return out;
 }
@@ -243,6 +211,9 @@ void LoraLinear::after_tensor_parallel(const DeviceMesh& mesh) {
     TESSERA_CHECK(!a.is_dtensor() && !b.is_dtensor(), "LoraLinear: adapters already distributed");
     a = Parameter(distribute_tensor(a.full(), mesh, pa, kEveryRank), a.requires_grad());
     b = Parameter(distribute_tensor(b.full(), mesh, pb, kEveryRank), b.requires_grad());
+    if (!has_magnitude()) continue;
+    Parameter& m = m_[i]->weight;
+    m = Parameter(distribute_tensor(m.full(), mesh, pb, kEveryRank), m.requires_grad());
   }
 }
 
@@ -257,6 +228,9 @@ void LoraLinear::init_slot(int64_t i, const std::string& adapter, const LoraConf
   TESSERA_CHECK(config.r <= max_rank_, "LoraLinear '", path, "': adapter '", adapter, "' has r ",
                 config.r, " but the slots hold at most rank ", max_rank_,
                 " (LoraSlots::max_rank, fixed when LoRA was applied)");
+  TESSERA_CHECK(!config.use_dora || has_magnitude(), "LoraLinear '", path, "': adapter '", adapter,
+                "' uses DoRA but the slots hold no magnitude vectors (LoraSlots::use_dora, fixed "
+                "when LoRA was applied)");
   Generator gen(slot_seed(config.seed, adapter, path));
   Parameter& a = a_[size_t(i)]->weight;
   Parameter& b = b_[size_t(i)]->weight;
@@ -270,6 +244,7 @@ void LoraLinear::init_slot(int64_t i, const std::string& adapter, const LoraConf
     write_window(a, a_padded);
     write_window(b, b_padded);
     set_slot(i, adapter, config, path, /*merged=*/false);
+    init_magnitude(i);
     return;
   }
   // Padding lies after the first r rows of A, so the first r rows of the draw are those of an
@@ -293,6 +268,7 @@ void LoraLinear::init_slot(int64_t i, const std::string& adapter, const LoraConf
     kernels::narrow(b.stored().detach(), 1, 0, config.r).copy_(rows);
   }
   set_slot(i, adapter, config, path, /*merged=*/false);
+  init_magnitude(i);
 }
 
 void LoraLinear::set_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
@@ -303,6 +279,8 @@ void LoraLinear::set_slot(int64_t i, const std::string& adapter, const LoraConfi
   s.scale = config.scaling();
   s.dropout = config.lora_dropout;
   s.merged = merged;
+  s.use_dora = config.use_dora;
+  dora_norms_[size_t(i)] = Tensor();
   // A stream per slot: adding or removing another adapter leaves this one's masks as they were.
   dropout_gens_[size_t(i)].manual_seed(slot_seed(config.seed, adapter + "#dropout", path));
 }
@@ -313,7 +291,9 @@ void LoraLinear::clear_slot(int64_t i) {
                 slots_[size_t(i)].adapter, "') is merged into the weight; unmerge it first");
   a_[size_t(i)]->weight.fill_(0.0);
   b_[size_t(i)]->weight.fill_(0.0);
+  if (has_magnitude()) m_[size_t(i)]->weight.fill_(0.0);
   slots_[size_t(i)] = Slot{};
+  dora_norms_[size_t(i)] = Tensor();
 }
 
 void LoraLinear::restore_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
@@ -321,6 +301,7 @@ void LoraLinear::restore_slot(int64_t i, const std::string& adapter, const LoraC
   check_slot(i, "restore_slot");
   if (adapter.empty()) {
     slots_[size_t(i)] = Slot{};
+    dora_norms_[size_t(i)] = Tensor();
     dropout_gens_[size_t(i)].manual_seed(0);
     return;
   }
@@ -336,13 +317,27 @@ uint64_t LoraLinear::dropout_offset(int64_t i) const {
   return dropout_gens_[size_t(i)].offset();
 }
 
-Tensor LoraLinear::merged_window(int64_t i, bool unmerge, const char* op) {
+LoraLinear::Merged LoraLinear::merged_window(int64_t i, bool unmerge, const char* op) {
   check_slot(i, op);
   const Slot& s = slots_[size_t(i)];
   TESSERA_CHECK(!s.adapter.empty(), "LoraLinear ", op, ": slot ", i, " holds no adapter");
   TESSERA_CHECK(s.merged == unmerge, "LoraLinear ", op, ": adapter '", s.adapter, "' is ",
                 s.merged ? "already merged" : "not merged");
+  TESSERA_CHECK(can_unmerge(i), "LoraLinear ", op, ": DoRA adapter '", s.adapter,
+                "' was merged when its checkpoint was saved, and the weight norms that undo its "
+                "merge are not in it");
   NoGradGuard no_grad;
+  // In float32, or W's dtype where that is wider (a float64 W rounded to float32 would lose
+  // its every element, adapter or not).
+  const Tensor& w = weight.stored();
+  const DType ct = promote_types(w.dtype(), DType::Float32);
+  if (s.use_dora) return dora_merged_window(i, unmerge, ct);
+  return {adapted_window(i, unmerge ? -1.0 : 1.0, ct).to(w.dtype()), Tensor()};
+}
+
+Tensor LoraLinear::adapted_window(int64_t i, double sign, DType ct, const Tensor& onto) const {
+  NoGradGuard no_grad;
+  const Slot& s = slots_[size_t(i)];
   // The adapter matrices' global values (small), then only this rank's window of B A.
   const Tensor a = a_[size_t(i)]->weight.full();
   const Tensor b = b_[size_t(i)]->weight.full();
@@ -351,17 +346,13 @@ Tensor LoraLinear::merged_window(int64_t i, bool unmerge, const char* op) {
       kernels::narrow(kernels::narrow(b, 0, l.global_offset[0], l.local_shape[0]), 1, 0, s.r);
   Tensor a_cols =
       kernels::narrow(kernels::narrow(a, 0, 0, s.r), 1, l.global_offset[1], l.local_shape[1]);
-  // In float32, or W's dtype where that is wider (a float64 W rounded to float32 would lose
-  // its every element, adapter or not).
-  const Tensor& w = weight.stored();
-  const DType ct = promote_types(w.dtype(), DType::Float32);
-  Tensor delta = mul(matmul(b_rows.contiguous().to(ct), a_cols.contiguous().to(ct)),
-                     unmerge ? -s.scale : s.scale);
-  return add(w.detach().to(ct), delta).to(w.dtype());
+  Tensor delta =
+      mul(matmul(b_rows.contiguous().to(ct), a_cols.contiguous().to(ct)), sign * s.scale);
+  return add((onto.defined() ? onto : weight.stored().detach()).to(ct), delta);
 }
 
 bool LoraLinear::merge_is_finite(int64_t i) {
-  const Tensor m = merged_window(i, /*unmerge=*/false, "merge_is_finite");
+  const Tensor m = merged_window(i, /*unmerge=*/false, "merge_is_finite").window;
   // 0 * x is 0 for every finite x and NaN for an infinite or NaN one.
   const Tensor zeros_or_nan = kernels::binary_scalar(
       kernels::BinaryOp::Mul, m.to(promote_types(m.dtype(), DType::Float32)), 0.0);
@@ -369,11 +360,12 @@ bool LoraLinear::merge_is_finite(int64_t i) {
 }
 
 void LoraLinear::merge_slot(int64_t i, bool unmerge) {
-  const Tensor m = merged_window(i, unmerge, "merge_slot");
+  const Merged m = merged_window(i, unmerge, "merge_slot");
   NoGradGuard no_grad;
   Tensor w = weight.stored().detach();
-  w.copy_(m);
+  w.copy_(m.window);
   slots_[size_t(i)].merged = !unmerge;
+  dora_norms_[size_t(i)] = unmerge ? Tensor() : m.norms;
 }
 
 // The weight carries every merged slot into every sample's output: only the active adapter of a
@@ -418,6 +410,8 @@ LoraLinear::Batch LoraLinear::batch(int64_t rows, Device device) const {
                   " slots)");
     if (s >= 0 && slots_[size_t(s)].adapter.empty()) s = -1;
     if (s < 0) continue;
+    TESSERA_CHECK(!slots_[size_t(s)].use_dora, "LoRA: DoRA adapter '", slots_[size_t(s)].adapter,
+                  "' cannot run in a mixed batch (PEFT refuses DoRA with adapter_names too)");
     if (std::find(b.slots.begin(), b.slots.end(), s) == b.slots.end()) b.slots.push_back(s);
   }
   if (b.slots.empty()) return b;
@@ -524,6 +518,9 @@ Tensor LoraLinear::forward(const Tensor& x) {
     xl = mul(x.dtype() == at ? x : cast(x, at),
              keep_scale(u, bt.dropout, slots_[size_t(bt.slots[0])].dropout).to(at));
   }
+  // batch() refused a DoRA slot in a mixed batch: a DoRA forward has one adapter.
+  if (slots_[size_t(bt.slots[0])].use_dora)
+    return forward_dora(x, w, b0, ab.a, ab.b, bt.slots[0], xl);
   return linear_lowrank(x, w, b0, ab.a, ab.b, ab.scale, xl, activation_mask(bt, x.dim()));
 }
 
@@ -561,7 +558,15 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
     xl = mul(x.dtype() == a.dtype() ? x : cast(x, a.dtype()),
              DTensor::from_local(keep.to(a.dtype()), mesh, mask_placements, x.shape()));
   }
-  const Tensor h_scale = activation_mask(bt, x.dim());
+  if (slots_[size_t(bt.slots[0])].use_dora)
+    return forward_dtensor_dora(x, w, bd, a, b, bt.slots[0], xl);
+  return lowrank_dtensor(x, w, bd, a, b, scale, xl, activation_mask(bt, x.dim()));
+}
+
+DTensor LoraLinear::lowrank_dtensor(const DTensor& x, const DTensor& w, const DTensor& bd,
+                                    const DTensor& a, const DTensor& b, double scale,
+                                    const DTensor& xl, const Tensor& h_scale) const {
+  const DeviceMesh& mesh = x.mesh();
   bool row_parallel = false;
   for (const Placement& p : w.placements())
     row_parallel |= p.kind() == Placement::Kind::Shard && p.dim() == 1;

@@ -149,6 +149,8 @@ void LoraModel::set_trainable(const Adapter& a, bool holds) {
     const bool train = !holds || !a.config.inference_mode;
     layers_[i].second->lora_A(a.slot).set_requires_grad(train);
     layers_[i].second->lora_B(a.slot).set_requires_grad(train);
+    if (layers_[i].second->has_magnitude())
+      layers_[i].second->lora_magnitude_vector(a.slot).set_requires_grad(train);
   }
   for (auto& [key, p] : trained_biases(a))
     p->set_requires_grad(holds);
@@ -163,6 +165,9 @@ void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
   TESSERA_CHECK(config.r <= slots_.max_rank, "LoRA add_adapter: adapter '", name, "' has r ",
                 config.r, " but the slots hold at most rank ", slots_.max_rank,
                 " (LoraSlots::max_rank, fixed by apply_lora)");
+  TESSERA_CHECK(!config.use_dora || slots_.use_dora, "LoRA add_adapter: adapter '", name,
+                "' uses DoRA but apply_lora made slots without magnitude vectors (pass "
+                "LoraSlots::use_dora to apply_lora, or apply it with a DoRA adapter)");
   std::set<int64_t> used;
   for (const auto& [n, a] : adapters_)
     used.insert(a.slot);
@@ -281,6 +286,11 @@ void LoraModel::set_batch_adapters(const Tensor& ids) {
       known |= a.slot == id;
     TESSERA_CHECK(known, "LoRA set_batch_adapters: id ", id, " is no adapter's (", join(adapters()),
                   " have ids from adapter_id(); -1 is the base model)");
+    for (const auto& [n, a] : adapters_)
+      TESSERA_CHECK(a.slot != id || !a.config.use_dora, "LoRA set_batch_adapters: adapter '", n,
+                    "' (id ", id,
+                    ") uses DoRA, which mixed batches do not run (PEFT refuses DoRA with "
+                    "adapter_names too)");
   }
   routing_->masks.clear();
   routing_->sample_slots = std::move(host);
@@ -303,6 +313,7 @@ std::vector<Parameter*> LoraModel::adapter_parameters(const std::string& name) {
   for (size_t i : a.layers) {
     out.push_back(&layers_[i].second->lora_A(a.slot));
     out.push_back(&layers_[i].second->lora_B(a.slot));
+    if (a.config.use_dora) out.push_back(&layers_[i].second->lora_magnitude_vector(a.slot));
   }
   for (auto& [key, p] : trained_biases(a))
     out.push_back(p);
@@ -315,6 +326,7 @@ std::vector<Parameter*> LoraModel::parameters() {
     for (int64_t s = 0; s < l->num_slots(); ++s) {
       out.push_back(&l->lora_A(s));
       out.push_back(&l->lora_B(s));
+      if (l->has_magnitude()) out.push_back(&l->lora_magnitude_vector(s));
     }
   for (const auto& [name, a] : adapters_)
     for (auto& [key, p] : trained_biases(a))
@@ -391,6 +403,12 @@ void LoraModel::check_merge_is_finite(const std::string& name, const Adapter& a)
 void LoraModel::unmerge_adapter(const std::string& name) {
   const Adapter& a = find(name, "unmerge_adapter");
   for (size_t i : a.layers)
+    TESSERA_CHECK(layers_[i].second->can_unmerge(a.slot), "LoRA unmerge_adapter '", name,
+                  "': the DoRA adapter was merged when its checkpoint was saved, and the weight "
+                  "norms that undo a DoRA merge are not in a checkpoint (PEFT keeps them in "
+                  "memory too); '",
+                  layers_[i].first, "' stays merged");
+  for (size_t i : a.layers)
     layers_[i].second->merge_slot(a.slot, /*unmerge=*/true);
 }
 
@@ -447,6 +465,9 @@ std::map<std::string, Tensor> LoraModel::read_adapter(const std::string& name) {
     auto& [path, l] = layers_[i];
     out[path + ".lora_A.weight"] = kernels::narrow(l->lora_A(a.slot).full(), 0, 0, r).contiguous();
     out[path + ".lora_B.weight"] = kernels::narrow(l->lora_B(a.slot).full(), 1, 0, r).contiguous();
+    // PEFT's key: its ".weight" dropped, as PEFT's files have it.
+    if (a.config.use_dora)
+      out[path + ".lora_magnitude_vector"] = l->lora_magnitude_vector(a.slot).full();
   }
   return out;
 }
@@ -463,14 +484,19 @@ void LoraModel::write_adapter(const std::string& name,
   struct Target {
     std::string key;
     Parameter* param;
-    Shape shape;  // global, unpadded
-    int64_t padded_dim;
+    Shape shape;         // global, unpadded
+    int64_t padded_dim;  // -1: not padded (DoRA's magnitude)
   };
   std::vector<Target> want;
   for (size_t i : a.layers) {
     auto& [path, l] = layers_[i];
     want.push_back({path + ".lora_A.weight", &l->lora_A(a.slot), {r, l->in_features()}, 0});
     want.push_back({path + ".lora_B.weight", &l->lora_B(a.slot), {l->out_features(), r}, 1});
+    if (a.config.use_dora)
+      want.push_back({path + ".lora_magnitude_vector",
+                      &l->lora_magnitude_vector(a.slot),
+                      {l->out_features()},
+                      -1});
   }
   // Every key checked before anything is written.
   std::vector<std::string> missing, unexpected, mismatched;
@@ -488,7 +514,7 @@ void LoraModel::write_adapter(const std::string& name,
                       (v.defined() ? shape_str(v.shape()) : std::string("undefined"));
     // This rank's piece of the unpadded matrix, had a local shard been passed.
     Shape local = t.param->stored().shape();
-    local[size_t(t.padded_dim)] = std::min(local[size_t(t.padded_dim)], r);
+    if (t.padded_dim >= 0) local[size_t(t.padded_dim)] = std::min(local[size_t(t.padded_dim)], r);
     if (v.defined() && t.param->is_dtensor() && v.shape() == local)
       why += ", the shape of this rank's shard: a local piece cannot stand for the global tensor";
     mismatched.push_back(why + ")");
@@ -501,6 +527,10 @@ void LoraModel::write_adapter(const std::string& name,
                 mismatched.empty() ? "" : "mis-shaped keys: " + join(mismatched));
   NoGradGuard no_grad;
   for (const Target& t : want) {
+    if (t.padded_dim < 0) {
+      t.param->copy_from_full(tensors.at(t.key).to(t.param->dtype()).contiguous());
+      continue;
+    }
     Shape padded = t.shape;
     padded[size_t(t.padded_dim)] = slots_.max_rank;
     Tensor full = zeros(padded, t.param->dtype());
@@ -515,6 +545,7 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
   config.validate();
   LoraSlots s = slots;
   if (s.max_rank == 0) s.max_rank = config.r;
+  s.use_dora |= config.use_dora;
   TESSERA_CHECK(s.max_adapters >= 1 && s.max_rank >= config.r, "apply_lora: slots for ",
                 s.max_adapters, " adapters of rank ", s.max_rank, " cannot hold adapter '",
                 adapter_name, "' of rank ", config.r);
@@ -554,8 +585,10 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
   std::set<const Parameter*> adapters;
   for (const auto& [path, m] : modules)
     if (auto l = std::dynamic_pointer_cast<LoraLinear>(m))
-      for (int64_t i = 0; i < l->num_slots(); ++i)
+      for (int64_t i = 0; i < l->num_slots(); ++i) {
         adapters.insert({&l->lora_A(i), &l->lora_B(i)});
+        if (l->has_magnitude()) adapters.insert(&l->lora_magnitude_vector(i));
+      }
   // The wrappers are all made before the model changes: one that cannot be made leaves the
   // model unfrozen and unwrapped.
   for (auto& [path, linear] : found)

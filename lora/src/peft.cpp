@@ -72,7 +72,7 @@ nlohmann::json to_peft(const LoraConfig& c, const std::vector<std::string>& targ
   j["layers_pattern"] = nullptr;
   j["rank_pattern"] = nlohmann::json::object();
   j["alpha_pattern"] = nlohmann::json::object();
-  j["use_dora"] = false;
+  j["use_dora"] = c.use_dora;
   return j;
 }
 
@@ -116,8 +116,10 @@ LoraConfig from_peft(const nlohmann::json& j, const std::string& file) {
         !((j[field].is_array() || j[field].is_object() || j[field].is_string()) &&
           j[field].empty()))
       bad(std::string(field) + " is set (" + j[field].dump() + "): not supported");
-  if (j.contains("use_dora") && j["use_dora"].is_boolean() && j["use_dora"].get<bool>())
-    bad("use_dora is set: DoRA adapters are not supported");
+  if (j.contains("use_dora") && !j["use_dora"].is_null()) {
+    if (!j["use_dora"].is_boolean()) bad("use_dora is not a boolean");
+    c.use_dora = j["use_dora"].get<bool>();
+  }
   if (j.contains("lora_bias") && j["lora_bias"].is_boolean() && j["lora_bias"].get<bool>())
     bad("lora_bias is set: adapters with a bias on B are not supported");
   // PEFT's per-module overrides of r and lora_alpha: read with the global ones instead, a module

@@ -44,6 +44,7 @@ nlohmann::json config_json(const LoraConfig& c) {
   j["init_lora_weights"] = init_name(c.init_lora_weights);
   j["bias"] = c.bias;
   j["inference_mode"] = c.inference_mode;
+  j["use_dora"] = c.use_dora;
   j["seed"] = c.seed;
   return j;
 }
@@ -112,6 +113,8 @@ LoraConfig config_from(const nlohmann::json& j, const std::string& where) {
   // Absent from the tables of builds before it: those adapters trained.
   if (j.contains("inference_mode"))
     c.inference_mode = field(j, "inference_mode", V::boolean, where).get<bool>();
+  // Absent from the tables of builds before DoRA: those adapters were LoRA.
+  if (j.contains("use_dora")) c.use_dora = field(j, "use_dora", V::boolean, where).get<bool>();
   c.seed = field(j, "seed", V::number_unsigned, where).get<uint64_t>();
   c.validate();
   return c;
@@ -195,6 +198,14 @@ std::vector<LoraModel::SavedAdapter> LoraModel::parse_table(const std::string& t
     a.config = config_from(field(e, "config", V::object, where), where + " config");
     TESSERA_CHECK(a.config.r <= max_rank, where, ": r ", a.config.r, " exceeds the slots' rank ",
                   max_rank);
+    TESSERA_CHECK(!a.config.use_dora || slots_.use_dora, where,
+                  ": it uses DoRA, but this model's slots hold no magnitude vectors "
+                  "(LoraSlots::use_dora must be the same as when saved)");
+    // PEFT keeps the norms that undo a DoRA merge in memory only; they are not in the model's
+    // state dict either, so such an adapter could never be unmerged here.
+    TESSERA_CHECK(!a.merged || !a.config.use_dora, where,
+                  ": a DoRA adapter saved merged cannot be restored (the weight norms that undo "
+                  "its merge are not in a checkpoint); save it unmerged");
     std::vector<std::string> saved;
     for (const auto& l : field(e, "layers", V::array, where)) {
       saved.push_back(field(l, "path", V::string, where + ", a layer").get<std::string>());

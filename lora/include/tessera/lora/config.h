@@ -35,6 +35,12 @@ struct LoraConfig {
   // PEFT's: the adapter's matrices, and the biases of its `bias` mode, stay frozen (serving, or
   // a fixed reference model). load_adapter(dir, name, is_trainable = false) sets it.
   bool inference_mode = false;
+  // PEFT's DoRA: a trainable magnitude m [out] per wrapped layer, initialised to the row norms of
+  // W + scale B A, and the output y = base(x) + (m / ||W + scale B A|| - 1) (x W^T) +
+  // (m / ||W + scale B A||) scale (x A^T) B^T, the norm taken per output row over the input dim
+  // and detached from the graph (the DoRA paper, section 4.3). The model's LoraSlots must hold
+  // magnitude vectors (LoraSlots::use_dora; apply_lora sets it for a DoRA adapter).
+  bool use_dora = false;
   // An adapter's initial values depend on this seed, the adapter's name and the module's path
   // only: the same under any mesh or parallelism.
   uint64_t seed = 0;
@@ -55,6 +61,9 @@ bool lora_target_matches(const std::string& entry, const std::string& path);
 struct LoraSlots {
   int64_t max_adapters = 1;
   int64_t max_rank = 0;  // 0: the first adapter's r
+  // Every slot also holds a DoRA magnitude vector "lora_magnitude_vector.<slot>.weight" [out], so
+  // that DoRA adapters can be added later; apply_lora sets it when its adapter uses DoRA.
+  bool use_dora = false;
 };
 
 }  // namespace tessera

@@ -3,7 +3,9 @@
 // scale * (dropout(x) A^T) B^T. It is a Linear (the tensor-parallel styles apply to it) that
 // takes over the wrapped layer's weight and bias under their own names, so the base model's
 // parameter names do not change; each adapter slot adds "lora_A.<slot>.weight" [max_rank, in]
-// and "lora_B.<slot>.weight" [out, max_rank].
+// and "lora_B.<slot>.weight" [out, max_rank], and with LoraSlots::use_dora
+// "lora_magnitude_vector.<slot>.weight" [out] (DoRA's magnitude, laid out as B's rows: Shard(0)
+// under a column-parallel W, replicated under a row-parallel one).
 //
 // The adapters' placements follow the base weight W [out, in]: column-parallel W Shard(0) gives
 // A replicated and B Shard(0); row-parallel W Shard(1) gives A Shard(1) and B replicated; a
@@ -89,21 +91,32 @@ class LoraLinear : public Linear {
     double scale = 0;
     double dropout = 0;
     bool merged = false;  // folded into the weight: the forward skips it
+    bool use_dora = false;
   };
   int64_t num_slots() const { return int64_t(slots_.size()); }
   int64_t max_rank() const { return max_rank_; }
   const Slot& slot(int64_t i) const;
   Parameter& lora_A(int64_t i);
   Parameter& lora_B(int64_t i);
+  // DoRA's magnitude of slot i [out]; only with LoraSlots::use_dora (has_magnitude()).
+  bool has_magnitude() const { return !m_.empty(); }
+  Parameter& lora_magnitude_vector(int64_t i);
+  // Whether unmerge_slot(i) can run: a DoRA slot merged by restore_slot (a checkpoint) lacks the
+  // weight norms its merge divided by, which the checkpoint does not hold.
+  bool can_unmerge(int64_t i) const;
 
   // Puts an adapter in slot i with its initial values, drawn from (config.seed, adapter,
-  // path) alone; refused for a merged slot. Not collective for plain and tensor-parallel layers.
+  // path) alone; refused for a merged slot. Not collective for plain and tensor-parallel layers,
+  // except for DoRA, whose magnitude is the global row norms of W + scale B A (collective over
+  // the weight's mesh).
   void init_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
                  const std::string& path);
   // Frees slot i (its matrices set to zero: a free slot changes nothing).
   void clear_slot(int64_t i);
   // W += scale B A (unmerge: -=) where W lives: each rank updates exactly its own window of W,
-  // from the adapter matrices' global values (A and B are small; W is never gathered).
+  // from the adapter matrices' global values (A and B are small; W is never gathered). DoRA, as
+  // PEFT: W' = (m / ||W + scale B A||) (W + scale B A), the norms global (summed over the ranks
+  // that split a row) and kept for the unmerge, W = W' / (m / norms) - scale B A.
   // Collective over the adapter matrices' meshes. A merged slot applies to every sample, so a
   // forward refuses one that is not the routing's active slot, and any during a mixed batch.
   void merge_slot(int64_t i, bool unmerge);
@@ -121,17 +134,42 @@ class LoraLinear : public Linear {
 
  private:
   struct Batch;
+  struct Merged {
+    Tensor window;  // this rank's window of W, in W's dtype
+    Tensor norms;   // DoRA: the global row norms of W + scale B A over the window's rows
+  };
   void check_slot(int64_t i, const char* op) const;
-  // This rank's window of W with slot i merged (unmerge: taken out), in W's dtype.
-  Tensor merged_window(int64_t i, bool unmerge, const char* op);
+  // This rank's window of W with slot i merged (unmerge: taken out). Collective for DoRA.
+  Merged merged_window(int64_t i, bool unmerge, const char* op);
+  // This rank's window of W (or of `onto`, a tensor of its shape) + sign scale B A, in `ct`,
+  // from the global A and B of slot i (collective over the adapters' meshes).
+  Tensor adapted_window(int64_t i, double sign, DType ct, const Tensor& onto = {}) const;
+  // --- DoRA (dora.cpp) ---
+  // The global row norms [out] of the matrix whose window this rank holds as `window` (W's
+  // window of it): the rows' sums of squares summed over the ranks that split the columns.
+  Tensor global_row_norms(const Tensor& window) const;
+  void init_magnitude(int64_t i);
+  // DoRA's merged window (unmerge: the window back), and the norms that merge divides by.
+  Merged dora_merged_window(int64_t i, bool unmerge, DType ct);
+  Tensor forward_dora(const Tensor& x, const Tensor& w, const Tensor& b0, const Tensor& a,
+                      const Tensor& b, int64_t slot, const Tensor& xl);
+  DTensor forward_dtensor_dora(const DTensor& x, const DTensor& w, const DTensor& bd,
+                               const DTensor& a, const DTensor& b, int64_t slot, const DTensor& xl);
+  // The adapters' product with the layer's one collective: linear_lowrank (column parallel or
+  // replicated), or the row-parallel reduction of [x W^T || x A^T] before B.
+  DTensor lowrank_dtensor(const DTensor& x, const DTensor& w, const DTensor& bd, const DTensor& a,
+                          const DTensor& b, double scale, const DTensor& xl,
+                          const Tensor& h_scale) const;
   // Slot i's description and dropout stream (from its start), for `adapter` under `config`.
   void set_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
                 const std::string& path, bool merged);
   void check_merged(bool mixed) const;
   Batch batch(int64_t rows, Device device) const;
   static Tensor activation_mask(const Batch& bt, int64_t ndim);
-  std::vector<std::shared_ptr<LoraWeight>> a_, b_;
-  std::shared_ptr<LoraWeights> a_list_, b_list_;
+  std::vector<std::shared_ptr<LoraWeight>> a_, b_, m_;
+  std::shared_ptr<LoraWeights> a_list_, b_list_, m_list_;
+  // Per slot: the DoRA norms its merge divided by, this rank's rows (undefined when unmerged).
+  std::vector<Tensor> dora_norms_;
   std::vector<Slot> slots_;
   int64_t max_rank_;
   std::shared_ptr<LoraRouting> routing_;
