@@ -8,6 +8,7 @@
 #include <cmath>
 #include <fstream>
 #include <iterator>
+#include <tuple>
 
 #include "dist/checkpoint_util.h"
 #include "dist/lora_util.h"
@@ -76,8 +77,8 @@ double largest_difference(const std::vector<double>& got, const std::vector<doub
 
 // The magnitude of "default" scaled per row by 1 + 0.1 (row % 5): g = m / norm is then not 1,
 // so that a wrong norm shows.
-void perturb_magnitude(LoraModel& lora) {
-  auto v = lora.read_adapter("default");
+void perturb_magnitude(LoraModel& lora, const std::string& name = "default") {
+  auto v = lora.read_adapter(name);
   for (auto& [key, t] : v) {
     if (key.find("lora_magnitude_vector") == std::string::npos) continue;
     std::vector<float> m = t.to_vector<float>();
@@ -85,7 +86,11 @@ void perturb_magnitude(LoraModel& lora) {
       m[i] *= float(1.0 + 0.1 * double(i % 5));
     t = from_vector<float>(m, t.shape());
   }
-  lora.write_adapter("default", v);
+  lora.write_adapter(name, v);
+}
+
+Tensor full_grad(Parameter& p) {
+  return p.is_dtensor() ? p.grad_dtensor().full_tensor() : p.grad();
 }
 
 }  // namespace
@@ -216,6 +221,67 @@ TEST(LoraDora, MagnitudeStartsAsTheGlobalRowNormsUnderEveryLayout) {
   }
 }
 
+// One DoRA layer, 5 -> 3 with a bias, over every rank count: column parallel (3 rows over 4
+// ranks: 1, 1, 1, 0), row parallel (5 columns: 2, 2, 1, 0), row parallel into sequence shards
+// (6 positions: 2, 2, 2, 0), with and without dropout: the output and the gradients of A, B and
+// m are one process's. Row parallel, a rank's window holds part of every row, whose norm needs
+// the other ranks' parts.
+TEST(LoraDora, UnevenAndEmptyShardsMatchOneProcess) {
+  const int64_t n = world_size();
+  const DeviceMesh mesh(Shape{n}, {"tp"});
+  auto col = std::make_shared<ColwiseParallel>();
+  col->output_layouts = {Replicate()};
+  auto row = std::make_shared<RowwiseParallel>();
+  row->input_layouts = {Replicate()};
+  auto row_sp = std::make_shared<RowwiseParallel>(*row);
+  row_sp->output_layouts = {Shard(1)};
+  const std::vector<std::tuple<std::string, ParallelStylePtr, bool>> cases = {
+      {"colwise", col, false},
+      {"rowwise", row, false},
+      {"rowwise into sequence shards", row_sp, true}};
+  for (const double dropout : {0.0, 0.3}) {
+    for (const auto& [name, style, seq] : cases) {
+      const std::string what = name + (dropout > 0 ? " with dropout" : "");
+      LoraConfig cfg = dora_config();
+      cfg.r = 2;
+      cfg.lora_alpha = 4;
+      cfg.lora_dropout = dropout;
+      cfg.target_modules = {"proj"};
+      auto make = [&] {
+        Generator g(1);
+        return std::make_shared<OneLayer>(std::make_shared<Linear>(5, 3, true, g));
+      };
+      auto plain = make();
+      auto plain_lora = apply_lora(plain, cfg);
+      perturb_magnitude(*plain_lora);
+      auto sharded = make();
+      auto lora = apply_lora(sharded, cfg);
+      parallelize_module(sharded, mesh, {{"proj", style}});
+      perturb_magnitude(*lora);
+      Generator gx(5);
+      const Tensor x = randn({2, 6, 5}, gx);
+      const Tensor c = randn({2, 6, 3}, gx);
+      Tensor want = (*plain)(x);
+      backward(sum(mul(want, c)));
+      Tensor c_here = c;
+      if (seq) {
+        const Chunk ch = chunk_of(6, n, mesh.local_rank(0));
+        want = kernels::narrow(want, 1, ch.start, ch.length).contiguous();
+        c_here = kernels::narrow(c, 1, ch.start, ch.length).contiguous();
+      }
+      const Tensor got = (*sharded)(x);
+      backward(sum(mul(got, c_here)));
+      expect_close(got, want.detach(), 1e-5, what + ": output");
+      LoraLinear& p = *plain_lora->layers().front().second;
+      LoraLinear& s = *lora->layers().front().second;
+      expect_close(full_grad(s.lora_A(0)), p.lora_A(0).grad(), 1e-5, what + ": A's gradient");
+      expect_close(full_grad(s.lora_B(0)), p.lora_B(0).grad(), 1e-5, what + ": B's gradient");
+      expect_close(full_grad(s.lora_magnitude_vector(0)), p.lora_magnitude_vector(0).grad(), 1e-5,
+                   what + ": m's gradient");
+    }
+  }
+}
+
 // DoRA fine-tuning, 10 steps, under every layout (TP column and row parallel, FSDP, FSDP x TP,
 // HSDP): the losses, A, B and m of one process on the whole batch.
 TEST(LoraDora, FineTuningMatchesSingleRank) {
@@ -318,36 +384,36 @@ TEST(LoraDora, PeftFilesRoundTrip) {
   expect_error([&] { frozen.lora->load_adapter(bad, "bad"); }, {"use_dora is not a boolean"});
 }
 
-// A DoRA and a LoRA adapter in one model: each gives what it gives alone; a mixed batch naming
-// the DoRA adapter is refused (PEFT refuses DoRA with adapter_names) and one without it runs;
-// the trainable counts include the magnitude slots.
+// A DoRA and a LoRA adapter in one model, the DoRA one added after fully_shard (its magnitude
+// then comes from W's shards): each gives what it gives alone; a mixed batch naming the DoRA
+// adapter is refused (PEFT refuses DoRA with adapter_names) and one without it runs; the
+// trainable counts include the magnitude slots.
 TEST(LoraDora, SharesAModelWithLoraAdapters) {
   const DecoderConfig cfg = lora_decoder_config();
   const Batch batch = affine_batch(4, 4, cfg.max_seq_len, cfg.vocab_size);
-  LoraConfig plain_cfg = lora_test_config(LoraInit::Random);
-  plain_cfg.seed = 9;
+  const LoraConfig plain_cfg = lora_test_config(LoraInit::Random);
   auto alone = [&](const LoraConfig& c, const std::string& name) {
     auto m = std::make_shared<Decoder>(cfg);
     auto l = apply_lora(m, c, name);
-    if (c.use_dora) perturb_magnitude(*l);
+    if (c.use_dora) perturb_magnitude(*l, name);
     return (*m)(batch.ids);
   };
-  const Tensor want_dora = alone(dora_config(), "default");
-  const Tensor want_plain = alone(plain_cfg, "plain");
-  for (const LoraLayout& l : lora_layouts({.max_adapters = 2, .max_rank = 4})) {
-    LoraRun run = l.build(cfg, dora_config());
-    perturb_magnitude(*run.lora);
-    run.lora->add_adapter("plain", plain_cfg);
-    expect_close(run.logits(batch.ids), want_dora, 1e-5, l.name + ": DoRA beside LoRA");
-    run.lora->set_adapter("plain");
+  const Tensor want_dora = alone(dora_config(), "dora");
+  const Tensor want_plain = alone(plain_cfg, "default");
+  for (const LoraLayout& l : lora_layouts({.max_adapters = 2, .max_rank = 4, .use_dora = true})) {
+    LoraRun run = l.build(cfg, plain_cfg);
+    run.lora->add_adapter("dora", dora_config());
+    perturb_magnitude(*run.lora, "dora");
     expect_close(run.logits(batch.ids), want_plain, 1e-5, l.name + ": LoRA beside DoRA");
+    run.lora->set_adapter("dora");
+    expect_close(run.logits(batch.ids), want_dora, 1e-5, l.name + ": DoRA beside LoRA");
     const int64_t rows = 4;
-    std::vector<int64_t> ids(size_t(rows), run.lora->adapter_id("plain"));
+    std::vector<int64_t> ids(size_t(rows), run.lora->adapter_id("default"));
     run.lora->set_batch_adapters(from_vector<int64_t>(ids, {rows}));
     expect_close(run.logits(batch.ids), want_plain, 1e-5, l.name + ": a mixed batch without DoRA");
-    ids[1] = run.lora->adapter_id("default");
+    ids[1] = run.lora->adapter_id("dora");
     expect_error([&] { run.lora->set_batch_adapters(from_vector<int64_t>(ids, {rows})); },
-                 {"adapter 'default'", "uses DoRA", "adapter_names"});
+                 {"adapter 'dora'", "uses DoRA", "adapter_names"});
     run.lora->set_batch_adapters(Tensor());
     // Counts: every slot's A [4, in], B [out, 4] and m [out] in every wrapped layer.
     int64_t slots = 0;
@@ -356,6 +422,8 @@ TEST(LoraDora, SharesAModelWithLoraAdapters) {
     const auto [trainable, all] = run.lora->get_nb_trainable_parameters();
     EXPECT_EQ(trainable, slots) << l.name;
     EXPECT_GT(all, trainable) << l.name;
+    EXPECT_EQ(run.lora->adapter_parameters("dora").size(), 3u * 14u) << l.name;
+    EXPECT_EQ(run.lora->adapter_parameters("default").size(), 2u * 14u) << l.name;
   }
 }
 
