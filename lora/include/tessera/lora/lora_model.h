@@ -115,8 +115,8 @@ class LoraModel {
   ModulePtr unload();
 
   // --- values ---
-  // Global tensors, "<module path>.lora_A.weight" [r, in] and ".lora_B.weight" [out, r], gathered
-  // (collective when distributed).
+  // Global tensors, "<module path>.lora_A.weight" [r, in] and ".lora_B.weight" [out, r], and for
+  // DoRA ".lora_magnitude_vector" [out] (PEFT's key), gathered (collective when distributed).
   std::map<std::string, Tensor> read_adapter(const std::string& name);
   // The same keys and global shapes, each rank copying its window; every key is checked first
   // (missing, unexpected, wrong shapes — a local shard's shape named as such), nothing is written
@@ -125,9 +125,10 @@ class LoraModel {
 
   // --- PEFT files (peft.cpp) ---
   // dir/adapter_model.safetensors (keys "base_model.model.<path>.lora_A.weight" [r, in] and
-  // ".lora_B.weight" [out, r], float32 global tensors; with a `bias` mode, its biases too, in
-  // their dtype, under PEFT's names: "<path>.base_layer.bias" in a wrapped layer, the
-  // parameter's name elsewhere) and dir/adapter_config.json, by rank 0. Collective.
+  // ".lora_B.weight" [out, r], float32 global tensors, DoRA's ".lora_magnitude_vector" [out];
+  // with a `bias` mode, its biases too, in their dtype, under PEFT's names:
+  // "<path>.base_layer.bias" in a wrapped layer, the parameter's name elsewhere) and
+  // dir/adapter_config.json, by rank 0. Collective.
   void save_adapter(const std::string& dir, const std::string& name);
   // Adds adapter `name` from PEFT files, onto whatever mesh this model has. As PEFT's, it loads
   // for inference unless is_trainable: its config's inference_mode is then set, so its matrices
