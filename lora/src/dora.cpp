@@ -41,6 +41,14 @@ Tensor row_squares(const Tensor& v) {
   return sum(mul(v, v), {1});
 }
 
+// g z in g's dtype (the adapters' float32), rounded once to z's (a bfloat16 base's): g is not
+// rounded to bfloat16, nor is the gradient m gets through it.
+template <class T>
+T scaled(const T& z, const T& g) {
+  if (z.dtype() == g.dtype()) return mul(z, g);
+  return cast(mul(cast(z, g.dtype()), g), z.dtype());
+}
+
 }  // namespace
 
 Tensor LoraLinear::global_row_norms(const Tensor& window) const {
@@ -103,16 +111,14 @@ Tensor LoraLinear::forward_dora(const Tensor& x, const Tensor& w, const Tensor& 
     norms = sqrt(row_squares(v));
   }
   const Tensor& mag = m_[size_t(slot)]->weight.whole_local(type_name(), "lora_magnitude_vector");
-  Tensor g = div(mag, norms.to(mag.dtype()));
+  const Tensor g = div(mag, norms.to(mag.dtype()));
   if (!xl.defined()) {
-    const Tensor z = linear_lowrank(x, w, Tensor(), a, b, scale);
-    const Tensor y = mul(z, g.dtype() == z.dtype() ? g : cast(g, z.dtype()));
+    const Tensor y = scaled(linear_lowrank(x, w, Tensor(), a, b, scale), g);
     return b0.defined() ? add(y, b0) : y;
   }
   const Tensor xw = xl.dtype() == w.dtype() ? xl : cast(xl, w.dtype());
   const Tensor z = linear_lowrank(xw, w, Tensor(), a, b, scale, xl);
-  if (g.dtype() != z.dtype()) g = cast(g, z.dtype());
-  return sub(add(linear(x, w, b0), mul(z, g)), linear(xw, w));
+  return sub(add(linear(x, w, b0), scaled(z, g)), linear(xw, w));
 }
 
 // As forward_dora, on the layer's mesh. The norms: each rank's rows of its window of
@@ -138,10 +144,9 @@ DTensor LoraLinear::forward_dtensor_dora(const DTensor& x, const DTensor& w, con
     norms =
         DTensor::from_local(sqrt(squares.to_local()).to(mag.dtype()), mesh, mag.placements(), out);
   }
-  DTensor g = div(mag, norms);
+  const DTensor g = div(mag, norms);
   if (!xl.defined()) {
-    const DTensor z = lowrank_dtensor(x, w, DTensor(), a, b, scale, DTensor(), Tensor());
-    const DTensor y = mul(z, g.dtype() == z.dtype() ? g : cast(g, z.dtype()));
+    const DTensor y = scaled(lowrank_dtensor(x, w, DTensor(), a, b, scale, DTensor(), Tensor()), g);
     return bd.defined() ? add(y, bd) : y;
   }
   const DTensor xw = xl.dtype() == w.dtype() ? xl : cast(xl, w.dtype());
@@ -149,8 +154,7 @@ DTensor LoraLinear::forward_dtensor_dora(const DTensor& x, const DTensor& w, con
   auto like_z = [&z](const DTensor& t) {
     return t.placements() == z.placements() ? t : t.redistribute(z.placements());
   };
-  if (g.dtype() != z.dtype()) g = cast(g, z.dtype());
-  return sub(add(like_z(linear(x, w, bd)), mul(z, g)), like_z(linear(xw, w)));
+  return sub(add(like_z(linear(x, w, bd)), scaled(z, g)), like_z(linear(xw, w)));
 }
 
 }  // namespace tessera
