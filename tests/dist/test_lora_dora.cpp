@@ -282,6 +282,81 @@ TEST(LoraDora, UnevenAndEmptyShardsMatchOneProcess) {
   }
 }
 
+// ||got - want|| / ||want||.
+double relative_error(const Tensor& got, const Tensor& want) {
+  const std::vector<double> a = values(got), b = values(want);
+  double d = 0, w = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    d += (a[i] - b[i]) * (a[i] - b[i]);
+    w += b[i] * b[i];
+  }
+  return std::sqrt(d / std::max(w, 1e-300));
+}
+
+// A bfloat16 base under float32 adapters, against one rank and against a float32 base holding
+// the same (bfloat16) values. m's gradient reads the base product x W^T, which a row-parallel
+// layer rounds to bfloat16 after summing the ranks' partial products (one rank rounds its whole
+// product once), so m's gradient is one rank's within bfloat16's rounding (1e-2 relative, the
+// norm of the difference over the norm), A's and B's within 1e-3; all three within 1e-2 of the
+// float32 base's. Merge and unmerge run in float32 and round once.
+TEST(LoraDora, Bfloat16BaseUnderRowParallelism) {
+  const int64_t n = world_size();
+  LoraConfig cfg = dora_config();
+  cfg.target_modules = {"proj"};
+  Generator gx(5);
+  const Tensor x = randn({4, 64}, gx).to(DType::BFloat16);
+  const Tensor c = randn({4, 16}, gx);
+  struct Result {
+    Tensor y, grad_a, grad_b, grad_m, merged;
+  };
+  auto run = [&](DType dtype, bool parallel) {
+    Generator gen(1);
+    auto lin = std::make_shared<Linear>(64, 16, false, gen);
+    lin->weight = Parameter(lin->weight.full().to(DType::BFloat16).to(dtype), false);
+    auto m = std::make_shared<OneLayer>(lin);
+    auto lora = apply_lora(m, cfg);
+    if (parallel) {
+      auto row = std::make_shared<RowwiseParallel>();
+      row->input_layouts = {Replicate()};
+      parallelize_module(m, DeviceMesh(Shape{n}, {"tp"}), {{"proj", row}});
+    }
+    perturb_magnitude(*lora);
+    Result r;
+    r.y = cast((*m)(x.to(dtype)), DType::Float32);
+    backward(sum(mul(r.y, c)));
+    LoraLinear& l = *lora->layers().front().second;
+    r.grad_a = full_grad(l.lora_A(0));
+    r.grad_b = full_grad(l.lora_B(0));
+    r.grad_m = full_grad(l.lora_magnitude_vector(0));
+    const Tensor w = l.weight.full().to(DType::Float32);
+    lora->merge_adapter("default");
+    r.merged = cast((*m)(x.to(dtype)), DType::Float32);
+    lora->unmerge_adapter("default");
+    EXPECT_LE(max_abs_diff(l.weight.full().to(DType::Float32), w), 1e-2)
+        << dtype_name(dtype) << ": unmerge";
+    return r;
+  };
+  const Result one = run(DType::BFloat16, false), f32 = run(DType::Float32, false);
+  const Result tp = run(DType::BFloat16, n > 1);
+  EXPECT_LE(relative_error(tp.grad_m, one.grad_m), 1e-2) << "m's gradient, row parallel";
+  EXPECT_LE(relative_error(tp.grad_b, one.grad_b), 1e-3) << "B's gradient, row parallel";
+  EXPECT_LE(relative_error(tp.grad_a, one.grad_a), 1e-3) << "A's gradient, row parallel";
+  expect_close(tp.y, one.y, 1e-2, "output, row parallel");
+  expect_close(one.y, f32.y, 2e-2, "output against float32");
+  expect_close(one.merged, f32.merged, 3e-2, "merged output against float32");
+  for (const auto& [name, got, want] :
+       {std::tuple{"m", one.grad_m, f32.grad_m}, std::tuple{"B", one.grad_b, f32.grad_b},
+        std::tuple{"A", one.grad_a, f32.grad_a}})
+    EXPECT_LE(relative_error(got, want), 1e-2) << name << "'s gradient against float32";
+  if (world_rank() == 0)
+    std::printf(
+        "[dora bf16] tp%lld against one rank: m %.2e, B %.2e, A %.2e; one rank against float32: "
+        "m %.2e, B %.2e, A %.2e (relative)\n",
+        (long long)n, relative_error(tp.grad_m, one.grad_m), relative_error(tp.grad_b, one.grad_b),
+        relative_error(tp.grad_a, one.grad_a), relative_error(one.grad_m, f32.grad_m),
+        relative_error(one.grad_b, f32.grad_b), relative_error(one.grad_a, f32.grad_a));
+}
+
 // DoRA fine-tuning, 10 steps, under every layout (TP column and row parallel, FSDP, FSDP x TP,
 // HSDP): the losses, A, B and m of one process on the whole batch.
 TEST(LoraDora, FineTuningMatchesSingleRank) {
