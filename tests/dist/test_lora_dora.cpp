@@ -401,6 +401,23 @@ TEST(LoraDora, MergeAndUnmergeUnderEveryLayout) {
   }
 }
 
+// merge_and_unload with a DoRA adapter (one process, and TP over every rank): a plain model with
+// the merged weights, giving the DoRA model's output, and no adapter keys left.
+TEST(LoraDora, MergeAndUnloadGivesThePlainModelItsOutput) {
+  const DecoderConfig cfg = lora_decoder_config();
+  const Batch batch = affine_batch(2, 4, cfg.max_seq_len, cfg.vocab_size);
+  for (const LoraLayout& l : lora_layouts()) {
+    if (l.name.find("sdp") != std::string::npos) continue;  // refused under fully_shard
+    LoraRun run = l.build(cfg, dora_config());
+    perturb_magnitude(*run.lora);
+    const Tensor before = run.logits(batch.ids);
+    ModulePtr plain = run.lora->merge_and_unload();
+    expect_close((*plain)(batch.ids), before, 1e-5, l.name + ": merged and unloaded");
+    for (const auto& [name, p] : plain->named_parameters())
+      EXPECT_EQ(name.find("lora_"), std::string::npos) << l.name << ": " << name;
+  }
+}
+
 // PEFT's files for a DoRA adapter: the magnitude under PEFT's key (".weight" dropped), "use_dora":
 // true in the config; loaded onto every layout the values and the output come back. A model
 // whose slots hold no magnitude refuses the file, naming the adapter, and keeps nothing of it;

@@ -21,6 +21,11 @@
 //    B's gradient needs no sum).
 // Gradients of replicated adapter matrices come out summed over the ranks that share them by
 // these DTensor rules, with nothing LoRA-specific in the backward.
+//
+// DoRA (a slot whose adapter has use_dora) scales the layer's product by m / ||W + scale B A||,
+// the norm of each whole row: a row-parallel layer sums its rows' squares over the TP group, one
+// all-reduce of [out] more per forward (and with dropout in training the extra base product
+// dropout(x) W^T, reduced apart). See dora.cpp.
 #include <compare>
 #include <map>
 #include <memory>

@@ -45,8 +45,9 @@ class LoraModel {
   const LoraConfig& config(const std::string& adapter) const;
   // Into a free slot, initialised from (config.seed, name, path) alone. Every module its targets
   // match must be one apply_lora wrapped (an error names the others). Works after fully_shard (the
-  // slots were preallocated). Collective when the layers are sharded by FSDP. Its config's `bias`
-  // mode makes those base biases trainable, unless config.inference_mode, which freezes its
+  // slots were preallocated). Collective when the layers are sharded by FSDP, and for a DoRA
+  // adapter (its magnitude is the global row norms), which needs LoraSlots::use_dora. Its config's
+  // `bias` mode makes those base biases trainable, unless config.inference_mode, which freezes its
   // matrices too; as in PEFT, refused when the model has another adapter and either one's bias
   // is not "none" (the biases are shared).
   void add_adapter(const std::string& name, const LoraConfig& config);
@@ -72,7 +73,8 @@ class LoraModel {
   int64_t adapter_id(const std::string& name) const;
   // A mixed batch: `ids` int64 [rows of this rank's batch], each sample's adapter id (-1: none),
   // used by every forward until cleared with an undefined tensor. Only adapters that appear get
-  // gradients. Refused while an adapter is merged (it would apply to every sample).
+  // gradients. Refused while an adapter is merged (it would apply to every sample), and for ids
+  // of DoRA adapters (as PEFT refuses DoRA with adapter_names).
   void set_batch_adapters(const Tensor& ids);
   // PEFT's set_requires_grad: the adapters named train (or, with false, stay frozen: their
   // configs' inference_mode is set), with the biases of their `bias` modes. Every name is
