@@ -1,6 +1,8 @@
 #include "tessera/lora/config.h"
 
+#include <algorithm>
 #include <cmath>
+#include <regex>
 
 #include "tessera/core/error.h"
 #include "tessera/nn/module_path.h"
@@ -9,6 +11,59 @@ namespace tessera {
 
 double LoraConfig::scaling() const {
   return use_rslora ? lora_alpha / std::sqrt(double(r)) : lora_alpha / double(r);
+}
+
+namespace {
+
+// PEFT's get_pattern_key: `key` matches the whole path or a tail of it that starts after a '.'.
+std::regex pattern_regex(const std::string& key) {
+  return std::regex("(.*\\.)?(" + key + ")", std::regex::ECMAScript);
+}
+
+template <class T>
+const T* pattern_value(const std::vector<std::pair<std::string, T>>& pattern,
+                       const std::string& path) {
+  for (const auto& [key, value] : pattern)
+    if (std::regex_match(path, pattern_regex(key))) return &value;
+  return nullptr;
+}
+
+template <class T>
+void check_pattern(const std::vector<std::pair<std::string, T>>& pattern, const char* field) {
+  for (const auto& [key, value] : pattern) {
+    TESSERA_CHECK(!key.empty(), "LoraConfig: ", field, " has an empty key");
+    try {
+      pattern_regex(key);
+    } catch (const std::regex_error& e) {
+      TESSERA_FAIL("LoraConfig: ", field, " key '", key, "' is not a regular expression (",
+                   e.what(), ")");
+    }
+    TESSERA_CHECK(value > 0 && std::isfinite(double(value)), "LoraConfig: ", field, "['", key,
+                  "'] must be positive, got ", value);
+  }
+}
+
+}  // namespace
+
+int64_t LoraConfig::rank_for(const std::string& path) const {
+  const int64_t* v = pattern_value(rank_pattern, path);
+  return v ? *v : r;
+}
+
+double LoraConfig::alpha_for(const std::string& path) const {
+  const double* v = pattern_value(alpha_pattern, path);
+  return v ? *v : lora_alpha;
+}
+
+LoraConfig LoraConfig::for_module(const std::string& path) const {
+  LoraConfig c = *this;
+  c.r = rank_for(path);
+  c.lora_alpha = alpha_for(path);
+  return c;
+}
+
+bool LoraConfig::all_linear() const {
+  return target_modules.size() == 1 && target_modules[0] == kAllLinear;
 }
 
 void LoraConfig::validate() const {
@@ -22,9 +77,22 @@ void LoraConfig::validate() const {
                 "modules to adapt, e.g. {\"wq\", \"wv\"})");
   for (const std::string& t : target_modules)
     TESSERA_CHECK(!t.empty(), "LoraConfig: an empty name in target_modules");
+  TESSERA_CHECK(all_linear() || std::find(target_modules.begin(), target_modules.end(),
+                                          std::string(kAllLinear)) == target_modules.end(),
+                "LoraConfig: target_modules \"", kAllLinear,
+                "\" stands alone (it names every Linear but the output layer)");
+  for (const std::string& t : exclude_modules)
+    TESSERA_CHECK(!t.empty(), "LoraConfig: an empty name in exclude_modules");
+  check_pattern(rank_pattern, "rank_pattern");
+  check_pattern(alpha_pattern, "alpha_pattern");
   // PEFT's orthogonal init pairs Q's even rows (A) with its odd ones (B).
   TESSERA_CHECK(init_lora_weights != LoraInit::Orthogonal || r % 2 == 0,
                 "LoraConfig: init_lora_weights \"orthogonal\" needs an even r, got ", r);
+  for (const auto& [key, value] : rank_pattern)
+    TESSERA_CHECK(init_lora_weights != LoraInit::Orthogonal || value % 2 == 0,
+                  "LoraConfig: init_lora_weights \"orthogonal\" needs an even r, got "
+                  "rank_pattern['",
+                  key, "'] = ", value);
   TESSERA_CHECK(bias == "none" || bias == "all" || bias == "lora_only", "LoraConfig: bias '", bias,
                 "' is not one of PEFT's \"none\", \"all\", \"lora_only\"");
 }

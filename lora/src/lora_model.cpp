@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <set>
 
+#include "targets.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/comm/agree.h"
 #include "tessera/comm/runtime.h"
@@ -79,25 +80,38 @@ const LoraConfig& LoraModel::config(const std::string& adapter) const {
 std::vector<size_t> LoraModel::targets(const LoraConfig& config) const {
   std::vector<size_t> out;
   const auto modules = targetable_modules(*model_);
-  for (const std::string& entry : config.target_modules) {
-    bool wrapped = false;
+  check_lora_excludes(config, modules, "LoRA");
+  const Module* output = lora_output_layer(*model_);
+  auto wrapped_at = [&](const std::string& path) {
     for (size_t i = 0; i < layers_.size(); ++i)
-      if (lora_target_matches(entry, layers_[i].first)) {
-        wrapped = true;
-        if (std::find(out.begin(), out.end(), i) == out.end()) out.push_back(i);
-      }
-    // PEFT's "wq" means every wq: an adapter silently missing from some would not be that.
+      if (layers_[i].first == path) return i;
+    return layers_.size();
+  };
+  // PEFT's "wq" means every wq: an adapter silently missing from some would not be that.
+  for (const std::string& entry : config.target_modules) {
+    LoraConfig one = config;
+    one.target_modules = {entry};
+    LoraConfig unexcluded = one;
+    unexcluded.exclude_modules.clear();
     std::vector<std::string> unwrapped;
-    for (const auto& [path, m] : modules)
-      if (lora_target_matches(entry, path) &&
-          std::none_of(layers_.begin(), layers_.end(),
-                       [&](const auto& l) { return l.first == path; }))
+    bool any = false;
+    for (const auto& [path, m] : modules) {
+      any |= lora_targets_module(unexcluded, path, *m, output);
+      if (!lora_targets_module(one, path, *m, output)) continue;
+      const size_t i = wrapped_at(path);
+      if (i == layers_.size())
         unwrapped.push_back(path);
+      else if (std::find(out.begin(), out.end(), i) == out.end())
+        out.push_back(i);
+    }
     TESSERA_CHECK(unwrapped.empty(), "LoRA: target module '", entry, "' names ", join(unwrapped),
                   ", where apply_lora put no slots (adapters can only go where it did: list "
                   "every module any adapter targets in apply_lora's config)");
-    TESSERA_CHECK(wrapped, "LoRA: target module '", entry, "' matches no module of the model");
+    TESSERA_CHECK(any, "LoRA: target module '", entry, "' matches no module of the model");
   }
+  TESSERA_CHECK(!out.empty(), "LoRA: no module of the model is left to adapt (target_modules ",
+                join(config.target_modules), "; exclude_modules ", join(config.exclude_modules),
+                ")");
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -162,9 +176,6 @@ void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
   TESSERA_CHECK(!adapters_.count(name), "LoRA add_adapter: adapter '", name,
                 "' exists already (delete it first)");
   check_bias_adapters(name, config);
-  TESSERA_CHECK(config.r <= slots_.max_rank, "LoRA add_adapter: adapter '", name, "' has r ",
-                config.r, " but the slots hold at most rank ", slots_.max_rank,
-                " (LoraSlots::max_rank, fixed by apply_lora)");
   TESSERA_CHECK(!config.use_dora || slots_.use_dora, "LoRA add_adapter: adapter '", name,
                 "' uses DoRA but apply_lora made slots without magnitude vectors (pass "
                 "LoraSlots::use_dora to apply_lora, or apply it with a DoRA adapter)");
@@ -181,12 +192,20 @@ void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
   a.slot = slot;
   a.config = config;
   a.layers = targets(config);
+  for (size_t i : a.layers)
+    TESSERA_CHECK(config.rank_for(layers_[i].first) <= slots_.max_rank,
+                  "LoRA add_adapter: adapter '", name, "' has r ",
+                  config.rank_for(layers_[i].first), " at '", layers_[i].first,
+                  "' but the slots hold at most rank ", slots_.max_rank,
+                  " (LoraSlots::max_rank, fixed by apply_lora)");
   // All or nothing: a layer that refuses (a merged slot) or fails leaves no layer holding part
   // of an adapter that adapters() does not list.
   size_t done = 0;
   try {
     for (; done < a.layers.size(); ++done)
-      layers_[a.layers[done]].second->init_slot(slot, name, config, layers_[a.layers[done]].first);
+      layers_[a.layers[done]].second->init_slot(slot, name,
+                                                config.for_module(layers_[a.layers[done]].first),
+                                                layers_[a.layers[done]].first);
   } catch (...) {
     // The failing layer too, unless its slot is merged (then it refused before writing).
     for (size_t k = 0; k <= done && k < a.layers.size(); ++k) {
@@ -460,9 +479,9 @@ std::map<std::string, Tensor> LoraModel::read_adapter(const std::string& name) {
   const Adapter& a = find(name, "read_adapter");
   NoGradGuard no_grad;
   std::map<std::string, Tensor> out;
-  const int64_t r = a.config.r;
   for (size_t i : a.layers) {
     auto& [path, l] = layers_[i];
+    const int64_t r = a.config.rank_for(path);
     out[path + ".lora_A.weight"] = kernels::narrow(l->lora_A(a.slot).full(), 0, 0, r).contiguous();
     out[path + ".lora_B.weight"] = kernels::narrow(l->lora_B(a.slot).full(), 1, 0, r).contiguous();
     // PEFT's key: its ".weight" dropped, as PEFT's files have it.
@@ -480,23 +499,25 @@ void LoraModel::write_adapter(const std::string& name,
   TESSERA_CHECK(!merged(a), "LoRA write_adapter '", name,
                 "': the adapter is merged into the base weights; call unmerge_adapter(\"", name,
                 "\") first");
-  const int64_t r = a.config.r;
   struct Target {
     std::string key;
     Parameter* param;
     Shape shape;         // global, unpadded
     int64_t padded_dim;  // -1: not padded (DoRA's magnitude)
+    int64_t r;           // the module's (rank_pattern)
   };
   std::vector<Target> want;
   for (size_t i : a.layers) {
     auto& [path, l] = layers_[i];
-    want.push_back({path + ".lora_A.weight", &l->lora_A(a.slot), {r, l->in_features()}, 0});
-    want.push_back({path + ".lora_B.weight", &l->lora_B(a.slot), {l->out_features(), r}, 1});
+    const int64_t r = a.config.rank_for(path);
+    want.push_back({path + ".lora_A.weight", &l->lora_A(a.slot), {r, l->in_features()}, 0, r});
+    want.push_back({path + ".lora_B.weight", &l->lora_B(a.slot), {l->out_features(), r}, 1, r});
     if (a.config.use_dora)
       want.push_back({path + ".lora_magnitude_vector",
                       &l->lora_magnitude_vector(a.slot),
                       {l->out_features()},
-                      -1});
+                      -1,
+                      r});
   }
   // Every key checked before anything is written.
   std::vector<std::string> missing, unexpected, mismatched;
@@ -514,7 +535,7 @@ void LoraModel::write_adapter(const std::string& name,
                       (v.defined() ? shape_str(v.shape()) : std::string("undefined"));
     // This rank's piece of the unpadded matrix, had a local shard been passed.
     Shape local = t.param->stored().shape();
-    if (t.padded_dim >= 0) local[size_t(t.padded_dim)] = std::min(local[size_t(t.padded_dim)], r);
+    if (t.padded_dim >= 0) local[size_t(t.padded_dim)] = std::min(local[size_t(t.padded_dim)], t.r);
     if (v.defined() && t.param->is_dtensor() && v.shape() == local)
       why += ", the shape of this rank's shard: a local piece cannot stand for the global tensor";
     mismatched.push_back(why + ")");
@@ -534,7 +555,7 @@ void LoraModel::write_adapter(const std::string& name,
     Shape padded = t.shape;
     padded[size_t(t.padded_dim)] = slots_.max_rank;
     Tensor full = zeros(padded, t.param->dtype());
-    kernels::narrow(full, t.padded_dim, 0, r).copy_(tensors.at(t.key));
+    kernels::narrow(full, t.padded_dim, 0, t.r).copy_(tensors.at(t.key));
     t.param->copy_from_full(full);
   }
 }
@@ -543,44 +564,16 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
                                       const std::string& adapter_name, const LoraSlots& slots) {
   TESSERA_CHECK(model != nullptr, "apply_lora: null model");
   config.validate();
-  LoraSlots s = slots;
-  if (s.max_rank == 0) s.max_rank = config.r;
+  const auto modules = targetable_modules(*model);
+  // Every target resolved before anything changes; the layers in the model's order.
+  const std::vector<std::pair<std::string, std::shared_ptr<Linear>>> found =
+      find_targets(*model, config, modules);
+  LoraSlots s = resolve_slots(slots, config, adapter_name, found);
   s.use_dora |= config.use_dora;
-  TESSERA_CHECK(s.max_adapters >= 1 && s.max_rank >= config.r, "apply_lora: slots for ",
-                s.max_adapters, " adapters of rank ", s.max_rank, " cannot hold adapter '",
-                adapter_name, "' of rank ", config.r);
   std::shared_ptr<LoraModel> lm(new LoraModel());
   lm->model_ = model;
   lm->routing_ = std::make_shared<LoraRouting>();
   lm->slots_ = s;
-  // Every target resolved before anything changes; the layers in the model's order.
-  std::vector<std::pair<std::string, std::shared_ptr<Linear>>> found;
-  const auto modules = targetable_modules(*model);
-  for (const std::string& entry : config.target_modules) {
-    bool any = false;
-    for (const auto& [path, m] : modules)
-      any |= !path.empty() && lora_target_matches(entry, path);
-    TESSERA_CHECK(any, "apply_lora: target module '", entry, "' matches no module of ",
-                  model->type_name(), "; ",
-                  module_path_candidates(
-                      entry.find('.') != std::string::npos ? entry : "*." + entry, modules));
-  }
-  for (const auto& [path, m] : modules) {
-    bool targeted = false;
-    for (const std::string& entry : config.target_modules)
-      targeted |= !path.empty() && lora_target_matches(entry, path);
-    if (!targeted) continue;
-    auto linear = std::dynamic_pointer_cast<Linear>(m);
-    TESSERA_CHECK(linear != nullptr, "apply_lora: target_modules match '", path, "', a ",
-                  m->type_name(), ", not a Linear");
-    TESSERA_CHECK(std::dynamic_pointer_cast<LoraLinear>(m) == nullptr, "apply_lora: '", path,
-                  "' already has LoRA slots; add adapters with LoraModel::add_adapter");
-    // The wrapper takes the weight over; an FSDP group would go on gathering the old one.
-    TESSERA_CHECK(!is_fully_sharded(linear->weight), "apply_lora: '", path,
-                  "' is already sharded by fully_shard; apply LoRA before fully_shard (adapters "
-                  "can still be added after it, into the slots LoraSlots preallocates)");
-    found.emplace_back(path, linear);
-  }
   // PEFT freezes the base model: only adapters train, those of an earlier apply_lora included.
   std::set<const Parameter*> adapters;
   for (const auto& [path, m] : modules)

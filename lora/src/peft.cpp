@@ -2,10 +2,13 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <type_traits>
 
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/checkpoint/safetensors.h"
@@ -46,9 +49,18 @@ void on_rank0(const std::string& what, const std::function<void()>& f) {
               ": on rank 0: " + std::string(static_cast<const char*>(bytes.raw_data()), size_t(n)));
 }
 
+// A pattern as PEFT's dict, in its order (the first key that matches wins).
+template <class T>
+nlohmann::ordered_json pattern_json(const std::vector<std::pair<std::string, T>>& pattern) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  for (const auto& [key, value] : pattern)
+    j[key] = value;
+  return j;
+}
+
 // `targets` replaces c.target_modules: PEFT reads names and dotted suffixes, not patterns.
-nlohmann::json to_peft(const LoraConfig& c, const std::vector<std::string>& targets) {
-  nlohmann::json j;
+nlohmann::ordered_json to_peft(const LoraConfig& c, const std::vector<std::string>& targets) {
+  nlohmann::ordered_json j;
   j["peft_type"] = "LORA";
   j["task_type"] = nullptr;
   j["r"] = c.r;
@@ -70,13 +82,53 @@ nlohmann::json to_peft(const LoraConfig& c, const std::vector<std::string>& targ
   j["inference_mode"] = c.inference_mode;
   j["layers_to_transform"] = nullptr;
   j["layers_pattern"] = nullptr;
-  j["rank_pattern"] = nlohmann::json::object();
-  j["alpha_pattern"] = nlohmann::json::object();
+  j["rank_pattern"] = pattern_json(c.rank_pattern);
+  j["alpha_pattern"] = pattern_json(c.alpha_pattern);
+  if (c.exclude_modules.empty())
+    j["exclude_modules"] = nullptr;
+  else
+    j["exclude_modules"] = c.exclude_modules;
   j["use_dora"] = c.use_dora;
   return j;
 }
 
-LoraConfig from_peft(const nlohmann::json& j, const std::string& file) {
+// PEFT's rank_pattern or alpha_pattern: an object of key -> value, read in its order.
+template <class T>
+std::vector<std::pair<std::string, T>> pattern_from(const nlohmann::ordered_json& j,
+                                                    const char* name,
+                                                    const std::function<void(std::string)>& bad) {
+  std::vector<std::pair<std::string, T>> out;
+  if (!j.contains(name) || j[name].is_null()) return out;
+  if (!j[name].is_object()) bad(std::string(name) + " is " + j[name].dump() + ", not an object");
+  for (const auto& [key, value] : j[name].items()) {
+    const bool ok = std::is_integral_v<T> ? value.is_number_integer() : value.is_number();
+    if (!ok)
+      bad(std::string(name) + "['" + key + "'] is " + value.dump() + ", not " +
+          (std::is_integral_v<T> ? "an integer" : "a number"));
+    out.emplace_back(key, value.template get<T>());
+  }
+  return out;
+}
+
+// PEFT's exclude_modules: a list of names (as target_modules'), or a regular expression.
+std::vector<std::string> excludes_from(const nlohmann::ordered_json& j,
+                                       const std::function<void(std::string)>& bad) {
+  std::vector<std::string> out;
+  if (!j.contains("exclude_modules") || j["exclude_modules"].is_null()) return out;
+  const auto& e = j["exclude_modules"];
+  if (e.is_string() && e.get<std::string>().empty()) return out;
+  if (e.is_string())
+    bad("exclude_modules is a regular expression (" + e.dump() +
+        "); Tessera takes a list of names");
+  if (!e.is_array()) bad("exclude_modules is " + e.dump() + ", not a list");
+  for (const auto& x : e) {
+    if (!x.is_string()) bad("exclude_modules holds a non-string");
+    out.push_back(x.get<std::string>());
+  }
+  return out;
+}
+
+LoraConfig from_peft(const nlohmann::ordered_json& j, const std::string& file) {
   auto bad = [&](const std::string& why) { TESSERA_FAIL("PEFT config '", file, "': ", why); };
   if (!j.is_object()) bad("not a JSON object");
   if (j.value("peft_type", std::string()) != "LORA")
@@ -92,12 +144,17 @@ LoraConfig from_peft(const nlohmann::json& j, const std::string& file) {
     if (!j["lora_dropout"].is_number()) bad("lora_dropout is not a number");
     c.lora_dropout = j["lora_dropout"].get<double>();
   }
-  const auto& t = j.contains("target_modules") ? j["target_modules"] : nlohmann::json();
-  if (t.is_string() && t.get<std::string>() == "all-linear")
-    bad("target_modules is \"all-linear\"; Tessera takes a list of module names");
-  if (t.is_string()) bad("target_modules is a regular expression; Tessera takes a list of names");
-  if (!t.is_array()) bad("target_modules is missing or not a list");
-  for (const auto& e : t) {
+  const auto& t = j.contains("target_modules") ? j["target_modules"] : nlohmann::ordered_json();
+  std::string shorthand = t.is_string() ? t.get<std::string>() : "";
+  std::transform(shorthand.begin(), shorthand.end(), shorthand.begin(),
+                 [](unsigned char ch) { return char(std::tolower(ch)); });
+  if (shorthand == kAllLinear)  // PEFT reads it in any case
+    c.target_modules = {kAllLinear};
+  else if (t.is_string())
+    bad("target_modules is a regular expression; Tessera takes a list of names");
+  else if (!t.is_array())
+    bad("target_modules is missing or not a list");
+  for (const auto& e : t.is_array() ? t : nlohmann::ordered_json::array()) {
     if (!e.is_string()) bad("target_modules holds a non-string");
     c.target_modules.push_back(e.get<std::string>());
   }
@@ -109,9 +166,12 @@ LoraConfig from_peft(const nlohmann::json& j, const std::string& file) {
   // Fields that choose which modules an adapter covers, what else it saves, or where in the
   // sequence it applies (aLoRA's invocation tokens: only after them): ignored, the adapter would
   // load onto other modules or tokens than it was trained on, or fail for a hidden reason.
-  for (const char* field : {"layers_to_transform", "layers_pattern", "exclude_modules",
-                            "modules_to_save", "target_parameters", "trainable_token_indices",
-                            "alora_invocation_tokens", "layer_replication"})
+  c.exclude_modules = excludes_from(j, bad);
+  c.rank_pattern = pattern_from<int64_t>(j, "rank_pattern", bad);
+  c.alpha_pattern = pattern_from<double>(j, "alpha_pattern", bad);
+  for (const char* field :
+       {"layers_to_transform", "layers_pattern", "modules_to_save", "target_parameters",
+        "trainable_token_indices", "alora_invocation_tokens", "layer_replication"})
     if (j.contains(field) && !j[field].is_null() &&
         !((j[field].is_array() || j[field].is_object() || j[field].is_string()) &&
           j[field].empty()))
@@ -122,12 +182,6 @@ LoraConfig from_peft(const nlohmann::json& j, const std::string& file) {
   }
   if (j.contains("lora_bias") && j["lora_bias"].is_boolean() && j["lora_bias"].get<bool>())
     bad("lora_bias is set: adapters with a bias on B are not supported");
-  // PEFT's per-module overrides of r and lora_alpha: read with the global ones instead, a module
-  // would load with the wrong scale or be refused as mis-shaped for a reason the file hides.
-  for (const char* field : {"rank_pattern", "alpha_pattern"})
-    if (j.contains(field) && !j[field].is_null() && !(j[field].is_object() && j[field].empty()))
-      bad(std::string(field) + " is not empty: per-module ranks and alphas are not supported " +
-          "(every module takes r and lora_alpha)");
   if (j.contains("fan_in_fan_out") && j["fan_in_fan_out"].is_boolean() &&
       j["fan_in_fan_out"].get<bool>())
     bad("fan_in_fan_out is set: Tessera's Linear weights are [out, in]");
@@ -147,7 +201,11 @@ LoraConfig from_peft(const nlohmann::json& j, const std::string& file) {
           "model (convert "
           "the adapter with PEFT's path_initial_model_for_weight_conversion first)");
   }
-  c.validate();
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    bad(e.what());
+  }
   return c;
 }
 
@@ -177,12 +235,13 @@ void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
   const LoraConfig cfg = config(name);
   std::vector<std::string> targets;
   for (const std::string& entry : cfg.target_modules) {
-    if (entry.find_first_of("*?[") == std::string::npos) {
+    // "all-linear" too: PEFT writes the modules it resolved to.
+    if (entry != kAllLinear && entry.find_first_of("*?[") == std::string::npos) {
       targets.push_back(entry);
       continue;
     }
     for (size_t i : find(name, "save_adapter").layers)
-      if (lora_target_matches(entry, layers_[i].first) &&
+      if ((entry == kAllLinear || lora_target_matches(entry, layers_[i].first)) &&
           std::find(targets.begin(), targets.end(), layers_[i].first) == targets.end())
         targets.push_back(layers_[i].first);
   }
@@ -250,7 +309,7 @@ void LoraModel::load_adapter(const std::string& dir, const std::string& name, bo
     const std::string config_path = dir + "/" + kConfig;
     std::ifstream in(config_path);
     TESSERA_CHECK(in.good(), "cannot read '", config_path, "'");
-    nlohmann::json j;
+    nlohmann::ordered_json j;  // rank_pattern's order is part of its meaning
     try {
       in >> j;
     } catch (const nlohmann::json::exception& e) {

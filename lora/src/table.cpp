@@ -46,6 +46,10 @@ nlohmann::json config_json(const LoraConfig& c) {
   j["inference_mode"] = c.inference_mode;
   j["use_dora"] = c.use_dora;
   j["seed"] = c.seed;
+  j["exclude_modules"] = c.exclude_modules;
+  // Pairs, not objects: the first key that matches wins, so the order is part of the value.
+  j["rank_pattern"] = c.rank_pattern;
+  j["alpha_pattern"] = c.alpha_pattern;
   return j;
 }
 
@@ -89,6 +93,36 @@ const nlohmann::json& field(const nlohmann::json& j, const char* name, nlohmann:
   return v;
 }
 
+template <class T>
+std::vector<std::pair<std::string, T>> read_pattern(const nlohmann::json& j, const char* name,
+                                                    nlohmann::json::value_t kind,
+                                                    const std::string& where) {
+  std::vector<std::pair<std::string, T>> out;
+  for (const auto& e : field(j, name, nlohmann::json::value_t::array, where)) {
+    TESSERA_CHECK(e.is_array() && e.size() == 2 && e[0].is_string(), where, ": ", name, " holds ",
+                  e.dump().substr(0, 40), ", not a [key, value] pair");
+    nlohmann::json pair = {{"value", e[1]}};
+    out.emplace_back(
+        e[0].get<std::string>(),
+        field(pair, "value", kind, where + ", " + name + "['" + e[0].get<std::string>() + "']")
+            .get<T>());
+  }
+  return out;
+}
+
+void read_selection(const nlohmann::json& j, LoraConfig& c, const std::string& where) {
+  using V = nlohmann::json::value_t;
+  if (j.contains("exclude_modules"))
+    for (const auto& e : field(j, "exclude_modules", V::array, where)) {
+      TESSERA_CHECK(e.is_string(), where, ": exclude_modules holds a non-string");
+      c.exclude_modules.push_back(e.get<std::string>());
+    }
+  if (j.contains("rank_pattern"))
+    c.rank_pattern = read_pattern<int64_t>(j, "rank_pattern", V::number_integer, where);
+  if (j.contains("alpha_pattern"))
+    c.alpha_pattern = read_pattern<double>(j, "alpha_pattern", V::number_float, where);
+}
+
 LoraConfig config_from(const nlohmann::json& j, const std::string& where) {
   using V = nlohmann::json::value_t;
   LoraConfig c;
@@ -116,6 +150,8 @@ LoraConfig config_from(const nlohmann::json& j, const std::string& where) {
   // Absent from the tables of builds before DoRA: those adapters were LoRA.
   if (j.contains("use_dora")) c.use_dora = field(j, "use_dora", V::boolean, where).get<bool>();
   c.seed = field(j, "seed", V::number_unsigned, where).get<uint64_t>();
+  // Absent from the tables of builds before them: no exclusions, every module takes r and alpha.
+  read_selection(j, c, where);
   c.validate();
   return c;
 }
@@ -196,8 +232,6 @@ std::vector<LoraModel::SavedAdapter> LoraModel::parse_table(const std::string& t
                   ": slot ", a.slot, " is out of range or taken by another adapter");
     a.merged = field(e, "merged", V::boolean, where).get<bool>();
     a.config = config_from(field(e, "config", V::object, where), where + " config");
-    TESSERA_CHECK(a.config.r <= max_rank, where, ": r ", a.config.r, " exceeds the slots' rank ",
-                  max_rank);
     TESSERA_CHECK(!a.config.use_dora || slots_.use_dora, where,
                   ": it uses DoRA, but this model's slots hold no magnitude vectors "
                   "(LoraSlots::use_dora must be the same as when saved)");
@@ -219,8 +253,12 @@ std::vector<LoraModel::SavedAdapter> LoraModel::parse_table(const std::string& t
       TESSERA_FAIL(where, ": ", err.what());
     }
     std::vector<std::string> here;
-    for (size_t i : a.layers)
+    for (size_t i : a.layers) {
       here.push_back(layers_[i].first);
+      TESSERA_CHECK(a.config.rank_for(here.back()) <= max_rank, where, ": r ",
+                    a.config.rank_for(here.back()), " at '", here.back(),
+                    "' exceeds the slots' rank ", max_rank);
+    }
     if (here != saved) {
       std::vector<std::string> gone, extra;
       for (const std::string& p : saved)
@@ -280,8 +318,8 @@ void LoraModel::load_state_dict(const StateDict& state) {
   for (const SavedAdapter& a : saved) {
     for (size_t k = 0; k < a.layers.size(); ++k) {
       const size_t li = a.layers[k];
-      layers_[li].second->restore_slot(a.slot, a.name, a.config, layers_[li].first, a.merged,
-                                       a.dropout_offset[k]);
+      layers_[li].second->restore_slot(a.slot, a.name, a.config.for_module(layers_[li].first),
+                                       layers_[li].first, a.merged, a.dropout_offset[k]);
     }
     adapters_[a.name] = Adapter{a.slot, a.config, a.layers};
     set_trainable(adapters_.at(a.name), true);

@@ -349,8 +349,9 @@ TEST(Lora, BadUseIsAClearError) {
   expect_error([&] { lora->delete_adapter("nope"); }, {"no adapter 'nope'"});
   LoraConfig big = lora_test_config();
   big.r = 16;
-  expect_error([&] { lora->add_adapter("big", big); },
-               {"adapter 'big' has r 16 but the slots hold at most rank 4"});
+  expect_error(
+      [&] { lora->add_adapter("big", big); },
+      {"adapter 'big' has r 16 at 'layers.0.attention.wq'", "the slots hold at most rank 4"});
   lora->add_adapter("second", lora_test_config());
   expect_error([&] { lora->add_adapter("third", lora_test_config()); },
                {"all 2 adapter slots are in use"});

@@ -398,10 +398,9 @@ TEST(Lora, PeftFilesLoadOntoAnyMesh) {
   EXPECT_EQ(run.lora->adapters(), (std::vector<std::string>{"default"}));
 }
 
-// PEFT's per-module ranks and alphas (rank_pattern, alpha_pattern) are refused, naming the field
-// and the file, where they would otherwise load with the global r and lora_alpha (a wrong scale)
-// or fail with a shape mismatch; empty patterns, as PEFT writes them, load.
-TEST(Lora, PeftPerModuleRanksAndAlphasAreRefused) {
+// PEFT's per-module alphas load onto the model's layout with the module's own scale; a
+// per-module rank the file's matrices do not have is refused, naming the key and both shapes.
+TEST(Lora, PeftPerModuleRanksAndAlphasLoad) {
   const std::string dir = scratch_dir("lora_peft_patterns_np" + std::to_string(world_size()));
   const DecoderConfig cfg = lora_decoder_config();
   LoraRun run = lora_layouts({.max_adapters = 2, .max_rank = 4})
@@ -410,14 +409,25 @@ TEST(Lora, PeftPerModuleRanksAndAlphasAreRefused) {
   run.lora->save_adapter(dir + "/adapter", "default");
   const std::string alpha =
       peft_config_variant(dir, "alpha", "\"alpha_pattern\": {}", "\"alpha_pattern\": {\"wq\": 32}");
-  expect_error([&] { run.lora->load_adapter(alpha, "alpha"); },
-               {"alpha/adapter_config.json'", "alpha_pattern", "per-module"});
+  run.lora->load_adapter(alpha, "alpha");
+  for (const auto& [path, layer] : run.lora->layers())
+    EXPECT_DOUBLE_EQ(layer->slot(1).scale, path.ends_with(".wq") ? 32.0 / 4 : 8.0 / 4) << path;
+  const Batch b = affine_batch(0, 2, 8, cfg.vocab_size);
+  run.lora->set_adapter("alpha");
+  const Tensor loaded = run.logits(b.ids);
+  run.lora->delete_adapter("alpha");
+  // The same scale from a config: the same logits.
+  LoraConfig c = lora_test_config(LoraInit::Random);
+  c.alpha_pattern = {{"wq", 32}};
+  run.lora->add_adapter("alpha", c);
+  run.lora->write_adapter("alpha", run.lora->read_adapter("default"));
+  run.lora->set_adapter("alpha");
+  expect_close(run.logits(b.ids), loaded, 1e-6, "logits of the loaded alpha_pattern");
+  run.lora->set_adapter("default");
+  run.lora->delete_adapter("alpha");
   const std::string rank =
       peft_config_variant(dir, "rank", "\"rank_pattern\": {}", "\"rank_pattern\": {\"wq\": 2}");
   expect_error([&] { run.lora->load_adapter(rank, "rank"); },
-               {"rank/adapter_config.json'", "rank_pattern", "per-module"});
+               {"layers.0.attention.wq.lora_A.weight", "[2, 32]", "[4, 32]"});
   EXPECT_EQ(run.lora->adapters(), (std::vector<std::string>{"default"}));
-  // The files as saved, with both patterns empty.
-  run.lora->load_adapter(dir + "/adapter", "loaded");
-  EXPECT_EQ(run.lora->adapters(), (std::vector<std::string>{"default", "loaded"}));
 }

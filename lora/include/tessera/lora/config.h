@@ -2,6 +2,7 @@
 // LoraConfig: PEFT's LoraConfig fields with PEFT's meaning.
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace tessera {
@@ -21,8 +22,20 @@ struct LoraConfig {
   // PEFT's list form: an entry names every module whose path equals it or ends in "." + entry
   // ("wq": every wq; "attention.wq": every block's). Entries may also be patterns, fnmatch per
   // path component ("layers.[0-3].attention.w*"; '*' never reaches across a '.'), matched
-  // against the path's last components. Each must match Linear modules only.
+  // against the path's last components. Each must match Linear modules only. {"all-linear"}
+  // (kAllLinear, alone) is PEFT's "all-linear": every Linear of the model but its output layer
+  // (a Decoder's `output`, its lm_head; any other model has none).
   std::vector<std::string> target_modules;
+  // PEFT's exclude_modules, list form: entries matched as target_modules' are, and a module one
+  // matches is left out even where target_modules (or "all-linear") names it.
+  std::vector<std::string> exclude_modules;
+  // PEFT's rank_pattern and alpha_pattern: a module whose path matches a key takes its value as r
+  // (lora_alpha) instead of the global one; its scale comes from its own r and alpha. Keys are
+  // regular expressions (ECMAScript, which PEFT's common keys read alike in) matched as PEFT's
+  // get_pattern_key does: the whole path, or a "."-separated tail of it, matches the key; the
+  // first key that matches, in this order (a file's order), wins.
+  std::vector<std::pair<std::string, int64_t>> rank_pattern;
+  std::vector<std::pair<std::string, double>> alpha_pattern;
   // alpha / sqrt(r) instead of alpha / r.
   bool use_rslora = false;
   LoraInit init_lora_weights = LoraInit::Kaiming;
@@ -46,10 +59,20 @@ struct LoraConfig {
   uint64_t seed = 0;
 
   double scaling() const;  // lora_alpha / r, or / sqrt(r) with use_rslora
+  // The r and lora_alpha of the module at `path` (rank_pattern, alpha_pattern, else the global).
+  int64_t rank_for(const std::string& path) const;
+  double alpha_for(const std::string& path) const;
+  // This config with the r and lora_alpha of the module at `path`: what its layer holds.
+  LoraConfig for_module(const std::string& path) const;
+  bool all_linear() const;  // target_modules is {"all-linear"}
   // An error naming the field for r <= 0, alpha <= 0, dropout outside [0, 1), no targets, a bias
-  // other than "none", "all" and "lora_only", an odd r with the orthogonal init.
+  // other than "none", "all" and "lora_only", an odd r with the orthogonal init, "all-linear"
+  // beside other targets, an empty exclude_modules entry, a pattern key that is not a regular
+  // expression or whose value is not a valid r (alpha).
   void validate() const;
 };
+
+inline constexpr const char* kAllLinear = "all-linear";
 
 // Whether target_modules entry `entry` names the module at `path` (the rule above).
 bool lora_target_matches(const std::string& entry, const std::string& path);

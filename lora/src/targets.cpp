@@ -1,0 +1,109 @@
+#include "targets.h"
+
+#include <algorithm>
+
+#include "tessera/core/error.h"
+#include "tessera/fsdp/fully_shard.h"
+#include "tessera/lora/lora_linear.h"
+#include "tessera/nn/layers.h"
+#include "tessera/nn/module_path.h"
+#include "tessera/nn/transformer.h"
+
+namespace tessera {
+
+namespace {
+
+std::string join_names(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v)
+    s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+}  // namespace
+
+const Module* lora_output_layer(Module& model) {
+  auto* decoder = dynamic_cast<Decoder*>(&model);
+  return decoder ? decoder->output.get() : nullptr;
+}
+
+bool lora_targets_module(const LoraConfig& config, const std::string& path, const Module& m,
+                         const Module* output) {
+  if (path.empty()) return false;
+  auto names = [&](const std::vector<std::string>& entries) {
+    return std::any_of(entries.begin(), entries.end(),
+                       [&](const std::string& e) { return lora_target_matches(e, path); });
+  };
+  if (names(config.exclude_modules)) return false;
+  if (config.all_linear()) return dynamic_cast<const Linear*>(&m) != nullptr && &m != output;
+  return names(config.target_modules);
+}
+
+void check_lora_excludes(const LoraConfig& config,
+                         const std::vector<std::pair<std::string, ModulePtr>>& modules,
+                         const std::string& context) {
+  for (const std::string& entry : config.exclude_modules) {
+    const bool any = std::any_of(modules.begin(), modules.end(), [&](const auto& pm) {
+      return !pm.first.empty() && lora_target_matches(entry, pm.first);
+    });
+    TESSERA_CHECK(any, context, ": exclude_modules entry '", entry, "' matches no module; ",
+                  module_path_candidates(
+                      entry.find('.') != std::string::npos ? entry : "*." + entry, modules));
+  }
+}
+
+// The Linears `config` adapts among `modules`, in the model's order; an error names a target or
+// exclude entry that matches nothing, and a match that cannot be wrapped.
+std::vector<std::pair<std::string, std::shared_ptr<Linear>>> find_targets(
+    Module& model, const LoraConfig& config,
+    const std::vector<std::pair<std::string, ModulePtr>>& modules) {
+  if (!config.all_linear())
+    for (const std::string& entry : config.target_modules) {
+      bool any = false;
+      for (const auto& [path, m] : modules)
+        any |= !path.empty() && lora_target_matches(entry, path);
+      TESSERA_CHECK(any, "apply_lora: target module '", entry, "' matches no module of ",
+                    model.type_name(), "; ",
+                    module_path_candidates(
+                        entry.find('.') != std::string::npos ? entry : "*." + entry, modules));
+    }
+  check_lora_excludes(config, modules, "apply_lora");
+  const Module* output = lora_output_layer(model);
+  std::vector<std::pair<std::string, std::shared_ptr<Linear>>> found;
+  for (const auto& [path, m] : modules) {
+    if (!lora_targets_module(config, path, *m, output)) continue;
+    auto linear = std::dynamic_pointer_cast<Linear>(m);
+    TESSERA_CHECK(linear != nullptr, "apply_lora: target_modules match '", path, "', a ",
+                  m->type_name(), ", not a Linear");
+    TESSERA_CHECK(std::dynamic_pointer_cast<LoraLinear>(m) == nullptr, "apply_lora: '", path,
+                  "' already has LoRA slots; add adapters with LoraModel::add_adapter");
+    // The wrapper takes the weight over; an FSDP group would go on gathering the old one.
+    TESSERA_CHECK(!is_fully_sharded(linear->weight), "apply_lora: '", path,
+                  "' is already sharded by fully_shard; apply LoRA before fully_shard (adapters "
+                  "can still be added after it, into the slots LoraSlots preallocates)");
+    found.emplace_back(path, linear);
+  }
+  TESSERA_CHECK(!found.empty(), "apply_lora: no module of ", model.type_name(),
+                " is left to adapt (target_modules ", join_names(config.target_modules),
+                "; exclude_modules ", join_names(config.exclude_modules), ")");
+  return found;
+}
+
+// max_rank 0 is the first adapter's largest r over the layers it adapts (rank_pattern gives
+// them their own); every layer's r must fit the slots.
+LoraSlots resolve_slots(const LoraSlots& slots, const LoraConfig& config, const std::string& name,
+                        const std::vector<std::pair<std::string, std::shared_ptr<Linear>>>& found) {
+  LoraSlots s = slots;
+  if (s.max_rank == 0)
+    for (const auto& [path, linear] : found)
+      s.max_rank = std::max(s.max_rank, config.rank_for(path));
+  TESSERA_CHECK(s.max_adapters >= 1, "apply_lora: slots for ", s.max_adapters,
+                " adapters cannot hold adapter '", name, "'");
+  for (const auto& [path, linear] : found)
+    TESSERA_CHECK(config.rank_for(path) <= s.max_rank, "apply_lora: slots of rank ", s.max_rank,
+                  " cannot hold adapter '", name, "' of rank ", config.rank_for(path), " at '",
+                  path, "'");
+  return s;
+}
+
+}  // namespace tessera

@@ -1,0 +1,317 @@
+// PEFT's LoraConfig fields that choose the modules an adapter covers and their ranks:
+// rank_pattern, alpha_pattern, exclude_modules and target_modules "all-linear"; in the model,
+// in PEFT's files, in the adapter table, and under every layout.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "dist/checkpoint_util.h"
+#include "dist/lora_util.h"
+#include "tessera/testing/checks.h"
+#include "tessera/testing/expect_error.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+
+namespace {
+
+std::vector<std::string> wrapped(const LoraModel& lora) {
+  std::vector<std::string> out;
+  for (const auto& [path, l] : lora.layers())
+    out.push_back(path);
+  return out;
+}
+
+const LoraLinear::Slot& slot_at(const LoraModel& lora, const std::string& path, int64_t s = 0) {
+  for (const auto& [p, l] : lora.layers())
+    if (p == path) return l->slot(s);
+  ADD_FAILURE() << "no layer " << path;
+  static const LoraLinear::Slot none;
+  return none;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// r 4 and alpha 8 but: wq rank 2 (first key wins over "attention\\.w."), the other attention
+// projections rank 6; every feed-forward w1 alpha 3.
+LoraConfig patterned(LoraInit init = LoraInit::Random) {
+  LoraConfig c = lora_test_config(init);
+  c.rank_pattern = {{"wq", 2}, {"attention\\.w.", 6}};
+  c.alpha_pattern = {{"feed_forward.w1", 3}};
+  return c;
+}
+
+}  // namespace
+
+TEST(LoraPatterns, EachModuleTakesItsPatternsRankAndAlpha) {
+  for (bool rslora : {false, true}) {
+    LoraConfig c = patterned();
+    c.use_rslora = rslora;
+    auto m = std::make_shared<Decoder>(lora_decoder_config());
+    auto lora = apply_lora(m, c);
+    auto scale = [&](double alpha, double r) { return rslora ? alpha / std::sqrt(r) : alpha / r; };
+    for (const std::string l : {"layers.0.", "layers.1."}) {
+      EXPECT_EQ(slot_at(*lora, l + "attention.wq").r, 2);
+      EXPECT_DOUBLE_EQ(slot_at(*lora, l + "attention.wq").scale, scale(8, 2));
+      EXPECT_EQ(slot_at(*lora, l + "attention.wk").r, 6);
+      EXPECT_DOUBLE_EQ(slot_at(*lora, l + "attention.wo").scale, scale(8, 6));
+      EXPECT_EQ(slot_at(*lora, l + "feed_forward.w1").r, 4);
+      EXPECT_DOUBLE_EQ(slot_at(*lora, l + "feed_forward.w1").scale, scale(3, 4));
+      EXPECT_DOUBLE_EQ(slot_at(*lora, l + "feed_forward.w2").scale, scale(8, 4));
+    }
+    // max_rank 0: the largest r the adapter uses.
+    EXPECT_EQ(lora->layers()[0].second->max_rank(), 6);
+    const auto values = lora->read_adapter("default");
+    EXPECT_EQ(values.at("layers.0.attention.wq.lora_A.weight").shape(), (Shape{2, 32}));
+    EXPECT_EQ(values.at("layers.1.attention.wv.lora_B.weight").shape()[1], 6);
+    EXPECT_EQ(values.at("layers.1.feed_forward.w3.lora_A.weight").shape()[0], 4);
+    lora->write_adapter("default", values);
+  }
+}
+
+// One Linear with rank 2 and alpha 6 from the patterns: y = x W^T + 3 x A^T B^T.
+TEST(LoraPatterns, OutputUsesTheModulesOwnScale) {
+  Generator gen(11);
+  auto m = std::make_shared<OneLayer>(std::make_shared<Linear>(8, 4, false, gen));
+  LoraConfig c = lora_test_config(LoraInit::Random);
+  c.target_modules = {"proj"};
+  c.rank_pattern = {{"proj", 2}};
+  c.alpha_pattern = {{"pro.", 6}};
+  const Tensor w = m->proj->weight.full().clone();
+  auto lora = apply_lora(m, c, "default", {.max_adapters = 1, .max_rank = 4});
+  const auto ab = lora->read_adapter("default");
+  const Tensor& a = ab.at("proj.lora_A.weight");
+  const Tensor& b = ab.at("proj.lora_B.weight");
+  ASSERT_EQ(a.shape(), (Shape{2, 8}));
+  const Tensor x = randn({3, 8}, gen);
+  const Tensor want =
+      add(kernels::matmul(x, w, false, true),
+          mul(kernels::matmul(kernels::matmul(x, a, false, true), b, false, true), 3.0));
+  expect_close((*m)(x), want, 1e-6, "output with the pattern's scale 6 / 2");
+}
+
+TEST(LoraPatterns, ARankPastTheSlotsIsRefusedNamingTheModule) {
+  auto m = std::make_shared<Decoder>(lora_decoder_config());
+  expect_error([&] { apply_lora(m, patterned(), "default", {.max_adapters = 1, .max_rank = 4}); },
+               {"slots of rank 4", "of rank 6 at 'layers.0.attention.wk'"});
+  // Nothing changed: the same model takes LoRA then.
+  auto lora = apply_lora(m, lora_test_config(), "default", {.max_adapters = 2, .max_rank = 4});
+  expect_error([&] { lora->add_adapter("big", patterned()); },
+               {"adapter 'big' has r 6 at 'layers.0.attention.wk'", "at most rank 4"});
+  EXPECT_EQ(lora->adapters(), (std::vector<std::string>{"default"}));
+  LoraConfig bad = lora_test_config();
+  bad.rank_pattern = {{"w(q", 2}};
+  expect_error([&] { lora->add_adapter("bad", bad); },
+               {"rank_pattern key 'w(q' is not a regular expression"});
+  bad.rank_pattern = {{"wq", 0}};
+  expect_error([&] { lora->add_adapter("bad", bad); }, {"rank_pattern['wq'] must be positive"});
+  bad.rank_pattern = {{"wq", 3}};
+  bad.init_lora_weights = LoraInit::Orthogonal;
+  expect_error([&] { lora->add_adapter("bad", bad); }, {"rank_pattern['wq'] = 3"});
+}
+
+TEST(LoraPatterns, ExcludeModulesLeavesOutWhatTheTargetsName) {
+  LoraConfig c = lora_test_config();
+  c.target_modules = {"wq", "wk"};
+  c.exclude_modules = {"layers.0.attention.wq", "wk"};
+  auto m = std::make_shared<Decoder>(lora_decoder_config());
+  auto lora = apply_lora(m, c);
+  EXPECT_EQ(wrapped(*lora), (std::vector<std::string>{"layers.1.attention.wq"}));
+  c.exclude_modules = {"attention.wz"};
+  expect_error([&] { apply_lora(std::make_shared<Decoder>(lora_decoder_config()), c); },
+               {"exclude_modules entry 'attention.wz' matches no module"});
+  c.exclude_modules = {"wk", "attention.wq"};
+  expect_error([&] { apply_lora(std::make_shared<Decoder>(lora_decoder_config()), c); },
+               {"no module of Decoder is left to adapt"});
+  c.exclude_modules = {""};
+  expect_error([&] { apply_lora(std::make_shared<Decoder>(lora_decoder_config()), c); },
+               {"an empty name in exclude_modules"});
+}
+
+// "all-linear": every Linear but a Decoder's output layer; any Linear of another model.
+TEST(LoraPatterns, AllLinearWrapsEveryLinearButTheOutputLayer) {
+  LoraConfig c = lora_test_config();
+  c.target_modules = {"all-linear"};
+  auto m = std::make_shared<Decoder>(lora_decoder_config());
+  auto lora = apply_lora(m, c);
+  std::vector<std::string> want;
+  for (const std::string l : {"layers.0.", "layers.1."})
+    for (const std::string p : {"attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                                "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"})
+      want.push_back(l + p);
+  std::vector<std::string> got = wrapped(*lora);
+  std::sort(got.begin(), got.end());
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(got, want);
+  // As in PEFT, an entry names a module, not what is inside it: "layers.1.attention" (no Linear)
+  // leaves its projections adapted.
+  c.exclude_modules = {"feed_forward.w3", "layers.1.attention"};
+  EXPECT_EQ(apply_lora(std::make_shared<Decoder>(lora_decoder_config()), c)->layers().size(), 12u);
+  Generator gen(5);
+  auto one = std::make_shared<OneLayer>(std::make_shared<Linear>(8, 4, false, gen));
+  c.exclude_modules.clear();
+  EXPECT_EQ(wrapped(*apply_lora(one, c)), (std::vector<std::string>{"proj"}));
+  c.target_modules = {"all-linear", "wq"};
+  expect_error([&] { apply_lora(std::make_shared<Decoder>(lora_decoder_config()), c); },
+               {"\"all-linear\" stands alone"});
+}
+
+// save_adapter writes PEFT's fields (patterns in their order, the modules "all-linear" resolved
+// to) and load_adapter reads them back onto a model with other slots and layout.
+TEST(LoraPatterns, PeftFilesKeepThePatterns) {
+  const std::string dir = scratch_dir("lora_patterns_np" + std::to_string(world_size()));
+  LoraConfig c = patterned();
+  c.exclude_modules = {"layers.1.feed_forward.w2"};
+  auto m = std::make_shared<Decoder>(lora_decoder_config());
+  auto lora = apply_lora(m, c);
+  lora->save_adapter(dir + "/adapter", "default");
+  const std::string text = read_text(dir + "/adapter/adapter_config.json");
+  EXPECT_NE(text.find("\"rank_pattern\": {\n    \"wq\": 2,\n    \"attention\\\\.w.\": 6\n  }"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("\"alpha_pattern\": {\n    \"feed_forward.w1\": 3.0\n  }"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("\"exclude_modules\": [\n    \"layers.1.feed_forward.w2\"\n  ]"),
+            std::string::npos)
+      << text;
+  auto m2 = std::make_shared<Decoder>(lora_decoder_config());
+  auto other = apply_lora(m2, lora_test_config(), "base", {.max_adapters = 2, .max_rank = 8});
+  other->load_adapter(dir + "/adapter", "loaded");
+  const LoraConfig& got = other->config("loaded");
+  EXPECT_EQ(got.rank_pattern, c.rank_pattern);
+  EXPECT_EQ(got.alpha_pattern, c.alpha_pattern);
+  EXPECT_EQ(got.exclude_modules, c.exclude_modules);
+  EXPECT_DOUBLE_EQ(slot_at(*other, "layers.0.feed_forward.w1", 1).scale, 3.0 / 4.0);
+  const auto want = lora->read_adapter("default"), have = other->read_adapter("loaded");
+  ASSERT_EQ(have.size(), want.size());
+  EXPECT_EQ(have.count("layers.1.feed_forward.w2.lora_A.weight"), 0u);
+  for (const auto& [key, t] : want)
+    expect_identical(have.at(key), t, key);
+
+  // "all-linear" is saved as the modules it resolved to, and read in both forms.
+  LoraConfig all = lora_test_config(LoraInit::Random);
+  all.target_modules = {"all-linear"};
+  auto m3 = std::make_shared<Decoder>(lora_decoder_config());
+  auto lora3 = apply_lora(m3, all, "default", {.max_adapters = 3});
+  lora3->save_adapter(dir + "/all", "default");
+  const std::string saved = read_text(dir + "/all/adapter_config.json");
+  EXPECT_NE(saved.find("\"layers.1.feed_forward.w3\""), std::string::npos) << saved;
+  EXPECT_EQ(saved.find("\"all-linear\""), std::string::npos) << saved;
+  lora3->load_adapter(dir + "/all", "listed");
+  EXPECT_EQ(lora3->config("listed").target_modules.size(), 14u);
+}
+
+// A PEFT file with these fields loads (it used to be refused); a bad value is refused naming the
+// field, and leaves no adapter behind.
+TEST(LoraPatterns, PeftFilesWithTheFieldsLoadAndBadValuesAreRefused) {
+  const std::string dir = scratch_dir("lora_patterns_fields_np" + std::to_string(world_size()));
+  auto m = std::make_shared<Decoder>(lora_decoder_config());
+  auto lora = apply_lora(m, lora_test_config(LoraInit::Random), "default", {.max_adapters = 2});
+  lora->save_adapter(dir + "/adapter", "default");
+  const std::string saved = read_text(dir + "/adapter/adapter_config.json");
+  const size_t open = saved.find("\"target_modules\": [");
+  ASSERT_NE(open, std::string::npos) << saved;
+  const std::string list = saved.substr(open, saved.find(']', open) + 1 - open);
+  const auto values = lora->read_adapter("default");
+  auto loads_as_saved = [&](const std::string& name, const std::string& from,
+                            const std::string& to) {
+    lora->load_adapter(peft_config_variant(dir, name, from, to), name);
+    for (const auto& [key, t] : lora->read_adapter(name))
+      expect_identical(t, values.at(key), name + " " + key);
+    EXPECT_EQ(lora->layers()[0].second->slot(1).adapter, name);
+    const double scale = lora->layers()[0].second->slot(1).scale;
+    lora->delete_adapter(name);
+    return scale;
+  };
+  EXPECT_DOUBLE_EQ(loads_as_saved("alpha", "\"alpha_pattern\": {}",
+                                  "\"alpha_pattern\": {\"layers.0.attention.wq\": 12}"),
+                   12.0 / 4.0);
+  EXPECT_DOUBLE_EQ(loads_as_saved("rank", "\"rank_pattern\": {}", "\"rank_pattern\": {\"w.\": 4}"),
+                   8.0 / 4.0);
+  loads_as_saved("all", list, "\"target_modules\": \"ALL-LINEAR\"");
+  loads_as_saved("exclude", "\"exclude_modules\": null", "\"exclude_modules\": []");
+  const struct {
+    const char* name;
+    const char* from;
+    const char* to;
+    std::vector<std::string> error;
+  } cases[] = {
+      {"r0", "\"rank_pattern\": {}", "\"rank_pattern\": {\"wq\": 0}", {"rank_pattern['wq']"}},
+      {"rtext",
+       "\"rank_pattern\": {}",
+       "\"rank_pattern\": {\"wq\": \"8\"}",
+       {"rank_pattern['wq'] is \"8\", not an integer"}},
+      {"alist", "\"alpha_pattern\": {}", "\"alpha_pattern\": [8]", {"alpha_pattern is [8]"}},
+      {"regex",
+       "\"exclude_modules\": null",
+       "\"exclude_modules\": \".*wq\"",
+       {"exclude_modules is a regular expression"}},
+      {"wider",
+       "\"rank_pattern\": {}",
+       "\"rank_pattern\": {\"wq\": 2}",
+       {"layers.0.attention.wq.lora_A.weight", "[2, 32]"}},
+  };
+  for (const auto& c : cases) {
+    const std::string path = peft_config_variant(dir, c.name, c.from, c.to);
+    expect_error([&] { lora->load_adapter(path, c.name); }, c.error);
+  }
+  EXPECT_EQ(lora->adapters(), (std::vector<std::string>{"default"}));
+}
+
+// The adapter table keeps the fields; a table written before them still loads.
+TEST(LoraPatterns, TheAdapterTableKeepsThePatterns) {
+  LoraConfig c = patterned();
+  c.exclude_modules = {"layers.0.feed_forward.w2"};
+  auto m = std::make_shared<Decoder>(lora_decoder_config());
+  auto lora = apply_lora(m, c, "default", {.max_adapters = 2, .max_rank = 6});
+  const StateDict sd = lora->state_dict();
+  auto m2 = std::make_shared<Decoder>(lora_decoder_config());
+  auto other = apply_lora(m2, c, "x", {.max_adapters = 2, .max_rank = 6});
+  other->delete_adapter("x");
+  other->load_state_dict(sd);
+  const LoraConfig& got = other->config("default");
+  EXPECT_EQ(got.rank_pattern, c.rank_pattern);
+  EXPECT_EQ(got.alpha_pattern, c.alpha_pattern);
+  EXPECT_EQ(got.exclude_modules, c.exclude_modules);
+  EXPECT_EQ(slot_at(*other, "layers.1.attention.wq").r, 2);
+  EXPECT_DOUBLE_EQ(slot_at(*other, "layers.1.feed_forward.w1").scale, 3.0 / 4.0);
+  EXPECT_EQ(other->layers().size(), lora->layers().size());
+  // A table from before the fields: no exclusions, every module at r.
+  auto m3 = std::make_shared<Decoder>(lora_decoder_config());
+  auto third = apply_lora(m3, lora_test_config());
+  std::string old = std::get<std::string>(third->state_dict().at("adapters"));
+  for (const char* f :
+       {"\"exclude_modules\":[],", "\"rank_pattern\":[],", "\"alpha_pattern\":[],"}) {
+    const size_t at = old.find(f);
+    ASSERT_NE(at, std::string::npos) << f << " in " << old;
+    old.erase(at, std::string(f).size());
+  }
+  third->delete_adapter("default");
+  third->load_state_dict(StateDict{{"adapters", old}});
+  EXPECT_TRUE(third->config("default").rank_pattern.empty());
+  EXPECT_EQ(slot_at(*third, "layers.0.attention.wq").r, 4);
+}
+
+// Under every layout: the same modules, the same initial values and the plain model's logits.
+TEST(LoraPatterns, EveryLayoutGivesThePlainModel) {
+  LoraConfig c = patterned();
+  c.exclude_modules = {"layers.1.attention.wv"};
+  auto plain = std::make_shared<Decoder>(lora_decoder_config());
+  auto ref_lora = apply_lora(plain, c);
+  const auto ref = ref_lora->read_adapter("default");
+  const Batch b = affine_batch(0, 4, 8, lora_decoder_config().vocab_size);
+  const Tensor want = (*plain)(b.ids);
+  for (const LoraLayout& l : lora_layouts()) {
+    LoraRun run = l.build(lora_decoder_config(), c);
+    EXPECT_EQ(wrapped(*run.lora), wrapped(*ref_lora)) << l.name;
+    EXPECT_EQ(slot_at(*run.lora, "layers.0.attention.wq").r, 2) << l.name;
+    const auto got = run.lora->read_adapter("default");
+    ASSERT_EQ(got.size(), ref.size()) << l.name;
+    for (const auto& [key, t] : ref)
+      expect_identical(got.at(key), t, l.name + " " + key);
+    expect_close(run.logits(b.ids), want, 1e-5, l.name + " logits");
+  }
+}
