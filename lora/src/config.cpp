@@ -66,6 +66,31 @@ bool LoraConfig::all_linear() const {
   return target_modules.size() == 1 && target_modules[0] == kAllLinear;
 }
 
+int64_t LoraConfig::layer_index(const std::string& path) const {
+  // PEFT's paths start with the model's prefix ("model.layers.3..."), Tessera's at the model's
+  // root: the leading '.' lets the first component be the layer list.
+  const std::string dotted = "." + path;
+  std::smatch m;
+  if (layers_pattern.empty()) {
+    static const std::regex any(".*\\.[^.]*\\.(\\d+)\\..*");
+    return std::regex_match(dotted, m, any) ? std::stoll(m[1].str()) : -1;
+  }
+  for (const std::string& p : layers_pattern)
+    if (std::regex_match(dotted, m, std::regex(".*\\.(?:" + p + ")\\.(\\d+)\\..*")))
+      return std::stoll(m[1].str());
+  return -1;
+}
+
+bool LoraConfig::in_transformed_layers(const std::string& path) const {
+  if (layers_to_transform.empty()) return true;
+  // As in PEFT, an entry that is the module's whole path names it in any layer.
+  if (std::find(target_modules.begin(), target_modules.end(), path) != target_modules.end())
+    return true;
+  const int64_t layer = layer_index(path);
+  return std::find(layers_to_transform.begin(), layers_to_transform.end(), layer) !=
+         layers_to_transform.end();
+}
+
 void LoraConfig::validate() const {
   TESSERA_CHECK(r > 0, "LoraConfig: r must be positive, got ", r);
   TESSERA_CHECK(lora_alpha > 0 && std::isfinite(lora_alpha),
@@ -83,6 +108,22 @@ void LoraConfig::validate() const {
                 "\" stands alone (it names every Linear but the output layer)");
   for (const std::string& t : exclude_modules)
     TESSERA_CHECK(!t.empty(), "LoraConfig: an empty name in exclude_modules");
+  for (int64_t layer : layers_to_transform)
+    TESSERA_CHECK(layer >= 0, "LoraConfig: layers_to_transform holds ", layer, ", not a layer");
+  TESSERA_CHECK(layers_to_transform.empty() || !all_linear(),
+                "LoraConfig: layers_to_transform cannot be used with target_modules \"", kAllLinear,
+                "\" (as in PEFT, where a string target_modules refuses it)");
+  TESSERA_CHECK(layers_pattern.empty() || !layers_to_transform.empty(),
+                "LoraConfig: layers_pattern is set without layers_to_transform");
+  for (const std::string& p : layers_pattern) {
+    TESSERA_CHECK(!p.empty(), "LoraConfig: an empty name in layers_pattern");
+    try {
+      std::regex(".*\\.(?:" + p + ")\\.(\\d+)\\..*");
+    } catch (const std::regex_error& e) {
+      TESSERA_FAIL("LoraConfig: layers_pattern '", p, "' is not a regular expression (", e.what(),
+                   ")");
+    }
+  }
   check_pattern(rank_pattern, "rank_pattern");
   check_pattern(alpha_pattern, "alpha_pattern");
   // PEFT's orthogonal init pairs Q's even rows (A) with its odd ones (B).

@@ -93,6 +93,7 @@ std::vector<size_t> LoraModel::targets(const LoraConfig& config) const {
     one.target_modules = {entry};
     LoraConfig unexcluded = one;
     unexcluded.exclude_modules.clear();
+    unexcluded.layers_to_transform.clear();
     std::vector<std::string> unwrapped;
     bool any = false;
     for (const auto& [path, m] : modules) {

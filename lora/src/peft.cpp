@@ -80,8 +80,14 @@ nlohmann::ordered_json to_peft(const LoraConfig& c, const std::vector<std::strin
   j["base_model_name_or_path"] = nullptr;
   j["revision"] = nullptr;
   j["inference_mode"] = c.inference_mode;
-  j["layers_to_transform"] = nullptr;
-  j["layers_pattern"] = nullptr;
+  if (c.layers_to_transform.empty())
+    j["layers_to_transform"] = nullptr;
+  else
+    j["layers_to_transform"] = c.layers_to_transform;
+  if (c.layers_pattern.empty())
+    j["layers_pattern"] = nullptr;
+  else
+    j["layers_pattern"] = c.layers_pattern;
   j["rank_pattern"] = pattern_json(c.rank_pattern);
   j["alpha_pattern"] = pattern_json(c.alpha_pattern);
   if (c.exclude_modules.empty())
@@ -128,6 +134,26 @@ std::vector<std::string> excludes_from(const nlohmann::ordered_json& j,
   return out;
 }
 
+// PEFT's layers_to_transform (an integer or a list of them) and layers_pattern (a string or a
+// list of them); null or empty: not set.
+void layers_from(const nlohmann::ordered_json& j, LoraConfig& c,
+                 const std::function<void(std::string)>& bad) {
+  const auto& t =
+      j.contains("layers_to_transform") ? j["layers_to_transform"] : nlohmann::ordered_json();
+  for (const auto& e : t.is_array() ? t : nlohmann::ordered_json::array({t})) {
+    if (e.is_null() && !t.is_array()) continue;
+    if (!e.is_number_integer())
+      bad("layers_to_transform is " + t.dump() + ", not an integer or a list of integers");
+    c.layers_to_transform.push_back(e.get<int64_t>());
+  }
+  const auto& p = j.contains("layers_pattern") ? j["layers_pattern"] : nlohmann::ordered_json();
+  for (const auto& e : p.is_array() ? p : nlohmann::ordered_json::array({p})) {
+    if ((e.is_null() && !p.is_array()) || (e.is_string() && e.get<std::string>().empty())) continue;
+    if (!e.is_string()) bad("layers_pattern is " + p.dump() + ", not a string or a list of them");
+    c.layers_pattern.push_back(e.get<std::string>());
+  }
+}
+
 LoraConfig from_peft(const nlohmann::ordered_json& j, const std::string& file) {
   auto bad = [&](const std::string& why) { TESSERA_FAIL("PEFT config '", file, "': ", why); };
   if (!j.is_object()) bad("not a JSON object");
@@ -169,9 +195,9 @@ LoraConfig from_peft(const nlohmann::ordered_json& j, const std::string& file) {
   c.exclude_modules = excludes_from(j, bad);
   c.rank_pattern = pattern_from<int64_t>(j, "rank_pattern", bad);
   c.alpha_pattern = pattern_from<double>(j, "alpha_pattern", bad);
-  for (const char* field :
-       {"layers_to_transform", "layers_pattern", "modules_to_save", "target_parameters",
-        "trainable_token_indices", "alora_invocation_tokens", "layer_replication"})
+  layers_from(j, c, bad);
+  for (const char* field : {"modules_to_save", "target_parameters", "trainable_token_indices",
+                            "alora_invocation_tokens", "layer_replication"})
     if (j.contains(field) && !j[field].is_null() &&
         !((j[field].is_array() || j[field].is_object() || j[field].is_string()) &&
           j[field].empty()))

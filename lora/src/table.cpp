@@ -50,6 +50,8 @@ nlohmann::json config_json(const LoraConfig& c) {
   // Pairs, not objects: the first key that matches wins, so the order is part of the value.
   j["rank_pattern"] = c.rank_pattern;
   j["alpha_pattern"] = c.alpha_pattern;
+  j["layers_to_transform"] = c.layers_to_transform;
+  j["layers_pattern"] = c.layers_pattern;
   return j;
 }
 
@@ -121,6 +123,16 @@ void read_selection(const nlohmann::json& j, LoraConfig& c, const std::string& w
     c.rank_pattern = read_pattern<int64_t>(j, "rank_pattern", V::number_integer, where);
   if (j.contains("alpha_pattern"))
     c.alpha_pattern = read_pattern<double>(j, "alpha_pattern", V::number_float, where);
+  if (j.contains("layers_to_transform"))
+    for (const auto& e : field(j, "layers_to_transform", V::array, where)) {
+      TESSERA_CHECK(e.is_number_integer(), where, ": layers_to_transform holds ", e.dump());
+      c.layers_to_transform.push_back(e.get<int64_t>());
+    }
+  if (j.contains("layers_pattern"))
+    for (const auto& e : field(j, "layers_pattern", V::array, where)) {
+      TESSERA_CHECK(e.is_string(), where, ": layers_pattern holds a non-string");
+      c.layers_pattern.push_back(e.get<std::string>());
+    }
 }
 
 LoraConfig config_from(const nlohmann::json& j, const std::string& where) {

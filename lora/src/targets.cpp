@@ -36,7 +36,7 @@ bool lora_targets_module(const LoraConfig& config, const std::string& path, cons
   };
   if (names(config.exclude_modules)) return false;
   if (config.all_linear()) return dynamic_cast<const Linear*>(&m) != nullptr && &m != output;
-  return names(config.target_modules);
+  return names(config.target_modules) && config.in_transformed_layers(path);
 }
 
 void check_lora_excludes(const LoraConfig& config,

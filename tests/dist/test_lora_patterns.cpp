@@ -159,6 +159,31 @@ TEST(LoraPatterns, AllLinearWrapsEveryLinearButTheOutputLayer) {
                {"\"all-linear\" stands alone"});
 }
 
+// layers_to_transform keeps the modules of the listed layers, whose index follows layers_pattern
+// (or, without it, any component); an entry that is a module's whole path keeps it anywhere.
+TEST(LoraPatterns, LayersToTransformKeepsTheListedLayers) {
+  LoraConfig c = lora_test_config();
+  c.target_modules = {"wq", "w1", "layers.0.attention.wk"};
+  c.layers_to_transform = {1};
+  auto build = [&] { return apply_lora(std::make_shared<Decoder>(lora_decoder_config()), c); };
+  const std::vector<std::string> want = {"layers.0.attention.wk", "layers.1.attention.wq",
+                                         "layers.1.feed_forward.w1"};
+  EXPECT_EQ(wrapped(*build()), want);
+  c.layers_pattern = {"lay.rs"};
+  EXPECT_EQ(wrapped(*build()), want);
+  c.target_modules = {"wq"};
+  c.layers_pattern = {"blocks", "h"};
+  expect_error([&] { build(); }, {"no module of Decoder is left to adapt"});
+  c.layers_to_transform.clear();
+  expect_error([&] { build(); }, {"layers_pattern is set without layers_to_transform"});
+  c.layers_pattern.clear();
+  c.layers_to_transform = {-1};
+  expect_error([&] { build(); }, {"layers_to_transform holds -1"});
+  c.layers_to_transform = {0};
+  c.target_modules = {"all-linear"};
+  expect_error([&] { build(); }, {"layers_to_transform cannot be used with target_modules"});
+}
+
 // save_adapter writes PEFT's fields (patterns in their order, the modules "all-linear" resolved
 // to) and load_adapter reads them back onto a model with other slots and layout.
 TEST(LoraPatterns, PeftFilesKeepThePatterns) {
@@ -202,6 +227,30 @@ TEST(LoraPatterns, PeftFilesKeepThePatterns) {
   EXPECT_EQ(saved.find("\"all-linear\""), std::string::npos) << saved;
   lora3->load_adapter(dir + "/all", "listed");
   EXPECT_EQ(lora3->config("listed").target_modules.size(), 14u);
+
+  // layers_to_transform: written as a list, read as a list or PEFT's single integer.
+  LoraConfig one = lora_test_config(LoraInit::Random);
+  one.layers_to_transform = {1};
+  one.layers_pattern = {"layers"};
+  auto m4 = std::make_shared<Decoder>(lora_decoder_config());
+  auto lora4 = apply_lora(m4, one);
+  lora4->save_adapter(dir + "/adapter", "default");
+  const std::string layered = read_text(dir + "/adapter/adapter_config.json");
+  EXPECT_NE(layered.find("\"layers_to_transform\": [\n    1\n  ]"), std::string::npos) << layered;
+  EXPECT_NE(layered.find("\"layers_pattern\": [\n    \"layers\"\n  ]"), std::string::npos)
+      << layered;
+  const std::string single = peft_config_variant(
+      dir, "single", "\"layers_to_transform\": [\n    1\n  ]", "\"layers_to_transform\": 1");
+  for (const std::string& from : {dir + "/adapter", single}) {
+    auto m5 = std::make_shared<Decoder>(lora_decoder_config());
+    auto lora5 = apply_lora(m5, lora_test_config(), "base", {.max_adapters = 2});
+    lora5->load_adapter(from, "layered");
+    EXPECT_EQ(lora5->config("layered").layers_to_transform, std::vector<int64_t>{1});
+    const auto have = lora5->read_adapter("layered");
+    EXPECT_EQ(have.size(), 14u) << from;
+    for (const auto& [key, t] : lora4->read_adapter("default"))
+      expect_identical(have.at(key), t, from + " " + key);
+  }
 }
 
 // A PEFT file with these fields loads (it used to be refused); a bad value is refused naming the
@@ -249,6 +298,14 @@ TEST(LoraPatterns, PeftFilesWithTheFieldsLoadAndBadValuesAreRefused) {
        "\"exclude_modules\": null",
        "\"exclude_modules\": \".*wq\"",
        {"exclude_modules is a regular expression"}},
+      {"layers",
+       "\"layers_to_transform\": null",
+       "\"layers_to_transform\": \"0\"",
+       {"layers_to_transform is \"0\", not an integer or a list of integers"}},
+      {"lpattern",
+       "\"layers_pattern\": null",
+       "\"layers_pattern\": \"layers\"",
+       {"layers_pattern is set without layers_to_transform"}},
       {"wider",
        "\"rank_pattern\": {}",
        "\"rank_pattern\": {\"wq\": 2}",
@@ -265,6 +322,8 @@ TEST(LoraPatterns, PeftFilesWithTheFieldsLoadAndBadValuesAreRefused) {
 TEST(LoraPatterns, TheAdapterTableKeepsThePatterns) {
   LoraConfig c = patterned();
   c.exclude_modules = {"layers.0.feed_forward.w2"};
+  c.layers_to_transform = {0, 1};
+  c.layers_pattern = {"layers"};
   auto m = std::make_shared<Decoder>(lora_decoder_config());
   auto lora = apply_lora(m, c, "default", {.max_adapters = 2, .max_rank = 6});
   const StateDict sd = lora->state_dict();
@@ -276,6 +335,8 @@ TEST(LoraPatterns, TheAdapterTableKeepsThePatterns) {
   EXPECT_EQ(got.rank_pattern, c.rank_pattern);
   EXPECT_EQ(got.alpha_pattern, c.alpha_pattern);
   EXPECT_EQ(got.exclude_modules, c.exclude_modules);
+  EXPECT_EQ(got.layers_to_transform, c.layers_to_transform);
+  EXPECT_EQ(got.layers_pattern, c.layers_pattern);
   EXPECT_EQ(slot_at(*other, "layers.1.attention.wq").r, 2);
   EXPECT_DOUBLE_EQ(slot_at(*other, "layers.1.feed_forward.w1").scale, 3.0 / 4.0);
   EXPECT_EQ(other->layers().size(), lora->layers().size());
@@ -283,8 +344,8 @@ TEST(LoraPatterns, TheAdapterTableKeepsThePatterns) {
   auto m3 = std::make_shared<Decoder>(lora_decoder_config());
   auto third = apply_lora(m3, lora_test_config());
   std::string old = std::get<std::string>(third->state_dict().at("adapters"));
-  for (const char* f :
-       {"\"exclude_modules\":[],", "\"rank_pattern\":[],", "\"alpha_pattern\":[],"}) {
+  for (const char* f : {"\"exclude_modules\":[],", "\"rank_pattern\":[],", "\"alpha_pattern\":[],",
+                        "\"layers_pattern\":[],", "\"layers_to_transform\":[],"}) {
     const size_t at = old.find(f);
     ASSERT_NE(at, std::string::npos) << f << " in " << old;
     old.erase(at, std::string(f).size());
@@ -299,6 +360,8 @@ TEST(LoraPatterns, TheAdapterTableKeepsThePatterns) {
 TEST(LoraPatterns, EveryLayoutGivesThePlainModel) {
   LoraConfig c = patterned();
   c.exclude_modules = {"layers.1.attention.wv"};
+  c.target_modules.push_back("layers.0.attention.wq");
+  c.layers_to_transform = {1};
   auto plain = std::make_shared<Decoder>(lora_decoder_config());
   auto ref_lora = apply_lora(plain, c);
   const auto ref = ref_lora->read_adapter("default");
@@ -307,7 +370,9 @@ TEST(LoraPatterns, EveryLayoutGivesThePlainModel) {
   for (const LoraLayout& l : lora_layouts()) {
     LoraRun run = l.build(lora_decoder_config(), c);
     EXPECT_EQ(wrapped(*run.lora), wrapped(*ref_lora)) << l.name;
+    EXPECT_EQ(run.lora->layers().size(), 7u) << l.name;
     EXPECT_EQ(slot_at(*run.lora, "layers.0.attention.wq").r, 2) << l.name;
+    EXPECT_EQ(slot_at(*run.lora, "layers.1.attention.wk").r, 6) << l.name;
     const auto got = run.lora->read_adapter("default");
     ASSERT_EQ(got.size(), ref.size()) << l.name;
     for (const auto& [key, t] : ref)

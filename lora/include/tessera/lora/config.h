@@ -36,6 +36,13 @@ struct LoraConfig {
   // first key that matches, in this order (a file's order), wins.
   std::vector<std::pair<std::string, int64_t>> rank_pattern;
   std::vector<std::pair<std::string, double>> alpha_pattern;
+  // PEFT's layers_to_transform and layers_pattern: when layers_to_transform is set, a module a
+  // target entry matches by suffix or pattern (not one whose whole path an entry is) is adapted
+  // only inside the layers it lists. A module's layer is the number after the last component of
+  // its path that layers_pattern's regular expressions match ("layers" in "layers.3.attention.wq"),
+  // or, without layers_pattern, after the last component followed by a number and more path.
+  std::vector<int64_t> layers_to_transform;
+  std::vector<std::string> layers_pattern;
   // alpha / sqrt(r) instead of alpha / r.
   bool use_rslora = false;
   LoraInit init_lora_weights = LoraInit::Kaiming;
@@ -65,10 +72,15 @@ struct LoraConfig {
   // This config with the r and lora_alpha of the module at `path`: what its layer holds.
   LoraConfig for_module(const std::string& path) const;
   bool all_linear() const;  // target_modules is {"all-linear"}
+  // The layer index of the module at `path` under layers_pattern (the rule above), or -1.
+  int64_t layer_index(const std::string& path) const;
+  // Whether layers_to_transform keeps the module at `path`, which a target entry matched.
+  bool in_transformed_layers(const std::string& path) const;
   // An error naming the field for r <= 0, alpha <= 0, dropout outside [0, 1), no targets, a bias
   // other than "none", "all" and "lora_only", an odd r with the orthogonal init, "all-linear"
-  // beside other targets, an empty exclude_modules entry, a pattern key that is not a regular
-  // expression or whose value is not a valid r (alpha).
+  // beside other targets or with layers_to_transform, an empty exclude_modules entry, a pattern
+  // key that is not a regular expression or whose value is not a valid r (alpha), a negative
+  // layer, layers_pattern without layers_to_transform or not a regular expression.
   void validate() const;
 };
 
