@@ -95,7 +95,7 @@ bool lora_target_matches(const std::string& entry, const std::string& path);
 // zero (they then get zero gradients and stay zero).
 struct LoraSlots {
   int64_t max_adapters = 1;
-  int64_t max_rank = 0;  // 0: the first adapter's r
+  int64_t max_rank = 0;  // 0: the largest r the first adapter uses (rank_pattern included)
   // Every slot also holds a DoRA magnitude vector "lora_magnitude_vector.<slot>.weight" [out], so
   // that DoRA adapters can be added later; apply_lora sets it when its adapter uses DoRA.
   bool use_dora = false;
