@@ -41,12 +41,20 @@ inline void expect_identical(const Tensor& got, const Tensor& want, const std::s
   EXPECT_TRUE(same) << what << ": values differ (got " << got.str() << ")";
 }
 
-// A directory under the build tree shared by the ranks of one test job (rank 0 creates it).
-inline std::string scratch_dir(const std::string& name) {
+// A directory under the build tree that every job of the test binary shares (rank 0 creates
+// it): for files one world size writes and another reads, in jobs CTest orders by fixtures.
+inline std::string shared_scratch_dir(const std::string& name) {
   const std::string dir = std::string(TESSERA_TEST_SCRATCH) + "/" + name;
   if (world_rank() == 0) std::filesystem::create_directories(dir);
   world_group()->barrier()->wait();
   return dir;
+}
+
+// A directory for the ranks of this job alone. Its name carries the world size: CTest runs a
+// test's world sizes concurrently, and two jobs writing one file damaged each other's
+// checkpoints.
+inline std::string scratch_dir(const std::string& name) {
+  return shared_scratch_dir(name + ".np" + std::to_string(world_size()));
 }
 
 }  // namespace tessera::testing

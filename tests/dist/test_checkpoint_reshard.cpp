@@ -31,7 +31,7 @@ StateDict train_state(Parallel& p, AdamW& opt) {
 }
 
 std::string data_dir() {
-  return scratch_dir("reshard");
+  return shared_scratch_dir("reshard");
 }
 
 }  // namespace
