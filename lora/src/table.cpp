@@ -18,7 +18,15 @@ namespace tessera {
 namespace {
 
 constexpr const char* kKey = "adapters";
-constexpr int64_t kFormat = 1;
+// Format 2 holds what format 1's readers would misread without a word: a module's own r or
+// alpha (rank_pattern, alpha_pattern) or a DoRA adapter would be restored as plain LoRA at the
+// global r. A table without them is written as format 1, which those builds still read.
+constexpr int64_t kFormat = 2;
+constexpr int64_t kOldestFormat = 1;
+
+int64_t format_needed(const LoraConfig& c) {
+  return c.use_dora || !c.rank_pattern.empty() || !c.alpha_pattern.empty() ? 2 : 1;
+}
 
 const char* init_name(LoraInit i) {
   switch (i) {
@@ -189,7 +197,10 @@ struct LoraModel::SavedAdapter {
 
 StateDict LoraModel::state_dict() const {
   nlohmann::json j;
-  j["format"] = kFormat;
+  int64_t format = kOldestFormat;
+  for (const auto& [name, a] : adapters_)
+    format = std::max(format, format_needed(a.config));
+  j["format"] = format;
   j["max_adapters"] = slots_.max_adapters;
   j["max_rank"] = slots_.max_rank;
   j["active_adapter"] = active_;
@@ -221,8 +232,9 @@ std::vector<LoraModel::SavedAdapter> LoraModel::parse_table(const std::string& t
   } catch (const nlohmann::json::exception& e) {
     TESSERA_FAIL(ctx, " is not JSON (", e.what(), ")");
   }
-  TESSERA_CHECK(field(j, "format", V::number_integer, ctx).get<int64_t>() == kFormat, ctx,
-                " has format ", j["format"].dump(), "; this build reads ", kFormat);
+  const int64_t format = field(j, "format", V::number_integer, ctx).get<int64_t>();
+  TESSERA_CHECK(format >= kOldestFormat && format <= kFormat, ctx, " has format ", format,
+                "; this build reads ", kOldestFormat, " to ", kFormat);
   const int64_t max_adapters = field(j, "max_adapters", V::number_integer, ctx).get<int64_t>();
   const int64_t max_rank = field(j, "max_rank", V::number_integer, ctx).get<int64_t>();
   TESSERA_CHECK(max_adapters == slots_.max_adapters && max_rank == slots_.max_rank, ctx, " has ",

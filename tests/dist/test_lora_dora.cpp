@@ -530,6 +530,7 @@ TEST(LoraDora, AdapterTableKeepsUseDora) {
   const StateDict table = lora->state_dict();
   const std::string text = std::get<std::string>(table.at("adapters"));
   EXPECT_NE(text.find("\"use_dora\":true"), std::string::npos) << text;
+  EXPECT_NE(text.find("\"format\":2"), std::string::npos) << text;
   auto m2 = std::make_shared<Decoder>(cfg);
   auto other = apply_lora(m2, lora_test_config(), "default", slots);
   other->load_state_dict(table);

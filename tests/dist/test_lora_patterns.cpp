@@ -327,6 +327,8 @@ TEST(LoraPatterns, TheAdapterTableKeepsThePatterns) {
   auto m = std::make_shared<Decoder>(lora_decoder_config());
   auto lora = apply_lora(m, c, "default", {.max_adapters = 2, .max_rank = 6});
   const StateDict sd = lora->state_dict();
+  // Per-module ranks make format 2, which older builds refuse instead of misreading.
+  EXPECT_NE(std::get<std::string>(sd.at("adapters")).find("\"format\":2"), std::string::npos);
   auto m2 = std::make_shared<Decoder>(lora_decoder_config());
   auto other = apply_lora(m2, c, "x", {.max_adapters = 2, .max_rank = 6});
   other->delete_adapter("x");
@@ -344,6 +346,7 @@ TEST(LoraPatterns, TheAdapterTableKeepsThePatterns) {
   auto m3 = std::make_shared<Decoder>(lora_decoder_config());
   auto third = apply_lora(m3, lora_test_config());
   std::string old = std::get<std::string>(third->state_dict().at("adapters"));
+  EXPECT_NE(old.find("\"format\":1"), std::string::npos) << old;
   for (const char* f : {"\"exclude_modules\":[],", "\"rank_pattern\":[],", "\"alpha_pattern\":[],",
                         "\"layers_pattern\":[],", "\"layers_to_transform\":[],"}) {
     const size_t at = old.find(f);
