@@ -32,6 +32,14 @@ class OneLayer : public Module {
   std::shared_ptr<Linear> proj;
 };
 
+// The paths of the layers LoRA wrapped, in the model's order.
+inline std::vector<std::string> wrapped(const LoraModel& lora) {
+  std::vector<std::string> out;
+  for (const auto& [path, l] : lora.layers())
+    out.push_back(path);
+  return out;
+}
+
 inline DecoderConfig lora_decoder_config() {
   DecoderConfig cfg;
   cfg.vocab_size = 32;

@@ -15,13 +15,6 @@ using namespace tessera::testing;
 
 namespace {
 
-std::vector<std::string> wrapped(const LoraModel& lora) {
-  std::vector<std::string> out;
-  for (const auto& [path, l] : lora.layers())
-    out.push_back(path);
-  return out;
-}
-
 const LoraLinear::Slot& slot_at(const LoraModel& lora, const std::string& path, int64_t s = 0) {
   for (const auto& [p, l] : lora.layers())
     if (p == path) return l->slot(s);

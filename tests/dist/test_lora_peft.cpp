@@ -21,13 +21,6 @@ using namespace tessera::testing;
 
 namespace {
 
-std::vector<std::string> wrapped(const LoraModel& lora) {
-  std::vector<std::string> out;
-  for (const auto& [path, l] : lora.layers())
-    out.push_back(path);
-  return out;
-}
-
 LoraConfig targeting(std::vector<std::string> targets, LoraInit init = LoraInit::Kaiming) {
   LoraConfig c = lora_test_config(init);
   c.target_modules = std::move(targets);
