@@ -9,6 +9,9 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
 
 #include "dist/checkpoint_models.h"
 #include "dist/checkpoint_util.h"
@@ -158,6 +161,47 @@ TEST(Lora, AdaptersAddNoCollectives) {
             (long long)n, what.c_str(), str(base.first).c_str(), str(base.second).c_str(),
             str(lora.first).c_str(), str(lora.second).c_str());
     }
+  }
+}
+
+// DoRA adds what docs/lora.md says and no more: a row-parallel layer one all-reduce of its rows'
+// sums of squares per forward, a column-parallel one nothing; the backward adds nothing (m's
+// gradient is local where m is sharded, and whole where it is replicated). Without dropout.
+TEST(Lora, DoraAddsOneAllReducePerRowParallelForward) {
+  if (world_size() == 1) GTEST_SKIP() << "no collectives on one rank";
+  const int64_t n = world_size();
+  DeviceMesh mesh(Shape{n}, {"tp"});
+  RowwiseParallel sp_row;
+  sp_row.output_layouts = {Shard(1)};
+  const std::vector<std::tuple<std::string, ParallelStylePtr, Shape, int64_t>> cases = {
+      {"colwise", std::make_shared<ColwiseParallel>(), {2, 8, 16}, 0},
+      {"rowwise", std::make_shared<RowwiseParallel>(), {2, 8, 16 / n}, 1},
+      {"rowwise into sequence shards",
+       std::make_shared<RowwiseParallel>(sp_row),
+       {2, 8, 16 / n},
+       1}};
+  for (const auto& [name, style, input, extra] : cases) {
+    auto layer = [&](bool dora) {
+      Generator gen(1);
+      auto m = std::make_shared<OneLayer>(std::make_shared<Linear>(16, 24, false, gen));
+      LoraConfig cfg = lora_test_config(LoraInit::Random);
+      cfg.target_modules = {"proj"};
+      cfg.lora_dropout = 0.0;
+      cfg.use_dora = dora;
+      parallelize_module(m, mesh, {{"proj", style}});
+      apply_lora(m, cfg);
+      return m;
+    };
+    Generator gx(5);
+    const Tensor x = rand(input, gx);
+    auto lora = layer(false);
+    auto dora = layer(true);
+    const auto base = count(*lora, x);
+    const auto got = count(*dora, x);
+    EXPECT_EQ(total(got.first), total(base.first) + extra)
+        << name << ", forward: DoRA " << str(got.first) << "; LoRA " << str(base.first);
+    EXPECT_EQ(total(got.second), total(base.second))
+        << name << ", backward: DoRA " << str(got.second) << "; LoRA " << str(base.second);
   }
 }
 
