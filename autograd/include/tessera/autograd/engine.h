@@ -42,8 +42,9 @@ namespace autograd {
 // and no post-accumulate hook (FSDP's reduce-scatter) runs. The hooks a backward would run at an
 // input (a leaf's, a non-leaf's, retain_grad's) run before its gradient is taken. Refused, before
 // anything runs, for an input that does not require grad or that the outputs' graph does not
-// reach (unless allow_unused, which returns an undefined tensor for it, as for an input that a
-// node passed no gradient to). Saved tensors of the nodes run are freed unless retain_graph.
+// reach, and after the run for one no node passed a gradient to; allow_unused returns an
+// undefined tensor for those two instead. Saved tensors of the nodes run are freed unless
+// retain_graph.
 // No create_graph: the gradients record no history.
 std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                          const std::vector<Tensor>& grad_outputs = {}, bool retain_graph = false,
