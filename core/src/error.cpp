@@ -65,4 +65,13 @@ void throw_error(const char* file, int line, const std::string& msg) {
 }
 }  // namespace detail
 
+std::string join(const std::vector<std::string>& parts, const std::string& sep) {
+  std::string s;
+  for (const std::string& p : parts) {
+    if (!s.empty()) s += sep;
+    s += p;
+  }
+  return s;
+}
+
 }  // namespace tessera

@@ -90,15 +90,6 @@ void add_unique(std::vector<std::string>& list, const std::string& msg) {
   if (std::find(list.begin(), list.end(), msg) == list.end()) list.push_back(msg);
 }
 
-std::string join(const std::vector<std::string>& list, const std::string& sep) {
-  std::string s;
-  for (const std::string& m : list) {
-    if (!s.empty()) s += sep;
-    s += m;
-  }
-  return s;
-}
-
 // Groups whose collectives reach every rank of the mesh when run one after the other, each on
 // the previous one's result: the world when the mesh spans it, else one per mesh dim.
 std::vector<ProcessGroupPtr> covering_groups(const DeviceMesh& mesh) {

@@ -18,13 +18,6 @@ namespace tessera {
 
 namespace {
 
-std::string join(const std::vector<std::string>& v) {
-  std::string s;
-  for (const auto& x : v)
-    s += (s.empty() ? "" : ", ") + x;
-  return s;
-}
-
 // The modules target_modules may name: all but the adapter slots inside LoraLinears, whose
 // paths ("wq.lora_A.0") end in a number as a Sequential's layers' do ("0").
 std::vector<std::pair<std::string, ModulePtr>> targetable_modules(Module& model) {

@@ -11,17 +11,6 @@
 
 namespace tessera {
 
-namespace {
-
-std::string join_names(const std::vector<std::string>& v) {
-  std::string s;
-  for (const auto& x : v)
-    s += (s.empty() ? "" : ", ") + x;
-  return s;
-}
-
-}  // namespace
-
 const Module* lora_output_layer(Module& model) {
   auto* decoder = dynamic_cast<Decoder*>(&model);
   return decoder ? decoder->output.get() : nullptr;
@@ -84,8 +73,8 @@ std::vector<std::pair<std::string, std::shared_ptr<Linear>>> find_targets(
     found.emplace_back(path, linear);
   }
   TESSERA_CHECK(!found.empty(), "apply_lora: no module of ", model.type_name(),
-                " is left to adapt (target_modules ", join_names(config.target_modules),
-                "; exclude_modules ", join_names(config.exclude_modules), ")");
+                " is left to adapt (target_modules ", join(config.target_modules),
+                "; exclude_modules ", join(config.exclude_modules), ")");
   return found;
 }
 

@@ -15,13 +15,6 @@ namespace tessera {
 
 namespace {
 
-std::string join(const std::vector<std::string>& v) {
-  std::string s;
-  for (const auto& x : v)
-    s += (s.empty() ? "" : ", ") + x;
-  return s;
-}
-
 // Lists every missing, unexpected and mis-shaped key of `state` (a map whose values have
 // shape()) against the module's parameters and buffers, and throws when the load must not go on;
 // else returns the missing and unexpected keys.
@@ -93,7 +86,7 @@ DeviceMesh world_mesh(DeviceType type) {
 std::string IncompatibleKeys::str() const {
   // A model of another size mismatches every key: the first few say it.
   constexpr size_t kShown = 8;
-  auto join = [](const std::vector<std::string>& v) {
+  auto first_few = [](const std::vector<std::string>& v) {
     std::string s;
     for (size_t i = 0; i < v.size() && i < kShown; ++i)
       s += (s.empty() ? "" : ", ") + v[i];
@@ -103,7 +96,7 @@ std::string IncompatibleKeys::str() const {
   std::string s;
   auto add = [&](const char* what, const std::vector<std::string>& v) {
     if (v.empty()) return;
-    s += (s.empty() ? "" : "; ") + std::string(what) + ": " + join(v);
+    s += (s.empty() ? "" : "; ") + std::string(what) + ": " + first_few(v);
   };
   add("missing keys", missing_keys);
   add("unexpected keys", unexpected_keys);

@@ -7,6 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace tessera {
 
@@ -28,6 +29,9 @@ class Error : public std::runtime_error {
 // -1 until a runtime sets it; messages then carry "[rank r]".
 void set_error_rank(int rank);
 int error_rank();
+
+// `parts` separated by `sep`, for messages that list names ("a, b, c").
+std::string join(const std::vector<std::string>& parts, const std::string& sep = ", ");
 
 namespace detail {
 template <class... Args>
