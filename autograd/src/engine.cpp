@@ -292,6 +292,13 @@ void run_graph(const std::vector<std::shared_ptr<Node>>& roots, Buffers& buffers
   }
 }
 
+// A non-leaf's .grad gains `g` (retain_grad, backward(inputs)): a copy the first time, since `g`
+// may be shared with the graph, a sum after.
+void add_to_grad(AutogradMeta& meta, const Tensor& g) {
+  meta.grad =
+      meta.grad.defined() ? kernels::binary(kernels::BinaryOp::Add, meta.grad, g) : g.clone();
+}
+
 // Where each input's gradient arrives, refusing an input that cannot have one.
 std::vector<Edge> input_edges(const std::vector<Tensor>& inputs, const char* op) {
   std::vector<Edge> at(inputs.size());
@@ -334,8 +341,7 @@ void backward_into(const std::vector<Tensor>& outputs, const std::vector<Tensor>
     const Tensor& g = captures.values[i];
     AutogradMeta& meta = const_cast<Tensor&>(inputs[i]).autograd_meta();
     if (!g.defined() || meta.retains_grad) continue;
-    meta.grad =
-        meta.grad.defined() ? kernels::binary(kernels::BinaryOp::Add, meta.grad, g) : g.clone();
+    add_to_grad(meta, g);
   }
 }
 
@@ -409,9 +415,7 @@ void retain_grad(const Tensor& t) {
   meta.retains_grad = true;
   std::weak_ptr<AutogradMeta> weak = t.impl()->autograd;
   t.grad_fn()->set_retain_hook(t.output_nr(), [weak](const Tensor& g) {
-    if (auto m = weak.lock()) {
-      m->grad = m->grad.defined() ? kernels::binary(kernels::BinaryOp::Add, m->grad, g) : g.clone();
-    }
+    if (auto m = weak.lock()) add_to_grad(*m, g);
     return Tensor();
   });
 }
