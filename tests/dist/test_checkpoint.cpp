@@ -293,7 +293,7 @@ TEST(Checkpoint, RanksWithDifferentStateDictsFailTogether) {
 TEST(Checkpoint, H5pyReadsEveryDatasetAsTheGlobalTensor) {
   const std::string python = TESSERA_H5PY_PYTHON;
   if (python.empty()) GTEST_SKIP() << kNoH5py;
-  const std::string dir = scratch_dir("checkpoint_h5py_np" + std::to_string(world_size()));
+  const std::string dir = scratch_dir("checkpoint_h5py");
   StateDict sd;
   for (DType dt : kDTypes)
     for (size_t s = 0; s < kShapes.size(); ++s) {
@@ -417,7 +417,7 @@ std::pair<int, std::string> ckpt_cli(const std::string& args) {
 
 TEST(Checkpoint, TheCliListsVerifiesDiffsAndExports) {
   auto q = [](const std::string& s) { return shell_quoted(s); };
-  const std::string dir = scratch_dir("checkpoint_cli_np" + std::to_string(world_size()));
+  const std::string dir = scratch_dir("checkpoint_cli");
   DeviceMesh mesh(Shape{world_size()}, {"dp"});
   auto state = [&](int salt) {
     return StateDict{{"model/w", distribute_tensor(index_tensor({6, 4}, DType::Float32, salt), mesh,

@@ -92,7 +92,7 @@ void edit(const std::string& path, const std::function<void(hid_t)>& f) {
 }
 
 std::string dir() {
-  return scratch_dir("checkpoint_damage_np" + std::to_string(world_size()));
+  return scratch_dir("checkpoint_damage");
 }
 
 }  // namespace

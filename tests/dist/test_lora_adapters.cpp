@@ -321,7 +321,7 @@ TEST(Lora, LayerRefusesAMergedAdapterThatIsNotActive) {
 // PEFT's files: written from one layout, loaded into every other (a second adapter slot), with
 // PEFT's keys and config; a file for other shapes is an error naming the key.
 TEST(Lora, PeftFilesLoadOntoAnyMesh) {
-  const std::string dir = scratch_dir("lora_peft_np" + std::to_string(world_size()));
+  const std::string dir = scratch_dir("lora_peft");
   const DecoderConfig cfg = lora_decoder_config();
   const auto layouts = lora_layouts({.max_adapters = 2, .max_rank = 4});
   LoraRun src = layouts.back().build(cfg, lora_test_config(LoraInit::Random));
@@ -401,7 +401,7 @@ TEST(Lora, PeftFilesLoadOntoAnyMesh) {
 // PEFT's per-module alphas load onto the model's layout with the module's own scale; a
 // per-module rank the file's matrices do not have is refused, naming the key and both shapes.
 TEST(Lora, PeftPerModuleRanksAndAlphasLoad) {
-  const std::string dir = scratch_dir("lora_peft_patterns_np" + std::to_string(world_size()));
+  const std::string dir = scratch_dir("lora_peft_patterns");
   const DecoderConfig cfg = lora_decoder_config();
   LoraRun run = lora_layouts({.max_adapters = 2, .max_rank = 4})
                     .front()

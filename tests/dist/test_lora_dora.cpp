@@ -423,7 +423,7 @@ TEST(LoraDora, MergeAndUnloadGivesThePlainModelItsOutput) {
 // whose slots hold no magnitude refuses the file, naming the adapter, and keeps nothing of it;
 // a use_dora that is not a boolean is refused.
 TEST(LoraDora, PeftFilesRoundTrip) {
-  const std::string dir = scratch_dir("lora_dora_np" + std::to_string(world_size()));
+  const std::string dir = scratch_dir("lora_dora");
   const DecoderConfig cfg = lora_decoder_config();
   const LoraSlots slots{.max_adapters = 2, .max_rank = 4, .use_dora = true};
   const auto layouts = lora_layouts(slots);

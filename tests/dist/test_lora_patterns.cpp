@@ -180,7 +180,7 @@ TEST(LoraPatterns, LayersToTransformKeepsTheListedLayers) {
 // save_adapter writes PEFT's fields (patterns in their order, the modules "all-linear" resolved
 // to) and load_adapter reads them back onto a model with other slots and layout.
 TEST(LoraPatterns, PeftFilesKeepThePatterns) {
-  const std::string dir = scratch_dir("lora_patterns_np" + std::to_string(world_size()));
+  const std::string dir = scratch_dir("lora_patterns");
   LoraConfig c = patterned();
   c.exclude_modules = {"layers.1.feed_forward.w2"};
   auto m = std::make_shared<Decoder>(lora_decoder_config());
@@ -249,7 +249,7 @@ TEST(LoraPatterns, PeftFilesKeepThePatterns) {
 // A PEFT file with these fields loads (it used to be refused); a bad value is refused naming the
 // field, and leaves no adapter behind.
 TEST(LoraPatterns, PeftFilesWithTheFieldsLoadAndBadValuesAreRefused) {
-  const std::string dir = scratch_dir("lora_patterns_fields_np" + std::to_string(world_size()));
+  const std::string dir = scratch_dir("lora_patterns_fields");
   auto m = std::make_shared<Decoder>(lora_decoder_config());
   auto lora = apply_lora(m, lora_test_config(LoraInit::Random), "default", {.max_adapters = 2});
   lora->save_adapter(dir + "/adapter", "default");

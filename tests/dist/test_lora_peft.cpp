@@ -187,7 +187,7 @@ TEST(LoraPeft, DropoutScaleStaysExactUnderABfloat16Base) {
 // An adapter made with patterns is saved with the paths they matched (PEFT reads names and
 // dotted suffixes, not patterns); plain names stay as given.
 TEST(LoraPeft, PatternTargetsAreSavedAsThePathsTheyMatched) {
-  const std::string dir = scratch_dir("lora_peft_targets_np" + std::to_string(world_size()));
+  const std::string dir = scratch_dir("lora_peft_targets");
   auto m = std::make_shared<Decoder>(lora_decoder_config());
   auto lora = apply_lora(m, targeting({"layers.*.attention.wq", "w2"}));
   lora->save_adapter(dir + "/adapter", "default");
@@ -234,7 +234,7 @@ TEST(LoraPeft, OrthogonalInitStartsAsTheBaseWithBothMatricesDrawn) {
   EXPECT_EQ(largest(kernels::narrow(layer.lora_A(0).full(), 0, 4, 2)), 0.0);
   EXPECT_EQ(largest(kernels::narrow(layer.lora_B(0).full(), 1, 4, 2)), 0.0);
   // PEFT's files, and the adapter table.
-  const std::string dir = scratch_dir("lora_peft_orthogonal_np" + std::to_string(world_size()));
+  const std::string dir = scratch_dir("lora_peft_orthogonal");
   lora->save_adapter(dir + "/adapter", "default");
   EXPECT_NE(
       read_text(dir + "/adapter/adapter_config.json").find("\"init_lora_weights\": \"orthogonal\""),
@@ -250,7 +250,7 @@ TEST(LoraPeft, OrthogonalInitStartsAsTheBaseWithBothMatricesDrawn) {
 // PEFT config fields that would load onto other modules than the adapter was trained on, or
 // onto a base it does not fit, are refused naming the field; they used to be ignored.
 TEST(LoraPeft, UnsupportedPeftFieldsAreRefused) {
-  const std::string dir = scratch_dir("lora_peft_fields_np" + std::to_string(world_size()));
+  const std::string dir = scratch_dir("lora_peft_fields");
   auto m = std::make_shared<Decoder>(lora_decoder_config());
   auto lora = apply_lora(m, lora_test_config(), "default", {.max_adapters = 2});
   lora->save_adapter(dir + "/adapter", "default");

@@ -197,8 +197,7 @@ TEST(LoraBias, TrainedBiasesTravelWithTheAdapter) {
       expect_close(b.net->head->bias.full(), ref_net->head->bias.full(), 1e-5,
                    what + ": head.bias");
 
-      const std::string dir = scratch_dir("lora_bias_np" + std::to_string(world_size())) + "/" +
-                              mode + "_" + std::to_string(li);
+      const std::string dir = scratch_dir("lora_bias") + "/" + mode + "_" + std::to_string(li);
       b.lora->save_adapter(dir, "default");
       std::vector<std::string> keys;
       for (const auto& [key, t] : load_safetensors(dir + "/adapter_model.safetensors").tensors)
@@ -230,7 +229,7 @@ TEST(LoraBias, TrainedBiasesTravelWithTheAdapter) {
 
 // A file whose biases do not fit the model is refused before the adapter is added.
 TEST(LoraBias, MisShapedBiasInAFileIsRefusedWhole) {
-  const std::string dir = scratch_dir("lora_bias_bad_np" + std::to_string(world_size()));
+  const std::string dir = scratch_dir("lora_bias_bad");
   auto net = std::make_shared<BiasNet>();
   auto lora = apply_lora(net, bias_config("lora_only"));
   lora->save_adapter(dir + "/good", "default");
@@ -284,7 +283,7 @@ TEST(LoraBias, TheAdapterTableRestoresWhichBiasesTrain) {
 // matrices and its bias mode's biases stay frozen, its table and files say so, and its slot
 // trains again once it is deleted.
 TEST(LoraInference, LoadedAdaptersAreFrozenUnlessTrainable) {
-  const std::string dir = scratch_dir("lora_inference_np" + std::to_string(world_size()));
+  const std::string dir = scratch_dir("lora_inference");
   auto src = std::make_shared<BiasNet>();
   apply_lora(src, bias_config("lora_only"))->save_adapter(dir + "/a", "default");
   auto net = std::make_shared<BiasNet>();
