@@ -1,5 +1,6 @@
 #include "tessera/nn/module.h"
 
+#include <algorithm>
 #include <map>
 #include <set>
 
@@ -38,7 +39,50 @@ Tensor Module::operator()(const Tensor& x_in) {
   return y;
 }
 
+namespace {
+
+// Swaps a stand-in set's parameters with the module's own for the scope of one forward: the
+// forward reads the stand-ins through the module's members, and the graph it records holds their
+// tensors, so their leaves accumulate the gradients. Swapping whole Parameter objects carries
+// FSDP's unsharded values with them, and swapping back on every exit leaves each object, which
+// optimizers and FSDP know by address, holding its own state.
+class StandInScope {
+ public:
+  StandInScope(std::vector<std::pair<Parameter*, Parameter*>> pairs) : pairs_(std::move(pairs)) {
+    for (auto& [own, stand_in] : pairs_)
+      std::swap(*own, *stand_in);
+  }
+  ~StandInScope() {
+    for (auto& [own, stand_in] : pairs_)
+      std::swap(*own, *stand_in);
+  }
+  StandInScope(const StandInScope&) = delete;
+  StandInScope& operator=(const StandInScope&) = delete;
+
+ private:
+  std::vector<std::pair<Parameter*, Parameter*>> pairs_;
+};
+
+}  // namespace
+
 Tensor Module::run_forward(const Tensor& x) {
+  if (select_stand_ins_) {
+    const int64_t k = select_stand_ins_();
+    TESSERA_CHECK(k >= -1 && k < int64_t(stand_ins_.size()), type_name_, ": stand-in set ", k,
+                  " chosen, of ", stand_ins_.size());
+    if (k >= 0) {
+      std::vector<std::pair<Parameter*, Parameter*>> pairs;
+      for (const auto& [name, stand_in] : stand_ins_[size_t(k)])
+        for (auto& [own_name, own] : params_)
+          if (own_name == name) pairs.emplace_back(own, stand_in);
+      StandInScope scope(std::move(pairs));
+      return run_own_forward(x);
+    }
+  }
+  return run_own_forward(x);
+}
+
+Tensor Module::run_own_forward(const Tensor& x) {
   if (!dtensor_io_) return forward(x);
   const DTensorIO& io = *dtensor_io_;
   const std::string who = io.owner.empty() ? type_name_ : io.owner;
@@ -223,6 +267,57 @@ void Module::replace_submodule(const std::string& path, ModulePtr module) {
     return;
   }
   TESSERA_FAIL("replace_submodule: ", parent->type_name_, " has no child '", leaf, "'");
+}
+
+void Module::add_module(const std::string& name, ModulePtr module) {
+  TESSERA_CHECK(module != nullptr, type_name_, ".add_module('", name, "'): null module");
+  auto held = std::make_shared<ModulePtr>(std::move(module));
+  ModuleSlot s;
+  s.get = [held]() { return *held; };
+  s.set = [held, name](ModulePtr m) {
+    TESSERA_CHECK(m != nullptr, "replace_submodule: null module for '", name, "'");
+    *held = std::move(m);
+  };
+  add_child(name, std::move(s));
+  added_children_.push_back(name);
+}
+
+void Module::delete_module(const std::string& name) {
+  auto added = std::find(added_children_.begin(), added_children_.end(), name);
+  const bool child = std::any_of(children_.begin(), children_.end(),
+                                 [&](const auto& c) { return c.first == name; });
+  TESSERA_CHECK(child, type_name_, ".delete_module: no child '", name, "'");
+  TESSERA_CHECK(added != added_children_.end(), type_name_, ".delete_module: '", name,
+                "' is one of its own members, which its forward uses; only children add_module "
+                "added can be removed");
+  added_children_.erase(added);
+  children_.erase(std::find_if(children_.begin(), children_.end(),
+                               [&](const auto& c) { return c.first == name; }));
+}
+
+void Module::set_parameter_stand_ins(std::vector<StandInSet> sets,
+                                     std::function<int64_t()> select) {
+  TESSERA_CHECK(select != nullptr, type_name_, ": stand-in parameters need a selector");
+  for (size_t k = 0; k < sets.size(); ++k)
+    for (const auto& [name, stand_in] : sets[k]) {
+      auto own = std::find_if(params_.begin(), params_.end(),
+                              [&](const auto& p) { return p.first == name; });
+      TESSERA_CHECK(own != params_.end() && own->second->defined(), type_name_, ": stand-in set ",
+                    k, " names '", name, "', which is none of its parameters");
+      TESSERA_CHECK(stand_in != nullptr && stand_in->defined() &&
+                        stand_in->global_shape() == own->second->global_shape() &&
+                        stand_in->dtype() == own->second->dtype(),
+                    type_name_, ": stand-in set ", k, " for '", name, "' is ",
+                    stand_in && stand_in->defined() ? stand_in->str() : std::string("undefined"),
+                    ", where the parameter is ", own->second->str());
+    }
+  stand_ins_ = std::move(sets);
+  select_stand_ins_ = std::move(select);
+}
+
+void Module::clear_parameter_stand_ins() {
+  stand_ins_.clear();
+  select_stand_ins_ = nullptr;
 }
 
 void Module::train(bool on) {

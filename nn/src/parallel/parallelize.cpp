@@ -59,6 +59,12 @@ void check_plan(Module& root, const std::vector<std::pair<std::string, ModulePtr
                     at->second, "' and by '", pattern, "' (", style->name(),
                     "); one module takes one style of each kind");
       if (!style->distributes_parameters()) continue;
+      for (const auto& set : m->parameter_stand_ins())
+        for (const auto& [name, p] : set)
+          TESSERA_CHECK(!p->is_dtensor(), "parallelize_module: ", style->name(), " on '",
+                        paths[m.get()], "': the stand-in for its '", name,
+                        "' is already a DTensor ", p->str(),
+                        "; apply tensor parallelism before fully_shard and only once");
       for (auto& [name, p] : m->named_parameters(/*recurse=*/false, false)) {
         if (!p->defined()) continue;
         const auto& all = slots[p->stored().impl()];
@@ -95,6 +101,12 @@ std::vector<std::string> plan_description(
       for (auto& [name, p] : m->named_parameters(/*recurse=*/false, false))
         if (p->defined())
           lines.push_back(detail::concat("'", prefix, name, "' ", dtype_name(p->dtype()), " ",
+                                         shape_str(p->global_shape())));
+      const auto& sets = m->parameter_stand_ins();
+      for (size_t k = 0; k < sets.size(); ++k)
+        for (const auto& [name, p] : sets[k])
+          lines.push_back(detail::concat("'", prefix, name, "' stand-in ", k, " ",
+                                         dtype_name(p->dtype()), " ",
                                          shape_str(p->global_shape())));
       if (const auto* linear = dynamic_cast<const Linear*>(m.get()))
         for (const auto& [name, what] : linear->tensor_parallel_inputs())
@@ -145,6 +157,20 @@ void agree_on_plan(const Module& root, const DeviceMesh& mesh, const std::string
   agree(group, detail::concat("parallelize_module(", root.type_name(), ") on ", mesh.str()), mine);
 }
 
+// A module's stand-in parameters take its own parameters' place in its forward, so they are laid
+// out as the style laid those out, from their own values (every rank holds them whole: they were
+// plain, as check_plan made sure).
+void lay_out_stand_ins(Module& m) {
+  const auto own = m.named_parameters(/*recurse=*/false, false);
+  for (const auto& set : m.parameter_stand_ins())
+    for (const auto& [name, p] : set)
+      for (const auto& [own_name, o] : own)
+        if (own_name == name && o->is_dtensor())
+          *p = Parameter(
+              distribute_tensor(p->full(), o->dtensor().mesh(), o->dtensor().placements()),
+              p->requires_grad());
+}
+
 }  // namespace
 
 ModulePtr parallelize_module(const ModulePtr& module, const DeviceMesh& mesh,
@@ -180,8 +206,10 @@ ModulePtr parallelize_module(const ModulePtr& module, const DeviceMesh& mesh,
   for (const auto& [path, m] : modules)
     paths.emplace(m.get(), path);
   for (size_t i = 0; i < plan.size(); ++i)
-    for (const ModulePtr& m : targets[i])
+    for (const ModulePtr& m : targets[i]) {
       plan[i].second->apply(*m, mesh, paths[m.get()]);
+      if (plan[i].second->distributes_parameters()) lay_out_stand_ins(*m);
+    }
   return module;
 }
 

@@ -83,6 +83,28 @@ class Module : public std::enable_shared_from_this<Module> {
   // Replaces the child at `path` (apply_lora wraps layers this way); the new module must be
   // of a type the parent's slot accepts.
   void replace_submodule(const std::string& path, ModulePtr module);
+  // PyTorch's add_module: `module` becomes a child under `name`, held by this module, for
+  // children added from outside (LoRA's modules_to_save copies); a module's own structure
+  // registers its typed members instead. replace_submodule may put any module in its place.
+  void add_module(const std::string& name, ModulePtr module);
+  // Removes a child add_module added (PyTorch's `del module.name`); refused, naming it, for one
+  // of the module's own members, which its forward uses.
+  void delete_module(const std::string& name);
+
+  // --- stand-in parameters (LoRA's modules_to_save) ---
+  // Sets of parameters held elsewhere (by a child, typically) that may take the place of this
+  // module's own in a forward: set k maps some of this module's parameter names to parameters
+  // of the same global shape and dtype. `select` is asked at each forward which set applies (-1:
+  // none), and the forward then computes with that set's parameters wherever it reads its own,
+  // so they are the ones that receive gradients; when it returns or throws, every parameter
+  // holds its own value again. Activation checkpointing's recomputation runs the forward again
+  // and asks `select` again: what it answers must not change between a forward and its
+  // backward. parallelize_module lays each stand-in out as it lays out the parameter it stands
+  // for. An error names a set's unknown name or mismatched shape or dtype.
+  using StandInSet = std::vector<std::pair<std::string, Parameter*>>;
+  void set_parameter_stand_ins(std::vector<StandInSet> sets, std::function<int64_t()> select);
+  void clear_parameter_stand_ins();
+  const std::vector<StandInSet>& parameter_stand_ins() const { return stand_ins_; }
 
   void train(bool on = true);
   void eval() { train(false); }
@@ -163,7 +185,9 @@ class Module : public std::enable_shared_from_this<Module> {
     std::function<void(ModulePtr)> set;
   };
   void add_child(const std::string& name, ModuleSlot slot);
-  Tensor run_forward(const Tensor& x);  // forward, or the DTensor path a style set
+  // forward, or the DTensor path a style set, with the chosen stand-in parameters in place
+  Tensor run_forward(const Tensor& x);
+  Tensor run_own_forward(const Tensor& x);  // the same with the module's own parameters
   void check_new_name(const std::string& name) const;
 
   std::string type_name_;
@@ -175,6 +199,9 @@ class Module : public std::enable_shared_from_this<Module> {
   std::vector<ForwardHook> hooks_;
   std::optional<DTensorIO> dtensor_io_;
   bool activation_checkpointing_ = false;
+  std::vector<StandInSet> stand_ins_;
+  std::function<int64_t()> select_stand_ins_;
+  std::vector<std::string> added_children_;  // by add_module: the ones delete_module may remove
 };
 
 // PyTorch's composable checkpoint(module): from now on the module's forward (the DTensor path

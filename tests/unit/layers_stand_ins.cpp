@@ -1,0 +1,143 @@
+// Stand-in parameters (Module::set_parameter_stand_ins) and children added from outside
+// (add_module, delete_module): what LoRA's modules_to_save is built on. Part of the test_layers
+// binary.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <stdexcept>
+
+#include "tessera/tessera.h"
+#include "tessera/testing/expect_error.h"
+#include "tessera/testing/generators.h"
+#include "unit/layers_test_util.h"
+
+using namespace tessera;
+using namespace tessera::layers_test;
+using tessera::testing::expect_error;
+using tessera::testing::random_tensor;
+
+namespace {
+
+// Parameters named as a Linear's, held apart: a stand-in set.
+class Spare : public Module {
+ public:
+  Spare(const Linear& like, uint64_t seed) : Module("Spare") {
+    weight = Parameter(random_tensor(like.weight.stored().shape(), seed, DType::Float32));
+    bias = Parameter(random_tensor(like.bias.stored().shape(), seed + 1, DType::Float32));
+    register_parameter("weight", &weight);
+    register_parameter("bias", &bias);
+  }
+  Parameter weight, bias;
+};
+
+class Block : public Module {
+ public:
+  explicit Block(Generator& gen)
+      : Module("Block"), proj(std::make_shared<Linear>(4, 3, true, gen)) {
+    register_module("proj", proj);
+  }
+  std::shared_ptr<Linear> proj;
+};
+
+struct Rig {
+  Generator gen{3};
+  std::shared_ptr<Linear> lin = std::make_shared<Linear>(4, 3, true, gen);
+  std::shared_ptr<Spare> spare = std::make_shared<Spare>(*lin, 11);
+  int64_t chosen = 0;
+  Tensor own_weight = lin->weight.stored().clone();
+  Rig() {
+    lin->add_module("spare", spare);
+    lin->set_parameter_stand_ins({{{"weight", &spare->weight}, {"bias", &spare->bias}}},
+                                 [this] { return chosen; });
+  }
+  // What the Linear computes with the spare's values, and with its own.
+  Tensor with_spare(const Tensor& x) const {
+    NoGradGuard no_grad;
+    return add(kernels::matmul(x, spare->weight.stored(), false, true), spare->bias.stored());
+  }
+};
+
+}  // namespace
+
+TEST(LayerStandIns, TheForwardComputesWithTheChosenSetWhichGetsTheGradients) {
+  Rig rig;
+  Tensor x = random_tensor({2, 4}, 5, DType::Float32);
+  Tensor y = (*rig.lin)(x);
+  expect_near_all(y, rig.with_spare(x).to_vector<double>(), 1e-6, "stand-in forward");
+  // Outside the forward, every Parameter object holds its own value again.
+  expect_equal(rig.lin->weight.stored(), rig.own_weight, "own weight after the forward");
+  backward(sum(y));
+  EXPECT_FALSE(rig.lin->weight.grad().defined());
+  ASSERT_TRUE(rig.spare->weight.grad().defined());
+  // d sum(x W^T + b) / dW = ones^T x: each row of the gradient is x's column sums.
+  Tensor want = kernels::matmul(ones({2, 3}), x, /*trans_a=*/true);
+  expect_near_all(rig.spare->weight.grad(), want.to_vector<double>(), 1e-6,
+                  "stand-in weight gradient");
+  // -1: the module's own.
+  rig.chosen = -1;
+  rig.spare->zero_grad();
+  Tensor own = (*rig.lin)(x);
+  expect_equal(own, rig.lin->forward(x), "own forward");
+  backward(sum(own));
+  EXPECT_TRUE(rig.lin->weight.grad().defined());
+  EXPECT_FALSE(rig.spare->weight.grad().defined());
+}
+
+TEST(LayerStandIns, ActivationCheckpointingRecomputesWithTheSameSet) {
+  Rig rig;
+  Rig plain;  // the same values, not checkpointed
+  checkpoint(rig.lin);
+  Tensor x = random_tensor({2, 4}, 5, DType::Float32);
+  Tensor y = (*rig.lin)(x);
+  Tensor y2 = (*plain.lin)(x);
+  expect_equal(y, y2, "checkpointed forward");
+  backward(sum(mul(y, y)));
+  backward(sum(mul(y2, y2)));
+  ASSERT_TRUE(rig.spare->weight.grad().defined());
+  EXPECT_FALSE(rig.lin->weight.grad().defined());
+  expect_equal(rig.spare->weight.grad(), plain.spare->weight.grad(), "recomputed gradient");
+}
+
+TEST(LayerStandIns, AForwardThatThrowsLeavesEveryParameterItsOwn) {
+  Rig rig;
+  Tensor bad = random_tensor({2, 5}, 5, DType::Float32);  // in_features is 4
+  EXPECT_THROW((*rig.lin)(bad), Error);
+  expect_equal(rig.lin->weight.stored(), rig.own_weight, "own weight after a throw");
+}
+
+TEST(LayerStandIns, BadSetsAreRefusedNamingTheParameter) {
+  Generator gen(3);
+  auto lin = std::make_shared<Linear>(4, 3, true, gen);
+  Parameter wrong(random_tensor({3, 5}, 1, DType::Float32));
+  expect_error(
+      [&] {
+        lin->set_parameter_stand_ins({{{"weight", &wrong}}}, [] { return 0; });
+      },
+      {"stand-in set 0 for 'weight'", "[3, 5]"});
+  expect_error(
+      [&] {
+        lin->set_parameter_stand_ins({{{"scale", &wrong}}}, [] { return 0; });
+      },
+      {"'scale'", "none of its parameters"});
+  Parameter fine(random_tensor({3, 4}, 1, DType::Float32));
+  lin->set_parameter_stand_ins({{{"weight", &fine}}}, [] { return 1; });
+  expect_error(
+      [&] {
+        (*lin)(random_tensor({2, 4}, 5, DType::Float32));
+      },
+      {"stand-in set 1 chosen, of 1"});
+}
+
+TEST(LayerStandIns, AddedChildrenAreListedReplacedAndDeleted) {
+  Rig rig;
+  EXPECT_EQ(names_of(*rig.lin),
+            (std::vector<std::string>{"weight", "bias", "spare.weight", "spare.bias"}));
+  EXPECT_EQ(rig.lin->state_dict().count("spare.bias"), 1u);
+  rig.lin->clear_parameter_stand_ins();
+  rig.lin->delete_module("spare");
+  EXPECT_EQ(names_of(*rig.lin), (std::vector<std::string>{"weight", "bias"}));
+  expect_error([&] { rig.lin->delete_module("spare"); }, {"no child 'spare'"});
+  Generator gen(1);
+  auto block = std::make_shared<Block>(gen);
+  expect_error([&] { block->delete_module("proj"); }, {"'proj'", "own members"});
+}
