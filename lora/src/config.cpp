@@ -108,6 +108,10 @@ void LoraConfig::validate() const {
                 "\" stands alone (it names every Linear but the output layer)");
   for (const std::string& t : exclude_modules)
     TESSERA_CHECK(!t.empty(), "LoraConfig: an empty name in exclude_modules");
+  for (const std::string& t : modules_to_save)
+    TESSERA_CHECK(!t.empty() && t != kAllLinear,
+                  "LoraConfig: ", t.empty() ? std::string("an empty name") : "\"" + t + "\"",
+                  " in modules_to_save (name the modules to train in full, e.g. {\"output\"})");
   for (int64_t layer : layers_to_transform)
     TESSERA_CHECK(layer >= 0, "LoraConfig: layers_to_transform holds ", layer, ", not a layer");
   TESSERA_CHECK(layers_to_transform.empty() || !all_linear(),

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <set>
 
+#include "saved_module.h"
 #include "targets.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/comm/agree.h"
@@ -19,12 +20,15 @@ namespace tessera {
 namespace {
 
 // The modules target_modules may name: all but the adapter slots inside LoraLinears, whose
-// paths ("wq.lora_A.0") end in a number as a Sequential's layers' do ("0").
+// paths ("wq.lora_A.0") end in a number as a Sequential's layers' do ("0"), and the copies of
+// modules_to_save ("output.modules_to_save.0").
 std::vector<std::pair<std::string, ModulePtr>> targetable_modules(Module& model) {
   std::vector<std::pair<std::string, ModulePtr>> modules = model.named_modules(), out;
   std::vector<std::string> inside;
-  for (const auto& [path, m] : modules)
+  for (const auto& [path, m] : modules) {
     if (std::dynamic_pointer_cast<LoraLinear>(m)) inside.push_back(path.empty() ? "" : path + ".");
+    if (std::dynamic_pointer_cast<SavedCopies>(m)) inside.push_back(path);
+  }
   for (auto& [path, m] : modules)
     if (path.empty() || std::none_of(inside.begin(), inside.end(), [&](const std::string& p) {
           return path.compare(0, p.size(), p) == 0;
@@ -118,10 +122,12 @@ std::vector<std::pair<std::string, Parameter*>> LoraModel::bias_parameters(
       if (layers_[i].second->bias.defined())
         out.emplace_back(layers_[i].first + ".base_layer.bias", &layers_[i].second->bias);
   } else if (config.bias == "all") {
-    // PEFT's rule is the name: every parameter whose name says "bias", wherever it is.
+    // PEFT's rule is the name: every parameter whose name says "bias", wherever it is, but in
+    // modules_to_save, whose copies train whole and whose originals stand aside.
     std::set<const Parameter*> seen;
     for (const auto& [name, p] : model_->named_parameters()) {
       if (name.find("bias") == std::string::npos || !seen.insert(p).second) continue;
+      if (in_saved_module(p)) continue;
       std::string key = name;
       for (const auto& [path, l] : layers_)
         if (&l->bias == p) key = path + ".base_layer.bias";
@@ -186,6 +192,7 @@ void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
   a.slot = slot;
   a.config = config;
   a.layers = targets(config);
+  a.saved = saved_targets(config);
   for (size_t i : a.layers)
     TESSERA_CHECK(config.rank_for(layers_[i].first) <= slots_.max_rank,
                   "LoRA add_adapter: adapter '", name, "' has r ",
@@ -208,8 +215,11 @@ void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
     }
     throw;
   }
+  for (size_t i : a.saved)
+    saved_[i]->fill(slot);  // PEFT's deep copy of the module as it is now
   set_trainable(a, true);
   adapters_[name] = std::move(a);
+  update_saved();
 }
 
 void LoraModel::delete_adapter(const std::string& name) {
@@ -226,8 +236,11 @@ void LoraModel::delete_adapter(const std::string& name) {
   if (merged(a)) unmerge_adapter(name);
   for (size_t i : a.layers)
     layers_[i].second->clear_slot(a.slot);
+  for (size_t i : a.saved)
+    saved_[i]->clear(a.slot);
   set_trainable(a, false);
   adapters_.erase(name);
+  update_saved();
   if (active_ != name) return;
   // As PEFT: the first remaining adapter by name (its deterministic choice) becomes active, with
   // a warning, so that a model with an active adapter keeps one; with none left, none is.
@@ -299,11 +312,15 @@ void LoraModel::set_batch_adapters(const Tensor& ids) {
       known |= a.slot == id;
     TESSERA_CHECK(known, "LoRA set_batch_adapters: id ", id, " is no adapter's (", join(adapters()),
                   " have ids from adapter_id(); -1 is the base model)");
-    for (const auto& [n, a] : adapters_)
+    for (const auto& [n, a] : adapters_) {
       TESSERA_CHECK(a.slot != id || !a.config.use_dora, "LoRA set_batch_adapters: adapter '", n,
                     "' (id ", id,
                     ") uses DoRA, which mixed batches do not run (PEFT refuses DoRA with "
                     "adapter_names too)");
+      TESSERA_CHECK(a.slot != id || a.saved.empty(), "LoRA set_batch_adapters: adapter '", n,
+                    "' (id ", id, ") has modules_to_save (", join(a.config.modules_to_save),
+                    "), which mixed batches do not route per sample");
+    }
   }
   routing_->masks.clear();
   routing_->sample_slots = std::move(host);
@@ -318,6 +335,7 @@ void LoraModel::set_requires_grad(const std::vector<std::string>& names, bool re
     a.config.inference_mode = !requires_grad;
     set_trainable(a, true);
   }
+  update_saved();
 }
 
 std::vector<Parameter*> LoraModel::adapter_parameters(const std::string& name) {
@@ -329,6 +347,8 @@ std::vector<Parameter*> LoraModel::adapter_parameters(const std::string& name) {
     if (a.config.use_dora) out.push_back(&layers_[i].second->lora_magnitude_vector(a.slot));
   }
   for (auto& [key, p] : trained_biases(a))
+    out.push_back(p);
+  for (auto& [key, p] : saved_parameters(a))
     out.push_back(p);
   return out;
 }
@@ -344,6 +364,10 @@ std::vector<Parameter*> LoraModel::parameters() {
   for (const auto& [name, a] : adapters_)
     for (auto& [key, p] : trained_biases(a))
       out.push_back(p);
+  for (const auto& s : saved_)
+    for (int64_t k = 0; k < slots_.max_adapters; ++k)
+      for (auto& [n, p] : s->slot(k))
+        out.push_back(p);
   return out;
 }
 
@@ -435,12 +459,24 @@ void LoraModel::check_unwrappable(const char* op) const {
     TESSERA_CHECK(model_->get_submodule(path) == l, "LoRA ", op, ": '", path,
                   "' no longer holds the layer apply_lora put there");
   }
+  for (const auto& s : saved_) {
+    for (const auto& [name, p] : s->own())
+      TESSERA_CHECK(!is_fully_sharded(*p), "LoRA ", op, ": '", s->path,
+                    "' (modules_to_save) is sharded by fully_shard, whose groups hold its "
+                    "copies; call it before fully_shard");
+    TESSERA_CHECK(model_->get_submodule(s->path) == s->module, "LoRA ", op, ": '", s->path,
+                  "' no longer holds the module apply_lora saved");
+  }
 }
 
 ModulePtr LoraModel::merge_and_unload(bool safe_merge) {
   check_unwrappable("merge_and_unload");
   if (!active_.empty() && !merged(find(active_, "merge_and_unload")))
     merge_adapter(active_, safe_merge);
+  // PEFT puts the active adapter's copy of each module it saves in the module's place.
+  if (!active_.empty())
+    for (size_t i : adapters_.at(active_).saved)
+      saved_[i]->write_into_module(adapters_.at(active_).slot);
   return unwrap();
 }
 
@@ -461,97 +497,15 @@ ModulePtr LoraModel::unwrap() {
     retired_.push_back(l);
   }
   layers_.clear();
+  for (const auto& s : saved_)
+    s->detach();
+  saved_.clear();
   adapters_.clear();
   active_.clear();
   routing_->active_slot = -1;
   routing_->sample_slots.reset();
   routing_->masks.clear();
   return model_;
-}
-
-std::map<std::string, Tensor> LoraModel::read_adapter(const std::string& name) {
-  const Adapter& a = find(name, "read_adapter");
-  NoGradGuard no_grad;
-  std::map<std::string, Tensor> out;
-  for (size_t i : a.layers) {
-    auto& [path, l] = layers_[i];
-    const int64_t r = a.config.rank_for(path);
-    out[path + ".lora_A.weight"] = kernels::narrow(l->lora_A(a.slot).full(), 0, 0, r).contiguous();
-    out[path + ".lora_B.weight"] = kernels::narrow(l->lora_B(a.slot).full(), 1, 0, r).contiguous();
-    // PEFT's key: its ".weight" dropped, as PEFT's files have it.
-    if (a.config.use_dora)
-      out[path + ".lora_magnitude_vector"] = l->lora_magnitude_vector(a.slot).full();
-  }
-  return out;
-}
-
-void LoraModel::write_adapter(const std::string& name,
-                              const std::map<std::string, Tensor>& tensors) {
-  const Adapter& a = find(name, "write_adapter");
-  // unmerge_adapter subtracts scale B A from the values the adapter then holds: new values would
-  // leave the difference in the base weight.
-  TESSERA_CHECK(!merged(a), "LoRA write_adapter '", name,
-                "': the adapter is merged into the base weights; call unmerge_adapter(\"", name,
-                "\") first");
-  struct Target {
-    std::string key;
-    Parameter* param;
-    Shape shape;         // global, unpadded
-    int64_t padded_dim;  // -1: not padded (DoRA's magnitude)
-    int64_t r;           // the module's (rank_pattern)
-  };
-  std::vector<Target> want;
-  for (size_t i : a.layers) {
-    auto& [path, l] = layers_[i];
-    const int64_t r = a.config.rank_for(path);
-    want.push_back({path + ".lora_A.weight", &l->lora_A(a.slot), {r, l->in_features()}, 0, r});
-    want.push_back({path + ".lora_B.weight", &l->lora_B(a.slot), {l->out_features(), r}, 1, r});
-    if (a.config.use_dora)
-      want.push_back({path + ".lora_magnitude_vector",
-                      &l->lora_magnitude_vector(a.slot),
-                      {l->out_features()},
-                      -1,
-                      r});
-  }
-  // Every key checked before anything is written.
-  std::vector<std::string> missing, unexpected, mismatched;
-  std::set<std::string> known;
-  for (const Target& t : want) {
-    known.insert(t.key);
-    auto it = tensors.find(t.key);
-    if (it == tensors.end()) {
-      missing.push_back(t.key);
-      continue;
-    }
-    const Tensor& v = it->second;
-    if (v.defined() && v.shape() == t.shape) continue;
-    std::string why = t.key + " (expected the global shape " + shape_str(t.shape) + ", got " +
-                      (v.defined() ? shape_str(v.shape()) : std::string("undefined"));
-    // This rank's piece of the unpadded matrix, had a local shard been passed.
-    Shape local = t.param->stored().shape();
-    if (t.padded_dim >= 0) local[size_t(t.padded_dim)] = std::min(local[size_t(t.padded_dim)], t.r);
-    if (v.defined() && t.param->is_dtensor() && v.shape() == local)
-      why += ", the shape of this rank's shard: a local piece cannot stand for the global tensor";
-    mismatched.push_back(why + ")");
-  }
-  for (const auto& [k, v] : tensors)
-    if (!known.count(k)) unexpected.push_back(k);
-  TESSERA_CHECK(missing.empty() && unexpected.empty() && mismatched.empty(), "LoRA write_adapter '",
-                name, "': ", missing.empty() ? "" : "missing keys: " + join(missing) + "; ",
-                unexpected.empty() ? "" : "unexpected keys: " + join(unexpected) + "; ",
-                mismatched.empty() ? "" : "mis-shaped keys: " + join(mismatched));
-  NoGradGuard no_grad;
-  for (const Target& t : want) {
-    if (t.padded_dim < 0) {
-      t.param->copy_from_full(tensors.at(t.key).to(t.param->dtype()).contiguous());
-      continue;
-    }
-    Shape padded = t.shape;
-    padded[size_t(t.padded_dim)] = slots_.max_rank;
-    Tensor full = zeros(padded, t.param->dtype());
-    kernels::narrow(full, t.padded_dim, 0, t.r).copy_(tensors.at(t.key));
-    t.param->copy_from_full(full);
-  }
 }
 
 std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& config,
@@ -568,22 +522,34 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
   lm->model_ = model;
   lm->routing_ = std::make_shared<LoraRouting>();
   lm->slots_ = s;
-  // PEFT freezes the base model: only adapters train, those of an earlier apply_lora included.
+  // PEFT freezes the base model: only adapters train, those of an earlier apply_lora (its slots
+  // and its copies of modules_to_save) included.
   std::set<const Parameter*> adapters;
-  for (const auto& [path, m] : modules)
+  for (const auto& [path, m] : model->named_modules()) {
     if (auto l = std::dynamic_pointer_cast<LoraLinear>(m))
       for (int64_t i = 0; i < l->num_slots(); ++i) {
         adapters.insert({&l->lora_A(i), &l->lora_B(i)});
         if (l->has_magnitude()) adapters.insert(&l->lora_magnitude_vector(i));
       }
-  // The wrappers are all made before the model changes: one that cannot be made leaves the
-  // model unfrozen and unwrapped.
-  for (auto& [path, linear] : found)
+    if (std::dynamic_pointer_cast<SavedCopies>(m))
+      for (Parameter* p : m->parameters())
+        adapters.insert(p);
+  }
+  // The wrappers and copies are all made before the model changes: one that cannot be made
+  // leaves the model unfrozen and unwrapped.
+  std::vector<std::string> target_paths;
+  for (auto& [path, linear] : found) {
     lm->layers_.emplace_back(path, std::make_shared<LoraLinear>(*linear, s, lm->routing_));
+    target_paths.push_back(path);
+  }
+  for (const auto& [path, m] : find_saved_modules(config, modules))
+    lm->saved_.push_back(make_saved_module(path, m, s.max_adapters, target_paths));
   for (auto& [path, p] : model->named_parameters())
     if (!adapters.count(p)) p->set_requires_grad(false);
   for (auto& [path, l] : lm->layers_)
     model->replace_submodule(path, l);
+  for (const auto& saved : lm->saved_)
+    saved->attach(lm->routing_);
   lm->add_adapter(adapter_name, config);
   lm->set_adapter(adapter_name);
   return lm;

@@ -76,7 +76,10 @@ nlohmann::ordered_json to_peft(const LoraConfig& c, const std::vector<std::strin
   else
     j["init_lora_weights"] = c.init_lora_weights == LoraInit::Kaiming;
   j["fan_in_fan_out"] = false;
-  j["modules_to_save"] = nullptr;
+  if (c.modules_to_save.empty())
+    j["modules_to_save"] = nullptr;
+  else
+    j["modules_to_save"] = c.modules_to_save;
   j["base_model_name_or_path"] = nullptr;
   j["revision"] = nullptr;
   j["inference_mode"] = c.inference_mode;
@@ -196,7 +199,15 @@ LoraConfig from_peft(const nlohmann::ordered_json& j, const std::string& file) {
   c.rank_pattern = pattern_from<int64_t>(j, "rank_pattern", bad);
   c.alpha_pattern = pattern_from<double>(j, "alpha_pattern", bad);
   layers_from(j, c, bad);
-  for (const char* field : {"modules_to_save", "target_parameters", "trainable_token_indices",
+  const auto& saved =
+      j.contains("modules_to_save") ? j["modules_to_save"] : nlohmann::ordered_json();
+  if (!saved.is_null() && !saved.is_array())
+    bad("modules_to_save is " + saved.dump() + ", not a list of module names");
+  for (const auto& e : saved.is_array() ? saved : nlohmann::ordered_json::array()) {
+    if (!e.is_string()) bad("modules_to_save holds a non-string");
+    c.modules_to_save.push_back(e.get<std::string>());
+  }
+  for (const char* field : {"target_parameters", "trainable_token_indices",
                             "alora_invocation_tokens", "layer_replication"})
     if (j.contains(field) && !j[field].is_null() &&
         !((j[field].is_array() || j[field].is_object() || j[field].is_string()) &&
@@ -342,6 +353,11 @@ void LoraModel::load_adapter(const std::string& dir, const std::string& name, bo
       TESSERA_FAIL("PEFT config '", config_path, "' is not valid JSON: ", e.what());
     }
     cfg = from_peft(j, config_path);
+    try {
+      saved_targets(cfg);  // before add_adapter, to name the file
+    } catch (const Error& e) {
+      TESSERA_FAIL("PEFT config '", config_path, "': ", e.what());
+    }
     const SafetensorsFile file = load_safetensors(dir + "/" + kWeights);
     const std::string prefix = kPrefix;
     for (const auto& [key, t] : file.tensors) {

@@ -9,6 +9,7 @@
 #include <limits>
 #include <set>
 
+#include "saved_module.h"
 #include "tessera/comm/agree.h"
 #include "tessera/comm/runtime.h"
 #include "tessera/lora/lora_model.h"
@@ -18,13 +19,16 @@ namespace tessera {
 namespace {
 
 constexpr const char* kKey = "adapters";
-// Format 2 holds what format 1's readers would misread without a word: a module's own r or
-// alpha (rank_pattern, alpha_pattern) or a DoRA adapter would be restored as plain LoRA at the
-// global r. A table without them is written as format 1, which those builds still read.
-constexpr int64_t kFormat = 2;
+// Each format holds what the readers of the ones before would misread without a word. Format 2:
+// a module's own r or alpha (rank_pattern, alpha_pattern) or a DoRA adapter would be restored as
+// plain LoRA at the global r. Format 3: an adapter's modules_to_save would be dropped, its
+// modules computing with the originals. A table is written in the oldest format that holds it,
+// which older builds still read.
+constexpr int64_t kFormat = 3;
 constexpr int64_t kOldestFormat = 1;
 
 int64_t format_needed(const LoraConfig& c) {
+  if (!c.modules_to_save.empty()) return 3;
   return c.use_dora || !c.rank_pattern.empty() || !c.alpha_pattern.empty() ? 2 : 1;
 }
 
@@ -60,6 +64,7 @@ nlohmann::json config_json(const LoraConfig& c) {
   j["alpha_pattern"] = c.alpha_pattern;
   j["layers_to_transform"] = c.layers_to_transform;
   j["layers_pattern"] = c.layers_pattern;
+  j["modules_to_save"] = c.modules_to_save;
   return j;
 }
 
@@ -141,6 +146,11 @@ void read_selection(const nlohmann::json& j, LoraConfig& c, const std::string& w
       TESSERA_CHECK(e.is_string(), where, ": layers_pattern holds a non-string");
       c.layers_pattern.push_back(e.get<std::string>());
     }
+  if (j.contains("modules_to_save"))
+    for (const auto& e : field(j, "modules_to_save", V::array, where)) {
+      TESSERA_CHECK(e.is_string(), where, ": modules_to_save holds a non-string");
+      c.modules_to_save.push_back(e.get<std::string>());
+    }
 }
 
 LoraConfig config_from(const nlohmann::json& j, const std::string& where) {
@@ -193,6 +203,7 @@ struct LoraModel::SavedAdapter {
   LoraConfig config;
   std::vector<size_t> layers;            // indices into layers_, in the model's order
   std::vector<uint64_t> dropout_offset;  // per entry of `layers`
+  std::vector<size_t> saved;             // indices into saved_ (modules_to_save)
 };
 
 StateDict LoraModel::state_dict() const {
@@ -216,6 +227,11 @@ StateDict LoraModel::state_dict() const {
     for (size_t i : a.layers)
       e["layers"].push_back({{"path", layers_[i].first},
                              {"dropout_offset", layers_[i].second->dropout_offset(a.slot)}});
+    if (!a.saved.empty()) {
+      e["saved_modules"] = nlohmann::json::array();
+      for (size_t i : a.saved)
+        e["saved_modules"].push_back(saved_[i]->path);
+    }
     j["adapters"].push_back(std::move(e));
   }
   return StateDict{{kKey, j.dump()}};
@@ -292,6 +308,21 @@ std::vector<LoraModel::SavedAdapter> LoraModel::parse_table(const std::string& t
       TESSERA_FAIL(where, ": its targets cover other layers here than when saved (saved only: ",
                    list(gone), "; here only: ", list(extra), "): not the same model");
     }
+    try {
+      a.saved = saved_targets(a.config);
+    } catch (const Error& err) {
+      TESSERA_FAIL(where, ": ", err.what());
+    }
+    std::vector<std::string> saved_here, saved_then;
+    for (size_t i : a.saved)
+      saved_here.push_back(saved_[i]->path);
+    if (e.contains("saved_modules"))
+      for (const auto& m : field(e, "saved_modules", V::array, where)) {
+        TESSERA_CHECK(m.is_string(), where, ": saved_modules holds a non-string");
+        saved_then.push_back(m.get<std::string>());
+      }
+    TESSERA_CHECK(saved_here == saved_then, where, ": its modules_to_save cover ", list(saved_here),
+                  " here and covered ", list(saved_then), " when saved: not the same model");
     out.push_back(std::move(a));
   }
   if (out.size() > 1)
@@ -345,9 +376,10 @@ void LoraModel::load_state_dict(const StateDict& state) {
       layers_[li].second->restore_slot(a.slot, a.name, a.config.for_module(layers_[li].first),
                                        layers_[li].first, a.merged, a.dropout_offset[k]);
     }
-    adapters_[a.name] = Adapter{a.slot, a.config, a.layers};
+    adapters_[a.name] = Adapter{a.slot, a.config, a.layers, a.saved};
     set_trainable(adapters_.at(a.name), true);
   }
+  update_saved();
   active_ = active;
   routing_->active_slot = active.empty() ? -1 : adapters_.at(active).slot;
   routing_->sample_slots.reset();

@@ -29,6 +29,14 @@ struct LoraConfig {
   // PEFT's exclude_modules, list form: entries matched as target_modules' are, and a module one
   // matches is left out even where target_modules (or "all-linear") names it.
   std::vector<std::string> exclude_modules;
+  // PEFT's modules_to_save: modules (entries matched as target_modules' are) that train in full
+  // beside the adapter, each as a copy of its parameters that the adapter owns: while the
+  // adapter is active the module computes with its copy, made from the module's values when
+  // the adapter is added; the original stays frozen, and other adapters and the base model see
+  // it. A module named here has parameters of its own and no submodules (a Linear, an
+  // Embedding, a norm), and is no LoRA target. apply_lora makes the copies (LoraSlots::
+  // max_adapters of them), so a later adapter may name only modules the first one named.
+  std::vector<std::string> modules_to_save;
   // PEFT's rank_pattern and alpha_pattern: a module whose path matches a key takes its value as r
   // (lora_alpha) instead of the global one; its scale comes from its own r and alpha. Keys are
   // regular expressions (ECMAScript, which PEFT's common keys read alike in) matched as PEFT's
@@ -80,7 +88,8 @@ struct LoraConfig {
   // other than "none", "all" and "lora_only", an odd r with the orthogonal init, "all-linear"
   // beside other targets or with layers_to_transform, an empty exclude_modules entry, a pattern
   // key that is not a regular expression or whose value is not a valid r (alpha), a negative
-  // layer, layers_pattern without layers_to_transform or not a regular expression.
+  // layer, layers_pattern without layers_to_transform or not a regular expression, an empty
+  // modules_to_save entry or "all-linear" there.
   void validate() const;
 };
 

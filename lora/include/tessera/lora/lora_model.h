@@ -15,6 +15,7 @@
 namespace tessera {
 
 class LoraModel;
+struct SavedModule;  // a module of modules_to_save and its copies
 
 // While alive, no adapter applies: the model is its base (PEFT's `with model.disable_adapter():`,
 // the reference model of DPO, say). See LoraModel::disable_adapter.
@@ -108,9 +109,11 @@ class LoraModel {
   // plain Linear back in place of every wrapped layer, holding the same weight and bias
   // Parameters (tensor-parallel ones stay so), and returns the model, whose state dict then has
   // the base model's keys only. unload() does the same without merging, unmerging first what is
-  // merged: the base model as it was. Either way this LoraModel holds no layer or adapter
-  // afterwards. Refused under fully_shard (the FSDP groups hold the adapter slots): call it
-  // before fully_shard, or keep the merged LoraLinears. The base parameters stay frozen.
+  // merged: the base model as it was. For modules_to_save, merge_and_unload writes the active
+  // adapter's copies into the modules (PEFT puts the copy in the module's place) and unload
+  // leaves the originals; either way the copies leave the model. This LoraModel holds no layer
+  // or adapter afterwards. Refused under fully_shard (the FSDP groups hold the adapter slots): call
+  // it before fully_shard, or keep the merged LoraLinears. The base parameters stay frozen.
   // Parameter pointers taken before (an optimizer's) name the old layers' slots, which this
   // object keeps alive: make optimizers afterwards.
   ModulePtr merge_and_unload(bool safe_merge = false);
@@ -118,7 +121,9 @@ class LoraModel {
 
   // --- values ---
   // Global tensors, "<module path>.lora_A.weight" [r, in] and ".lora_B.weight" [out, r], and for
-  // DoRA ".lora_magnitude_vector" [out] (PEFT's key), gathered (collective when distributed).
+  // DoRA ".lora_magnitude_vector" [out] (PEFT's key), and per module of its modules_to_save its
+  // copies, "<module path>.<name>" (PEFT's key, "output.weight"), gathered (collective when
+  // distributed).
   std::map<std::string, Tensor> read_adapter(const std::string& name);
   // The same keys and global shapes, each rank copying its window; every key is checked first
   // (missing, unexpected, wrong shapes — a local shard's shape named as such), nothing is written
@@ -129,8 +134,9 @@ class LoraModel {
   // dir/adapter_model.safetensors (keys "base_model.model.<path>.lora_A.weight" [r, in] and
   // ".lora_B.weight" [out, r], float32 global tensors, DoRA's ".lora_magnitude_vector" [out];
   // with a `bias` mode, its biases too, in their dtype, under PEFT's names:
-  // "<path>.base_layer.bias" in a wrapped layer, the parameter's name elsewhere) and
-  // dir/adapter_config.json, by rank 0. Collective.
+  // "<path>.base_layer.bias" in a wrapped layer, the parameter's name elsewhere; its copies of
+  // modules_to_save as "<path>.<name>", in their dtype) and dir/adapter_config.json, by rank 0.
+  // Collective.
   void save_adapter(const std::string& dir, const std::string& name);
   // Adds adapter `name` from PEFT files, onto whatever mesh this model has. As PEFT's, it loads
   // for inference unless is_trainable: its config's inference_mode is then set, so its matrices
@@ -167,6 +173,7 @@ class LoraModel {
     int64_t slot = -1;
     LoraConfig config;
     std::vector<size_t> layers;  // indices into layers_
+    std::vector<size_t> saved;   // indices into saved_: its modules_to_save
   };
   const Adapter& find(const std::string& name, const char* op) const;
   std::map<std::string, int64_t> adapter_slots() const;  // name -> slot
@@ -192,6 +199,17 @@ class LoraModel {
   ModulePtr unwrap();
   struct SavedAdapter;
   std::vector<SavedAdapter> parse_table(const std::string& text, std::string& active) const;
+  // --- modules_to_save (modules_to_save.cpp) ---
+  // The modules of saved_ that config.modules_to_save names, in the model's order; an error
+  // names an entry that matches nothing, or a module apply_lora made no copies for.
+  std::vector<size_t> saved_targets(const LoraConfig& config) const;
+  // Which slot's copy each saved module computes with (its adapters'), and which copies train:
+  // those of adapters not in inference mode. Run whenever adapters_ changes.
+  void update_saved();
+  // The copies of `a`'s modules_to_save, by key "<path>.<name>" (PEFT's, once prefixed).
+  std::vector<std::pair<std::string, Parameter*>> saved_parameters(const Adapter& a) const;
+  // Whether `p` belongs to a saved module or its copies (left out of bias "all").
+  bool in_saved_module(const Parameter* p) const;
 
   friend class DisabledAdapters;
   ModulePtr model_;
@@ -201,12 +219,14 @@ class LoraModel {
   std::map<std::string, Adapter> adapters_;
   std::string active_;
   LoraSlots slots_;
+  std::vector<std::shared_ptr<SavedModule>> saved_;  // modules_to_save, model order
 };
 
 // Wraps every Linear of `model` that config.target_modules names (plain or tensor-parallel,
-// before fully_shard) in a LoraLinear, freezes every other parameter of the model (but the
-// adapters of an earlier apply_lora, and the biases config.bias trains), adds adapter
-// `adapter_name` and makes it active. Applying it before parallelize_module or after gives the
+// before fully_shard) in a LoraLinear, gives every module config.modules_to_save names its
+// per-slot copies, freezes every other parameter of the model (but the adapters of an earlier
+// apply_lora, and the biases config.bias trains), adds adapter `adapter_name` and makes it
+// active. Applying it before parallelize_module or after gives the
 // same model. A target matching nothing, or something other than a Linear, is an error naming
 // it.
 std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& config,
