@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tessera/autograd/function.h"
+#include "tessera/comm/runtime.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
 #include "tessera/core/kernels/reduce.h"
@@ -209,8 +210,8 @@ class VocabParallelCrossEntropy final : public autograd::Function {
 // ranks when the vocabulary does not split evenly (8, 8, 8 and 6 columns guess 32 and 24). Every
 // rank then fails alike, rather than one on a target beyond its own guess while the others wait
 // in the loss's collectives, or all going on with overlapping columns.
-// What each rank found before the first collective of the loss, agreed over the vocabulary
-// groups, so that no rank goes on into the forward's all-reduces while another throws.
+// What each rank found before the first collective of the loss, agreed over every rank of the
+// logits' mesh, so that no rank goes on into the forward's all-reduces while another throws.
 struct LocalFindings {
   bool local_shape_ok = true;
   std::string bad_target;  // this rank's first out-of-range target (or bad argument), described
@@ -238,12 +239,38 @@ bool hashes_agree(const std::vector<int64_t>& r, size_t at) {
   return r[at] == -r[at + 1] && r[at + 2] == -r[at + 3];
 }
 
-// groups: the vocabulary mesh dims' groups, or every mesh dim's when none shards it.
-void agree_on_vocabulary(const std::vector<ProcessGroupPtr>& groups, int64_t vocab_size,
-                         const LocalFindings& mine, Device device) {
-  // Reduced over every agreeing mesh dim in turn before any check: the maxima are then those
-  // of every rank sharing the vocabulary, so all of them decide alike (checked after each dim,
-  // one dim's group could throw while another's went on into the next all-reduce).
+// The groups that carry the agreement, one all-reduce each in turn, and the device its values
+// travel on. Every rank of the logits' mesh returns the loss marked Replicate over every mesh
+// dim, so all of them agree, not only those sharing a vocabulary group: ranks that differ along
+// a Replicate dim alone would otherwise each compute another loss unnoticed.
+struct AgreeingGroups {
+  std::vector<ProcessGroupPtr> groups;
+  Device device;
+};
+
+AgreeingGroups agreeing_groups(const DeviceMesh& mesh, Device logits_device) {
+  // One dim: the mesh's own group spans it, on the logits' device as the loss's collectives (the
+  // loss-parallel path's agreement stays one all-reduce, and a mesh that from_group made over a
+  // device group has no CPU group to use instead).
+  if (mesh.ndim() == 1) return {{mesh.group(0)}, logits_device};
+  // Several dims: the values are host data, so CPU groups carry them. A mesh spanning the world
+  // is spanned by the CPU world group: one all-reduce however many dims. A group over a smaller
+  // mesh's ranks does not exist, and making one is collective over the whole world (every rank
+  // would have to call the loss at once, each making a communicator per call), so such a mesh
+  // agrees along each of its dims in turn.
+  if (mesh.size() == world_size()) return {{world_group()}, Device::cpu()};
+  std::vector<ProcessGroupPtr> groups;
+  for (int64_t d = 0; d < mesh.ndim(); ++d)
+    groups.push_back(mesh.host_group(d));
+  return {std::move(groups), Device::cpu()};
+}
+
+void agree_over_mesh(const DeviceMesh& mesh, Device logits_device, int64_t vocab_size,
+                     const LocalFindings& mine) {
+  const AgreeingGroups agreeing = agreeing_groups(mesh, logits_device);
+  // Reduced over every agreeing group in turn before any check: the maxima are then those of
+  // every rank of the mesh, so all of them decide alike (checked after each group, one group's
+  // ranks could throw while another's went on into the next all-reduce).
   std::vector<int64_t> values = {vocab_size,
                                  -vocab_size,
                                  mine.local_shape_ok ? 0 : 1,
@@ -253,8 +280,8 @@ void agree_on_vocabulary(const std::vector<ProcessGroupPtr>& groups, int64_t voc
   push_hash(values, mine.target_hash);
   push_hash(values, mine.options_hash);
   push_hash(values, mine.weight_hash);
-  Tensor v = from_vector<int64_t>(values, {int64_t(values.size())}).to(device);
-  for (const ProcessGroupPtr& g : groups)
+  Tensor v = from_vector<int64_t>(values, {int64_t(values.size())}).to(agreeing.device);
+  for (const ProcessGroupPtr& g : agreeing.groups)
     g->all_reduce(v, ReduceOp::Max)->wait();
   {
     const std::vector<int64_t> r = v.to_vector<int64_t>();
@@ -272,16 +299,15 @@ void agree_on_vocabulary(const std::vector<ProcessGroupPtr>& groups, int64_t voc
                                     "or int32 tensor of the logits' rows, or its "
                                     "label_smoothing or weight is refused")
                       : mine.bad_target);
-    TESSERA_CHECK(hashes_agree(r, 6), kOp,
-                  ": the ranks sharing the vocabulary pass different targets (each needs the "
-                  "same whole target: shard the batch over another mesh dim)");
-    TESSERA_CHECK(hashes_agree(r, 10), kOp,
-                  ": the ranks sharing the vocabulary pass different ignore_index, reduction or "
-                  "label_smoothing (this rank: ",
+    TESSERA_CHECK(hashes_agree(r, 6), kOp, ": the ranks of ", mesh.str(),
+                  " pass different targets (each needs the same whole target; when the batch is "
+                  "split over a data-parallel mesh dim, give the logits the sub-mesh without it)");
+    TESSERA_CHECK(hashes_agree(r, 10), kOp, ": the ranks of ", mesh.str(),
+                  " pass different ignore_index, reduction or label_smoothing (this rank: ",
                   mine.options, ")");
-    TESSERA_CHECK(r[4] == -r[5] && hashes_agree(r, 14), kOp,
-                  ": the ranks sharing the vocabulary pass different class weights (each needs "
-                  "the same global weight of one value per class; this rank: ",
+    TESSERA_CHECK(r[4] == -r[5] && hashes_agree(r, 14), kOp, ": the ranks of ", mesh.str(),
+                  " pass different class weights (each needs the same global weight of one value "
+                  "per class; this rank: ",
                   mine.has_weight ? "a weight" : "none", ")");
   }
 }
@@ -384,18 +410,6 @@ VocabShard vocab_shard(const DTensorSpec& spec) {
   return shard;
 }
 
-// The ranks that must agree before the loss: those sharing the vocabulary. Without a vocabulary
-// mesh dim every rank holds the whole logits and returns the plain loss as Replicate, so the
-// ranks of every mesh dim agree: a weight, target or option that differs on one rank then fails
-// all of them instead of giving each another loss.
-std::vector<ProcessGroupPtr> agreeing_groups(const DTensorSpec& spec, const VocabShard& shard) {
-  if (!shard.groups.empty()) return shard.groups;
-  std::vector<ProcessGroupPtr> groups;
-  for (int64_t d = 0; d < spec.mesh.ndim(); ++d)
-    groups.push_back(spec.mesh.group(d));
-  return groups;
-}
-
 // The call as this rank reads it: its findings, the targets (-1 on ignored rows) and the class
 // weights (empty without), read only when the call itself is sound.
 struct LocalCall {
@@ -435,8 +449,7 @@ DTensor vocab_parallel_cross_entropy(const DTensor& logits, const Tensor& target
   VocabShard shard = vocab_shard(spec);
   const LocalCall call =
       read_call(logits, target, ignore_index, reduction, label_smoothing, weight);
-  agree_on_vocabulary(agreeing_groups(spec, shard), shard.vocab_size, call.mine,
-                      logits.to_local().device());
+  agree_over_mesh(spec.mesh, logits.to_local().device(), shard.vocab_size, call.mine);
   const Shape local_shape = spec.local_layout().local_shape;
   TESSERA_CHECK(logits.to_local().shape() == local_shape, kOp, ": local logits ",
                 shape_str(logits.to_local().shape()), " do not match the local shape ",

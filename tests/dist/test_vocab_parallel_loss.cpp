@@ -166,10 +166,10 @@ TEST(VocabParallelLoss, ClassWeightsMustBeGlobalAndAgreed) {
   if (world_size() > 1) {
     const bool last = world_rank() == world_size() - 1;
     expect_error([&] { loss_with(last ? Tensor() : weight); },
-                 {"the ranks sharing the vocabulary pass different class weights",
+                 {"the ranks of " + mesh.str() + " pass different class weights",
                   last ? "this rank: none" : "this rank: a weight"});
     expect_error([&] { loss_with(last ? add(weight, 1.0) : weight); },
-                 "the ranks sharing the vocabulary pass different class weights");
+                 "the ranks of " + mesh.str() + " pass different class weights");
     expect_error([&] { loss_with(last ? zeros({5}, DType::Float64) : weight); },
                  last ? "weight of shape [5] must hold one weight per class"
                       : "another rank's target is out of range");
@@ -197,7 +197,7 @@ TEST(VocabParallelLoss, AWeightIsAgreedOnEvenWhenItHoldsNothing) {
           vocab_parallel_cross_entropy(logits, ignored, -100, kernels::Reduction::Sum, 0.0,
                                        last ? zeros({0}, DType::Float64) : Tensor());
         },
-        {"the ranks sharing the vocabulary pass different class weights",
+        {"the ranks of " + mesh.str() + " pass different class weights",
          last ? "this rank: a weight" : "this rank: none"});
     const Tensor weight = zeros({0}, DType::Float64);
     expect_close(
@@ -227,7 +227,7 @@ TEST(VocabParallelLoss, ReplicatedLogitsAgreeAsShardedOnes) {
     const auto loss_with = [&](const Tensor& t, const Tensor& w, double eps = 0.0) {
       return vocab_parallel_cross_entropy(logits, t, -100, kernels::Reduction::Mean, eps, w);
     };
-    const std::string weights = "the ranks sharing the vocabulary pass different class weights";
+    const std::string weights = "the ranks of " + mc.mesh.str() + " pass different class weights";
     expect_error([&] { loss_with(good, odd ? add(weight, 1.0) : weight); }, weights);
     expect_error([&] { loss_with(good, odd ? Tensor() : weight); },
                  {weights, odd ? "this rank: none" : "this rank: a weight"});
@@ -235,7 +235,7 @@ TEST(VocabParallelLoss, ReplicatedLogitsAgreeAsShardedOnes) {
         [&] {
           loss_with(from_vector<int64_t>({0, 3, 2, odd ? 1 : 4}, {4}), weight);
         },
-        "the ranks sharing the vocabulary pass different targets");
+        "the ranks of " + mc.mesh.str() + " pass different targets");
     expect_error([&] { loss_with(good, weight, odd ? 0.2 : 0.1); },
                  "pass different ignore_index, reduction or label_smoothing");
     expect_error(
@@ -249,6 +249,107 @@ TEST(VocabParallelLoss, ReplicatedLogitsAgreeAsShardedOnes) {
     expect_close(loss.to_local(),
                  cross_entropy(full, good, -100, kernels::Reduction::Mean, 0.0, weight), 0.0,
                  "replicated weighted loss after the errors");
+  }
+}
+
+// Sharded logits with Replicate mesh dims besides the vocabulary's: ranks that differ only along
+// a Replicate dim share no vocabulary group, yet each returns the loss marked Replicate over it,
+// so they agree too. The odd ones are a whole slice along the Replicate dim (each vocabulary
+// group within itself consistent): a target, weight or option that differs there fails every
+// rank, rather than the two slices each computing another loss. On a (2, 1, 2) world the logits'
+// mesh is the 2-rank sub-mesh (a, b), which spans no world group of its own.
+TEST(VocabParallelLoss, ShardedLogitsAgreeAlongTheirReplicateMeshDims) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  const Tensor full = random_tensor({4, 13}, 16, DType::Float64);
+  const Tensor good = from_vector<int64_t>({0, 3, 2, 1}, {4});
+  const Tensor weight = add(random_tensor({13}, 17, DType::Float64), 1.0);
+  const DeviceMesh m2(Shape{2, 2}, {"dp", "tp"});
+  const DeviceMesh m3(Shape{2, 1, 2}, {"a", "b", "c"});
+  struct Case {
+    DeviceMesh mesh;
+    Placements placements;
+    int64_t replicate_dim;
+  };
+  const std::vector<Case> cases = {
+      {m2, {Replicate(), Shard(-1)}, 0},
+      {m2, {Shard(-1), Replicate()}, 1},
+      {m3[std::vector<std::string>{"a", "b"}], {Replicate(), Shard(-1)}, 0}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.mesh.str() + " " + placements_str(c.placements));
+    const DTensor logits = distribute_tensor(full, c.mesh, c.placements);
+    const bool odd = c.mesh.coordinate()[size_t(c.replicate_dim)] == 1;
+    const auto loss_with = [&](const Tensor& t, const Tensor& w, double eps = 0.0) {
+      return vocab_parallel_cross_entropy(logits, t, -100, kernels::Reduction::Mean, eps, w);
+    };
+    expect_error(
+        [&] {
+          loss_with(from_vector<int64_t>({0, 3, 2, odd ? 1 : 4}, {4}), weight);
+        },
+        "the ranks of " + c.mesh.str() + " pass different targets");
+    expect_error([&] { loss_with(good, odd ? add(weight, 1.0) : weight); },
+                 "the ranks of " + c.mesh.str() + " pass different class weights");
+    expect_error([&] { loss_with(good, odd ? Tensor() : weight); },
+                 {"pass different class weights", odd ? "this rank: none" : "this rank: a weight"});
+    expect_error([&] { loss_with(good, weight, odd ? 0.2 : 0.1); },
+                 {"pass different ignore_index, reduction or label_smoothing",
+                  odd ? "label_smoothing 0.2" : "label_smoothing 0.1"});
+    expect_error(
+        [&] {
+          loss_with(from_vector<int64_t>({0, odd ? 13 : 3, 2, 1}, {4}), weight);
+        },
+        odd ? "target 13 at row 1 is out of range" : "another rank's target is out of range");
+    // Afterwards the loss runs (no collective was left half done).
+    expect_close(loss_with(good, weight).to_local(),
+                 cross_entropy(full, good, -100, kernels::Reduction::Mean, 0.0, weight), 1e-12,
+                 "weighted loss after the errors");
+  }
+}
+
+// What one call costs in collectives, forward and backward: the agreement is one all-reduce over
+// every rank of the logits' mesh (the mesh's own group on one dim, the world's when the mesh
+// spans it), then the row max and the row statistics over each vocabulary mesh dim, with or
+// without a weight and smoothing. Only a mesh of several dims that spans no group (a sub-mesh of
+// a larger world) agrees one mesh dim at a time.
+TEST(VocabParallelLoss, CollectivesPerCall) {
+  const Tensor full = random_tensor({4, 13}, 18, DType::Float64);
+  const Tensor target = from_vector<int64_t>({0, 3, -100, 1}, {4});
+  const Tensor weight = add(random_tensor({13}, 19, DType::Float64), 1.0);
+  struct Case {
+    DeviceMesh mesh;
+    Placements placements;
+    int64_t all_reduces;
+  };
+  const DeviceMesh tp(Shape{world_size()}, {"tp"});
+  std::vector<Case> cases = {{tp, {Shard(-1)}, 3}, {tp, {Replicate()}, 1}};
+  if (world_size() == 4) {
+    const DeviceMesh m2(Shape{2, 2}, {"dp", "tp"});
+    cases.push_back({m2, {Replicate(), Shard(-1)}, 3});
+    cases.push_back({m2, {Shard(-1), Replicate()}, 3});
+    cases.push_back({m2, {Shard(-1), Shard(-1)}, 5});
+    cases.push_back({m2, {Replicate(), Replicate()}, 1});
+    const DeviceMesh m3(Shape{2, 1, 2}, {"a", "b", "c"});
+    cases.push_back({m3[std::vector<std::string>{"a", "b"}], {Replicate(), Shard(-1)}, 4});
+  }
+  for (const Case& c : cases) {
+    for (const bool weighted : {false, true}) {
+      const std::string what = c.mesh.str() + " " + placements_str(c.placements) +
+                               (weighted ? " weighted, smoothed" : "");
+      DTensor logits = distribute_tensor(full, c.mesh, c.placements);
+      logits.set_requires_grad(true);
+      world_group()->barrier()->wait();
+      reset_comm_op_counts();
+      const DTensor loss = weighted
+                               ? vocab_parallel_cross_entropy(logits, target, -100,
+                                                              kernels::Reduction::Mean, 0.1, weight)
+                               : vocab_parallel_cross_entropy(logits, target);
+      backward(loss.to_local());
+      const auto counts = comm_op_counts();
+      int64_t total = 0;
+      for (const auto& [op, n] : counts)
+        total += n;
+      EXPECT_EQ(counts.count("all_reduce") ? counts.at("all_reduce") : 0, c.all_reduces) << what;
+      EXPECT_EQ(total, c.all_reduces) << what;
+    }
   }
 }
 
@@ -332,7 +433,7 @@ TEST(VocabParallelLoss, ErrorsNameTheProblem) {
   expect_error([&] { vocab_parallel_cross_entropy(partial, target); }, "redistribute Partial");
 }
 
-// Targets that differ between the ranks sharing the vocabulary (a data-loader bug): an
+// Targets that differ between the ranks of the logits' mesh (a data-loader bug): an
 // out-of-range one on the last rank only, different rows, or another shape on one rank, fail
 // every rank before the loss's first all-reduce, which the others would otherwise wait in.
 TEST(VocabParallelLoss, RanksWithDifferentTargetsFailTogether) {
@@ -350,7 +451,7 @@ TEST(VocabParallelLoss, RanksWithDifferentTargetsFailTogether) {
         vocab_parallel_cross_entropy(logits,
                                      from_vector<int64_t>({0, 3, 2, int64_t(world_rank())}, {4}));
       },
-      "the ranks sharing the vocabulary pass different targets");
+      "the ranks of " + mesh.str() + " pass different targets");
   // A target of another shape on the last rank only (its last batch short): every rank fails.
   expect_error(
       [&] { vocab_parallel_cross_entropy(logits, targets({last ? 3 : 4}, 13, -100, 7)); },
@@ -366,9 +467,9 @@ TEST(VocabParallelLoss, RanksWithDifferentTargetsFailTogether) {
       },
       last ? "label_smoothing must be in [0, 1], got 1.5"
            : "another rank's target is out of range");
-  const std::string theirs =
-      "the ranks sharing the vocabulary pass different ignore_index, "
-      "reduction or label_smoothing (this rank: ignore_index ";
+  const std::string theirs = "the ranks of " + mesh.str() +
+                             " pass different ignore_index, "
+                             "reduction or label_smoothing (this rank: ignore_index ";
   expect_error(
       [&] {
         vocab_parallel_cross_entropy(logits, good, -100, kernels::Reduction::Mean,
