@@ -84,28 +84,20 @@ std::vector<size_t> LoraModel::targets(const LoraConfig& config) const {
       if (layers_[i].first == path) return i;
     return layers_.size();
   };
-  // PEFT's "wq" means every wq: an adapter silently missing from some would not be that.
+  auto of_model = [](const std::string&) { return std::string("the model"); };
   for (const std::string& entry : config.target_modules) {
-    LoraConfig one = config;
-    one.target_modules = {entry};
-    LoraConfig unexcluded = one;
-    unexcluded.exclude_modules.clear();
-    unexcluded.layers_to_transform.clear();
     std::vector<std::string> unwrapped;
-    bool any = false;
-    for (const auto& [path, m] : modules) {
-      any |= lora_targets_module(unexcluded, path, *m, output);
-      if (!lora_targets_module(one, path, *m, output)) continue;
-      const size_t i = wrapped_at(path);
+    for (size_t k : lora_entry_targets(config, entry, modules, output, "LoRA", of_model)) {
+      const size_t i = wrapped_at(modules[k].first);
       if (i == layers_.size())
-        unwrapped.push_back(path);
+        unwrapped.push_back(modules[k].first);
       else if (std::find(out.begin(), out.end(), i) == out.end())
         out.push_back(i);
     }
+    // PEFT's "wq" means every wq: an adapter silently missing from some would not be that.
     TESSERA_CHECK(unwrapped.empty(), "LoRA: target module '", entry, "' names ", join(unwrapped),
                   ", where apply_lora put no slots (adapters can only go where it did: list "
                   "every module any adapter targets in apply_lora's config)");
-    TESSERA_CHECK(any, "LoRA: target module '", entry, "' matches no module of the model");
   }
   TESSERA_CHECK(!out.empty(), "LoRA: no module of the model is left to adapt (target_modules ",
                 join(config.target_modules), "; exclude_modules ", join(config.exclude_modules),

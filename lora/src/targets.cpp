@@ -16,6 +16,10 @@ const Module* lora_output_layer(Module& model) {
   return decoder ? decoder->output.get() : nullptr;
 }
 
+namespace {
+
+// Whether `config` adapts the module `m` at `path`: exclude_modules does not name it, and
+// target_modules does, or is "all-linear" and `m` is a Linear other than `output`.
 bool lora_targets_module(const LoraConfig& config, const std::string& path, const Module& m,
                          const Module* output) {
   if (path.empty()) return false;
@@ -26,6 +30,31 @@ bool lora_targets_module(const LoraConfig& config, const std::string& path, cons
   if (names(config.exclude_modules)) return false;
   if (config.all_linear()) return dynamic_cast<const Linear*>(&m) != nullptr && &m != output;
   return names(config.target_modules) && config.in_transformed_layers(path);
+}
+
+}  // namespace
+
+std::vector<size_t> lora_entry_targets(
+    const LoraConfig& config, const std::string& entry,
+    const std::vector<std::pair<std::string, ModulePtr>>& modules, const Module* output,
+    const char* context, const std::function<std::string(const std::string&)>& of_model) {
+  LoraConfig one = config;
+  one.target_modules = {entry};
+  // Matched without exclude_modules and layers_to_transform too: an entry they empty still names
+  // modules (no typo), and the callers say when nothing is left to adapt.
+  LoraConfig unexcluded = one;
+  unexcluded.exclude_modules.clear();
+  unexcluded.layers_to_transform.clear();
+  std::vector<size_t> out;
+  bool any = false;
+  for (size_t i = 0; i < modules.size(); ++i) {
+    const auto& [path, m] = modules[i];
+    any |= lora_targets_module(unexcluded, path, *m, output);
+    if (lora_targets_module(one, path, *m, output)) out.push_back(i);
+  }
+  TESSERA_CHECK(any || one.all_linear(), context, ": target module '", entry,
+                "' matches no module of ", of_model(entry));
+  return out;
 }
 
 void check_lora_excludes(const LoraConfig& config,
@@ -46,21 +75,21 @@ void check_lora_excludes(const LoraConfig& config,
 std::vector<std::pair<std::string, std::shared_ptr<Linear>>> find_targets(
     Module& model, const LoraConfig& config,
     const std::vector<std::pair<std::string, ModulePtr>>& modules) {
-  if (!config.all_linear())
-    for (const std::string& entry : config.target_modules) {
-      bool any = false;
-      for (const auto& [path, m] : modules)
-        any |= !path.empty() && lora_target_matches(entry, path);
-      TESSERA_CHECK(any, "apply_lora: target module '", entry, "' matches no module of ",
-                    model.type_name(), "; ",
-                    module_path_candidates(
-                        entry.find('.') != std::string::npos ? entry : "*." + entry, modules));
-    }
-  check_lora_excludes(config, modules, "apply_lora");
+  auto of_model = [&](const std::string& entry) {
+    return model.type_name() + "; " +
+           module_path_candidates(entry.find('.') != std::string::npos ? entry : "*." + entry,
+                                  modules);
+  };
   const Module* output = lora_output_layer(model);
+  std::vector<bool> targeted(modules.size(), false);
+  for (const std::string& entry : config.target_modules)
+    for (size_t i : lora_entry_targets(config, entry, modules, output, "apply_lora", of_model))
+      targeted[i] = true;
+  check_lora_excludes(config, modules, "apply_lora");
   std::vector<std::pair<std::string, std::shared_ptr<Linear>>> found;
-  for (const auto& [path, m] : modules) {
-    if (!lora_targets_module(config, path, *m, output)) continue;
+  for (size_t i = 0; i < modules.size(); ++i) {
+    if (!targeted[i]) continue;
+    const auto& [path, m] = modules[i];
     auto linear = std::dynamic_pointer_cast<Linear>(m);
     TESSERA_CHECK(linear != nullptr, "apply_lora: target_modules match '", path, "', a ",
                   m->type_name(), ", not a Linear");

@@ -1,6 +1,7 @@
 #pragma once
 // Which modules a LoraConfig adapts: PEFT's check_target_module_exists (exclude_modules first,
 // then target_modules) and _maybe_include_all_linear_layers ("all-linear").
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,10 +16,18 @@ namespace tessera {
 // `output` (its lm_head; null when tied), none for any other model.
 const Module* lora_output_layer(Module& model);
 
-// Whether `config` adapts the module `m` at `path`: exclude_modules does not name it, and
-// target_modules does, or is "all-linear" and `m` is a Linear other than `output`.
-bool lora_targets_module(const LoraConfig& config, const std::string& path, const Module& m,
-                         const Module* output);
+// What target_modules entry `entry` of `config` adapts among `modules` (the model's, but the
+// LoRA slots), as indices into `modules` in the model's order: the modules it names (for
+// "all-linear", every Linear but `output`) that exclude_modules does not name and
+// layers_to_transform keeps. apply_lora and add_adapter both resolve their targets through it,
+// so that they agree on what an entry means. A named entry that matches no module at all, before
+// exclude_modules and layers_to_transform apply, is an error, "<context>: target module '<entry>'
+// matches no module of <of_model(entry)>"; "all-linear" is not (a model without Linears has
+// nothing left to adapt, which the callers say).
+std::vector<size_t> lora_entry_targets(
+    const LoraConfig& config, const std::string& entry,
+    const std::vector<std::pair<std::string, ModulePtr>>& modules, const Module* output,
+    const char* context, const std::function<std::string(const std::string&)>& of_model);
 
 // An error naming the first entry of exclude_modules that matches none of `modules` (a typo would
 // leave the module it meant adapted).
