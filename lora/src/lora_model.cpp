@@ -85,9 +85,12 @@ std::vector<size_t> LoraModel::targets(const LoraConfig& config) const {
     return layers_.size();
   };
   auto of_model = [](const std::string&) { return std::string("the model"); };
+  std::set<const Module*> own;
+  for (const auto& [path, l] : layers_)
+    own.insert(l.get());
   for (const std::string& entry : config.target_modules) {
     std::vector<std::string> unwrapped;
-    for (size_t k : lora_entry_targets(config, entry, modules, output, "LoRA", of_model)) {
+    for (size_t k : lora_entry_targets(config, entry, modules, output, own, "LoRA", of_model)) {
       const size_t i = wrapped_at(modules[k].first);
       if (i == layers_.size())
         unwrapped.push_back(modules[k].first);

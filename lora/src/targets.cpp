@@ -37,7 +37,8 @@ bool lora_targets_module(const LoraConfig& config, const std::string& path, cons
 std::vector<size_t> lora_entry_targets(
     const LoraConfig& config, const std::string& entry,
     const std::vector<std::pair<std::string, ModulePtr>>& modules, const Module* output,
-    const char* context, const std::function<std::string(const std::string&)>& of_model) {
+    const std::set<const Module*>& own, const char* context,
+    const std::function<std::string(const std::string&)>& of_model) {
   LoraConfig one = config;
   one.target_modules = {entry};
   // Matched without exclude_modules and layers_to_transform too: an entry they empty still names
@@ -50,7 +51,12 @@ std::vector<size_t> lora_entry_targets(
   for (size_t i = 0; i < modules.size(); ++i) {
     const auto& [path, m] = modules[i];
     any |= lora_targets_module(unexcluded, path, *m, output);
-    if (lora_targets_module(one, path, *m, output)) out.push_back(i);
+    if (!lora_targets_module(one, path, *m, output)) continue;
+    // Another LoraModel's layer: its slots are that model's, which a layer named outright is
+    // refused for (find_targets, targets); "all-linear" names no layer outright, so passes over it.
+    if (one.all_linear() && dynamic_cast<const LoraLinear*>(m.get()) && !own.count(m.get()))
+      continue;
+    out.push_back(i);
   }
   TESSERA_CHECK(any || one.all_linear(), context, ": target module '", entry,
                 "' matches no module of ", of_model(entry));
@@ -83,7 +89,7 @@ std::vector<std::pair<std::string, std::shared_ptr<Linear>>> find_targets(
   const Module* output = lora_output_layer(model);
   std::vector<bool> targeted(modules.size(), false);
   for (const std::string& entry : config.target_modules)
-    for (size_t i : lora_entry_targets(config, entry, modules, output, "apply_lora", of_model))
+    for (size_t i : lora_entry_targets(config, entry, modules, output, {}, "apply_lora", of_model))
       targeted[i] = true;
   check_lora_excludes(config, modules, "apply_lora");
   std::vector<std::pair<std::string, std::shared_ptr<Linear>>> found;

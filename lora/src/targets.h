@@ -2,6 +2,7 @@
 // Which modules a LoraConfig adapts: PEFT's check_target_module_exists (exclude_modules first,
 // then target_modules) and _maybe_include_all_linear_layers ("all-linear").
 #include <functional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -18,7 +19,8 @@ const Module* lora_output_layer(Module& model);
 
 // What target_modules entry `entry` of `config` adapts among `modules` (the model's, but the
 // LoRA slots), as indices into `modules` in the model's order: the modules it names (for
-// "all-linear", every Linear but `output`) that exclude_modules does not name and
+// "all-linear", every Linear but `output` and the LoraLinears other than `own`, the caller's
+// LoraModel's layers, none for apply_lora) that exclude_modules does not name and
 // layers_to_transform keeps. apply_lora and add_adapter both resolve their targets through it,
 // so that they agree on what an entry means. A named entry that matches no module at all, before
 // exclude_modules and layers_to_transform apply, is an error, "<context>: target module '<entry>'
@@ -27,7 +29,8 @@ const Module* lora_output_layer(Module& model);
 std::vector<size_t> lora_entry_targets(
     const LoraConfig& config, const std::string& entry,
     const std::vector<std::pair<std::string, ModulePtr>>& modules, const Module* output,
-    const char* context, const std::function<std::string(const std::string&)>& of_model);
+    const std::set<const Module*>& own, const char* context,
+    const std::function<std::string(const std::string&)>& of_model);
 
 // An error naming the first entry of exclude_modules that matches none of `modules` (a typo would
 // leave the module it meant adapted).

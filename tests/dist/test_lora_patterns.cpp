@@ -152,6 +152,48 @@ TEST(LoraPatterns, AllLinearWrapsEveryLinearButTheOutputLayer) {
                {"\"all-linear\" stands alone"});
 }
 
+// A layer an earlier apply_lora wrapped holds that LoraModel's slots: naming it is refused (its
+// adapters go in with add_adapter), so "all-linear" in a second apply_lora leaves it out instead
+// of failing, and the second model's add_adapter with "all-linear" covers its own layers only.
+TEST(LoraPatterns, AllLinearPassesOverTheLayersAnEarlierApplyWrapped) {
+  auto m = std::make_shared<Decoder>(lora_decoder_config());
+  auto first = apply_lora(m, lora_test_config(), "first", {.max_adapters = 2, .max_rank = 4});
+  LoraConfig c = lora_test_config();
+  c.target_modules = {"wq", "w2"};
+  auto m2 = std::make_shared<Decoder>(lora_decoder_config());
+  auto some = apply_lora(m2, c, "some", {.max_adapters = 2});
+  c.target_modules = {"all-linear"};
+  auto rest = apply_lora(m2, c, "rest", {.max_adapters = 2});
+  std::vector<std::string> want;
+  for (const std::string l : {"layers.0.", "layers.1."})
+    for (const std::string p :
+         {"attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w3"})
+      want.push_back(l + p);
+  EXPECT_EQ(wrapped(*rest), want);
+  EXPECT_EQ(wrapped(*some),
+            (std::vector<std::string>{"layers.0.attention.wq", "layers.0.feed_forward.w2",
+                                      "layers.1.attention.wq", "layers.1.feed_forward.w2"}));
+  rest->add_adapter("more", c);
+  EXPECT_EQ(rest->read_adapter("more").size(), 2 * want.size());
+  some->add_adapter("all", c);
+  EXPECT_EQ(some->read_adapter("all").size(), 2 * some->layers().size());
+  first->add_adapter("all", c);
+  EXPECT_EQ(first->read_adapter("all").size(), 2 * first->layers().size());
+  // Every layer has an adapter: both models' layers stay where they were put.
+  for (const auto& [path, l] : some->layers())
+    EXPECT_EQ(m2->get_submodule(path), l) << path;
+  const Batch b = affine_batch(0, 2, lora_decoder_config().max_seq_len, 32);
+  EXPECT_EQ((*m2)(b.ids).shape(), (Shape{2, lora_decoder_config().max_seq_len, 32}));
+  // Nothing is left for a third.
+  expect_error([&] { apply_lora(m2, c, "third"); }, {"no module of Decoder is left to adapt"});
+  // The first model covered every Linear but the output layer: nothing is left either.
+  expect_error([&] { apply_lora(m, c, "second"); }, {"no module of Decoder is left to adapt"});
+  // Named, a wrapped layer is still refused.
+  c.target_modules = {"wq"};
+  expect_error([&] { apply_lora(m, c, "second"); }, {"already has LoRA slots"});
+  EXPECT_EQ(first->adapters(), (std::vector<std::string>{"first", "all"}));
+}
+
 // layers_to_transform keeps the modules of the listed layers, whose index follows layers_pattern
 // (or, without it, any component); an entry that is a module's whole path keeps it anywhere.
 TEST(LoraPatterns, LayersToTransformKeepsTheListedLayers) {

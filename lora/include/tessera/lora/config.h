@@ -93,6 +93,12 @@ struct LoraConfig {
   void validate() const;
 };
 
+// "all-linear" never reaches a layer another LoraModel holds. A layer an earlier apply_lora
+// wrapped holds that LoraModel's slots: a second apply_lora refuses it when an entry names it
+// (its adapters go in with that model's add_adapter), and with "all-linear" passes over it, so
+// that it adapts every other Linear but the output layer (PEFT's second injection would add to
+// the adapted layers too: here the first LoraModel's add_adapter does). A LoraModel's add_adapter
+// with "all-linear" likewise covers its own layers and leaves out any other LoraModel's.
 inline constexpr const char* kAllLinear = "all-linear";
 
 // Whether target_modules entry `entry` names the module at `path` (the rule above).
