@@ -123,7 +123,10 @@ Tensor LoraLinear::forward_dora(const Tensor& x, const Tensor& w, const Tensor& 
 
 // As forward_dora, on the layer's mesh. The norms: each rank's rows of its window of
 // W + scale B A (its pieces of B and A make exactly that window), their squares summed over the
-// ranks that split the columns (row parallel: one all-reduce of [out]), laid out as m.
+// ranks that split the columns (row parallel: one all-reduce of [out]), laid out as m. With
+// dropout, x W^T and dropout(x) W^T are products of their own: a row-parallel forward reduces
+// each (two reductions of the output more than without dropout), a column-parallel backward
+// all-reduces x's gradient from each.
 DTensor LoraLinear::forward_dtensor_dora(const DTensor& x, const DTensor& w, const DTensor& bd,
                                          const DTensor& a, const DTensor& b, int64_t slot,
                                          const DTensor& xl) {

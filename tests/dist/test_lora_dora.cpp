@@ -8,6 +8,7 @@
 #include <cmath>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <tuple>
 
 #include "dist/checkpoint_util.h"
@@ -279,6 +280,94 @@ TEST(LoraDora, UnevenAndEmptyShardsMatchOneProcess) {
       expect_close(full_grad(s.lora_magnitude_vector(0)), p.lora_magnitude_vector(0).grad(), 1e-5,
                    what + ": m's gradient");
     }
+  }
+}
+
+namespace {
+
+// The collectives of one forward, and of one backward, of `m` on `x`, by kind; the input
+// requires grad, as inside a network.
+std::pair<std::map<std::string, int64_t>, std::map<std::string, int64_t>> count_collectives(
+    Module& m, const Tensor& x) {
+  world_group()->barrier()->wait();
+  Tensor in = x.detach().clone();
+  in.set_requires_grad(true);
+  reset_comm_op_counts();
+  Tensor y = m(in);
+  const auto forward = comm_op_counts();
+  reset_comm_op_counts();
+  backward(sum(mul(y, y)));
+  return {forward, comm_op_counts()};
+}
+
+std::string str(const std::map<std::string, int64_t>& counts) {
+  std::string s;
+  for (const auto& [kind, k] : counts)
+    s += (s.empty() ? "" : ", ") + kind + " " + std::to_string(k);
+  return s.empty() ? "none" : s;
+}
+
+int64_t total(const std::map<std::string, int64_t>& counts) {
+  int64_t n = 0;
+  for (const auto& [kind, k] : counts)
+    n += k;
+  return n;
+}
+
+}  // namespace
+
+// With dropout in training, DoRA feeds dropout(x) to both extra terms, so the layer computes
+// dropout(x) W^T once more, reduced apart from the layer's other products: a row-parallel forward
+// makes two more reductions of the output than without dropout, and a column-parallel backward two
+// more all-reduces of x's gradient (one per product of W). Drawing the dropout mask adds, at any
+// layout and rank count, DTensor rand's check that the ranks' generators agree: one small
+// all-reduce per mesh dim, as for LoRA. As lora_linear.h and docs/lora.md say.
+TEST(LoraDora, DropoutAddsTwoReductionsPerRowParallelForward) {
+  const int64_t n = world_size();
+  DeviceMesh mesh(Shape{n}, {"tp"});
+  RowwiseParallel sp_row;
+  sp_row.output_layouts = {Shard(1)};
+  struct Case {
+    std::string name;
+    ParallelStylePtr style;
+    Shape input;       // this rank's piece
+    int64_t forward;   // the reductions dropout adds, over more than one rank
+    int64_t backward;  // likewise
+  };
+  const std::vector<Case> cases = {
+      {"colwise", std::make_shared<ColwiseParallel>(), {2, 8, 16}, 0, 2},
+      {"rowwise", std::make_shared<RowwiseParallel>(), {2, 8, 16 / n}, 2, 0},
+      {"rowwise into sequence shards",
+       std::make_shared<RowwiseParallel>(sp_row),
+       {2, 8, 16 / n},
+       2,
+       0}};
+  const int64_t generator_check = mesh.ndim();
+  for (const Case& c : cases) {
+    auto layer = [&](double dropout) {
+      Generator gen(1);
+      auto m = std::make_shared<OneLayer>(std::make_shared<Linear>(16, 24, false, gen));
+      LoraConfig cfg = dora_config();
+      cfg.target_modules = {"proj"};
+      cfg.lora_dropout = dropout;
+      parallelize_module(m, mesh, {{"proj", c.style}});
+      apply_lora(m, cfg);
+      return m;
+    };
+    Generator gx(5);
+    const Tensor x = rand(c.input, gx);
+    auto plain = layer(0.0);
+    auto dropped = layer(0.3);
+    ASSERT_TRUE(dropped->is_training());
+    const auto without = count_collectives(*plain, x);
+    const auto with = count_collectives(*dropped, x);
+    const std::string what = c.name + " at " + std::to_string(n) + " ranks";
+    EXPECT_EQ(total(with.first), total(without.first) + (n > 1 ? c.forward : 0) + generator_check)
+        << what << ", forward: with dropout " << str(with.first) << "; without "
+        << str(without.first);
+    EXPECT_EQ(total(with.second), total(without.second) + (n > 1 ? c.backward : 0))
+        << what << ", backward: with dropout " << str(with.second) << "; without "
+        << str(without.second);
   }
 }
 

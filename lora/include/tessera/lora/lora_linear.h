@@ -12,7 +12,9 @@
 // replicated (or plain) W gives both replicated (plain). FSDP later shards them over its mesh
 // dim like any parameter.
 //
-// Each forward issues the collectives the layer issues without adapters, and no more:
+// Each forward issues the collectives the layer issues without adapters, and no more (with
+// dropout in training, one more: drawing the mask checks that the ranks' generators agree, one
+// all-reduce of four int64 per mesh dim, as DTensor's rand does):
 //  - column parallel: the base and adapter products are one DTensor op (linear_lowrank) whose
 //    replicated inputs, x and A, have their gradients summed in the one all-reduce the layer's
 //    backward makes anyway;
@@ -24,8 +26,10 @@
 //
 // DoRA (a slot whose adapter has use_dora) scales the layer's product by m / ||W + scale B A||,
 // the norm of each whole row: a row-parallel layer sums its rows' squares over the TP group, one
-// all-reduce of [out] more per forward (and with dropout in training the extra base product
-// dropout(x) W^T, reduced apart). See dora.cpp.
+// all-reduce of [out] more per forward. With dropout in training it computes dropout(x) W^T once
+// more, and x W^T and dropout(x) W^T are reduced apart from the layer's reduction: a row-parallel
+// forward makes two more reductions of the output than without dropout, a column-parallel
+// backward two more all-reduces of x's gradient. See dora.cpp.
 #include <compare>
 #include <map>
 #include <memory>
