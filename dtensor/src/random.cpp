@@ -32,10 +32,10 @@ void check_same_generator(const DTensorSpec& s, const Generator& gen, const char
 
 // Every rank reserves the whole logical draw, then fills only its window of it.
 DTensor& fill_window(DTensor& t, RandomKind kind, double a, double b, Generator& gen,
-                     const char* op) {
+                     const char* op, bool check_generator = true) {
   const DTensorSpec& s = t.spec();
   check_random_fill(s.dtype, kind, a, b, op);
-  check_same_generator(s, gen, op);
+  if (check_generator) check_same_generator(s, gen, op);
   uint64_t base = gen.advance(uint64_t(shape_numel(s.global_shape)));
   Tensor local = t.to_local();
   LocalLayout l = s.local_layout();
@@ -60,9 +60,9 @@ DTensor empty_dtensor(const Shape& global_shape, const DeviceMesh& mesh,
 }  // namespace
 
 DTensor rand(const Shape& global_shape, const DeviceMesh& mesh, const Placements& placements,
-             Generator& gen, DType dtype) {
+             Generator& gen, DType dtype, bool check_generator) {
   DTensor t = empty_dtensor(global_shape, mesh, placements, dtype);
-  return fill_window(t, RandomKind::Uniform, 0.0, 1.0, gen, "rand");
+  return fill_window(t, RandomKind::Uniform, 0.0, 1.0, gen, "rand", check_generator);
 }
 
 DTensor randn(const Shape& global_shape, const DeviceMesh& mesh, const Placements& placements,

@@ -551,9 +551,12 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
   if (bt.any_dropout) {
     // The same mask a single process would draw: the draw follows x's layout, replicated over
     // Partial dims, whose ranks must mask their terms of one sum alike. (x in the adapters'
-    // dtype first, as in forward.)
+    // dtype first, as in forward.) The slot's stream needs no cross-rank check: every rank seeded
+    // it alike (add_adapter, or an adapter table the ranks agreed on) and advances it by the
+    // same global numel in the same forwards.
     const Placements mask_placements = x.spec().grad_placements();  // Partial -> Replicate
-    DTensor u = rand(x.shape(), mesh, mask_placements, dropout_gens_[size_t(bt.slots[0])]);
+    DTensor u = rand(x.shape(), mesh, mask_placements, dropout_gens_[size_t(bt.slots[0])],
+                     DType::Float32, /*check_generator=*/false);
     Tensor keep = keep_scale(u.to_local(), bt.dropout, slots_[size_t(bt.slots[0])].dropout);
     xl = mul(x.dtype() == a.dtype() ? x : cast(x, a.dtype()),
              DTensor::from_local(keep.to(a.dtype()), mesh, mask_placements, x.shape()));

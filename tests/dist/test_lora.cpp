@@ -115,7 +115,8 @@ std::pair<std::map<std::string, int64_t>, std::map<std::string, int64_t>> count(
 
 // A LoRA layer issues as many collectives per forward and per backward as the same layer
 // without adapters (trainable, as in ordinary training): column parallel, row parallel, and row
-// parallel into sequence-sharded activations.
+// parallel into sequence-sharded activations; with dropout in training too (the mask's draw
+// needs no agreement: the slot's stream is the same on every rank by construction).
 TEST(Lora, AdaptersAddNoCollectives) {
   if (world_size() == 1) GTEST_SKIP() << "no collectives on one rank";
   const int64_t n = world_size();
@@ -131,37 +132,39 @@ TEST(Lora, AdaptersAddNoCollectives) {
       {"colwise", std::make_shared<ColwiseParallel>(), {2, 8, 16}},
       {"rowwise", std::make_shared<RowwiseParallel>(), {2, 8, 16 / n}},
       {"rowwise into sequence shards", std::make_shared<RowwiseParallel>(sp_row), {2, 8, 16 / n}}};
-  for (const Case& c : cases) {
-    for (bool lora_first : {false, true}) {
-      Generator gen(1);
-      auto plain = std::make_shared<OneLayer>(std::make_shared<Linear>(16, 24, false, gen));
-      parallelize_module(plain, mesh, {{"proj", c.style}});
-      Generator gen2(1);
-      auto with = std::make_shared<OneLayer>(std::make_shared<Linear>(16, 24, false, gen2));
-      LoraConfig cfg = lora_test_config(LoraInit::Random);
-      cfg.target_modules = {"proj"};
-      if (lora_first) apply_lora(with, cfg);
-      parallelize_module(with, mesh, {{"proj", c.style}});
-      if (!lora_first) apply_lora(with, cfg);
-      Generator gx(5);
-      const Tensor x = rand(c.input, gx);
-      const auto base = count(*plain, x);
-      const auto lora = count(*with, x);
-      const std::string what = c.name + (lora_first ? " (LoRA first)" : "");
-      EXPECT_EQ(total(lora.first), total(base.first))
-          << what << ", forward: with adapters " << str(lora.first) << "; without "
-          << str(base.first);
-      EXPECT_EQ(total(lora.second), total(base.second))
-          << what << ", backward: with adapters " << str(lora.second) << "; without "
-          << str(base.second);
-      if (world_rank() == 0 && !lora_first)
-        std::printf(
-            "[lora collectives] tp%lld %s: without adapters forward {%s} backward {%s}; "
-            "with {%s} {%s}\n",
-            (long long)n, what.c_str(), str(base.first).c_str(), str(base.second).c_str(),
-            str(lora.first).c_str(), str(lora.second).c_str());
-    }
-  }
+  for (const Case& c : cases)
+    for (double dropout : {0.0, 0.1})
+      for (bool lora_first : {false, true}) {
+        Generator gen(1);
+        auto plain = std::make_shared<OneLayer>(std::make_shared<Linear>(16, 24, false, gen));
+        parallelize_module(plain, mesh, {{"proj", c.style}});
+        Generator gen2(1);
+        auto with = std::make_shared<OneLayer>(std::make_shared<Linear>(16, 24, false, gen2));
+        LoraConfig cfg = lora_test_config(LoraInit::Random);
+        cfg.target_modules = {"proj"};
+        cfg.lora_dropout = dropout;
+        if (lora_first) apply_lora(with, cfg);
+        parallelize_module(with, mesh, {{"proj", c.style}});
+        if (!lora_first) apply_lora(with, cfg);
+        Generator gx(5);
+        const Tensor x = rand(c.input, gx);
+        const auto base = count(*plain, x);
+        const auto lora = count(*with, x);
+        const std::string what =
+            c.name + (lora_first ? " (LoRA first)" : "") + (dropout > 0 ? " with dropout" : "");
+        EXPECT_EQ(total(lora.first), total(base.first))
+            << what << ", forward: with adapters " << str(lora.first) << "; without "
+            << str(base.first);
+        EXPECT_EQ(total(lora.second), total(base.second))
+            << what << ", backward: with adapters " << str(lora.second) << "; without "
+            << str(base.second);
+        if (world_rank() == 0 && !lora_first && dropout == 0)
+          std::printf(
+              "[lora collectives] tp%lld %s: without adapters forward {%s} backward {%s}; "
+              "with {%s} {%s}\n",
+              (long long)n, what.c_str(), str(base.first).c_str(), str(base.second).c_str(),
+              str(lora.first).c_str(), str(lora.second).c_str());
+      }
 }
 
 // DoRA adds what docs/lora.md says and no more: a row-parallel layer one all-reduce of its rows'

@@ -9,8 +9,11 @@
 
 namespace tessera {
 
+// check_generator = false skips that check, for a generator whose state is the same on every
+// rank of the mesh by construction: seeded alike and drawn from only by calls every rank makes
+// alike (LoRA's per-slot dropout streams), where the check would cost an all-reduce per draw.
 DTensor rand(const Shape& global_shape, const DeviceMesh& mesh, const Placements& placements,
-             Generator& gen, DType dtype = DType::Float32);
+             Generator& gen, DType dtype = DType::Float32, bool check_generator = true);
 DTensor randn(const Shape& global_shape, const DeviceMesh& mesh, const Placements& placements,
               Generator& gen, DType dtype = DType::Float32);
 DTensor& uniform_(DTensor& t, double low, double high, Generator& gen);

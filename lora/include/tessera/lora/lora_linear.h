@@ -12,9 +12,9 @@
 // replicated (or plain) W gives both replicated (plain). FSDP later shards them over its mesh
 // dim like any parameter.
 //
-// Each forward issues the collectives the layer issues without adapters, and no more (with
-// dropout in training, one more: drawing the mask checks that the ranks' generators agree, one
-// all-reduce of four int64 per mesh dim, as DTensor's rand does):
+// Each forward issues the collectives the layer issues without adapters, and no more (dropout's
+// mask too: each slot's stream is the same on every rank by construction, so its draw skips the
+// cross-rank check of DTensor's rand):
 //  - column parallel: the base and adapter products are one DTensor op (linear_lowrank) whose
 //    replicated inputs, x and A, have their gradients summed in the one all-reduce the layer's
 //    backward makes anyway;
