@@ -307,15 +307,11 @@ void LoraModel::set_batch_adapters(const Tensor& ids) {
       known |= a.slot == id;
     TESSERA_CHECK(known, "LoRA set_batch_adapters: id ", id, " is no adapter's (", join(adapters()),
                   " have ids from adapter_id(); -1 is the base model)");
-    for (const auto& [n, a] : adapters_) {
+    for (const auto& [n, a] : adapters_)
       TESSERA_CHECK(a.slot != id || !a.config.use_dora, "LoRA set_batch_adapters: adapter '", n,
                     "' (id ", id,
                     ") uses DoRA, which mixed batches do not run (PEFT refuses DoRA with "
                     "adapter_names too)");
-      TESSERA_CHECK(a.slot != id || a.saved.empty(), "LoRA set_batch_adapters: adapter '", n,
-                    "' (id ", id, ") has modules_to_save (", join(a.config.modules_to_save),
-                    "), which mixed batches do not route per sample");
-    }
   }
   routing_->masks.clear();
   routing_->sample_slots = std::move(host);

@@ -76,13 +76,16 @@ void SavedModule::attach(std::shared_ptr<LoraRouting> routing) const {
   std::vector<Module::StandInSet> sets;
   for (size_t k = 0; k < copies->slots().size(); ++k)
     sets.push_back(slot(int64_t(k)));
-  // A mixed batch never holds an adapter that saves a module (set_batch_adapters refuses it), so
-  // during one every sample sees the original.
-  module->set_parameter_stand_ins(std::move(sets), [routing, used = used]() -> int64_t {
-    const int64_t s = routing->active_slot;
-    if (routing->sample_slots || s < 0 || !(*used)[size_t(s)]) return -1;
-    return s;
-  });
+  // A slot whose adapter does not save this module (or none: the base model) takes the original.
+  module->set_parameter_stand_ins(
+      std::move(sets), [routing, used = used]() -> Module::StandInChoice {
+        auto pick = [&](int64_t s) { return s >= 0 && (*used)[size_t(s)] ? s : -1; };
+        if (!routing->sample_slots) return {pick(routing->active_slot)};
+        std::vector<int64_t> rows;
+        for (int64_t s : *routing->sample_slots)
+          rows.push_back(pick(s));
+        return {-1, std::move(rows)};
+      });
 }
 
 void SavedModule::detach() const {

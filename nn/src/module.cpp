@@ -7,6 +7,7 @@
 #include "parallel/local_pieces.h"
 #include "tessera/autograd/checkpoint.h"
 #include "tessera/autograd/grad_mode.h"
+#include "tessera/autograd/ops.h"
 #include "tessera/core/factory.h"
 
 namespace tessera {
@@ -66,20 +67,50 @@ class StandInScope {
 }  // namespace
 
 Tensor Module::run_forward(const Tensor& x) {
-  if (select_stand_ins_) {
-    const int64_t k = select_stand_ins_();
-    TESSERA_CHECK(k >= -1 && k < int64_t(stand_ins_.size()), type_name_, ": stand-in set ", k,
-                  " chosen, of ", stand_ins_.size());
-    if (k >= 0) {
-      std::vector<std::pair<Parameter*, Parameter*>> pairs;
-      for (const auto& [name, stand_in] : stand_ins_[size_t(k)])
-        for (auto& [own_name, own] : params_)
-          if (own_name == name) pairs.emplace_back(own, stand_in);
-      StandInScope scope(std::move(pairs));
-      return run_own_forward(x);
-    }
-  }
+  if (!select_stand_ins_) return run_own_forward(x);
+  const StandInChoice choice = select_stand_ins_();
+  if (!choice.per_row) return run_with_stand_ins(choice.set, x);
+  return run_per_row(*choice.per_row, x);
+}
+
+Tensor Module::run_with_stand_ins(int64_t set, const Tensor& x) {
+  TESSERA_CHECK(set >= -1 && set < int64_t(stand_ins_.size()), type_name_, ": stand-in set ", set,
+                " chosen, of ", stand_ins_.size());
+  if (set < 0) return run_own_forward(x);
+  std::vector<std::pair<Parameter*, Parameter*>> pairs;
+  for (const auto& [name, stand_in] : stand_ins_[size_t(set)])
+    for (auto& [own_name, own] : params_)
+      if (own_name == name) pairs.emplace_back(own, stand_in);
+  StandInScope scope(std::move(pairs));
   return run_own_forward(x);
+}
+
+// One run per distinct set, each row of the output taken from its set's run by a 0/1 mask: a
+// row's value is its run's exactly, and each set's parameters get the gradients of their rows
+// only. A batch whose rows all take one set runs once.
+Tensor Module::run_per_row(const std::vector<int64_t>& per_row, const Tensor& x) {
+  std::vector<int64_t> sets = per_row;
+  std::sort(sets.begin(), sets.end());
+  sets.erase(std::unique(sets.begin(), sets.end()), sets.end());
+  if (sets.size() == 1) return run_with_stand_ins(sets.front(), x);
+  const auto rows = int64_t(per_row.size());
+  TESSERA_CHECK(x.dim() >= 1 && x.size(0) == rows, type_name_, ": stand-in sets chosen for ", rows,
+                " rows, but the input ", x.str(), " has ", x.dim() >= 1 ? x.size(0) : 0);
+  Tensor y;
+  for (int64_t set : sets) {
+    Tensor part = run_with_stand_ins(set, x);
+    TESSERA_CHECK(part.dim() >= 1 && part.size(0) == rows, type_name_, ": the output ", part.str(),
+                  " has not the input's ", rows, " rows, which chose stand-in sets");
+    std::vector<float> mine(size_t(rows), 0.0f);
+    for (int64_t r = 0; r < rows; ++r)
+      if (per_row[size_t(r)] == set) mine[size_t(r)] = 1.0f;
+    Shape mask_shape(size_t(part.dim()), 1);
+    mask_shape[0] = rows;
+    const Tensor mask = from_vector<float>(mine, mask_shape).to(part.device()).to(part.dtype());
+    part = mul(part, mask);
+    y = y.defined() ? add(y, part) : part;
+  }
+  return y;
 }
 
 Tensor Module::run_own_forward(const Tensor& x) {
@@ -296,7 +327,7 @@ void Module::delete_module(const std::string& name) {
 }
 
 void Module::set_parameter_stand_ins(std::vector<StandInSet> sets,
-                                     std::function<int64_t()> select) {
+                                     std::function<StandInChoice()> select) {
   TESSERA_CHECK(select != nullptr, type_name_, ": stand-in parameters need a selector");
   for (size_t k = 0; k < sets.size(); ++k)
     for (const auto& [name, stand_in] : sets[k]) {

@@ -257,12 +257,6 @@ TEST(LoraModulesToSave, WhatCannotBeSavedIsRefusedNamingIt) {
   again.target_modules = {"wk"};
   expect_error([&] { apply_lora(m2, again, "again"); },
                {"'tok_embeddings'", "is saved by an earlier apply_lora"});
-  // A mixed batch does not route copies per sample.
-  expect_error(
-      [&] {
-        lora->set_batch_adapters(from_vector<int64_t>({0, -1, 0, -1}));
-      },
-      {"adapter 'default' (id 0) has modules_to_save (output, norm, tok_embeddings)"});
 }
 
 // The copies of a checkpointed module are recomputed with the adapter's copy too.
@@ -312,5 +306,87 @@ TEST(LoraModulesToSave, ACheckpointLoadsOnAnotherMesh) {
     load(in, dir + "/checkpoint.h5");
     fresh.lora->load_state_dict(sub_state_dict(in, "lora"));
     expect_close(fresh.logits(ids_of(4)), want, 1e-5, "loaded");
+  }
+}
+
+// An adapter added while FSDP holds the groups gathered (reshard_after_forward or
+// reshard_after_backward off) gets copies of the modules' values, and a copy written then
+// reaches the next forward.
+TEST(LoraModulesToSave, CopiesMadeWhileFsdpHoldsTheWeightsGatheredReachTheForward) {
+  const DecoderConfig cfg = lora_decoder_config();
+  LoraConfig second = saving(LoraInit::Gaussian);
+  second.seed = 5;
+  const LoraSlots slots{.max_adapters = 2};
+  auto bump = [](LoraModel& lora) {
+    std::map<std::string, Tensor> values = lora.read_adapter("b");
+    values.at("output.weight") = add(values.at("output.weight"), 0.5);
+    lora.write_adapter("b", values);
+  };
+  auto plain = std::make_shared<Decoder>(cfg);
+  auto plain_lora = apply_lora(plain, saving(LoraInit::Random), "default", slots);
+  plain_lora->add_adapter("b", second);
+  plain_lora->set_adapter("b");
+  bump(*plain_lora);
+  const Batch b = affine_batch(0, 2, cfg.max_seq_len, cfg.vocab_size);
+  const Tensor want = (*plain)(b.ids);
+  for (const bool after_backward : {false, true}) {
+    const std::string what =
+        after_backward ? "reshard_after_backward off" : "reshard_after_forward off";
+    auto m = std::make_shared<Decoder>(cfg);
+    auto lora = apply_lora(m, saving(LoraInit::Random), "default", slots);
+    auto state = fully_shard(m, DeviceMesh(Shape{world_size()}, {"dp"}));
+    if (after_backward) {
+      state->set_reshard_after_backward(false);
+      backward(sum((*m)(b.ids)));
+    } else {
+      state->set_reshard_after_forward(false);
+      NoGradGuard no_grad;
+      (void)(*m)(b.ids);
+    }
+    ASSERT_TRUE(state->is_unsharded()) << what;
+    lora->add_adapter("b", second);
+    lora->set_adapter("b");
+    bump(*lora);
+    NoGradGuard no_grad;
+    expect_close((*m)(b.ids), want, 1e-5, what + ": forward with the added adapter's copies");
+  }
+}
+
+// A mixed batch gives each sample its adapter's copies, or the originals (the base model, an
+// adapter that saves nothing), as PEFT's adapter_names does: each row as that adapter alone
+// computes it, under every layout.
+TEST(LoraModulesToSave, AMixedBatchGivesEachSampleItsAdaptersCopies) {
+  for (const LoraLayout& l : lora_layouts({.max_adapters = 3})) {
+    SCOPED_TRACE(l.name);
+    LoraRun run = l.build(lora_decoder_config(), saving(LoraInit::Random));
+    LoraConfig second = saving(LoraInit::Random);
+    second.seed = 5;
+    LoraConfig none = lora_test_config(LoraInit::Random);
+    none.seed = 7;
+    run.lora->add_adapter("second", second);
+    run.lora->add_adapter("none", none);
+    std::map<std::string, Tensor> values = run.lora->read_adapter("second");
+    values.at("output.weight") = add(values.at("output.weight"), 0.5);
+    run.lora->write_adapter("second", values);
+    const Tensor ids = ids_of(5);  // 4 samples
+    const std::vector<std::string> per_sample = {"default", "second", "", "none"};
+    NoGradGuard no_grad;
+    std::vector<Tensor> alone;
+    for (const std::string& name : per_sample) {
+      run.lora->set_adapter(name);
+      alone.push_back(run.logits(ids));
+    }
+    run.lora->set_adapter("");
+    std::vector<int64_t> slot;
+    for (const std::string& name : per_sample)
+      slot.push_back(name.empty() ? -1 : run.lora->adapter_id(name));
+    run.lora->set_batch_adapters(from_vector<int64_t>(slot));
+    const Tensor mixed = run.logits(ids);
+    for (int64_t r = 0; r < 4; ++r)
+      expect_close(kernels::narrow(mixed, 0, r, 1), kernels::narrow(alone[size_t(r)], 0, r, 1),
+                   1e-5, "sample " + std::to_string(r) + " (" + per_sample[size_t(r)] + ")");
+    EXPECT_GT(max_abs_diff(kernels::narrow(alone[1], 0, 1, 1), kernels::narrow(alone[0], 0, 1, 1)),
+              1e-3);
+    run.lora->set_batch_adapters(Tensor());
   }
 }

@@ -48,7 +48,7 @@ struct Rig {
   Rig() {
     lin->add_module("spare", spare);
     lin->set_parameter_stand_ins({{{"weight", &spare->weight}, {"bias", &spare->bias}}},
-                                 [this] { return chosen; });
+                                 [this] { return Module::StandInChoice{chosen}; });
   }
   // What the Linear computes with the spare's values, and with its own.
   Tensor with_spare(const Tensor& x) const {
@@ -111,21 +111,31 @@ TEST(LayerStandIns, BadSetsAreRefusedNamingTheParameter) {
   Parameter wrong(random_tensor({3, 5}, 1, DType::Float32));
   expect_error(
       [&] {
-        lin->set_parameter_stand_ins({{{"weight", &wrong}}}, [] { return 0; });
+        lin->set_parameter_stand_ins({{{"weight", &wrong}}},
+                                     [] { return Module::StandInChoice{0}; });
       },
       {"stand-in set 0 for 'weight'", "[3, 5]"});
   expect_error(
       [&] {
-        lin->set_parameter_stand_ins({{{"scale", &wrong}}}, [] { return 0; });
+        lin->set_parameter_stand_ins({{{"scale", &wrong}}},
+                                     [] { return Module::StandInChoice{0}; });
       },
       {"'scale'", "none of its parameters"});
   Parameter fine(random_tensor({3, 4}, 1, DType::Float32));
-  lin->set_parameter_stand_ins({{{"weight", &fine}}}, [] { return 1; });
+  lin->set_parameter_stand_ins({{{"weight", &fine}}}, [] { return Module::StandInChoice{1}; });
   expect_error(
       [&] {
         (*lin)(random_tensor({2, 4}, 5, DType::Float32));
       },
       {"stand-in set 1 chosen, of 1"});
+  lin->set_parameter_stand_ins({{{"weight", &fine}}}, [] {
+    return Module::StandInChoice{-1, std::vector<int64_t>{0, -1, 0}};
+  });
+  expect_error(
+      [&] {
+        (*lin)(random_tensor({2, 4}, 5, DType::Float32));
+      },
+      {"stand-in sets chosen for 3 rows", "[2, 4]"});
 }
 
 TEST(LayerStandIns, AddedChildrenAreListedReplacedAndDeleted) {
@@ -140,4 +150,42 @@ TEST(LayerStandIns, AddedChildrenAreListedReplacedAndDeleted) {
   Generator gen(1);
   auto block = std::make_shared<Block>(gen);
   expect_error([&] { block->delete_module("proj"); }, {"'proj'", "own members"});
+}
+
+// A mixed batch: each row computes with its own set, and each set's parameters get the gradients
+// of their rows only.
+TEST(LayerStandIns, EachRowTakesItsSet) {
+  Rig rig;
+  rig.lin->set_parameter_stand_ins(
+      {{{"weight", &rig.spare->weight}, {"bias", &rig.spare->bias}}}, [] {
+        return Module::StandInChoice{-1, std::vector<int64_t>{0, -1, -1, 0}};
+      });
+  Tensor x = random_tensor({4, 4}, 5, DType::Float32);
+  Tensor y = (*rig.lin)(x);
+  const Tensor own = rig.lin->forward(x), spare = rig.with_spare(x);
+  for (int64_t r = 0; r < 4; ++r) {
+    const Tensor want = kernels::narrow(r == 0 || r == 3 ? spare : own, 0, r, 1);
+    expect_equal(kernels::narrow(y, 0, r, 1), want, "row " + std::to_string(r));
+  }
+  backward(sum(y));
+  // d sum(x W^T + b) / dW: per output row, the sum of the input rows that used W.
+  auto rows_sum = [&](std::vector<int64_t> rows) {
+    std::vector<double> out(3 * 4, 0.0);
+    const std::vector<double> xv = x.to_vector<double>();
+    for (int64_t r : rows)
+      for (int64_t o = 0; o < 3; ++o)
+        for (int64_t i = 0; i < 4; ++i)
+          out[size_t(o * 4 + i)] += xv[size_t(r * 4 + i)];
+    return out;
+  };
+  expect_near_all(rig.spare->weight.grad(), rows_sum({0, 3}), 1e-6, "spare's gradient");
+  expect_near_all(rig.spare->bias.grad(), {2, 2, 2}, 1e-6, "spare's bias gradient");
+  expect_near_all(rig.lin->weight.grad(), rows_sum({1, 2}), 1e-6, "own gradient");
+  // One set for every row: one run, the set's.
+  rig.lin->set_parameter_stand_ins({{{"weight", &rig.spare->weight}, {"bias", &rig.spare->bias}}},
+                                   [] {
+                                     return Module::StandInChoice{-1, std::vector<int64_t>{0, 0}};
+                                   });
+  const Tensor two = kernels::narrow(x, 0, 0, 2);
+  expect_equal((*rig.lin)(two), rig.with_spare(two), "all rows one set");
 }

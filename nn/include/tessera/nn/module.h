@@ -97,12 +97,19 @@ class Module : public std::enable_shared_from_this<Module> {
   // of the same global shape and dtype. `select` is asked at each forward which set applies (-1:
   // none), and the forward then computes with that set's parameters wherever it reads its own,
   // so they are the ones that receive gradients; when it returns or throws, every parameter
-  // holds its own value again. Activation checkpointing's recomputation runs the forward again
-  // and asks `select` again: what it answers must not change between a forward and its
-  // backward. parallelize_module lays each stand-in out as it lays out the parameter it stands
-  // for. An error names a set's unknown name or mismatched shape or dtype.
+  // holds its own value again. With `per_row` (a mixed batch), row i of the input's first dim
+  // (the sample) takes set per_row[i]: the forward runs once per distinct set, and each row of
+  // the output (first dim too) comes from its set's run. Activation checkpointing's
+  // recomputation runs the forward again and asks `select` again: what it answers must not
+  // change between a forward and its backward. parallelize_module lays each stand-in out as it
+  // lays out the parameter it stands for. An error names a set's unknown name or mismatched
+  // shape or dtype, and a choice that does not fit the sets or the input's rows.
   using StandInSet = std::vector<std::pair<std::string, Parameter*>>;
-  void set_parameter_stand_ins(std::vector<StandInSet> sets, std::function<int64_t()> select);
+  struct StandInChoice {
+    int64_t set = -1;
+    std::optional<std::vector<int64_t>> per_row = {};
+  };
+  void set_parameter_stand_ins(std::vector<StandInSet> sets, std::function<StandInChoice()> select);
   void clear_parameter_stand_ins();
   const std::vector<StandInSet>& parameter_stand_ins() const { return stand_ins_; }
 
@@ -188,6 +195,8 @@ class Module : public std::enable_shared_from_this<Module> {
   // forward, or the DTensor path a style set, with the chosen stand-in parameters in place
   Tensor run_forward(const Tensor& x);
   Tensor run_own_forward(const Tensor& x);  // the same with the module's own parameters
+  Tensor run_with_stand_ins(int64_t set, const Tensor& x);  // run_own_forward with set `set`
+  Tensor run_per_row(const std::vector<int64_t>& per_row, const Tensor& x);
   void check_new_name(const std::string& name) const;
 
   std::string type_name_;
@@ -200,7 +209,7 @@ class Module : public std::enable_shared_from_this<Module> {
   std::optional<DTensorIO> dtensor_io_;
   bool activation_checkpointing_ = false;
   std::vector<StandInSet> stand_ins_;
-  std::function<int64_t()> select_stand_ins_;
+  std::function<StandInChoice()> select_stand_ins_;
   std::vector<std::string> added_children_;  // by add_module: the ones delete_module may remove
 };
 
