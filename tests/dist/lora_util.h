@@ -136,6 +136,63 @@ inline std::vector<LoraLayout> lora_layouts(const LoraSlots& slots = {}) {
   return out;
 }
 
+// The collectives of one forward and of one backward of `m` on `x`, by kind; the input requires
+// grad, as inside a network.
+inline std::pair<std::map<std::string, int64_t>, std::map<std::string, int64_t>> count_collectives(
+    Module& m, const Tensor& x) {
+  world_group()->barrier()->wait();
+  Tensor in = x.detach().clone();
+  in.set_requires_grad(true);
+  reset_comm_op_counts();
+  Tensor y = m(in);
+  const auto forward = comm_op_counts();
+  reset_comm_op_counts();
+  backward(sum(mul(y, y)));
+  return {forward, comm_op_counts()};
+}
+
+// "all_reduce 2, broadcast 1", or "none".
+inline std::string counts_str(const std::map<std::string, int64_t>& counts) {
+  std::string s;
+  for (const auto& [kind, k] : counts)
+    s += (s.empty() ? "" : ", ") + kind + " " + std::to_string(k);
+  return s.empty() ? "none" : s;
+}
+
+inline int64_t counts_total(const std::map<std::string, int64_t>& counts) {
+  int64_t n = 0;
+  for (const auto& [kind, k] : counts)
+    n += k;
+  return n;
+}
+
+// A decoder with LoRA (`config`, `slots`) under fully_shard over every rank, whose groups stay
+// gathered after one pass on `ids`: reshard_after_backward off and a backward, or
+// reshard_after_forward off and a forward without grad. What an adapter added or written then
+// must still reach the next forward.
+struct GatheredLora {
+  std::shared_ptr<Decoder> model;
+  std::shared_ptr<LoraModel> lora;
+  std::shared_ptr<FSDPState> state;
+};
+
+inline GatheredLora gathered_lora_decoder(const LoraConfig& config, const LoraSlots& slots,
+                                          const Tensor& ids, bool after_backward) {
+  GatheredLora g;
+  g.model = std::make_shared<Decoder>(lora_decoder_config());
+  g.lora = apply_lora(g.model, config, "default", slots);
+  g.state = fully_shard(g.model, DeviceMesh(Shape{world_size()}, {"dp"}));
+  if (after_backward) {
+    g.state->set_reshard_after_backward(false);
+    backward(sum((*g.model)(ids)));
+  } else {
+    g.state->set_reshard_after_forward(false);
+    NoGradGuard no_grad;
+    (void)(*g.model)(ids);
+  }
+  return g;
+}
+
 // Every parameter of the base model (not the adapters'), as global tensors.
 inline std::map<std::string, Tensor> base_weights(Module& m) {
   std::map<std::string, Tensor> out;

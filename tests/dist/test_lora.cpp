@@ -79,40 +79,6 @@ TEST(Lora, FineTuningMatchesSingleRank) {
   EXPECT_LT(ref.losses.back(), ref.losses.front() * 0.9);
 }
 
-namespace {
-
-std::string str(const std::map<std::string, int64_t>& m) {
-  std::string s;
-  for (const auto& [k, v] : m)
-    s += (s.empty() ? "" : ", ") + k + " " + std::to_string(v);
-  return s.empty() ? "none" : s;
-}
-
-int64_t total(const std::map<std::string, int64_t>& m) {
-  int64_t n = 0;
-  for (const auto& [k, v] : m)
-    n += v;
-  return n;
-}
-
-// The collectives of one forward and one backward, by kind; the input requires grad, as inside a
-// network.
-std::pair<std::map<std::string, int64_t>, std::map<std::string, int64_t>> count(Module& m,
-                                                                                const Tensor& x) {
-  world_group()->barrier()->wait();
-  Tensor in = x.detach().clone();
-  in.set_requires_grad(true);
-  reset_comm_op_counts();
-  Tensor y = m(in);
-  auto fwd = comm_op_counts();
-  reset_comm_op_counts();
-  backward(sum(mul(y, y)));
-  auto bwd = comm_op_counts();
-  return {fwd, bwd};
-}
-
-}  // namespace
-
 // A LoRA layer issues as many collectives per forward and per backward as the same layer
 // without adapters (trainable, as in ordinary training): column parallel, row parallel, and row
 // parallel into sequence-sharded activations; with dropout in training too (the mask's draw
@@ -148,22 +114,23 @@ TEST(Lora, AdaptersAddNoCollectives) {
         if (!lora_first) apply_lora(with, cfg);
         Generator gx(5);
         const Tensor x = rand(c.input, gx);
-        const auto base = count(*plain, x);
-        const auto lora = count(*with, x);
+        const auto base = count_collectives(*plain, x);
+        const auto lora = count_collectives(*with, x);
         const std::string what =
             c.name + (lora_first ? " (LoRA first)" : "") + (dropout > 0 ? " with dropout" : "");
-        EXPECT_EQ(total(lora.first), total(base.first))
-            << what << ", forward: with adapters " << str(lora.first) << "; without "
-            << str(base.first);
-        EXPECT_EQ(total(lora.second), total(base.second))
-            << what << ", backward: with adapters " << str(lora.second) << "; without "
-            << str(base.second);
+        EXPECT_EQ(counts_total(lora.first), counts_total(base.first))
+            << what << ", forward: with adapters " << counts_str(lora.first) << "; without "
+            << counts_str(base.first);
+        EXPECT_EQ(counts_total(lora.second), counts_total(base.second))
+            << what << ", backward: with adapters " << counts_str(lora.second) << "; without "
+            << counts_str(base.second);
         if (world_rank() == 0 && !lora_first && dropout == 0)
           std::printf(
               "[lora collectives] tp%lld %s: without adapters forward {%s} backward {%s}; "
               "with {%s} {%s}\n",
-              (long long)n, what.c_str(), str(base.first).c_str(), str(base.second).c_str(),
-              str(lora.first).c_str(), str(lora.second).c_str());
+              (long long)n, what.c_str(), counts_str(base.first).c_str(),
+              counts_str(base.second).c_str(), counts_str(lora.first).c_str(),
+              counts_str(lora.second).c_str());
       }
 }
 
@@ -199,12 +166,14 @@ TEST(Lora, DoraAddsOneAllReducePerRowParallelForward) {
     const Tensor x = rand(input, gx);
     auto lora = layer(false);
     auto dora = layer(true);
-    const auto base = count(*lora, x);
-    const auto got = count(*dora, x);
-    EXPECT_EQ(total(got.first), total(base.first) + extra)
-        << name << ", forward: DoRA " << str(got.first) << "; LoRA " << str(base.first);
-    EXPECT_EQ(total(got.second), total(base.second))
-        << name << ", backward: DoRA " << str(got.second) << "; LoRA " << str(base.second);
+    const auto base = count_collectives(*lora, x);
+    const auto got = count_collectives(*dora, x);
+    EXPECT_EQ(counts_total(got.first), counts_total(base.first) + extra)
+        << name << ", forward: DoRA " << counts_str(got.first) << "; LoRA "
+        << counts_str(base.first);
+    EXPECT_EQ(counts_total(got.second), counts_total(base.second))
+        << name << ", backward: DoRA " << counts_str(got.second) << "; LoRA "
+        << counts_str(base.second);
   }
 }
 

@@ -283,39 +283,6 @@ TEST(LoraDora, UnevenAndEmptyShardsMatchOneProcess) {
   }
 }
 
-namespace {
-
-// The collectives of one forward, and of one backward, of `m` on `x`, by kind; the input
-// requires grad, as inside a network.
-std::pair<std::map<std::string, int64_t>, std::map<std::string, int64_t>> count_collectives(
-    Module& m, const Tensor& x) {
-  world_group()->barrier()->wait();
-  Tensor in = x.detach().clone();
-  in.set_requires_grad(true);
-  reset_comm_op_counts();
-  Tensor y = m(in);
-  const auto forward = comm_op_counts();
-  reset_comm_op_counts();
-  backward(sum(mul(y, y)));
-  return {forward, comm_op_counts()};
-}
-
-std::string str(const std::map<std::string, int64_t>& counts) {
-  std::string s;
-  for (const auto& [kind, k] : counts)
-    s += (s.empty() ? "" : ", ") + kind + " " + std::to_string(k);
-  return s.empty() ? "none" : s;
-}
-
-int64_t total(const std::map<std::string, int64_t>& counts) {
-  int64_t n = 0;
-  for (const auto& [kind, k] : counts)
-    n += k;
-  return n;
-}
-
-}  // namespace
-
 // With dropout in training, DoRA feeds dropout(x) to both extra terms, so the layer computes
 // dropout(x) W^T once more, reduced apart from the layer's other products: a row-parallel forward
 // makes two more reductions of the output than without dropout, and a column-parallel backward two
@@ -360,12 +327,12 @@ TEST(LoraDora, DropoutAddsTwoReductionsPerRowParallelForward) {
     const auto without = count_collectives(*plain, x);
     const auto with = count_collectives(*dropped, x);
     const std::string what = c.name + " at " + std::to_string(n) + " ranks";
-    EXPECT_EQ(total(with.first), total(without.first) + (n > 1 ? c.forward : 0))
-        << what << ", forward: with dropout " << str(with.first) << "; without "
-        << str(without.first);
-    EXPECT_EQ(total(with.second), total(without.second) + (n > 1 ? c.backward : 0))
-        << what << ", backward: with dropout " << str(with.second) << "; without "
-        << str(without.second);
+    EXPECT_EQ(counts_total(with.first), counts_total(without.first) + (n > 1 ? c.forward : 0))
+        << what << ", forward: with dropout " << counts_str(with.first) << "; without "
+        << counts_str(without.first);
+    EXPECT_EQ(counts_total(with.second), counts_total(without.second) + (n > 1 ? c.backward : 0))
+        << what << ", backward: with dropout " << counts_str(with.second) << "; without "
+        << counts_str(without.second);
   }
 }
 

@@ -138,19 +138,12 @@ TEST(LoraModulesToSave, MergeAndUnloadKeepTheCopiesUnloadTheOriginals) {
 // logits, and after three AdamW steps its losses and copies.
 TEST(LoraModulesToSave, EveryLayoutGivesThePlainModel) {
   const LoraConfig c = saving();
-  const AdamWOptions adam{.lr = 3e-3, .eps = 1e-6, .weight_decay = 0.0};
-  auto train = [&](LoraRun& run) {
-    AdamW opt(run.lora->parameters(), adam);
-    std::vector<double> losses;
-    for (int step = 0; step < 3; ++step)
-      losses.push_back(lora_train_step(run, opt, step));
-    return losses;
-  };
   LoraRun ref{"plain", std::make_shared<Decoder>(lora_decoder_config()), nullptr, 0, 1};
   ref.lora = apply_lora(ref.model, c);
   const Tensor want = ref.logits(ids_of(0));
-  const std::vector<double> ref_losses = train(ref);
-  const auto trained = ref.lora->read_adapter("default");
+  const LoraTrained reference = lora_train(ref, 3);  // AdamW, eps 1e-6
+  const std::vector<double>& ref_losses = reference.losses;
+  const auto& trained = reference.adapter;
   for (const char* s : kSaved)
     EXPECT_EQ(trained.count(std::string(s) + ".weight"), 1u) << s;
   for (const LoraLayout& l : lora_layouts()) {
@@ -168,10 +161,11 @@ TEST(LoraModulesToSave, EveryLayoutGivesThePlainModel) {
       }
     }
     expect_close(run.logits(ids_of(0)), want, 1e-5, "logits");
-    const std::vector<double> losses = train(run);
+    const LoraTrained after = lora_train(run, 3);
+    const std::vector<double>& losses = after.losses;
     for (size_t i = 0; i < losses.size(); ++i)
       EXPECT_NEAR(losses[i], ref_losses[i], 1e-6 * ref_losses[i]) << "step " << i;
-    for (const auto& [key, t] : run.lora->read_adapter("default"))
+    for (const auto& [key, t] : after.adapter)
       expect_close(t, trained.at(key), 1e-5, "trained " + key);
   }
 }
@@ -332,17 +326,8 @@ TEST(LoraModulesToSave, CopiesMadeWhileFsdpHoldsTheWeightsGatheredReachTheForwar
   for (const bool after_backward : {false, true}) {
     const std::string what =
         after_backward ? "reshard_after_backward off" : "reshard_after_forward off";
-    auto m = std::make_shared<Decoder>(cfg);
-    auto lora = apply_lora(m, saving(LoraInit::Random), "default", slots);
-    auto state = fully_shard(m, DeviceMesh(Shape{world_size()}, {"dp"}));
-    if (after_backward) {
-      state->set_reshard_after_backward(false);
-      backward(sum((*m)(b.ids)));
-    } else {
-      state->set_reshard_after_forward(false);
-      NoGradGuard no_grad;
-      (void)(*m)(b.ids);
-    }
+    auto [m, lora, state] =
+        gathered_lora_decoder(saving(LoraInit::Random), slots, b.ids, after_backward);
     ASSERT_TRUE(state->is_unsharded()) << what;
     lora->add_adapter("b", second);
     lora->set_adapter("b");

@@ -407,20 +407,11 @@ TEST(LoraPatterns, EveryLayoutGivesThePlainModel) {
   const auto ref = ref_lora->read_adapter("default");
   const Batch b = affine_batch(0, 4, 8, lora_decoder_config().vocab_size);
   const Tensor want = (*plain)(b.ids);
-  // eps 1e-6 as the parity test's: Adam's eps would turn last-bit gradient differences of
-  // near-zero gradients into visible update differences.
-  const AdamWOptions adam{.lr = 3e-3, .eps = 1e-6, .weight_decay = 0.0};
-  auto train = [&](LoraRun& run) {
-    AdamW opt(run.lora->parameters(), adam);
-    std::vector<double> losses;
-    for (int step = 0; step < 3; ++step)
-      losses.push_back(lora_train_step(run, opt, step));
-    return losses;
-  };
   LoraRun ref_run{"plain", std::make_shared<Decoder>(lora_decoder_config()), nullptr, 0, 1};
   ref_run.lora = apply_lora(ref_run.model, c);
-  const std::vector<double> ref_losses = train(ref_run);
-  const auto trained = ref_run.lora->read_adapter("default");
+  const LoraTrained reference = lora_train(ref_run, 3);  // AdamW, eps 1e-6
+  const std::vector<double>& ref_losses = reference.losses;
+  const auto& trained = reference.adapter;
   for (const LoraLayout& l : lora_layouts()) {
     LoraRun run = l.build(lora_decoder_config(), c);
     EXPECT_EQ(wrapped(*run.lora), wrapped(*ref_lora)) << l.name;
@@ -432,10 +423,11 @@ TEST(LoraPatterns, EveryLayoutGivesThePlainModel) {
     for (const auto& [key, t] : ref)
       expect_identical(got.at(key), t, l.name + " " + key);
     expect_close(run.logits(b.ids), want, 1e-5, l.name + " logits");
-    const std::vector<double> losses = train(run);
+    const LoraTrained after = lora_train(run, 3);
+    const std::vector<double>& losses = after.losses;
     for (size_t i = 0; i < losses.size(); ++i)
       EXPECT_NEAR(losses[i], ref_losses[i], 1e-6 * ref_losses[i]) << l.name << " step " << i;
-    for (const auto& [key, t] : run.lora->read_adapter("default"))
+    for (const auto& [key, t] : after.adapter)
       expect_close(t, trained.at(key), 1e-5, l.name + " trained " + key);
   }
 }

@@ -55,17 +55,8 @@ TEST(LoraPeft, AnAdapterAddedWhileFsdpHoldsTheWeightsGatheredKeepsItsValues) {
   for (const bool after_backward : {false, true}) {
     const std::string what =
         after_backward ? "reshard_after_backward off" : "reshard_after_forward off";
-    auto m = std::make_shared<Decoder>(cfg);
-    auto lora = apply_lora(m, lora_test_config(LoraInit::Random), "default", slots);
-    auto state = fully_shard(m, DeviceMesh(Shape{world_size()}, {"dp"}));
-    if (after_backward) {
-      state->set_reshard_after_backward(false);
-      backward(sum((*m)(b.ids)));
-    } else {
-      state->set_reshard_after_forward(false);
-      NoGradGuard no_grad;
-      (void)(*m)(b.ids);
-    }
+    auto [m, lora, state] =
+        gathered_lora_decoder(lora_test_config(LoraInit::Random), slots, b.ids, after_backward);
     ASSERT_TRUE(state->is_unsharded()) << what;
     lora->add_adapter("b", second);
     for (const auto& [key, t] : plain_lora->read_adapter("b"))
