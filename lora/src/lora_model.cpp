@@ -534,7 +534,7 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
     target_paths.push_back(path);
   }
   for (const auto& [path, m] : find_saved_modules(config, modules))
-    lm->saved_.push_back(make_saved_module(path, m, s.max_adapters, target_paths));
+    lm->saved_.push_back(make_saved_module(*model, path, m, s.max_adapters, target_paths));
   for (auto& [path, p] : model->named_parameters())
     if (!adapters.count(p)) p->set_requires_grad(false);
   for (auto& [path, l] : lm->layers_)

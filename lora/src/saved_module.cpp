@@ -6,6 +6,7 @@
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/core/factory.h"
 #include "tessera/fsdp/fully_shard.h"
+#include "tessera/nn/transformer.h"
 
 namespace tessera {
 
@@ -114,8 +115,8 @@ std::vector<std::pair<std::string, ModulePtr>> find_saved_modules(
   return ordered;
 }
 
-std::shared_ptr<SavedModule> make_saved_module(const std::string& path, const ModulePtr& module,
-                                               int64_t slots,
+std::shared_ptr<SavedModule> make_saved_module(Module& model, const std::string& path,
+                                               const ModulePtr& module, int64_t slots,
                                                const std::vector<std::string>& targets) {
   const std::string at = "LoRA modules_to_save: '" + path + "' (" + module->type_name() + ")";
   TESSERA_CHECK(std::find(targets.begin(), targets.end(), path) == targets.end() &&
@@ -131,6 +132,19 @@ std::shared_ptr<SavedModule> make_saved_module(const std::string& path, const Mo
   for (const auto& [name, p] : own)
     TESSERA_CHECK(!is_fully_sharded(*p), at, " is held by fully_shard (its '", name,
                   "'); apply LoRA before fully_shard, so that the copies are sharded alike");
+  const std::string prefix = path + ".";
+  for (const auto& [other, q] : model.named_parameters(/*recurse=*/true, false))
+    for (const auto& [name, p] : own)
+      TESSERA_CHECK(
+          other.compare(0, prefix.size(), prefix) == 0 || q->stored().impl() != p->stored().impl(),
+          at, ": its '", name, "' is tied to '", other,
+          "', which would go on reading the original; untie them first");
+  const auto* decoder = dynamic_cast<const Decoder*>(&model);
+  TESSERA_CHECK(!decoder || !decoder->config().tie_embeddings ||
+                    module != std::static_pointer_cast<Module>(decoder->tok_embeddings),
+                at,
+                " is tied to the Decoder's output projection (tie_embeddings), which reads "
+                "its weight outside its forward and would go on reading the original");
   auto saved = std::make_shared<SavedModule>();
   saved->path = path;
   saved->module = module;

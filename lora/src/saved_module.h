@@ -66,11 +66,13 @@ struct SavedModule {
 std::vector<std::pair<std::string, ModulePtr>> find_saved_modules(
     const LoraConfig& config, const std::vector<std::pair<std::string, ModulePtr>>& modules);
 
-// apply_lora's copies of `module` at `path`, not yet attached: refused, naming the module, for
-// a LoRA target (in `targets`), a module with submodules or without parameters of its own, one
-// an earlier apply_lora saves, and one held by fully_shard (its copies must be sharded alike).
-std::shared_ptr<SavedModule> make_saved_module(const std::string& path, const ModulePtr& module,
-                                               int64_t slots,
+// apply_lora's copies of `module` at `path` in `model`, not yet attached: refused, naming the
+// module, for a LoRA target (in `targets`), a module with submodules or without parameters of
+// its own, one an earlier apply_lora saves, one held by fully_shard (its copies must be sharded
+// alike), and one whose weights are tied to another's (a copy would untie them: the other
+// module, or a Decoder's tied output projection, would go on reading the original).
+std::shared_ptr<SavedModule> make_saved_module(Module& model, const std::string& path,
+                                               const ModulePtr& module, int64_t slots,
                                                const std::vector<std::string>& targets);
 
 }  // namespace tessera

@@ -49,7 +49,8 @@ namespace {
 // optimizers and FSDP know by address, holding its own state.
 class StandInScope {
  public:
-  StandInScope(std::vector<std::pair<Parameter*, Parameter*>> pairs) : pairs_(std::move(pairs)) {
+  explicit StandInScope(std::vector<std::pair<Parameter*, Parameter*>> pairs)
+      : pairs_(std::move(pairs)) {
     for (auto& [own, stand_in] : pairs_)
       std::swap(*own, *stand_in);
   }

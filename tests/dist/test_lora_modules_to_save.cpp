@@ -233,6 +233,16 @@ TEST(LoraModulesToSave, WhatCannotBeSavedIsRefusedNamingIt) {
   expect_error([&] { apply_lora(fresh(), c); }, {"'layers.0.attention'", "has submodules"});
   c.modules_to_save = {"lm_head"};
   expect_error([&] { apply_lora(fresh(), c); }, {"'lm_head' matches no module"});
+  // Tied weights: a copy would untie them.
+  DecoderConfig tied = lora_decoder_config();
+  tied.tie_embeddings = true;
+  c.modules_to_save = {"tok_embeddings"};
+  expect_error([&] { apply_lora(std::make_shared<Decoder>(tied), c); },
+               {"'tok_embeddings' (Embedding) is tied to the Decoder's output projection"});
+  auto shared = fresh();
+  shared->output->weight = shared->tok_embeddings->weight;
+  expect_error([&] { apply_lora(shared, c); },
+               {"its 'weight' is tied to 'output.weight'", "untie them first"});
   c.modules_to_save = {kAllLinear};
   expect_error([&] { apply_lora(fresh(), c); }, {"\"all-linear\" in modules_to_save"});
   // A later adapter may save only what the first one's copies cover.
