@@ -98,7 +98,8 @@ LoraLinear::Merged LoraLinear::dora_merged_window(int64_t i, bool unmerge, DType
 //   y = base(x) + (g - 1) (x W^T) + g scale (x A^T) B^T,  g = m / ||W + scale B A|| (detached),
 // which is g (x W^T + scale (x A^T) B^T) + bias. With dropout in training PEFT feeds dropout(x)
 // to both extra terms, so y = base(x) + g L(dropout(x)) - dropout(x) W^T, with L the layer's
-// product without bias: one more product of W.
+// product without bias, computed as (x - dropout(x)) W^T + bias + g L(dropout(x)): one more
+// product of W, not two.
 Tensor LoraLinear::forward_dora(const Tensor& x, const Tensor& w, const Tensor& b0, const Tensor& a,
                                 const Tensor& b, int64_t slot, const Tensor& xl) {
   const double scale = slots_[size_t(slot)].scale;
@@ -118,15 +119,17 @@ Tensor LoraLinear::forward_dora(const Tensor& x, const Tensor& w, const Tensor& 
   }
   const Tensor xw = xl.dtype() == w.dtype() ? xl : cast(xl, w.dtype());
   const Tensor z = linear_lowrank(xw, w, Tensor(), a, b, scale, xl);
-  return sub(add(linear(x, w, b0), scaled(z, g)), linear(xw, w));
+  const Tensor rest =
+      linear(x.dtype() == xw.dtype() ? sub(x, xw) : sub(cast(x, xw.dtype()), xw), w, b0);
+  return add(rest, scaled(z, g));
 }
 
 // As forward_dora, on the layer's mesh. The norms: each rank's rows of its window of
 // W + scale B A (its pieces of B and A make exactly that window), their squares summed over the
 // ranks that split the columns (row parallel: one all-reduce of [out]), laid out as m. With
-// dropout, x W^T and dropout(x) W^T are products of their own: a row-parallel forward reduces
-// each (two reductions of the output more than without dropout), a column-parallel backward
-// all-reduces x's gradient from each.
+// dropout, (x - dropout(x)) W^T is a product of its own: a row-parallel forward reduces it (one
+// reduction of the output more than without dropout), a column-parallel backward all-reduces
+// the gradient of its input (one more).
 DTensor LoraLinear::forward_dtensor_dora(const DTensor& x, const DTensor& w, const DTensor& bd,
                                          const DTensor& a, const DTensor& b, int64_t slot,
                                          const DTensor& xl) {
@@ -154,10 +157,9 @@ DTensor LoraLinear::forward_dtensor_dora(const DTensor& x, const DTensor& w, con
   }
   const DTensor xw = xl.dtype() == w.dtype() ? xl : cast(xl, w.dtype());
   const DTensor z = lowrank_dtensor(xw, w, DTensor(), a, b, scale, xl, Tensor());
-  auto like_z = [&z](const DTensor& t) {
-    return t.placements() == z.placements() ? t : t.redistribute(z.placements());
-  };
-  return sub(add(like_z(linear(x, w, bd)), scaled(z, g)), like_z(linear(xw, w)));
+  DTensor rest = linear(x.dtype() == xw.dtype() ? sub(x, xw) : sub(cast(x, xw.dtype()), xw), w, bd);
+  if (rest.placements() != z.placements()) rest = rest.redistribute(z.placements());
+  return add(rest, scaled(z, g));
 }
 
 }  // namespace tessera

@@ -283,12 +283,12 @@ TEST(LoraDora, UnevenAndEmptyShardsMatchOneProcess) {
   }
 }
 
-// With dropout in training, DoRA feeds dropout(x) to both extra terms, so the layer computes
-// dropout(x) W^T once more, reduced apart from the layer's other products: a row-parallel forward
-// makes two more reductions of the output than without dropout, and a column-parallel backward two
-// more all-reduces of x's gradient (one per product of W). Drawing the dropout mask adds nothing
+// With dropout in training, DoRA feeds dropout(x) to both extra terms: the layer computes
+// (x - dropout(x)) W^T, a product reduced apart from the layer's other one, so a row-parallel
+// forward makes one more reduction of the output than without dropout, and a column-parallel
+// backward one more all-reduce of its input's gradient. Drawing the dropout mask adds nothing
 // (the slot's stream needs no cross-rank check). As lora_linear.h and docs/lora.md say.
-TEST(LoraDora, DropoutAddsTwoReductionsPerRowParallelForward) {
+TEST(LoraDora, DropoutAddsOneReductionPerRowParallelForward) {
   const int64_t n = world_size();
   DeviceMesh mesh(Shape{n}, {"tp"});
   RowwiseParallel sp_row;
@@ -301,12 +301,12 @@ TEST(LoraDora, DropoutAddsTwoReductionsPerRowParallelForward) {
     int64_t backward;  // likewise
   };
   const std::vector<Case> cases = {
-      {"colwise", std::make_shared<ColwiseParallel>(), {2, 8, 16}, 0, 2},
-      {"rowwise", std::make_shared<RowwiseParallel>(), {2, 8, 16 / n}, 2, 0},
+      {"colwise", std::make_shared<ColwiseParallel>(), {2, 8, 16}, 0, 1},
+      {"rowwise", std::make_shared<RowwiseParallel>(), {2, 8, 16 / n}, 1, 0},
       {"rowwise into sequence shards",
        std::make_shared<RowwiseParallel>(sp_row),
        {2, 8, 16 / n},
-       2,
+       1,
        0}};
   for (const Case& c : cases) {
     auto layer = [&](double dropout) {

@@ -26,10 +26,10 @@
 //
 // DoRA (a slot whose adapter has use_dora) scales the layer's product by m / ||W + scale B A||,
 // the norm of each whole row: a row-parallel layer sums its rows' squares over the TP group, one
-// all-reduce of [out] more per forward. With dropout in training it computes dropout(x) W^T once
-// more, and x W^T and dropout(x) W^T are reduced apart from the layer's reduction: a row-parallel
-// forward makes two more reductions of the output than without dropout, a column-parallel
-// backward two more all-reduces of x's gradient. See dora.cpp.
+// all-reduce of [out] more per forward. With dropout in training it computes one more product
+// of W, (x - dropout(x)) W^T, reduced apart from the layer's reduction: a row-parallel forward
+// makes one more reduction of the output than without dropout, a column-parallel backward one
+// more all-reduce of its input's gradient. See dora.cpp.
 #include <compare>
 #include <map>
 #include <memory>
