@@ -86,9 +86,9 @@ Tensor Module::run_with_stand_ins(int64_t set, const Tensor& x) {
   return run_own_forward(x);
 }
 
-// One run per distinct set, each row of the output taken from its set's run by a 0/1 mask: a
-// row's value is its run's exactly, and each set's parameters get the gradients of their rows
-// only. A batch whose rows all take one set runs once.
+// As PEFT's mixed batches: one run per distinct set on the rows that chose it, the outputs put
+// back in the input's row order. Each row costs one run, and a row's output never depends on
+// another set's values (no 0 * inf from a mask). A batch whose rows all take one set runs once.
 Tensor Module::run_per_row(const std::vector<int64_t>& per_row, const Tensor& x) {
   std::vector<int64_t> sets = per_row;
   std::sort(sets.begin(), sets.end());
@@ -97,21 +97,24 @@ Tensor Module::run_per_row(const std::vector<int64_t>& per_row, const Tensor& x)
   const auto rows = int64_t(per_row.size());
   TESSERA_CHECK(x.dim() >= 1 && x.size(0) == rows, type_name_, ": stand-in sets chosen for ", rows,
                 " rows, but the input ", x.str(), " has ", x.dim() >= 1 ? x.size(0) : 0);
-  Tensor y;
+  std::vector<Tensor> parts;
+  std::vector<int64_t> position(size_t(rows), 0);  // row r's place in the concatenated parts
+  int64_t next = 0;
   for (int64_t set : sets) {
-    Tensor part = run_with_stand_ins(set, x);
-    TESSERA_CHECK(part.dim() >= 1 && part.size(0) == rows, type_name_, ": the output ", part.str(),
-                  " has not the input's ", rows, " rows, which chose stand-in sets");
-    std::vector<float> mine(size_t(rows), 0.0f);
+    std::vector<int64_t> mine;
     for (int64_t r = 0; r < rows; ++r)
-      if (per_row[size_t(r)] == set) mine[size_t(r)] = 1.0f;
-    Shape mask_shape(size_t(part.dim()), 1);
-    mask_shape[0] = rows;
-    const Tensor mask = from_vector<float>(mine, mask_shape).to(part.device()).to(part.dtype());
-    part = mul(part, mask);
-    y = y.defined() ? add(y, part) : part;
+      if (per_row[size_t(r)] == set) {
+        mine.push_back(r);
+        position[size_t(r)] = next++;
+      }
+    const Tensor index = from_vector<int64_t>(mine).to(x.device());
+    Tensor part = run_with_stand_ins(set, index_select(x, 0, index));
+    TESSERA_CHECK(part.dim() >= 1 && part.size(0) == int64_t(mine.size()), type_name_,
+                  ": the output ", part.str(), " of ", mine.size(),
+                  " rows that chose stand-in set ", set, " has not their rows");
+    parts.push_back(std::move(part));
   }
-  return y;
+  return index_select(cat(parts, 0), 0, from_vector<int64_t>(position).to(x.device()));
 }
 
 Tensor Module::run_own_forward(const Tensor& x) {

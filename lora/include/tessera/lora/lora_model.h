@@ -50,7 +50,8 @@ class LoraModel {
   // adapter (its magnitude is the global row norms), which needs LoraSlots::use_dora. Its config's
   // `bias` mode makes those base biases trainable, unless config.inference_mode, which freezes its
   // matrices too; as in PEFT, refused when the model has another adapter and either one's bias
-  // is not "none" (the biases are shared).
+  // is not "none" (the biases are shared). Its modules_to_save must be modules apply_lora made
+  // copies for; each copy starts as its module's current values.
   void add_adapter(const std::string& name, const LoraConfig& config);
   // Frees its slot (zeroes its matrices, which train again for the next adapter in it) and
   // freezes the biases its `bias` mode trained (keeping their values), unmerging the adapter
@@ -75,17 +76,20 @@ class LoraModel {
   // A mixed batch: `ids` int64 [rows of this rank's batch], each sample's adapter id (-1: none),
   // used by every forward until cleared with an undefined tensor. Only adapters that appear get
   // gradients. Refused while an adapter is merged (it would apply to every sample), and for ids
-  // of DoRA adapters (as PEFT refuses DoRA with adapter_names).
+  // of DoRA adapters (as PEFT refuses DoRA with adapter_names). A module of modules_to_save
+  // gives each sample its adapter's copy (or the original), running once per distinct choice on
+  // the samples that made it.
   void set_batch_adapters(const Tensor& ids);
   // PEFT's set_requires_grad: the adapters named train (or, with false, stay frozen: their
   // configs' inference_mode is set), with the biases of their `bias` modes. Every name is
   // checked before anything changes.
   void set_requires_grad(const std::vector<std::string>& names, bool requires_grad = true);
-  // An adapter's A and B in every layer it targets, then the biases its `bias` mode trains (what
-  // its optimizer updates).
+  // An adapter's A and B in every layer it targets, then the biases its `bias` mode trains and
+  // its copies of modules_to_save (what its optimizer updates).
   std::vector<Parameter*> adapter_parameters(const std::string& name);
   // Every slot's matrices, used or free, then the biases an adapter's `bias` mode trains (an
-  // optimizer made before such an adapter is added does not hold them).
+  // optimizer made before such an adapter is added does not hold them), then every slot's
+  // copies of modules_to_save.
   std::vector<Parameter*> parameters();
   // PEFT's get_nb_trainable_parameters: (trainable, all) element counts over the model's
   // parameters, global (a sharded parameter counts its whole shape, on every rank alike, without

@@ -98,8 +98,9 @@ class Module : public std::enable_shared_from_this<Module> {
   // none), and the forward then computes with that set's parameters wherever it reads its own,
   // so they are the ones that receive gradients; when it returns or throws, every parameter
   // holds its own value again. With `per_row` (a mixed batch), row i of the input's first dim
-  // (the sample) takes set per_row[i]: the forward runs once per distinct set, and each row of
-  // the output (first dim too) comes from its set's run. Activation checkpointing's
+  // (the sample) takes set per_row[i]: the forward runs once per distinct set on the rows that
+  // chose it (as PEFT's mixed batches), and the output's rows (first dim too) are put back in
+  // the input's order. Activation checkpointing's
   // recomputation runs the forward again and asks `select` again: what it answers must not
   // change between a forward and its backward. parallelize_module lays each stand-in out as it
   // lays out the parameter it stands for. An error names a set's unknown name or mismatched
