@@ -58,8 +58,10 @@ nlohmann::ordered_json pattern_json(const std::vector<std::pair<std::string, T>>
   return j;
 }
 
-// `targets` replaces c.target_modules: PEFT reads names and dotted suffixes, not patterns.
-nlohmann::ordered_json to_peft(const LoraConfig& c, const std::vector<std::string>& targets) {
+// `targets` and `saved` replace c.target_modules and c.modules_to_save: PEFT reads names and
+// dotted suffixes, not patterns.
+nlohmann::ordered_json to_peft(const LoraConfig& c, const std::vector<std::string>& targets,
+                               const std::vector<std::string>& saved) {
   nlohmann::ordered_json j;
   j["peft_type"] = "LORA";
   j["task_type"] = nullptr;
@@ -76,10 +78,10 @@ nlohmann::ordered_json to_peft(const LoraConfig& c, const std::vector<std::strin
   else
     j["init_lora_weights"] = c.init_lora_weights == LoraInit::Kaiming;
   j["fan_in_fan_out"] = false;
-  if (c.modules_to_save.empty())
+  if (saved.empty())
     j["modules_to_save"] = nullptr;
   else
-    j["modules_to_save"] = c.modules_to_save;
+    j["modules_to_save"] = saved;
   j["base_model_name_or_path"] = nullptr;
   j["revision"] = nullptr;
   j["inference_mode"] = c.inference_mode;
@@ -254,7 +256,7 @@ void check_same_files(const std::string& dir, const std::string& name, const Lor
   ProcessGroupPtr world = world_group();
   if (world->size() == 1) return;
   std::hash<std::string_view> hash;
-  size_t h = hash(to_peft(cfg, cfg.target_modules).dump());
+  size_t h = hash(to_peft(cfg, cfg.target_modules, cfg.modules_to_save).dump());
   for (const auto& [key, t] : values)
     h = h * 1099511628211ull ^ hash(key) ^ (values_digest(t) << 1) ^ hash(shape_str(t.shape()));
   const std::vector<std::string> all = all_gather_strings(world, std::to_string(h));
@@ -282,6 +284,20 @@ void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
           std::find(targets.begin(), targets.end(), layers_[i].first) == targets.end())
         targets.push_back(layers_[i].first);
   }
+  // Patterns in modules_to_save likewise: the paths they matched.
+  std::vector<std::string> saved;
+  for (const std::string& entry : cfg.modules_to_save) {
+    if (entry.find_first_of("*?[") == std::string::npos) {
+      saved.push_back(entry);
+      continue;
+    }
+    for (const auto& [key, p] : saved_parameters(find(name, "save_adapter"))) {
+      const std::string path = key.substr(0, key.rfind('.'));
+      if (lora_target_matches(entry, path) &&
+          std::find(saved.begin(), saved.end(), path) == saved.end())
+        saved.push_back(path);
+    }
+  }
   std::map<std::string, Tensor> values = read_adapter(name);  // collective
   {
     NoGradGuard no_grad;
@@ -295,7 +311,7 @@ void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
       peft[kPrefix + key] = t;
     save_safetensors(dir + "/" + kWeights, peft, {{"format", "pt"}});
     std::ofstream out(dir + "/" + kConfig);
-    out << to_peft(cfg, targets).dump(2) << "\n";
+    out << to_peft(cfg, targets, saved).dump(2) << "\n";
     TESSERA_CHECK(out.good(), "writing '", dir, "/", kConfig, "' failed");
   });
 }

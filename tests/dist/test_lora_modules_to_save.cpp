@@ -189,6 +189,20 @@ TEST(LoraModulesToSave, PeftFilesAndTheAdapterTableKeepTheCopies) {
   for (const char* s : kSaved)
     EXPECT_EQ(file.tensors.count("base_model.model." + std::string(s) + ".weight"), 1u) << s;
   EXPECT_EQ(file.tensors.count("base_model.model.output.modules_to_save.0.weight"), 0u);
+  // A pattern entry is written as the paths it matched, as target_modules' are.
+  LoraConfig patterned = saving();
+  patterned.modules_to_save = {"out*", "norm"};
+  patterned.seed = 4;
+  lora->add_adapter("patterned", patterned);
+  lora->save_adapter(dir + "/patterned", "patterned");
+  {
+    std::ifstream in(dir + "/patterned/adapter_config.json");
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_NE(text.find("\"modules_to_save\": [\n    \"output\",\n    \"norm\"\n  ]"),
+              std::string::npos)
+        << text;
+  }
+  lora->delete_adapter("patterned");
 
   // A model whose apply_lora made the copies loads it as the same model.
   auto m2 = std::make_shared<Decoder>(lora_decoder_config());
