@@ -8,7 +8,6 @@
 #include <cmath>
 #include <fstream>
 #include <iterator>
-#include <map>
 #include <tuple>
 
 #include "dist/checkpoint_util.h"
@@ -280,59 +279,6 @@ TEST(LoraDora, UnevenAndEmptyShardsMatchOneProcess) {
       expect_close(full_grad(s.lora_magnitude_vector(0)), p.lora_magnitude_vector(0).grad(), 1e-5,
                    what + ": m's gradient");
     }
-  }
-}
-
-// With dropout in training, DoRA feeds dropout(x) to both extra terms: the layer computes
-// (x - dropout(x)) W^T, a product reduced apart from the layer's other one, so a row-parallel
-// forward makes one more reduction of the output than without dropout, and a column-parallel
-// backward one more all-reduce of its input's gradient. Drawing the dropout mask adds nothing
-// (the slot's stream needs no cross-rank check). As lora_linear.h and docs/lora.md say.
-TEST(LoraDora, DropoutAddsOneReductionPerRowParallelForward) {
-  const int64_t n = world_size();
-  DeviceMesh mesh(Shape{n}, {"tp"});
-  RowwiseParallel sp_row;
-  sp_row.output_layouts = {Shard(1)};
-  struct Case {
-    std::string name;
-    ParallelStylePtr style;
-    Shape input;       // this rank's piece
-    int64_t forward;   // the reductions dropout adds, over more than one rank
-    int64_t backward;  // likewise
-  };
-  const std::vector<Case> cases = {
-      {"colwise", std::make_shared<ColwiseParallel>(), {2, 8, 16}, 0, 1},
-      {"rowwise", std::make_shared<RowwiseParallel>(), {2, 8, 16 / n}, 1, 0},
-      {"rowwise into sequence shards",
-       std::make_shared<RowwiseParallel>(sp_row),
-       {2, 8, 16 / n},
-       1,
-       0}};
-  for (const Case& c : cases) {
-    auto layer = [&](double dropout) {
-      Generator gen(1);
-      auto m = std::make_shared<OneLayer>(std::make_shared<Linear>(16, 24, false, gen));
-      LoraConfig cfg = dora_config();
-      cfg.target_modules = {"proj"};
-      cfg.lora_dropout = dropout;
-      parallelize_module(m, mesh, {{"proj", c.style}});
-      apply_lora(m, cfg);
-      return m;
-    };
-    Generator gx(5);
-    const Tensor x = rand(c.input, gx);
-    auto plain = layer(0.0);
-    auto dropped = layer(0.3);
-    ASSERT_TRUE(dropped->is_training());
-    const auto without = count_collectives(*plain, x);
-    const auto with = count_collectives(*dropped, x);
-    const std::string what = c.name + " at " + std::to_string(n) + " ranks";
-    EXPECT_EQ(counts_total(with.first), counts_total(without.first) + (n > 1 ? c.forward : 0))
-        << what << ", forward: with dropout " << counts_str(with.first) << "; without "
-        << counts_str(without.first);
-    EXPECT_EQ(counts_total(with.second), counts_total(without.second) + (n > 1 ? c.backward : 0))
-        << what << ", backward: with dropout " << counts_str(with.second) << "; without "
-        << counts_str(without.second);
   }
 }
 
