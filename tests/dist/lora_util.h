@@ -18,6 +18,7 @@
 #include "common/affine_batch.h"
 #include "tessera/tessera.h"
 #include "tessera/testing/checks.h"
+#include "tessera/testing/expect_error.h"
 
 namespace tessera::testing {
 
@@ -167,30 +168,37 @@ inline int64_t counts_total(const std::map<std::string, int64_t>& counts) {
 }
 
 // A decoder with LoRA (`config`, `slots`) under fully_shard over every rank, whose groups stay
-// gathered after one pass on `ids`: reshard_after_backward off and a backward, or
-// reshard_after_forward off and a forward without grad. What an adapter added or written then
-// must still reach the next forward.
+// gathered after one pass on `ids`, in each of the two ways: reshard_after_forward off and a
+// forward without grad, then reshard_after_backward off and a backward. `check` gets each model
+// and a description of the state ("reshard_after_forward off"): what an adapter added or
+// written then must still reach the next forward.
 struct GatheredLora {
   std::shared_ptr<Decoder> model;
   std::shared_ptr<LoraModel> lora;
   std::shared_ptr<FSDPState> state;
 };
 
-inline GatheredLora gathered_lora_decoder(const LoraConfig& config, const LoraSlots& slots,
-                                          const Tensor& ids, bool after_backward) {
-  GatheredLora g;
-  g.model = std::make_shared<Decoder>(lora_decoder_config());
-  g.lora = apply_lora(g.model, config, "default", slots);
-  g.state = fully_shard(g.model, DeviceMesh(Shape{world_size()}, {"dp"}));
-  if (after_backward) {
-    g.state->set_reshard_after_backward(false);
-    backward(sum((*g.model)(ids)));
-  } else {
-    g.state->set_reshard_after_forward(false);
-    NoGradGuard no_grad;
-    (void)(*g.model)(ids);
+inline void for_each_gathered_lora(
+    const LoraConfig& config, const LoraSlots& slots, const Tensor& ids,
+    const std::function<void(GatheredLora&, const std::string& what)>& check) {
+  for (const bool after_backward : {false, true}) {
+    const std::string what =
+        after_backward ? "reshard_after_backward off" : "reshard_after_forward off";
+    GatheredLora g;
+    g.model = std::make_shared<Decoder>(lora_decoder_config());
+    g.lora = apply_lora(g.model, config, "default", slots);
+    g.state = fully_shard(g.model, DeviceMesh(Shape{world_size()}, {"dp"}));
+    if (after_backward) {
+      g.state->set_reshard_after_backward(false);
+      backward(sum((*g.model)(ids)));
+    } else {
+      g.state->set_reshard_after_forward(false);
+      NoGradGuard no_grad;
+      (void)(*g.model)(ids);
+    }
+    ASSERT_TRUE(g.state->is_unsharded()) << what;
+    check(g, what);
   }
-  return g;
 }
 
 // Every parameter of the base model (not the adapters'), as global tensors.
@@ -308,6 +316,25 @@ inline std::string peft_config_variant(const std::string& dir, const std::string
   }
   world_group()->barrier()->wait();
   return dir + "/" + name;
+}
+
+// A PEFT config edited one way (its first `from` replaced by `to`) and what loading it must
+// name.
+struct PeftConfigEdit {
+  const char* name;
+  const char* from;
+  const char* to;
+  std::vector<std::string> error;
+};
+
+// Each edit of the adapter saved in `dir`/adapter (peft_config_variant), loaded into `lora` as
+// an adapter of the edit's name: refused, naming its errors.
+inline void expect_edits_refused(LoraModel& lora, const std::string& dir,
+                                 const std::vector<PeftConfigEdit>& edits) {
+  for (const PeftConfigEdit& e : edits) {
+    const std::string path = peft_config_variant(dir, e.name, e.from, e.to);
+    expect_error([&] { lora.load_adapter(path, e.name); }, e.error);
+  }
 }
 
 }  // namespace tessera::testing

@@ -370,18 +370,15 @@ TEST(LoraModulesToSave, CopiesMadeWhileFsdpHoldsTheWeightsGatheredReachTheForwar
   bump(*plain_lora);
   const Batch b = affine_batch(0, 2, cfg.max_seq_len, cfg.vocab_size);
   const Tensor want = (*plain)(b.ids);
-  for (const bool after_backward : {false, true}) {
-    const std::string what =
-        after_backward ? "reshard_after_backward off" : "reshard_after_forward off";
-    auto [m, lora, state] =
-        gathered_lora_decoder(saving(LoraInit::Random), slots, b.ids, after_backward);
-    ASSERT_TRUE(state->is_unsharded()) << what;
-    lora->add_adapter("b", second);
-    lora->set_adapter("b");
-    bump(*lora);
-    NoGradGuard no_grad;
-    expect_close((*m)(b.ids), want, 1e-5, what + ": forward with the added adapter's copies");
-  }
+  for_each_gathered_lora(saving(LoraInit::Random), slots, b.ids,
+                         [&](GatheredLora& g, const std::string& what) {
+                           g.lora->add_adapter("b", second);
+                           g.lora->set_adapter("b");
+                           bump(*g.lora);
+                           NoGradGuard no_grad;
+                           expect_close((*g.model)(b.ids), want, 1e-5,
+                                        what + ": forward with the added adapter's copies");
+                         });
 }
 
 // A mixed batch gives each sample its adapter's copies, or the originals (the base model, an

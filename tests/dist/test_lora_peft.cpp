@@ -255,12 +255,7 @@ TEST(LoraPeft, UnsupportedPeftFieldsAreRefused) {
   auto lora = apply_lora(m, lora_test_config(), "default", {.max_adapters = 2});
   lora->save_adapter(dir + "/adapter", "default");
   const std::string saved = read_text(dir + "/adapter/adapter_config.json");
-  const struct {
-    const char* name;
-    const char* from;
-    const char* to;
-    std::vector<std::string> error;
-  } cases[] = {
+  std::vector<PeftConfigEdit> cases = {
       {"pissa",
        "\"init_lora_weights\": true",
        "\"init_lora_weights\": \"pissa\"",
@@ -291,12 +286,9 @@ TEST(LoraPeft, UnsupportedPeftFieldsAreRefused) {
        "\"alora_invocation_tokens\": [5, 9], \"peft_type\"",
        {"alora_invocation_tokens is set ([5,9])"}},
   };
-  for (const auto& c : cases) {
-    const std::string path = peft_config_variant(dir, c.name, c.from, c.to);
-    std::vector<std::string> want = c.error;
-    want.push_back(std::string(c.name) + "/adapter_config.json'");
-    expect_error([&] { lora->load_adapter(path, c.name); }, want);
-  }
+  for (PeftConfigEdit& c : cases)  // each error names the file
+    c.error.push_back(std::string(c.name) + "/adapter_config.json'");
+  expect_edits_refused(*lora, dir, cases);
   const std::string regex = peft_config_variant(dir, "regex", "\"target_modules\": [",
                                                 "\"target_modules\": \".*w.\", \"x\": [");
   expect_error([&] { lora->load_adapter(regex, "regex"); },

@@ -52,19 +52,16 @@ TEST(LoraPeft, AnAdapterAddedWhileFsdpHoldsTheWeightsGatheredKeepsItsValues) {
   plain_lora->set_adapter("b");
   const Batch b = affine_batch(0, 2, cfg.max_seq_len, cfg.vocab_size);
   const Tensor want = (*plain)(b.ids);
-  for (const bool after_backward : {false, true}) {
-    const std::string what =
-        after_backward ? "reshard_after_backward off" : "reshard_after_forward off";
-    auto [m, lora, state] =
-        gathered_lora_decoder(lora_test_config(LoraInit::Random), slots, b.ids, after_backward);
-    ASSERT_TRUE(state->is_unsharded()) << what;
-    lora->add_adapter("b", second);
-    for (const auto& [key, t] : plain_lora->read_adapter("b"))
-      expect_identical(lora->read_adapter("b").at(key), t, what + ": " + key);
-    lora->set_adapter("b");
-    NoGradGuard no_grad;
-    expect_close((*m)(b.ids), want, 1e-5, what + ": forward with the added adapter");
-  }
+  for_each_gathered_lora(
+      lora_test_config(LoraInit::Random), slots, b.ids,
+      [&](GatheredLora& g, const std::string& what) {
+        g.lora->add_adapter("b", second);
+        for (const auto& [key, t] : plain_lora->read_adapter("b"))
+          expect_identical(g.lora->read_adapter("b").at(key), t, what + ": " + key);
+        g.lora->set_adapter("b");
+        NoGradGuard no_grad;
+        expect_close((*g.model)(b.ids), want, 1e-5, what + ": forward with the added adapter");
+      });
 }
 
 // Under FSDP a block's frozen base takes no room in the reduce-scatter or in the buffer its

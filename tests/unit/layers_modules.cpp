@@ -17,24 +17,6 @@ using namespace tessera::layers_test;
 using tessera::testing::expect_error;
 using tessera::testing::random_tensor;
 
-namespace {
-
-// A container with two layers of different types, as a model would hold them.
-class Block : public Module {
- public:
-  explicit Block(Generator& gen) : Module("Block") {
-    proj = std::make_shared<Linear>(4, 3, true, gen);
-    norm = std::make_shared<RMSNorm>(3);
-    register_module("proj", proj);
-    register_module("norm", norm);
-  }
-  Tensor forward(const Tensor& x) override { return (*norm)((*proj)(x)); }
-  std::shared_ptr<Linear> proj;
-  std::shared_ptr<RMSNorm> norm;
-};
-
-}  // namespace
-
 // --- Module machinery through the layers ---
 
 TEST(LayerModules, NamesInRegistrationOrder) {

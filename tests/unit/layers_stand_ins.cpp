@@ -32,15 +32,6 @@ class Spare : public Module {
   Parameter weight, bias;
 };
 
-class Block : public Module {
- public:
-  explicit Block(Generator& gen)
-      : Module("Block"), proj(std::make_shared<Linear>(4, 3, true, gen)) {
-    register_module("proj", proj);
-  }
-  std::shared_ptr<Linear> proj;
-};
-
 struct Rig {
   Generator gen{3};
   std::shared_ptr<Linear> lin = std::make_shared<Linear>(4, 3, true, gen);

@@ -1,9 +1,10 @@
 #pragma once
 // Shared by the layer tests: element-wise comparisons of tensors with tolerances (common/near.h)
-// or exactly, and the names of a module's parameters in registration order.
+// or exactly, the names of a module's parameters in registration order, and a small model.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -25,5 +26,19 @@ inline std::vector<std::string> names_of(Module& m) {
     out.push_back(name);
   return out;
 }
+
+// A container with two layers of different types, as a model would hold them.
+class Block : public Module {
+ public:
+  explicit Block(Generator& gen) : Module("Block") {
+    proj = std::make_shared<Linear>(4, 3, true, gen);
+    norm = std::make_shared<RMSNorm>(3);
+    register_module("proj", proj);
+    register_module("norm", norm);
+  }
+  Tensor forward(const Tensor& x) override { return (*norm)((*proj)(x)); }
+  std::shared_ptr<Linear> proj;
+  std::shared_ptr<RMSNorm> norm;
+};
 
 }  // namespace tessera::layers_test
