@@ -10,6 +10,7 @@
 #include <functional>
 #include <type_traits>
 
+#include "saved_module.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/checkpoint/safetensors.h"
 #include "tessera/comm/agree.h"
@@ -291,12 +292,10 @@ void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
       saved.push_back(entry);
       continue;
     }
-    for (const auto& [key, p] : saved_parameters(find(name, "save_adapter"))) {
-      const std::string path = key.substr(0, key.rfind('.'));
-      if (lora_target_matches(entry, path) &&
-          std::find(saved.begin(), saved.end(), path) == saved.end())
-        saved.push_back(path);
-    }
+    for (size_t i : find(name, "save_adapter").saved)
+      if (lora_target_matches(entry, saved_[i]->path) &&
+          std::find(saved.begin(), saved.end(), saved_[i]->path) == saved.end())
+        saved.push_back(saved_[i]->path);
   }
   std::map<std::string, Tensor> values = read_adapter(name);  // collective
   {
