@@ -78,6 +78,19 @@ Embedding::Embedding(int64_t num_embeddings, int64_t dim, Generator& gen)
   reset_parameters(gen);
 }
 
+Embedding::Embedding(std::string type_name, const Embedding& base)
+    : Module(std::move(type_name)), weight(base.weight), num_(base.num_), dim_(base.dim_) {
+  register_parameter("weight", &weight);
+  if (base.dtensor_io()) set_dtensor_io(*base.dtensor_io());
+  copy_training_from(base);
+  copy_hooks_from(base);
+  set_activation_checkpointing(base.activation_checkpointing());
+}
+
+std::shared_ptr<Embedding> Embedding::unwrapped(const Embedding& base) {
+  return std::shared_ptr<Embedding>(new Embedding("Embedding", base));
+}
+
 void Embedding::reset_parameters(Generator& gen) {
   weight.normal_(0.0, 1.0, gen);
 }

@@ -108,9 +108,8 @@ std::vector<std::string> plan_description(
           lines.push_back(detail::concat("'", prefix, name, "' stand-in ", k, " ",
                                          dtype_name(p->dtype()), " ",
                                          shape_str(p->global_shape())));
-      if (const auto* linear = dynamic_cast<const Linear*>(m.get()))
-        for (const auto& [name, what] : linear->tensor_parallel_inputs())
-          lines.push_back(detail::concat("'", prefix, name, "' ", what));
+      for (const auto& [name, what] : m->tensor_parallel_inputs())
+        lines.push_back(detail::concat("'", prefix, name, "' ", what));
     }
   }
   return lines;

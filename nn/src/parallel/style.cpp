@@ -214,6 +214,7 @@ void ColwiseParallel::apply(Module& module, const DeviceMesh& mesh, const std::s
     linear->after_tensor_parallel(mesh);
   } else if (auto* emb = dynamic_cast<Embedding*>(&module)) {
     distribute_parameter(emb->weight, "weight", mesh, {Shard(1)}, at);
+    emb->after_tensor_parallel(mesh);
   } else {
     wrong_module(name(), "Linear or Embedding", module, at);
   }
@@ -243,6 +244,7 @@ void RowwiseParallel::apply(Module& module, const DeviceMesh& mesh, const std::s
     // Vocabulary parallel: each rank looks up the ids it owns (zeros elsewhere), so every rank
     // needs all ids.
     distribute_parameter(emb->weight, "weight", mesh, {Shard(0)}, at);
+    emb->after_tensor_parallel(mesh);
     module.set_dtensor_io(DTensorIO{mesh, input_layouts, {Replicate()}, output_layouts, at});
   } else {
     wrong_module(name(), "Linear or Embedding", module, at);

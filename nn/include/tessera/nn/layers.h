@@ -21,15 +21,6 @@ class Linear : public Module {
 
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
-  // Called by ColwiseParallel and RowwiseParallel once weight and bias are distributed on
-  // `mesh`, so that a subclass holding more parameters (a LoRA linear) lays them out to match.
-  virtual void after_tensor_parallel(const DeviceMesh& mesh) { (void)mesh; }
-  // What after_tensor_parallel takes from this rank alone, as (name, description) per tensor:
-  // parallelize_module has the ranks agree on it before any style changes the model, as on the
-  // weight and bias. None for a plain Linear.
-  virtual std::vector<std::pair<std::string, std::string>> tensor_parallel_inputs() const {
-    return {};
-  }
   // A plain Linear taking over `base`'s weight and bias, as the constructor below does (undoing
   // a wrapper: LoRA's unload).
   static std::shared_ptr<Linear> unwrapped(const Linear& base);
@@ -55,7 +46,17 @@ class Embedding : public Module {
   DTensor forward_dtensor(const DTensor& ids) override;
   void reset_parameters(Generator& gen);  // N(0, 1) like PyTorch
 
+  int64_t num_embeddings() const { return num_; }
+  int64_t embedding_dim() const { return dim_; }
+  // A plain Embedding taking over `base`'s weight, as the constructor below does (LoRA's unload).
+  static std::shared_ptr<Embedding> unwrapped(const Embedding& base);
   Parameter weight;
+
+ protected:
+  // For subclasses that wrap an existing table (LoRA): takes over its weight (the same tensor, a
+  // distributed one staying so), how it crosses into DTensors, its training mode, its forward
+  // hooks and its activation checkpointing, drawing nothing.
+  Embedding(std::string type_name, const Embedding& base);
 
  private:
   int64_t num_, dim_;

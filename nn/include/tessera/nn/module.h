@@ -64,6 +64,17 @@ class Module : public std::enable_shared_from_this<Module> {
 
   const std::string& type_name() const { return type_name_; }
 
+  // Called by ColwiseParallel and RowwiseParallel once the module's own parameters (a Linear's
+  // weight and bias, an Embedding's table) are distributed on `mesh`, so that a subclass holding
+  // more parameters (a LoRA layer) lays them out to match.
+  virtual void after_tensor_parallel(const DeviceMesh& mesh) { (void)mesh; }
+  // What after_tensor_parallel takes from this rank alone, as (name, description) per tensor:
+  // parallelize_module has the ranks agree on it before any style changes the model, as on the
+  // parameters. None for a module that takes nothing.
+  virtual std::vector<std::pair<std::string, std::string>> tensor_parallel_inputs() const {
+    return {};
+  }
+
   // --- names (all in registration order, recursively, "a.b.c") ---
   // With remove_duplicate (PyTorch's default), a module registered under two names and a tensor
   // held by two Parameters or buffers (weights tied by assignment, `head->weight =
