@@ -17,8 +17,10 @@ std::map<std::string, Tensor> LoraModel::read_adapter(const std::string& name) {
   for (size_t i : a.layers) {
     auto& [path, l] = layers_[i];
     const int64_t r = a.config.rank_for(path);
-    out[path + ".lora_A.weight"] = kernels::narrow(l->lora_A(a.slot).full(), 0, 0, r).contiguous();
-    out[path + ".lora_B.weight"] = kernels::narrow(l->lora_B(a.slot).full(), 1, 0, r).contiguous();
+    out[path + "." + l->adapter_key(true)] =
+        kernels::narrow(l->lora_A(a.slot).full(), 0, 0, r).contiguous();
+    out[path + "." + l->adapter_key(false)] =
+        kernels::narrow(l->lora_B(a.slot).full(), 1, 0, r).contiguous();
     // PEFT's key: its ".weight" dropped, as PEFT's files have it.
     if (a.config.use_dora)
       out[path + ".lora_magnitude_vector"] = l->lora_magnitude_vector(a.slot).full();
@@ -47,12 +49,14 @@ void LoraModel::write_adapter(const std::string& name,
   for (size_t i : a.layers) {
     auto& [path, l] = layers_[i];
     const int64_t r = a.config.rank_for(path);
-    want.push_back({path + ".lora_A.weight", &l->lora_A(a.slot), {r, l->in_features()}, 0, r});
-    want.push_back({path + ".lora_B.weight", &l->lora_B(a.slot), {l->out_features(), r}, 1, r});
+    want.push_back(
+        {path + "." + l->adapter_key(true), &l->lora_A(a.slot), {r, l->lora_in()}, 0, r});
+    want.push_back(
+        {path + "." + l->adapter_key(false), &l->lora_B(a.slot), {l->lora_out(), r}, 1, r});
     if (a.config.use_dora)
       want.push_back({path + ".lora_magnitude_vector",
                       &l->lora_magnitude_vector(a.slot),
-                      {l->out_features()},
+                      {l->lora_out()},
                       -1,
                       r});
   }

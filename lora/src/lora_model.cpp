@@ -19,14 +19,14 @@ namespace tessera {
 
 namespace {
 
-// The modules target_modules may name: all but the adapter slots inside LoraLinears, whose
+// The modules target_modules may name: all but the adapter slots inside LoRA layers, whose
 // paths ("wq.lora_A.0") end in a number as a Sequential's layers' do ("0"), and the copies of
 // modules_to_save ("output.modules_to_save.0").
 std::vector<std::pair<std::string, ModulePtr>> targetable_modules(Module& model) {
   std::vector<std::pair<std::string, ModulePtr>> modules = model.named_modules(), out;
   std::vector<std::string> inside;
   for (const auto& [path, m] : modules) {
-    if (std::dynamic_pointer_cast<LoraLinear>(m)) inside.push_back(path.empty() ? "" : path + ".");
+    if (std::dynamic_pointer_cast<LoraLayer>(m)) inside.push_back(path.empty() ? "" : path + ".");
     if (std::dynamic_pointer_cast<SavedCopies>(m)) inside.push_back(path);
   }
   for (auto& [path, m] : modules)
@@ -87,7 +87,7 @@ std::vector<size_t> LoraModel::targets(const LoraConfig& config) const {
   auto of_model = [](const std::string&) { return std::string("the model"); };
   std::set<const Module*> own;
   for (const auto& [path, l] : layers_)
-    own.insert(l.get());
+    own.insert(&l->module());
   for (const std::string& entry : config.target_modules) {
     std::vector<std::string> unwrapped;
     for (size_t k : lora_entry_targets(config, entry, modules, output, own, "LoRA", of_model)) {
@@ -114,8 +114,8 @@ std::vector<std::pair<std::string, Parameter*>> LoraModel::bias_parameters(
   std::vector<std::pair<std::string, Parameter*>> out;
   if (config.bias == "lora_only") {
     for (size_t i : layers)
-      if (layers_[i].second->bias.defined())
-        out.emplace_back(layers_[i].first + ".base_layer.bias", &layers_[i].second->bias);
+      if (Parameter* bias = layers_[i].second->base_bias())
+        out.emplace_back(layers_[i].first + ".base_layer.bias", bias);
   } else if (config.bias == "all") {
     // PEFT's rule is the name: every parameter whose name says "bias", wherever it is, but in
     // modules_to_save, whose copies train whole and whose originals stand aside.
@@ -125,7 +125,7 @@ std::vector<std::pair<std::string, Parameter*>> LoraModel::bias_parameters(
       if (in_saved_module(p)) continue;
       std::string key = name;
       for (const auto& [path, l] : layers_)
-        if (&l->bias == p) key = path + ".base_layer.bias";
+        if (l->base_bias() == p) key = path + ".base_layer.bias";
       out.emplace_back(std::move(key), p);
     }
   }
@@ -205,7 +205,7 @@ void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
   } catch (...) {
     // The failing layer too, unless its slot is merged (then it refused before writing).
     for (size_t k = 0; k <= done && k < a.layers.size(); ++k) {
-      LoraLinear& layer = *layers_[a.layers[k]].second;
+      LoraLayer& layer = *layers_[a.layers[k]].second;
       if (!layer.slot(slot).merged) layer.clear_slot(slot);
     }
     throw;
@@ -444,10 +444,10 @@ void LoraModel::unmerge_adapter(const std::string& name) {
 // apply_lora put it and unsharded.
 void LoraModel::check_unwrappable(const char* op) const {
   for (const auto& [path, l] : layers_) {
-    TESSERA_CHECK(!is_fully_sharded(l->weight), "LoRA ", op, ": '", path,
+    TESSERA_CHECK(!is_fully_sharded(l->base_weight()), "LoRA ", op, ": '", path,
                   "' is sharded by fully_shard, whose groups hold the adapter slots; call it "
                   "before fully_shard, or keep the layers (merge_adapter)");
-    TESSERA_CHECK(model_->get_submodule(path) == l, "LoRA ", op, ": '", path,
+    TESSERA_CHECK(model_->get_submodule(path) == l->module_ptr(), "LoRA ", op, ": '", path,
                   "' no longer holds the layer apply_lora put there");
   }
   for (const auto& s : saved_) {
@@ -484,7 +484,7 @@ ModulePtr LoraModel::unwrap() {
     for (auto& [key, p] : trained_biases(a))
       p->set_requires_grad(false);
   for (const auto& [path, l] : layers_) {  // checked by check_unwrappable
-    model_->replace_submodule(path, Linear::unwrapped(*l));
+    model_->replace_submodule(path, l->unwrapped());
     retired_.push_back(l);
   }
   layers_.clear();
@@ -505,7 +505,7 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
   config.validate();
   const auto modules = targetable_modules(*model);
   // Every target resolved before anything changes; the layers in the model's order.
-  const std::vector<std::pair<std::string, std::shared_ptr<Linear>>> found =
+  const std::vector<std::pair<std::string, ModulePtr>> found =
       find_targets(*model, config, modules);
   LoraSlots s = resolve_slots(slots, config, adapter_name, found);
   s.use_dora |= config.use_dora;
@@ -517,7 +517,7 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
   // and its copies of modules_to_save) included.
   std::set<const Parameter*> adapters;
   for (const auto& [path, m] : model->named_modules()) {
-    if (auto l = std::dynamic_pointer_cast<LoraLinear>(m))
+    if (auto l = std::dynamic_pointer_cast<LoraLayer>(m))
       for (int64_t i = 0; i < l->num_slots(); ++i) {
         adapters.insert({&l->lora_A(i), &l->lora_B(i)});
         if (l->has_magnitude()) adapters.insert(&l->lora_magnitude_vector(i));
@@ -529,8 +529,12 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
   // The wrappers and copies are all made before the model changes: one that cannot be made
   // leaves the model unfrozen and unwrapped.
   std::vector<std::string> target_paths;
-  for (auto& [path, linear] : found) {
-    lm->layers_.emplace_back(path, std::make_shared<LoraLinear>(*linear, s, lm->routing_));
+  for (auto& [path, m] : found) {
+    if (auto linear = std::dynamic_pointer_cast<Linear>(m))
+      lm->layers_.emplace_back(path, std::make_shared<LoraLinear>(*linear, s, lm->routing_));
+    else
+      lm->layers_.emplace_back(
+          path, std::make_shared<LoraEmbedding>(dynamic_cast<Embedding&>(*m), s, lm->routing_));
     target_paths.push_back(path);
   }
   for (const auto& [path, m] : find_saved_modules(config, modules))
@@ -538,7 +542,7 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
   for (auto& [path, p] : model->named_parameters())
     if (!adapters.count(p)) p->set_requires_grad(false);
   for (auto& [path, l] : lm->layers_)
-    model->replace_submodule(path, l);
+    model->replace_submodule(path, l->module_ptr());
   for (const auto& saved : lm->saved_)
     saved->attach(lm->routing_);
   lm->add_adapter(adapter_name, config);

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "targets.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/core/factory.h"
 #include "tessera/fsdp/fully_shard.h"
@@ -120,7 +121,7 @@ std::shared_ptr<SavedModule> make_saved_module(Module& model, const std::string&
                                                const std::vector<std::string>& targets) {
   const std::string at = "LoRA modules_to_save: '" + path + "' (" + module->type_name() + ")";
   TESSERA_CHECK(std::find(targets.begin(), targets.end(), path) == targets.end() &&
-                    !std::dynamic_pointer_cast<LoraLinear>(module),
+                    !std::dynamic_pointer_cast<LoraLayer>(module),
                 at, " is adapted by LoRA; a module is either adapted or trained in full");
   TESSERA_CHECK(module->parameter_stand_ins().empty(), at,
                 " is saved by an earlier apply_lora already");
@@ -132,19 +133,7 @@ std::shared_ptr<SavedModule> make_saved_module(Module& model, const std::string&
   for (const auto& [name, p] : own)
     TESSERA_CHECK(!is_fully_sharded(*p), at, " is held by fully_shard (its '", name,
                   "'); apply LoRA before fully_shard, so that the copies are sharded alike");
-  const std::string prefix = path + ".";
-  for (const auto& [other, q] : model.named_parameters(/*recurse=*/true, false))
-    for (const auto& [name, p] : own)
-      TESSERA_CHECK(
-          other.compare(0, prefix.size(), prefix) == 0 || q->stored().impl() != p->stored().impl(),
-          at, ": its '", name, "' is tied to '", other,
-          "', which would go on reading the original; untie them first");
-  const auto* decoder = dynamic_cast<const Decoder*>(&model);
-  TESSERA_CHECK(!decoder || !decoder->config().tie_embeddings ||
-                    module != std::static_pointer_cast<Module>(decoder->tok_embeddings),
-                at,
-                " is tied to the Decoder's output projection (tie_embeddings), which reads "
-                "its weight outside its forward and would go on reading the original");
+  check_untied(model, path, module, at);
   auto saved = std::make_shared<SavedModule>();
   saved->path = path;
   saved->module = module;

@@ -4,7 +4,7 @@
 
 #include "tessera/core/error.h"
 #include "tessera/fsdp/fully_shard.h"
-#include "tessera/lora/lora_linear.h"
+#include "tessera/lora/lora_layer.h"
 #include "tessera/nn/layers.h"
 #include "tessera/nn/module_path.h"
 #include "tessera/nn/transformer.h"
@@ -54,7 +54,7 @@ std::vector<size_t> lora_entry_targets(
     if (!lora_targets_module(one, path, *m, output)) continue;
     // Another LoraModel's layer: its slots are that model's, which a layer named outright is
     // refused for (find_targets, targets); "all-linear" names no layer outright, so passes over it.
-    if (one.all_linear() && dynamic_cast<const LoraLinear*>(m.get()) && !own.count(m.get()))
+    if (one.all_linear() && dynamic_cast<const LoraLayer*>(m.get()) && !own.count(m.get()))
       continue;
     out.push_back(i);
   }
@@ -76,9 +76,27 @@ void check_lora_excludes(const LoraConfig& config,
   }
 }
 
-// The Linears `config` adapts among `modules`, in the model's order; an error names a target or
-// exclude entry that matches nothing, and a match that cannot be wrapped.
-std::vector<std::pair<std::string, std::shared_ptr<Linear>>> find_targets(
+void check_untied(Module& model, const std::string& path, const ModulePtr& module,
+                  const std::string& at) {
+  const std::string prefix = path + ".";
+  const auto own = module->named_parameters(/*recurse=*/false, /*remove_duplicate=*/false);
+  for (const auto& [other, q] : model.named_parameters(/*recurse=*/true, false))
+    for (const auto& [name, p] : own)
+      TESSERA_CHECK(
+          other.compare(0, prefix.size(), prefix) == 0 || q->stored().impl() != p->stored().impl(),
+          at, ": its '", name, "' is tied to '", other,
+          "', which would go on reading the original; untie them first");
+  const auto* decoder = dynamic_cast<const Decoder*>(&model);
+  TESSERA_CHECK(!decoder || !decoder->config().tie_embeddings ||
+                    module != std::static_pointer_cast<Module>(decoder->tok_embeddings),
+                at,
+                " is tied to the Decoder's output projection (tie_embeddings), which reads "
+                "its weight outside its forward and would go on reading the original");
+}
+
+// The Linears and Embeddings `config` adapts among `modules`, in the model's order; an error
+// names a target or exclude entry that matches nothing, and a match that cannot be wrapped.
+std::vector<std::pair<std::string, ModulePtr>> find_targets(
     Module& model, const LoraConfig& config,
     const std::vector<std::pair<std::string, ModulePtr>>& modules) {
   auto of_model = [&](const std::string& entry) {
@@ -92,20 +110,30 @@ std::vector<std::pair<std::string, std::shared_ptr<Linear>>> find_targets(
     for (size_t i : lora_entry_targets(config, entry, modules, output, {}, "apply_lora", of_model))
       targeted[i] = true;
   check_lora_excludes(config, modules, "apply_lora");
-  std::vector<std::pair<std::string, std::shared_ptr<Linear>>> found;
+  std::vector<std::pair<std::string, ModulePtr>> found;
   for (size_t i = 0; i < modules.size(); ++i) {
     if (!targeted[i]) continue;
     const auto& [path, m] = modules[i];
     auto linear = std::dynamic_pointer_cast<Linear>(m);
-    TESSERA_CHECK(linear != nullptr, "apply_lora: target_modules match '", path, "', a ",
-                  m->type_name(), ", not a Linear");
-    TESSERA_CHECK(std::dynamic_pointer_cast<LoraLinear>(m) == nullptr, "apply_lora: '", path,
+    auto table = std::dynamic_pointer_cast<Embedding>(m);
+    TESSERA_CHECK(linear || table, "apply_lora: target_modules match '", path, "', a ",
+                  m->type_name(), ", not a Linear or an Embedding");
+    TESSERA_CHECK(std::dynamic_pointer_cast<LoraLayer>(m) == nullptr, "apply_lora: '", path,
                   "' already has LoRA slots; add adapters with LoraModel::add_adapter");
     // The wrapper takes the weight over; an FSDP group would go on gathering the old one.
-    TESSERA_CHECK(!is_fully_sharded(linear->weight), "apply_lora: '", path,
+    TESSERA_CHECK(!is_fully_sharded(linear ? linear->weight : table->weight), "apply_lora: '", path,
                   "' is already sharded by fully_shard; apply LoRA before fully_shard (adapters "
                   "can still be added after it, into the slots LoraSlots preallocates)");
-    found.emplace_back(path, linear);
+    if (table) {
+      TESSERA_CHECK(!config.use_dora, "apply_lora: '", path,
+                    "' is an Embedding, and Tessera's DoRA (use_dora) covers Linear layers only; "
+                    "leave it out of target_modules, or use_dora false");
+      // An adapter changes the table's lookups, not another module's reads of the same weight,
+      // which a merge would then change too.
+      check_untied(model, path, m,
+                   "apply_lora: '" + path + "' (" + m->type_name() + ", a LoRA target)");
+    }
+    found.emplace_back(path, m);
   }
   TESSERA_CHECK(!found.empty(), "apply_lora: no module of ", model.type_name(),
                 " is left to adapt (target_modules ", join(config.target_modules),
@@ -116,7 +144,7 @@ std::vector<std::pair<std::string, std::shared_ptr<Linear>>> find_targets(
 // max_rank 0 is the first adapter's largest r over the layers it adapts (rank_pattern gives
 // them their own); every layer's r must fit the slots.
 LoraSlots resolve_slots(const LoraSlots& slots, const LoraConfig& config, const std::string& name,
-                        const std::vector<std::pair<std::string, std::shared_ptr<Linear>>>& found) {
+                        const std::vector<std::pair<std::string, ModulePtr>>& found) {
   LoraSlots s = slots;
   if (s.max_rank == 0)
     for (const auto& [path, linear] : found)

@@ -19,7 +19,7 @@ const Module* lora_output_layer(Module& model);
 
 // What target_modules entry `entry` of `config` adapts among `modules` (the model's, but the
 // LoRA slots), as indices into `modules` in the model's order: the modules it names (for
-// "all-linear", every Linear but `output` and the LoraLinears other than `own`, the caller's
+// "all-linear", every Linear but `output` and the LoRA layers other than `own`, the caller's
 // LoraModel's layers, none for apply_lora) that exclude_modules does not name and
 // layers_to_transform keeps. apply_lora and add_adapter both resolve their targets through it,
 // so that they agree on what an entry means. A named entry that matches no module at all, before
@@ -38,17 +38,23 @@ void check_lora_excludes(const LoraConfig& config,
                          const std::vector<std::pair<std::string, ModulePtr>>& modules,
                          const std::string& context);
 
-// The Linears `config` adapts among `modules` (the model's, but the LoRA slots), in the model's
-// order; an error names a target or exclude entry that matches nothing, a match that is not a
-// Linear or cannot be wrapped (already wrapped, or held by fully_shard), and a config that leaves
-// nothing to adapt.
-std::vector<std::pair<std::string, std::shared_ptr<Linear>>> find_targets(
+// The Linears and Embeddings `config` adapts among `modules` (the model's, but the LoRA slots),
+// in the model's order; an error names a target or exclude entry that matches nothing, a match
+// that is neither or cannot be wrapped (already wrapped, held by fully_shard, an Embedding whose
+// table another module reads too), and a config that leaves nothing to adapt.
+std::vector<std::pair<std::string, ModulePtr>> find_targets(
     Module& model, const LoraConfig& config,
     const std::vector<std::pair<std::string, ModulePtr>>& modules);
 
 // The slots apply_lora makes for the first adapter over `found`: max_rank 0 is the largest r it
 // uses (rank_pattern gives layers their own), and every layer's r must fit.
 LoraSlots resolve_slots(const LoraSlots& slots, const LoraConfig& config, const std::string& name,
-                        const std::vector<std::pair<std::string, std::shared_ptr<Linear>>>& found);
+                        const std::vector<std::pair<std::string, ModulePtr>>& found);
+
+// An error "<at>: ..." when a parameter of `module` (at `path` in `model`) is also read by another
+// module: tied by assignment, or a Decoder's tok_embeddings under tie_embeddings, whose output
+// projection reads the table outside the embedding's forward.
+void check_untied(Module& model, const std::string& path, const ModulePtr& module,
+                  const std::string& at);
 
 }  // namespace tessera

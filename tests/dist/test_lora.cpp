@@ -250,7 +250,7 @@ TEST(Lora, AdaptersDifferingAcrossRanksChangeNothing) {
   for (Parameter* p : m->parameters())
     EXPECT_FALSE(p->is_dtensor()) << p->str();
   for (const auto& [path, layer] : lora->layers())
-    EXPECT_FALSE(layer->dtensor_io().has_value()) << path;
+    EXPECT_FALSE(layer->module().dtensor_io().has_value()) << path;
 }
 
 // A model put in eval mode before apply_lora stays so in the layers LoRA wraps: dropout does not
@@ -265,7 +265,7 @@ TEST(Lora, WrappedLayersKeepTheModelsEvalMode) {
   auto lora = apply_lora(model, lc);
   std::vector<std::string> training;
   for (const auto& [path, layer] : lora->layers())
-    if (layer->is_training()) training.push_back(path);
+    if (layer->module().is_training()) training.push_back(path);
   EXPECT_EQ(training.size(), 0u) << "wrapped layers in train mode after model->eval()";
   const Tensor first = (*model)(batch.ids);
   expect_identical((*model)(batch.ids), first, "a second forward in eval mode");
@@ -333,7 +333,7 @@ TEST(Lora, RowParallelBfloat16BaseKeepsAdapterActivationsInFloat32) {
     Result r;
     r.y = (*m)(in);
     backward(sum(mul(cast(r.y, DType::Float32), g)));
-    LoraLinear& l = *lora->layers().front().second;
+    auto& l = dynamic_cast<LoraLinear&>(*lora->layers().front().second);
     r.grad_a =
         l.lora_A(0).is_dtensor() ? l.lora_A(0).grad_dtensor().full_tensor() : l.lora_A(0).grad();
     r.grad_b =
@@ -382,7 +382,7 @@ TEST(Lora, ReadWriteIsTheIdentityAndRefusesLocalShards) {
       bad[key] = kernels::narrow(b.stored(), 1, 0, 4).clone();
       expect_error([&] { run.lora->write_adapter("default", bad); },
                    {"write_adapter 'default'", key,
-                    "expected the global shape [" + std::to_string(layer->out_features()) + ", 4]",
+                    "expected the global shape [" + std::to_string(layer->lora_out()) + ", 4]",
                     "a local piece cannot stand for the global tensor"});
       refused = true;
       break;

@@ -107,7 +107,7 @@ TEST(LoraDora, ForwardAndGradientsMatchPeftsFormula) {
   cfg.lora_alpha = 4;  // scale 2
   cfg.target_modules = {"proj"};
   auto lora = apply_lora(model, cfg);
-  LoraLinear& layer = *lora->layers().front().second;
+  auto& layer = dynamic_cast<LoraLinear&>(*lora->layers().front().second);
   const Mat w = mat(layer.weight.full()), a = mat(layer.lora_A(0).full()),
             b = mat(layer.lora_B(0).full());
   const std::vector<double> bias = values(layer.bias.full());
@@ -177,7 +177,7 @@ TEST(LoraDora, DropoutFeedsBothTermsAsPeft) {
   perturb_magnitude(*dora);
   Generator gen(23);
   const Tensor x = randn({n, width}, gen);
-  LoraLinear& layer = *dora->layers().front().second;
+  auto& layer = dynamic_cast<LoraLinear&>(*dora->layers().front().second);
   const Tensor w = layer.weight.full(), bias = layer.bias.full();
   const Tensor base = linear(x, w, bias);
   const Mat d = mat(sub((*probe_model)(x), base));
@@ -272,8 +272,8 @@ TEST(LoraDora, UnevenAndEmptyShardsMatchOneProcess) {
       const Tensor got = (*sharded)(x);
       backward(sum(mul(got, c_here)));
       expect_close(got, want.detach(), 1e-5, what + ": output");
-      LoraLinear& p = *plain_lora->layers().front().second;
-      LoraLinear& s = *lora->layers().front().second;
+      auto& p = dynamic_cast<LoraLinear&>(*plain_lora->layers().front().second);
+      auto& s = dynamic_cast<LoraLinear&>(*lora->layers().front().second);
       expect_close(full_grad(s.lora_A(0)), p.lora_A(0).grad(), 1e-5, what + ": A's gradient");
       expect_close(full_grad(s.lora_B(0)), p.lora_B(0).grad(), 1e-5, what + ": B's gradient");
       expect_close(full_grad(s.lora_magnitude_vector(0)), p.lora_magnitude_vector(0).grad(), 1e-5,
@@ -324,7 +324,7 @@ TEST(LoraDora, Bfloat16BaseUnderRowParallelism) {
     Result r;
     r.y = cast((*m)(x.to(dtype)), DType::Float32);
     backward(sum(mul(r.y, c)));
-    LoraLinear& l = *lora->layers().front().second;
+    auto& l = dynamic_cast<LoraLinear&>(*lora->layers().front().second);
     r.grad_a = full_grad(l.lora_A(0));
     r.grad_b = full_grad(l.lora_B(0));
     r.grad_m = full_grad(l.lora_magnitude_vector(0));
@@ -510,7 +510,7 @@ TEST(LoraDora, SharesAModelWithLoraAdapters) {
     // Counts: every slot's A [4, in], B [out, 4] and m [out] in every wrapped layer.
     int64_t slots = 0;
     for (const auto& [path, layer] : run.lora->layers())
-      slots += 2 * (4 * layer->in_features() + 5 * layer->out_features());
+      slots += 2 * (4 * layer->lora_in() + 5 * layer->lora_out());
     const auto [trainable, all] = run.lora->get_nb_trainable_parameters();
     EXPECT_EQ(trainable, slots) << l.name;
     EXPECT_GT(all, trainable) << l.name;

@@ -90,7 +90,7 @@ TEST(LoraPeft, AFloat64BaseMergesInFloat64) {
     m->proj->weight = Parameter(mul(m->proj->weight.full().to(DType::Float64), 1.0 + 1e-9), false);
     const Tensor w0 = m->proj->weight.full().clone();
     auto lora = apply_lora(m, targeting({"proj"}, init));
-    const Parameter& w = lora->layers()[0].second->weight;
+    const Parameter& w = lora->layers()[0].second->base_weight();
     lora->merge_adapter("default");
     EXPECT_EQ(w.dtype(), DType::Float64);
     if (init == LoraInit::Kaiming) expect_identical(w.full(), w0, "W with a zero B merged");
@@ -222,7 +222,7 @@ TEST(LoraPeft, OrthogonalInitStartsAsTheBaseWithBothMatricesDrawn) {
                {"init_lora_weights \"orthogonal\" needs an even r, got 3"});
   cfg.r = 4;
   auto lora = apply_lora(m, cfg, "default", {.max_adapters = 2, .max_rank = 6});
-  LoraLinear& layer = *lora->layers()[0].second;
+  auto& layer = dynamic_cast<LoraLinear&>(*lora->layers()[0].second);
   const auto values = lora->read_adapter("default");
   const Tensor a = values.at("proj.lora_A.weight"), b = values.at("proj.lora_B.weight");
   auto largest = [](const Tensor& t) { return max_abs_diff(t, zeros(t.shape())); };

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "tessera/checkpoint/state_dict.h"
+#include "tessera/lora/lora_embedding.h"
 #include "tessera/lora/lora_linear.h"
 
 namespace tessera {
@@ -36,8 +37,8 @@ class [[nodiscard]] DisabledAdapters {
 class LoraModel {
  public:
   const ModulePtr& model() const { return model_; }
-  // The wrapped layers, by path, in the model's order.
-  const std::vector<std::pair<std::string, std::shared_ptr<LoraLinear>>>& layers() const {
+  // The wrapped layers (LoraLinear, LoraEmbedding), by path, in the model's order.
+  const std::vector<std::pair<std::string, std::shared_ptr<LoraLayer>>>& layers() const {
     return layers_;
   }
 
@@ -217,8 +218,8 @@ class LoraModel {
 
   friend class DisabledAdapters;
   ModulePtr model_;
-  std::vector<std::pair<std::string, std::shared_ptr<LoraLinear>>> layers_;
-  std::vector<std::shared_ptr<LoraLinear>> retired_;  // unloaded, for pointers into them
+  std::vector<std::pair<std::string, std::shared_ptr<LoraLayer>>> layers_;
+  std::vector<std::shared_ptr<LoraLayer>> retired_;  // unloaded, for pointers into them
   std::shared_ptr<LoraRouting> routing_;
   std::map<std::string, Adapter> adapters_;
   std::string active_;

@@ -1,0 +1,47 @@
+#pragma once
+// What the LoRA layers' forwards share: the per-row shape of a mixed batch's masks, the
+// adapters of one forward side by side, and the reduction of partial base outputs together with
+// partial adapter activations.
+#include <vector>
+
+#include "tessera/autograd/ops.h"
+#include "tessera/dtensor/ops.h"
+
+namespace tessera::lora_detail {
+
+// [rows, 1, ..., width]: broadcasts a per-row tensor over activations of rank `ndim`. Rank 1 is
+// one row, whose activations [width] keep their rank, as a Linear's output for a 1-D input does.
+inline Shape per_row_shape(int64_t rows, int64_t width, int64_t ndim) {
+  if (ndim <= 1) return {width};
+  Shape s(size_t(ndim), 1);
+  s.front() = rows;
+  s.back() = width;
+  return s;
+}
+
+template <class T>
+struct Stacked {
+  T a, b;
+  double scale;
+};
+
+// The adapters of one forward side by side: A [k max_rank, in] and B [out, k max_rank]. One
+// adapter's scale applies to its activations inside the op; several carry theirs in their B.
+template <class T>
+Stacked<T> stack_adapters(std::vector<T> as, std::vector<T> bs, const std::vector<double>& scales) {
+  if (as.size() == 1) return {as[0], bs[0], scales[0]};
+  for (size_t k = 0; k < bs.size(); ++k)
+    bs[k] = mul(bs[k], scales[k]);
+  return {cat(as, 0), cat(bs, 1), 1.0};
+}
+
+// yp + scale * (hp * h_scale) B^T, where yp (the base output [..., out]) and hp (the adapter
+// activations [..., rank]) are partial sums over some mesh dims: both travel in one reduction to
+// Replicate, after which B (replicated) applies to replicated activations, so that B's gradient
+// needs no sum. The reduction runs in the wider of their dtypes (h, and A's gradient through it,
+// stay float32 under a bfloat16 base, as on one rank). h_scale: a mixed batch's mask over h,
+// shaped to broadcast, or undefined.
+DTensor reduce_with_activations(const DTensor& yp, const DTensor& hp, const DTensor& b,
+                                double scale, const Tensor& h_scale);
+
+}  // namespace tessera::lora_detail

@@ -1,0 +1,132 @@
+#include "tessera/lora/lora_embedding.h"
+
+#include <utility>
+#include <vector>
+
+#include "adapter_math.h"
+#include "tessera/autograd/grad_mode.h"
+#include "tessera/autograd/ops.h"
+#include "tessera/core/factory.h"
+#include "tessera/core/kernels/views.h"
+#include "tessera/dtensor/nn_ops.h"
+#include "tessera/dtensor/ops.h"
+#include "window.h"
+
+namespace tessera {
+
+using lora_detail::reduce_with_activations;
+using lora_detail::stack_adapters;
+using lora_detail::write_window;
+
+LoraEmbedding::LoraEmbedding(const Embedding& base, const LoraSlots& slots,
+                             std::shared_ptr<LoraRouting> routing)
+    : Embedding("LoraEmbedding", base),
+      LoraLayer("LoraEmbedding", weight, /*transposed=*/true, num_embeddings(), embedding_dim(),
+                slots, std::move(routing), {"lora_embedding_A", "lora_embedding_B"}) {
+  register_module(names_.first, a_list_);
+  register_module(names_.second, b_list_);
+}
+
+namespace {
+
+// Slot values whose first r rows (A) or columns (B) are `draw` and the rest zero, laid out as
+// `p`'s global shape: independent of max_rank.
+void write_padded(Parameter& p, const Tensor& draw, int64_t dim) {
+  Tensor padded = zeros(p.global_shape());
+  kernels::narrow(padded, dim, 0, draw.size(dim)).copy_(draw);
+  write_window(p, padded);
+}
+
+}  // namespace
+
+// PEFT's LoraLayer.reset_lora_parameters for embeddings: A zeros and B normal, as loralib's
+// Embedding; with init_lora_weights false (LoraInit::Random) both keep a normal draw. Each
+// matrix is drawn whole from (config.seed, adapter, path) and each rank keeps its window.
+void LoraEmbedding::init_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
+                              const std::string& path) {
+  TESSERA_CHECK(!config.use_dora, "LoraEmbedding '", path, "': adapter '", adapter,
+                "' uses DoRA, which Tessera supports on Linear layers only (leave the embedding "
+                "out of target_modules, or use_dora false)");
+  check_init(i, adapter, config, path);
+  Generator gen(lora_slot_seed(config.seed, adapter, path));
+  const int64_t r = config.r;
+  const uint64_t start = gen.offset();
+  NoGradGuard no_grad;
+  Parameter& a = a_[size_t(i)]->weight;
+  Parameter& b = b_[size_t(i)]->weight;
+  if (config.init_lora_weights == LoraInit::Random) {
+    Tensor draw = empty({r, lora_in()});
+    normal_(draw, 0.0, 1.0, gen);
+    write_padded(a, draw, 0);
+  } else {
+    a.fill_(0.0);
+  }
+  // B's draw starts where an unpadded A's would end, drawn or not.
+  gen.set_offset(start + uint64_t(r * lora_in()));
+  Tensor draw = empty({lora_out(), r});
+  normal_(draw, 0.0, 1.0, gen);
+  write_padded(b, draw, 1);
+  set_slot(i, adapter, config, path, /*merged=*/false);
+}
+
+Tensor LoraEmbedding::forward(const Tensor& ids) {
+  const Tensor& w = weight.whole_local(type_name(), "weight");
+  const Batch bt = batch(ids.dim() >= 1 ? ids.size(0) : 1, ids.device());
+  const Tensor y = embedding(ids, w);
+  if (bt.slots.empty()) return y;
+  std::vector<Tensor> as, bs;
+  std::vector<double> scales;
+  for (int64_t s : bt.slots) {
+    as.push_back(a_[size_t(s)]->weight.whole_local(type_name(), "lora_embedding_A"));
+    bs.push_back(b_[size_t(s)]->weight.whole_local(type_name(), "lora_embedding_B"));
+    scales.push_back(slots_[size_t(s)].scale);
+  }
+  const auto [a, b, scale] = stack_adapters(std::move(as), std::move(bs), scales);
+  // A^T [num_embeddings, k max_rank] looked up as a table: each id's column of A.
+  Tensor h = embedding(ids, transpose(a, 0, 1));
+  const Tensor mask = activation_mask(bt, ids.dim() + 1);
+  if (mask.defined()) h = mul(h, mask);
+  if (scale != 1.0) h = mul(h, scale);
+  const Tensor low = linear(h, b);
+  return add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
+}
+
+DTensor LoraEmbedding::forward_dtensor(const DTensor& ids) {
+  const DeviceMesh& mesh = ids.mesh();
+  const DTensor w = weight.on_mesh(mesh);
+  // A mixed batch names each of this rank's rows: ids split over the mesh would need the batch's
+  // ids split alike, which nothing here does.
+  if (routing_->sample_slots && ids.dim() >= 1)
+    for (const Placement& p : ids.placements())
+      TESSERA_CHECK(!p.is_shard() || p.dim() != 0,
+                    "LoRA: a mixed batch (set_batch_adapters) needs the ids' batch dim whole on "
+                    "the embedding's mesh, but the ids are ",
+                    ids.str(), "; replicate the batch dim there, or clear the mixed batch");
+  const Batch bt = batch(ids.dim() >= 1 ? ids.size(0) : 1, mesh.device());
+  const DTensor y = embedding(ids, w);
+  if (bt.slots.empty()) return y;
+  std::vector<DTensor> as, bs;
+  std::vector<double> scales;
+  for (int64_t s : bt.slots) {
+    as.push_back(a_[size_t(s)]->weight.on_mesh(mesh));
+    bs.push_back(b_[size_t(s)]->weight.on_mesh(mesh));
+    scales.push_back(slots_[size_t(s)].scale);
+  }
+  const auto [a, b, scale] = stack_adapters(std::move(as), std::move(bs), scales);
+  // A vocabulary-split table looks A^T up as it looks up W: partial sums over the ranks.
+  const DTensor hp = embedding(ids, transpose(a, 0, 1));
+  const Tensor mask = activation_mask(bt, ids.dim() + 1);
+  bool partial = false;
+  for (const Placement& p : hp.placements())
+    partial |= p.is_partial();
+  if (partial) return reduce_with_activations(y, hp, b, scale, mask);
+  DTensor h = hp;
+  if (mask.defined())
+    h = mul(h, DTensor::from_local(mask, mesh, Placements(size_t(mesh.ndim()), Replicate()),
+                                   mask.shape()));
+  if (scale != 1.0) h = mul(h, scale);
+  const DTensor low = linear(h, b);
+  return add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
+}
+
+}  // namespace tessera

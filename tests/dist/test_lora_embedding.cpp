@@ -1,0 +1,382 @@
+// LoRA on an Embedding (PEFT's lora.Embedding): the forward and its gradients against the one-hot
+// product, the collectives of a vocabulary- and a column-split table, training, merging, mixed
+// batches, PEFT's files and checkpoints under every layout, and what is refused. Part of the
+// test_lora binary.
+#include <gtest/gtest.h>
+
+#include "dist/checkpoint_util.h"
+#include "dist/lora_util.h"
+#include "tessera/testing/checks.h"
+#include "tessera/testing/expect_error.h"
+#include "tessera/testing/generators.h"
+
+using namespace tessera;
+using namespace tessera::testing;
+
+namespace {
+
+// The decoder's table, two projections of each block's attention and one of its MLP.
+LoraConfig with_table(LoraInit init = LoraInit::Random, uint64_t seed = 3) {
+  LoraConfig c = lora_test_config(init);
+  c.target_modules = {"tok_embeddings", "wq", "w2"};
+  c.seed = seed;
+  return c;
+}
+
+Tensor ids_of(int step) {
+  return affine_batch(step, 4, 8, lora_decoder_config().vocab_size).ids;
+}
+
+// A model of one table under the path "emb".
+class OneTable : public Module {
+ public:
+  OneTable(int64_t num, int64_t dim) : Module("OneTable") {
+    Generator gen(11);
+    emb = std::make_shared<Embedding>(num, dim, gen);
+    register_module("emb", emb);
+  }
+  Tensor forward(const Tensor& ids) override { return (*emb)(ids); }
+  std::shared_ptr<Embedding> emb;
+};
+
+double largest(const Tensor& t) {
+  return max_abs_diff(t, zeros(t.shape(), t.dtype()));
+}
+
+// [rows, num] with a 1 at each id.
+Tensor one_hot(const Tensor& ids, int64_t num) {
+  const std::vector<int64_t> v = ids.to_vector<int64_t>();
+  std::vector<float> h(v.size() * size_t(num), 0.0f);
+  for (size_t i = 0; i < v.size(); ++i)
+    h[i * size_t(num) + size_t(v[i])] = 1.0f;
+  return from_vector<float>(h, {int64_t(v.size()), num});
+}
+
+LoraConfig table_config(LoraInit init = LoraInit::Random) {
+  LoraConfig c;
+  c.r = 3;
+  c.lora_alpha = 6;
+  c.target_modules = {"emb"};
+  c.init_lora_weights = init;
+  c.seed = 5;
+  return c;
+}
+
+}  // namespace
+
+// y = W[ids] + scale A^T[ids] B^T, which is the one-hot product onehot (W + scale (B A)^T); A's
+// and B's gradients are that product's. PEFT's initialisation: A zero, B normal.
+TEST(LoraEmbedding, TheForwardAndGradientsAreTheOneHotProducts) {
+  if (world_size() > 1) GTEST_SKIP() << "one process: layouts are the next tests'";
+  const int64_t num = 7, dim = 5;
+  auto m = std::make_shared<OneTable>(num, dim);
+  const Tensor w = m->emb->weight.full().clone();
+  const Tensor ids = from_vector<int64_t>({3, 0, 6, 3, 2, 5}, {2, 3});
+  {
+    // PEFT's init: A zero, so the adapter starts as the identity; B drawn from N(0, 1).
+    auto kaiming = apply_lora(std::make_shared<OneTable>(num, dim), table_config(LoraInit::Kaiming),
+                              "default", {.max_rank = 4});
+    LoraLayer& l = *kaiming->layers().front().second;
+    EXPECT_EQ(largest(l.lora_A(0).full()), 0.0f);
+    const Tensor b = l.lora_B(0).full();
+    EXPECT_GT(largest(kernels::narrow(b, 1, 0, 3)), 0.5f);
+    EXPECT_EQ(largest(kernels::narrow(b, 1, 3, 1)), 0.0f) << "padding";
+    EXPECT_EQ(dynamic_cast<LoraEmbedding*>(&l) != nullptr, true);
+  }
+  auto lora = apply_lora(m, table_config(), "default", {.max_rank = 4});
+  const auto names = m->state_dict();
+  EXPECT_EQ(names.at("emb.lora_embedding_A.0.weight").shape(), (Shape{4, num}));
+  EXPECT_EQ(names.at("emb.lora_embedding_B.0.weight").shape(), (Shape{dim, 4}));
+  EXPECT_EQ(names.count("emb.weight"), 1u);
+  const auto values = lora->read_adapter("default");
+  const Tensor a = values.at("emb.lora_embedding_A"), b = values.at("emb.lora_embedding_B");
+  EXPECT_EQ(a.shape(), (Shape{3, num}));
+  EXPECT_EQ(b.shape(), (Shape{dim, 3}));
+  EXPECT_GT(largest(a), 0.0f);
+  const double scale = 2.0;
+
+  const Tensor grad_out = random_tensor({2, 3, dim}, 17, DType::Float32);
+  const Tensor y = (*m)(ids);
+  backward(sum(mul(y, grad_out)));
+
+  // The one-hot product, with A and B as leaves of their own.
+  Tensor ra = a.clone(), rb = b.clone();
+  ra.set_requires_grad(true);
+  rb.set_requires_grad(true);
+  const Tensor oh = one_hot(ids, num);
+  const Tensor want =
+      add(matmul(oh, w), mul(matmul(matmul(oh, transpose(ra, 0, 1)), transpose(rb, 0, 1)), scale));
+  backward(sum(mul(want, reshape(grad_out, {6, dim}))));
+  expect_close(reshape(y, {6, dim}), want, 1e-6, "forward");
+  LoraLayer& l = *lora->layers().front().second;
+  expect_close(kernels::narrow(l.lora_A(0).grad(), 0, 0, 3), ra.grad(), 1e-6, "A's gradient");
+  expect_close(kernels::narrow(l.lora_B(0).grad(), 1, 0, 3), rb.grad(), 1e-6, "B's gradient");
+  EXPECT_EQ(largest(kernels::narrow(l.lora_A(0).grad(), 0, 3, 1)), 0.0f);
+  EXPECT_FALSE(m->emb->weight.requires_grad()) << "the table is frozen";
+}
+
+// PEFT applies no dropout to an Embedding's adapters: two training forwards agree.
+TEST(LoraEmbedding, LoraDropoutLeavesTheTableAlone) {
+  if (world_size() > 1) GTEST_SKIP() << "one process";
+  auto m = std::make_shared<OneTable>(7, 5);
+  LoraConfig c = table_config();
+  c.lora_dropout = 0.5;
+  auto lora = apply_lora(m, c);
+  const Tensor ids = from_vector<int64_t>({1, 2, 3, 4}, {2, 2});
+  const Tensor first = (*m)(ids);
+  expect_close((*m)(ids), first, 0, "a second training forward");
+  lora->set_adapter("");
+  EXPECT_GT(max_abs_diff((*m)(ids), first), 1e-3) << "the adapter applies";
+}
+
+namespace {
+
+// One table's collectives in a forward and a backward on `ids`.
+std::pair<std::map<std::string, int64_t>, std::map<std::string, int64_t>> table_collectives(
+    Module& m, const Tensor& ids) {
+  world_group()->barrier()->wait();
+  reset_comm_op_counts();
+  const Tensor y = m(ids);
+  const auto forward = comm_op_counts();
+  reset_comm_op_counts();
+  backward(sum(mul(y, y)));
+  return {forward, comm_op_counts()};
+}
+
+// A vocabulary-parallel table (RowwiseParallel) and one split on dim 1 (ColwiseParallel), with
+// LoRA applied before or after parallelize_module: one process's output and adapter gradients,
+// A and B laid out as the table, and the plain table's collectives (the column split: one
+// all-reduce more in the backward, of the activations' gradient).
+void check_split_table(int64_t num, int64_t dim) {
+  SCOPED_TRACE("table [" + std::to_string(num) + ", " + std::to_string(dim) + "]");
+  const int64_t n = world_size();
+  const DeviceMesh mesh(Shape{n}, {"tp"});
+  std::vector<int64_t> v = {9, 0, 4, 4, 7, 2};
+  for (int64_t& id : v)
+    id %= num;
+  const Tensor ids = from_vector<int64_t>(v, {2, 3});
+  auto ref = std::make_shared<OneTable>(num, dim);
+  auto ref_lora = apply_lora(ref, table_config());
+  backward(sum(mul((*ref)(ids), (*ref)(ids))));
+  const Tensor want = (*ref)(ids);
+  LoraLayer& rl = *ref_lora->layers().front().second;
+  for (const bool vocab : {true, false}) {
+    ParallelizePlan plan;
+    if (vocab) {
+      RowwiseParallel s;
+      s.input_layouts = {Replicate()};
+      plan.emplace_back("emb", std::make_shared<RowwiseParallel>(s));
+    } else {
+      ColwiseParallel s;
+      s.output_layouts = {Replicate()};
+      plan.emplace_back("emb", std::make_shared<ColwiseParallel>(s));
+    }
+    auto plain = std::make_shared<OneTable>(num, dim);
+    parallelize_module(plain, mesh, plan);
+    const auto [plain_fwd, plain_bwd] = table_collectives(*plain, ids);
+    for (const bool lora_first : {true, false}) {
+      const std::string what = std::string(vocab ? "vocabulary parallel" : "column parallel") +
+                               (lora_first ? ", LoRA first" : ", LoRA after");
+      SCOPED_TRACE(what);
+      auto m = std::make_shared<OneTable>(num, dim);
+      std::shared_ptr<LoraModel> lora;
+      if (lora_first) lora = apply_lora(m, table_config(), "default", {.max_adapters = 2});
+      parallelize_module(m, mesh, plan);
+      if (!lora_first) lora = apply_lora(m, table_config(), "default", {.max_adapters = 2});
+      LoraLayer& l = *lora->layers().front().second;
+      EXPECT_EQ(placements_str(l.lora_A(0).stored_dtensor().placements()),
+                placements_str({vocab ? Placement(Shard(1)) : Placement(Replicate())}));
+      EXPECT_EQ(placements_str(l.lora_B(0).stored_dtensor().placements()),
+                placements_str({vocab ? Placement(Replicate()) : Placement(Shard(0))}));
+      const auto [fwd, bwd] = table_collectives(*m, ids);
+      EXPECT_EQ(counts_str(fwd), counts_str(plain_fwd)) << "forward";
+      auto expected_bwd = plain_bwd;
+      if (!vocab) ++expected_bwd["all_reduce"];
+      EXPECT_EQ(counts_str(bwd), counts_str(expected_bwd)) << "backward";
+      expect_close((*m)(ids), want, 1e-5, "output");
+      expect_close(l.lora_A(0).grad_dtensor().full_tensor(), rl.lora_A(0).grad(), 1e-5,
+                   "A's gradient");
+      expect_close(l.lora_B(0).grad_dtensor().full_tensor(), rl.lora_B(0).grad(), 1e-5,
+                   "B's gradient");
+      // A mixed batch: each sample as its adapter alone.
+      LoraConfig second = table_config();
+      second.seed = 8;
+      lora->add_adapter("second", second);
+      NoGradGuard no_grad;
+      const Tensor first = (*m)(ids);
+      lora->set_adapter("second");
+      const Tensor other = (*m)(ids);
+      lora->set_batch_adapters(from_vector<int64_t>({lora->adapter_id("second"), 0}));
+      const Tensor mixed = (*m)(ids);
+      expect_close(kernels::narrow(mixed, 0, 0, 1), kernels::narrow(other, 0, 0, 1), 1e-6, "row 0");
+      expect_close(kernels::narrow(mixed, 0, 1, 1), kernels::narrow(first, 0, 1, 1), 1e-6, "row 1");
+      EXPECT_GT(max_abs_diff(first, other), 1e-3);
+    }
+  }
+}
+
+}  // namespace
+
+TEST(LoraEmbedding, ASplitTableGivesOneProcesssValuesAndItsCollectives) {
+  if (world_size() == 1) GTEST_SKIP() << "needs a split table";
+  check_split_table(10, 8);
+  check_split_table(3, 3);  // uneven shards, and an empty one at 4 ranks
+}
+
+// Three AdamW steps on the table and two projections per block give one process's losses and
+// adapters under TP (LoRA before and after), FSDP, FSDP x TP and HSDP.
+TEST(LoraEmbedding, EveryLayoutTrainsAsOneProcess) {
+  const LoraConfig c = with_table();
+  LoraRun ref{"plain", std::make_shared<Decoder>(lora_decoder_config()), nullptr, 0, 1};
+  ref.lora = apply_lora(ref.model, c);
+  const auto initial = base_weights(*ref.model);
+  const Tensor want = ref.logits(ids_of(0));
+  const LoraTrained reference = lora_train(ref, 3);
+  ASSERT_EQ(reference.adapter.count("tok_embeddings.lora_embedding_A"), 1u);
+  ASSERT_EQ(reference.adapter.count("tok_embeddings.lora_embedding_B"), 1u);
+  for (const LoraLayout& l : lora_layouts()) {
+    SCOPED_TRACE(l.name);
+    LoraRun run = l.build(lora_decoder_config(), c);
+    LoraLayer& table = *run.lora->layers().front().second;
+    ASSERT_EQ(run.lora->layers().front().first, "tok_embeddings");
+    if (l.name.rfind("tp", 0) == 0) {  // vocabulary parallel (decoder_tp_plan)
+      EXPECT_EQ(placements_str(table.lora_A(0).stored_dtensor().placements()), "[S(1)]");
+      EXPECT_EQ(placements_str(table.lora_B(0).stored_dtensor().placements()), "[R]");
+    }
+    expect_close(run.logits(ids_of(0)), want, 1e-5, "logits");
+    const LoraTrained got = lora_train(run, 3);
+    expect_lora_parity(run, got, reference, initial, l.name);
+  }
+}
+
+// Merging adds scale (B A)^T to each rank's window of the table: the same logits, and unmerging
+// gives the table back. merge_and_unload puts a plain Embedding back.
+TEST(LoraEmbedding, MergeAndUnmergeOnEveryLayout) {
+  for (const LoraLayout& l : lora_layouts()) {
+    SCOPED_TRACE(l.name);
+    LoraRun run = l.build(lora_decoder_config(), with_table());
+    auto& table = dynamic_cast<LoraEmbedding&>(*run.lora->layers().front().second);
+    const Tensor w0 = table.weight.full().clone();
+    const Tensor before = run.logits(ids_of(1));
+    run.lora->merge_adapter("default");
+    EXPECT_GT(max_abs_diff(table.weight.full(), w0), 1e-3) << "merged into the table";
+    expect_close(run.logits(ids_of(1)), before, 1e-5, "merged");
+    run.lora->unmerge_adapter("default");
+    EXPECT_LE(max_abs_diff(table.weight.full(), w0), 1e-6) << "unmerged";
+    expect_close(run.logits(ids_of(1)), before, 1e-5, "unmerged");
+    if (l.name.rfind("tp", 0) != 0 && l.name != "plain") continue;  // FSDP refuses unloading
+    ModulePtr base = run.lora->merge_and_unload();
+    auto* decoder = dynamic_cast<Decoder*>(base.get());
+    ASSERT_NE(decoder, nullptr);
+    EXPECT_EQ(decoder->tok_embeddings->type_name(), "Embedding");
+    for (const auto& [key, t] : base->state_dict())
+      EXPECT_EQ(key.find("lora_"), std::string::npos) << key;
+    expect_close(run.logits(ids_of(1)), before, 1e-5, "merge_and_unload");
+  }
+}
+
+// A mixed batch gives each sample what its adapter alone gives, the table's adapters included.
+TEST(LoraEmbedding, AMixedBatchGivesEachSampleItsAdapter) {
+  for (const LoraLayout& l : lora_layouts({.max_adapters = 3})) {
+    SCOPED_TRACE(l.name);
+    LoraRun run = l.build(lora_decoder_config(), with_table());
+    run.lora->add_adapter("second", with_table(LoraInit::Random, 5));
+    LoraConfig other = with_table(LoraInit::Random, 7);
+    other.target_modules = {"tok_embeddings"};
+    run.lora->add_adapter("table", other);
+    const std::vector<std::string> per_sample = {"table", "default", "", "second"};
+    const Tensor ids = ids_of(2);
+    NoGradGuard no_grad;
+    std::vector<Tensor> alone;
+    for (const std::string& name : per_sample) {
+      run.lora->set_adapter(name);
+      alone.push_back(run.logits(ids));
+    }
+    run.lora->set_adapter("");
+    std::vector<int64_t> slot;
+    for (const std::string& name : per_sample)
+      slot.push_back(name.empty() ? -1 : run.lora->adapter_id(name));
+    run.lora->set_batch_adapters(from_vector<int64_t>(slot));
+    const Tensor mixed = run.logits(ids);
+    for (int64_t r = 0; r < 4; ++r)
+      expect_close(kernels::narrow(mixed, 0, r, 1), kernels::narrow(alone[size_t(r)], 0, r, 1),
+                   1e-5, "sample " + std::to_string(r) + " (" + per_sample[size_t(r)] + ")");
+    EXPECT_GT(max_abs_diff(kernels::narrow(alone[0], 0, 0, 1), kernels::narrow(alone[2], 0, 0, 1)),
+              1e-3)
+        << "the table's adapter changes its sample";
+    run.lora->set_batch_adapters(Tensor());
+  }
+}
+
+// PEFT's files hold the table's adapter as base_model.model.tok_embeddings.lora_embedding_A
+// [r, vocab] and .lora_embedding_B [dim, r]; they load onto another mesh as the same model, and
+// so does a checkpoint with the adapter table.
+TEST(LoraEmbedding, PeftFilesAndCheckpointsLoadOnAnotherMesh) {
+  const std::string dir = scratch_dir("lora_embedding");
+  const std::vector<LoraLayout> layouts = lora_layouts({.max_adapters = 2});
+  const DecoderConfig cfg = lora_decoder_config();
+  for (const LoraLayout& from : layouts) {
+    SCOPED_TRACE(from.name + " -> " + layouts.back().name);
+    LoraRun run = from.build(cfg, with_table());
+    AdamW opt(run.lora->parameters(), AdamWOptions{.lr = 1e-2, .weight_decay = 0.0});
+    lora_train_step(run, opt, 0);
+    const Tensor want = run.logits(ids_of(4));
+    run.lora->save_adapter(dir + "/adapter", "default");
+    const SafetensorsFile file = load_safetensors(dir + "/adapter/adapter_model.safetensors");
+    const std::string key = "base_model.model.tok_embeddings.lora_embedding_";
+    ASSERT_EQ(file.tensors.count(key + "A"), 1u);
+    EXPECT_EQ(file.tensors.at(key + "A").shape(), (Shape{4, cfg.vocab_size}));
+    EXPECT_EQ(file.tensors.at(key + "B").shape(), (Shape{cfg.dim, 4}));
+    StateDict sd;
+    insert_state_dict(sd, "model", get_model_state_dict(*run.model));
+    insert_state_dict(sd, "lora", run.lora->state_dict());
+    save(sd, dir + "/checkpoint.h5");
+
+    LoraRun peft = layouts.back().build(cfg, with_table(LoraInit::Random, 9));
+    peft.lora->load_adapter(dir + "/adapter", "loaded");
+    peft.lora->set_adapter("loaded");
+    expect_close(peft.logits(ids_of(4)), want, 1e-5, "from PEFT's files");
+
+    LoraRun fresh = layouts.back().build(cfg, with_table(LoraInit::Random, 9));
+    EXPECT_GT(max_abs_diff(fresh.logits(ids_of(4)), want), 1e-3);
+    StateDict in;
+    insert_state_dict(in, "model", get_model_state_dict(*fresh.model));
+    insert_state_dict(in, "lora", fresh.lora->state_dict());
+    load(in, dir + "/checkpoint.h5");
+    fresh.lora->load_state_dict(sub_state_dict(in, "lora"));
+    expect_close(fresh.logits(ids_of(4)), want, 1e-5, "from the checkpoint");
+  }
+}
+
+// Refused before anything changes, naming the table: DoRA on it, a table the output projection
+// reads too; "all-linear" leaves tables out, as PEFT's does.
+TEST(LoraEmbedding, WhatCannotBeAdaptedIsRefusedNamingIt) {
+  if (world_size() > 1) GTEST_SKIP() << "one process";
+  auto m = std::make_shared<Decoder>(lora_decoder_config());
+  LoraConfig dora = with_table();
+  dora.use_dora = true;
+  expect_error([&] { apply_lora(m, dora); },
+               {"'tok_embeddings' is an Embedding", "DoRA (use_dora) covers Linear layers only"});
+  EXPECT_EQ(m->tok_embeddings->type_name(), "Embedding") << "left as it was";
+  EXPECT_TRUE(m->tok_embeddings->weight.requires_grad()) << "left unfrozen";
+
+  // A DoRA adapter added later, to a model whose slots have magnitudes, names the table too.
+  auto lora = apply_lora(m, with_table(), "default", {.max_adapters = 2, .use_dora = true});
+  LoraConfig later = with_table(LoraInit::Random, 4);
+  later.use_dora = true;
+  expect_error([&] { lora->add_adapter("dora", later); },
+               {"LoraEmbedding 'tok_embeddings'", "uses DoRA", "Linear layers only"});
+  EXPECT_EQ(lora->adapters(), (std::vector<std::string>{"default"}));
+
+  DecoderConfig tied = lora_decoder_config();
+  tied.tie_embeddings = true;
+  expect_error([&] { apply_lora(std::make_shared<Decoder>(tied), with_table()); },
+               {"apply_lora: 'tok_embeddings' (Embedding, a LoRA target)",
+                "tied to the Decoder's output projection"});
+
+  LoraConfig all = lora_test_config();
+  all.target_modules = {kAllLinear};
+  auto every = apply_lora(std::make_shared<Decoder>(lora_decoder_config()), all);
+  for (const auto& [path, layer] : every->layers())
+    EXPECT_NE(path, "tok_embeddings");
+}
