@@ -1,7 +1,6 @@
 #pragma once
-// What the LoRA layers' forwards share: the per-row shape of a mixed batch's masks, the
-// adapters of one forward side by side, and the reduction of partial base outputs together with
-// partial adapter activations.
+// What the LoRA layers' forwards share: the per-row shape of a mixed batch's masks, and the
+// reduction of partial base outputs together with partial adapter activations.
 #include <vector>
 
 #include "tessera/autograd/ops.h"
@@ -17,22 +16,6 @@ inline Shape per_row_shape(int64_t rows, int64_t width, int64_t ndim) {
   s.front() = rows;
   s.back() = width;
   return s;
-}
-
-template <class T>
-struct Stacked {
-  T a, b;
-  double scale;
-};
-
-// The adapters of one forward side by side: A [k max_rank, in] and B [out, k max_rank]. One
-// adapter's scale applies to its activations inside the op; several carry theirs in their B.
-template <class T>
-Stacked<T> stack_adapters(std::vector<T> as, std::vector<T> bs, const std::vector<double>& scales) {
-  if (as.size() == 1) return {as[0], bs[0], scales[0]};
-  for (size_t k = 0; k < bs.size(); ++k)
-    bs[k] = mul(bs[k], scales[k]);
-  return {cat(as, 0), cat(bs, 1), 1.0};
 }
 
 // yp + scale * (hp * h_scale) B^T, where yp (the base output [..., out]) and hp (the adapter

@@ -15,7 +15,6 @@
 namespace tessera {
 
 using lora_detail::reduce_with_activations;
-using lora_detail::stack_adapters;
 using lora_detail::write_window;
 
 LoraEmbedding::LoraEmbedding(const Embedding& base, const LoraSlots& slots,
@@ -74,14 +73,7 @@ Tensor LoraEmbedding::forward(const Tensor& ids) {
   const Batch bt = batch(ids.dim() >= 1 ? ids.size(0) : 1, ids.device());
   const Tensor y = embedding(ids, w);
   if (bt.slots.empty()) return y;
-  std::vector<Tensor> as, bs;
-  std::vector<double> scales;
-  for (int64_t s : bt.slots) {
-    as.push_back(a_[size_t(s)]->weight.whole_local(type_name(), "lora_embedding_A"));
-    bs.push_back(b_[size_t(s)]->weight.whole_local(type_name(), "lora_embedding_B"));
-    scales.push_back(slots_[size_t(s)].scale);
-  }
-  const auto [a, b, scale] = stack_adapters(std::move(as), std::move(bs), scales);
+  const auto [a, b, scale] = stacked_local(bt);
   // A^T [num_embeddings, k max_rank] looked up as a table: each id's column of A.
   Tensor h = embedding(ids, transpose(a, 0, 1));
   const Tensor mask = activation_mask(bt, ids.dim() + 1);
@@ -94,25 +86,10 @@ Tensor LoraEmbedding::forward(const Tensor& ids) {
 DTensor LoraEmbedding::forward_dtensor(const DTensor& ids) {
   const DeviceMesh& mesh = ids.mesh();
   const DTensor w = weight.on_mesh(mesh);
-  // A mixed batch names each of this rank's rows: ids split over the mesh would need the batch's
-  // ids split alike, which nothing here does.
-  if (routing_->sample_slots && ids.dim() >= 1)
-    for (const Placement& p : ids.placements())
-      TESSERA_CHECK(!p.is_shard() || p.dim() != 0,
-                    "LoRA: a mixed batch (set_batch_adapters) needs the ids' batch dim whole on "
-                    "the embedding's mesh, but the ids are ",
-                    ids.str(), "; replicate the batch dim there, or clear the mixed batch");
-  const Batch bt = batch(ids.dim() >= 1 ? ids.size(0) : 1, mesh.device());
+  const Batch bt = batch_of(ids, /*rows_from_ndim=*/1);
   const DTensor y = embedding(ids, w);
   if (bt.slots.empty()) return y;
-  std::vector<DTensor> as, bs;
-  std::vector<double> scales;
-  for (int64_t s : bt.slots) {
-    as.push_back(a_[size_t(s)]->weight.on_mesh(mesh));
-    bs.push_back(b_[size_t(s)]->weight.on_mesh(mesh));
-    scales.push_back(slots_[size_t(s)].scale);
-  }
-  const auto [a, b, scale] = stack_adapters(std::move(as), std::move(bs), scales);
+  const auto [a, b, scale] = stacked_on(mesh, bt);
   // A vocabulary-split table looks A^T up as it looks up W: partial sums over the ranks.
   const DTensor hp = embedding(ids, transpose(a, 0, 1));
   const Tensor mask = activation_mask(bt, ids.dim() + 1);

@@ -48,6 +48,19 @@ uint64_t lora_slot_seed(uint64_t seed, const std::string& adapter, const std::st
   return fnv1a(path, fnv1a("|", h));
 }
 
+namespace {
+
+template <class T>
+LoraLayer::Stacked<T> stack_adapters(std::vector<T> as, std::vector<T> bs,
+                                     const std::vector<double>& scales) {
+  if (as.size() == 1) return {as[0], bs[0], scales[0]};
+  for (size_t k = 0; k < bs.size(); ++k)
+    bs[k] = mul(bs[k], scales[k]);
+  return {cat(as, 0), cat(bs, 1), 1.0};
+}
+
+}  // namespace
+
 LoraWeight::LoraWeight(Parameter value) : Module("LoraWeight"), weight(std::move(value)) {
   register_parameter("weight", &weight);
 }
@@ -387,6 +400,42 @@ LoraLayer::Batch LoraLayer::batch(int64_t rows, Device device) const {
   b.h_scale = it->second.h_scale;
   b.dropout = it->second.dropout;
   return b;
+}
+
+LoraLayer::Batch LoraLayer::batch_of(const DTensor& x, int64_t rows_from_ndim) const {
+  const bool rows = x.dim() >= rows_from_ndim;
+  // A mixed batch names each of this rank's rows: rows split over the mesh would need the ids
+  // split alike, which nothing here does (no tensor-parallel plan splits the batch dim).
+  if (routing_->sample_slots && rows)
+    for (const Placement& p : x.placements())
+      TESSERA_CHECK(!p.is_shard() || p.dim() != 0,
+                    "LoRA: a mixed batch (set_batch_adapters) "
+                    "needs the input's batch dim whole on the ",
+                    kind_, "'s mesh, but the input is ", x.str(),
+                    "; replicate the batch dim there, or clear the mixed batch");
+  return batch(rows ? x.size(0) : 1, x.mesh().device());
+}
+
+LoraLayer::Stacked<Tensor> LoraLayer::stacked_local(const Batch& bt) const {
+  std::vector<Tensor> as, bs;
+  std::vector<double> scales;
+  for (int64_t s : bt.slots) {
+    as.push_back(a_[size_t(s)]->weight.whole_local(kind_, names_.first.c_str()));
+    bs.push_back(b_[size_t(s)]->weight.whole_local(kind_, names_.second.c_str()));
+    scales.push_back(slots_[size_t(s)].scale);
+  }
+  return stack_adapters(std::move(as), std::move(bs), scales);
+}
+
+LoraLayer::Stacked<DTensor> LoraLayer::stacked_on(const DeviceMesh& mesh, const Batch& bt) const {
+  std::vector<DTensor> as, bs;
+  std::vector<double> scales;
+  for (int64_t s : bt.slots) {
+    as.push_back(a_[size_t(s)]->weight.on_mesh(mesh));
+    bs.push_back(b_[size_t(s)]->weight.on_mesh(mesh));
+    scales.push_back(slots_[size_t(s)].scale);
+  }
+  return stack_adapters(std::move(as), std::move(bs), scales);
 }
 
 Tensor LoraLayer::activation_mask(const Batch& bt, int64_t ndim) {

@@ -24,8 +24,6 @@ namespace tessera {
 using lora_detail::orthogonal_init;
 using lora_detail::per_row_shape;
 using lora_detail::reduce_with_activations;
-using lora_detail::stack_adapters;
-using lora_detail::Stacked;
 using lora_detail::window_of;
 using lora_detail::write_window;
 
@@ -122,14 +120,7 @@ Tensor LoraLinear::forward(const Tensor& x) {
   const Tensor& b0 = bias.whole_local(type_name(), "bias");
   const Batch bt = batch(x.dim() >= 2 ? x.size(0) : 1, x.device());
   if (bt.slots.empty()) return linear(x, w, b0);
-  std::vector<Tensor> as, bs;
-  std::vector<double> scales;
-  for (int64_t s : bt.slots) {
-    as.push_back(a_[size_t(s)]->weight.whole_local(type_name(), "lora_A"));
-    bs.push_back(b_[size_t(s)]->weight.whole_local(type_name(), "lora_B"));
-    scales.push_back(slots_[size_t(s)].scale);
-  }
-  const Stacked<Tensor> ab = stack_adapters(std::move(as), std::move(bs), scales);
+  const Stacked<Tensor> ab = stacked_local(bt);
   Tensor xl;
   if (bt.any_dropout) {
     // As PEFT: x in the adapters' dtype, then dropout (a bfloat16 base keeps 1/(1-p) exact
@@ -151,24 +142,9 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
                 out_features(), "): input ", x.str(), " must have last dim ", in_features());
   const DeviceMesh& mesh = x.mesh();
   const DTensor w = weight.on_mesh(mesh), bd = bias.on_mesh(mesh);
-  // A mixed batch names each of this rank's rows: rows split over the mesh would need the ids
-  // split alike, which nothing here does (no tensor-parallel plan splits the batch dim).
-  if (routing_->sample_slots && x.dim() >= 2)
-    for (const Placement& p : x.placements())
-      TESSERA_CHECK(!p.is_shard() || p.dim() != 0,
-                    "LoRA: a mixed batch (set_batch_adapters) "
-                    "needs the input's batch dim whole on the layer's mesh, but the input is ",
-                    x.str(), "; replicate the batch dim there, or clear the mixed batch");
-  const Batch bt = batch(x.dim() >= 2 ? x.size(0) : 1, mesh.device());
+  const Batch bt = batch_of(x, /*rows_from_ndim=*/2);
   if (bt.slots.empty()) return linear(x, w, bd);
-  std::vector<DTensor> as, bs;
-  std::vector<double> scales;
-  for (int64_t s : bt.slots) {
-    as.push_back(a_[size_t(s)]->weight.on_mesh(mesh));
-    bs.push_back(b_[size_t(s)]->weight.on_mesh(mesh));
-    scales.push_back(slots_[size_t(s)].scale);
-  }
-  const auto [a, b, scale] = stack_adapters(std::move(as), std::move(bs), scales);
+  const auto [a, b, scale] = stacked_on(mesh, bt);
   DTensor xl;
   if (bt.any_dropout) {
     // The same mask a single process would draw: the draw follows x's layout, replicated over

@@ -201,6 +201,50 @@ inline void for_each_gathered_lora(
   }
 }
 
+// `ids` run once per adapter of `per_sample` alone (set_adapter; "" is the base model), then as a
+// mixed batch that routes sample r to per_sample[r]: each sample's logits must be what its
+// adapter alone gives (1e-5). Returns the logits of each adapter alone, in per_sample's order,
+// and leaves no adapter active and no mixed batch set.
+inline std::vector<Tensor> expect_mixed_batch_as_alone(LoraRun& run,
+                                                       const std::vector<std::string>& per_sample,
+                                                       const Tensor& ids) {
+  NoGradGuard no_grad;
+  std::vector<Tensor> alone;
+  for (const std::string& name : per_sample) {
+    run.lora->set_adapter(name);
+    alone.push_back(run.logits(ids));
+  }
+  run.lora->set_adapter("");
+  std::vector<int64_t> slot;
+  for (const std::string& name : per_sample)
+    slot.push_back(name.empty() ? -1 : run.lora->adapter_id(name));
+  run.lora->set_batch_adapters(from_vector<int64_t>(slot));
+  const Tensor mixed = run.logits(ids);
+  for (size_t r = 0; r < per_sample.size(); ++r)
+    expect_close(kernels::narrow(mixed, 0, int64_t(r), 1),
+                 kernels::narrow(alone[r], 0, int64_t(r), 1), 1e-5,
+                 "sample " + std::to_string(r) + " (" + per_sample[r] + ")");
+  run.lora->set_batch_adapters(Tensor());
+  return alone;
+}
+
+// The run's model and its adapter table in one checkpoint file (keys "model" and "lora").
+inline void save_lora_checkpoint(LoraRun& run, const std::string& path) {
+  StateDict sd;
+  insert_state_dict(sd, "model", get_model_state_dict(*run.model));
+  insert_state_dict(sd, "lora", run.lora->state_dict());
+  save(sd, path);
+}
+
+// Loads save_lora_checkpoint's file into the run: the model's values, then its adapter table.
+inline void load_lora_checkpoint(LoraRun& run, const std::string& path) {
+  StateDict in;
+  insert_state_dict(in, "model", get_model_state_dict(*run.model));
+  insert_state_dict(in, "lora", run.lora->state_dict());
+  load(in, path);
+  run.lora->load_state_dict(sub_state_dict(in, "lora"));
+}
+
 // Every parameter of the base model (not the adapters'), as global tensors.
 inline std::map<std::string, Tensor> base_weights(Module& m) {
   std::map<std::string, Tensor> out;

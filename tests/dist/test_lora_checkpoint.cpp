@@ -133,10 +133,7 @@ TEST(LoraCheckpoint, MergedCheckpointAppliesTheAdapterOnce) {
       const Tensor unmerged = eval_logits(run);
       run.lora->merge_adapter("default");
       const Tensor merged = eval_logits(run);
-      StateDict sd;
-      insert_state_dict(sd, "model", get_model_state_dict(*run.model));
-      insert_state_dict(sd, "lora", run.lora->state_dict());
-      save(sd, path);
+      save_lora_checkpoint(run, path);
 
       LoraRun fresh = to.build(lora_decoder_config(), lora_test_config(LoraInit::Kaiming));
       const Tensor base = eval_logits(fresh);  // Kaiming: B is zero, the adapter adds nothing

@@ -284,27 +284,11 @@ TEST(LoraEmbedding, AMixedBatchGivesEachSampleItsAdapter) {
     LoraConfig other = with_table(LoraInit::Random, 7);
     other.target_modules = {"tok_embeddings"};
     run.lora->add_adapter("table", other);
-    const std::vector<std::string> per_sample = {"table", "default", "", "second"};
-    const Tensor ids = ids_of(2);
-    NoGradGuard no_grad;
-    std::vector<Tensor> alone;
-    for (const std::string& name : per_sample) {
-      run.lora->set_adapter(name);
-      alone.push_back(run.logits(ids));
-    }
-    run.lora->set_adapter("");
-    std::vector<int64_t> slot;
-    for (const std::string& name : per_sample)
-      slot.push_back(name.empty() ? -1 : run.lora->adapter_id(name));
-    run.lora->set_batch_adapters(from_vector<int64_t>(slot));
-    const Tensor mixed = run.logits(ids);
-    for (int64_t r = 0; r < 4; ++r)
-      expect_close(kernels::narrow(mixed, 0, r, 1), kernels::narrow(alone[size_t(r)], 0, r, 1),
-                   1e-5, "sample " + std::to_string(r) + " (" + per_sample[size_t(r)] + ")");
+    const std::vector<Tensor> alone =
+        expect_mixed_batch_as_alone(run, {"table", "default", "", "second"}, ids_of(2));
     EXPECT_GT(max_abs_diff(kernels::narrow(alone[0], 0, 0, 1), kernels::narrow(alone[2], 0, 0, 1)),
               1e-3)
         << "the table's adapter changes its sample";
-    run.lora->set_batch_adapters(Tensor());
   }
 }
 
@@ -327,10 +311,7 @@ TEST(LoraEmbedding, PeftFilesAndCheckpointsLoadOnAnotherMesh) {
     ASSERT_EQ(file.tensors.count(key + "A"), 1u);
     EXPECT_EQ(file.tensors.at(key + "A").shape(), (Shape{4, cfg.vocab_size}));
     EXPECT_EQ(file.tensors.at(key + "B").shape(), (Shape{cfg.dim, 4}));
-    StateDict sd;
-    insert_state_dict(sd, "model", get_model_state_dict(*run.model));
-    insert_state_dict(sd, "lora", run.lora->state_dict());
-    save(sd, dir + "/checkpoint.h5");
+    save_lora_checkpoint(run, dir + "/checkpoint.h5");
 
     LoraRun peft = layouts.back().build(cfg, with_table(LoraInit::Random, 9));
     peft.lora->load_adapter(dir + "/adapter", "loaded");
@@ -339,11 +320,7 @@ TEST(LoraEmbedding, PeftFilesAndCheckpointsLoadOnAnotherMesh) {
 
     LoraRun fresh = layouts.back().build(cfg, with_table(LoraInit::Random, 9));
     EXPECT_GT(max_abs_diff(fresh.logits(ids_of(4)), want), 1e-3);
-    StateDict in;
-    insert_state_dict(in, "model", get_model_state_dict(*fresh.model));
-    insert_state_dict(in, "lora", fresh.lora->state_dict());
-    load(in, dir + "/checkpoint.h5");
-    fresh.lora->load_state_dict(sub_state_dict(in, "lora"));
+    load_lora_checkpoint(fresh, dir + "/checkpoint.h5");
     expect_close(fresh.logits(ids_of(4)), want, 1e-5, "from the checkpoint");
   }
 }

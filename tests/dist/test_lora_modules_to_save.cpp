@@ -335,17 +335,10 @@ TEST(LoraModulesToSave, ACheckpointLoadsOnAnotherMesh) {
     AdamW opt(run.lora->parameters(), AdamWOptions{.lr = 1e-2, .weight_decay = 0.0});
     lora_train_step(run, opt, 0);
     const Tensor want = run.logits(ids_of(4));
-    StateDict sd;
-    insert_state_dict(sd, "model", get_model_state_dict(*run.model));
-    insert_state_dict(sd, "lora", run.lora->state_dict());
-    save(sd, dir + "/checkpoint.h5");
+    save_lora_checkpoint(run, dir + "/checkpoint.h5");
     LoraRun fresh = layouts.back().build(lora_decoder_config(), saving());
     EXPECT_GT(max_abs_diff(fresh.logits(ids_of(4)), want), 1e-3);
-    StateDict in;
-    insert_state_dict(in, "model", get_model_state_dict(*fresh.model));
-    insert_state_dict(in, "lora", fresh.lora->state_dict());
-    load(in, dir + "/checkpoint.h5");
-    fresh.lora->load_state_dict(sub_state_dict(in, "lora"));
+    load_lora_checkpoint(fresh, dir + "/checkpoint.h5");
     expect_close(fresh.logits(ids_of(4)), want, 1e-5, "loaded");
   }
 }
@@ -398,24 +391,9 @@ TEST(LoraModulesToSave, AMixedBatchGivesEachSampleItsAdaptersCopies) {
     values.at("output.weight") = add(values.at("output.weight"), 0.5);
     run.lora->write_adapter("second", values);
     const Tensor ids = ids_of(5);  // 4 samples
-    const std::vector<std::string> per_sample = {"default", "second", "", "none"};
-    NoGradGuard no_grad;
-    std::vector<Tensor> alone;
-    for (const std::string& name : per_sample) {
-      run.lora->set_adapter(name);
-      alone.push_back(run.logits(ids));
-    }
-    run.lora->set_adapter("");
-    std::vector<int64_t> slot;
-    for (const std::string& name : per_sample)
-      slot.push_back(name.empty() ? -1 : run.lora->adapter_id(name));
-    run.lora->set_batch_adapters(from_vector<int64_t>(slot));
-    const Tensor mixed = run.logits(ids);
-    for (int64_t r = 0; r < 4; ++r)
-      expect_close(kernels::narrow(mixed, 0, r, 1), kernels::narrow(alone[size_t(r)], 0, r, 1),
-                   1e-5, "sample " + std::to_string(r) + " (" + per_sample[size_t(r)] + ")");
+    const std::vector<Tensor> alone =
+        expect_mixed_batch_as_alone(run, {"default", "second", "", "none"}, ids);
     EXPECT_GT(max_abs_diff(kernels::narrow(alone[1], 0, 1, 1), kernels::narrow(alone[0], 0, 1, 1)),
               1e-3);
-    run.lora->set_batch_adapters(Tensor());
   }
 }

@@ -73,6 +73,14 @@ class LoraLayer {
   LoraLayer(const LoraLayer&) = delete;
   LoraLayer& operator=(const LoraLayer&) = delete;
 
+  // Adapters side by side: A [k max_rank, in] and B [out, k max_rank]. One slot's scale stays
+  // apart (the ops apply it to the activations); several carry theirs in their B.
+  template <class T>
+  struct Stacked {
+    T a, b;
+    double scale;
+  };
+
   // --- what the wrapped layer is ---
   // The layer as a module (this object), and a plain one of the wrapped type holding the same
   // base parameters (LoraModel::unload puts it back).
@@ -154,6 +162,13 @@ class LoraLayer {
     bool any_dropout = false;
   };
   Batch batch(int64_t rows, Device device) const;
+  // batch() for a forward on `x`, whose dim 0 holds the samples when it has at least
+  // rows_from_ndim dims (one sample otherwise); refused for a mixed batch when that dim is split
+  // over the mesh.
+  Batch batch_of(const DTensor& x, int64_t rows_from_ndim) const;
+  // The batch's slots side by side (Stacked, above).
+  Stacked<Tensor> stacked_local(const Batch& bt) const;  // plain (or whole) parameters
+  Stacked<DTensor> stacked_on(const DeviceMesh& mesh, const Batch& bt) const;
   // A mixed batch's mask over the adapter activations, shaped to broadcast over activations of
   // rank `ndim` (undefined when the batch is not mixed).
   static Tensor activation_mask(const Batch& bt, int64_t ndim);
