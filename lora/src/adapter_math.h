@@ -18,6 +18,14 @@ inline Shape per_row_shape(int64_t rows, int64_t width, int64_t ndim) {
   return s;
 }
 
+// g z in g's dtype (the adapters' float32), rounded once to z's (a bfloat16 base's): g is not
+// rounded to bfloat16, nor is the gradient DoRA's magnitude gets through it.
+template <class T>
+T scaled(const T& z, const T& g) {
+  if (z.dtype() == g.dtype()) return mul(z, g);
+  return cast(mul(cast(z, g.dtype()), g), z.dtype());
+}
+
 // yp + scale * (hp * h_scale) B^T, where yp (the base output [..., out]) and hp (the adapter
 // activations [..., rank]) are partial sums over some mesh dims: both travel in one reduction to
 // Replicate, after which B (replicated) applies to replicated activations, so that B's gradient

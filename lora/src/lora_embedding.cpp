@@ -15,6 +15,7 @@
 namespace tessera {
 
 using lora_detail::reduce_with_activations;
+using lora_detail::scaled;
 using lora_detail::write_window;
 
 LoraEmbedding::LoraEmbedding(const Embedding& base, const LoraSlots& slots,
@@ -24,6 +25,9 @@ LoraEmbedding::LoraEmbedding(const Embedding& base, const LoraSlots& slots,
                 slots, std::move(routing), {"lora_embedding_A", "lora_embedding_B"}) {
   register_module(names_.first, a_list_);
   register_module(names_.second, b_list_);
+  if (!slots.use_dora) return;
+  make_magnitudes();
+  register_module("lora_magnitude_vector", m_list_);
 }
 
 namespace {
@@ -43,9 +47,6 @@ void write_padded(Parameter& p, const Tensor& draw, int64_t dim) {
 // matrix is drawn whole from (config.seed, adapter, path) and each rank keeps its window.
 void LoraEmbedding::init_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
                               const std::string& path) {
-  TESSERA_CHECK(!config.use_dora, "LoraEmbedding '", path, "': adapter '", adapter,
-                "' uses DoRA, which Tessera supports on Linear layers only (leave the embedding "
-                "out of target_modules, or use_dora false)");
   check_init(i, adapter, config, path);
   Generator gen(lora_slot_seed(config.seed, adapter, path));
   const int64_t r = config.r;
@@ -66,6 +67,7 @@ void LoraEmbedding::init_slot(int64_t i, const std::string& adapter, const LoraC
   normal_(draw, 0.0, 1.0, gen);
   write_padded(b, draw, 1);
   set_slot(i, adapter, config, path, /*merged=*/false);
+  init_magnitude(i);
 }
 
 Tensor LoraEmbedding::forward(const Tensor& ids) {
@@ -80,7 +82,12 @@ Tensor LoraEmbedding::forward(const Tensor& ids) {
   if (mask.defined()) h = mul(h, mask);
   if (scale != 1.0) h = mul(h, scale);
   const Tensor low = linear(h, b);
-  return add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
+  const Tensor z = add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
+  // batch() refused DoRA in a mixed batch: a DoRA forward has one adapter.
+  if (!slots_[size_t(bt.slots[0])].use_dora) return z;
+  const Tensor& mag =
+      m_[size_t(bt.slots[0])]->weight.whole_local(type_name(), "lora_magnitude_vector");
+  return scaled(z, div(mag, out_norms(w, a, b, scale).to(mag.dtype())));
 }
 
 DTensor LoraEmbedding::forward_dtensor(const DTensor& ids) {
@@ -96,14 +103,21 @@ DTensor LoraEmbedding::forward_dtensor(const DTensor& ids) {
   bool partial = false;
   for (const Placement& p : hp.placements())
     partial |= p.is_partial();
-  if (partial) return reduce_with_activations(y, hp, b, scale, mask);
-  DTensor h = hp;
-  if (mask.defined())
-    h = mul(h, DTensor::from_local(mask, mesh, Placements(size_t(mesh.ndim()), Replicate()),
-                                   mask.shape()));
-  if (scale != 1.0) h = mul(h, scale);
-  const DTensor low = linear(h, b);
-  return add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
+  DTensor z;
+  if (partial) {
+    z = reduce_with_activations(y, hp, b, scale, mask);
+  } else {
+    DTensor h = hp;
+    if (mask.defined())
+      h = mul(h, DTensor::from_local(mask, mesh, Placements(size_t(mesh.ndim()), Replicate()),
+                                     mask.shape()));
+    if (scale != 1.0) h = mul(h, scale);
+    const DTensor low = linear(h, b);
+    z = add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
+  }
+  if (!slots_[size_t(bt.slots[0])].use_dora) return z;
+  const DTensor mag = m_[size_t(bt.slots[0])]->weight.on_mesh(mesh);
+  return scaled(z, div(mag, out_norms(w, a, b, scale, mag.placements())));
 }
 
 }  // namespace tessera

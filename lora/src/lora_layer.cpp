@@ -287,10 +287,6 @@ LoraLayer::Merged LoraLayer::merged_window(int64_t i, bool unmerge, const char* 
   return {adapted_window(i, unmerge ? -1.0 : 1.0, ct).to(w.dtype()), Tensor()};
 }
 
-LoraLayer::Merged LoraLayer::dora_merged_window(int64_t, bool, DType) {
-  TESSERA_FAIL(kind_, ": DoRA merges only into a Linear");
-}
-
 Tensor LoraLayer::adapted_window(int64_t i, double sign, DType ct, const Tensor& onto) const {
   NoGradGuard no_grad;
   const Slot& s = slots_[size_t(i)];

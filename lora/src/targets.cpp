@@ -124,15 +124,11 @@ std::vector<std::pair<std::string, ModulePtr>> find_targets(
     TESSERA_CHECK(!is_fully_sharded(linear ? linear->weight : table->weight), "apply_lora: '", path,
                   "' is already sharded by fully_shard; apply LoRA before fully_shard (adapters "
                   "can still be added after it, into the slots LoraSlots preallocates)");
-    if (table) {
-      TESSERA_CHECK(!config.use_dora, "apply_lora: '", path,
-                    "' is an Embedding, and Tessera's DoRA (use_dora) covers Linear layers only; "
-                    "leave it out of target_modules, or use_dora false");
-      // An adapter changes the table's lookups, not another module's reads of the same weight,
-      // which a merge would then change too.
+    // An adapter changes the table's lookups, not another module's reads of the same weight,
+    // which a merge would then change too.
+    if (table)
       check_untied(model, path, m,
                    "apply_lora: '" + path + "' (" + m->type_name() + ", a LoRA target)");
-    }
     found.emplace_back(path, m);
   }
   TESSERA_CHECK(!found.empty(), "apply_lora: no module of ", model.type_name(),

@@ -16,11 +16,25 @@ using namespace tessera::testing;
 namespace {
 
 // The decoder's table, two projections of each block's attention and one of its MLP.
-LoraConfig with_table(LoraInit init = LoraInit::Random, uint64_t seed = 3) {
+LoraConfig with_table(LoraInit init = LoraInit::Random, uint64_t seed = 3, bool dora = false) {
   LoraConfig c = lora_test_config(init);
   c.target_modules = {"tok_embeddings", "wq", "w2"};
   c.seed = seed;
+  c.use_dora = dora;
   return c;
+}
+
+// DoRA's magnitude `key` of `adapter` times 1 + k/10 for feature k: g = m / norm then differs
+// per feature and from 1 (it starts at 1).
+void bump_magnitude(LoraModel& lora, const std::string& key,
+                    const std::string& adapter = "default") {
+  std::map<std::string, Tensor> values = lora.read_adapter(adapter);
+  const Tensor m = values.at(key);
+  std::vector<float> ramp(size_t(m.numel()));
+  for (size_t k = 0; k < ramp.size(); ++k)
+    ramp[k] = 1.0f + 0.1f * float(k);
+  values.at(key) = mul(m, from_vector<float>(ramp, m.shape()));
+  lora.write_adapter(adapter, values);
 }
 
 Tensor ids_of(int step) {
@@ -52,8 +66,9 @@ Tensor one_hot(const Tensor& ids, int64_t num) {
   return from_vector<float>(h, {int64_t(v.size()), num});
 }
 
-LoraConfig table_config(LoraInit init = LoraInit::Random) {
+LoraConfig table_config(LoraInit init = LoraInit::Random, bool dora = false) {
   LoraConfig c;
+  c.use_dora = dora;
   c.r = 3;
   c.lora_alpha = 6;
   c.target_modules = {"emb"};
@@ -129,6 +144,55 @@ TEST(LoraEmbedding, LoraDropoutLeavesTheTableAlone) {
   EXPECT_GT(max_abs_diff((*m)(ids), first), 1e-3) << "the adapter applies";
 }
 
+// PEFT's DoraEmbeddingVariant: m starts as the norms of the columns of W + scale (B A)^T (one
+// per output feature), and y = g (W[ids] + scale A^T[ids] B^T) with g = m / those norms,
+// detached; A, B and m get that product's gradients. PEFT's key for m in the files.
+TEST(LoraEmbedding, DoraIsPeftsDoraEmbedding) {
+  if (world_size() > 1) GTEST_SKIP() << "one process: layouts are the other tests'";
+  const int64_t num = 7, dim = 5;
+  auto m = std::make_shared<OneTable>(num, dim);
+  const Tensor w = m->emb->weight.full().clone();
+  auto lora = apply_lora(m, table_config(LoraInit::Random, /*dora=*/true));
+  const auto initial = lora->read_adapter("default");
+  const Tensor a = initial.at("emb.lora_embedding_A"), b = initial.at("emb.lora_embedding_B");
+  const double scale = 2.0;
+  const Tensor v = add(w, mul(transpose(matmul(b, a), 0, 1), scale));  // [num, dim]
+  const Tensor norms = sqrt(sum(mul(v, v), {0}));
+  expect_close(initial.at("emb.lora_magnitude_vector"), norms, 1e-6, "m at init");
+  bump_magnitude(*lora, "emb.lora_magnitude_vector");
+  const Tensor mag = lora->read_adapter("default").at("emb.lora_magnitude_vector");
+
+  const Tensor ids = from_vector<int64_t>({3, 0, 6, 3, 2, 5}, {2, 3});
+  const Tensor grad_out = random_tensor({2, 3, dim}, 19, DType::Float32);
+  const Tensor y = (*m)(ids);
+  backward(sum(mul(y, grad_out)));
+  Tensor ra = a.clone(), rb = b.clone(), rm = mag.clone();
+  for (Tensor* t : {&ra, &rb, &rm})
+    t->set_requires_grad(true);
+  const Tensor oh = one_hot(ids, num);
+  const Tensor z =
+      add(matmul(oh, w), mul(matmul(matmul(oh, transpose(ra, 0, 1)), transpose(rb, 0, 1)), scale));
+  const Tensor want = mul(z, div(rm, norms));
+  backward(sum(mul(want, reshape(grad_out, {6, dim}))));
+  expect_close(reshape(y, {6, dim}), want, 1e-6, "forward");
+  LoraLayer& l = *lora->layers().front().second;
+  expect_close(l.lora_A(0).grad(), ra.grad(), 1e-5, "A's gradient");
+  expect_close(l.lora_B(0).grad(), rb.grad(), 1e-5, "B's gradient");
+  expect_close(l.lora_magnitude_vector(0).grad(), rm.grad(), 1e-5, "m's gradient");
+
+  const std::string dir = scratch_dir("lora_embedding_dora");
+  lora->save_adapter(dir, "default");
+  const SafetensorsFile file = load_safetensors(dir + "/adapter_model.safetensors");
+  ASSERT_EQ(file.tensors.count("base_model.model.emb.lora_magnitude_vector"), 1u);
+  EXPECT_EQ(file.tensors.at("base_model.model.emb.lora_magnitude_vector").shape(), (Shape{dim}));
+  auto fresh = std::make_shared<OneTable>(num, dim);
+  auto loaded = apply_lora(fresh, table_config(LoraInit::Kaiming, true), "x", {.max_adapters = 2});
+  loaded->load_adapter(dir, "default");
+  loaded->set_adapter("default");
+  NoGradGuard no_grad;
+  expect_close((*fresh)(ids), y, 1e-6, "loaded from PEFT's files");
+}
+
 namespace {
 
 // One table's collectives in a forward and a backward on `ids`.
@@ -147,8 +211,11 @@ std::pair<std::map<std::string, int64_t>, std::map<std::string, int64_t>> table_
 // LoRA applied before or after parallelize_module: one process's output and adapter gradients,
 // A and B laid out as the table, and the plain table's collectives (the column split: one
 // all-reduce more in the backward, of the activations' gradient).
-void check_split_table(int64_t num, int64_t dim) {
-  SCOPED_TRACE("table [" + std::to_string(num) + ", " + std::to_string(dim) + "]");
+void check_split_table(int64_t num, int64_t dim, bool dora) {
+  SCOPED_TRACE("table [" + std::to_string(num) + ", " + std::to_string(dim) + "]" +
+               (dora ? ", DoRA" : ""));
+  const LoraConfig config = table_config(LoraInit::Random, dora);
+  const std::string m_key = "emb.lora_magnitude_vector";
   const int64_t n = world_size();
   const DeviceMesh mesh(Shape{n}, {"tp"});
   std::vector<int64_t> v = {9, 0, 4, 4, 7, 2};
@@ -156,7 +223,8 @@ void check_split_table(int64_t num, int64_t dim) {
     id %= num;
   const Tensor ids = from_vector<int64_t>(v, {2, 3});
   auto ref = std::make_shared<OneTable>(num, dim);
-  auto ref_lora = apply_lora(ref, table_config());
+  auto ref_lora = apply_lora(ref, config);
+  if (dora) bump_magnitude(*ref_lora, m_key);
   backward(sum(mul((*ref)(ids), (*ref)(ids))));
   const Tensor want = (*ref)(ids);
   LoraLayer& rl = *ref_lora->layers().front().second;
@@ -180,16 +248,19 @@ void check_split_table(int64_t num, int64_t dim) {
       SCOPED_TRACE(what);
       auto m = std::make_shared<OneTable>(num, dim);
       std::shared_ptr<LoraModel> lora;
-      if (lora_first) lora = apply_lora(m, table_config(), "default", {.max_adapters = 2});
+      if (lora_first) lora = apply_lora(m, config, "default", {.max_adapters = 2});
       parallelize_module(m, mesh, plan);
-      if (!lora_first) lora = apply_lora(m, table_config(), "default", {.max_adapters = 2});
+      if (!lora_first) lora = apply_lora(m, config, "default", {.max_adapters = 2});
+      if (dora) bump_magnitude(*lora, m_key);
       LoraLayer& l = *lora->layers().front().second;
       EXPECT_EQ(placements_str(l.lora_A(0).stored_dtensor().placements()),
                 placements_str({vocab ? Placement(Shard(1)) : Placement(Replicate())}));
       EXPECT_EQ(placements_str(l.lora_B(0).stored_dtensor().placements()),
                 placements_str({vocab ? Placement(Replicate()) : Placement(Shard(0))}));
       const auto [fwd, bwd] = table_collectives(*m, ids);
-      EXPECT_EQ(counts_str(fwd), counts_str(plain_fwd)) << "forward";
+      auto expected_fwd = plain_fwd;
+      if (vocab && dora) ++expected_fwd["all_reduce"];  // the norms' squares over the vocabulary
+      EXPECT_EQ(counts_str(fwd), counts_str(expected_fwd)) << "forward";
       auto expected_bwd = plain_bwd;
       if (!vocab) ++expected_bwd["all_reduce"];
       EXPECT_EQ(counts_str(bwd), counts_str(expected_bwd)) << "backward";
@@ -198,6 +269,11 @@ void check_split_table(int64_t num, int64_t dim) {
                    "A's gradient");
       expect_close(l.lora_B(0).grad_dtensor().full_tensor(), rl.lora_B(0).grad(), 1e-5,
                    "B's gradient");
+      if (dora) {
+        expect_close(l.lora_magnitude_vector(0).grad_dtensor().full_tensor(),
+                     rl.lora_magnitude_vector(0).grad(), 1e-5, "m's gradient");
+        continue;  // PEFT refuses DoRA in mixed batches, and so does Tessera
+      }
       // A mixed batch: each sample as its adapter alone.
       LoraConfig second = table_config();
       second.seed = 8;
@@ -219,14 +295,15 @@ void check_split_table(int64_t num, int64_t dim) {
 
 TEST(LoraEmbedding, ASplitTableGivesOneProcesssValuesAndItsCollectives) {
   if (world_size() == 1) GTEST_SKIP() << "needs a split table";
-  check_split_table(10, 8);
-  check_split_table(3, 3);  // uneven shards, and an empty one at 4 ranks
+  for (const bool dora : {false, true}) {
+    check_split_table(10, 8, dora);
+    check_split_table(3, 3, dora);  // uneven shards, and an empty one at 4 ranks
+  }
 }
 
-// Three AdamW steps on the table and two projections per block give one process's losses and
-// adapters under TP (LoRA before and after), FSDP, FSDP x TP and HSDP.
-TEST(LoraEmbedding, EveryLayoutTrainsAsOneProcess) {
-  const LoraConfig c = with_table();
+namespace {
+
+void train_on_every_layout(const LoraConfig& c) {
   LoraRun ref{"plain", std::make_shared<Decoder>(lora_decoder_config()), nullptr, 0, 1};
   ref.lora = apply_lora(ref.model, c);
   const auto initial = base_weights(*ref.model);
@@ -249,30 +326,50 @@ TEST(LoraEmbedding, EveryLayoutTrainsAsOneProcess) {
   }
 }
 
-// Merging adds scale (B A)^T to each rank's window of the table: the same logits, and unmerging
-// gives the table back. merge_and_unload puts a plain Embedding back.
-TEST(LoraEmbedding, MergeAndUnmergeOnEveryLayout) {
-  for (const LoraLayout& l : lora_layouts()) {
-    SCOPED_TRACE(l.name);
-    LoraRun run = l.build(lora_decoder_config(), with_table());
-    auto& table = dynamic_cast<LoraEmbedding&>(*run.lora->layers().front().second);
-    const Tensor w0 = table.weight.full().clone();
-    const Tensor before = run.logits(ids_of(1));
-    run.lora->merge_adapter("default");
-    EXPECT_GT(max_abs_diff(table.weight.full(), w0), 1e-3) << "merged into the table";
-    expect_close(run.logits(ids_of(1)), before, 1e-5, "merged");
-    run.lora->unmerge_adapter("default");
-    EXPECT_LE(max_abs_diff(table.weight.full(), w0), 1e-6) << "unmerged";
-    expect_close(run.logits(ids_of(1)), before, 1e-5, "unmerged");
-    if (l.name.rfind("tp", 0) != 0 && l.name != "plain") continue;  // FSDP refuses unloading
-    ModulePtr base = run.lora->merge_and_unload();
-    auto* decoder = dynamic_cast<Decoder*>(base.get());
-    ASSERT_NE(decoder, nullptr);
-    EXPECT_EQ(decoder->tok_embeddings->type_name(), "Embedding");
-    for (const auto& [key, t] : base->state_dict())
-      EXPECT_EQ(key.find("lora_"), std::string::npos) << key;
-    expect_close(run.logits(ids_of(1)), before, 1e-5, "merge_and_unload");
+void merge_on(const LoraLayout& l, bool dora) {
+  LoraRun run = l.build(lora_decoder_config(), with_table(LoraInit::Random, 3, dora));
+  if (dora) bump_magnitude(*run.lora, "tok_embeddings.lora_magnitude_vector");
+  auto& table = dynamic_cast<LoraEmbedding&>(*run.lora->layers().front().second);
+  const Tensor w0 = table.weight.full().clone();
+  const Tensor before = run.logits(ids_of(1));
+  run.lora->merge_adapter("default");
+  EXPECT_GT(max_abs_diff(table.weight.full(), w0), 1e-3) << "merged into the table";
+  expect_close(run.logits(ids_of(1)), before, 1e-5, "merged");
+  run.lora->unmerge_adapter("default");
+  // DoRA divides by m / norms, here up to 4.1 on values up to about 3: float32's rounding then
+  // leaves up to 1.5e-6.
+  EXPECT_LE(max_abs_diff(table.weight.full(), w0), dora ? 3e-6 : 1e-6) << "unmerged";
+  expect_close(run.logits(ids_of(1)), before, 1e-5, "unmerged");
+  if (l.name.rfind("tp", 0) != 0 && l.name != "plain") return;  // FSDP refuses unloading
+  ModulePtr base = run.lora->merge_and_unload();
+  auto* decoder = dynamic_cast<Decoder*>(base.get());
+  ASSERT_NE(decoder, nullptr);
+  EXPECT_EQ(decoder->tok_embeddings->type_name(), "Embedding");
+  for (const auto& [key, t] : base->state_dict())
+    EXPECT_EQ(key.find("lora_"), std::string::npos) << key;
+  expect_close(run.logits(ids_of(1)), before, 1e-5, "merge_and_unload");
+}
+
+}  // namespace
+
+// Three AdamW steps on the table and two projections per block give one process's losses and
+// adapters under TP (LoRA before and after), FSDP, FSDP x TP and HSDP.
+TEST(LoraEmbedding, EveryLayoutTrainsAsOneProcess) {
+  for (const bool dora : {false, true}) {
+    SCOPED_TRACE(dora ? "DoRA" : "LoRA");
+    train_on_every_layout(with_table(LoraInit::Random, 3, dora));
   }
+}
+
+// Merging adds scale (B A)^T to each rank's window of the table (DoRA: and scales its columns):
+// the same logits, and unmerging gives the table back. merge_and_unload puts a plain Embedding
+// back.
+TEST(LoraEmbedding, MergeAndUnmergeOnEveryLayout) {
+  for (const bool dora : {false, true})
+    for (const LoraLayout& l : lora_layouts()) {
+      SCOPED_TRACE(l.name + (dora ? ", DoRA" : ""));
+      merge_on(l, dora);
+    }
 }
 
 // A mixed batch gives each sample what its adapter alone gives, the table's adapters included.
@@ -325,31 +422,18 @@ TEST(LoraEmbedding, PeftFilesAndCheckpointsLoadOnAnotherMesh) {
   }
 }
 
-// Refused before anything changes, naming the table: DoRA on it, a table the output projection
-// reads too; "all-linear" leaves tables out, as PEFT's does.
+// Refused before anything changes, naming the table: a table the output projection reads too;
+// "all-linear" leaves tables out, as PEFT's does.
 TEST(LoraEmbedding, WhatCannotBeAdaptedIsRefusedNamingIt) {
   if (world_size() > 1) GTEST_SKIP() << "one process";
-  auto m = std::make_shared<Decoder>(lora_decoder_config());
-  LoraConfig dora = with_table();
-  dora.use_dora = true;
-  expect_error([&] { apply_lora(m, dora); },
-               {"'tok_embeddings' is an Embedding", "DoRA (use_dora) covers Linear layers only"});
-  EXPECT_EQ(m->tok_embeddings->type_name(), "Embedding") << "left as it was";
-  EXPECT_TRUE(m->tok_embeddings->weight.requires_grad()) << "left unfrozen";
-
-  // A DoRA adapter added later, to a model whose slots have magnitudes, names the table too.
-  auto lora = apply_lora(m, with_table(), "default", {.max_adapters = 2, .use_dora = true});
-  LoraConfig later = with_table(LoraInit::Random, 4);
-  later.use_dora = true;
-  expect_error([&] { lora->add_adapter("dora", later); },
-               {"LoraEmbedding 'tok_embeddings'", "uses DoRA", "Linear layers only"});
-  EXPECT_EQ(lora->adapters(), (std::vector<std::string>{"default"}));
-
   DecoderConfig tied = lora_decoder_config();
   tied.tie_embeddings = true;
-  expect_error([&] { apply_lora(std::make_shared<Decoder>(tied), with_table()); },
+  auto tied_model = std::make_shared<Decoder>(tied);
+  expect_error([&] { apply_lora(tied_model, with_table()); },
                {"apply_lora: 'tok_embeddings' (Embedding, a LoRA target)",
                 "tied to the Decoder's output projection"});
+  EXPECT_EQ(tied_model->tok_embeddings->type_name(), "Embedding") << "left as it was";
+  EXPECT_TRUE(tied_model->layers[0]->attention->wq->weight.requires_grad()) << "left unfrozen";
 
   LoraConfig all = lora_test_config();
   all.target_modules = {kAllLinear};

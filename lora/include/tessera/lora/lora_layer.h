@@ -180,9 +180,23 @@ class LoraLayer {
   // This rank's window of W (or of `onto`, a tensor of its shape) + sign scale B A, in `ct`,
   // from the global A and B of slot i (collective over the adapters' meshes).
   Tensor adapted_window(int64_t i, double sign, DType ct, const Tensor& onto = {}) const;
-  // DoRA's merged window (unmerge: the window back) and the norms the merge divides by; only
-  // for layers with magnitude slots.
-  virtual Merged dora_merged_window(int64_t i, bool unmerge, DType ct);
+  // --- DoRA (dora.cpp), for layers with magnitude slots ---
+  // DoRA's merged window (unmerge: the window back) and the norms the merge divides by.
+  Merged dora_merged_window(int64_t i, bool unmerge, DType ct);
+  // The global norms [out] of the output features of the matrix whose window this rank holds as
+  // `window` (in W's layout): their sums of squares summed over the ranks that split the in dim.
+  Tensor global_out_norms(const Tensor& window) const;
+  // m of slot i from its initial A and B (zero for a LoRA adapter in a slot with magnitudes).
+  void init_magnitude(int64_t i);
+  // W + scale B A in W's layout (a table: + scale (B A)^T), detached, in float32 or W's wider
+  // dtype, from pieces that make one window.
+  Tensor adapted_local(const Tensor& w, const Tensor& a, const Tensor& b, double scale) const;
+  // The forward's detached norms [out] of W + scale B A: from whole tensors, or on the mesh from
+  // each rank's window (one all-reduce of [out] where W's in dim is split), laid out as
+  // `placements` (the magnitude's).
+  Tensor out_norms(const Tensor& w, const Tensor& a, const Tensor& b, double scale) const;
+  DTensor out_norms(const DTensor& w, const DTensor& a, const DTensor& b, double scale,
+                    const Placements& placements) const;
   // The adapters' placements for a weight laid out as `w` (A's, B's).
   std::pair<Placements, Placements> adapter_placements(const DTensor& w) const;
   // Cuts each slot's matrices from this rank's copy once W is distributed on `mesh`, and

@@ -60,11 +60,6 @@ class LoraLinear : public Linear, public LoraLayer {
 
  private:
   // --- DoRA (dora.cpp) ---
-  // The global row norms [out] of the matrix whose window this rank holds as `window` (W's
-  // window of it): the rows' sums of squares summed over the ranks that split the columns.
-  Tensor global_row_norms(const Tensor& window) const;
-  void init_magnitude(int64_t i);
-  Merged dora_merged_window(int64_t i, bool unmerge, DType ct) override;
   Tensor forward_dora(const Tensor& x, const Tensor& w, const Tensor& b0, const Tensor& a,
                       const Tensor& b, int64_t slot, const Tensor& xl);
   DTensor forward_dtensor_dora(const DTensor& x, const DTensor& w, const DTensor& bd,
