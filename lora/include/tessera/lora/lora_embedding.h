@@ -8,8 +8,10 @@
 // num_embeddings] and "lora_embedding_B.<slot>.weight" [dim, max_rank].
 //
 // As in PEFT, lora_dropout does not apply to an Embedding's adapters, every initialisation but
-// LoraInit::Random starts A at zero and B normal (mean 0, std 1), and DoRA is refused here
-// (PEFT has a DoRA embedding; Tessera's DoRA covers Linear layers only).
+// LoraInit::Random starts A at zero and B normal (mean 0, std 1), and DoRA is PEFT's
+// DoraEmbeddingVariant: y = g (W[ids] + scale A^T[ids] B^T), g = m / ||W^T + scale B A|| per output
+// feature (a column of the table), m [dim] laid out as B's rows; a vocabulary-parallel table's
+// forward then makes one all-reduce of [dim] more (the norms' squares over the vocabulary).
 //
 // Placements follow the table's: a vocabulary-parallel table (Shard(0), RowwiseParallel) gives A
 // Shard(1) and B replicated, and the partial lookups of the table and of A^T travel together in
@@ -29,8 +31,7 @@ namespace tessera {
 
 class LoraEmbedding : public Embedding, public LoraLayer {
  public:
-  // Wraps `base` (plain or tensor-parallel) with `slots` preallocated adapter slots
-  // (LoraSlots::use_dora adds no magnitudes here).
+  // Wraps `base` (plain or tensor-parallel) with `slots` preallocated adapter slots.
   LoraEmbedding(const Embedding& base, const LoraSlots& slots,
                 std::shared_ptr<LoraRouting> routing);
 

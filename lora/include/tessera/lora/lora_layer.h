@@ -110,8 +110,7 @@ class LoraLayer {
   const Slot& slot(int64_t i) const;
   Parameter& lora_A(int64_t i);
   Parameter& lora_B(int64_t i);
-  // DoRA's magnitude of slot i [out]; only with LoraSlots::use_dora (has_magnitude()), which
-  // only a LoraLinear honours.
+  // DoRA's magnitude of slot i [out]; only with LoraSlots::use_dora (has_magnitude()).
   bool has_magnitude() const { return !m_.empty(); }
   Parameter& lora_magnitude_vector(int64_t i);
   // Whether unmerge_slot(i) can run: a DoRA slot merged by restore_slot (a checkpoint) lacks the
@@ -120,16 +119,17 @@ class LoraLayer {
 
   // Puts an adapter in slot i with its initial values, drawn from (config.seed, adapter, path)
   // alone; refused for a merged slot. Not collective for plain and tensor-parallel layers,
-  // except for DoRA, whose magnitude is the global row norms of W + scale B A (collective over
-  // the weight's mesh).
+  // except for DoRA, whose magnitude is the global norm of each output feature of W + scale B A
+  // (collective over the weight's mesh).
   virtual void init_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
                          const std::string& path) = 0;
   // Frees slot i (its matrices set to zero: a free slot changes nothing).
   void clear_slot(int64_t i);
-  // W += scale B A (unmerge: -=) where W lives: each rank updates exactly its own window of W,
-  // from the adapter matrices' global values (A and B are small; W is never gathered). DoRA, as
-  // PEFT: W' = (m / ||W + scale B A||) (W + scale B A), the norms global (summed over the ranks
-  // that split a row) and kept for the unmerge, W = W' / (m / norms) - scale B A.
+  // W += scale B A (unmerge: -=) where W lives (a table: its transpose): each rank updates
+  // exactly its own window of W, from the adapter matrices' global values (A and B are small; W
+  // is never gathered). DoRA, as PEFT: W' = (m / ||W + scale B A||) (W + scale B A) per output
+  // feature, the norms global (summed over the ranks that split a feature) and kept for the
+  // unmerge, W = W' / (m / norms) - scale B A.
   // Collective over the adapter matrices' meshes. A merged slot applies to every sample, so a
   // forward refuses one that is not the routing's active slot, and any during a mixed batch.
   void merge_slot(int64_t i, bool unmerge);
@@ -175,7 +175,7 @@ class LoraLayer {
 
   struct Merged {
     Tensor window;  // this rank's window of W, in W's dtype
-    Tensor norms;   // DoRA: the global row norms of W + scale B A over the window's rows
+    Tensor norms;   // DoRA: the global norms of W + scale B A over the window's output features
   };
   // This rank's window of W (or of `onto`, a tensor of its shape) + sign scale B A, in `ct`,
   // from the global A and B of slot i (collective over the adapters' meshes).
@@ -226,7 +226,8 @@ class LoraLayer {
   std::shared_ptr<LoraRouting> routing_;
   // One dropout stream per slot; a mixed batch draws from its first adapter's.
   std::vector<Generator> dropout_gens_;
-  // Per slot: the DoRA norms its merge divided by, this rank's rows (undefined when unmerged).
+  // Per slot: the DoRA norms its merge divided by, this rank's output features (undefined when
+  // unmerged).
   std::vector<Tensor> dora_norms_;
 
  private:
