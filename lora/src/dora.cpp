@@ -4,11 +4,14 @@
 // table), also where a rank holds only part of it (row parallel, a vocabulary-parallel table, or
 // FSDP): those ranks sum their squares before the square root, by DTensor's Partial ->
 // Replicate.
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "adapter_math.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/autograd/ops.h"
+#include "tessera/core/factory.h"
 #include "tessera/core/kernels/views.h"
 #include "tessera/dtensor/ops.h"
 #include "tessera/lora/lora_linear.h"
@@ -152,9 +155,11 @@ Tensor LoraLinear::forward_dora(const Tensor& x, const Tensor& w, const Tensor& 
 
 // As forward_dora, on the layer's mesh. The norms: each rank's output features of its window of
 // W + scale B A, their squares summed over the ranks that split the in dim (row parallel: one
-// all-reduce of [out]), laid out as m. With dropout, (x - dropout(x)) W^T is a product of its
-// own: a row-parallel forward reduces it (one reduction of the output more than without
-// dropout), a column-parallel backward all-reduces the gradient of its input (one more).
+// all-reduce of [out]), laid out as m. With dropout, (x - dropout(x)) W^T and the layer's
+// product of dropout(x) run as one product of the two batches stacked on dim 0, the first's
+// adapter activations masked to zero, so that they share the layer's one collective (row
+// parallel: the forward's reduction; column parallel: the backward's all-reduce of the input's
+// gradient) rather than each making its own.
 DTensor LoraLinear::forward_dtensor_dora(const DTensor& x, const DTensor& w, const DTensor& bd,
                                          const DTensor& a, const DTensor& b, int64_t slot,
                                          const DTensor& xl) {
@@ -166,10 +171,26 @@ DTensor LoraLinear::forward_dtensor_dora(const DTensor& x, const DTensor& w, con
     return bd.defined() ? add(y, bd) : y;
   }
   const DTensor xw = xl.dtype() == w.dtype() ? xl : cast(xl, w.dtype());
-  const DTensor z = lowrank_dtensor(xw, w, DTensor(), a, b, scale, xl, Tensor());
-  DTensor rest = linear(x.dtype() == xw.dtype() ? sub(x, xw) : sub(cast(x, xw.dtype()), xw), w, bd);
-  if (rest.placements() != z.placements()) rest = rest.redistribute(z.placements());
-  return add(rest, scaled(z, g));
+  const DTensor rest_in = x.dtype() == xw.dtype() ? sub(x, xw) : sub(cast(x, xw.dtype()), xw);
+  bool batch_whole = x.dim() >= 2;
+  for (const Placement& p : x.placements())
+    batch_whole &= !(p.is_shard() && p.dim() == 0);
+  if (!batch_whole) {  // no batch dim to stack on (a 1-D input), or one split over the mesh
+    const DTensor z = lowrank_dtensor(xw, w, DTensor(), a, b, scale, xl, Tensor());
+    DTensor rest = linear(rest_in, w, bd);
+    if (rest.placements() != z.placements()) rest = rest.redistribute(z.placements());
+    return add(rest, scaled(z, g));
+  }
+  const int64_t n = x.size(0), rank = a.size(0);
+  std::vector<float> halves(size_t(2 * n * rank), 1.0f);
+  std::fill(halves.begin(), halves.begin() + n * rank, 0.0f);
+  const Tensor mask = from_vector<float>(halves, lora_detail::per_row_shape(2 * n, rank, x.dim()))
+                          .to(x.mesh().device());
+  const DTensor both =
+      lowrank_dtensor(cat({rest_in, xw}, 0), w, DTensor(), a, b, scale, cat({xl, xl}, 0), mask);
+  DTensor rest = narrow(both, 0, 0, n);
+  if (bd.defined()) rest = add(rest, bd);
+  return add(rest, scaled(narrow(both, 0, n, n), g));
 }
 
 }  // namespace tessera

@@ -178,11 +178,11 @@ TEST(Lora, DoraAddsOneAllReducePerRowParallelForward) {
 }
 
 // With dropout in training, DoRA feeds dropout(x) to both extra terms: the layer computes
-// (x - dropout(x)) W^T, a product reduced apart from the layer's other one, so a row-parallel
-// forward makes one more reduction of the output than without dropout, and a column-parallel
-// backward one more all-reduce of its input's gradient. Drawing the dropout mask adds nothing
-// (the slot's stream needs no cross-rank check). As lora_linear.h and docs/lora.md say.
-TEST(Lora, DoraWithDropoutAddsOneReductionPerRowParallelForward) {
+// (x - dropout(x)) W^T too, as one product with its other one (the two batches stacked), so that
+// it makes the collectives it makes without dropout: no more reductions in a row-parallel
+// forward, no more all-reduces in a column-parallel backward. Drawing the dropout mask adds
+// nothing (the slot's stream needs no cross-rank check). As lora_linear.h and docs/lora.md say.
+TEST(Lora, DoraWithDropoutMakesTheCollectivesOfDoraWithout) {
   const int64_t n = world_size();
   DeviceMesh mesh(Shape{n}, {"tp"});
   RowwiseParallel sp_row;
@@ -191,16 +191,16 @@ TEST(Lora, DoraWithDropoutAddsOneReductionPerRowParallelForward) {
     std::string name;
     ParallelStylePtr style;
     Shape input;       // this rank's piece
-    int64_t forward;   // the reductions dropout adds, over more than one rank
+    int64_t forward;   // the collectives dropout adds, over more than one rank
     int64_t backward;  // likewise
   };
   const std::vector<Case> cases = {
-      {"colwise", std::make_shared<ColwiseParallel>(), {2, 8, 16}, 0, 1},
-      {"rowwise", std::make_shared<RowwiseParallel>(), {2, 8, 16 / n}, 1, 0},
+      {"colwise", std::make_shared<ColwiseParallel>(), {2, 8, 16}, 0, 0},
+      {"rowwise", std::make_shared<RowwiseParallel>(), {2, 8, 16 / n}, 0, 0},
       {"rowwise into sequence shards",
        std::make_shared<RowwiseParallel>(sp_row),
        {2, 8, 16 / n},
-       1,
+       0,
        0}};
   for (const Case& c : cases) {
     auto layer = [&](double dropout) {

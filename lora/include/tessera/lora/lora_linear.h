@@ -24,9 +24,9 @@
 // DoRA (a slot whose adapter has use_dora) scales the layer's product by m / ||W + scale B A||,
 // the norm of each whole row: a row-parallel layer sums its rows' squares over the TP group, one
 // all-reduce of [out] more per forward. With dropout in training it computes one more product
-// of W, (x - dropout(x)) W^T, reduced apart from the layer's reduction: a row-parallel forward
-// makes one more reduction of the output than without dropout, a column-parallel backward one
-// more all-reduce of its input's gradient. See dora.cpp.
+// of W, (x - dropout(x)) W^T, stacked on the batch dim with the layer's other product so that the
+// two share the layer's one collective (an input without a whole batch dim, 1-D or split over
+// the mesh, makes one more). See dora.cpp.
 #include <memory>
 #include <string>
 #include <utility>
