@@ -301,6 +301,56 @@ TEST(LoraEmbedding, ASplitTableGivesOneProcesssValuesAndItsCollectives) {
   }
 }
 
+// A bfloat16 table beside float32 adapters: the adapters' product is added in float32 and rounded
+// once, so a vocabulary-parallel table (whose partial lookups are reduced in float32 with the
+// adapter activations) gives one process's output bit for bit and its gradients within 1e-5;
+// a merge rounds the table once too.
+TEST(LoraEmbedding, ABfloat16TableWithFloat32Adapters) {
+  const int64_t n = world_size(), num = 10, dim = 8;
+  const Tensor ids = from_vector<int64_t>({9, 0, 4, 4, 7, 2}, {2, 3});
+  const Tensor g = random_tensor({2, 3, dim}, 23, DType::Float32);
+  struct Result {
+    Tensor y, grad_a, grad_b, merged;
+  };
+  auto run = [&](bool split) {
+    auto m = std::make_shared<OneTable>(num, dim);
+    m->emb->weight = Parameter(m->emb->weight.full().to(DType::BFloat16), false);
+    if (split) {
+      RowwiseParallel s;
+      s.input_layouts = {Replicate()};
+      parallelize_module(m, DeviceMesh(Shape{n}, {"tp"}),
+                         {{"emb", std::make_shared<RowwiseParallel>(s)}});
+    }
+    auto lora = apply_lora(m, table_config());
+    Result r;
+    r.y = (*m)(ids);
+    EXPECT_EQ(r.y.dtype(), DType::BFloat16);
+    backward(sum(mul(cast(r.y, DType::Float32), g)));
+    LoraLayer& l = *lora->layers().front().second;
+    r.grad_a =
+        l.lora_A(0).is_dtensor() ? l.lora_A(0).grad_dtensor().full_tensor() : l.lora_A(0).grad();
+    r.grad_b =
+        l.lora_B(0).is_dtensor() ? l.lora_B(0).grad_dtensor().full_tensor() : l.lora_B(0).grad();
+    lora->merge_adapter("default");
+    r.merged = m->emb->weight.full();
+    EXPECT_EQ(r.merged.dtype(), DType::BFloat16);
+    return r;
+  };
+  const Result one = run(false);
+  const Result tp = run(n > 1);
+  EXPECT_EQ(max_abs_diff(tp.y, one.y), 0.0);
+  expect_close(tp.grad_a, one.grad_a, 1e-5, "A's gradient");
+  expect_close(tp.grad_b, one.grad_b, 1e-5, "B's gradient");
+  EXPECT_EQ(max_abs_diff(tp.merged, one.merged), 0.0);
+  // Merged in float32 and rounded once: within bfloat16's half step of the float32 sum.
+  auto f32 = std::make_shared<OneTable>(num, dim);
+  const Tensor w = f32->emb->weight.full().to(DType::BFloat16).to(DType::Float32);
+  f32->emb->weight = Parameter(w, false);
+  auto lora = apply_lora(f32, table_config());
+  lora->merge_adapter("default");
+  expect_close(one.merged.to(DType::Float32), f32->emb->weight.full(), 4e-3, "rounded once");
+}
+
 namespace {
 
 void train_on_every_layout(const LoraConfig& c) {
