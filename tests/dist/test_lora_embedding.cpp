@@ -484,6 +484,11 @@ TEST(LoraEmbedding, WhatCannotBeAdaptedIsRefusedNamingIt) {
                 "tied to the Decoder's output projection"});
   EXPECT_EQ(tied_model->tok_embeddings->type_name(), "Embedding") << "left as it was";
   EXPECT_TRUE(tied_model->layers[0]->attention->wq->weight.requires_grad()) << "left unfrozen";
+  auto assigned = std::make_shared<Decoder>(lora_decoder_config());
+  assigned->output->weight = assigned->tok_embeddings->weight;
+  expect_error([&] { apply_lora(assigned, with_table()); },
+               {"apply_lora: 'tok_embeddings' (Embedding, a LoRA target): its 'weight' is tied to "
+                "'output.weight'"});
 
   LoraConfig all = lora_test_config();
   all.target_modules = {kAllLinear};
