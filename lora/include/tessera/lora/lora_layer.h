@@ -209,7 +209,8 @@ class LoraLayer {
   // Slot i's description and dropout stream (from its start), for `adapter` under `config`.
   void set_slot(int64_t i, const std::string& adapter, const LoraConfig& config,
                 const std::string& path, bool merged);
-  // The checks every init_slot makes before writing (a merged slot, r above max_rank).
+  // The checks every init_slot makes before writing (a merged slot, r above max_rank, DoRA
+  // without magnitude slots).
   void check_init(int64_t i, const std::string& adapter, const LoraConfig& config,
                   const std::string& path) const;
   void check_slot(int64_t i, const char* op) const;
