@@ -12,9 +12,10 @@
 //           no weight gradients) — the cost LoRA adds to is this
 //   lora    the same with adapters of rank r (default 16, alpha 2r) on all seven projections of
 //           every block, trained by AdamW
+//   lora_table  lora with an adapter on the token embeddings too (LoraEmbedding)
 //   full    every parameter trained by AdamW (for the optimizer state; its time is reported too)
-// Ratios: median step time of lora over frozen (paired per round; target <= 1.15), and AdamW's
-// state bytes of lora over full.
+// Ratios: median step time of lora over frozen (paired per round; target <= 1.15), of lora_table
+// over lora (what the table's adapter adds), and AdamW's state bytes of lora over full.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -50,11 +51,12 @@ Contender make(const std::string& kind, int r, int dim) {
   } else {
     for (Parameter* p : c.model->parameters())
       p->set_requires_grad(false);
-    if (kind == "lora") {
+    if (kind == "lora" || kind == "lora_table") {
       LoraConfig cfg;
       cfg.r = r;
       cfg.lora_alpha = 2.0 * r;
       cfg.target_modules = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"};
+      if (kind == "lora_table") cfg.target_modules.push_back("tok_embeddings");
       trained = apply_lora(c.model, cfg)->parameters();
     }
     // Backward must run through every layer, as under LoRA, even with nothing to train.
@@ -113,14 +115,15 @@ int main(int argc, char** argv) {
   TESSERA_CHECK(dim % 8 == 0, "lora_step: --dim must be a multiple of 8 (8 heads)");
   const DecoderConfig cfg = config(dim);
   const bench::TokenBatch batch = bench::random_tokens(8, 128, cfg.vocab_size, 11);
+  const std::vector<const char*> kinds = {"frozen", "lora", "lora_table", "full"};
   std::map<std::string, Contender> c;
-  for (const char* kind : {"frozen", "lora", "full"})
+  for (const char* kind : kinds)
     c[kind] = make(kind, r, dim);
   std::map<std::string, std::vector<double>> medians;
-  std::vector<double> overhead;
+  std::vector<double> overhead, table;
   for (int round = 0; round < rounds; ++round) {
     std::map<std::string, double> m;
-    for (const char* kind : {"frozen", "lora", "full"}) {
+    for (const char* kind : kinds) {
       std::vector<double> t;
       step(c[kind], batch);  // warm-up
       for (int s = 0; s < steps; ++s)
@@ -129,17 +132,22 @@ int main(int argc, char** argv) {
       medians[kind].push_back(m[kind]);
     }
     overhead.push_back(m["lora"] / m["frozen"]);
+    table.push_back(m["lora_table"] / m["lora"]);
   }
   const int64_t lora_state = state_bytes(*c["lora"].opt), full_state = state_bytes(*c["full"].opt);
-  const Spread o = spread(overhead);
+  const Spread o = spread(overhead), t = spread(table);
   std::printf(
       "{\n  \"benchmark\": \"lora_step\",\n  \"rank\": %d,\n  \"dim\": %d,\n  \"rounds\": %d,\n", r,
       dim, rounds);
-  std::printf("  \"step_seconds_median\": {\"frozen\": %.4f, \"lora\": %.4f, \"full\": %.4f},\n",
-              spread(medians["frozen"]).median, spread(medians["lora"]).median,
-              spread(medians["full"]).median);
+  std::printf(
+      "  \"step_seconds_median\": {\"frozen\": %.4f, \"lora\": %.4f, \"lora_table\": %.4f, "
+      "\"full\": %.4f},\n",
+      spread(medians["frozen"]).median, spread(medians["lora"]).median,
+      spread(medians["lora_table"]).median, spread(medians["full"]).median);
   std::printf("  \"lora_vs_frozen_step\": {\"median\": %.3f, \"min\": %.3f, \"max\": %.3f},\n",
               o.median, o.min, o.max);
+  std::printf("  \"lora_table_vs_lora_step\": {\"median\": %.3f, \"min\": %.3f, \"max\": %.3f},\n",
+              t.median, t.min, t.max);
   std::printf("  \"optimizer_state_bytes\": {\"lora\": %lld, \"full\": %lld},\n",
               (long long)lora_state, (long long)full_state);
   std::printf("  \"lora_vs_full_optimizer_state\": %.4f\n}\n",
