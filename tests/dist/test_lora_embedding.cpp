@@ -496,3 +496,29 @@ TEST(LoraEmbedding, WhatCannotBeAdaptedIsRefusedNamingIt) {
   for (const auto& [path, layer] : every->layers())
     EXPECT_NE(path, "tok_embeddings");
 }
+
+// PEFT's per-module fields reach a table as any target: its own r (rank_pattern) and alpha
+// (alpha_pattern), exclude_modules, and set_requires_grad freezing its matrices.
+TEST(LoraEmbedding, ModuleFieldsReachTheTable) {
+  if (world_size() > 1) GTEST_SKIP() << "one process";
+  LoraConfig c = with_table();
+  c.rank_pattern = {{"tok_embeddings", 2}};
+  c.alpha_pattern = {{"tok_embeddings", 6.0}};
+  auto m = std::make_shared<Decoder>(lora_decoder_config());
+  auto lora = apply_lora(m, c);
+  const auto values = lora->read_adapter("default");
+  EXPECT_EQ(values.at("tok_embeddings.lora_embedding_A").shape(), (Shape{2, 32}));
+  EXPECT_EQ(values.at("tok_embeddings.lora_embedding_B").shape(), (Shape{32, 2}));
+  EXPECT_EQ(values.at("layers.0.attention.wq.lora_A.weight").shape(), (Shape{4, 32}));
+  LoraLayer& table = *lora->layers().front().second;
+  EXPECT_EQ(table.slot(0).r, 2);
+  EXPECT_DOUBLE_EQ(table.slot(0).scale, 3.0);
+  lora->set_requires_grad({"default"}, false);
+  EXPECT_FALSE(table.lora_A(0).requires_grad());
+  EXPECT_FALSE(table.lora_B(0).requires_grad());
+  LoraConfig excluded = with_table();
+  excluded.exclude_modules = {"tok_embeddings"};
+  auto other = apply_lora(std::make_shared<Decoder>(lora_decoder_config()), excluded);
+  for (const auto& [path, layer] : other->layers())
+    EXPECT_NE(path, "tok_embeddings");
+}
