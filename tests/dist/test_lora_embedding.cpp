@@ -96,7 +96,7 @@ TEST(LoraEmbedding, TheForwardAndGradientsAreTheOneHotProducts) {
     const Tensor b = l.lora_B(0).full();
     EXPECT_GT(largest(kernels::narrow(b, 1, 0, 3)), 0.5f);
     EXPECT_EQ(largest(kernels::narrow(b, 1, 3, 1)), 0.0f) << "padding";
-    EXPECT_EQ(dynamic_cast<LoraEmbedding*>(&l) != nullptr, true);
+    EXPECT_NE(dynamic_cast<LoraEmbedding*>(&l), nullptr);
   }
   auto lora = apply_lora(m, table_config(), "default", {.max_rank = 4});
   const auto names = m->state_dict();
