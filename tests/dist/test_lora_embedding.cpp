@@ -301,6 +301,43 @@ TEST(LoraEmbedding, ASplitTableGivesOneProcesssValuesAndItsCollectives) {
   }
 }
 
+// A vocabulary-parallel table whose output goes to sequence shards (decoder_tp_plan's with
+// sequence parallelism): the adapter activations need the full sum, so the layer all-reduces
+// where the plain table reduce-scatters, and cuts its sequence shard: one collective either way.
+// Each rank's shard is one process's, and so are the adapters' gradients.
+TEST(LoraEmbedding, AVocabularyParallelTableIntoSequenceShards) {
+  const int64_t n = world_size(), num = 10, dim = 8, seq = 4;
+  if (n == 1) GTEST_SKIP() << "needs a split table";
+  const DeviceMesh mesh(Shape{n}, {"tp"});
+  const Tensor ids = from_vector<int64_t>({9, 0, 4, 4, 7, 2, 1, 8}, {2, seq});
+  auto ref = std::make_shared<OneTable>(num, dim);
+  auto ref_lora = apply_lora(ref, table_config());
+  const Tensor want = (*ref)(ids);
+  backward(sum(mul(want, want)));
+  RowwiseParallel s;
+  s.input_layouts = {Replicate()};
+  s.output_layouts = {Shard(1)};
+  const ParallelizePlan plan = {{"emb", std::make_shared<RowwiseParallel>(s)}};
+  auto plain = std::make_shared<OneTable>(num, dim);
+  parallelize_module(plain, mesh, plan);
+  const auto [plain_fwd, plain_bwd] = table_collectives(*plain, ids);
+  auto m = std::make_shared<OneTable>(num, dim);
+  parallelize_module(m, mesh, plan);
+  auto lora = apply_lora(m, table_config());
+  const auto [fwd, bwd] = table_collectives(*m, ids);
+  EXPECT_EQ(counts_total(fwd), counts_total(plain_fwd))
+      << "forward: LoRA " << counts_str(fwd) << "; plain " << counts_str(plain_fwd);
+  EXPECT_EQ(counts_total(bwd), counts_total(plain_bwd))
+      << "backward: LoRA " << counts_str(bwd) << "; plain " << counts_str(plain_bwd);
+  const int64_t rows = seq / n, first = world_rank() * rows;
+  expect_close((*m)(ids), kernels::narrow(want, 1, first, rows), 1e-5, "this rank's shard");
+  LoraLayer& l = *lora->layers().front().second;
+  LoraLayer& rl = *ref_lora->layers().front().second;
+  // table_collectives' backward is of sum(y * y) over each rank's shard: the global sum's.
+  expect_close(l.lora_A(0).grad_dtensor().full_tensor(), rl.lora_A(0).grad(), 1e-5, "A's gradient");
+  expect_close(l.lora_B(0).grad_dtensor().full_tensor(), rl.lora_B(0).grad(), 1e-5, "B's gradient");
+}
+
 // A bfloat16 table beside float32 adapters: the adapters' product is added in float32 and rounded
 // once, so a vocabulary-parallel table (whose partial lookups are reduced in float32 with the
 // adapter activations) gives one process's output bit for bit and its gradients within 1e-5;
