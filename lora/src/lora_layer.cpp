@@ -156,6 +156,13 @@ Parameter& LoraLayer::lora_magnitude_vector(int64_t i) {
   return m_[size_t(i)]->weight;
 }
 
+std::vector<Parameter*> LoraLayer::slot_parameters(int64_t i, bool magnitude) {
+  check_slot(i, "slot_parameters");
+  std::vector<Parameter*> out = {&a_[size_t(i)]->weight, &b_[size_t(i)]->weight};
+  if (magnitude && has_magnitude()) out.push_back(&m_[size_t(i)]->weight);
+  return out;
+}
+
 bool LoraLayer::can_unmerge(int64_t i) const {
   check_slot(i, "can_unmerge");
   const Slot& s = slots_[size_t(i)];

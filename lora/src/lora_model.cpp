@@ -156,10 +156,8 @@ std::vector<std::pair<std::string, Parameter*>> LoraModel::trained_biases(const 
 void LoraModel::set_trainable(const Adapter& a, bool holds) {
   for (size_t i : a.layers) {
     const bool train = !holds || !a.config.inference_mode;
-    layers_[i].second->lora_A(a.slot).set_requires_grad(train);
-    layers_[i].second->lora_B(a.slot).set_requires_grad(train);
-    if (layers_[i].second->has_magnitude())
-      layers_[i].second->lora_magnitude_vector(a.slot).set_requires_grad(train);
+    for (Parameter* p : layers_[i].second->slot_parameters(a.slot))
+      p->set_requires_grad(train);
   }
   for (auto& [key, p] : trained_biases(a))
     p->set_requires_grad(holds);
@@ -332,11 +330,9 @@ void LoraModel::set_requires_grad(const std::vector<std::string>& names, bool re
 std::vector<Parameter*> LoraModel::adapter_parameters(const std::string& name) {
   const Adapter& a = find(name, "adapter_parameters");
   std::vector<Parameter*> out;
-  for (size_t i : a.layers) {
-    out.push_back(&layers_[i].second->lora_A(a.slot));
-    out.push_back(&layers_[i].second->lora_B(a.slot));
-    if (a.config.use_dora) out.push_back(&layers_[i].second->lora_magnitude_vector(a.slot));
-  }
+  for (size_t i : a.layers)
+    for (Parameter* p : layers_[i].second->slot_parameters(a.slot, a.config.use_dora))
+      out.push_back(p);
   for (auto& [key, p] : trained_biases(a))
     out.push_back(p);
   for (auto& [key, p] : saved_parameters(a))
@@ -347,11 +343,9 @@ std::vector<Parameter*> LoraModel::adapter_parameters(const std::string& name) {
 std::vector<Parameter*> LoraModel::parameters() {
   std::vector<Parameter*> out;
   for (auto& [path, l] : layers_)
-    for (int64_t s = 0; s < l->num_slots(); ++s) {
-      out.push_back(&l->lora_A(s));
-      out.push_back(&l->lora_B(s));
-      if (l->has_magnitude()) out.push_back(&l->lora_magnitude_vector(s));
-    }
+    for (int64_t s = 0; s < l->num_slots(); ++s)
+      for (Parameter* p : l->slot_parameters(s))
+        out.push_back(p);
   for (const auto& [name, a] : adapters_)
     for (auto& [key, p] : trained_biases(a))
       out.push_back(p);
@@ -518,10 +512,9 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
   std::set<const Parameter*> adapters;
   for (const auto& [path, m] : model->named_modules()) {
     if (auto l = std::dynamic_pointer_cast<LoraLayer>(m))
-      for (int64_t i = 0; i < l->num_slots(); ++i) {
-        adapters.insert({&l->lora_A(i), &l->lora_B(i)});
-        if (l->has_magnitude()) adapters.insert(&l->lora_magnitude_vector(i));
-      }
+      for (int64_t i = 0; i < l->num_slots(); ++i)
+        for (Parameter* p : l->slot_parameters(i))
+          adapters.insert(p);
     if (std::dynamic_pointer_cast<SavedCopies>(m))
       for (Parameter* p : m->parameters())
         adapters.insert(p);

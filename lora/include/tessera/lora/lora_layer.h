@@ -113,6 +113,8 @@ class LoraLayer {
   // DoRA's magnitude of slot i [out]; only with LoraSlots::use_dora (has_magnitude()).
   bool has_magnitude() const { return !m_.empty(); }
   Parameter& lora_magnitude_vector(int64_t i);
+  // Slot i's parameters: A, B and, with magnitude slots and `magnitude`, m.
+  std::vector<Parameter*> slot_parameters(int64_t i, bool magnitude = true);
   // Whether unmerge_slot(i) can run: a DoRA slot merged by restore_slot (a checkpoint) lacks the
   // weight norms its merge divided by, which the checkpoint does not hold.
   bool can_unmerge(int64_t i) const;
