@@ -47,14 +47,22 @@ Module::StandInSet SavedModule::slot(int64_t k) const {
   return copies->slots().at(size_t(k))->stand_ins();
 }
 
-void SavedModule::fill(int64_t k) const {
+namespace {
+
+// Each parameter of `to` takes its counterpart's values in `from` (same order and layouts: each
+// rank copies its own piece).
+void copy_values(const Module::StandInSet& from, const Module::StandInSet& to) {
   NoGradGuard no_grad;
-  const auto mine = own();
-  const auto copy = slot(k);
-  for (size_t i = 0; i < mine.size(); ++i) {
-    Tensor to = copy[i].second->stored();  // a handle on the parameter's storage
-    to.copy_(mine[i].second->stored());
+  for (size_t i = 0; i < from.size(); ++i) {
+    Tensor dst = to[i].second->stored();  // a handle on the parameter's storage
+    dst.copy_(from[i].second->stored());
   }
+}
+
+}  // namespace
+
+void SavedModule::fill(int64_t k) const {
+  copy_values(own(), slot(k));
 }
 
 void SavedModule::clear(int64_t k) const {
@@ -64,13 +72,7 @@ void SavedModule::clear(int64_t k) const {
 }
 
 void SavedModule::write_into_module(int64_t k) const {
-  NoGradGuard no_grad;
-  const auto mine = own();
-  const auto copy = slot(k);
-  for (size_t i = 0; i < mine.size(); ++i) {
-    Tensor to = mine[i].second->stored();
-    to.copy_(copy[i].second->stored());
-  }
+  copy_values(slot(k), own());
 }
 
 void SavedModule::attach(std::shared_ptr<LoraRouting> routing) const {

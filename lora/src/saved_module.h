@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "tessera/lora/config.h"
-#include "tessera/lora/lora_linear.h"
+#include "tessera/lora/lora_layer.h"
 #include "tessera/nn/module.h"
 
 namespace tessera {
