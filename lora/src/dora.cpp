@@ -4,9 +4,7 @@
 // table), also where a rank holds only part of it (row parallel, a vocabulary-parallel table, or
 // FSDP): those ranks sum their squares before the square root, by DTensor's Partial ->
 // Replicate.
-#include <algorithm>
 #include <cmath>
-#include <vector>
 
 #include "adapter_math.h"
 #include "tessera/autograd/grad_mode.h"
@@ -182,10 +180,10 @@ DTensor LoraLinear::forward_dtensor_dora(const DTensor& x, const DTensor& w, con
     return add(rest, scaled(z, g));
   }
   const int64_t n = x.size(0), rank = a.size(0);
-  std::vector<float> halves(size_t(2 * n * rank), 1.0f);
-  std::fill(halves.begin(), halves.begin() + n * rank, 0.0f);
-  const Tensor mask = from_vector<float>(halves, lora_detail::per_row_shape(2 * n, rank, x.dim()))
-                          .to(x.mesh().device());
+  // Made on the device: no host copy per layer and forward.
+  const TensorOptions opts(DType::Float32, x.mesh().device());
+  const Shape half = lora_detail::per_row_shape(n, rank, x.dim());
+  const Tensor mask = cat({zeros(half, opts), full(half, 1.0, opts)}, 0);
   const DTensor both =
       lowrank_dtensor(cat({rest_in, xw}, 0), w, DTensor(), a, b, scale, cat({xl, xl}, 0), mask);
   DTensor rest = narrow(both, 0, 0, n);
