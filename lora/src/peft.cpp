@@ -269,38 +269,40 @@ void check_same_files(const std::string& dir, const std::string& name, const Lor
                 " and ", kWeights, ")");
 }
 
+// `entries` as PEFT reads them, names and dotted suffixes: a pattern (and "all-linear", as PEFT
+// writes it) becomes the paths it matched among `paths`, in their order, each once.
+std::vector<std::string> peft_entries(const std::vector<std::string>& entries,
+                                      const std::vector<std::string>& paths) {
+  std::vector<std::string> out;
+  for (const std::string& entry : entries) {
+    if (entry != kAllLinear && entry.find_first_of("*?[") == std::string::npos) {
+      out.push_back(entry);
+      continue;
+    }
+    for (const std::string& path : paths)
+      if ((entry == kAllLinear || lora_target_matches(entry, path)) &&
+          std::find(out.begin(), out.end(), path) == out.end())
+        out.push_back(path);
+  }
+  return out;
+}
+
 }  // namespace
 
 void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
   const LoraConfig cfg = config(name);
-  std::vector<std::string> targets;
-  for (const std::string& entry : cfg.target_modules) {
-    // "all-linear" too: PEFT writes the modules it resolved to.
-    if (entry != kAllLinear && entry.find_first_of("*?[") == std::string::npos) {
-      targets.push_back(entry);
-      continue;
-    }
-    for (size_t i : find(name, "save_adapter").layers)
-      if ((entry == kAllLinear || lora_target_matches(entry, layers_[i].first)) &&
-          std::find(targets.begin(), targets.end(), layers_[i].first) == targets.end())
-        targets.push_back(layers_[i].first);
-  }
-  // Patterns in modules_to_save likewise: the paths they matched.
-  std::vector<std::string> saved;
-  for (const std::string& entry : cfg.modules_to_save) {
-    if (entry.find_first_of("*?[") == std::string::npos) {
-      saved.push_back(entry);
-      continue;
-    }
-    for (size_t i : find(name, "save_adapter").saved)
-      if (lora_target_matches(entry, saved_[i]->path) &&
-          std::find(saved.begin(), saved.end(), saved_[i]->path) == saved.end())
-        saved.push_back(saved_[i]->path);
-  }
+  const Adapter& a = find(name, "save_adapter");
+  std::vector<std::string> layers, saved_paths;
+  for (size_t i : a.layers)
+    layers.push_back(layers_[i].first);
+  for (size_t i : a.saved)
+    saved_paths.push_back(saved_[i]->path);
+  const std::vector<std::string> targets = peft_entries(cfg.target_modules, layers);
+  const std::vector<std::string> saved = peft_entries(cfg.modules_to_save, saved_paths);
   std::map<std::string, Tensor> values = read_adapter(name);  // collective
   {
     NoGradGuard no_grad;
-    for (const auto& [key, p] : bias_parameters(cfg, find(name, "save_adapter").layers))
+    for (const auto& [key, p] : bias_parameters(cfg, a.layers))
       values[key] = p->full();  // collective, in the same order on every rank
   }
   on_rank0("LoRA save_adapter '" + name + "' to '" + dir + "'", [&] {
