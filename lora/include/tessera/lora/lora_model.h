@@ -118,7 +118,7 @@ class LoraModel {
   // adapter's copies into the modules (PEFT puts the copy in the module's place) and unload
   // leaves the originals; either way the copies leave the model. This LoraModel holds no layer
   // or adapter afterwards. Refused under fully_shard (the FSDP groups hold the adapter slots): call
-  // it before fully_shard, or keep the merged LoraLinears. The base parameters stay frozen.
+  // it before fully_shard, or keep the merged LoRA layers. The base parameters stay frozen.
   // Parameter pointers taken before (an optimizer's) name the old layers' slots, which this
   // object keeps alive: make optimizers afterwards.
   ModulePtr merge_and_unload(bool safe_merge = false);
@@ -227,13 +227,14 @@ class LoraModel {
   std::vector<std::shared_ptr<SavedModule>> saved_;  // modules_to_save, model order
 };
 
-// Wraps every Linear of `model` that config.target_modules names (plain or tensor-parallel,
-// before fully_shard) in a LoraLinear, gives every module config.modules_to_save names its
+// Wraps every Linear and Embedding of `model` that config.target_modules names (plain or
+// tensor-parallel, before fully_shard) in a LoraLinear or LoraEmbedding, gives every module
+// config.modules_to_save names its
 // per-slot copies, freezes every other parameter of the model (but the adapters of an earlier
 // apply_lora, and the biases config.bias trains), adds adapter `adapter_name` and makes it
 // active. Applying it before parallelize_module or after gives the
-// same model. A target matching nothing, or something other than a Linear, is an error naming
-// it.
+// same model. A target matching nothing, or something other than a Linear or an Embedding, is an
+// error naming it.
 std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& config,
                                       const std::string& adapter_name = "default",
                                       const LoraSlots& slots = {});
