@@ -1,6 +1,6 @@
 #pragma once
-// What the LoRA layers' forwards share: the per-row shape of a mixed batch's masks, and the
-// reduction of partial base outputs together with partial adapter activations.
+// What the LoRA layers' forwards share: the per-row shape of a mixed batch's dropout rates, and
+// the reduction of partial base outputs together with partial adapter activations.
 #include <vector>
 
 #include "tessera/autograd/ops.h"
@@ -26,13 +26,13 @@ T scaled(const T& z, const T& g) {
   return cast(mul(cast(z, g.dtype()), g), z.dtype());
 }
 
-// yp + scale * (hp * h_scale) B^T, where yp (the base output [..., out]) and hp (the adapter
-// activations [..., rank]) are partial sums over some mesh dims: both travel in one reduction to
-// Replicate, after which B (replicated) applies to replicated activations, so that B's gradient
-// needs no sum. The reduction runs in the wider of their dtypes (h, and A's gradient through it,
-// stay float32 under a bfloat16 base, as on one rank). h_scale: a mixed batch's mask over h,
-// shaped to broadcast, or undefined.
+// yp + scale * hp B^T, where yp (the base output [..., out]) and hp (the adapter activations
+// [..., rank]) are partial sums over some mesh dims: both travel in one reduction to Replicate,
+// after which B (replicated) applies to replicated activations, so that B's gradient needs no
+// sum. The reduction runs in the wider of their dtypes (h, and A's gradient through it, stay
+// float32 under a bfloat16 base, as on one rank). With a routing (a mixed batch) B applies
+// through lowrank_up: each sample's activations under its own adapter's columns of B.
 DTensor reduce_with_activations(const DTensor& yp, const DTensor& hp, const DTensor& b,
-                                double scale, const Tensor& h_scale);
+                                double scale, const LowRankRouting& routing);
 
 }  // namespace tessera::lora_detail

@@ -154,8 +154,8 @@ Tensor LoraLinear::forward_dora(const Tensor& x, const Tensor& w, const Tensor& 
 // As forward_dora, on the layer's mesh. The norms: each rank's output features of its window of
 // W + scale B A, their squares summed over the ranks that split the in dim (row parallel: one
 // all-reduce of [out]), laid out as m. With dropout, (x - dropout(x)) W^T and the layer's
-// product of dropout(x) run as one product of the two batches stacked on dim 0, the first's
-// adapter activations masked to zero, so that they share the layer's one collective (row
+// product of dropout(x) run as one product of the two batches stacked on dim 0, the adapters
+// routed to the second batch's samples alone, so that they share the layer's one collective (row
 // parallel: the forward's reduction; column parallel: the backward's all-reduce of the input's
 // gradient) rather than each making its own.
 DTensor LoraLinear::forward_dtensor_dora(const DTensor& x, const DTensor& w, const DTensor& bd,
@@ -165,7 +165,7 @@ DTensor LoraLinear::forward_dtensor_dora(const DTensor& x, const DTensor& w, con
   const DTensor mag = m_[size_t(slot)]->weight.on_mesh(x.mesh());
   const DTensor g = div(mag, out_norms(w, a, b, scale, mag.placements()));
   if (!xl.defined()) {
-    const DTensor y = scaled(lowrank_dtensor(x, w, DTensor(), a, b, scale, DTensor(), Tensor()), g);
+    const DTensor y = scaled(lowrank_dtensor(x, w, DTensor(), a, b, scale, DTensor(), {}), g);
     return bd.defined() ? add(y, bd) : y;
   }
   const DTensor xw = xl.dtype() == w.dtype() ? xl : cast(xl, w.dtype());
@@ -174,18 +174,20 @@ DTensor LoraLinear::forward_dtensor_dora(const DTensor& x, const DTensor& w, con
   for (const Placement& p : x.placements())
     batch_whole &= !(p.is_shard() && p.dim() == 0);
   if (!batch_whole) {  // no batch dim to stack on (a 1-D input), or one split over the mesh
-    const DTensor z = lowrank_dtensor(xw, w, DTensor(), a, b, scale, xl, Tensor());
+    const DTensor z = lowrank_dtensor(xw, w, DTensor(), a, b, scale, xl, {});
     DTensor rest = linear(rest_in, w, bd);
     if (rest.placements() != z.placements()) rest = rest.redistribute(z.placements());
     return add(rest, scaled(z, g));
   }
-  const int64_t n = x.size(0), rank = a.size(0);
+  const int64_t n = x.size(0);
   // Made on the device: no host copy per layer and forward.
-  const TensorOptions opts(DType::Float32, x.mesh().device());
-  const Shape half = lora_detail::per_row_shape(n, rank, x.dim());
-  const Tensor mask = cat({zeros(half, opts), full(half, 1.0, opts)}, 0);
+  const LowRankRouting second{
+      a.size(0),
+      2 * n,
+      arange(double(n), double(2 * n), 1.0, TensorOptions(DType::Int64, x.mesh().device())),
+      {n}};
   const DTensor both =
-      lowrank_dtensor(cat({rest_in, xw}, 0), w, DTensor(), a, b, scale, cat({xl, xl}, 0), mask);
+      lowrank_dtensor(cat({rest_in, xw}, 0), w, DTensor(), a, b, scale, cat({xl, xl}, 0), second);
   DTensor rest = narrow(both, 0, 0, n);
   if (bd.defined()) rest = add(rest, bd);
   return add(rest, scaled(narrow(both, 0, n, n), g));

@@ -76,12 +76,11 @@ Tensor LoraEmbedding::forward(const Tensor& ids) {
   const Tensor y = embedding(ids, w);
   if (bt.slots.empty()) return y;
   const auto [a, b, scale] = stacked_local(bt);
-  // A^T [num_embeddings, k max_rank] looked up as a table: each id's column of A.
+  // A^T [num_embeddings, k max_rank] looked up as a table: each id's column of A. In a mixed
+  // batch lowrank_up reads each sample's own adapter's columns alone.
   Tensor h = embedding(ids, transpose(a, 0, 1));
-  const Tensor mask = activation_mask(bt, ids.dim() + 1);
-  if (mask.defined()) h = mul(h, mask);
   if (scale != 1.0) h = mul(h, scale);
-  const Tensor low = linear(h, b);
+  const Tensor low = bt.routing.defined() ? lowrank_up(h, b, bt.routing) : linear(h, b);
   const Tensor z = add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
   // batch() refused DoRA in a mixed batch: a DoRA forward has one adapter.
   if (!slots_[size_t(bt.slots[0])].use_dora) return z;
@@ -99,20 +98,16 @@ DTensor LoraEmbedding::forward_dtensor(const DTensor& ids) {
   const auto [a, b, scale] = stacked_on(mesh, bt);
   // A vocabulary-split table looks A^T up as it looks up W: partial sums over the ranks.
   const DTensor hp = embedding(ids, transpose(a, 0, 1));
-  const Tensor mask = activation_mask(bt, ids.dim() + 1);
   bool partial = false;
   for (const Placement& p : hp.placements())
     partial |= p.is_partial();
   DTensor z;
   if (partial) {
-    z = reduce_with_activations(y, hp, b, scale, mask);
+    z = reduce_with_activations(y, hp, b, scale, bt.routing);
   } else {
     DTensor h = hp;
-    if (mask.defined())
-      h = mul(h, DTensor::from_local(mask, mesh, Placements(size_t(mesh.ndim()), Replicate()),
-                                     mask.shape()));
     if (scale != 1.0) h = mul(h, scale);
-    const DTensor low = linear(h, b);
+    const DTensor low = bt.routing.defined() ? lowrank_up(h, b, bt.routing) : linear(h, b);
     z = add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
   }
   if (!slots_[size_t(bt.slots[0])].use_dora) return z;

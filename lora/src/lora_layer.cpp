@@ -21,7 +21,6 @@
 
 namespace tessera {
 
-using lora_detail::per_row_shape;
 using lora_detail::window_of;
 
 namespace {
@@ -387,20 +386,21 @@ LoraLayer::Batch LoraLayer::batch(int64_t rows, Device device) const {
   }
   auto [it, made] = routing_->masks.try_emplace(std::move(key));
   if (made) {
-    const int64_t k = int64_t(b.slots.size());
-    std::vector<float> scale(size_t(rows * k * max_rank_), 0.0f), drop(size_t(rows), 0.0f);
-    for (int64_t row = 0; row < rows; ++row) {
-      const int64_t s = v[size_t(row)];
-      if (s < 0) continue;
-      const int64_t j = std::find(b.slots.begin(), b.slots.end(), s) - b.slots.begin();
-      for (int64_t c = 0; c < max_rank_; ++c)
-        scale[size_t((row * k + j) * max_rank_ + c)] = 1.0f;
-      drop[size_t(row)] = float(slots_[size_t(s)].dropout);
-    }
-    it->second.h_scale = from_vector<float>(scale, {rows, k * max_rank_}).to(device);
+    // Each slot's samples, slot by slot in b.slots' order: the stacked adapters' order.
+    std::vector<int64_t> order, counts(b.slots.size(), 0);
+    std::vector<float> drop(size_t(rows), 0.0f);
+    for (size_t j = 0; j < b.slots.size(); ++j)
+      for (int64_t row = 0; row < rows; ++row)
+        if (v[size_t(row)] == b.slots[j]) {
+          order.push_back(row);
+          ++counts[j];
+          drop[size_t(row)] = float(slots_[size_t(b.slots[j])].dropout);
+        }
+    const int64_t used = int64_t(order.size());
+    it->second.routing = {max_rank_, rows, from_vector<int64_t>(order, {used}).to(device), counts};
     it->second.dropout = from_vector<float>(drop, {rows}).to(device);
   }
-  b.h_scale = it->second.h_scale;
+  b.routing = it->second.routing;
   b.dropout = it->second.dropout;
   return b;
 }
@@ -441,15 +441,10 @@ LoraLayer::Stacked<DTensor> LoraLayer::stacked_on(const DeviceMesh& mesh, const 
   return stack_adapters(std::move(as), std::move(bs), scales);
 }
 
-Tensor LoraLayer::activation_mask(const Batch& bt, int64_t ndim) {
-  if (!bt.h_scale.defined()) return Tensor();
-  return kernels::reshape(bt.h_scale, per_row_shape(bt.h_scale.size(0), bt.h_scale.size(1), ndim));
-}
-
 namespace lora_detail {
 
 DTensor reduce_with_activations(const DTensor& yp, const DTensor& hp, const DTensor& b,
-                                double scale, const Tensor& h_scale) {
+                                double scale, const LowRankRouting& routing) {
   const DeviceMesh& mesh = yp.mesh();
   const DType zt = promote_types(yp.dtype(), hp.dtype());
   auto in_zt = [zt](const DTensor& t) { return t.dtype() == zt ? t : cast(t, zt); };
@@ -460,11 +455,8 @@ DTensor reduce_with_activations(const DTensor& yp, const DTensor& hp, const DTen
   if (y.dtype() != yp.dtype()) y = cast(y, yp.dtype());
   DTensor h = narrow(z, -1, out, rank);
   if (h.dtype() != b.dtype()) h = cast(h, b.dtype());
-  if (h_scale.defined())
-    h = mul(h, DTensor::from_local(h_scale, mesh, Placements(size_t(mesh.ndim()), Replicate()),
-                                   h_scale.shape()));
   if (scale != 1.0) h = mul(h, scale);
-  DTensor low = linear(h, b);
+  const DTensor low = routing.defined() ? lowrank_up(h, b, routing) : linear(h, b);
   return add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
 }
 

@@ -134,7 +134,7 @@ Tensor LoraLinear::forward(const Tensor& x) {
   // batch() refused a DoRA slot in a mixed batch: a DoRA forward has one adapter.
   if (slots_[size_t(bt.slots[0])].use_dora)
     return forward_dora(x, w, b0, ab.a, ab.b, bt.slots[0], xl);
-  return linear_lowrank(x, w, b0, ab.a, ab.b, ab.scale, xl, activation_mask(bt, x.dim()));
+  return linear_lowrank(x, w, b0, ab.a, ab.b, ab.scale, xl, bt.routing);
 }
 
 DTensor LoraLinear::forward_dtensor(const DTensor& x) {
@@ -161,22 +161,23 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
   }
   if (slots_[size_t(bt.slots[0])].use_dora)
     return forward_dtensor_dora(x, w, bd, a, b, bt.slots[0], xl);
-  return lowrank_dtensor(x, w, bd, a, b, scale, xl, activation_mask(bt, x.dim()));
+  return lowrank_dtensor(x, w, bd, a, b, scale, xl, bt.routing);
 }
 
 DTensor LoraLinear::lowrank_dtensor(const DTensor& x, const DTensor& w, const DTensor& bd,
                                     const DTensor& a, const DTensor& b, double scale,
-                                    const DTensor& xl, const Tensor& h_scale) const {
+                                    const DTensor& xl, const LowRankRouting& routing) const {
   bool row_parallel = false;
   for (const Placement& p : w.placements())
     row_parallel |= p.kind() == Placement::Kind::Shard && p.dim() == 1;
-  if (!row_parallel) return linear_lowrank(x, w, bd, a, b, scale, xl, h_scale);
+  if (!row_parallel) return linear_lowrank(x, w, bd, a, b, scale, xl, routing);
   // Row parallel: the partial base product and the partial adapter activations share the
   // layer's one reduction; B then applies to replicated activations.
   const DTensor yp = linear(x, w, bd);
   const DTensor low_in = xl.defined() ? xl : x;
-  const DTensor hp = linear(low_in.dtype() == a.dtype() ? low_in : cast(low_in, a.dtype()), a);
-  return reduce_with_activations(yp, hp, b, scale, h_scale);
+  const DTensor xa = low_in.dtype() == a.dtype() ? low_in : cast(low_in, a.dtype());
+  const DTensor hp = routing.defined() ? lowrank_down(xa, a, routing) : linear(xa, a);
+  return reduce_with_activations(yp, hp, b, scale, routing);
 }
 
 }  // namespace tessera

@@ -228,6 +228,11 @@ inline std::vector<Tensor> expect_mixed_batch_as_alone(LoraRun& run,
   return alone;
 }
 
+// A parameter's gradient as a global tensor (gathered when it is a DTensor).
+inline Tensor full_grad(const Parameter& p) {
+  return p.is_dtensor() ? p.grad_dtensor().full_tensor() : p.grad();
+}
+
 // The run's model and its adapter table in one checkpoint file (keys "model" and "lora").
 inline void save_lora_checkpoint(LoraRun& run, const std::string& path) {
   StateDict sd;

@@ -82,7 +82,8 @@ TEST(Lora, FineTuningMatchesSingleRank) {
 // A LoRA layer issues as many collectives per forward and per backward as the same layer
 // without adapters (trainable, as in ordinary training): column parallel, row parallel, and row
 // parallel into sequence-sharded activations; with dropout in training too (the mask's draw
-// needs no agreement: the slot's stream is the same on every rank by construction).
+// needs no agreement: the slot's stream is the same on every rank by construction); and in a
+// mixed batch of two adapters, whose routed products keep the layer's one collective.
 TEST(Lora, AdaptersAddNoCollectives) {
   if (world_size() == 1) GTEST_SKIP() << "no collectives on one rank";
   const int64_t n = world_size();
@@ -100,38 +101,48 @@ TEST(Lora, AdaptersAddNoCollectives) {
       {"rowwise into sequence shards", std::make_shared<RowwiseParallel>(sp_row), {2, 8, 16 / n}}};
   for (const Case& c : cases)
     for (double dropout : {0.0, 0.1})
-      for (bool lora_first : {false, true}) {
-        Generator gen(1);
-        auto plain = std::make_shared<OneLayer>(std::make_shared<Linear>(16, 24, false, gen));
-        parallelize_module(plain, mesh, {{"proj", c.style}});
-        Generator gen2(1);
-        auto with = std::make_shared<OneLayer>(std::make_shared<Linear>(16, 24, false, gen2));
-        LoraConfig cfg = lora_test_config(LoraInit::Random);
-        cfg.target_modules = {"proj"};
-        cfg.lora_dropout = dropout;
-        if (lora_first) apply_lora(with, cfg);
-        parallelize_module(with, mesh, {{"proj", c.style}});
-        if (!lora_first) apply_lora(with, cfg);
-        Generator gx(5);
-        const Tensor x = rand(c.input, gx);
-        const auto base = count_collectives(*plain, x);
-        const auto lora = count_collectives(*with, x);
-        const std::string what =
-            c.name + (lora_first ? " (LoRA first)" : "") + (dropout > 0 ? " with dropout" : "");
-        EXPECT_EQ(counts_total(lora.first), counts_total(base.first))
-            << what << ", forward: with adapters " << counts_str(lora.first) << "; without "
-            << counts_str(base.first);
-        EXPECT_EQ(counts_total(lora.second), counts_total(base.second))
-            << what << ", backward: with adapters " << counts_str(lora.second) << "; without "
-            << counts_str(base.second);
-        if (world_rank() == 0 && !lora_first && dropout == 0)
-          std::printf(
-              "[lora collectives] tp%lld %s: without adapters forward {%s} backward {%s}; "
-              "with {%s} {%s}\n",
-              (long long)n, what.c_str(), counts_str(base.first).c_str(),
-              counts_str(base.second).c_str(), counts_str(lora.first).c_str(),
-              counts_str(lora.second).c_str());
-      }
+      for (bool lora_first : {false, true})
+        for (bool mixed : {false, true}) {
+          Generator gen(1);
+          auto plain = std::make_shared<OneLayer>(std::make_shared<Linear>(16, 24, false, gen));
+          parallelize_module(plain, mesh, {{"proj", c.style}});
+          Generator gen2(1);
+          auto with = std::make_shared<OneLayer>(std::make_shared<Linear>(16, 24, false, gen2));
+          LoraConfig cfg = lora_test_config(LoraInit::Random);
+          cfg.target_modules = {"proj"};
+          cfg.lora_dropout = dropout;
+          const LoraSlots slots{.max_adapters = 2};
+          std::shared_ptr<LoraModel> lora_model;
+          if (lora_first) lora_model = apply_lora(with, cfg, "default", slots);
+          parallelize_module(with, mesh, {{"proj", c.style}});
+          if (!lora_first) lora_model = apply_lora(with, cfg, "default", slots);
+          if (mixed) {
+            LoraConfig second = cfg;
+            second.seed = 9;
+            lora_model->add_adapter("second", second);
+            lora_model->set_batch_adapters(from_vector<int64_t>({1, 0}));
+          }
+          Generator gx(5);
+          const Tensor x = rand(c.input, gx);
+          const auto base = count_collectives(*plain, x);
+          const auto lora = count_collectives(*with, x);
+          const std::string what = c.name + (lora_first ? " (LoRA first)" : "") +
+                                   (dropout > 0 ? " with dropout" : "") +
+                                   (mixed ? ", mixed batch" : "");
+          EXPECT_EQ(counts_total(lora.first), counts_total(base.first))
+              << what << ", forward: with adapters " << counts_str(lora.first) << "; without "
+              << counts_str(base.first);
+          EXPECT_EQ(counts_total(lora.second), counts_total(base.second))
+              << what << ", backward: with adapters " << counts_str(lora.second) << "; without "
+              << counts_str(base.second);
+          if (world_rank() == 0 && !lora_first && dropout == 0 && !mixed)
+            std::printf(
+                "[lora collectives] tp%lld %s: without adapters forward {%s} backward {%s}; "
+                "with {%s} {%s}\n",
+                (long long)n, what.c_str(), counts_str(base.first).c_str(),
+                counts_str(base.second).c_str(), counts_str(lora.first).c_str(),
+                counts_str(lora.second).c_str());
+        }
 }
 
 // DoRA adds what docs/lora.md says and no more: a row-parallel layer one all-reduce of its rows'

@@ -79,6 +79,62 @@ TEST(Lora, MixedBatchesRouteEachSampleToItsAdapter) {
   }
 }
 
+// An adapter whose every value is NaN in a mixed batch: the other samples' logits are their
+// adapter's alone, and the gradients of the adapter beside it are those of the same batch with
+// the broken sample routed to the base model, finite (with 0/1 masks over every adapter's
+// activations, 0 * NaN reached every sample). The table is adapted too: lookups of A and the
+// vocabulary-parallel reduction with the base's partial rows.
+TEST(Lora, AnAdapterOfNaNsReachesNoOtherSampleOfAMixedBatch) {
+  const DecoderConfig cfg = lora_decoder_config();
+  for (const LoraLayout& l : lora_layouts({.max_adapters = 2, .max_rank = 4})) {
+    LoraConfig config = lora_test_config(LoraInit::Random);
+    config.target_modules.push_back("tok_embeddings");
+    LoraRun run = l.build(cfg, config);
+    LoraConfig bad = config;
+    bad.seed = 17;
+    run.lora->add_adapter("bad", bad);
+    {
+      NoGradGuard no_grad;
+      for (Parameter* p : run.lora->adapter_parameters("bad"))
+        p->fill_(std::numeric_limits<double>::quiet_NaN());
+    }
+    const Batch batch = affine_batch(5, 4, cfg.max_seq_len, cfg.vocab_size);
+    std::map<std::string, Tensor> alone;
+    for (const std::string name : {"default", ""}) {
+      NoGradGuard no_grad;
+      run.lora->set_adapter(name);
+      alone[name] = run.logits(batch.ids);
+    }
+    run.lora->set_adapter("");
+    const int64_t bad_id = run.lora->adapter_id("bad");
+    // The default adapter's gradients with sample 1 routed to `sample1`.
+    auto grads = [&](int64_t sample1, Tensor* logits) {
+      for (Parameter* p : run.lora->adapter_parameters("default"))
+        p->zero_grad();
+      run.lora->set_batch_adapters(from_vector<int64_t>({0, sample1, -1, 0}, {4}));
+      *logits = run.logits(batch.ids);
+      backward(cross_entropy(*logits, batch.targets));
+      std::vector<Tensor> out;
+      for (Parameter* p : run.lora->adapter_parameters("default"))
+        out.push_back(full_grad(*p));
+      run.lora->set_batch_adapters(Tensor());
+      return out;
+    };
+    Tensor mixed, clean;
+    const std::vector<Tensor> got = grads(bad_id, &mixed), want = grads(-1, &clean);
+    const std::vector<std::string> route = {"default", "bad", "", "default"};
+    for (int64_t row : {0, 2, 3})
+      expect_close(kernels::narrow(mixed, 0, row, 1),
+                   kernels::narrow(alone[route[size_t(row)]], 0, row, 1), 1e-5,
+                   l.name + " row " + std::to_string(row) + " (" + route[size_t(row)] + ")");
+    EXPECT_TRUE(std::isnan(kernels::narrow(mixed, 0, 1, 1).to_vector<double>()[0]))
+        << l.name << ": the broken adapter's own sample";
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      expect_close(got[i], want[i], 1e-5, l.name + ": default's gradient " + std::to_string(i));
+  }
+}
+
 // The masks of a mixed batch are made once per batch and set of adapters, not once per layer:
 // layers holding the same adapters share them (on a device each copy would be a transfer).
 // Rank 4, random B (so that an adapter changes the output), on modules named "layer".

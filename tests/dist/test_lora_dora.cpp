@@ -89,10 +89,6 @@ void perturb_magnitude(LoraModel& lora, const std::string& name = "default") {
   lora.write_adapter(name, v);
 }
 
-Tensor full_grad(Parameter& p) {
-  return p.is_dtensor() ? p.grad_dtensor().full_tensor() : p.grad();
-}
-
 }  // namespace
 
 // One DoRA layer against PEFT's formula, by hand in float64: y = x W^T + b + (g - 1) x W^T +

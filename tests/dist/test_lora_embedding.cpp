@@ -210,7 +210,7 @@ std::pair<std::map<std::string, int64_t>, std::map<std::string, int64_t>> table_
 // A vocabulary-parallel table (RowwiseParallel) and one split on dim 1 (ColwiseParallel), with
 // LoRA applied before or after parallelize_module: one process's output and adapter gradients,
 // A and B laid out as the table, and the plain table's collectives (the column split: one
-// all-reduce more in the backward, of the activations' gradient).
+// all-reduce more in the backward, of the activations' gradient), in a mixed batch too.
 void check_split_table(int64_t num, int64_t dim, bool dora) {
   SCOPED_TRACE("table [" + std::to_string(num) + ", " + std::to_string(dim) + "]" +
                (dora ? ", DoRA" : ""));
@@ -274,15 +274,22 @@ void check_split_table(int64_t num, int64_t dim, bool dora) {
                      rl.lora_magnitude_vector(0).grad(), 1e-5, "m's gradient");
         continue;  // PEFT refuses DoRA in mixed batches, and so does Tessera
       }
-      // A mixed batch: each sample as its adapter alone.
+      // A mixed batch: each sample as its adapter alone, with the collectives of one adapter.
       LoraConfig second = table_config();
       second.seed = 8;
       lora->add_adapter("second", second);
-      NoGradGuard no_grad;
-      const Tensor first = (*m)(ids);
-      lora->set_adapter("second");
-      const Tensor other = (*m)(ids);
+      Tensor first, other;
+      {
+        NoGradGuard no_grad;
+        first = (*m)(ids);
+        lora->set_adapter("second");
+        other = (*m)(ids);
+      }
       lora->set_batch_adapters(from_vector<int64_t>({lora->adapter_id("second"), 0}));
+      const auto [mixed_fwd, mixed_bwd] = table_collectives(*m, ids);
+      EXPECT_EQ(counts_str(mixed_fwd), counts_str(expected_fwd)) << "forward, mixed batch";
+      EXPECT_EQ(counts_str(mixed_bwd), counts_str(expected_bwd)) << "backward, mixed batch";
+      NoGradGuard no_grad;
       const Tensor mixed = (*m)(ids);
       expect_close(kernels::narrow(mixed, 0, 0, 1), kernels::narrow(other, 0, 0, 1), 1e-6, "row 0");
       expect_close(kernels::narrow(mixed, 0, 1, 1), kernels::narrow(first, 0, 1, 1), 1e-6, "row 1");

@@ -396,52 +396,41 @@ TEST(LinearAutograd, GradientOnlyWhereRequired) {
 
 // The low-rank (LoRA) linear: the fused path (one dtype) against the same computation from
 // separate ops, and its gradients against finite differences, with and without a separate
-// low-rank input and per-row weights.
+// low-rank input and a mixed batch's routing.
 TEST(LinearLowrank, FusedMatchesSeparateOpsAndGradientsCheck) {
-  const Tensor mask = from_vector<double>({1, 0, 1, 1, 1, 1, 0, 0}, {2, 1, 4});
+  // Two adapters of width 2 stacked in a [4, 5] and b [6, 4]: sample 1 uses adapter 0, sample 0
+  // none.
+  const LowRankRouting routing{2, 2, from_vector<int64_t>({1}), {1, 0}};
   for (bool separate_low : {false, true}) {
-    for (bool weighted : {false, true}) {
+    for (bool routed : {false, true}) {
       auto f = [&](const std::vector<Tensor>& in) {
         return tessera::linear_lowrank(in[0], in[1], in[2], in[3], in[4], 0.75,
-                                       separate_low ? in[5] : Tensor(), weighted ? mask : Tensor());
+                                       separate_low ? in[5] : Tensor(),
+                                       routed ? routing : LowRankRouting{});
       };
       std::vector<Tensor> in = {leaf({2, 3, 5}, 1), leaf({6, 5}, 2), leaf({6}, 3),
                                 leaf({4, 5}, 4),    leaf({6, 4}, 5), leaf({2, 3, 5}, 6)};
       expect_gradcheck(f, in);
-      // The same from separate ops.
-      Tensor h = tessera::linear(separate_low ? in[5] : in[0], in[3]);
-      if (weighted) h = tessera::mul(h, mask);
-      Tensor want = tessera::add(tessera::linear(in[0], in[1], in[2]),
-                                 tessera::linear(tessera::mul(h, 0.75), in[4]));
+      // The same from separate ops (routed: sample 1 through adapter 0's rows of a and columns
+      // of b, sample 0 through none).
+      const Tensor xl = separate_low ? in[5] : in[0];
+      const Tensor base = tessera::linear(in[0], in[1], in[2]);
+      Tensor want = tessera::add(
+          base, tessera::linear(tessera::mul(tessera::linear(xl, in[3]), 0.75), in[4]));
+      if (routed) {
+        const Tensor a0 = tessera::narrow(in[3], 0, 0, 2), b0 = tessera::narrow(in[4], 1, 0, 2);
+        const Tensor one = tessera::add(
+            tessera::narrow(base, 0, 1, 1),
+            tessera::linear(tessera::mul(tessera::linear(tessera::narrow(xl, 0, 1, 1), a0), 0.75),
+                            b0));
+        want = tessera::cat({tessera::narrow(base, 0, 0, 1), one}, 0);
+      }
       const Tensor got = f(in);
       auto g = got.to_vector<double>(), w = want.to_vector<double>();
       ASSERT_EQ(g.size(), w.size());
       for (size_t i = 0; i < g.size(); ++i)
-        EXPECT_NEAR(g[i], w[i], 1e-12) << "element " << i;
+        EXPECT_NEAR(g[i], w[i], 1e-12) << "element " << i << (routed ? " (routed)" : "");
     }
-  }
-  // Per-row weights of any shape that broadcasts onto the [..., r] activations, as in the
-  // separate ops (a [1, 3, 1, r] weight over 4-D rows was laid over the wrong rows, and [3, r]
-  // or [r] failed to reshape).
-  const std::vector<std::pair<Shape, Shape>> cases = {
-      {{2, 3, 4, 5}, {1, 3, 1, 4}}, {{2, 3, 5}, {1, 3, 4}}, {{2, 3, 5}, {3, 4}}, {{2, 3, 5}, {4}},
-      {{2, 3, 5}, {2, 3, 1}},       {{2, 3, 5}, {2, 1, 1}}};
-  for (const auto& [xs, ms] : cases) {
-    const Tensor m = random_tensor(ms, 11, DType::Float64);
-    auto f = [&](const std::vector<Tensor>& in) {
-      return tessera::linear_lowrank(in[0], in[1], in[2], in[3], in[4], 0.75, Tensor(), m);
-    };
-    std::vector<Tensor> in = {leaf(xs, 1), leaf({6, 5}, 2), leaf({6}, 3), leaf({4, 5}, 4),
-                              leaf({6, 4}, 5)};
-    expect_gradcheck(f, in);
-    Tensor want = tessera::add(
-        tessera::linear(in[0], in[1], in[2]),
-        tessera::linear(tessera::mul(tessera::mul(tessera::linear(in[0], in[3]), m), 0.75), in[4]));
-    auto g = f(in).to_vector<double>(), w = want.to_vector<double>();
-    ASSERT_EQ(g.size(), w.size()) << shape_str(ms);
-    for (size_t i = 0; i < g.size(); ++i)
-      EXPECT_NEAR(g[i], w[i], 1e-12)
-          << shape_str(xs) << " weighed by " << shape_str(ms) << ", element " << i;
   }
   // Mixed dtypes (a bfloat16 base, float32 adapters) take the unfused route: same values within
   // bfloat16's precision, output in the base's dtype.
@@ -457,4 +446,92 @@ TEST(LinearLowrank, FusedMatchesSeparateOpsAndGradientsCheck) {
   auto g = y.to_vector<double>(), r = ref.to_vector<double>();
   for (size_t i = 0; i < g.size(); ++i)
     EXPECT_NEAR(g[i], r[i], 0.02 * (1 + std::abs(r[i]))) << "element " << i;
+}
+
+// A mixed batch's routed products: each sample's activations and update from its own adapter's
+// rows of a and columns of b, zero for a sample of no adapter; gradients against finite
+// differences for 1-D, 2-D, 3-D and 4-D inputs.
+TEST(LowRankRouting, EachSampleUsesItsOwnAdapterOnly) {
+  // Three adapters of width 2; samples 3, 0 use adapter 0, sample 2 adapter 2, sample 1 none.
+  const LowRankRouting r{2, 4, from_vector<int64_t>({3, 0, 2}), {2, 0, 1}};
+  for (const Shape& xs : std::vector<Shape>{{4, 5}, {4, 3, 5}, {4, 2, 1, 5}}) {
+    std::vector<Tensor> in = {leaf(xs, 21), leaf({6, 5}, 22), leaf({7, 6}, 23)};
+    expect_gradcheck([&](const std::vector<Tensor>& v) { return lowrank_down(v[0], v[1], r); },
+                     {in[0], in[1]});
+    Shape hs = xs;
+    hs.back() = 6;
+    expect_gradcheck([&](const std::vector<Tensor>& v) { return lowrank_up(v[0], v[1], r); },
+                     {leaf(hs, 24), in[2]});
+    const Tensor h = lowrank_down(in[0], in[1], r);
+    const Tensor y = lowrank_up(h, in[2], r);
+    const std::vector<int64_t> adapter = {0, -1, 2, 0};
+    for (int64_t s = 0; s < 4; ++s) {
+      const Tensor xs1 = tessera::narrow(in[0], 0, s, 1);
+      const int64_t j = adapter[size_t(s)];
+      Tensor want_h = zeros(tessera::narrow(h, 0, s, 1).shape(), DType::Float64);
+      Tensor want_y = zeros(tessera::narrow(y, 0, s, 1).shape(), DType::Float64);
+      if (j >= 0) {
+        const Tensor hj = tessera::linear(xs1, tessera::narrow(in[1], 0, 2 * j, 2));
+        kernels::narrow(want_h, -1, 2 * j, 2).copy_(hj);
+        want_y = tessera::linear(hj, tessera::narrow(in[2], 1, 2 * j, 2));
+      }
+      const auto gh = tessera::narrow(h, 0, s, 1).to_vector<double>(),
+                 wh = want_h.to_vector<double>();
+      const auto gy = tessera::narrow(y, 0, s, 1).to_vector<double>(),
+                 wy = want_y.to_vector<double>();
+      for (size_t i = 0; i < gh.size(); ++i)
+        EXPECT_NEAR(gh[i], wh[i], 1e-12) << shape_str(xs) << " sample " << s << " h " << i;
+      for (size_t i = 0; i < gy.size(); ++i)
+        EXPECT_NEAR(gy[i], wy[i], 1e-12) << shape_str(xs) << " sample " << s << " y " << i;
+    }
+  }
+  // A 1-D input is one sample.
+  const LowRankRouting one{2, 1, from_vector<int64_t>({0}), {0, 1}};
+  expect_gradcheck([&](const std::vector<Tensor>& v) { return lowrank_down(v[0], v[1], one); },
+                   {leaf({5}, 25), leaf({4, 5}, 26)});
+  expect_gradcheck([&](const std::vector<Tensor>& v) { return lowrank_up(v[0], v[1], one); },
+                   {leaf({4}, 27), leaf({3, 4}, 28)});
+  // Bad input names what does not fit.
+  EXPECT_NE(error_of([&] {
+              lowrank_down(leaf({3, 5}, 29), leaf({6, 5}, 30), r);
+            }).find("routing names 4 samples but [3, 5] holds 3"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              lowrank_up(leaf({4, 4}, 31), leaf({7, 4}, 32), r);
+            }).find("stacked 4 wide, but the routing has 3 adapters of 2"),
+            std::string::npos);
+}
+
+// An adapter holding NaN and infinity reaches no other sample: not its output, not the input's
+// gradient, not the other adapter's gradients (a 0/1 mask over every adapter's activations
+// turned 0 * inf into NaN for all of them).
+TEST(LowRankRouting, AnAdapterOfNaNsReachesNoOtherSample) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  // Adapter 1 (rows 2-3 of a, columns 2-3 of b) is broken; samples 0 and 2 use adapter 0,
+  // sample 1 adapter 1, sample 3 none.
+  const LowRankRouting r{2, 4, from_vector<int64_t>({0, 2, 1}), {2, 1}};
+  Tensor a = random_tensor({4, 5}, 41, DType::Float64),
+         b = random_tensor({6, 4}, 42, DType::Float64);
+  kernels::narrow(a, 0, 2, 1).fill_(nan);
+  kernels::narrow(b, 1, 3, 1).fill_(inf);
+  a.set_requires_grad(true);
+  b.set_requires_grad(true);
+  Tensor x = random_tensor({4, 3, 5}, 43, DType::Float64),
+         w = random_tensor({6, 5}, 44, DType::Float64);
+  x.set_requires_grad(true);
+  const Tensor y = tessera::linear_lowrank(x, w, Tensor(), a, b, 0.5, Tensor(), r);
+  tessera::backward(tessera::sum(y));
+  auto finite = [](const Tensor& t) {
+    for (double v : t.to_vector<double>())
+      if (!std::isfinite(v)) return false;
+    return true;
+  };
+  for (int64_t s : {0, 2, 3}) {
+    EXPECT_TRUE(finite(kernels::narrow(y, 0, s, 1))) << "sample " << s;
+    EXPECT_TRUE(finite(kernels::narrow(x.grad(), 0, s, 1))) << "input gradient, sample " << s;
+  }
+  EXPECT_FALSE(finite(kernels::narrow(y, 0, 1, 1))) << "the broken adapter's own sample";
+  EXPECT_TRUE(finite(kernels::narrow(a.grad(), 0, 0, 2))) << "adapter 0's a";
+  EXPECT_TRUE(finite(kernels::narrow(b.grad(), 1, 0, 2))) << "adapter 0's b";
 }

@@ -77,7 +77,7 @@ class LinearFn final : public autograd::Function {
 // The fused low-rank linear (one dtype throughout): inputs x, weight, bias, a, b, x_lowrank.
 class LowRankLinearFn final : public autograd::Function {
  public:
-  LowRankLinearFn(double scale, Tensor h_scale) : scale_(scale), h_scale_(std::move(h_scale)) {}
+  explicit LowRankLinearFn(double scale) : scale_(scale) {}
 
   std::vector<Tensor> forward(const std::vector<Tensor>& in) override {
     const Tensor& x = in[0];
@@ -90,7 +90,7 @@ class LowRankLinearFn final : public autograd::Function {
     Tensor y = kernels::linear(x, w, in[2]).contiguous();
     Tensor y2 = kernels::view(y, {n, out});
     Tensor h = kernels::matmul(kernels::reshape(xl, {n, w.size(1)}), a, false, true);
-    h = weigh(h, x.shape());
+    if (scale_ != 1.0) kernels::mul_scalar_(h, scale_);
     kernels::matmul_accumulate_(y2, h, b, 1.0, false, true);
     save_for_backward({x, w, a, b, xl, h});
     return {y};
@@ -105,8 +105,9 @@ class LowRankLinearFn final : public autograd::Function {
     const Tensor& h = saved_tensors()[5];
     const int64_t out = w.size(0), in = w.size(1), n = leading_numel(x);
     Tensor g2 = kernels::reshape(grads[0], {n, out}).contiguous();
-    // Through h = s * m * (xl a^T): its gradient, then weighed like h.
-    Tensor gh = weigh(kernels::matmul(g2, b), x.shape());
+    // Through h = s * (xl a^T): its gradient, then scaled like h.
+    Tensor gh = kernels::matmul(g2, b);
+    if (scale_ != 1.0) kernels::mul_scalar_(gh, scale_);
     Tensor gx, gw, gbias, ga, gb, gxl;
     const Tensor xl2 = kernels::reshape(xl, {n, in});
     if (needs_input_grad(1)) gw = kernels::matmul(g2, kernels::reshape(x, {n, in}), true, false);
@@ -126,22 +127,7 @@ class LowRankLinearFn final : public autograd::Function {
   }
 
  private:
-  // s * m * h for h [n, r], the rows of x (shape `x_shape`) flattened: m broadcasts onto the
-  // [..., r] activations (x's leading dims, then r) as any operand does.
-  Tensor weigh(Tensor h, const Shape& x_shape) const {
-    if (h_scale_.defined()) {
-      Shape lead(x_shape.begin(), x_shape.end() - 1);
-      lead.push_back(h.size(1));
-      const Tensor m = h_scale_.dtype() == h.dtype() ? h_scale_ : h_scale_.to(h.dtype());
-      h = kernels::reshape(kernels::binary(kernels::BinaryOp::Mul, kernels::view(h, lead), m),
-                           {h.size(0), h.size(1)});
-    }
-    if (scale_ != 1.0) kernels::mul_scalar_(h, scale_);
-    return h;
-  }
-
   double scale_;
-  Tensor h_scale_;
   bool low_ = false;
 };
 
@@ -149,7 +135,7 @@ class LowRankLinearFn final : public autograd::Function {
 
 Tensor linear_lowrank(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& a,
                       const Tensor& b, double scale, const Tensor& x_lowrank,
-                      const Tensor& h_scale) {
+                      const LowRankRouting& routing) {
   TESSERA_CHECK(x.defined() && weight.defined() && a.defined() && b.defined() &&
                     weight.dim() == 2 && a.dim() == 2 && b.dim() == 2 && x.dim() >= 1 &&
                     x.size(-1) == weight.size(1) && a.size(1) == weight.size(1) &&
@@ -164,15 +150,14 @@ Tensor linear_lowrank(const Tensor& x, const Tensor& weight, const Tensor& bias,
   const bool fused = (dt == DType::Float32 || dt == DType::Float64) && weight.dtype() == dt &&
                      a.dtype() == dt && b.dtype() == dt && xl.dtype() == dt &&
                      (!bias.defined() || bias.dtype() == dt) && xl.shape() == x.shape();
-  if (fused)
-    return autograd::Function::apply<LowRankLinearFn>({x, weight, bias, a, b, x_lowrank}, scale,
-                                                      h_scale)[0];
-  // Mixed dtypes (a bfloat16 base and float32 adapters): the update in a's dtype, then added.
+  if (fused && !routing.defined())
+    return autograd::Function::apply<LowRankLinearFn>({x, weight, bias, a, b, x_lowrank}, scale)[0];
+  // Mixed dtypes (a bfloat16 base and float32 adapters), or a mixed batch: the update in a's
+  // dtype, then added.
   Tensor low_in = xl.dtype() == a.dtype() ? xl : cast(xl, a.dtype());
-  Tensor h = linear(low_in, a);
-  if (h_scale.defined()) h = mul(h, h_scale.dtype() == h.dtype() ? h_scale : h_scale.to(h.dtype()));
+  Tensor h = routing.defined() ? lowrank_down(low_in, a, routing) : linear(low_in, a);
   if (scale != 1.0) h = mul(h, scale);
-  Tensor low = linear(h, b);
+  Tensor low = routing.defined() ? lowrank_up(h, b, routing) : linear(h, b);
   Tensor y = linear(x, weight, bias);
   return add(y, low.dtype() == y.dtype() ? low : cast(low, y.dtype()));
 }

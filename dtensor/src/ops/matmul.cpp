@@ -145,7 +145,7 @@ DTensor linear(const DTensor& x, const DTensor& weight, const DTensor& bias) {
 
 DTensor linear_lowrank(const DTensor& x, const DTensor& weight, const DTensor& bias,
                        const DTensor& a, const DTensor& b, double scale, const DTensor& x_lowrank,
-                       const Tensor& h_scale) {
+                       const LowRankRouting& routing) {
   dtensor_ops::check_same_mesh("linear_lowrank", {x, weight, bias, a, b, x_lowrank});
   if (x_lowrank.defined())
     TESSERA_CHECK(x_lowrank.shape() == x.shape(), "linear_lowrank: x_lowrank ", x_lowrank.str(),
@@ -186,9 +186,9 @@ DTensor linear_lowrank(const DTensor& x, const DTensor& weight, const DTensor& b
   Shape out = x.shape();
   out.back() = weight.size(0);
   return dtensor_ops::run("linear_lowrank", {x, weight, bias, a, b, x_lowrank}, dec, out,
-                          [scale, h_scale](const std::vector<Tensor>& l) {
+                          [scale, routing](const std::vector<Tensor>& l) {
                             return linear_lowrank(l[0], l[1], l[2], l[3], l[4], scale, l[5],
-                                                  h_scale);
+                                                  routing);
                           });
 }
 

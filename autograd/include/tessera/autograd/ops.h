@@ -84,14 +84,33 @@ Tensor amax(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim
 // --- linear algebra ---
 Tensor matmul(const Tensor& a, const Tensor& b);
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {});
-// y = linear(x, weight, bias) + (h_scale * scale * (x_lowrank a^T)) b^T with a [r, in] and
-// b [out, r]: a linear layer with a low-rank (LoRA) update. x_lowrank defaults to x; h_scale
-// (no gradient) broadcasts onto the [..., r] activations. When every operand is float32 (or
-// every one float64) the update is added by the products themselves, in place, forward and
-// backward (no output-sized addition); otherwise it is computed in a's dtype and added.
+// A mixed batch for the low-rank products: `a` and `b` stack k adapters of `width` activations
+// each ([k·width, in] and [out, k·width]) and each sample (dim 0 of x; a 1-D x is one sample)
+// uses at most one of them. Each adapter's product runs on its own samples only, as PEFT's
+// adapter_names do, so an adapter holding a NaN or an infinity reaches no other sample's output
+// nor any gradient through another sample, and the arithmetic is one adapter's over the batch.
+struct LowRankRouting {
+  int64_t width = 0;
+  int64_t samples = 0;          // x's dim 0
+  Tensor rows;                  // int64 [used] on the operands' device: adapter 0's samples, ...
+  std::vector<int64_t> counts;  // k: how many of `rows` each adapter takes
+  bool defined() const { return width > 0; }
+};
+// [..., k·width]: sample s of adapter j gets x_s a_jᵀ in adapter j's columns; every other entry
+// is zero. x [..., in] and a [k·width, in] of one dtype.
+Tensor lowrank_down(const Tensor& x, const Tensor& a, const LowRankRouting& routing);
+// [..., out]: sample s of adapter j gets h_s b_jᵀ from adapter j's columns of h [..., k·width]
+// alone (the other columns are never read); a sample of no adapter gets zero.
+Tensor lowrank_up(const Tensor& h, const Tensor& b, const LowRankRouting& routing);
+// y = linear(x, weight, bias) + (scale * (x_lowrank a^T)) b^T with a [r, in] and b [out, r]:
+// a linear layer with a low-rank (LoRA) update. x_lowrank defaults to x. When every operand is
+// float32 (or every one float64) the update is added by the products themselves, in place,
+// forward and backward (no output-sized addition); otherwise it is computed in a's dtype and
+// added. With a routing (a mixed batch) the update is lowrank_up(scale * lowrank_down(...)),
+// computed in a's dtype and added.
 Tensor linear_lowrank(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& a,
                       const Tensor& b, double scale, const Tensor& x_lowrank = {},
-                      const Tensor& h_scale = {});
+                      const LowRankRouting& routing = {});
 
 // --- neural-network ops ---
 Tensor softmax(const Tensor& x, int64_t dim);

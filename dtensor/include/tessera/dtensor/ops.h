@@ -9,6 +9,7 @@
 // by tensor-parallel ranks receives the sum of their contributions.
 #include <vector>
 
+#include "tessera/autograd/ops.h"
 #include "tessera/core/kernels/elementwise.h"
 #include "tessera/core/kernels/nn.h"
 #include "tessera/dtensor/dtensor.h"
@@ -80,17 +81,26 @@ DTensor matmul(const DTensor& a, const DTensor& b);
 // x [..., in], weight [out, in], bias [out] (optional): column parallel (weight S(0)) gives
 // S(-1), row parallel (x S(-1), weight S(1)) gives Partial.
 DTensor linear(const DTensor& x, const DTensor& weight, const DTensor& bias = {});
-// y = linear(x, weight, bias) + scale * linear(h_scale * linear(x_lowrank, a), b), with a [r, in]
-// and b [out, r]: a linear layer with a low-rank update (LoRA) as one op. x_lowrank (default: x)
-// is what the update reads (x after dropout); h_scale, a plain tensor broadcast onto the local
-// [..., r] activations, weighs them per sample (mixed adapter batches). Rules per mesh dim, from
-// the weight's placement: S(0) (column parallel) -> x, x_lowrank and a replicated, b S(0),
-// output S(-1), and the gradients of these replicated inputs of one op summed in one
-// all-reduce — the one collective linear alone has; S(1) (row parallel) -> x S(-1), a S(1), b
-// replicated, output Partial; replicated -> everything follows x's batch or sequence shards.
+// y = linear(x, weight, bias) + scale * linear(linear(x_lowrank, a), b), with a [r, in] and
+// b [out, r]: a linear layer with a low-rank update (LoRA) as one op. x_lowrank (default: x) is
+// what the update reads (x after dropout); with a routing (a mixed batch of adapters stacked in
+// a and b) the update is lowrank_up(scale * lowrank_down(x_lowrank, a), b), each sample's from
+// its own adapter. Rules per mesh dim, from the weight's placement: S(0) (column parallel) ->
+// x, x_lowrank and a replicated, b S(0), output S(-1), and the gradients of these replicated
+// inputs of one op summed in one all-reduce — the one collective linear alone has; S(1) (row
+// parallel) -> x S(-1), a S(1), b replicated, output Partial; replicated -> everything follows
+// x's batch or sequence shards.
 DTensor linear_lowrank(const DTensor& x, const DTensor& weight, const DTensor& bias,
                        const DTensor& a, const DTensor& b, double scale,
-                       const DTensor& x_lowrank = {}, const Tensor& h_scale = {});
+                       const DTensor& x_lowrank = {}, const LowRankRouting& routing = {});
+// The routed products of autograd's lowrank_down / lowrank_up (a mixed batch: each sample's
+// activations from its own adapter). The samples (dim 0) must not be split over the mesh: the
+// routing names this rank's. Rules per mesh dim: lowrank_down as linear(x, a) (a S(1) with x
+// S(-1) gives Partial; a replicated keeps x's sequence shards or Partial), lowrank_up as
+// linear(h, b) (b S(0) takes h replicated and gives S(-1); b replicated keeps h's sequence
+// shards or Partial).
+DTensor lowrank_down(const DTensor& x, const DTensor& a, const LowRankRouting& routing);
+DTensor lowrank_up(const DTensor& h, const DTensor& b, const LowRankRouting& routing);
 
 // --- reductions (a reduced sharded dim becomes Partial) ---
 DTensor sum(const DTensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "tessera/autograd/ops.h"
 #include "tessera/lora/config.h"
 #include "tessera/nn/layers.h"
 
@@ -34,10 +35,10 @@ struct LoraRouting {
   // when set, so that each layer's forward builds its masks without reading device memory.
   std::optional<std::vector<int64_t>> sample_slots;
 
-  // A mixed batch's per-sample masks, made on their device by the first layer that needs them
-  // and reused by every layer with the same adapters (slot and dropout), rank and device, which
-  // would each copy the same masks to the device otherwise. Whoever changes sample_slots
-  // empties it (LoraModel::set_batch_adapters does).
+  // A mixed batch's routing and per-sample dropout, made on their device by the first layer that
+  // needs them and reused by every layer with the same adapters (slot and dropout), rank and
+  // device, which would each copy the same tensors to the device otherwise. Whoever changes
+  // sample_slots empties it (LoraModel::set_batch_adapters does).
   struct MaskKey {
     std::string device;
     int64_t rows = 0, max_rank = 0;
@@ -45,8 +46,8 @@ struct LoraRouting {
     auto operator<=>(const MaskKey&) const = default;
   };
   struct Masks {
-    Tensor h_scale;  // float [rows, slots * max_rank]: 1 where a sample uses that slot
-    Tensor dropout;  // float [rows]: each sample's adapter's dropout
+    LowRankRouting routing;  // each slot's samples, in the key's slot order
+    Tensor dropout;          // float [rows]: each sample's adapter's dropout
   };
   std::map<MaskKey, Masks> masks;
 };
@@ -155,12 +156,12 @@ class LoraLayer {
             const LoraSlots& slots, std::shared_ptr<LoraRouting> routing,
             const std::pair<std::string, std::string>& names);
 
-  // What one forward applies: the slots, and for a mixed batch the weight of each sample in each
-  // slot's activations; dropout per sample row.
+  // What one forward applies: the slots, and for a mixed batch each slot's samples; dropout per
+  // sample row.
   struct Batch {
     std::vector<int64_t> slots;
-    Tensor h_scale;  // float [rows, k * max_rank] (mixed batches only)
-    Tensor dropout;  // per row (mixed) or one value
+    LowRankRouting routing;  // mixed batches only
+    Tensor dropout;          // per row (mixed) or one value
     bool any_dropout = false;
   };
   Batch batch(int64_t rows, Device device) const;
@@ -171,9 +172,6 @@ class LoraLayer {
   // The batch's slots side by side (Stacked, above).
   Stacked<Tensor> stacked_local(const Batch& bt) const;  // plain (or whole) parameters
   Stacked<DTensor> stacked_on(const DeviceMesh& mesh, const Batch& bt) const;
-  // A mixed batch's mask over the adapter activations, shaped to broadcast over activations of
-  // rank `ndim` (undefined when the batch is not mixed).
-  static Tensor activation_mask(const Batch& bt, int64_t ndim);
 
   struct Merged {
     Tensor window;  // this rank's window of W, in W's dtype

@@ -65,10 +65,11 @@ class LoraLinear : public Linear, public LoraLayer {
   DTensor forward_dtensor_dora(const DTensor& x, const DTensor& w, const DTensor& bd,
                                const DTensor& a, const DTensor& b, int64_t slot, const DTensor& xl);
   // The adapters' product with the layer's one collective: linear_lowrank (column parallel or
-  // replicated), or the row-parallel reduction of [x W^T || x A^T] before B.
+  // replicated), or the row-parallel reduction of [x W^T || x A^T] before B; routed when
+  // `routing` is defined (a mixed batch).
   DTensor lowrank_dtensor(const DTensor& x, const DTensor& w, const DTensor& bd, const DTensor& a,
                           const DTensor& b, double scale, const DTensor& xl,
-                          const Tensor& h_scale) const;
+                          const LowRankRouting& routing) const;
 };
 
 }  // namespace tessera
