@@ -13,9 +13,13 @@
 //   lora    the same with adapters of rank r (default 16, alpha 2r) on all seven projections of
 //           every block, trained by AdamW
 //   lora_table  lora with an adapter on the token embeddings too (LoraEmbedding)
+//   lora_mixed  lora with four such adapters (the model's slots hold four) and a mixed batch
+//           that gives each adapter two of the eight samples, all four trained
 //   full    every parameter trained by AdamW (for the optimizer state; its time is reported too)
 // Ratios: median step time of lora over frozen (paired per round; target <= 1.15), of lora_table
-// over lora (what the table's adapter adds), and AdamW's state bytes of lora over full.
+// over lora (what the table's adapter adds), of lora_mixed over lora (what routing each sample
+// to its own adapter adds, with four adapters' optimizer steps), and AdamW's state bytes of lora
+// over full.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -32,6 +36,7 @@ namespace {
 
 struct Contender {
   std::shared_ptr<Decoder> model;
+  std::shared_ptr<LoraModel> lora;
   std::unique_ptr<AdamW> opt;
 };
 
@@ -51,13 +56,23 @@ Contender make(const std::string& kind, int r, int dim) {
   } else {
     for (Parameter* p : c.model->parameters())
       p->set_requires_grad(false);
-    if (kind == "lora" || kind == "lora_table") {
+    if (kind != "frozen") {
       LoraConfig cfg;
       cfg.r = r;
       cfg.lora_alpha = 2.0 * r;
       cfg.target_modules = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"};
       if (kind == "lora_table") cfg.target_modules.push_back("tok_embeddings");
-      trained = apply_lora(c.model, cfg)->parameters();
+      const bool mixed = kind == "lora_mixed";
+      c.lora = apply_lora(c.model, cfg, "default",
+                          {.max_adapters = mixed ? 4 : 1, .max_rank = mixed ? r : 0});
+      if (mixed) {
+        for (int i = 1; i < 4; ++i) {
+          cfg.seed = uint64_t(100 + i);
+          c.lora->add_adapter("adapter" + std::to_string(i), cfg);
+        }
+        c.lora->set_batch_adapters(from_vector<int64_t>({0, 1, 2, 3, 0, 1, 2, 3}));
+      }
+      trained = c.lora->parameters();
     }
     // Backward must run through every layer, as under LoRA, even with nothing to train.
     c.model->layers.front()->register_forward_pre_hook([](Module&, const Tensor& x) {
@@ -115,12 +130,12 @@ int main(int argc, char** argv) {
   TESSERA_CHECK(dim % 8 == 0, "lora_step: --dim must be a multiple of 8 (8 heads)");
   const DecoderConfig cfg = config(dim);
   const bench::TokenBatch batch = bench::random_tokens(8, 128, cfg.vocab_size, 11);
-  const std::vector<const char*> kinds = {"frozen", "lora", "lora_table", "full"};
+  const std::vector<const char*> kinds = {"frozen", "lora", "lora_table", "lora_mixed", "full"};
   std::map<std::string, Contender> c;
   for (const char* kind : kinds)
     c[kind] = make(kind, r, dim);
   std::map<std::string, std::vector<double>> medians;
-  std::vector<double> overhead, table;
+  std::vector<double> overhead, table, mixed;
   for (int round = 0; round < rounds; ++round) {
     std::map<std::string, double> m;
     for (const char* kind : kinds) {
@@ -133,21 +148,25 @@ int main(int argc, char** argv) {
     }
     overhead.push_back(m["lora"] / m["frozen"]);
     table.push_back(m["lora_table"] / m["lora"]);
+    mixed.push_back(m["lora_mixed"] / m["lora"]);
   }
   const int64_t lora_state = state_bytes(*c["lora"].opt), full_state = state_bytes(*c["full"].opt);
-  const Spread o = spread(overhead), t = spread(table);
+  const Spread o = spread(overhead), t = spread(table), x = spread(mixed);
   std::printf(
       "{\n  \"benchmark\": \"lora_step\",\n  \"rank\": %d,\n  \"dim\": %d,\n  \"rounds\": %d,\n", r,
       dim, rounds);
   std::printf(
       "  \"step_seconds_median\": {\"frozen\": %.4f, \"lora\": %.4f, \"lora_table\": %.4f, "
-      "\"full\": %.4f},\n",
+      "\"lora_mixed\": %.4f, \"full\": %.4f},\n",
       spread(medians["frozen"]).median, spread(medians["lora"]).median,
-      spread(medians["lora_table"]).median, spread(medians["full"]).median);
+      spread(medians["lora_table"]).median, spread(medians["lora_mixed"]).median,
+      spread(medians["full"]).median);
   std::printf("  \"lora_vs_frozen_step\": {\"median\": %.3f, \"min\": %.3f, \"max\": %.3f},\n",
               o.median, o.min, o.max);
   std::printf("  \"lora_table_vs_lora_step\": {\"median\": %.3f, \"min\": %.3f, \"max\": %.3f},\n",
               t.median, t.min, t.max);
+  std::printf("  \"lora_mixed_vs_lora_step\": {\"median\": %.3f, \"min\": %.3f, \"max\": %.3f},\n",
+              x.median, x.min, x.max);
   std::printf("  \"optimizer_state_bytes\": {\"lora\": %lld, \"full\": %lld},\n",
               (long long)lora_state, (long long)full_state);
   std::printf("  \"lora_vs_full_optimizer_state\": %.4f\n}\n",
