@@ -315,6 +315,13 @@ void LoraModel::set_batch_adapters(const Tensor& ids) {
   routing_->sample_slots = std::move(host);
 }
 
+void LoraModel::set_batch_adapters(const std::vector<std::string>& adapter_names) {
+  std::vector<int64_t> ids;
+  for (const std::string& name : adapter_names)
+    ids.push_back(name == "__base__" ? -1 : find(name, "set_batch_adapters").slot);
+  set_batch_adapters(from_vector<int64_t>(ids, {int64_t(ids.size())}));
+}
+
 void LoraModel::set_requires_grad(const std::vector<std::string>& names, bool requires_grad) {
   for (const std::string& name : names)
     find(name, "set_requires_grad");

@@ -42,16 +42,19 @@ TEST(Lora, MixedBatchesRouteEachSampleToItsAdapter) {
       run.lora->set_adapter(name);
       alone[name] = run.logits(batch.ids);
     }
+    // By name, as PEFT's adapter_names ("__base__": the base model); the ids below.
     const std::vector<std::string> route = {"default", "b", "", "b", "default", "c"};
-    std::vector<int64_t> ids;
-    for (const auto& r : route)
-      ids.push_back(r.empty() ? -1 : run.lora->adapter_id(r));
-    run.lora->set_batch_adapters(from_vector<int64_t>(ids, {6}));
+    run.lora->set_batch_adapters({"default", "b", "__base__", "b", "default", "c"});
     const Tensor mixed = run.logits(batch.ids);
     for (int64_t row = 0; row < 6; ++row)
       expect_close(kernels::narrow(mixed, 0, row, 1),
                    kernels::narrow(alone[route[size_t(row)]], 0, row, 1), 1e-5,
                    l.name + " row " + std::to_string(row) + " (" + route[size_t(row)] + ")");
+    expect_error(
+        [&] {
+          run.lora->set_batch_adapters({"default", "nope"});
+        },
+        {"set_batch_adapters", "no adapter 'nope'", "default, b, c"});
     // Training on a batch that uses only "default" and "c": "b" gets no gradient.
     run.lora->set_batch_adapters(from_vector<int64_t>({0, -1, 0, 2, 2, -1}, {6}));
     Tensor loss = cross_entropy(run.logits(batch.ids), batch.targets);

@@ -81,6 +81,10 @@ class LoraModel {
   // gives each sample its adapter's copy (or the original), running once per distinct choice on
   // the samples that made it.
   void set_batch_adapters(const Tensor& ids);
+  // PEFT's adapter_names: each sample's adapter by name, "__base__" (PEFT's name) for the base
+  // model. Every name is checked first (an unknown one is refused naming the adapters there);
+  // otherwise as set_batch_adapters(ids).
+  void set_batch_adapters(const std::vector<std::string>& adapter_names);
   // PEFT's set_requires_grad: the adapters named train (or, with false, stay frozen: their
   // configs' inference_mode is set), with the biases of their `bias` modes. Every name is
   // checked before anything changes.
