@@ -25,6 +25,11 @@ DTensor run(const char* op, const std::vector<DTensor>& inputs, const ShardingDe
 // terms several uses of one input contribute are summed once).
 Tensor sum_grad_over(const Tensor& local, const DeviceMesh& mesh, std::vector<int64_t> mesh_dims);
 
+// A Partial whose pending reduction is a sum: the one that linear ops may pass through.
+inline bool sum_partial(const Placement& p) {
+  return p.is_partial() && p.reduce_op() == ReduceOp::Sum;
+}
+
 // Checks that all inputs live on one mesh; the error names the op and both meshes.
 void check_same_mesh(const char* op, const std::vector<DTensor>& inputs);
 

@@ -24,12 +24,12 @@ void check_samples_whole(const char* op, const DTensor& x) {
 // What a matrix that leaves x's last dim alone (replicated) lets x keep on one mesh dim.
 Placement kept(const Placement& px, int64_t last) {
   if (px.is_shard() && !px.is_strided_shard() && px.dim() > 0 && px.dim() != last) return px;
-  if (px.is_partial() && px.reduce_op() == ReduceOp::Sum) return px;
+  if (dtensor_ops::sum_partial(px)) return px;
   return Replicate();
 }
 
 // x [..., in] against a [k*width, in] (down), or h [..., k*width] against b [out, k*width].
-ShardingDecision decide(const DTensor& x, const DTensor& m, bool down) {
+ShardingDecision routed_decision(const DTensor& x, const DTensor& m, bool down) {
   const int64_t last = x.dim() - 1;
   ShardingDecision dec{{{}, {}}, {}};
   for (int64_t i = 0; i < x.mesh().ndim(); ++i) {
@@ -59,7 +59,7 @@ DTensor lowrank_down(const DTensor& x, const DTensor& a, const LowRankRouting& r
   Shape out = x.shape();
   out.back() = a.size(0);
   return dtensor_ops::run(
-      "lowrank_down", {x, a}, decide(x, a, /*down=*/true), out,
+      "lowrank_down", {x, a}, routed_decision(x, a, /*down=*/true), out,
       [routing](const std::vector<Tensor>& l) { return lowrank_down(l[0], l[1], routing); });
 }
 
@@ -71,7 +71,7 @@ DTensor lowrank_up(const DTensor& h, const DTensor& b, const LowRankRouting& rou
   Shape out = h.shape();
   out.back() = b.size(0);
   return dtensor_ops::run(
-      "lowrank_up", {h, b}, decide(h, b, /*down=*/false), out,
+      "lowrank_up", {h, b}, routed_decision(h, b, /*down=*/false), out,
       [routing](const std::vector<Tensor>& l) { return lowrank_up(l[0], l[1], routing); });
 }
 

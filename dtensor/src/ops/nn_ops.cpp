@@ -19,6 +19,7 @@ namespace tessera {
 namespace {
 
 using dtensor_ops::ShardingDecision;
+using dtensor_ops::sum_partial;
 
 // Inputs {ids, weight rows [start, start + rows) of a [vocab, D] table}; only the weight is
 // differentiable.
@@ -56,10 +57,6 @@ class VocabShardEmbedding final : public autograd::Function {
   int64_t rows_ = 0, dim_ = 0;
   DType dtype_ = DType::Float32;
 };
-
-bool sum_partial(const Placement& p) {
-  return p.is_partial() && p.reduce_op() == ReduceOp::Sum;
-}
 
 ShardingDecision embedding_decision(const DTensor& ids, const DTensor& weight) {
   ShardingDecision dec{{{}, {}}, {}};

@@ -13,6 +13,7 @@ namespace tessera {
 namespace {
 
 using dtensor_ops::ShardingDecision;
+using dtensor_ops::sum_partial;
 
 enum class Linearity { Additive, Multiplicative, Divide, None };
 
@@ -28,10 +29,6 @@ int64_t in_dim_of(const DTensor& x, int64_t od, const Shape& out) {
   int64_t d = od - (int64_t(out.size()) - x.dim());
   if (d < 0 || x.size(d) != out[size_t(od)]) return -1;
   return d;
-}
-
-bool sum_partial(const Placement& p) {
-  return p.is_partial() && p.reduce_op() == ReduceOp::Sum;
 }
 
 ShardingDecision pointwise_decision(const std::vector<DTensor>& in, const Shape& out,
