@@ -377,7 +377,8 @@ TEST(OnDevice, WithDeviceKernelsFsdpAndTensorParallelTrainingFollowTheCpu) {
 namespace {
 
 // LoRA (with adapter dropout) on the decoder: tensor parallel over the world, and at 4 ranks
-// FSDP x TP on a 2 x 2 mesh; trains, merges and exports the adapter.
+// FSDP x TP on a 2 x 2 mesh; trains (the second step on a mixed batch of two adapters and the
+// base model, routed on the device), merges and exports the adapter.
 TrainingRun train_lora(DeviceType type, const std::string& dir) {
   using namespace tessera::testing;
   const int n = world_size();
@@ -391,15 +392,19 @@ TrainingRun train_lora(DeviceType type, const std::string& dir) {
   if (n == 4) {
     DeviceMesh mesh(type, Shape{2, 2}, {"dp", "tp"});
     parallelize_module(net, mesh["tp"], decoder_tp_plan(cfg, mesh["tp"]));
-    lora = apply_lora(net, lc);
+    lora = apply_lora(net, lc, "default", {.max_adapters = 2});
     lora_shard(net, mesh["dp"]);
     dp_rank = mesh.local_rank(0);
     dp_size = 2;
   } else {
     DeviceMesh mesh(type, Shape{n}, {"tp"});
     parallelize_module(net, mesh, decoder_tp_plan(cfg, mesh));
-    lora = apply_lora(net, lc);
+    lora = apply_lora(net, lc, "default", {.max_adapters = 2});
   }
+  LoraConfig second = lc;
+  second.seed = 12;
+  lora->add_adapter("second", second);
+  lora->set_adapter("default");
   AdamW opt(net->parameters(), AdamWOptions{.lr = 1e-2});
   TrainingRun out;
   for (int s = 0; s < 3; ++s) {
@@ -408,9 +413,16 @@ TrainingRun train_lora(DeviceType type, const std::string& dir) {
     Tensor ids = kernels::narrow(b.ids, 0, dp_rank * rows, rows).contiguous();
     Tensor targets = kernels::narrow(b.targets, 0, dp_rank * rows, rows).contiguous();
     opt.zero_grad();
+    if (s == 1) {
+      std::vector<std::string> names;
+      for (int64_t r = 0; r < rows; ++r)
+        names.push_back(r % 3 == 0 ? "default" : r % 3 == 1 ? "second" : "__base__");
+      lora->set_batch_adapters(names);
+    }
     Tensor loss = cross_entropy((*net)(ids), targets.to(current_device(type)));
     backward(loss);
     opt.step();
+    lora->set_batch_adapters(Tensor());
     out.losses.push_back(loss.item<float>());
   }
   lora->save_adapter(dir, "default");
