@@ -54,6 +54,23 @@ class LoraModel {
   // is not "none" (the biases are shared). Its modules_to_save must be modules apply_lora made
   // copies for; each copy starts as its module's current values.
   void add_adapter(const std::string& name, const LoraConfig& config);
+  // PEFT's add_weighted_adapter: a new adapter `adapter_name` whose update in every layer is a
+  // weighted combination of those of `adapters` (each layer holding any of them), added into a
+  // free slot and frozen, as PEFT's (set_requires_grad trains it). combination_type "cat": A the
+  // adapters' A_i w_i s_i stacked, B their B_i side by side, rank the sum of their r: the update
+  // is exactly sum_i w_i s_i B_i A_i, scale 1 (weights of any sign). "linear": equal ranks, A =
+  // sum_i sqrt(w_i s_i) A_i and B likewise (weights >= 0): not the sum of the updates, as in
+  // PEFT. One adapter is always "linear", as in PEFT. Its config is the first adapter's with r
+  // and lora_alpha the new rank, no rank or alpha pattern, no rslora (PEFT keeps the first's,
+  // which scales a "cat" result by sqrt(r)), and as targets the paths of the layers it covers.
+  // Refused, before anything changes, naming what: an existing adapter_name (PEFT returns
+  // without a word), an unknown adapter, weights that do not pair with the adapters, PEFT's
+  // svd, ties, dare and magnitude_prune types (not built here), DoRA adapters, a rank past
+  // max_rank, "linear" with unequal ranks in a layer or a negative weight. Collective (it reads
+  // and writes the adapters' global values).
+  void add_weighted_adapter(const std::vector<std::string>& adapters,
+                            const std::vector<double>& weights, const std::string& adapter_name,
+                            const std::string& combination_type);
   // Frees its slot (zeroes its matrices, which train again for the next adapter in it) and
   // freezes the biases its `bias` mode trained (keeping their values), unmerging the adapter
   // first if it is merged; refused
