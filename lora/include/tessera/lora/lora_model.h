@@ -61,8 +61,8 @@ class LoraModel {
   // is exactly sum_i w_i s_i B_i A_i, scale 1 (weights of any sign). "linear": equal ranks, A =
   // sum_i sqrt(w_i s_i) A_i and B likewise (weights >= 0): not the sum of the updates, as in
   // PEFT. One adapter is always "linear", as in PEFT. Its config is the first adapter's with r
-  // and lora_alpha the new rank, no rank or alpha pattern, no rslora (PEFT keeps the first's,
-  // which scales a "cat" result by sqrt(r)), and as targets the paths of the layers it covers.
+  // and lora_alpha the new rank and no rslora (scale 1, as PEFT's since it stopped copying
+  // use_rslora), no rank or alpha pattern, and as targets the paths of the layers it covers.
   // Refused, before anything changes, naming what: an existing adapter_name (PEFT returns
   // without a word), an unknown adapter, weights that do not pair with the adapters, PEFT's
   // svd, ties, dare and magnitude_prune types (not built here), DoRA adapters, a rank past
