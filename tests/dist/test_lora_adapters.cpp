@@ -138,6 +138,37 @@ TEST(Lora, AnAdapterOfNaNsReachesNoOtherSampleOfAMixedBatch) {
   }
 }
 
+// A mixed batch through checkpointed blocks: the recomputation routes each sample as the forward
+// did, and the gradients are those without checkpointing, bit for bit.
+TEST(Lora, MixedBatchUnderActivationCheckpointingGivesTheSameGradients) {
+  if (world_size() > 1) GTEST_SKIP() << "one process";
+  const DecoderConfig cfg = lora_decoder_config();
+  const Batch batch = affine_batch(4, 4, cfg.max_seq_len, cfg.vocab_size);
+  std::map<std::string, Tensor> grads[2];
+  for (int ckpt = 0; ckpt < 2; ++ckpt) {
+    auto m = std::make_shared<Decoder>(cfg);
+    LoraConfig config = lora_test_config(LoraInit::Random);
+    config.lora_dropout = 0.2;
+    auto lora = apply_lora(m, config, "default", {.max_adapters = 2});
+    LoraConfig second = config;
+    second.seed = 8;
+    lora->add_adapter("second", second);
+    if (ckpt)
+      for (auto& layer : m->layers)
+        checkpoint(layer);
+    lora->set_batch_adapters({"second", "default", "__base__", "second"});
+    backward(cross_entropy((*m)(batch.ids), batch.targets));
+    for (auto& [name, p] : m->named_parameters())
+      if (p->grad().defined()) grads[ckpt][name] = p->grad().clone();
+  }
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  EXPECT_GT(grads[0].size(), 0u);
+  for (const auto& [name, g] : grads[0]) {
+    ASSERT_EQ(grads[1].count(name), 1u) << name;
+    EXPECT_EQ(max_abs_diff(g, grads[1].at(name)), 0.0) << name;
+  }
+}
+
 // The masks of a mixed batch are made once per batch and set of adapters, not once per layer:
 // layers holding the same adapters share them (on a device each copy would be a transfer).
 // Rank 4, random B (so that an adapter changes the output), on modules named "layer".
