@@ -180,12 +180,11 @@ DTensor LoraLinear::forward_dtensor_dora(const DTensor& x, const DTensor& w, con
     return add(rest, scaled(z, g));
   }
   const int64_t n = x.size(0);
-  // Made on the device: no host copy per layer and forward.
-  const LowRankRouting second{
-      a.size(0),
-      2 * n,
-      arange(double(n), double(2 * n), 1.0, TensorOptions(DType::Int64, x.mesh().device())),
-      {n}};
+  const Device device = x.mesh().device();
+  Tensor& rows = routing_->second_halves[{device.str(), n}];
+  if (!rows.defined())
+    rows = arange(double(n), double(2 * n), 1.0, TensorOptions(DType::Int64, device));
+  const LowRankRouting second{a.size(0), 2 * n, rows, {n}};
   const DTensor both =
       lowrank_dtensor(cat({rest_in, xw}, 0), w, DTensor(), a, b, scale, cat({xl, xl}, 0), second);
   DTensor rest = narrow(both, 0, 0, n);

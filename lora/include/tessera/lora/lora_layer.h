@@ -50,6 +50,9 @@ struct LoraRouting {
     Tensor dropout;          // float [rows]: each sample's adapter's dropout
   };
   std::map<MaskKey, Masks> masks;
+  // DoRA's stacked dropout product routes its adapters to the second half of a batch of 2n
+  // samples: rows n..2n-1, made on the device once per (device, n) rather than per forward.
+  std::map<std::pair<std::string, int64_t>, Tensor> second_halves;
 };
 
 // One adapter matrix, a module of its own so that its name reads lora_A.<slot>.weight.
