@@ -104,6 +104,9 @@ void LoraModel::add_weighted_adapter(const std::vector<std::string>& adapters,
   config.exclude_modules.clear();
   config.layers_to_transform.clear();
   config.layers_pattern.clear();
+  // The values are written below; the init only draws what they replace (and the orthogonal
+  // one would refuse an odd rank, which "cat" can make).
+  config.init_lora_weights = LoraInit::Kaiming;
   std::vector<std::map<std::string, Tensor>> values;
   for (const std::string& name : adapters)
     values.push_back(read_adapter(name));

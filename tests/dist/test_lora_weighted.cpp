@@ -118,6 +118,28 @@ TEST(LoraWeighted, OneAdapterIsScaled) {
                  mul(update(*lora, v, "default", path, *layer), 2.0), 1e-6, path);
 }
 
+// "cat" of an orthogonally initialised adapter (r 2) and one of r 3 has rank 5, which the
+// orthogonal init refuses: the combined adapter is written, not drawn, so it takes its values.
+TEST(LoraWeighted, AnOddCombinedRankAfterAnOrthogonalAdapter) {
+  auto model = std::make_shared<Decoder>(lora_decoder_config());
+  LoraConfig first = config_of("b");
+  first.init_lora_weights = LoraInit::Orthogonal;
+  auto lora = apply_lora(model, first, "default", kSlots);
+  LoraConfig second = config_of("b");
+  second.r = 3;
+  second.seed = 9;
+  lora->add_adapter("three", second);
+  lora->add_weighted_adapter({"default", "three"}, {1.0, 0.5}, "five", "cat");
+  EXPECT_EQ(lora->config("five").r, 5);
+  const auto d = lora->read_adapter("default"), t = lora->read_adapter("three"),
+             f = lora->read_adapter("five");
+  for (const auto& [path, layer] : lora->layers())
+    expect_close(update(*lora, f, "five", path, *layer),
+                 add(update(*lora, d, "default", path, *layer),
+                     mul(update(*lora, t, "three", path, *layer), 0.5)),
+                 1e-6, path);
+}
+
 TEST(LoraWeighted, WhatCannotBeCombinedIsRefusedAndChangesNothing) {
   auto model = std::make_shared<Decoder>(lora_decoder_config());
   auto lora = apply_lora(model, config_of("default"), "default",

@@ -62,7 +62,8 @@ class LoraModel {
   // sum_i sqrt(w_i s_i) A_i and B likewise (weights >= 0): not the sum of the updates, as in
   // PEFT. One adapter is always "linear", as in PEFT. Its config is the first adapter's with r
   // and lora_alpha the new rank and no rslora (scale 1, as PEFT's since it stopped copying
-  // use_rslora), no rank or alpha pattern, and as targets the paths of the layers it covers.
+  // use_rslora), no rank or alpha pattern, the default init (its values are written, not
+  // drawn), and as targets the paths of the layers it covers.
   // Refused, before anything changes, naming what: an existing adapter_name (PEFT returns
   // without a word), an unknown adapter, weights that do not pair with the adapters, PEFT's
   // svd, ties, dare and magnitude_prune types (not built here), DoRA adapters, a rank past
