@@ -68,10 +68,8 @@ void LoraModel::add_weighted_adapter(const std::vector<std::string>& adapters,
   for (const Adapter* a : src)
     new_rank = type == "cat" ? new_rank + a->config.r : std::max(new_rank, a->config.r);
   TESSERA_CHECK(new_rank <= slots_.max_rank,
-                "LoRA add_weighted_adapter: the combined adapter has "
-                "rank ",
-                new_rank, " but the slots hold at most rank ", slots_.max_rank,
-                " (LoraSlots::max_rank)");
+                "LoRA add_weighted_adapter: the combined adapter has rank ", new_rank,
+                " but the slots hold at most rank ", slots_.max_rank, " (LoraSlots::max_rank)");
   // The layers any of them covers, in the model's order, each checked before anything changes.
   std::set<size_t> covered;
   for (const Adapter* a : src)
@@ -86,9 +84,9 @@ void LoraModel::add_weighted_adapter(const std::vector<std::string>& adapters,
         continue;
       const int64_t r = src[i]->config.rank_for(path);
       TESSERA_CHECK(type == "cat" || r == new_rank,
-                    "LoRA add_weighted_adapter: \"linear\" needs "
-                    "equal ranks, but adapter '",
-                    adapters[i], "' has rank ", r, " in ", path, " and another ", new_rank);
+                    "LoRA add_weighted_adapter: \"linear\" needs equal ranks, but adapter '",
+                    adapters[i], "' has rank ", r, " in ", path, ", not ", new_rank,
+                    " (the largest r among them)");
       sum += r;
     }
     TESSERA_CHECK(type != "cat" || sum <= new_rank, "LoRA add_weighted_adapter: the ranks in ",
