@@ -66,6 +66,20 @@ bool LoraConfig::all_linear() const {
   return target_modules.size() == 1 && target_modules[0] == kAllLinear;
 }
 
+std::vector<std::string> LoraConfig::target_entries() const {
+  return target_modules_regex.empty() ? target_modules
+                                      : std::vector<std::string>{target_modules_regex};
+}
+
+bool LoraConfig::regex_targets(const std::string& path) const {
+  return !target_modules_regex.empty() && std::regex_match(path, std::regex(target_modules_regex));
+}
+
+bool LoraConfig::regex_excludes(const std::string& path) const {
+  return !exclude_modules_regex.empty() &&
+         std::regex_match(path, std::regex(exclude_modules_regex));
+}
+
 int64_t LoraConfig::layer_index(const std::string& path) const {
   // PEFT's paths start with the model's prefix ("model.layers.3..."), Tessera's at the model's
   // root: the leading '.' lets the first component be the layer list.
@@ -97,9 +111,22 @@ void LoraConfig::validate() const {
                 "LoraConfig: lora_alpha must be positive and finite, got ", lora_alpha);
   TESSERA_CHECK(lora_dropout >= 0 && lora_dropout < 1,
                 "LoraConfig: lora_dropout must be in [0, 1), got ", lora_dropout);
-  TESSERA_CHECK(!target_modules.empty(),
+  TESSERA_CHECK(!target_modules.empty() || !target_modules_regex.empty(),
                 "LoraConfig: target_modules is empty (name the Linear "
                 "modules to adapt, e.g. {\"wq\", \"wv\"})");
+  TESSERA_CHECK(target_modules.empty() || target_modules_regex.empty(),
+                "LoraConfig: target_modules and target_modules_regex are both set (PEFT's "
+                "target_modules is a list or a regular expression, not both)");
+  for (const auto& [field, re] :
+       {std::pair<const char*, const std::string*>{"target_modules_regex", &target_modules_regex},
+        {"exclude_modules_regex", &exclude_modules_regex}}) {
+    try {
+      std::regex{*re};
+    } catch (const std::regex_error& e) {
+      TESSERA_FAIL("LoraConfig: ", field, " '", *re, "' is not a regular expression (", e.what(),
+                   ")");
+    }
+  }
   for (const std::string& t : target_modules)
     TESSERA_CHECK(!t.empty(), "LoraConfig: an empty name in target_modules");
   TESSERA_CHECK(all_linear() || std::find(target_modules.begin(), target_modules.end(),
@@ -117,6 +144,9 @@ void LoraConfig::validate() const {
   TESSERA_CHECK(layers_to_transform.empty() || !all_linear(),
                 "LoraConfig: layers_to_transform cannot be used with target_modules \"", kAllLinear,
                 "\" (as in PEFT, where a string target_modules refuses it)");
+  TESSERA_CHECK(layers_to_transform.empty() || target_modules_regex.empty(),
+                "LoraConfig: layers_to_transform cannot be used with target_modules_regex (as in "
+                "PEFT, where a string target_modules refuses it)");
   TESSERA_CHECK(layers_pattern.empty() || !layers_to_transform.empty(),
                 "LoraConfig: layers_pattern is set without layers_to_transform");
   for (const std::string& p : layers_pattern) {

@@ -88,7 +88,7 @@ std::vector<size_t> LoraModel::targets(const LoraConfig& config) const {
   std::set<const Module*> own;
   for (const auto& [path, l] : layers_)
     own.insert(&l->module());
-  for (const std::string& entry : config.target_modules) {
+  for (const std::string& entry : config.target_entries()) {
     std::vector<std::string> unwrapped;
     for (size_t k : lora_entry_targets(config, entry, modules, output, own, "LoRA", of_model)) {
       const size_t i = wrapped_at(modules[k].first);
@@ -102,9 +102,8 @@ std::vector<size_t> LoraModel::targets(const LoraConfig& config) const {
                   ", where apply_lora put no slots (adapters can only go where it did: list "
                   "every module any adapter targets in apply_lora's config)");
   }
-  TESSERA_CHECK(!out.empty(), "LoRA: no module of the model is left to adapt (target_modules ",
-                join(config.target_modules), "; exclude_modules ", join(config.exclude_modules),
-                ")");
+  TESSERA_CHECK(!out.empty(), "LoRA: no module of the model is left to adapt (",
+                lora_selection_str(config), ")");
   std::sort(out.begin(), out.end());
   return out;
 }

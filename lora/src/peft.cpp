@@ -69,7 +69,10 @@ nlohmann::ordered_json to_peft(const LoraConfig& c, const std::vector<std::strin
   j["r"] = c.r;
   j["lora_alpha"] = c.lora_alpha;
   j["lora_dropout"] = c.lora_dropout;
-  j["target_modules"] = targets;
+  if (c.target_modules_regex.empty())
+    j["target_modules"] = targets;
+  else
+    j["target_modules"] = c.target_modules_regex;
   j["bias"] = c.bias;
   j["use_rslora"] = c.use_rslora;
   if (c.init_lora_weights == LoraInit::Gaussian)
@@ -96,7 +99,9 @@ nlohmann::ordered_json to_peft(const LoraConfig& c, const std::vector<std::strin
     j["layers_pattern"] = c.layers_pattern;
   j["rank_pattern"] = pattern_json(c.rank_pattern);
   j["alpha_pattern"] = pattern_json(c.alpha_pattern);
-  if (c.exclude_modules.empty())
+  if (!c.exclude_modules_regex.empty())
+    j["exclude_modules"] = c.exclude_modules_regex;
+  else if (c.exclude_modules.empty())
     j["exclude_modules"] = nullptr;
   else
     j["exclude_modules"] = c.exclude_modules;
@@ -123,21 +128,19 @@ std::vector<std::pair<std::string, T>> pattern_from(const nlohmann::ordered_json
 }
 
 // PEFT's exclude_modules: a list of names (as target_modules'), or a regular expression.
-std::vector<std::string> excludes_from(const nlohmann::ordered_json& j,
-                                       const std::function<void(std::string)>& bad) {
-  std::vector<std::string> out;
-  if (!j.contains("exclude_modules") || j["exclude_modules"].is_null()) return out;
+void excludes_from(const nlohmann::ordered_json& j, LoraConfig& c,
+                   const std::function<void(std::string)>& bad) {
+  if (!j.contains("exclude_modules") || j["exclude_modules"].is_null()) return;
   const auto& e = j["exclude_modules"];
-  if (e.is_string() && e.get<std::string>().empty()) return out;
-  if (e.is_string())
-    bad("exclude_modules is a regular expression (" + e.dump() +
-        "); Tessera takes a list of names");
-  if (!e.is_array()) bad("exclude_modules is " + e.dump() + ", not a list");
+  if (e.is_string()) {
+    c.exclude_modules_regex = e.get<std::string>();  // "" excludes nothing, as [] or null
+    return;
+  }
+  if (!e.is_array()) bad("exclude_modules is " + e.dump() + ", not a list or a string");
   for (const auto& x : e) {
     if (!x.is_string()) bad("exclude_modules holds a non-string");
-    out.push_back(x.get<std::string>());
+    c.exclude_modules.push_back(x.get<std::string>());
   }
-  return out;
 }
 
 // PEFT's layers_to_transform (an integer or a list of them) and layers_pattern (a string or a
@@ -183,9 +186,9 @@ LoraConfig from_peft(const nlohmann::ordered_json& j, const std::string& file) {
   if (shorthand == kAllLinear)  // PEFT reads it in any case
     c.target_modules = {kAllLinear};
   else if (t.is_string())
-    bad("target_modules is a regular expression; Tessera takes a list of names");
+    c.target_modules_regex = t.get<std::string>();
   else if (!t.is_array())
-    bad("target_modules is missing or not a list");
+    bad("target_modules is missing or not a list or a string");
   for (const auto& e : t.is_array() ? t : nlohmann::ordered_json::array()) {
     if (!e.is_string()) bad("target_modules holds a non-string");
     c.target_modules.push_back(e.get<std::string>());
@@ -198,7 +201,7 @@ LoraConfig from_peft(const nlohmann::ordered_json& j, const std::string& file) {
   // Fields that choose which modules an adapter covers, what else it saves, or where in the
   // sequence it applies (aLoRA's invocation tokens: only after them): ignored, the adapter would
   // load onto other modules or tokens than it was trained on, or fail for a hidden reason.
-  c.exclude_modules = excludes_from(j, bad);
+  excludes_from(j, c, bad);
   c.rank_pattern = pattern_from<int64_t>(j, "rank_pattern", bad);
   c.alpha_pattern = pattern_from<double>(j, "alpha_pattern", bad);
   layers_from(j, c, bad);

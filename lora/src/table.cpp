@@ -52,6 +52,9 @@ nlohmann::json config_json(const LoraConfig& c) {
   j["lora_alpha"] = c.lora_alpha;
   j["lora_dropout"] = c.lora_dropout;
   j["target_modules"] = c.target_modules;
+  // Only when set: tables written before these fields read the same.
+  if (!c.target_modules_regex.empty()) j["target_modules_regex"] = c.target_modules_regex;
+  if (!c.exclude_modules_regex.empty()) j["exclude_modules_regex"] = c.exclude_modules_regex;
   j["use_rslora"] = c.use_rslora;
   j["init_lora_weights"] = init_name(c.init_lora_weights);
   j["bias"] = c.bias;
@@ -127,6 +130,11 @@ std::vector<std::pair<std::string, T>> read_pattern(const nlohmann::json& j, con
 
 void read_selection(const nlohmann::json& j, LoraConfig& c, const std::string& where) {
   using V = nlohmann::json::value_t;
+  if (j.contains("target_modules_regex"))
+    c.target_modules_regex = field(j, "target_modules_regex", V::string, where).get<std::string>();
+  if (j.contains("exclude_modules_regex"))
+    c.exclude_modules_regex =
+        field(j, "exclude_modules_regex", V::string, where).get<std::string>();
   if (j.contains("exclude_modules"))
     for (const auto& e : field(j, "exclude_modules", V::array, where)) {
       TESSERA_CHECK(e.is_string(), where, ": exclude_modules holds a non-string");

@@ -16,6 +16,16 @@ const Module* lora_output_layer(Module& model) {
   return decoder ? decoder->output.get() : nullptr;
 }
 
+std::string lora_selection_str(const LoraConfig& config) {
+  std::string s = config.target_modules_regex.empty()
+                      ? "target_modules " + join(config.target_modules)
+                      : "target_modules_regex '" + config.target_modules_regex + "'";
+  s += "; exclude_modules " + join(config.exclude_modules);
+  if (!config.exclude_modules_regex.empty())
+    s += "; exclude_modules_regex '" + config.exclude_modules_regex + "'";
+  return s;
+}
+
 namespace {
 
 // Whether `config` adapts the module `m` at `path`: exclude_modules does not name it, and
@@ -27,8 +37,9 @@ bool lora_targets_module(const LoraConfig& config, const std::string& path, cons
     return std::any_of(entries.begin(), entries.end(),
                        [&](const std::string& e) { return lora_target_matches(e, path); });
   };
-  if (names(config.exclude_modules)) return false;
+  if (names(config.exclude_modules) || config.regex_excludes(path)) return false;
   if (config.all_linear()) return dynamic_cast<const Linear*>(&m) != nullptr && &m != output;
+  if (!config.target_modules_regex.empty()) return config.regex_targets(path);
   return names(config.target_modules) && config.in_transformed_layers(path);
 }
 
@@ -40,11 +51,12 @@ std::vector<size_t> lora_entry_targets(
     const std::set<const Module*>& own, const char* context,
     const std::function<std::string(const std::string&)>& of_model) {
   LoraConfig one = config;
-  one.target_modules = {entry};
+  if (config.target_modules_regex.empty()) one.target_modules = {entry};
   // Matched without exclude_modules and layers_to_transform too: an entry they empty still names
   // modules (no typo), and the callers say when nothing is left to adapt.
   LoraConfig unexcluded = one;
   unexcluded.exclude_modules.clear();
+  unexcluded.exclude_modules_regex.clear();
   unexcluded.layers_to_transform.clear();
   std::vector<size_t> out;
   bool any = false;
@@ -58,6 +70,8 @@ std::vector<size_t> lora_entry_targets(
       continue;
     out.push_back(i);
   }
+  TESSERA_CHECK(any || config.target_modules_regex.empty(), context, ": target_modules_regex '",
+                entry, "' matches the whole path of no module");
   TESSERA_CHECK(any || one.all_linear(), context, ": target module '", entry,
                 "' matches no module of ", of_model(entry));
   return out;
@@ -74,6 +88,12 @@ void check_lora_excludes(const LoraConfig& config,
                   module_path_candidates(
                       entry.find('.') != std::string::npos ? entry : "*." + entry, modules));
   }
+  if (config.exclude_modules_regex.empty()) return;
+  const bool any = std::any_of(modules.begin(), modules.end(), [&](const auto& pm) {
+    return !pm.first.empty() && config.regex_excludes(pm.first);
+  });
+  TESSERA_CHECK(any, context, ": exclude_modules_regex '", config.exclude_modules_regex,
+                "' matches the whole path of no module");
 }
 
 void check_untied(Module& model, const std::string& path, const ModulePtr& module,
@@ -106,7 +126,7 @@ std::vector<std::pair<std::string, ModulePtr>> find_targets(
   };
   const Module* output = lora_output_layer(model);
   std::vector<bool> targeted(modules.size(), false);
-  for (const std::string& entry : config.target_modules)
+  for (const std::string& entry : config.target_entries())
     for (size_t i : lora_entry_targets(config, entry, modules, output, {}, "apply_lora", of_model))
       targeted[i] = true;
   check_lora_excludes(config, modules, "apply_lora");
@@ -132,8 +152,7 @@ std::vector<std::pair<std::string, ModulePtr>> find_targets(
     found.emplace_back(path, m);
   }
   TESSERA_CHECK(!found.empty(), "apply_lora: no module of ", model.type_name(),
-                " is left to adapt (target_modules ", join(config.target_modules),
-                "; exclude_modules ", join(config.exclude_modules), ")");
+                " is left to adapt (", lora_selection_str(config), ")");
   return found;
 }
 

@@ -17,10 +17,13 @@ namespace tessera {
 // `output` (its lm_head; null when tied), none for any other model.
 const Module* lora_output_layer(Module& model);
 
-// What target_modules entry `entry` of `config` adapts among `modules` (the model's, but the
-// LoRA slots), as indices into `modules` in the model's order: the modules it names (for
-// "all-linear", every Linear but `output` and the LoRA layers other than `own`, the caller's
-// LoraModel's layers, none for apply_lora) that exclude_modules does not name and
+// "target_modules wq, wv; exclude_modules ..." (or the regexes): the selection, for errors.
+std::string lora_selection_str(const LoraConfig& config);
+
+// What target entry `entry` of `config` (one of config.target_entries()) adapts among `modules`
+// (the model's, but the LoRA slots), as indices into `modules` in the model's order: the modules it
+// names (for "all-linear", every Linear but `output` and the LoRA layers other than `own`, the
+// caller's LoraModel's layers, none for apply_lora) that exclude_modules does not name and
 // layers_to_transform keeps. apply_lora and add_adapter both resolve their targets through it,
 // so that they agree on what an entry means. A named entry that matches no module at all, before
 // exclude_modules and layers_to_transform apply, is an error, "<context>: target module '<entry>'

@@ -99,7 +99,9 @@ void LoraModel::add_weighted_adapter(const std::vector<std::string>& adapters,
   config.use_rslora = false;
   config.rank_pattern.clear();
   config.alpha_pattern.clear();
+  config.target_modules_regex.clear();
   config.exclude_modules.clear();
+  config.exclude_modules_regex.clear();
   config.layers_to_transform.clear();
   config.layers_pattern.clear();
   // The values are written below; the init only draws what they replace (and the orthogonal

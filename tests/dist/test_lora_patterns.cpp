@@ -124,6 +124,90 @@ TEST(LoraPatterns, ExcludeModulesLeavesOutWhatTheTargetsName) {
                {"an empty name in exclude_modules"});
 }
 
+// PEFT's string forms: a regular expression the module's whole path must match, to target
+// (target_modules_regex) or to exclude (exclude_modules_regex); add_adapter reads them alike.
+TEST(LoraPatterns, RegexTargetsAndExcludesMatchTheWholePath) {
+  auto fresh = [] { return std::make_shared<Decoder>(lora_decoder_config()); };
+  LoraConfig c = lora_test_config();
+  c.target_modules = {};
+  c.target_modules_regex = "layers\\.[0-9]+\\.attention\\.w[qv]";
+  auto lora = apply_lora(fresh(), c, "default", {.max_adapters = 2});
+  EXPECT_EQ(wrapped(*lora),
+            (std::vector<std::string>{"layers.0.attention.wq", "layers.0.attention.wv",
+                                      "layers.1.attention.wq", "layers.1.attention.wv"}));
+  LoraConfig second = c;
+  second.target_modules_regex = "layers\\.1\\.attention\\.wq";
+  lora->add_adapter("second", second);
+  EXPECT_EQ(slot_at(*lora, "layers.1.attention.wq", 1).adapter, "second");
+  EXPECT_EQ(slot_at(*lora, "layers.0.attention.wq", 1).adapter, "");
+  // Excluding by regex, beside a list of targets.
+  LoraConfig ex = lora_test_config();
+  ex.target_modules = {"wq", "wk"};
+  ex.exclude_modules_regex = "layers\\.0\\..*";
+  EXPECT_EQ(wrapped(*apply_lora(fresh(), ex)),
+            (std::vector<std::string>{"layers.1.attention.wq", "layers.1.attention.wk"}));
+  // The whole path: a tail alone matches nothing.
+  LoraConfig tail = c;
+  tail.target_modules_regex = "attention\\.wq";
+  expect_error([&] { apply_lora(fresh(), tail); },
+               {"target_modules_regex 'attention\\.wq' matches the whole path of no module"});
+  LoraConfig none = ex;
+  none.exclude_modules_regex = "nothing";
+  expect_error([&] { apply_lora(fresh(), none); },
+               {"exclude_modules_regex 'nothing' matches the whole path of no module"});
+  LoraConfig norms = c;
+  norms.target_modules_regex = ".*_norm";
+  expect_error([&] { apply_lora(fresh(), norms); }, {"not a Linear or an Embedding"});
+  LoraConfig both = c;
+  both.target_modules = {"wq"};
+  expect_error([&] { apply_lora(fresh(), both); },
+               {"target_modules and target_modules_regex are both set"});
+  LoraConfig bad = c;
+  bad.target_modules_regex = "w(q";
+  expect_error([&] { apply_lora(fresh(), bad); },
+               {"target_modules_regex 'w(q' is not a regular expression"});
+  LoraConfig layers = c;
+  layers.layers_to_transform = {0};
+  expect_error([&] { apply_lora(fresh(), layers); },
+               {"layers_to_transform cannot be used with target_modules_regex"});
+}
+
+// The string forms in PEFT's files (written as strings, loaded back onto the same layers) and in
+// the adapter table.
+TEST(LoraPatterns, RegexFormsSurvivePeftFilesAndTheAdapterTable) {
+  const std::string dir = scratch_dir("lora_regex");
+  LoraConfig c = lora_test_config(LoraInit::Random);
+  c.target_modules = {};
+  c.target_modules_regex = "layers\\.[0-9]+\\.(attention\\.w[qv]|feed_forward\\.w2)";
+  c.exclude_modules_regex = "layers\\.1\\.feed_forward\\.w2";
+  auto m = std::make_shared<Decoder>(lora_decoder_config());
+  auto lora = apply_lora(m, c, "default", {.max_adapters = 2});
+  const std::vector<std::string> layers = wrapped(*lora);
+  EXPECT_EQ(layers.size(), 5u);
+  lora->save_adapter(dir + "/adapter", "default");
+  const std::string text = read_text(dir + "/adapter/adapter_config.json");
+  EXPECT_NE(text.find("\"target_modules\": \"layers\\\\.[0-9]+"), std::string::npos) << text;
+  EXPECT_NE(text.find("\"exclude_modules\": \"layers\\\\.1"), std::string::npos) << text;
+  auto m2 = std::make_shared<Decoder>(lora_decoder_config());
+  auto other = apply_lora(m2, c, "base", {.max_adapters = 2});
+  other->load_adapter(dir + "/adapter", "loaded");
+  EXPECT_EQ(other->config("loaded").target_modules_regex, c.target_modules_regex);
+  EXPECT_EQ(other->config("loaded").exclude_modules_regex, c.exclude_modules_regex);
+  const auto want = lora->read_adapter("default");
+  const auto got = other->read_adapter("loaded");
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [key, t] : want)
+    expect_identical(got.at(key), t, key);
+  // The adapter table.
+  auto m3 = std::make_shared<Decoder>(lora_decoder_config());
+  auto third = apply_lora(m3, c, "x", {.max_adapters = 2});
+  third->delete_adapter("x");
+  third->load_state_dict(lora->state_dict());
+  EXPECT_EQ(third->config("default").target_modules_regex, c.target_modules_regex);
+  EXPECT_EQ(third->config("default").exclude_modules_regex, c.exclude_modules_regex);
+  EXPECT_EQ(wrapped(*third), layers);
+}
+
 // "all-linear": every Linear but a Decoder's output layer; any Linear of another model.
 TEST(LoraPatterns, AllLinearWrapsEveryLinearButTheOutputLayer) {
   LoraConfig c = lora_test_config();
@@ -328,8 +412,8 @@ TEST(LoraPatterns, PeftFilesWithTheFieldsLoadAndBadValuesAreRefused) {
           {"alist", "\"alpha_pattern\": {}", "\"alpha_pattern\": [8]", {"alpha_pattern is [8]"}},
           {"regex",
            "\"exclude_modules\": null",
-           "\"exclude_modules\": \".*wq\"",
-           {"exclude_modules is a regular expression"}},
+           "\"exclude_modules\": \"w(q\"",
+           {"exclude_modules_regex 'w(q' is not a regular expression"}},
           {"layers",
            "\"layers_to_transform\": null",
            "\"layers_to_transform\": \"0\"",

@@ -26,9 +26,16 @@ struct LoraConfig {
   // (kAllLinear, alone) is PEFT's "all-linear": every Linear of the model but its output layer
   // (a Decoder's `output`, its lm_head; any other model has none).
   std::vector<std::string> target_modules;
+  // PEFT's string form of target_modules: a regular expression (ECMAScript, which PEFT's common
+  // ones read alike in) that a module's whole path from the model's root must match
+  // ("layers\\.[01]\\.attention\\.w[qv]"), in place of the list (set one of the two).
+  // layers_to_transform does not apply with it (PEFT refuses the pair too).
+  std::string target_modules_regex;
   // PEFT's exclude_modules, list form: entries matched as target_modules' are, and a module one
   // matches is left out even where target_modules (or "all-linear") names it.
   std::vector<std::string> exclude_modules;
+  // PEFT's string form of exclude_modules: a module whose whole path matches it is left out.
+  std::string exclude_modules_regex;
   // PEFT's modules_to_save: modules (entries matched as target_modules' are) that train in full
   // beside the adapter, each as a copy of its parameters that the adapter owns: while the
   // adapter is active the module computes with its copy, made from the module's values when
@@ -80,16 +87,22 @@ struct LoraConfig {
   // This config with the r and lora_alpha of the module at `path`: what its layer holds.
   LoraConfig for_module(const std::string& path) const;
   bool all_linear() const;  // target_modules is {"all-linear"}
+  // The target entries: target_modules', or target_modules_regex alone.
+  std::vector<std::string> target_entries() const;
+  // Whether target_modules_regex (exclude_modules_regex) matches the whole of `path`.
+  bool regex_targets(const std::string& path) const;
+  bool regex_excludes(const std::string& path) const;
   // The layer index of the module at `path` under layers_pattern (the rule above), or -1.
   int64_t layer_index(const std::string& path) const;
   // Whether layers_to_transform keeps the module at `path`, which a target entry matched.
   bool in_transformed_layers(const std::string& path) const;
-  // An error naming the field for r <= 0, alpha <= 0, dropout outside [0, 1), no targets, a bias
+  // An error naming the field for r <= 0, alpha <= 0, dropout outside [0, 1), no targets or both
+  // forms of them, a target or exclude regex that does not compile, a bias
   // other than "none", "all" and "lora_only", an odd r with the orthogonal init, "all-linear"
-  // beside other targets or with layers_to_transform, an empty exclude_modules entry, a pattern
-  // key that is not a regular expression or whose value is not a valid r (alpha), a negative
-  // layer, layers_pattern without layers_to_transform or not a regular expression, an empty
-  // modules_to_save entry or "all-linear" there.
+  // beside other targets, "all-linear" or a target regex with layers_to_transform, an empty
+  // exclude_modules entry, a pattern key that is not a regular expression or whose value is not a
+  // valid r (alpha), a negative layer, layers_pattern without layers_to_transform or not a regular
+  // expression, an empty modules_to_save entry or "all-linear" there.
   void validate() const;
 };
 
