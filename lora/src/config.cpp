@@ -117,6 +117,9 @@ void LoraConfig::validate() const {
   TESSERA_CHECK(target_modules.empty() || target_modules_regex.empty(),
                 "LoraConfig: target_modules and target_modules_regex are both set (PEFT's "
                 "target_modules is a list or a regular expression, not both)");
+  TESSERA_CHECK(exclude_modules.empty() || exclude_modules_regex.empty(),
+                "LoraConfig: exclude_modules and exclude_modules_regex are both set (PEFT's "
+                "exclude_modules is a list or a regular expression, not both)");
   for (const auto& [field, re] :
        {std::pair<const char*, const std::string*>{"target_modules_regex", &target_modules_regex},
         {"exclude_modules_regex", &exclude_modules_regex}}) {

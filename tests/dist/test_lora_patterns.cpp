@@ -162,6 +162,10 @@ TEST(LoraPatterns, RegexTargetsAndExcludesMatchTheWholePath) {
   both.target_modules = {"wq"};
   expect_error([&] { apply_lora(fresh(), both); },
                {"target_modules and target_modules_regex are both set"});
+  LoraConfig both_ex = ex;
+  both_ex.exclude_modules = {"wk"};
+  expect_error([&] { apply_lora(fresh(), both_ex); },
+               {"exclude_modules and exclude_modules_regex are both set"});
   LoraConfig bad = c;
   bad.target_modules_regex = "w(q";
   expect_error([&] { apply_lora(fresh(), bad); },

@@ -34,7 +34,8 @@ struct LoraConfig {
   // PEFT's exclude_modules, list form: entries matched as target_modules' are, and a module one
   // matches is left out even where target_modules (or "all-linear") names it.
   std::vector<std::string> exclude_modules;
-  // PEFT's string form of exclude_modules: a module whose whole path matches it is left out.
+  // PEFT's string form of exclude_modules: a module whose whole path matches it is left out (in
+  // place of the list: set one of the two).
   std::string exclude_modules_regex;
   // PEFT's modules_to_save: modules (entries matched as target_modules' are) that train in full
   // beside the adapter, each as a copy of its parameters that the adapter owns: while the
@@ -96,9 +97,9 @@ struct LoraConfig {
   int64_t layer_index(const std::string& path) const;
   // Whether layers_to_transform keeps the module at `path`, which a target entry matched.
   bool in_transformed_layers(const std::string& path) const;
-  // An error naming the field for r <= 0, alpha <= 0, dropout outside [0, 1), no targets or both
-  // forms of them, a target or exclude regex that does not compile, a bias
-  // other than "none", "all" and "lora_only", an odd r with the orthogonal init, "all-linear"
+  // An error naming the field for r <= 0, alpha <= 0, dropout outside [0, 1), no targets, both
+  // forms of the targets or of the excludes, a target or exclude regex that does not compile, a
+  // bias other than "none", "all" and "lora_only", an odd r with the orthogonal init, "all-linear"
   // beside other targets, "all-linear" or a target regex with layers_to_transform, an empty
   // exclude_modules entry, a pattern key that is not a regular expression or whose value is not a
   // valid r (alpha), a negative layer, layers_pattern without layers_to_transform or not a regular
