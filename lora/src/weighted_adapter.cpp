@@ -7,6 +7,7 @@
 
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/autograd/ops.h"
+#include "tessera/core/error.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/views.h"
 #include "tessera/lora/lora_model.h"
@@ -14,13 +15,6 @@
 namespace tessera {
 
 namespace {
-
-std::string join_names(const std::vector<std::string>& v) {
-  std::string s;
-  for (const std::string& x : v)
-    s += (s.empty() ? "" : ", ") + x;
-  return s;
-}
 
 // PEFT's combination types that need an SVD or a pruning of the updates.
 bool peft_only(const std::string& type) {
@@ -47,7 +41,7 @@ void LoraModel::add_weighted_adapter(const std::vector<std::string>& adapters,
                 adapter_name,
                 "' exists already (PEFT returns without a word); delete it or pick another name");
   TESSERA_CHECK(!adapters.empty() && adapters.size() == weights.size(),
-                "LoRA add_weighted_adapter: ", adapters.size(), " adapters (", join_names(adapters),
+                "LoRA add_weighted_adapter: ", adapters.size(), " adapters (", join(adapters),
                 ") and ", weights.size(), " weights: one weight each");
   // One adapter can only be scaled, as in PEFT.
   const std::string type = adapters.size() == 1 ? "linear" : combination_type;
