@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/affine_batch.h"
+#include "dist/nn_dtensor_util.h"
 #include "tessera/tessera.h"
 #include "tessera/testing/checks.h"
 #include "tessera/testing/expect_error.h"
@@ -228,10 +229,7 @@ inline std::vector<Tensor> expect_mixed_batch_as_alone(LoraRun& run,
   return alone;
 }
 
-// A parameter's gradient as a global tensor (gathered when it is a DTensor).
-inline Tensor full_grad(const Parameter& p) {
-  return p.is_dtensor() ? p.grad_dtensor().full_tensor() : p.grad();
-}
+using nn_dtensor_test::full_grad;
 
 // The run's model and its adapter table in one checkpoint file (keys "model" and "lora").
 inline void save_lora_checkpoint(LoraRun& run, const std::string& path) {
