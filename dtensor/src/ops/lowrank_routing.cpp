@@ -49,30 +49,30 @@ ShardingDecision routed_decision(const DTensor& x, const DTensor& m, bool down) 
   return dec;
 }
 
+// Both products: x [..., c] against m [n, c], giving [..., n]; `down` picks the rules and the
+// local op, `shape` names m's layout in errors.
+DTensor run_routed(const char* op, const DTensor& x, const DTensor& m, bool down,
+                   const LowRankRouting& routing, const char* shape) {
+  dtensor_ops::check_same_mesh(op, {x, m});
+  TESSERA_CHECK(m.dim() == 2 && x.dim() >= 1 && x.size(-1) == m.size(1), op, ": ", x.str(), " and ",
+                m.str(), " do not fit (", shape, ")");
+  check_samples_whole(op, x);
+  Shape out = x.shape();
+  out.back() = m.size(0);
+  return dtensor_ops::run(
+      op, {x, m}, routed_decision(x, m, down), out, [routing, down](const std::vector<Tensor>& l) {
+        return down ? lowrank_down(l[0], l[1], routing) : lowrank_up(l[0], l[1], routing);
+      });
+}
+
 }  // namespace
 
 DTensor lowrank_down(const DTensor& x, const DTensor& a, const LowRankRouting& routing) {
-  dtensor_ops::check_same_mesh("lowrank_down", {x, a});
-  TESSERA_CHECK(a.dim() == 2 && x.dim() >= 1 && x.size(-1) == a.size(1), "lowrank_down: input ",
-                x.str(), " and a ", a.str(), " do not fit (a [k*width, in])");
-  check_samples_whole("lowrank_down", x);
-  Shape out = x.shape();
-  out.back() = a.size(0);
-  return dtensor_ops::run(
-      "lowrank_down", {x, a}, routed_decision(x, a, /*down=*/true), out,
-      [routing](const std::vector<Tensor>& l) { return lowrank_down(l[0], l[1], routing); });
+  return run_routed("lowrank_down", x, a, /*down=*/true, routing, "a [k*width, in]");
 }
 
 DTensor lowrank_up(const DTensor& h, const DTensor& b, const LowRankRouting& routing) {
-  dtensor_ops::check_same_mesh("lowrank_up", {h, b});
-  TESSERA_CHECK(b.dim() == 2 && h.dim() >= 1 && h.size(-1) == b.size(1), "lowrank_up: activations ",
-                h.str(), " and b ", b.str(), " do not fit (b [out, k*width])");
-  check_samples_whole("lowrank_up", h);
-  Shape out = h.shape();
-  out.back() = b.size(0);
-  return dtensor_ops::run(
-      "lowrank_up", {h, b}, routed_decision(h, b, /*down=*/false), out,
-      [routing](const std::vector<Tensor>& l) { return lowrank_up(l[0], l[1], routing); });
+  return run_routed("lowrank_up", h, b, /*down=*/false, routing, "b [out, k*width]");
 }
 
 }  // namespace tessera
