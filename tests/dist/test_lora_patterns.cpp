@@ -146,34 +146,27 @@ TEST(LoraPatterns, RegexTargetsAndExcludesMatchTheWholePath) {
   ex.exclude_modules_regex = "layers\\.0\\..*";
   EXPECT_EQ(wrapped(*apply_lora(fresh(), ex)),
             (std::vector<std::string>{"layers.1.attention.wq", "layers.1.attention.wk"}));
+  // Each refusal: `from` changed by `edit`, with the error naming what.
+  auto refused = [&](LoraConfig from, const std::function<void(LoraConfig&)>& edit,
+                     const std::vector<std::string>& what) {
+    edit(from);
+    expect_error([&] { apply_lora(fresh(), from); }, what);
+  };
   // The whole path: a tail alone matches nothing.
-  LoraConfig tail = c;
-  tail.target_modules_regex = "attention\\.wq";
-  expect_error([&] { apply_lora(fresh(), tail); },
-               {"target_modules_regex 'attention\\.wq' matches the whole path of no module"});
-  LoraConfig none = ex;
-  none.exclude_modules_regex = "nothing";
-  expect_error([&] { apply_lora(fresh(), none); },
-               {"exclude_modules_regex 'nothing' matches the whole path of no module"});
-  LoraConfig norms = c;
-  norms.target_modules_regex = ".*_norm";
-  expect_error([&] { apply_lora(fresh(), norms); }, {"not a Linear or an Embedding"});
-  LoraConfig both = c;
-  both.target_modules = {"wq"};
-  expect_error([&] { apply_lora(fresh(), both); },
-               {"target_modules and target_modules_regex are both set"});
-  LoraConfig both_ex = ex;
-  both_ex.exclude_modules = {"wk"};
-  expect_error([&] { apply_lora(fresh(), both_ex); },
-               {"exclude_modules and exclude_modules_regex are both set"});
-  LoraConfig bad = c;
-  bad.target_modules_regex = "w(q";
-  expect_error([&] { apply_lora(fresh(), bad); },
-               {"target_modules_regex 'w(q' is not a regular expression"});
-  LoraConfig layers = c;
-  layers.layers_to_transform = {0};
-  expect_error([&] { apply_lora(fresh(), layers); },
-               {"layers_to_transform cannot be used with target_modules_regex"});
+  refused(c, [](LoraConfig& x) { x.target_modules_regex = "attention\\.wq"; },
+          {"target_modules_regex 'attention\\.wq' matches the whole path of no module"});
+  refused(ex, [](LoraConfig& x) { x.exclude_modules_regex = "nothing"; },
+          {"exclude_modules_regex 'nothing' matches the whole path of no module"});
+  refused(c, [](LoraConfig& x) { x.target_modules_regex = ".*_norm"; },
+          {"not a Linear or an Embedding"});
+  refused(c, [](LoraConfig& x) { x.target_modules = {"wq"}; },
+          {"target_modules and target_modules_regex are both set"});
+  refused(ex, [](LoraConfig& x) { x.exclude_modules = {"wk"}; },
+          {"exclude_modules and exclude_modules_regex are both set"});
+  refused(c, [](LoraConfig& x) { x.target_modules_regex = "w(q"; },
+          {"target_modules_regex 'w(q' is not a regular expression"});
+  refused(c, [](LoraConfig& x) { x.layers_to_transform = {0}; },
+          {"layers_to_transform cannot be used with target_modules_regex"});
 }
 
 // The string forms in PEFT's files (written as strings, loaded back onto the same layers) and in
