@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "adapter_math.h"
+#include "describe.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/autograd/ops.h"
-#include "tessera/core/digest.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
 #include "tessera/core/kernels/reduce.h"
@@ -21,6 +21,7 @@
 
 namespace tessera {
 
+using lora_detail::describe_parameter;
 using lora_detail::window_of;
 
 namespace {
@@ -169,27 +170,15 @@ bool LoraLayer::can_unmerge(int64_t i) const {
 }
 
 std::vector<std::pair<std::string, std::string>> LoraLayer::describe_adapters() const {
-  // distribute_adapters cuts each adapter from this rank's own copy (kEveryRank), whose values
-  // must be every rank's: compared by parallelize_module, a rank holding other values is refused
-  // before the first target changes rather than in this layer's distribution, after earlier
-  // targets had. Device tensors are not read back, as distribute_tensor does not.
   std::vector<std::pair<std::string, std::string>> out;
-  auto describe = [&](const std::string& name, const Parameter& p) {
-    const Tensor& t = p.stored();
-    std::string values = "on a device";
-    if (t.device().is_cpu()) {
-      char hex[17];
-      std::snprintf(hex, sizeof(hex), "%016llx", (unsigned long long)values_digest(t));
-      values = std::string("digest ") + hex;
-    }
-    out.emplace_back(
-        name, detail::concat(dtype_name(t.dtype()), " ", shape_str(p.global_shape()), " ", values));
-  };
   for (size_t i = 0; i < a_.size(); ++i) {
-    describe(detail::concat(names_.first, ".", i, ".weight"), a_[i]->weight);
-    describe(detail::concat(names_.second, ".", i, ".weight"), b_[i]->weight);
+    out.push_back(
+        describe_parameter(detail::concat(names_.first, ".", i, ".weight"), a_[i]->weight));
+    out.push_back(
+        describe_parameter(detail::concat(names_.second, ".", i, ".weight"), b_[i]->weight));
     if (has_magnitude())
-      describe(detail::concat("lora_magnitude_vector.", i, ".weight"), m_[i]->weight);
+      out.push_back(describe_parameter(detail::concat("lora_magnitude_vector.", i, ".weight"),
+                                       m_[i]->weight));
   }
   return out;
 }

@@ -34,6 +34,18 @@ class OneLayer : public Module {
   std::shared_ptr<Linear> proj;
 };
 
+// A model of one table under the path "emb".
+class OneTable : public Module {
+ public:
+  OneTable(int64_t num, int64_t dim) : Module("OneTable") {
+    Generator gen(11);
+    emb = std::make_shared<Embedding>(num, dim, gen);
+    register_module("emb", emb);
+  }
+  Tensor forward(const Tensor& ids) override { return (*emb)(ids); }
+  std::shared_ptr<Embedding> emb;
+};
+
 // The paths of the layers LoRA wrapped, in the model's order.
 inline std::vector<std::string> wrapped(const LoraModel& lora) {
   std::vector<std::string> out;
@@ -147,6 +159,18 @@ inline std::pair<std::map<std::string, int64_t>, std::map<std::string, int64_t>>
   in.set_requires_grad(true);
   reset_comm_op_counts();
   Tensor y = m(in);
+  const auto forward = comm_op_counts();
+  reset_comm_op_counts();
+  backward(sum(mul(y, y)));
+  return {forward, comm_op_counts()};
+}
+
+// One table's collectives in a forward and a backward on `ids` (ids that need no gradient).
+inline std::pair<std::map<std::string, int64_t>, std::map<std::string, int64_t>> table_collectives(
+    Module& m, const Tensor& ids) {
+  world_group()->barrier()->wait();
+  reset_comm_op_counts();
+  const Tensor y = m(ids);
   const auto forward = comm_op_counts();
   reset_comm_op_counts();
   backward(sum(mul(y, y)));

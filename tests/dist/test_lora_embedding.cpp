@@ -41,18 +41,6 @@ Tensor ids_of(int step) {
   return affine_batch(step, 4, 8, lora_decoder_config().vocab_size).ids;
 }
 
-// A model of one table under the path "emb".
-class OneTable : public Module {
- public:
-  OneTable(int64_t num, int64_t dim) : Module("OneTable") {
-    Generator gen(11);
-    emb = std::make_shared<Embedding>(num, dim, gen);
-    register_module("emb", emb);
-  }
-  Tensor forward(const Tensor& ids) override { return (*emb)(ids); }
-  std::shared_ptr<Embedding> emb;
-};
-
 double largest(const Tensor& t) {
   return max_abs_diff(t, zeros(t.shape(), t.dtype()));
 }
@@ -194,18 +182,6 @@ TEST(LoraEmbedding, DoraIsPeftsDoraEmbedding) {
 }
 
 namespace {
-
-// One table's collectives in a forward and a backward on `ids`.
-std::pair<std::map<std::string, int64_t>, std::map<std::string, int64_t>> table_collectives(
-    Module& m, const Tensor& ids) {
-  world_group()->barrier()->wait();
-  reset_comm_op_counts();
-  const Tensor y = m(ids);
-  const auto forward = comm_op_counts();
-  reset_comm_op_counts();
-  backward(sum(mul(y, y)));
-  return {forward, comm_op_counts()};
-}
 
 // A vocabulary-parallel table (RowwiseParallel) and one split on dim 1 (ColwiseParallel), with
 // LoRA applied before or after parallelize_module: one process's output and adapter gradients,
