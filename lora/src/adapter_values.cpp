@@ -27,6 +27,9 @@ std::map<std::string, Tensor> LoraModel::read_adapter(const std::string& name) {
   }
   for (const auto& [key, p] : saved_parameters(a))
     out[key] = p->full();
+  size_t t = 0;
+  for (const auto& [key, p] : token_parameters(a))
+    out[key] = kernels::narrow(p->full(), 0, 0, int64_t(a.tokens[t++].second.size())).contiguous();
   return out;
 }
 
@@ -43,7 +46,7 @@ void LoraModel::write_adapter(const std::string& name,
     Parameter* param;
     Shape shape;         // global, unpadded
     int64_t padded_dim;  // -1: not padded (DoRA's magnitude)
-    int64_t r;           // the module's (rank_pattern)
+    int64_t r;           // what is used of the padded dim: the module's r, or the token count
   };
   std::vector<Target> want;
   for (size_t i : a.layers) {
@@ -62,6 +65,11 @@ void LoraModel::write_adapter(const std::string& name,
   }
   for (const auto& [key, p] : saved_parameters(a))
     want.push_back({key, p, p->global_shape(), -1, 0});
+  size_t t = 0;
+  for (const auto& [key, p] : token_parameters(a)) {
+    const int64_t n = int64_t(a.tokens[t++].second.size());
+    want.push_back({key, p, {n, p->global_shape()[1]}, 0, n});
+  }
   // Every key checked before anything is written.
   std::vector<std::string> missing, unexpected, mismatched;
   std::set<std::string> known;
@@ -95,10 +103,8 @@ void LoraModel::write_adapter(const std::string& name,
       t.param->copy_from_full(tensors.at(t.key).to(t.param->dtype()).contiguous());
       continue;
     }
-    Shape padded = t.shape;
-    padded[size_t(t.padded_dim)] = slots_.max_rank;
-    Tensor full = zeros(padded, t.param->dtype());
-    kernels::narrow(full, t.padded_dim, 0, t.r).copy_(tensors.at(t.key));
+    Tensor full = zeros(t.param->global_shape(), t.param->dtype());
+    kernels::narrow(full, t.padded_dim, 0, t.r).copy_(tensors.at(t.key).to(t.param->dtype()));
     t.param->copy_from_full(full);
   }
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <regex>
+#include <set>
 
 #include "tessera/core/error.h"
 #include "tessera/nn/module_path.h"
@@ -163,6 +164,20 @@ void LoraConfig::validate() const {
   }
   check_pattern(rank_pattern, "rank_pattern");
   check_pattern(alpha_pattern, "alpha_pattern");
+  std::set<std::string> token_keys;
+  for (const auto& [key, ids] : trainable_token_indices) {
+    const std::string at = key.empty() ? std::string("the input embedding") : "'" + key + "'";
+    TESSERA_CHECK(token_keys.insert(key).second, "LoraConfig: trainable_token_indices lists ", at,
+                  " twice");
+    TESSERA_CHECK(!ids.empty(), "LoraConfig: trainable_token_indices lists no token ids for ", at);
+    std::set<int64_t> seen;
+    for (int64_t id : ids) {
+      TESSERA_CHECK(id >= 0, "LoraConfig: trainable_token_indices holds token id ", id, " for ",
+                    at);
+      TESSERA_CHECK(seen.insert(id).second, "LoraConfig: trainable_token_indices lists token id ",
+                    id, " twice for ", at);
+    }
+  }
   // PEFT's orthogonal init pairs Q's even rows (A) with its odd ones (B).
   TESSERA_CHECK(init_lora_weights != LoraInit::Orthogonal || r % 2 == 0,
                 "LoraConfig: init_lora_weights \"orthogonal\" needs an even r, got ", r);

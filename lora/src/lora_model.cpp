@@ -7,26 +7,24 @@
 
 #include "saved_module.h"
 #include "targets.h"
-#include "tessera/autograd/grad_mode.h"
-#include "tessera/comm/agree.h"
 #include "tessera/comm/runtime.h"
 #include "tessera/core/factory.h"
-#include "tessera/core/kernels/views.h"
-#include "tessera/fsdp/fully_shard.h"
-#include "tessera/nn/module_path.h"
+#include "token_tables.h"
 
 namespace tessera {
 
 namespace {
 
 // The modules target_modules may name: all but the adapter slots inside LoRA layers, whose
-// paths ("wq.lora_A.0") end in a number as a Sequential's layers' do ("0"), and the copies of
-// modules_to_save ("output.modules_to_save.0").
+// paths ("wq.lora_A.0") end in a number as a Sequential's layers' do ("0"), the copies of
+// modules_to_save ("output.modules_to_save.0") and the rows of trainable tokens
+// ("tok_embeddings.token_adapter").
 std::vector<std::pair<std::string, ModulePtr>> targetable_modules(Module& model) {
   std::vector<std::pair<std::string, ModulePtr>> modules = model.named_modules(), out;
   std::vector<std::string> inside;
   for (const auto& [path, m] : modules) {
-    if (std::dynamic_pointer_cast<LoraLayer>(m)) inside.push_back(path.empty() ? "" : path + ".");
+    if (std::dynamic_pointer_cast<LoraLayer>(m) || std::dynamic_pointer_cast<TokenEmbedding>(m))
+      inside.push_back(path.empty() ? "" : path + ".");
     if (std::dynamic_pointer_cast<SavedCopies>(m)) inside.push_back(path);
   }
   for (auto& [path, m] : modules)
@@ -160,6 +158,8 @@ void LoraModel::set_trainable(const Adapter& a, bool holds) {
   }
   for (auto& [key, p] : trained_biases(a))
     p->set_requires_grad(holds);
+  for (auto& [key, p] : token_parameters(a))
+    p->set_requires_grad(!holds || !a.config.inference_mode);
 }
 
 void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
@@ -185,6 +185,13 @@ void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
   a.config = config;
   a.layers = targets(config);
   a.saved = saved_targets(config);
+  a.tokens = token_targets(config);
+  for (const auto& [t, ids] : a.tokens)
+    TESSERA_CHECK(int64_t(ids.size()) <= tokens_[t].second->max_tokens(),
+                  "LoRA add_adapter: adapter '", name, "' trains ", ids.size(), " token ids of '",
+                  tokens_[t].first, "' but the slots hold at most ",
+                  tokens_[t].second->max_tokens(),
+                  " (LoraSlots::max_trainable_tokens, fixed by apply_lora)");
   for (size_t i : a.layers)
     TESSERA_CHECK(config.rank_for(layers_[i].first) <= slots_.max_rank,
                   "LoRA add_adapter: adapter '", name, "' has r ",
@@ -193,17 +200,25 @@ void LoraModel::add_adapter(const std::string& name, const LoraConfig& config) {
                   " (LoraSlots::max_rank, fixed by apply_lora)");
   // All or nothing: a layer that refuses (a merged slot) or fails leaves no layer holding part
   // of an adapter that adapters() does not list.
-  size_t done = 0;
+  size_t done = 0, tokens_done = 0;
   try {
     for (; done < a.layers.size(); ++done)
       layers_[a.layers[done]].second->init_slot(slot, name,
                                                 config.for_module(layers_[a.layers[done]].first),
                                                 layers_[a.layers[done]].first);
+    for (; tokens_done < a.tokens.size(); ++tokens_done) {
+      const auto& [t, ids] = a.tokens[tokens_done];
+      tokens_[t].second->init_slot(slot, ids, tokens_[t].first);
+    }
   } catch (...) {
     // The failing layer too, unless its slot is merged (then it refused before writing).
     for (size_t k = 0; k <= done && k < a.layers.size(); ++k) {
       LoraLayer& layer = *layers_[a.layers[k]].second;
       if (!layer.slot(slot).merged) layer.clear_slot(slot);
+    }
+    for (size_t k = 0; k <= tokens_done && k < a.tokens.size(); ++k) {
+      TokenEmbedding& table = *tokens_[a.tokens[k].first].second;
+      if (!table.merged(slot)) table.clear_slot(slot);
     }
     throw;
   }
@@ -230,6 +245,8 @@ void LoraModel::delete_adapter(const std::string& name) {
     layers_[i].second->clear_slot(a.slot);
   for (size_t i : a.saved)
     saved_[i]->clear(a.slot);
+  for (const auto& [t, ids] : a.tokens)
+    tokens_[t].second->clear_slot(a.slot);
   set_trainable(a, false);
   adapters_.erase(name);
   update_saved();
@@ -343,6 +360,8 @@ std::vector<Parameter*> LoraModel::adapter_parameters(const std::string& name) {
     out.push_back(p);
   for (auto& [key, p] : saved_parameters(a))
     out.push_back(p);
+  for (auto& [key, p] : token_parameters(a))
+    out.push_back(p);
   return out;
 }
 
@@ -359,6 +378,9 @@ std::vector<Parameter*> LoraModel::parameters() {
     for (int64_t k = 0; k < slots_.max_adapters; ++k)
       for (auto& [n, p] : s->slot(k))
         out.push_back(p);
+  for (const auto& [path, t] : tokens_)
+    for (int64_t k = 0; k < t->num_slots(); ++k)
+      out.push_back(&t->trainable_tokens_delta(k));
   return out;
 }
 
@@ -394,111 +416,6 @@ void LoraModel::print_trainable_parameters(std::ostream& out) const {
       << " || all params: " << with_thousands(all) << " || trainable%: " << percent << "\n";
 }
 
-void LoraModel::merge_adapter(const std::string& name, bool safe_merge) {
-  const Adapter& a = find(name, "merge_adapter");
-  // Merged, an adapter applies to every sample: on top of the active adapter, or of the others
-  // in a mixed batch.
-  TESSERA_CHECK(name == active_, "LoRA merge_adapter '", name, "': it is not the active adapter (",
-                active_.empty() ? std::string("none is") : "'" + active_ + "'",
-                "), and merged it would apply to every sample on top of the active one; call "
-                "set_adapter(\"",
-                name, "\") first");
-  TESSERA_CHECK(!routing_->sample_slots, "LoRA merge_adapter '", name,
-                "': a mixed batch is set, whose every sample it would apply to once merged; "
-                "clear it with set_batch_adapters(Tensor()) first");
-  if (safe_merge) check_merge_is_finite(name, a);
-  for (size_t i : a.layers)
-    layers_[i].second->merge_slot(a.slot, /*unmerge=*/false);
-}
-
-// Each rank sees only its windows of the weights, so the ranks agree on the outcome; PEFT, which
-// checks layer by layer while merging, leaves the layers before a broken one merged.
-void LoraModel::check_merge_is_finite(const std::string& name, const Adapter& a) {
-  std::vector<std::string> broken;
-  for (size_t i : a.layers)
-    if (!layers_[i].second->merge_is_finite(a.slot)) broken.push_back(layers_[i].first);
-  const std::string context = "LoRA merge_adapter '" + name + "' (safe_merge)";
-  std::string error;
-  if (!broken.empty())
-    error = context + ": merged, the weights of " + join(broken) +
-            " would hold NaN or infinite values (the adapter seems broken); nothing was merged";
-  if (world_size() > 1)
-    agree(world_group(), context, error);
-  else
-    TESSERA_CHECK(error.empty(), error);
-}
-
-void LoraModel::unmerge_adapter(const std::string& name) {
-  const Adapter& a = find(name, "unmerge_adapter");
-  for (size_t i : a.layers)
-    TESSERA_CHECK(layers_[i].second->can_unmerge(a.slot), "LoRA unmerge_adapter '", name,
-                  "': the DoRA adapter was merged when its checkpoint was saved, and the weight "
-                  "norms that undo a DoRA merge are not in a checkpoint (PEFT keeps them in "
-                  "memory too); '",
-                  layers_[i].first, "' stays merged");
-  for (size_t i : a.layers)
-    layers_[i].second->merge_slot(a.slot, /*unmerge=*/true);
-}
-
-// merge_and_unload and unload change the model only once every layer is known to be where
-// apply_lora put it and unsharded.
-void LoraModel::check_unwrappable(const char* op) const {
-  for (const auto& [path, l] : layers_) {
-    TESSERA_CHECK(!is_fully_sharded(l->base_weight()), "LoRA ", op, ": '", path,
-                  "' is sharded by fully_shard, whose groups hold the adapter slots; call it "
-                  "before fully_shard, or keep the layers (merge_adapter)");
-    TESSERA_CHECK(model_->get_submodule(path) == l->module_ptr(), "LoRA ", op, ": '", path,
-                  "' no longer holds the layer apply_lora put there");
-  }
-  for (const auto& s : saved_) {
-    for (const auto& [name, p] : s->own())
-      TESSERA_CHECK(!is_fully_sharded(*p), "LoRA ", op, ": '", s->path,
-                    "' (modules_to_save) is sharded by fully_shard, whose groups hold its "
-                    "copies; call it before fully_shard");
-    TESSERA_CHECK(model_->get_submodule(s->path) == s->module, "LoRA ", op, ": '", s->path,
-                  "' no longer holds the module apply_lora saved");
-  }
-}
-
-ModulePtr LoraModel::merge_and_unload(bool safe_merge) {
-  check_unwrappable("merge_and_unload");
-  if (!active_.empty() && !merged(find(active_, "merge_and_unload")))
-    merge_adapter(active_, safe_merge);
-  // PEFT puts the active adapter's copy of each module it saves in the module's place.
-  if (!active_.empty())
-    for (size_t i : adapters_.at(active_).saved)
-      saved_[i]->write_into_module(adapters_.at(active_).slot);
-  return unwrap();
-}
-
-ModulePtr LoraModel::unload() {
-  check_unwrappable("unload");
-  for (const std::string& m : merged_adapters())
-    unmerge_adapter(m);
-  return unwrap();
-}
-
-ModulePtr LoraModel::unwrap() {
-  // The returned base model is frozen, the biases a `bias` mode trained too.
-  for (const auto& [name, a] : adapters_)
-    for (auto& [key, p] : trained_biases(a))
-      p->set_requires_grad(false);
-  for (const auto& [path, l] : layers_) {  // checked by check_unwrappable
-    model_->replace_submodule(path, l->unwrapped());
-    retired_.push_back(l);
-  }
-  layers_.clear();
-  for (const auto& s : saved_)
-    s->detach();
-  saved_.clear();
-  adapters_.clear();
-  active_.clear();
-  routing_->active_slot = -1;
-  routing_->sample_slots.reset();
-  routing_->masks.clear();
-  return model_;
-}
-
 std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& config,
                                       const std::string& adapter_name, const LoraSlots& slots) {
   TESSERA_CHECK(model != nullptr, "apply_lora: null model");
@@ -524,6 +441,9 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
     if (std::dynamic_pointer_cast<SavedCopies>(m))
       for (Parameter* p : m->parameters())
         adapters.insert(p);
+    if (auto t = std::dynamic_pointer_cast<TokenEmbedding>(m))
+      for (int64_t i = 0; i < t->num_slots(); ++i)
+        adapters.insert(&t->trainable_tokens_delta(i));
   }
   // The wrappers and copies are all made before the model changes: one that cannot be made
   // leaves the model unfrozen and unwrapped.
@@ -536,12 +456,22 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
           path, std::make_shared<LoraEmbedding>(dynamic_cast<Embedding&>(*m), s, lm->routing_));
     target_paths.push_back(path);
   }
-  for (const auto& [path, m] : find_saved_modules(config, modules))
+  std::vector<std::string> saved_paths;
+  for (const auto& [path, m] : find_saved_modules(config, modules)) {
     lm->saved_.push_back(make_saved_module(*model, path, m, s.max_adapters, target_paths));
+    saved_paths.push_back(path);
+  }
+  const auto tables = find_token_tables(*model, config, modules, target_paths, saved_paths);
+  const int64_t max_tokens = tables.empty() ? 0 : resolve_max_tokens(slots, config);
+  for (const auto& [path, table] : tables)
+    lm->tokens_.emplace_back(
+        path, std::make_shared<TokenEmbedding>(*table, s.max_adapters, max_tokens, lm->routing_));
   for (auto& [path, p] : model->named_parameters())
     if (!adapters.count(p)) p->set_requires_grad(false);
   for (auto& [path, l] : lm->layers_)
     model->replace_submodule(path, l->module_ptr());
+  for (auto& [path, t] : lm->tokens_)
+    model->replace_submodule(path, t);
   for (const auto& saved : lm->saved_)
     saved->attach(lm->routing_);
   lm->add_adapter(adapter_name, config);

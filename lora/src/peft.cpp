@@ -59,10 +59,25 @@ nlohmann::ordered_json pattern_json(const std::vector<std::pair<std::string, T>>
   return j;
 }
 
+// PEFT's trainable_token_indices: its list form for the key "" alone (the input embedding, which
+// PEFT finds itself), else an object of table -> ids; `tables` replaces the keys (PEFT reads
+// names and dotted suffixes, not patterns), or with none they stay.
+nlohmann::ordered_json tokens_json(
+    const LoraConfig& c, const std::vector<std::pair<std::string, std::vector<int64_t>>>& tables) {
+  const auto& t = c.trainable_token_indices;
+  if (t.empty()) return nullptr;
+  if (t.size() == 1 && t.front().first.empty()) return t.front().second;
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  for (const auto& [key, ids] : tables.empty() ? t : tables)
+    j[key] = ids;
+  return j;
+}
+
 // `targets` and `saved` replace c.target_modules and c.modules_to_save: PEFT reads names and
 // dotted suffixes, not patterns.
 nlohmann::ordered_json to_peft(const LoraConfig& c, const std::vector<std::string>& targets,
-                               const std::vector<std::string>& saved) {
+                               const std::vector<std::string>& saved,
+                               const nlohmann::ordered_json& tokens) {
   nlohmann::ordered_json j;
   j["peft_type"] = "LORA";
   j["task_type"] = nullptr;
@@ -106,7 +121,35 @@ nlohmann::ordered_json to_peft(const LoraConfig& c, const std::vector<std::strin
   else
     j["exclude_modules"] = c.exclude_modules;
   j["use_dora"] = c.use_dora;
+  j["trainable_token_indices"] = tokens;
   return j;
+}
+
+// PEFT's trainable_token_indices: a list of ids (the input embedding: the key ""), or an object
+// of module name -> ids.
+void tokens_from(const nlohmann::ordered_json& j, LoraConfig& c,
+                 const std::function<void(std::string)>& bad) {
+  if (!j.contains("trainable_token_indices") || j["trainable_token_indices"].is_null()) return;
+  const auto& t = j["trainable_token_indices"];
+  auto ids_of = [&](const nlohmann::ordered_json& list, const std::string& what) {
+    if (!list.is_array())
+      bad("trainable_token_indices" + what + " is " + list.dump() + ", not a list of token ids");
+    std::vector<int64_t> ids;
+    for (const auto& e : list) {
+      if (!e.is_number_integer())
+        bad("trainable_token_indices" + what + " holds " + e.dump() + ", not a token id");
+      ids.push_back(e.get<int64_t>());
+    }
+    return ids;
+  };
+  if (t.is_array()) {
+    if (!t.empty()) c.trainable_token_indices.emplace_back("", ids_of(t, ""));
+    return;
+  }
+  if (!t.is_object())
+    bad("trainable_token_indices is " + t.dump() + ", not a list of ids or an object");
+  for (const auto& [key, list] : t.items())
+    c.trainable_token_indices.emplace_back(key, ids_of(list, "['" + key + "']"));
 }
 
 // PEFT's rank_pattern or alpha_pattern: an object of key -> value, read in its order.
@@ -213,8 +256,8 @@ LoraConfig from_peft(const nlohmann::ordered_json& j, const std::string& file) {
     if (!e.is_string()) bad("modules_to_save holds a non-string");
     c.modules_to_save.push_back(e.get<std::string>());
   }
-  for (const char* field : {"target_parameters", "trainable_token_indices",
-                            "alora_invocation_tokens", "layer_replication"})
+  tokens_from(j, c, bad);
+  for (const char* field : {"target_parameters", "alora_invocation_tokens", "layer_replication"})
     if (j.contains(field) && !j[field].is_null() &&
         !((j[field].is_array() || j[field].is_object() || j[field].is_string()) &&
           j[field].empty()))
@@ -260,7 +303,8 @@ void check_same_files(const std::string& dir, const std::string& name, const Lor
   ProcessGroupPtr world = world_group();
   if (world->size() == 1) return;
   std::hash<std::string_view> hash;
-  size_t h = hash(to_peft(cfg, cfg.target_modules, cfg.modules_to_save).dump());
+  size_t h =
+      hash(to_peft(cfg, cfg.target_modules, cfg.modules_to_save, tokens_json(cfg, {})).dump());
   for (const auto& [key, t] : values)
     h = h * 1099511628211ull ^ hash(key) ^ (values_digest(t) << 1) ^ hash(shape_str(t.shape()));
   const std::vector<std::string> all = all_gather_strings(world, std::to_string(h));
@@ -302,6 +346,10 @@ void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
     saved_paths.push_back(saved_[i]->path);
   const std::vector<std::string> targets = peft_entries(cfg.target_modules, layers);
   const std::vector<std::string> saved = peft_entries(cfg.modules_to_save, saved_paths);
+  std::vector<std::pair<std::string, std::vector<int64_t>>> tables;
+  for (const auto& [t, ids] : a.tokens)
+    tables.emplace_back(tokens_[t].first, ids);
+  const nlohmann::ordered_json tokens = tokens_json(cfg, tables);
   std::map<std::string, Tensor> values = read_adapter(name);  // collective
   {
     NoGradGuard no_grad;
@@ -315,7 +363,7 @@ void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
       peft[kPrefix + key] = t;
     save_safetensors(dir + "/" + kWeights, peft, {{"format", "pt"}});
     std::ofstream out(dir + "/" + kConfig);
-    out << to_peft(cfg, targets, saved).dump(2) << "\n";
+    out << to_peft(cfg, targets, saved, tokens).dump(2) << "\n";
     TESSERA_CHECK(out.good(), "writing '", dir, "/", kConfig, "' failed");
   });
 }
@@ -375,6 +423,7 @@ void LoraModel::load_adapter(const std::string& dir, const std::string& name, bo
     cfg = from_peft(j, config_path);
     try {
       saved_targets(cfg);  // before add_adapter, to name the file
+      token_targets(cfg);
     } catch (const Error& e) {
       TESSERA_FAIL("PEFT config '", config_path, "': ", e.what());
     }

@@ -22,12 +22,14 @@ constexpr const char* kKey = "adapters";
 // Each format holds what the readers of the ones before would misread without a word. Format 2:
 // a module's own r or alpha (rank_pattern, alpha_pattern) or a DoRA adapter would be restored as
 // plain LoRA at the global r. Format 3: an adapter's modules_to_save would be dropped, its
-// modules computing with the originals. A table is written in the oldest format that holds it,
+// modules computing with the originals. Format 4: an adapter's trainable tokens would be dropped,
+// its tables reading their own rows. A table is written in the oldest format that holds it,
 // which older builds still read.
-constexpr int64_t kFormat = 3;
+constexpr int64_t kFormat = 4;
 constexpr int64_t kOldestFormat = 1;
 
 int64_t format_needed(const LoraConfig& c) {
+  if (!c.trainable_token_indices.empty()) return 4;
   if (!c.modules_to_save.empty()) return 3;
   return c.use_dora || !c.rank_pattern.empty() || !c.alpha_pattern.empty() ? 2 : 1;
 }
@@ -68,6 +70,8 @@ nlohmann::json config_json(const LoraConfig& c) {
   j["layers_to_transform"] = c.layers_to_transform;
   j["layers_pattern"] = c.layers_pattern;
   j["modules_to_save"] = c.modules_to_save;
+  // Pairs, not objects: the key "" (the input embedding) is not a JSON object's name.
+  if (!c.trainable_token_indices.empty()) j["trainable_token_indices"] = c.trainable_token_indices;
   return j;
 }
 
@@ -159,6 +163,19 @@ void read_selection(const nlohmann::json& j, LoraConfig& c, const std::string& w
       TESSERA_CHECK(e.is_string(), where, ": modules_to_save holds a non-string");
       c.modules_to_save.push_back(e.get<std::string>());
     }
+  if (j.contains("trainable_token_indices"))
+    for (const auto& e : field(j, "trainable_token_indices", V::array, where)) {
+      TESSERA_CHECK(e.is_array() && e.size() == 2 && e[0].is_string() && e[1].is_array(), where,
+                    ": trainable_token_indices holds ", e.dump().substr(0, 40),
+                    ", not a [table, ids] pair");
+      std::vector<int64_t> ids;
+      for (const auto& id : e[1]) {
+        TESSERA_CHECK(id.is_number_integer(), where, ": trainable_token_indices holds ",
+                      id.dump().substr(0, 40), ", not a token id");
+        ids.push_back(id.get<int64_t>());
+      }
+      c.trainable_token_indices.emplace_back(e[0].get<std::string>(), std::move(ids));
+    }
 }
 
 LoraConfig config_from(const nlohmann::json& j, const std::string& where) {
@@ -212,6 +229,7 @@ struct LoraModel::SavedAdapter {
   std::vector<size_t> layers;            // indices into layers_, in the model's order
   std::vector<uint64_t> dropout_offset;  // per entry of `layers`
   std::vector<size_t> saved;             // indices into saved_ (modules_to_save)
+  std::vector<std::pair<size_t, std::vector<int64_t>>> tokens;  // into tokens_, with ids
 };
 
 StateDict LoraModel::state_dict() const {
@@ -239,6 +257,11 @@ StateDict LoraModel::state_dict() const {
       e["saved_modules"] = nlohmann::json::array();
       for (size_t i : a.saved)
         e["saved_modules"].push_back(saved_[i]->path);
+    }
+    if (!a.tokens.empty()) {
+      e["token_tables"] = nlohmann::json::array();
+      for (const auto& [t, ids] : a.tokens)
+        e["token_tables"].push_back(tokens_[t].first);
     }
     j["adapters"].push_back(std::move(e));
   }
@@ -331,6 +354,31 @@ std::vector<LoraModel::SavedAdapter> LoraModel::parse_table(const std::string& t
       }
     TESSERA_CHECK(saved_here == saved_then, where, ": its modules_to_save cover ", list(saved_here),
                   " here and covered ", list(saved_then), " when saved: not the same model");
+    try {
+      a.tokens = token_targets(a.config);
+    } catch (const Error& err) {
+      TESSERA_FAIL(where, ": ", err.what());
+    }
+    std::vector<std::string> tables_here, tables_then;
+    for (const auto& [t, ids] : a.tokens) {
+      tables_here.push_back(tokens_[t].first);
+      TESSERA_CHECK(int64_t(ids.size()) <= tokens_[t].second->max_tokens(), where, ": ", ids.size(),
+                    " token ids at '", tokens_[t].first, "' exceed the slots' rows ",
+                    tokens_[t].second->max_tokens());
+    }
+    if (e.contains("token_tables"))
+      for (const auto& m : field(e, "token_tables", V::array, where)) {
+        TESSERA_CHECK(m.is_string(), where, ": token_tables holds a non-string");
+        tables_then.push_back(m.get<std::string>());
+      }
+    TESSERA_CHECK(tables_here == tables_then, where, ": its trainable tokens cover ",
+                  list(tables_here), " here and covered ", list(tables_then),
+                  " when saved: not the same model");
+    // The rows a merge replaced are kept in memory only (as PEFT keeps them), not in the
+    // model's state dict: such an adapter could never be unmerged here.
+    TESSERA_CHECK(!a.merged || a.tokens.empty(), where,
+                  ": an adapter with trainable tokens saved merged cannot be restored (the table "
+                  "rows its merge replaced are not in a checkpoint); save it unmerged");
     out.push_back(std::move(a));
   }
   if (out.size() > 1)
@@ -375,6 +423,9 @@ void LoraModel::load_state_dict(const StateDict& state) {
   for (size_t li = 0; li < layers_.size(); ++li)
     for (int64_t s = 0; s < slots_.max_adapters; ++s)
       layers_[li].second->restore_slot(s, "", LoraConfig{}, layers_[li].first, false, 0);
+  for (const auto& [path, t] : tokens_)
+    for (int64_t s = 0; s < t->num_slots(); ++s)
+      t->restore_slot(s, {}, false);
   for (const auto& [name, a] : adapters_)
     set_trainable(a, false);
   adapters_.clear();
@@ -384,7 +435,9 @@ void LoraModel::load_state_dict(const StateDict& state) {
       layers_[li].second->restore_slot(a.slot, a.name, a.config.for_module(layers_[li].first),
                                        layers_[li].first, a.merged, a.dropout_offset[k]);
     }
-    adapters_[a.name] = Adapter{a.slot, a.config, a.layers, a.saved};
+    for (const auto& [t, ids] : a.tokens)
+      tokens_[t].second->restore_slot(a.slot, ids, a.merged);
+    adapters_[a.name] = Adapter{a.slot, a.config, a.layers, a.saved, a.tokens};
     set_trainable(adapters_.at(a.name), true);
   }
   update_saved();

@@ -5,6 +5,7 @@
 #include "tessera/core/error.h"
 #include "tessera/fsdp/fully_shard.h"
 #include "tessera/lora/lora_layer.h"
+#include "tessera/lora/token_embedding.h"
 #include "tessera/nn/layers.h"
 #include "tessera/nn/module_path.h"
 #include "tessera/nn/transformer.h"
@@ -140,6 +141,9 @@ std::vector<std::pair<std::string, ModulePtr>> find_targets(
                   m->type_name(), ", not a Linear or an Embedding");
     TESSERA_CHECK(std::dynamic_pointer_cast<LoraLayer>(m) == nullptr, "apply_lora: '", path,
                   "' already has LoRA slots; add adapters with LoraModel::add_adapter");
+    TESSERA_CHECK(std::dynamic_pointer_cast<TokenEmbedding>(m) == nullptr, "apply_lora: '", path,
+                  "' has trainable tokens of an earlier apply_lora; a table either has LoRA "
+                  "adapters or trainable tokens");
     // The wrapper takes the weight over; an FSDP group would go on gathering the old one.
     TESSERA_CHECK(!is_fully_sharded(linear ? linear->weight : table->weight), "apply_lora: '", path,
                   "' is already sharded by fully_shard; apply LoRA before fully_shard (adapters "

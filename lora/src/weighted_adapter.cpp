@@ -54,6 +54,9 @@ void LoraModel::add_weighted_adapter(const std::vector<std::string>& adapters,
     src.push_back(&find(adapters[i], op));
     TESSERA_CHECK(!src.back()->config.use_dora, "LoRA add_weighted_adapter: adapter '", adapters[i],
                   "' uses DoRA, whose magnitude no combination here accounts for");
+    TESSERA_CHECK(src.back()->tokens.empty(), "LoRA add_weighted_adapter: adapter '", adapters[i],
+                  "' has trainable tokens, which PEFT's combinations leave out (only the LoRA "
+                  "matrices combine)");
     TESSERA_CHECK(type == "cat" || weights[i] >= 0, "LoRA add_weighted_adapter: weight ",
                   weights[i], " of adapter '", adapters[i],
                   "' is negative; \"linear\" scales A and B by its square root");

@@ -188,7 +188,7 @@ TEST(LoraCheckpoint, TableThatDoesNotFitIsRefused) {
   expect_refused(with("\"merged\":false", "\"merged\":true", /*last=*/true),
                  "is merged but not active");
   expect_refused(with("\"r\":2", "\"r\":5"), "exceeds the slots' rank 4");
-  expect_refused(with("\"format\":1", "\"format\":4"), "has format 4; this build reads 1 to 3");
+  expect_refused(with("\"format\":1", "\"format\":5"), "has format 5; this build reads 1 to 4");
   expect_refused(with("\"lora_alpha\":3.0", "\"lora_alpha\":\"3\""),
                  "'lora_alpha' is \"3\", not a number");
   expect_refused(with("\"active_adapter\":\"default\"", "\"active_adapter\":\"c\""),

@@ -285,6 +285,18 @@ TEST(LoraPeft, UnsupportedPeftFieldsAreRefused) {
        "\"peft_type\"",
        "\"alora_invocation_tokens\": [5, 9], \"peft_type\"",
        {"alora_invocation_tokens is set ([5,9])"}},
+      {"tokens",
+       "\"trainable_token_indices\": null",
+       "\"trainable_token_indices\": [1, 2]",
+       {"the input embedding", "apply_lora did not wrap for trainable tokens"}},
+      {"tokens_form",
+       "\"trainable_token_indices\": null",
+       "\"trainable_token_indices\": \"x\"",
+       {"trainable_token_indices is \"x\", not a list of ids or an object"}},
+      {"tokens_id",
+       "\"trainable_token_indices\": null",
+       "\"trainable_token_indices\": {\"tok_embeddings\": [1.5]}",
+       {"trainable_token_indices['tok_embeddings'] holds 1.5, not a token id"}},
   };
   for (PeftConfigEdit& c : cases)  // each error names the file
     c.error.push_back(std::string(c.name) + "/adapter_config.json'");

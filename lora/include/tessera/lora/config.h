@@ -45,6 +45,15 @@ struct LoraConfig {
   // Embedding, a norm), and is no LoRA target. apply_lora makes the copies (LoraSlots::
   // max_adapters of them), so a later adapter may name only modules the first one named.
   std::vector<std::string> modules_to_save;
+  // PEFT's trainable_token_indices: per Embedding, the token ids whose rows of its table train
+  // with the adapter, the rest of the table staying frozen (new special tokens, without
+  // modules_to_save's copy of the whole table). A key names modules as a target_modules entry
+  // does; the key "" is PEFT's list form, the model's input embedding (a Decoder's
+  // tok_embeddings, else the model's only Embedding). The rows start as the table's and are
+  // PEFT's trainable_tokens_delta (see token_embedding.h). apply_lora wraps the tables, so a
+  // later adapter may name only tables the first one named, with at most
+  // LoraSlots::max_trainable_tokens ids each. A table named here is no LoRA target.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> trainable_token_indices;
   // PEFT's rank_pattern and alpha_pattern: a module whose path matches a key takes its value as r
   // (lora_alpha) instead of the global one; its scale comes from its own r and alpha. Keys are
   // regular expressions (ECMAScript, which PEFT's common keys read alike in) matched as PEFT's
@@ -103,7 +112,8 @@ struct LoraConfig {
   // beside other targets, "all-linear" or a target regex with layers_to_transform, an empty
   // exclude_modules entry, a pattern key that is not a regular expression or whose value is not a
   // valid r (alpha), a negative layer, layers_pattern without layers_to_transform or not a regular
-  // expression, an empty modules_to_save entry or "all-linear" there.
+  // expression, an empty modules_to_save entry or "all-linear" there, a trainable_token_indices
+  // key listed twice, with no ids, a negative id or one listed twice.
   void validate() const;
 };
 
@@ -128,6 +138,9 @@ struct LoraSlots {
   // Every slot also holds a DoRA magnitude vector "lora_magnitude_vector.<slot>.weight" [out], so
   // that DoRA adapters can be added later; apply_lora sets it when its adapter uses DoRA.
   bool use_dora = false;
+  // Rows per slot of each table trainable_token_indices names; 0: the most ids the first adapter
+  // lists for one table.
+  int64_t max_trainable_tokens = 0;
 };
 
 }  // namespace tessera

@@ -12,6 +12,7 @@
 #include "tessera/checkpoint/state_dict.h"
 #include "tessera/lora/lora_embedding.h"
 #include "tessera/lora/lora_linear.h"
+#include "tessera/lora/token_embedding.h"
 
 namespace tessera {
 
@@ -41,6 +42,10 @@ class LoraModel {
   const std::vector<std::pair<std::string, std::shared_ptr<LoraLayer>>>& layers() const {
     return layers_;
   }
+  // The tables whose token rows adapters train (trainable_token_indices), by path.
+  const std::vector<std::pair<std::string, std::shared_ptr<TokenEmbedding>>>& token_tables() const {
+    return tokens_;
+  }
 
   // --- adapters ---
   std::vector<std::string> adapters() const;  // in slot order
@@ -52,7 +57,9 @@ class LoraModel {
   // `bias` mode makes those base biases trainable, unless config.inference_mode, which freezes its
   // matrices too; as in PEFT, refused when the model has another adapter and either one's bias
   // is not "none" (the biases are shared). Its modules_to_save must be modules apply_lora made
-  // copies for; each copy starts as its module's current values.
+  // copies for; each copy starts as its module's current values. Its trainable_token_indices
+  // must name tables apply_lora wrapped; their rows start as the tables' current rows (collective
+  // over a distributed table's mesh).
   void add_adapter(const std::string& name, const LoraConfig& config);
   // PEFT's add_weighted_adapter: a new adapter `adapter_name` whose update in every layer is a
   // weighted combination of those of `adapters` (each layer holding any of them), added into a
@@ -66,7 +73,8 @@ class LoraModel {
   // drawn), and as targets the paths of the layers it covers.
   // Refused, before anything changes, naming what: an existing adapter_name (PEFT returns
   // without a word), an unknown adapter, weights that do not pair with the adapters, PEFT's
-  // svd, ties, dare and magnitude_prune types (not built here), DoRA adapters, a rank past
+  // svd, ties, dare and magnitude_prune types (not built here), DoRA adapters, adapters with
+  // trainable tokens (PEFT combines only the LoRA matrices), a rank past
   // max_rank, "linear" with unequal ranks in a layer or a negative weight. Collective (it reads
   // and writes the adapters' global values).
   void add_weighted_adapter(const std::vector<std::string>& adapters,
@@ -148,9 +156,10 @@ class LoraModel {
 
   // --- values ---
   // Global tensors, "<module path>.lora_A.weight" [r, in] and ".lora_B.weight" [out, r], and for
-  // DoRA ".lora_magnitude_vector" [out] (PEFT's key), and per module of its modules_to_save its
-  // copies, "<module path>.<name>" (PEFT's key, "output.weight"), gathered (collective when
-  // distributed).
+  // DoRA ".lora_magnitude_vector" [out] (PEFT's key), per module of its modules_to_save its
+  // copies, "<module path>.<name>" (PEFT's key, "output.weight"), and per table of its trainable
+  // tokens "<table path>.token_adapter.trainable_tokens_delta" [ids, dim] (PEFT's key), gathered
+  // (collective when distributed).
   std::map<std::string, Tensor> read_adapter(const std::string& name);
   // The same keys and global shapes, each rank copying its window; every key is checked first
   // (missing, unexpected, wrong shapes — a local shard's shape named as such), nothing is written
@@ -162,7 +171,9 @@ class LoraModel {
   // ".lora_B.weight" [out, r], float32 global tensors, DoRA's ".lora_magnitude_vector" [out];
   // with a `bias` mode, its biases too, in their dtype, under PEFT's names:
   // "<path>.base_layer.bias" in a wrapped layer, the parameter's name elsewhere; its copies of
-  // modules_to_save as "<path>.<name>", in their dtype) and dir/adapter_config.json, by rank 0.
+  // modules_to_save as "<path>.<name>", in their dtype; its trainable tokens' rows as
+  // "<path>.token_adapter.trainable_tokens_delta", in the table's dtype) and
+  // dir/adapter_config.json, by rank 0.
   // Collective.
   void save_adapter(const std::string& dir, const std::string& name);
   // Adds adapter `name` from PEFT files, onto whatever mesh this model has. As PEFT's, it loads
@@ -201,6 +212,8 @@ class LoraModel {
     LoraConfig config;
     std::vector<size_t> layers;  // indices into layers_
     std::vector<size_t> saved;   // indices into saved_: its modules_to_save
+    // Its trainable tokens: indices into tokens_, each with its token ids.
+    std::vector<std::pair<size_t, std::vector<int64_t>>> tokens;
   };
   const Adapter& find(const std::string& name, const char* op) const;
   std::map<std::string, int64_t> adapter_slots() const;  // name -> slot
@@ -237,6 +250,14 @@ class LoraModel {
   std::vector<std::pair<std::string, Parameter*>> saved_parameters(const Adapter& a) const;
   // Whether `p` belongs to a saved module or its copies (left out of bias "all").
   bool in_saved_module(const Parameter* p) const;
+  // --- trainable tokens (trainable_tokens.cpp) ---
+  // The tables config.trainable_token_indices names among tokens_, each with its ids, in the
+  // model's order; an error names a key that matches nothing, a table apply_lora did not wrap,
+  // or a table two keys name.
+  std::vector<std::pair<size_t, std::vector<int64_t>>> token_targets(
+      const LoraConfig& config) const;
+  // The rows of `a`'s trainable tokens, by key "<path>.token_adapter.trainable_tokens_delta".
+  std::vector<std::pair<std::string, Parameter*>> token_parameters(const Adapter& a) const;
 
   friend class DisabledAdapters;
   ModulePtr model_;
@@ -247,16 +268,18 @@ class LoraModel {
   std::string active_;
   LoraSlots slots_;
   std::vector<std::shared_ptr<SavedModule>> saved_;  // modules_to_save, model order
+  std::vector<std::pair<std::string, std::shared_ptr<TokenEmbedding>>> tokens_;  // model order
+  std::vector<std::shared_ptr<TokenEmbedding>> retired_tokens_;                  // unloaded
 };
 
 // Wraps every Linear and Embedding of `model` that config.target_modules names (plain or
 // tensor-parallel, before fully_shard) in a LoraLinear or LoraEmbedding, gives every module
-// config.modules_to_save names its
-// per-slot copies, freezes every other parameter of the model (but the adapters of an earlier
-// apply_lora, and the biases config.bias trains), adds adapter `adapter_name` and makes it
-// active. Applying it before parallelize_module or after gives the
-// same model. A target matching nothing, or something other than a Linear or an Embedding, is an
-// error naming it.
+// config.modules_to_save names its per-slot copies, wraps every Embedding
+// config.trainable_token_indices names in a TokenEmbedding, freezes every other parameter of the
+// model (but the adapters of an earlier apply_lora, and the biases config.bias trains), adds
+// adapter `adapter_name` and makes it active. Applying it before parallelize_module or after gives
+// the same model. A target matching nothing, or something other than a Linear or an Embedding, is
+// an error naming it.
 std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& config,
                                       const std::string& adapter_name = "default",
                                       const LoraSlots& slots = {});
