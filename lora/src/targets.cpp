@@ -98,7 +98,7 @@ void check_lora_excludes(const LoraConfig& config,
 }
 
 void check_untied(Module& model, const std::string& path, const ModulePtr& module,
-                  const std::string& at) {
+                  const std::string& at, bool output_projection) {
   const std::string prefix = path + ".";
   const auto own = module->named_parameters(/*recurse=*/false, /*remove_duplicate=*/false);
   for (const auto& [other, q] : model.named_parameters(/*recurse=*/true, false))
@@ -108,7 +108,7 @@ void check_untied(Module& model, const std::string& path, const ModulePtr& modul
           at, ": its '", name, "' is tied to '", other,
           "', which would go on reading the original; untie them first");
   const auto* decoder = dynamic_cast<const Decoder*>(&model);
-  TESSERA_CHECK(!decoder || !decoder->config().tie_embeddings ||
+  TESSERA_CHECK(output_projection || !decoder || !decoder->config().tie_embeddings ||
                     module != std::static_pointer_cast<Module>(decoder->tok_embeddings),
                 at,
                 " is tied to the Decoder's output projection (tie_embeddings), which reads "

@@ -56,8 +56,9 @@ LoraSlots resolve_slots(const LoraSlots& slots, const LoraConfig& config, const 
 
 // An error "<at>: ..." when a parameter of `module` (at `path` in `model`) is also read by another
 // module: tied by assignment, or a Decoder's tok_embeddings under tie_embeddings, whose output
-// projection reads the table outside the embedding's forward.
+// projection reads the table outside the embedding's forward, unless `output_projection` (the
+// wrapper projects through Embedding::output_projection, which the Decoder calls).
 void check_untied(Module& model, const std::string& path, const ModulePtr& module,
-                  const std::string& at);
+                  const std::string& at, bool output_projection = false);
 
 }  // namespace tessera

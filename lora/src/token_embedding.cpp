@@ -227,6 +227,11 @@ bool TokenEmbedding::merge_is_finite(int64_t i) const {
 
 // --- forward ---
 
+bool TokenEmbedding::applies(int64_t s) const {
+  return s >= 0 && s < num_slots() && !slots_[size_t(s)].indices.empty() &&
+         !slots_[size_t(s)].merged;
+}
+
 bool TokenEmbedding::lookup(const Tensor& ids, Lookup& out) const {
   const bool mixed = routing_->sample_slots.has_value();
   // A merged slot is in the table for every sample: only the active slot of a batch that is
@@ -236,10 +241,6 @@ bool TokenEmbedding::lookup(const Tensor& ids, Lookup& out) const {
                   "trainable tokens: slot ", i,
                   " is merged into the table but is not the active adapter of a batch that is "
                   "not mixed, so it would apply to every sample; unmerge it first");
-  auto applies = [&](int64_t s) {
-    return s >= 0 && s < num_slots() && !slots_[size_t(s)].indices.empty() &&
-           !slots_[size_t(s)].merged;
-  };
   const int64_t rows = ids.dim() >= 1 ? ids.size(0) : 1;
   std::vector<int64_t> slot_of_row(size_t(rows), routing_->active_slot);
   if (mixed) {
@@ -318,6 +319,33 @@ DTensor TokenEmbedding::forward_dtensor(const DTensor& ids) {
   // reduction.
   const DTensor keep = DTensor::from_local(lk.keep, mesh, ids.placements(), mask_shape);
   return add(mul(y, cast(keep, y.dtype())), masked_fill(rows, keep, 0.0));
+}
+
+Tensor TokenEmbedding::output_projection(const Tensor& h) {
+  if (routing_->sample_slots)
+    for (int64_t s : *routing_->sample_slots)
+      TESSERA_CHECK(!applies(s), "trainable tokens: adapter slot ", s,
+                    " trains rows of a table tied to the output layer (tie_embeddings), whose "
+                    "projection in a mixed batch is not built; run its samples as a batch of their "
+                    "own (set_adapter)");
+  const int64_t s = routing_->active_slot;
+  if (routing_->sample_slots || !applies(s)) return Embedding::output_projection(h);
+  const Tensor& w = weight.local();
+  Slot& slot = slots_[size_t(s)];
+  if (!slot.vocab_rows.defined()) {
+    std::vector<int64_t> rows(size_t(num_embeddings()), 0), replaced(rows.size(), 0);
+    for (size_t j = 0; j < slot.indices.size(); ++j) {
+      rows[size_t(slot.indices[j])] = int64_t(j);
+      replaced[size_t(slot.indices[j])] = 1;
+    }
+    slot.vocab_rows = from_vector<int64_t>(rows).to(w.device());
+    slot.vocab_replaced =
+        from_vector<int64_t>(replaced, {num_embeddings(), 1}).to(DType::Bool).to(w.device());
+  }
+  const Tensor& d =
+      trainable_tokens_delta(s).whole_local(type_name(), "token_adapter.trainable_tokens_delta");
+  // PEFT's W.index_copy(0, indices, delta), whose gradient reaches delta's rows.
+  return linear(h, where(slot.vocab_replaced, embedding(slot.vocab_rows, d), w));
 }
 
 }  // namespace tessera

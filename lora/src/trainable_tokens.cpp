@@ -85,7 +85,8 @@ std::vector<std::pair<std::string, std::shared_ptr<Embedding>>> find_token_table
     TESSERA_CHECK(!is_fully_sharded(table->weight), at,
                   " is sharded by fully_shard; apply LoRA before fully_shard (adapters can still "
                   "be added after it, into the rows LoraSlots preallocates)");
-    check_untied(model, path, m, at);
+    // A Decoder's tied output layer projects through the wrapper (output_projection).
+    check_untied(model, path, m, at, /*output_projection=*/true);
     out.emplace_back(path, table);
   }
   return out;
@@ -136,6 +137,19 @@ std::vector<std::pair<size_t, std::vector<int64_t>>> LoraModel::token_targets(
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   return out;
+}
+
+void LoraModel::check_mixed_tokens(const std::string& adapter, const Adapter& a) const {
+  const auto* decoder = dynamic_cast<const Decoder*>(model_.get());
+  if (!decoder || !decoder->config().tie_embeddings) return;
+  for (const auto& [t, ids] : a.tokens)
+    TESSERA_CHECK(std::static_pointer_cast<Module>(tokens_[t].second) !=
+                      std::static_pointer_cast<Module>(decoder->tok_embeddings),
+                  "LoRA set_batch_adapters: adapter '", adapter, "' trains rows of '",
+                  tokens_[t].first,
+                  "', which the Decoder's output layer reads too (tie_embeddings): that "
+                  "projection in a mixed batch is not built; run its samples as a batch of their "
+                  "own (set_adapter)");
 }
 
 std::vector<std::pair<std::string, Parameter*>> LoraModel::token_parameters(

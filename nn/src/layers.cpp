@@ -103,6 +103,10 @@ DTensor Embedding::forward_dtensor(const DTensor& ids) {
   return embedding(ids, weight.on_mesh(ids.mesh()));
 }
 
+Tensor Embedding::output_projection(const Tensor& h) {
+  return linear(h, weight.local());
+}
+
 // --- RMSNorm / LayerNorm ---
 
 RMSNorm::RMSNorm(int64_t dim, std::optional<double> eps) : Module("RMSNorm"), eps_(eps) {

@@ -127,7 +127,7 @@ Tensor Decoder::forward(const Tensor& ids) {
                 table.str(),
                 "; leave tied embeddings replicated when parallelizing, and fully_shard them "
                 "with the decoder, not with tok_embeddings alone");
-  return linear(h, table.local());
+  return tok_embeddings->output_projection(h);
 }
 
 }  // namespace tessera

@@ -404,10 +404,13 @@ TEST(LoraTokens, WhatCannotTrainTokensIsRefusedNamingIt) {
   refused(saved, {"tok_embeddings", "modules_to_save"});
   refused(with_tokens({1, 2, 3, 4}), {"4 token ids", "max_trainable_tokens is 3"},
           {.max_trainable_tokens = 3});
-  DecoderConfig tied_cfg = lora_decoder_config();
-  tied_cfg.tie_embeddings = true;
-  expect_error([&] { apply_lora(std::make_shared<Decoder>(tied_cfg), with_tokens()); },
-               {"tok_embeddings", "tie_embeddings"});
+  {
+    // Tied by assignment: the other module would go on reading the table without the rows.
+    auto m = fresh();
+    m->output->weight = m->tok_embeddings->weight;
+    expect_error([&] { apply_lora(m, with_tokens()); },
+                 {"tok_embeddings", "tied to 'output.weight'"});
+  }
   {
     auto m = fresh();
     fully_shard(m->tok_embeddings, DeviceMesh(Shape{1}, {"dp"}));
@@ -446,4 +449,52 @@ TEST(LoraTokens, WhatCannotTrainTokensIsRefusedNamingIt) {
   lora->unmerge_adapter("default");
   expect_error([&] { lora->load_state_dict(table); },
                {"adapter 'default'", "trainable tokens saved merged", "save it unmerged"});
+}
+
+// Under a Decoder's tie_embeddings the output layer reads the adapter's rows too (PEFT's tied
+// adapter): logits and the rows' gradients (from the lookup and the projection) are those of the
+// tied decoder whose table holds the rows, under every layout; merge and unmerge keep them; a
+// mixed batch routing a sample to the rows is refused.
+TEST(LoraTokens, ATiedOutputLayerReadsTheRowsToo) {
+  DecoderConfig cfg = lora_decoder_config();
+  cfg.tie_embeddings = true;
+  const Tensor ids = ids_of(4);
+  for (const LoraLayout& l : lora_layouts({.max_adapters = 2})) {
+    SCOPED_TRACE(l.name);
+    LoraRun run = l.build(cfg, with_tokens());
+    shift_rows(*run.lora, "default");
+    const Tensor rows = run.lora->read_adapter("default").at(kDeltaKey);
+    // The reference: the tied decoder with the rows in its table, which trains, and the same
+    // LoRA adapter.
+    auto ref = std::make_shared<Decoder>(cfg);
+    auto ref_lora = apply_lora(ref, lora_test_config());
+    ref->tok_embeddings->weight.copy_from_full(
+        index_copy(ref->tok_embeddings->weight.full(), kIds, rows));
+    ref->tok_embeddings->weight.set_requires_grad(true);
+    const Tensor want = (*ref)(ids);
+    backward(sum(mul(want, want)));
+    const Tensor got = run.logits(ids);
+    expect_close(got, want, 1e-5, "logits");
+    backward(sum(mul(got, got)));
+    Parameter& delta = table_of(*run.model).trainable_tokens_delta(0);
+    const Tensor grad = delta.is_dtensor() ? delta.grad_dtensor().full_tensor() : delta.grad();
+    expect_close(grad, rows_of(ref->tok_embeddings->weight.grad(), kIds), 1e-4,
+                 "the rows' gradient");
+    NoGradGuard no_grad;
+    if (l.name.rfind("fsdp", 0) != 0 && l.name.rfind("hsdp", 0) != 0) {
+      run.lora->merge_adapter("default");
+      expect_close(run.logits(ids), want, 1e-5, "merged");
+      run.lora->unmerge_adapter("default");
+    }
+    expect_close(run.logits(ids), want, 1e-5, "unmerged");
+    run.lora->add_adapter("other", lora_test_config());
+    expect_error(
+        [&] {
+          run.lora->set_batch_adapters(std::vector<std::string>{"other", "default", "__base__"});
+        },
+        {"adapter 'default'", "tie_embeddings", "mixed batch is not built"});
+    run.lora->set_batch_adapters(std::vector<std::string>{"other", "__base__", "other", "other"});
+    EXPECT_NO_THROW(run.logits(ids));
+    run.lora->set_batch_adapters(Tensor());
+  }
 }

@@ -376,15 +376,16 @@ TEST(OnDevice, WithDeviceKernelsFsdpAndTensorParallelTrainingFollowTheCpu) {
 
 namespace {
 
-// LoRA (with adapter dropout) on the decoder: tensor parallel over the world, and at 4 ranks
-// FSDP x TP on a 2 x 2 mesh; trains (the second step on a mixed batch of two adapters and the
-// base model, routed on the device), merges and exports the adapter.
+// LoRA (with adapter dropout and trainable tokens) on the decoder: tensor parallel over the
+// world, and at 4 ranks FSDP x TP on a 2 x 2 mesh; trains (the second step on a mixed batch of
+// two adapters and the base model, routed on the device), merges and exports the adapter.
 TrainingRun train_lora(DeviceType type, const std::string& dir) {
   using namespace tessera::testing;
   const int n = world_size();
   const DecoderConfig cfg = lora_decoder_config();
   LoraConfig lc = lora_test_config();
   lc.lora_dropout = 0.1;
+  lc.trainable_token_indices = {{"", {3, 7, 11}}};
   auto net = std::make_shared<Decoder>(cfg);
   net->to(current_device(type));
   std::shared_ptr<LoraModel> lora;

@@ -40,6 +40,11 @@ class TokenEmbedding : public Embedding {
 
   Tensor forward(const Tensor& ids) override;
   DTensor forward_dtensor(const DTensor& ids) override;
+  // Under a Decoder's tie_embeddings: the projection onto the table with the active adapter's
+  // rows in place (PEFT's tied adapter on the output layer), so that those ids' logits read the
+  // trained rows too and the rows get both gradients. Refused in a mixed batch that routes a
+  // sample to an adapter with rows here (not built).
+  Tensor output_projection(const Tensor& h) override;
   void after_tensor_parallel(const DeviceMesh& mesh) override;
   std::vector<std::pair<std::string, std::string>> tensor_parallel_inputs() const override;
   // A plain Embedding holding the same table (LoraModel::unload).
@@ -72,7 +77,12 @@ class TokenEmbedding : public Embedding {
     std::unordered_map<int64_t, int64_t> row_of;  // id -> its row of delta
     bool merged = false;
     Tensor replaced;  // merged: the table's rows it replaced, global [n, dim]
+    // For the tied projection, made when first needed: each vocabulary row's row of delta (0
+    // where none), int64 [num_embeddings], and whether it is replaced, bool [num_embeddings, 1].
+    Tensor vocab_rows, vocab_replaced;
   };
+  // Whether slot s holds rows that this forward reads (an adapter's, not merged).
+  bool applies(int64_t s) const;
   // Which row of the stacked deltas each id reads, for this forward's adapters.
   struct Lookup {
     std::vector<int64_t> slots;  // stacked in this order

@@ -48,6 +48,11 @@ class Embedding : public Module {
 
   int64_t num_embeddings() const { return num_; }
   int64_t embedding_dim() const { return dim_; }
+  // The table read as an output layer (a Decoder's tie_embeddings): the logits h W^T of hidden
+  // states h [..., dim], W the whole table (the caller checks it is). A subclass whose lookup
+  // reads other rows (LoRA's trainable tokens) projects onto those rows too, so that the tied
+  // pair stays tied.
+  virtual Tensor output_projection(const Tensor& h);
   // A plain Embedding taking over `base`'s weight, as the constructor below does (LoRA's unload).
   static std::shared_ptr<Embedding> unwrapped(const Embedding& base);
   Parameter weight;
