@@ -322,8 +322,6 @@ void LoraModel::set_batch_adapters(const Tensor& ids) {
     TESSERA_CHECK(known, "LoRA set_batch_adapters: id ", id, " is no adapter's (", join(adapters()),
                   " have ids from adapter_id(); -1 is the base model)");
     for (const auto& [n, a] : adapters_)
-      if (a.slot == id) check_mixed_tokens(n, a);
-    for (const auto& [n, a] : adapters_)
       TESSERA_CHECK(a.slot != id || !a.config.use_dora, "LoRA set_batch_adapters: adapter '", n,
                     "' (id ", id,
                     ") uses DoRA, which mixed batches do not run (PEFT refuses DoRA with "

@@ -70,7 +70,7 @@ nlohmann::json config_json(const LoraConfig& c) {
   j["layers_to_transform"] = c.layers_to_transform;
   j["layers_pattern"] = c.layers_pattern;
   j["modules_to_save"] = c.modules_to_save;
-  // Pairs, not objects: the key "" (the input embedding) is not a JSON object's name.
+  // [key, ids] pairs in the config's order, as the patterns are.
   if (!c.trainable_token_indices.empty()) j["trainable_token_indices"] = c.trainable_token_indices;
   return j;
 }

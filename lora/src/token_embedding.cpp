@@ -321,16 +321,7 @@ DTensor TokenEmbedding::forward_dtensor(const DTensor& ids) {
   return add(mul(y, cast(keep, y.dtype())), masked_fill(rows, keep, 0.0));
 }
 
-Tensor TokenEmbedding::output_projection(const Tensor& h) {
-  if (routing_->sample_slots)
-    for (int64_t s : *routing_->sample_slots)
-      TESSERA_CHECK(!applies(s), "trainable tokens: adapter slot ", s,
-                    " trains rows of a table tied to the output layer (tie_embeddings), whose "
-                    "projection in a mixed batch is not built; run its samples as a batch of their "
-                    "own (set_adapter)");
-  const int64_t s = routing_->active_slot;
-  if (routing_->sample_slots || !applies(s)) return Embedding::output_projection(h);
-  const Tensor& w = weight.local();
+const TokenEmbedding::Slot& TokenEmbedding::vocab_map(int64_t s, Device device) {
   Slot& slot = slots_[size_t(s)];
   if (!slot.vocab_rows.defined()) {
     std::vector<int64_t> rows(size_t(num_embeddings()), 0), replaced(rows.size(), 0);
@@ -338,14 +329,57 @@ Tensor TokenEmbedding::output_projection(const Tensor& h) {
       rows[size_t(slot.indices[j])] = int64_t(j);
       replaced[size_t(slot.indices[j])] = 1;
     }
-    slot.vocab_rows = from_vector<int64_t>(rows).to(w.device());
+    slot.vocab_rows = from_vector<int64_t>(rows).to(device);
     slot.vocab_replaced =
-        from_vector<int64_t>(replaced, {num_embeddings(), 1}).to(DType::Bool).to(w.device());
+        from_vector<int64_t>(replaced, {num_embeddings(), 1}).to(DType::Bool).to(device);
   }
-  const Tensor& d =
-      trainable_tokens_delta(s).whole_local(type_name(), "token_adapter.trainable_tokens_delta");
-  // PEFT's W.index_copy(0, indices, delta), whose gradient reaches delta's rows.
-  return linear(h, where(slot.vocab_replaced, embedding(slot.vocab_rows, d), w));
+  return slot;
+}
+
+Tensor TokenEmbedding::output_projection(const Tensor& h) {
+  const Tensor& w = weight.local();
+  auto rows_of = [&](int64_t s) {
+    return trainable_tokens_delta(s).whole_local(type_name(),
+                                                 "token_adapter.trainable_tokens_delta");
+  };
+  if (!routing_->sample_slots) {
+    const int64_t s = routing_->active_slot;
+    if (!applies(s)) return Embedding::output_projection(h);
+    const Slot& slot = vocab_map(s, w.device());
+    // PEFT's W.index_copy(0, indices, delta), whose gradient reaches delta's rows.
+    return linear(h, where(slot.vocab_replaced, embedding(slot.vocab_rows, rows_of(s)), w));
+  }
+  // A mixed batch: the plain projection, then for each adapter with rows here its ids' columns
+  // of its samples (h delta^T, spread over the vocabulary and picked where they belong), so that
+  // no sample reads another adapter's rows.
+  const std::vector<int64_t>& per_sample = *routing_->sample_slots;
+  const int64_t samples = h.dim() >= 2 ? h.size(0) : 1;
+  TESSERA_CHECK(int64_t(per_sample.size()) == samples, "trainable tokens: the mixed batch routes ",
+                per_sample.size(), " samples, but the output layer's input ", h.str(), " holds ",
+                samples);
+  Tensor out = Embedding::output_projection(h);
+  std::vector<int64_t> done;
+  for (int64_t s : per_sample) {
+    if (!applies(s) || std::find(done.begin(), done.end(), s) != done.end()) continue;
+    done.push_back(s);
+    const Slot& slot = vocab_map(s, w.device());
+    const int64_t n = int64_t(slot.indices.size());
+    const Tensor cols = linear(h, kernels::narrow(rows_of(s), 0, 0, n));        // [..., n]
+    const Tensor spread = index_select(cols, cols.dim() - 1, slot.vocab_rows);  // [..., vocab]
+    Shape shape(size_t(std::max<int64_t>(h.dim(), 1)), 1);
+    shape.front() = samples;
+    shape.back() = num_embeddings();
+    if (h.dim() <= 1) shape = {num_embeddings()};
+    std::vector<int64_t> pick(size_t(samples * num_embeddings()), 0);
+    const std::vector<int64_t> replaced =
+        slot.vocab_replaced.to(Device::cpu()).to(DType::Int64).to_vector<int64_t>();
+    for (int64_t r = 0; r < samples; ++r)
+      if (per_sample[size_t(r)] == s)
+        for (int64_t v = 0; v < num_embeddings(); ++v)
+          pick[size_t(r * num_embeddings() + v)] = replaced[size_t(v)];
+    out = where(from_vector<int64_t>(pick, shape).to(DType::Bool).to(w.device()), spread, out);
+  }
+  return out;
 }
 
 }  // namespace tessera

@@ -139,19 +139,6 @@ std::vector<std::pair<size_t, std::vector<int64_t>>> LoraModel::token_targets(
   return out;
 }
 
-void LoraModel::check_mixed_tokens(const std::string& adapter, const Adapter& a) const {
-  const auto* decoder = dynamic_cast<const Decoder*>(model_.get());
-  if (!decoder || !decoder->config().tie_embeddings) return;
-  for (const auto& [t, ids] : a.tokens)
-    TESSERA_CHECK(std::static_pointer_cast<Module>(tokens_[t].second) !=
-                      std::static_pointer_cast<Module>(decoder->tok_embeddings),
-                  "LoRA set_batch_adapters: adapter '", adapter, "' trains rows of '",
-                  tokens_[t].first,
-                  "', which the Decoder's output layer reads too (tie_embeddings): that "
-                  "projection in a mixed batch is not built; run its samples as a batch of their "
-                  "own (set_adapter)");
-}
-
 std::vector<std::pair<std::string, Parameter*>> LoraModel::token_parameters(
     const Adapter& a) const {
   std::vector<std::pair<std::string, Parameter*>> out;

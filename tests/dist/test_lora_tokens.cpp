@@ -453,13 +453,13 @@ TEST(LoraTokens, WhatCannotTrainTokensIsRefusedNamingIt) {
 
 // Under a Decoder's tie_embeddings the output layer reads the adapter's rows too (PEFT's tied
 // adapter): logits and the rows' gradients (from the lookup and the projection) are those of the
-// tied decoder whose table holds the rows, under every layout; merge and unmerge keep them; a
-// mixed batch routing a sample to the rows is refused.
+// tied decoder whose table holds the rows, under every layout; merge and unmerge keep them; in a
+// mixed batch each sample reads its own adapter's rows.
 TEST(LoraTokens, ATiedOutputLayerReadsTheRowsToo) {
   DecoderConfig cfg = lora_decoder_config();
   cfg.tie_embeddings = true;
   const Tensor ids = ids_of(4);
-  for (const LoraLayout& l : lora_layouts({.max_adapters = 2})) {
+  for (const LoraLayout& l : lora_layouts({.max_adapters = 3})) {
     SCOPED_TRACE(l.name);
     LoraRun run = l.build(cfg, with_tokens());
     shift_rows(*run.lora, "default");
@@ -487,14 +487,11 @@ TEST(LoraTokens, ATiedOutputLayerReadsTheRowsToo) {
       run.lora->unmerge_adapter("default");
     }
     expect_close(run.logits(ids), want, 1e-5, "unmerged");
-    run.lora->add_adapter("other", lora_test_config());
-    expect_error(
-        [&] {
-          run.lora->set_batch_adapters(std::vector<std::string>{"other", "default", "__base__"});
-        },
-        {"adapter 'default'", "tie_embeddings", "mixed batch is not built"});
-    run.lora->set_batch_adapters(std::vector<std::string>{"other", "__base__", "other", "other"});
-    EXPECT_NO_THROW(run.logits(ids));
-    run.lora->set_batch_adapters(Tensor());
+    // A mixed batch: each sample's logits read its own adapter's rows (an adapter training
+    // other and shared ids, one training none, the base model).
+    run.lora->add_adapter("other", with_tokens({7, 20}, "", 5));
+    shift_rows(*run.lora, "other", kDeltaKey, -0.25);
+    run.lora->add_adapter("plain", lora_test_config());
+    expect_mixed_batch_as_alone(run, {"other", "default", "", "plain"}, ids);
   }
 }

@@ -256,9 +256,6 @@ class LoraModel {
   // or a table two keys name.
   std::vector<std::pair<size_t, std::vector<int64_t>>> token_targets(
       const LoraConfig& config) const;
-  // An error naming `adapter` when it trains rows of a table tied to a Decoder's output layer,
-  // whose projection in a mixed batch is not built.
-  void check_mixed_tokens(const std::string& adapter, const Adapter& a) const;
   // The rows of `a`'s trainable tokens, by key "<path>.token_adapter.trainable_tokens_delta".
   std::vector<std::pair<std::string, Parameter*>> token_parameters(const Adapter& a) const;
 

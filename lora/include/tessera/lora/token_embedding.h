@@ -42,8 +42,8 @@ class TokenEmbedding : public Embedding {
   DTensor forward_dtensor(const DTensor& ids) override;
   // Under a Decoder's tie_embeddings: the projection onto the table with the active adapter's
   // rows in place (PEFT's tied adapter on the output layer), so that those ids' logits read the
-  // trained rows too and the rows get both gradients. Refused in a mixed batch that routes a
-  // sample to an adapter with rows here (not built).
+  // trained rows too and the rows get both gradients; in a mixed batch each sample's logits
+  // read its own adapter's rows.
   Tensor output_projection(const Tensor& h) override;
   void after_tensor_parallel(const DeviceMesh& mesh) override;
   std::vector<std::pair<std::string, std::string>> tensor_parallel_inputs() const override;
@@ -83,6 +83,8 @@ class TokenEmbedding : public Embedding {
   };
   // Whether slot s holds rows that this forward reads (an adapter's, not merged).
   bool applies(int64_t s) const;
+  // Slot s with its vocab_rows and vocab_replaced made (on `device`).
+  const Slot& vocab_map(int64_t s, Device device);
   // Which row of the stacked deltas each id reads, for this forward's adapters.
   struct Lookup {
     std::vector<int64_t> slots;  // stacked in this order
