@@ -15,11 +15,13 @@
 //   lora_table  lora with an adapter on the token embeddings too (LoraEmbedding)
 //   lora_mixed  lora with four such adapters (the model's slots hold four) and a mixed batch
 //           that gives each adapter two of the eight samples, all four trained
+//   lora_tokens  lora with the rows of 16 token ids of the embeddings trained too
+//           (trainable_token_indices, a TokenEmbedding)
 //   full    every parameter trained by AdamW (for the optimizer state; its time is reported too)
 // Ratios: median step time of lora over frozen (paired per round; target <= 1.15), of lora_table
 // over lora (what the table's adapter adds), of lora_mixed over lora (what routing each sample
-// to its own adapter adds, with four adapters' optimizer steps), and AdamW's state bytes of lora
-// over full.
+// to its own adapter adds, with four adapters' optimizer steps), of lora_tokens over lora (what
+// the trainable rows add), and AdamW's state bytes of lora over full.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -62,6 +64,12 @@ Contender make(const std::string& kind, int r, int dim) {
       cfg.lora_alpha = 2.0 * r;
       cfg.target_modules = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"};
       if (kind == "lora_table") cfg.target_modules.push_back("tok_embeddings");
+      if (kind == "lora_tokens") {
+        std::vector<int64_t> ids;
+        for (int64_t id = 0; id < 16; ++id)
+          ids.push_back(id * 7);
+        cfg.trainable_token_indices = {{"", ids}};
+      }
       const bool mixed = kind == "lora_mixed";
       c.lora = apply_lora(c.model, cfg, "default",
                           {.max_adapters = mixed ? 4 : 1, .max_rank = mixed ? r : 0});
@@ -130,12 +138,13 @@ int main(int argc, char** argv) {
   TESSERA_CHECK(dim % 8 == 0, "lora_step: --dim must be a multiple of 8 (8 heads)");
   const DecoderConfig cfg = config(dim);
   const bench::TokenBatch batch = bench::random_tokens(8, 128, cfg.vocab_size, 11);
-  const std::vector<const char*> kinds = {"frozen", "lora", "lora_table", "lora_mixed", "full"};
+  const std::vector<const char*> kinds = {"frozen",     "lora",        "lora_table",
+                                          "lora_mixed", "lora_tokens", "full"};
   std::map<std::string, Contender> c;
   for (const char* kind : kinds)
     c[kind] = make(kind, r, dim);
   std::map<std::string, std::vector<double>> medians;
-  std::vector<double> overhead, table, mixed;
+  std::vector<double> overhead, table, mixed, tokens;
   for (int round = 0; round < rounds; ++round) {
     std::map<std::string, double> m;
     for (const char* kind : kinds) {
@@ -149,24 +158,27 @@ int main(int argc, char** argv) {
     overhead.push_back(m["lora"] / m["frozen"]);
     table.push_back(m["lora_table"] / m["lora"]);
     mixed.push_back(m["lora_mixed"] / m["lora"]);
+    tokens.push_back(m["lora_tokens"] / m["lora"]);
   }
   const int64_t lora_state = state_bytes(*c["lora"].opt), full_state = state_bytes(*c["full"].opt);
-  const Spread o = spread(overhead), t = spread(table), x = spread(mixed);
+  const Spread o = spread(overhead), t = spread(table), x = spread(mixed), k = spread(tokens);
   std::printf(
       "{\n  \"benchmark\": \"lora_step\",\n  \"rank\": %d,\n  \"dim\": %d,\n  \"rounds\": %d,\n", r,
       dim, rounds);
   std::printf(
       "  \"step_seconds_median\": {\"frozen\": %.4f, \"lora\": %.4f, \"lora_table\": %.4f, "
-      "\"lora_mixed\": %.4f, \"full\": %.4f},\n",
+      "\"lora_mixed\": %.4f, \"lora_tokens\": %.4f, \"full\": %.4f},\n",
       spread(medians["frozen"]).median, spread(medians["lora"]).median,
       spread(medians["lora_table"]).median, spread(medians["lora_mixed"]).median,
-      spread(medians["full"]).median);
+      spread(medians["lora_tokens"]).median, spread(medians["full"]).median);
   std::printf("  \"lora_vs_frozen_step\": {\"median\": %.3f, \"min\": %.3f, \"max\": %.3f},\n",
               o.median, o.min, o.max);
   std::printf("  \"lora_table_vs_lora_step\": {\"median\": %.3f, \"min\": %.3f, \"max\": %.3f},\n",
               t.median, t.min, t.max);
   std::printf("  \"lora_mixed_vs_lora_step\": {\"median\": %.3f, \"min\": %.3f, \"max\": %.3f},\n",
               x.median, x.min, x.max);
+  std::printf("  \"lora_tokens_vs_lora_step\": {\"median\": %.3f, \"min\": %.3f, \"max\": %.3f},\n",
+              k.median, k.min, k.max);
   std::printf("  \"optimizer_state_bytes\": {\"lora\": %lld, \"full\": %lld},\n",
               (long long)lora_state, (long long)full_state);
   std::printf("  \"lora_vs_full_optimizer_state\": %.4f\n}\n",

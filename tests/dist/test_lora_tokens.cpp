@@ -361,6 +361,10 @@ TEST(LoraTokens, PeftFilesAndTheAdapterTableKeepTheRows) {
       SCOPED_TRACE(l.name);
       LoraRun run = l.build(lora_decoder_config(), with_tokens({1, 2}, key, 9));
       run.lora->load_adapter(dir, "loaded");
+      // As PEFT's, for inference unless is_trainable: its rows stay frozen.
+      EXPECT_FALSE(table_of(*run.model)
+                       .trainable_tokens_delta(run.lora->adapter_id("loaded"))
+                       .requires_grad());
       run.lora->set_adapter("loaded");
       expect_close(run.logits(ids_of(2)), want, 1e-5, "loaded from PEFT's files");
       const std::string ckpt = dir + "/ckpt.h5";
