@@ -25,13 +25,13 @@ using lora_detail::write_window;
 // PEFT's ParameterDict "trainable_tokens_delta", by slot: "token_adapter.trainable_tokens_delta.0".
 class TokenDeltas : public Module {
  public:
-  explicit TokenDeltas(std::vector<Parameter> values) : Module("TokenDeltas") {
-    for (Parameter& v : values)
-      values_.push_back(std::make_unique<Parameter>(std::move(v)));
-    for (size_t i = 0; i < values_.size(); ++i)
-      register_parameter(std::to_string(i), values_[i].get());
+  explicit TokenDeltas(std::vector<Parameter> rows) : Module("TokenDeltas") {
+    for (Parameter& v : rows)
+      values.push_back(std::make_unique<Parameter>(std::move(v)));
+    for (size_t i = 0; i < values.size(); ++i)
+      register_parameter(std::to_string(i), values[i].get());
   }
-  std::vector<std::unique_ptr<Parameter>> values_;
+  std::vector<std::unique_ptr<Parameter>> values;
 };
 
 class TokenAdapter : public Module {
@@ -103,7 +103,7 @@ bool TokenEmbedding::merged(int64_t i) const {
 
 Parameter& TokenEmbedding::trainable_tokens_delta(int64_t i) {
   check_slot(i, "trainable_tokens_delta");
-  return *adapter_->deltas->values_[size_t(i)];
+  return *adapter_->deltas->values[size_t(i)];
 }
 
 // --- layout ---
@@ -113,7 +113,7 @@ void TokenEmbedding::after_tensor_parallel(const DeviceMesh& mesh) {
   const Placements placements = delta_placements(weight.stored_dtensor());
   NoGradGuard no_grad;
   // Every rank holds the same rows (the table's, from before it was cut): each cuts its window.
-  for (auto& p : adapter_->deltas->values_) {
+  for (auto& p : adapter_->deltas->values) {
     TESSERA_CHECK(!p->is_dtensor(), "TokenEmbedding: rows already distributed");
     *p = Parameter(distribute_tensor(p->full(), mesh, placements, kEveryRank), p->requires_grad());
   }
@@ -121,9 +121,9 @@ void TokenEmbedding::after_tensor_parallel(const DeviceMesh& mesh) {
 
 std::vector<std::pair<std::string, std::string>> TokenEmbedding::tensor_parallel_inputs() const {
   std::vector<std::pair<std::string, std::string>> out;
-  for (size_t i = 0; i < adapter_->deltas->values_.size(); ++i)
+  for (size_t i = 0; i < adapter_->deltas->values.size(); ++i)
     out.push_back(describe_parameter(detail::concat("token_adapter.trainable_tokens_delta.", i),
-                                     *adapter_->deltas->values_[i]));
+                                     *adapter_->deltas->values[i]));
   return out;
 }
 
@@ -366,18 +366,17 @@ Tensor TokenEmbedding::output_projection(const Tensor& h) {
     const int64_t n = int64_t(slot.indices.size());
     const Tensor cols = linear(h, kernels::narrow(rows_of(s), 0, 0, n));        // [..., n]
     const Tensor spread = index_select(cols, cols.dim() - 1, slot.vocab_rows);  // [..., vocab]
+    // Its samples' flags [samples, 1, ..., 1] and the replaced ids [vocab]: where a sample is
+    // not the adapter's, the flag itself (false) is picked, so the pick is their product.
     Shape shape(size_t(std::max<int64_t>(h.dim(), 1)), 1);
     shape.front() = samples;
-    shape.back() = num_embeddings();
-    if (h.dim() <= 1) shape = {num_embeddings()};
-    std::vector<int64_t> pick(size_t(samples * num_embeddings()), 0);
-    const std::vector<int64_t> replaced =
-        slot.vocab_replaced.to(Device::cpu()).to(DType::Int64).to_vector<int64_t>();
+    std::vector<int64_t> mine(size_t(samples), 0);
     for (int64_t r = 0; r < samples; ++r)
-      if (per_sample[size_t(r)] == s)
-        for (int64_t v = 0; v < num_embeddings(); ++v)
-          pick[size_t(r * num_embeddings() + v)] = replaced[size_t(v)];
-    out = where(from_vector<int64_t>(pick, shape).to(DType::Bool).to(w.device()), spread, out);
+      mine[size_t(r)] = per_sample[size_t(r)] == s;
+    const Tensor flags = from_vector<int64_t>(mine, shape).to(DType::Bool).to(w.device());
+    const Tensor ids = kernels::reshape(slot.vocab_replaced, {num_embeddings()});
+    const Tensor pick = kernels::where(flags, ids, flags);
+    out = where(pick, spread, out);
   }
   return out;
 }
