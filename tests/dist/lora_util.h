@@ -305,6 +305,18 @@ inline double lora_train_step(LoraRun& run, Optimizer& opt, int step) {
   return l.item<double>() / double(world_size());
 }
 
+// `steps` AdamW steps (lr 1e-2, no weight decay) over lora.parameters() of a one-process `model`
+// on affine batches of 4 samples.
+inline void train_one_process(Module& model, LoraModel& lora, int steps) {
+  AdamW opt(lora.parameters(), AdamWOptions{.lr = 1e-2, .weight_decay = 0.0});
+  for (int step = 0; step < steps; ++step) {
+    opt.zero_grad();
+    const Batch b = affine_batch(step, 4, 8, lora_decoder_config().vocab_size);
+    backward(cross_entropy(model(b.ids), b.targets));
+    opt.step();
+  }
+}
+
 // A fine-tuning run's losses, adapter (read_adapter) and base weights, for parity checks.
 struct LoraTrained {
   std::vector<double> losses;

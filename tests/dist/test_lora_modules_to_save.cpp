@@ -62,13 +62,7 @@ TEST(LoraModulesToSave, TheAdapterTrainsItsCopiesAndTheOriginalsStay) {
   }
   expect_close((*m)(ids_of(0)), base_logits, 1e-6, "Kaiming adapter and fresh copies");
   // Trained, the copies move and the originals do not.
-  AdamW opt(lora->parameters(), AdamWOptions{.lr = 1e-2, .weight_decay = 0.0});
-  for (int step = 0; step < 3; ++step) {
-    opt.zero_grad();
-    const Batch b = affine_batch(step, 4, 8, lora_decoder_config().vocab_size);
-    backward(cross_entropy((*m)(b.ids), b.targets));
-    opt.step();
-  }
+  train_one_process(*m, *lora, 3);
   for (const char* s : kSaved) {
     SCOPED_TRACE(s);
     expect_identical(param(*m, std::string(s) + ".weight").full(), before.at(s), "original");

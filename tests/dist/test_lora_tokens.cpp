@@ -122,13 +122,7 @@ TEST(LoraTokens, TheNamedRowsTrainAndTheTableStays) {
   EXPECT_FALSE(table.weight.grad().defined());
   delta.zero_grad();
 
-  AdamW opt(lora->parameters(), AdamWOptions{.lr = 1e-2, .weight_decay = 0.0});
-  for (int step = 0; step < 3; ++step) {
-    opt.zero_grad();
-    const Batch b = affine_batch(step, 4, 8, lora_decoder_config().vocab_size);
-    backward(cross_entropy((*m)(b.ids), b.targets));
-    opt.step();
-  }
+  train_one_process(*m, *lora, 3);
   expect_identical(table.weight.full(), w, "the table after training");
   EXPECT_GT(max_abs_diff(delta.full(), rows_of(w, kIds)), 1e-4);
   NoGradGuard no_grad;

@@ -9,7 +9,8 @@
 // Each adapter slot holds "token_adapter.trainable_tokens_delta.<slot>" [max_tokens, dim], in
 // W's dtype: the new rows themselves (PEFT's name; not a difference from W), starting as W's rows
 // of those ids. An adapter with fewer ids uses the first rows; the others stay zero and are
-// never read. The ids live with the slot (LoraModel's config), not in the state dict.
+// never read. The ids are the adapter's config's: the adapter table holds them, the model's
+// state dict only the rows.
 //
 // Placements follow the table's, mesh dim by mesh dim: a vocabulary-parallel table (Shard(0))
 // gives delta replicated, a table split on dim 1 gives delta Shard(1), a replicated one
