@@ -27,8 +27,8 @@ std::string input_embedding_path(Module& model) {
   for (const auto& [path, m] : modules)
     if (std::dynamic_pointer_cast<Embedding>(m)) tables.push_back(path);
   TESSERA_CHECK(tables.size() == 1,
-                "LoRA trainable_token_indices: the key \"\" (PEFT's list "
-                "form) names the model's input embedding, but the model has ",
+                "LoRA trainable_token_indices: the key \"\" (PEFT's list form) names the "
+                "model's input embedding, but the model has ",
                 tables.empty() ? std::string("no Embedding") : "the Embeddings " + join(tables),
                 "; name the table with its path as the key");
   return tables.front();

@@ -390,6 +390,18 @@ TEST(LoraTokens, WhatCannotTrainTokensIsRefusedNamingIt) {
   refused(with_tokens({3, 3}), {"token id 3 twice"});
   refused(with_tokens({3, 32}), {"token id 32", "out of range", "num_embeddings 32"});
   refused(with_tokens({3}, "embeddings"), {"'embeddings'", "matches no module"});
+  {
+    // The key "" outside a Decoder: the model's only Embedding, else refused naming them.
+    LoraConfig c = lora_test_config_for("proj");
+    c.trainable_token_indices = {{"", {1}}};
+    auto one = std::make_shared<TableAndProj>(10, 8);
+    EXPECT_EQ(apply_lora(one, c)->token_tables().front().first, "emb");
+    auto two = std::make_shared<TableAndProj>(10, 8);
+    Generator gen(1);
+    two->add_module("extra", std::make_shared<Embedding>(10, 8, gen));
+    expect_error([&] { apply_lora(two, c); },
+                 {"the key \"\"", "input embedding", "the Embeddings emb, extra"});
+  }
   LoraConfig twice = with_tokens();
   twice.trainable_token_indices.push_back({"tok_embeddings", {1}});
   refused(twice, {"'tok_embeddings' is named by two keys"});
