@@ -3,18 +3,16 @@
 #include "tessera/lora/lora_layer.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <utility>
 #include <vector>
 
 #include "adapter_math.h"
+#include "beside_base.h"
 #include "describe.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/autograd/ops.h"
 #include "tessera/core/factory.h"
-#include "tessera/core/kernels/elementwise.h"
-#include "tessera/core/kernels/reduce.h"
 #include "tessera/core/kernels/views.h"
 #include "tessera/dtensor/ops.h"
 #include "window.h"
@@ -26,13 +24,9 @@ using lora_detail::window_of;
 
 namespace {
 
-// A zero adapter matrix laid out for a base weight: plain, or a DTensor with `placements`.
+// A zero adapter matrix (float32) laid out for a base weight.
 Parameter adapter_parameter(const Shape& shape, const Parameter& base, const Placements& p) {
-  const TensorOptions opts(DType::Float32, base.stored().device());
-  if (!base.is_dtensor()) return Parameter(zeros(shape, opts));
-  const DTensor& w = base.stored_dtensor();
-  auto spec = std::make_shared<const DTensorSpec>(w.mesh(), p, shape, DType::Float32);
-  return Parameter(DTensor(spec, zeros(spec->local_layout().local_shape, opts)));
+  return lora_detail::zero_beside(shape, DType::Float32, base, p);
 }
 
 uint64_t fnv1a(const std::string& s, uint64_t h) {
@@ -187,11 +181,9 @@ void LoraLayer::distribute_adapters(const DeviceMesh& mesh) {
   TESSERA_CHECK(weight_->is_dtensor(), kind_, ": a parallel style left the weight plain");
   const auto [pa, pb] = adapter_placements(weight_->stored_dtensor());
   NoGradGuard no_grad;
-  // The adapters hold the same values on every rank (their draws do not depend on the rank):
-  // each cuts its window, with no data moving.
+  // The adapters hold the same values on every rank (their draws do not depend on the rank).
   auto cut = [&](Parameter& p, const Placements& placements) {
-    TESSERA_CHECK(!p.is_dtensor(), kind_, ": adapters already distributed");
-    p = Parameter(distribute_tensor(p.full(), mesh, placements, kEveryRank), p.requires_grad());
+    lora_detail::cut_to_window(p, mesh, placements, kind_);
   };
   for (size_t i = 0; i < a_.size(); ++i) {
     cut(a_[i]->weight, pa);
@@ -302,11 +294,7 @@ Tensor LoraLayer::adapted_window(int64_t i, double sign, DType ct, const Tensor&
 }
 
 bool LoraLayer::merge_is_finite(int64_t i) {
-  const Tensor m = merged_window(i, /*unmerge=*/false, "merge_is_finite").window;
-  // 0 * x is 0 for every finite x and NaN for an infinite or NaN one.
-  const Tensor zeros_or_nan = kernels::binary_scalar(
-      kernels::BinaryOp::Mul, m.to(promote_types(m.dtype(), DType::Float32)), 0.0);
-  return !std::isnan(kernels::sum(zeros_or_nan).to(DType::Float64).item<double>());
+  return lora_detail::all_finite(merged_window(i, /*unmerge=*/false, "merge_is_finite").window);
 }
 
 void LoraLayer::merge_slot(int64_t i, bool unmerge) {

@@ -2,15 +2,14 @@
 #include "tessera/lora/token_embedding.h"
 
 #include <algorithm>
-#include <cmath>
 #include <set>
 
+#include "beside_base.h"
 #include "describe.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/autograd/ops.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/elementwise.h"
-#include "tessera/core/kernels/reduce.h"
 #include "tessera/core/kernels/views.h"
 #include "tessera/dtensor/nn_ops.h"
 #include "tessera/dtensor/ops.h"
@@ -62,12 +61,9 @@ Placements delta_placements(const DTensor& table) {
 }
 
 Parameter zero_rows(const Parameter& table, int64_t rows, int64_t dim) {
-  const TensorOptions opts(table.dtype(), table.stored().device());
-  if (!table.is_dtensor()) return Parameter(zeros({rows, dim}, opts));
-  const DTensor& w = table.stored_dtensor();
-  auto spec = std::make_shared<const DTensorSpec>(w.mesh(), delta_placements(w), Shape{rows, dim},
-                                                  table.dtype());
-  return Parameter(DTensor(spec, zeros(spec->local_layout().local_shape, opts)));
+  return lora_detail::zero_beside(
+      {rows, dim}, table.dtype(), table,
+      table.is_dtensor() ? delta_placements(table.stored_dtensor()) : Placements{});
 }
 
 }  // namespace
@@ -112,11 +108,9 @@ void TokenEmbedding::after_tensor_parallel(const DeviceMesh& mesh) {
   TESSERA_CHECK(weight.is_dtensor(), "TokenEmbedding: a parallel style left the table plain");
   const Placements placements = delta_placements(weight.stored_dtensor());
   NoGradGuard no_grad;
-  // Every rank holds the same rows (the table's, from before it was cut): each cuts its window.
-  for (auto& p : adapter_->deltas->values) {
-    TESSERA_CHECK(!p->is_dtensor(), "TokenEmbedding: rows already distributed");
-    *p = Parameter(distribute_tensor(p->full(), mesh, placements, kEveryRank), p->requires_grad());
-  }
+  // Every rank holds the same rows (the table's, from before it was cut).
+  for (auto& p : adapter_->deltas->values)
+    lora_detail::cut_to_window(*p, mesh, placements, "TokenEmbedding");
 }
 
 std::vector<std::pair<std::string, std::string>> TokenEmbedding::tensor_parallel_inputs() const {
@@ -216,13 +210,9 @@ bool TokenEmbedding::merge_is_finite(int64_t i) const {
   check_slot(i, "merge_is_finite");
   const Slot& s = slots_[size_t(i)];
   if (s.indices.empty()) return true;
-  const Tensor rows =
-      kernels::narrow(const_cast<TokenEmbedding*>(this)->trainable_tokens_delta(i).full(), 0, 0,
-                      int64_t(s.indices.size()));
-  // 0 * x is 0 for every finite x and NaN for an infinite or NaN one.
-  const Tensor zeros_or_nan = kernels::binary_scalar(
-      kernels::BinaryOp::Mul, rows.to(promote_types(rows.dtype(), DType::Float32)), 0.0);
-  return !std::isnan(kernels::sum(zeros_or_nan).to(DType::Float64).item<double>());
+  // The rows in the table's dtype, as the merge writes them.
+  const Tensor rows = adapter_->deltas->values[size_t(i)]->full();
+  return lora_detail::all_finite(kernels::narrow(rows, 0, 0, int64_t(s.indices.size())));
 }
 
 // --- forward ---
