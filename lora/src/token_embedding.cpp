@@ -263,9 +263,7 @@ bool TokenEmbedding::lookup(const Tensor& ids, Lookup& out) const {
   mask_shape.push_back(1);
   out.pos = from_vector<int64_t>(pos, ids.shape()).to(ids.device());
   out.replace = from_vector<int64_t>(replace, mask_shape).to(DType::Bool).to(ids.device());
-  for (int64_t& r : replace)
-    r = 1 - r;
-  out.keep = from_vector<int64_t>(replace, mask_shape).to(DType::Bool).to(ids.device());
+  out.replaced = std::move(replace);
   return true;
 }
 
@@ -307,7 +305,12 @@ DTensor TokenEmbedding::forward_dtensor(const DTensor& ids) {
   // keeps it one (a sum of zeros), and the new rows, replicated, join it on one rank of each
   // group (add makes a replicated addend partial): the output leaves in the table's one
   // reduction.
-  const DTensor keep = DTensor::from_local(lk.keep, mesh, ids.placements(), mask_shape);
+  std::vector<int64_t> kept(lk.replaced.size());
+  for (size_t k = 0; k < kept.size(); ++k)
+    kept[k] = 1 - lk.replaced[k];
+  const Tensor kept_local =
+      from_vector<int64_t>(kept, lk.replace.shape()).to(DType::Bool).to(lk.replace.device());
+  const DTensor keep = DTensor::from_local(kept_local, mesh, ids.placements(), mask_shape);
   return add(mul(y, cast(keep, y.dtype())), masked_fill(rows, keep, 0.0));
 }
 

@@ -88,10 +88,10 @@ class TokenEmbedding : public Embedding {
   const Slot& vocab_map(int64_t s, Device device);
   // Which row of the stacked deltas each id reads, for this forward's adapters.
   struct Lookup {
-    std::vector<int64_t> slots;  // stacked in this order
-    Tensor pos;                  // int64, the ids' shape (0 where the id is not replaced)
-    Tensor replace;              // bool, the ids' shape + [1]
-    Tensor keep;                 // its negation
+    std::vector<int64_t> slots;     // stacked in this order
+    Tensor pos;                     // int64, the ids' shape (0 where the id is not replaced)
+    Tensor replace;                 // bool, the ids' shape + [1]
+    std::vector<int64_t> replaced;  // the same on the host, 0 or 1 per id
   };
   // False when the routing applies no slot of this table (the same on every rank, whatever its
   // ids); else the rows each id of `ids` (this rank's piece) reads.
