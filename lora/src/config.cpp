@@ -67,6 +67,10 @@ bool LoraConfig::all_linear() const {
   return target_modules.size() == 1 && target_modules[0] == kAllLinear;
 }
 
+bool LoraConfig::has_targets() const {
+  return !target_modules.empty() || !target_modules_regex.empty();
+}
+
 std::vector<std::string> LoraConfig::target_entries() const {
   return target_modules_regex.empty() ? target_modules
                                       : std::vector<std::string>{target_modules_regex};
@@ -112,9 +116,11 @@ void LoraConfig::validate() const {
                 "LoraConfig: lora_alpha must be positive and finite, got ", lora_alpha);
   TESSERA_CHECK(lora_dropout >= 0 && lora_dropout < 1,
                 "LoraConfig: lora_dropout must be in [0, 1), got ", lora_dropout);
-  TESSERA_CHECK(!target_modules.empty() || !target_modules_regex.empty(),
-                "LoraConfig: target_modules is empty (name the Linear "
-                "modules to adapt, e.g. {\"wq\", \"wv\"})");
+  TESSERA_CHECK(has_targets() || !trainable_token_indices.empty(),
+                "LoraConfig: target_modules is empty and trainable_token_indices names no table: "
+                "the adapter would train nothing (name the Linear modules to adapt, e.g. "
+                "{\"wq\", \"wv\"}; with no targets an adapter trains token rows alone, PEFT's "
+                "TrainableTokensConfig)");
   TESSERA_CHECK(target_modules.empty() || target_modules_regex.empty(),
                 "LoraConfig: target_modules and target_modules_regex are both set (PEFT's "
                 "target_modules is a list or a regular expression, not both)");
@@ -188,6 +194,23 @@ void LoraConfig::validate() const {
                   key, "'] = ", value);
   TESSERA_CHECK(bias == "none" || bias == "all" || bias == "lora_only", "LoraConfig: bias '", bias,
                 "' is not one of PEFT's \"none\", \"all\", \"lora_only\"");
+  // Token rows alone are PEFT's TrainableTokensConfig, which has none of these; set, they would
+  // select or train nothing here, or could not be written to PEFT's files.
+  if (!has_targets()) {
+    const std::vector<std::pair<const char*, bool>> lora_only = {
+        {"modules_to_save", !modules_to_save.empty()},
+        {"bias", bias != "none"},
+        {"use_dora", use_dora},
+        {"exclude_modules", !exclude_modules.empty() || !exclude_modules_regex.empty()},
+        {"layers_to_transform", !layers_to_transform.empty()},
+        {"rank_pattern", !rank_pattern.empty()},
+        {"alpha_pattern", !alpha_pattern.empty()}};
+    for (const auto& [field, set] : lora_only)
+      TESSERA_CHECK(!set, "LoraConfig: ", field,
+                    " is set but target_modules is empty: an adapter of trainable tokens alone is "
+                    "PEFT's TrainableTokensConfig, which has no ",
+                    field, "; name target modules too");
+  }
 }
 
 // The path's last components, as many as the entry has: PEFT's suffix rule, patterns included.

@@ -56,9 +56,11 @@ const LoraModel::Adapter& LoraModel::find(const std::string& name, const char* o
   return it->second;
 }
 
-// The layers merge and unmerge an adapter together, so its first layer speaks for all.
+// The layers and tables merge and unmerge an adapter together, so its first one speaks for
+// all (an adapter without targets has tables only).
 bool LoraModel::merged(const Adapter& a) const {
-  return !a.layers.empty() && layers_[a.layers.front()].second->slot(a.slot).merged;
+  if (!a.layers.empty()) return layers_[a.layers.front()].second->slot(a.slot).merged;
+  return !a.tokens.empty() && tokens_[a.tokens.front().first].second->merged(a.slot);
 }
 
 std::vector<std::string> LoraModel::merged_adapters() const {
@@ -100,8 +102,8 @@ std::vector<size_t> LoraModel::targets(const LoraConfig& config) const {
                   ", where apply_lora put no slots (adapters can only go where it did: list "
                   "every module any adapter targets in apply_lora's config)");
   }
-  TESSERA_CHECK(!out.empty(), "LoRA: no module of the model is left to adapt (",
-                lora_selection_str(config), ")");
+  TESSERA_CHECK(!out.empty() || !config.has_targets(),
+                "LoRA: no module of the model is left to adapt (", lora_selection_str(config), ")");
   std::sort(out.begin(), out.end());
   return out;
 }

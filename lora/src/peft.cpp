@@ -26,6 +26,10 @@ namespace {
 constexpr const char* kWeights = "adapter_model.safetensors";
 constexpr const char* kConfig = "adapter_config.json";
 constexpr const char* kPrefix = "base_model.model.";
+// A table's rows: under LoRA's wrapper in PEFT's LoRA files and here, on the layer itself in
+// PEFT's TrainableTokens files.
+constexpr const char* kLoraRows = ".token_adapter.trainable_tokens_delta";
+constexpr const char* kOwnRows = ".trainable_tokens_delta";
 
 // Runs `f` on rank 0 only; every rank then throws rank 0's error, if any (nobody is left
 // waiting for a rank that failed).
@@ -125,6 +129,67 @@ nlohmann::ordered_json to_peft(const LoraConfig& c, const std::vector<std::strin
   return j;
 }
 
+// An adapter of token rows alone as PEFT's TrainableTokensConfig (PEFT loads no LoRA adapter
+// without targets): one token_indices for every table in target_modules, which is null (PEFT's
+// default, the input embedding) for the key "" alone. `tables` are the paths the keys matched.
+nlohmann::ordered_json to_peft_tokens(
+    const LoraConfig& c, const std::vector<std::pair<std::string, std::vector<int64_t>>>& tables,
+    const std::string& name) {
+  for (const auto& [path, ids] : tables)
+    TESSERA_CHECK(ids == tables.front().second, "LoRA save_adapter '", name,
+                  "': an adapter of trainable tokens alone is saved as PEFT's "
+                  "TrainableTokensConfig, whose one token_indices serves every table, but '",
+                  tables.front().first, "' and '", path,
+                  "' train different ids (name target modules too to save it as a LoRA adapter)");
+  nlohmann::ordered_json j;
+  j["peft_type"] = "TRAINABLE_TOKENS";
+  j["task_type"] = nullptr;
+  j["token_indices"] = tables.front().second;
+  const bool input =
+      c.trainable_token_indices.size() == 1 && c.trainable_token_indices.front().first.empty();
+  std::vector<std::string> paths;
+  for (const auto& [path, ids] : tables)
+    paths.push_back(path);
+  if (input)
+    j["target_modules"] = nullptr;
+  else
+    j["target_modules"] = paths;
+  j["init_weights"] = true;
+  j["base_model_name_or_path"] = nullptr;
+  j["revision"] = nullptr;
+  j["inference_mode"] = c.inference_mode;
+  return j;
+}
+
+// PEFT's TrainableTokensConfig as an adapter of token rows alone.
+LoraConfig tokens_config_from(const nlohmann::ordered_json& j,
+                              const std::function<void(std::string)>& bad) {
+  LoraConfig c;
+  const auto& ids = j.contains("token_indices") ? j["token_indices"] : nlohmann::ordered_json();
+  if (!ids.is_array()) bad("token_indices is missing or not a list of token ids");
+  std::vector<int64_t> list;
+  for (const auto& e : ids) {
+    if (!e.is_number_integer()) bad("token_indices holds " + e.dump() + ", not a token id");
+    list.push_back(e.get<int64_t>());
+  }
+  const auto& t = j.contains("target_modules") ? j["target_modules"] : nlohmann::ordered_json();
+  if (t.is_null()) {
+    c.trainable_token_indices.emplace_back("", list);  // PEFT's: the input embedding
+  } else if (t.is_array()) {
+    for (const auto& e : t) {
+      if (!e.is_string()) bad("target_modules holds a non-string");
+      c.trainable_token_indices.emplace_back(e.get<std::string>(), list);
+    }
+  } else {
+    bad("target_modules is " + t.dump() +
+        ", not a list of module names (a regular expression is not supported for trainable "
+        "tokens: name the tables)");
+  }
+  if (j.contains("init_weights") && !j["init_weights"].is_boolean())
+    bad("init_weights is not a boolean");  // either way the file holds the rows
+  return c;
+}
+
 // PEFT's trainable_token_indices: a list of ids (the input embedding: the key ""), or an object
 // of module name -> ids.
 void tokens_from(const nlohmann::ordered_json& j, LoraConfig& c,
@@ -206,11 +271,24 @@ void layers_from(const nlohmann::ordered_json& j, LoraConfig& c,
   }
 }
 
+LoraConfig checked(const LoraConfig& c, const std::function<void(std::string)>& bad) {
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    bad(e.what());
+  }
+  return c;
+}
+
 LoraConfig from_peft(const nlohmann::ordered_json& j, const std::string& file) {
   auto bad = [&](const std::string& why) { TESSERA_FAIL("PEFT config '", file, "': ", why); };
   if (!j.is_object()) bad("not a JSON object");
-  if (j.value("peft_type", std::string()) != "LORA")
-    bad("peft_type is not \"LORA\" (only LoRA adapters load here)");
+  const std::string type = j.contains("peft_type") && j["peft_type"].is_string()
+                               ? j["peft_type"].get<std::string>()
+                               : std::string();
+  if (type == "TRAINABLE_TOKENS") return checked(tokens_config_from(j, bad), bad);
+  if (type != "LORA")
+    bad("peft_type is not \"LORA\" or \"TRAINABLE_TOKENS\" (only those adapters load here)");
   LoraConfig c;
   if (!j.contains("r") || !j["r"].is_number_integer()) bad("r is missing or not an integer");
   c.r = j["r"].get<int64_t>();
@@ -287,12 +365,7 @@ LoraConfig from_peft(const nlohmann::ordered_json& j, const std::string& file) {
           "model (convert "
           "the adapter with PEFT's path_initial_model_for_weight_conversion first)");
   }
-  try {
-    c.validate();
-  } catch (const Error& e) {
-    bad(e.what());
-  }
-  return c;
+  return checked(c, bad);
 }
 
 // Every rank read the files itself: ranks that found different ones (node-local copies of
@@ -314,6 +387,21 @@ void check_same_files(const std::string& dir, const std::string& name, const Lor
   TESSERA_CHECK(differ.empty(), "LoRA load_adapter '", name, "' from '", dir, "': rank(s) ", differ,
                 " read files that differ from rank 0's (every rank must read the same ", kConfig,
                 " and ", kWeights, ")");
+}
+
+bool ends_with(const std::string& s, const std::string& end) {
+  return s.size() >= end.size() && s.compare(s.size() - end.size(), end.size(), end) == 0;
+}
+
+// A table's rows under PEFT's TrainableTokens key, from read_adapter's, and back (a key that is
+// not a table's rows stays as it is, for write_adapter to name).
+std::string own_rows_key(const std::string& key) {
+  if (!ends_with(key, kLoraRows)) return key;
+  return key.substr(0, key.size() - std::strlen(kLoraRows)) + kOwnRows;
+}
+std::string lora_rows_key(const std::string& key) {
+  if (!ends_with(key, kOwnRows) || ends_with(key, kLoraRows)) return key;
+  return key.substr(0, key.size() - std::strlen(kOwnRows)) + kLoraRows;
 }
 
 // `entries` as PEFT reads them, names and dotted suffixes: a pattern (and "all-linear", as PEFT
@@ -350,6 +438,8 @@ void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
   for (const auto& [t, ids] : a.tokens)
     tables.emplace_back(tokens_[t].first, ids);
   const nlohmann::ordered_json tokens = tokens_json(cfg, tables);
+  const nlohmann::ordered_json config =
+      cfg.has_targets() ? to_peft(cfg, targets, saved, tokens) : to_peft_tokens(cfg, tables, name);
   std::map<std::string, Tensor> values = read_adapter(name);  // collective
   {
     NoGradGuard no_grad;
@@ -360,10 +450,10 @@ void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
     std::filesystem::create_directories(dir);
     std::map<std::string, Tensor> peft;
     for (const auto& [key, t] : values)
-      peft[kPrefix + key] = t;
+      peft[kPrefix + (cfg.has_targets() ? key : own_rows_key(key))] = t;
     save_safetensors(dir + "/" + kWeights, peft, {{"format", "pt"}});
     std::ofstream out(dir + "/" + kConfig);
-    out << to_peft(cfg, targets, saved, tokens).dump(2) << "\n";
+    out << config.dump(2) << "\n";
     TESSERA_CHECK(out.good(), "writing '", dir, "/", kConfig, "' failed");
   });
 }
@@ -432,7 +522,8 @@ void LoraModel::load_adapter(const std::string& dir, const std::string& name, bo
     for (const auto& [key, t] : file.tensors) {
       TESSERA_CHECK(key.compare(0, prefix.size(), prefix) == 0, "'", dir, "/", kWeights,
                     "' holds '", key, "', not a PEFT key (", prefix, "<module>.lora_A.weight)");
-      values[key.substr(prefix.size())] = t;
+      const std::string k = key.substr(prefix.size());
+      values[cfg.has_targets() ? k : lora_rows_key(k)] = t;
     }
   });
   check_same_files(dir, name, cfg, values);

@@ -155,19 +155,21 @@ std::vector<std::pair<std::string, ModulePtr>> find_targets(
                    "apply_lora: '" + path + "' (" + m->type_name() + ", a LoRA target)");
     found.emplace_back(path, m);
   }
-  TESSERA_CHECK(!found.empty(), "apply_lora: no module of ", model.type_name(),
-                " is left to adapt (", lora_selection_str(config), ")");
+  TESSERA_CHECK(!found.empty() || !config.has_targets(), "apply_lora: no module of ",
+                model.type_name(), " is left to adapt (", lora_selection_str(config), ")");
   return found;
 }
 
 // max_rank 0 is the first adapter's largest r over the layers it adapts (rank_pattern gives
-// them their own); every layer's r must fit the slots.
+// them their own), or its r where it adapts none (trainable tokens alone: no layer holds slots
+// then, but a LoraSlots keeps one meaning); every layer's r must fit the slots.
 LoraSlots resolve_slots(const LoraSlots& slots, const LoraConfig& config, const std::string& name,
                         const std::vector<std::pair<std::string, ModulePtr>>& found) {
   LoraSlots s = slots;
   if (s.max_rank == 0)
     for (const auto& [path, linear] : found)
       s.max_rank = std::max(s.max_rank, config.rank_for(path));
+  if (s.max_rank == 0) s.max_rank = config.r;
   TESSERA_CHECK(s.max_adapters >= 1, "apply_lora: slots for ", s.max_adapters,
                 " adapters cannot hold adapter '", name, "'");
   for (const auto& [path, linear] : found)

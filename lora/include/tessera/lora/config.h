@@ -24,7 +24,12 @@ struct LoraConfig {
   // path component ("layers.[0-3].attention.w*"; '*' never reaches across a '.'), matched
   // against the path's last components. Each must match Linear modules only. {"all-linear"}
   // (kAllLinear, alone) is PEFT's "all-linear": every Linear of the model but its output layer
-  // (a Decoder's `output`, its lm_head; any other model has none).
+  // (a Decoder's `output`, its lm_head; any other model has none). Empty, with
+  // target_modules_regex empty too: no LoRA layer at all, the adapter training only the token rows
+  // trainable_token_indices names. That is PEFT's TrainableTokensConfig method (PEFT loads no LoRA
+  // adapter without targets), whose files save_adapter then writes and load_adapter reads; it
+  // has no modules_to_save, bias, use_dora, exclude_modules, layers_to_transform, rank_pattern
+  // or alpha_pattern (refused with it).
   std::vector<std::string> target_modules;
   // PEFT's string form of target_modules: a regular expression (ECMAScript, which PEFT's common
   // ones read alike in) that a module's whole path from the model's root must match
@@ -97,6 +102,9 @@ struct LoraConfig {
   // This config with the r and lora_alpha of the module at `path`: what its layer holds.
   LoraConfig for_module(const std::string& path) const;
   bool all_linear() const;  // target_modules is {"all-linear"}
+  // Whether target_modules or target_modules_regex names LoRA targets (false: PEFT's
+  // target_modules=[]).
+  bool has_targets() const;
   // The target entries: target_modules', or target_modules_regex alone.
   std::vector<std::string> target_entries() const;
   // Whether target_modules_regex (exclude_modules_regex) matches the whole of `path`.
@@ -106,7 +114,9 @@ struct LoraConfig {
   int64_t layer_index(const std::string& path) const;
   // Whether layers_to_transform keeps the module at `path`, which a target entry matched.
   bool in_transformed_layers(const std::string& path) const;
-  // An error naming the field for r <= 0, alpha <= 0, dropout outside [0, 1), no targets, both
+  // An error naming the field for r <= 0, alpha <= 0, dropout outside [0, 1), no targets and no
+  // trainable_token_indices (an adapter that trains nothing), no targets with a field only LoRA
+  // layers use (above), both
   // forms of the targets or of the excludes, a target or exclude regex that does not compile, a
   // bias other than "none", "all" and "lora_only", an odd r with the orthogonal init, "all-linear"
   // beside other targets, "all-linear" or a target regex with layers_to_transform, an empty

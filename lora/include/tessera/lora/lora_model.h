@@ -279,7 +279,8 @@ class LoraModel {
 // model (but the adapters of an earlier apply_lora, and the biases config.bias trains), adds
 // adapter `adapter_name` and makes it active. Applying it before parallelize_module or after gives
 // the same model. A target matching nothing, or something other than a Linear or an Embedding, is
-// an error naming it.
+// an error naming it. With no targets (token rows alone, PEFT's TrainableTokensConfig) no layer
+// is wrapped, and later adapters can target no layer.
 std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& config,
                                       const std::string& adapter_name = "default",
                                       const LoraSlots& slots = {});
