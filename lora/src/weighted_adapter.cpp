@@ -1,12 +1,16 @@
-// PEFT's add_weighted_adapter for its two exact combinations, "cat" and "linear". The values are
-// combined as global tensors (read_adapter, then write_adapter into the new slot), so the result
-// is the same under any mesh, and each rank keeps its window of it.
+// PEFT's add_weighted_adapter for its combinations that need no random numbers: "cat", the
+// factor merges "linear", "ties" and "magnitude_prune", and their "_svd" forms over the whole
+// updates. The values are combined as global tensors (read_adapter, then write_adapter into the
+// new slot), so the result is the same under any mesh, and each rank keeps its window of it.
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <set>
 
+#include "merge_tasks.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/autograd/ops.h"
+#include "tessera/comm/runtime.h"
 #include "tessera/core/error.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/views.h"
@@ -16,18 +20,76 @@ namespace tessera {
 
 namespace {
 
-// PEFT's combination types that need an SVD or a pruning of the updates.
-bool peft_only(const std::string& type) {
-  static const std::set<std::string> kTypes = {"svd",
-                                               "ties",
-                                               "ties_svd",
-                                               "dare_linear",
-                                               "dare_ties",
-                                               "dare_linear_svd",
-                                               "dare_ties_svd",
-                                               "magnitude_prune",
-                                               "magnitude_prune_svd"};
-  return kTypes.count(type) > 0;
+using lora_detail::TaskMerge;
+
+// How a combination type merges: "cat" stacks; the others merge the factors or, with `svd`,
+// the updates.
+struct Combination {
+  bool cat = false;
+  bool svd = false;
+  TaskMerge merge = TaskMerge::Arithmetic;
+};
+
+std::optional<Combination> combination_of(const std::string& type) {
+  if (type == "cat") return Combination{.cat = true};
+  const bool svd = type.size() > 4 && type.compare(type.size() - 4, 4, "_svd") == 0;
+  const std::string base = type == "svd" ? "linear" : svd ? type.substr(0, type.size() - 4) : type;
+  const bool with_svd = svd || type == "svd";
+  if (base == "linear") return Combination{.svd = with_svd, .merge = TaskMerge::Arithmetic};
+  if (base == "ties") return Combination{.svd = with_svd, .merge = TaskMerge::Ties};
+  if (base == "magnitude_prune")
+    return Combination{.svd = with_svd, .merge = TaskMerge::MagnitudePrune};
+  return std::nullopt;
+}
+
+// PEFT's dare types drop values at random (torch.bernoulli): not built here.
+bool random_pruning(const std::string& type) {
+  return type.rfind("dare_", 0) == 0;
+}
+
+std::vector<double> host_values(const Tensor& t) {
+  return t.to(Device::cpu()).to(DType::Float64).contiguous().to_vector<double>();
+}
+
+// One layer's adapters present there: A_i [r_i, in], B_i [out, r_i], scale s_i and weight w_i.
+struct LayerSources {
+  std::vector<Tensor> a, b;
+  std::vector<double> scale, weight;
+};
+
+// The merged A [k, in] and B [out, k] of one layer, float64 on the host. The factor merges
+// weight A_i by sign(w_i s_i) sqrt(|w_i s_i|) and B_i by sqrt(|w_i s_i|) (PEFT's: the sign on
+// one side only, so that one adapter's update is w s B A); the "_svd" forms merge the updates
+// s_i B_i A_i with weights w_i and factor the result.
+std::pair<Tensor, Tensor> merged_factors(const Combination& how, const LayerSources& in, int64_t k,
+                                         const WeightedAdapterOptions& options) {
+  const double density = options.density.value_or(1.0);
+  const bool by_frequency = options.majority_sign_method == "frequency";
+  const int64_t rows = in.b.front().size(0), cols = in.a.front().size(1);
+  if (!how.svd) {
+    std::vector<std::vector<double>> as, bs;
+    std::vector<double> wa, wb;
+    for (size_t i = 0; i < in.a.size(); ++i) {
+      const double ws = in.weight[i] * in.scale[i];
+      wb.push_back(std::sqrt(std::abs(ws)));
+      wa.push_back(ws < 0 ? -wb.back() : wb.back());
+      as.push_back(host_values(in.a[i]));
+      bs.push_back(host_values(in.b[i]));
+    }
+    return {from_vector<double>(lora_detail::merge_tasks(how.merge, as, wa, density, by_frequency),
+                                {k, cols}),
+            from_vector<double>(lora_detail::merge_tasks(how.merge, bs, wb, density, by_frequency),
+                                {rows, k})};
+  }
+  std::vector<std::vector<double>> deltas;
+  for (size_t i = 0; i < in.a.size(); ++i)
+    deltas.push_back(host_values(mul(matmul(in.b[i].to(Device::cpu()).to(DType::Float64),
+                                            in.a[i].to(Device::cpu()).to(DType::Float64)),
+                                     in.scale[i])));
+  const std::vector<double> delta =
+      lora_detail::merge_tasks(how.merge, deltas, in.weight, density, by_frequency);
+  auto [b, a] = lora_detail::svd_factors(delta, rows, cols, k, options.svd_clamp);
+  return {from_vector<double>(a, {k, cols}), from_vector<double>(b, {rows, k})};
 }
 
 }  // namespace
@@ -35,7 +97,8 @@ bool peft_only(const std::string& type) {
 void LoraModel::add_weighted_adapter(const std::vector<std::string>& adapters,
                                      const std::vector<double>& weights,
                                      const std::string& adapter_name,
-                                     const std::string& combination_type) {
+                                     const std::string& combination_type,
+                                     const WeightedAdapterOptions& options) {
   const char* op = "add_weighted_adapter";
   TESSERA_CHECK(!adapters_.count(adapter_name), "LoRA add_weighted_adapter: adapter '",
                 adapter_name,
@@ -45,10 +108,25 @@ void LoraModel::add_weighted_adapter(const std::vector<std::string>& adapters,
                 ") and ", weights.size(), " weights: one weight each");
   // One adapter can only be scaled, as in PEFT.
   const std::string type = adapters.size() == 1 ? "linear" : combination_type;
-  TESSERA_CHECK(type == "cat" || type == "linear", "LoRA add_weighted_adapter: combination_type '",
-                type, "' ",
-                peft_only(type) ? "is PEFT's but not built here" : "is no combination type",
-                "; \"cat\" and \"linear\" are");
+  const std::optional<Combination> how = combination_of(type);
+  TESSERA_CHECK(how.has_value(), "LoRA add_weighted_adapter: combination_type '", type, "' ",
+                random_pruning(type) ? "is PEFT's but not built here (it prunes at random)"
+                                     : "is no combination type",
+                "; \"cat\", \"linear\", \"svd\", \"ties\", \"ties_svd\", \"magnitude_prune\" "
+                "and \"magnitude_prune_svd\" are");
+  TESSERA_CHECK(how->merge == TaskMerge::Arithmetic || (options.density && *options.density >= 0),
+                "LoRA add_weighted_adapter: \"", type, "\" prunes and needs a density >= 0 (",
+                options.density ? std::to_string(*options.density) : std::string("none given"),
+                ")");
+  TESSERA_CHECK(
+      options.majority_sign_method == "total" || options.majority_sign_method == "frequency",
+      "LoRA add_weighted_adapter: majority_sign_method '", options.majority_sign_method,
+      "' is neither \"total\" nor \"frequency\"");
+  TESSERA_CHECK(!options.svd_rank || *options.svd_rank >= 1, "LoRA add_weighted_adapter: svd_rank ",
+                options.svd_rank.value_or(0), " is not a rank");
+  TESSERA_CHECK(!options.svd_clamp || (*options.svd_clamp >= 0 && *options.svd_clamp <= 1),
+                "LoRA add_weighted_adapter: svd_clamp ", options.svd_clamp.value_or(0),
+                " is not a quantile in [0, 1]");
   std::vector<const Adapter*> src;
   for (size_t i = 0; i < adapters.size(); ++i) {
     src.push_back(&find(adapters[i], op));
@@ -57,13 +135,11 @@ void LoraModel::add_weighted_adapter(const std::vector<std::string>& adapters,
     TESSERA_CHECK(src.back()->tokens.empty(), "LoRA add_weighted_adapter: adapter '", adapters[i],
                   "' has trainable tokens, which PEFT's combinations leave out (only the LoRA "
                   "matrices combine)");
-    TESSERA_CHECK(type == "cat" || weights[i] >= 0, "LoRA add_weighted_adapter: weight ",
-                  weights[i], " of adapter '", adapters[i],
-                  "' is negative; \"linear\" scales A and B by its square root");
   }
   int64_t new_rank = 0;
   for (const Adapter* a : src)
-    new_rank = type == "cat" ? new_rank + a->config.r : std::max(new_rank, a->config.r);
+    new_rank = how->cat ? new_rank + a->config.r : std::max(new_rank, a->config.r);
+  if (how->svd && options.svd_rank) new_rank = *options.svd_rank;
   TESSERA_CHECK(new_rank <= slots_.max_rank,
                 "LoRA add_weighted_adapter: the combined adapter has rank ", new_rank,
                 " but the slots hold at most rank ", slots_.max_rank, " (LoraSlots::max_rank)");
@@ -80,15 +156,13 @@ void LoraModel::add_weighted_adapter(const std::vector<std::string>& adapters,
       if (std::find(src[i]->layers.begin(), src[i]->layers.end(), li) == src[i]->layers.end())
         continue;
       const int64_t r = src[i]->config.rank_for(path);
-      TESSERA_CHECK(type == "cat" || r == new_rank,
-                    "LoRA add_weighted_adapter: \"linear\" needs equal ranks, but adapter '",
-                    adapters[i], "' has rank ", r, " in ", path, ", not ", new_rank,
-                    " (the largest r among them)");
+      TESSERA_CHECK(how->cat || how->svd || r == new_rank, "LoRA add_weighted_adapter: \"", type,
+                    "\" needs equal ranks, but adapter '", adapters[i], "' has rank ", r, " in ",
+                    path, ", not ", new_rank, " (the largest r among them)");
       sum += r;
     }
-    TESSERA_CHECK(type != "cat" || sum <= new_rank, "LoRA add_weighted_adapter: the ranks in ",
-                  path, " add up to ", sum, ", past the combined rank ", new_rank,
-                  " (a rank_pattern)");
+    TESSERA_CHECK(!how->cat || sum <= new_rank, "LoRA add_weighted_adapter: the ranks in ", path,
+                  " add up to ", sum, ", past the combined rank ", new_rank, " (a rank_pattern)");
     config.target_modules.push_back(path);
   }
   config.r = new_rank;
@@ -115,25 +189,42 @@ void LoraModel::add_weighted_adapter(const std::vector<std::string>& adapters,
       const auto& [path, layer] = layers_[li];
       const std::string ka = path + "." + layer->adapter_key(true);
       const std::string kb = path + "." + layer->adapter_key(false);
-      Tensor a = zeros_like(out.at(ka)), b = zeros_like(out.at(kb));
-      int64_t off = 0;
+      if (how->cat) {
+        out[ka] = zeros_like(out.at(ka));
+        out[kb] = zeros_like(out.at(kb));
+        int64_t off = 0;
+        for (size_t i = 0; i < src.size(); ++i) {
+          auto ai = values[i].find(ka);
+          if (ai == values[i].end()) continue;
+          const int64_t r = ai->second.size(0);
+          const double s = weights[i] * layer->slot(src[i]->slot).scale;
+          kernels::narrow(out[ka], 0, off, r).copy_(mul(ai->second, s));
+          kernels::narrow(out[kb], 1, off, r).copy_(values[i].at(kb));
+          off += r;
+        }
+        continue;
+      }
+      LayerSources here;
       for (size_t i = 0; i < src.size(); ++i) {
         auto ai = values[i].find(ka);
         if (ai == values[i].end()) continue;
-        const Tensor& bi = values[i].at(kb);
-        const double s = weights[i] * layer->slot(src[i]->slot).scale;
-        if (type == "cat") {
-          const int64_t r = ai->second.size(0);
-          kernels::narrow(a, 0, off, r).copy_(mul(ai->second, s));
-          kernels::narrow(b, 1, off, r).copy_(bi);
-          off += r;
-        } else {
-          a = add(a, mul(ai->second, std::sqrt(s)));
-          b = add(b, mul(bi, std::sqrt(s)));
-        }
+        here.a.push_back(ai->second);
+        here.b.push_back(values[i].at(kb));
+        here.scale.push_back(layer->slot(src[i]->slot).scale);
+        here.weight.push_back(weights[i]);
       }
-      out[ka] = a;
-      out[kb] = b;
+      // An SVD may differ in its last bits between processes (threads, vector units): it runs
+      // on rank 0 alone, whose factors every rank then takes.
+      const bool mine = !how->svd || world_rank() == 0;
+      auto [a, b] = mine ? merged_factors(*how, here, new_rank, options)
+                         : std::pair{zeros({new_rank, out.at(ka).size(1)}, DType::Float64),
+                                     zeros({out.at(kb).size(0), new_rank}, DType::Float64)};
+      if (how->svd && world_size() > 1) {
+        world_group()->broadcast(a, 0)->wait();
+        world_group()->broadcast(b, 0)->wait();
+      }
+      out[ka] = a.to(out.at(ka).dtype());
+      out[kb] = b.to(out.at(kb).dtype());
     }
     write_adapter(adapter_name, out);
     set_requires_grad({adapter_name}, false);

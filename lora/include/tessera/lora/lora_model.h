@@ -35,6 +35,21 @@ class [[nodiscard]] DisabledAdapters {
   std::map<std::string, int64_t> slots_;  // each adapter's slot, to see whether any changed
 };
 
+// PEFT's add_weighted_adapter keyword arguments beyond the combination type (unset: PEFT's None).
+struct WeightedAdapterOptions {
+  // The "*svd" types: the combined adapter's rank; unset, the largest r among the adapters.
+  std::optional<int64_t> svd_rank = std::nullopt;
+  // The "*svd" types: a quantile in [0, 1]; B and A are clamped to [-h, h], h that quantile of
+  // their values together.
+  std::optional<double> svd_clamp = std::nullopt;
+  // "ties", "magnitude_prune" and their "_svd" forms (required there): the fraction of each
+  // tensor's values kept, those of largest magnitude (>= 1 keeps all).
+  std::optional<double> density = std::nullopt;
+  // "ties" and "ties_svd": the sign elected per element, that of the values' sum ("total") or
+  // the more frequent sign ("frequency").
+  std::string majority_sign_method = "total";
+};
+
 class LoraModel {
  public:
   const ModulePtr& model() const { return model_; }
@@ -63,23 +78,32 @@ class LoraModel {
   void add_adapter(const std::string& name, const LoraConfig& config);
   // PEFT's add_weighted_adapter: a new adapter `adapter_name` whose update in every layer is a
   // weighted combination of those of `adapters` (each layer holding any of them), added into a
-  // free slot and frozen, as PEFT's (set_requires_grad trains it). combination_type "cat": A the
-  // adapters' A_i w_i s_i stacked, B their B_i side by side, rank the sum of their r: the update
-  // is exactly sum_i w_i s_i B_i A_i, scale 1 (weights of any sign). "linear": equal ranks, A =
-  // sum_i sqrt(w_i s_i) A_i and B likewise (weights >= 0): not the sum of the updates, as in
-  // PEFT. One adapter is always "linear", as in PEFT. Its config is the first adapter's with r
-  // and lora_alpha the new rank and no rslora (scale 1, as PEFT's since it stopped copying
-  // use_rslora), no rank or alpha pattern, the default init (its values are written, not
-  // drawn), and as targets the paths of the layers it covers.
-  // Refused, before anything changes, naming what: an existing adapter_name (PEFT returns
-  // without a word), an unknown adapter, weights that do not pair with the adapters, PEFT's
-  // svd, ties, dare and magnitude_prune types (not built here), DoRA adapters, adapters with
-  // trainable tokens (PEFT combines only the LoRA matrices), a rank past
-  // max_rank, "linear" with unequal ranks in a layer or a negative weight. Collective (it reads
-  // and writes the adapters' global values).
+  // free slot and frozen, as PEFT's (set_requires_grad trains it). Weights may have any sign.
+  // Its config is the first adapter's with r and lora_alpha the new rank (scale 1, as PEFT's),
+  // no rslora, rank or alpha pattern, the default init (its values are written, not drawn), and
+  // as targets the paths of the layers it covers. With s_i an adapter's scale:
+  // - "cat": A the adapters' A_i w_i s_i stacked, B their B_i side by side, rank the sum of
+  //   their r: the update is exactly sum_i w_i s_i B_i A_i.
+  // - "linear", "ties", "magnitude_prune" (equal ranks): A and B each merged on their own, A_i
+  //   weighted by sign(w_i) sqrt(|w_i s_i|) and B_i by sqrt(|w_i s_i|) (PEFT's: not the sum of
+  //   the updates), by task arithmetic (the weighted sum), TIES (pruned to options.density,
+  //   signs elected, the agreeing values averaged) or pruning then the weighted sum.
+  // - "svd", "ties_svd", "magnitude_prune_svd": the updates s_i B_i A_i merged the same three
+  //   ways with weights w_i, then B = U S and A = V^T of its SVD truncated to options.svd_rank
+  //   (else the largest r): the best approximation of that rank, clamped by svd_clamp. The
+  //   SVD runs on rank 0, which sends its result to the others.
+  // One adapter is always "linear", as in PEFT. Refused, before anything changes, naming what:
+  // an existing adapter_name (PEFT returns without a word), an unknown adapter, weights that
+  // do not pair with the adapters, PEFT's dare types (random pruning: not built here), a type
+  // that is none, a density missing or negative where the type prunes, an unknown
+  // majority_sign_method, an svd_rank < 1 or svd_clamp outside [0, 1], DoRA adapters, adapters
+  // with trainable tokens (PEFT combines only the LoRA matrices), a rank past max_rank, unequal
+  // ranks in a layer for the types that need them. Collective (it reads and writes the
+  // adapters' global values).
   void add_weighted_adapter(const std::vector<std::string>& adapters,
                             const std::vector<double>& weights, const std::string& adapter_name,
-                            const std::string& combination_type);
+                            const std::string& combination_type,
+                            const WeightedAdapterOptions& options = {});
   // Frees its slot (zeroes its matrices, which train again for the next adapter in it) and
   // freezes the biases its `bias` mode trained (keeping their values), unmerging the adapter
   // first if it is merged; refused

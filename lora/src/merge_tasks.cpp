@@ -1,0 +1,107 @@
+#include "merge_tasks.h"
+
+#include <Eigen/SVD>
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "tessera/core/error.h"
+
+namespace tessera::lora_detail {
+
+std::vector<double> prune_by_magnitude(std::vector<double> t, double density) {
+  if (density >= 1) return t;
+  const size_t keep = size_t(density * double(t.size()));  // Python's int(): toward zero
+  std::vector<size_t> order(t.size());
+  std::iota(order.begin(), order.end(), size_t(0));
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return std::abs(t[a]) > std::abs(t[b]); });
+  for (size_t i = keep; i < order.size(); ++i)
+    t[order[i]] = 0;
+  return t;
+}
+
+namespace {
+
+int sign_of(double v) {
+  return (v > 0) - (v < 0);
+}
+
+}  // namespace
+
+std::vector<double> merge_tasks(TaskMerge how, const std::vector<std::vector<double>>& tasks,
+                                const std::vector<double>& weights, double density,
+                                bool by_frequency) {
+  TESSERA_CHECK(!tasks.empty() && tasks.size() == weights.size(), "merge_tasks: ", tasks.size(),
+                " tensors and ", weights.size(), " weights");
+  std::vector<std::vector<double>> t = tasks;
+  if (how != TaskMerge::Arithmetic)
+    for (auto& v : t)
+      v = prune_by_magnitude(std::move(v), density);
+  const size_t n = t.front().size();
+  std::vector<double> out(n, 0.0);
+  for (size_t e = 0; e < n; ++e) {
+    if (how != TaskMerge::Ties) {
+      for (size_t i = 0; i < t.size(); ++i)
+        out[e] += weights[i] * t[i][e];
+      continue;
+    }
+    // The elected sign comes from the pruned values before weighting, as in PEFT.
+    double votes = 0;
+    for (const auto& v : t)
+      votes += by_frequency ? double(sign_of(v[e])) : v[e];
+    const int majority = votes >= 0 ? 1 : -1;
+    double sum = 0, kept = 0;
+    for (size_t i = 0; i < t.size(); ++i)
+      if (sign_of(t[i][e]) == majority) {
+        sum += weights[i] * t[i][e];
+        kept += 1;
+      }
+    out[e] = sum / std::max(kept, 1.0);
+  }
+  return out;
+}
+
+namespace {
+
+// torch.quantile's default: linear interpolation between the two nearest sorted values.
+double quantile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  const double pos = q * double(v.size() - 1);
+  const size_t lo = size_t(std::floor(pos)), hi = size_t(std::ceil(pos));
+  return v[lo] + (v[hi] - v[lo]) * (pos - double(lo));
+}
+
+}  // namespace
+
+std::pair<std::vector<double>, std::vector<double>> svd_factors(const std::vector<double>& delta,
+                                                                int64_t out, int64_t in, int64_t k,
+                                                                std::optional<double> clamp) {
+  using Matrix = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  TESSERA_CHECK(int64_t(delta.size()) == out * in && k >= 1, "svd_factors: ", delta.size(),
+                " values for [", out, ", ", in, "] at rank ", k);
+  const Matrix m = Eigen::Map<const Matrix>(delta.data(), out, in);
+  const Eigen::BDCSVD<Matrix> svd(m, Eigen::ComputeThinU | Eigen::ComputeThinV);
+  const int64_t p = std::min<int64_t>(k, int64_t(svd.singularValues().size()));
+  std::vector<double> b(size_t(out * k), 0.0), a(size_t(k * in), 0.0), values;
+  for (int64_t r = 0; r < out; ++r)
+    for (int64_t c = 0; c < p; ++c)
+      b[size_t(r * k + c)] = svd.matrixU()(r, c) * svd.singularValues()(c);
+  for (int64_t r = 0; r < p; ++r)
+    for (int64_t c = 0; c < in; ++c)
+      a[size_t(r * in + c)] = svd.matrixV()(c, r);
+  if (!clamp) return {b, a};
+  // PEFT's quantile is over U S and V^T as its SVD returns them, without our zero padding.
+  for (int64_t r = 0; r < out; ++r)
+    for (int64_t c = 0; c < p; ++c)
+      values.push_back(b[size_t(r * k + c)]);
+  values.insert(values.end(), a.begin(), a.begin() + p * in);
+  const double h = quantile(std::move(values), *clamp);
+  // torch's clamp(-h, h): with h < 0 (a low quantile of signed values) every value becomes h.
+  for (auto* f : {&b, &a})
+    for (double& v : *f)
+      v = std::min(std::max(v, -h), h);
+  return {b, a};
+}
+
+}  // namespace tessera::lora_detail

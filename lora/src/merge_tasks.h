@@ -1,0 +1,35 @@
+#pragma once
+// PEFT's ways of merging task tensors (its merge_utils) and the truncated SVD of its "*svd"
+// combinations, on whole host values in float64: add_weighted_adapter reads every adapter's
+// global values, so this math never sees a shard.
+#include <cstdint>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace tessera::lora_detail {
+
+// task_arithmetic: sum_i w_i t_i. ties: each t_i pruned by magnitude to `density`, a majority
+// sign elected per element over the pruned t_i (their sum's sign, or with `by_frequency` the
+// sum of their signs; >= 0 is +), then sum_i w_i t_i over the t_i of that sign divided by how
+// many there are (at least 1). magnitude_prune: each t_i pruned, then task_arithmetic.
+enum class TaskMerge { Arithmetic, Ties, MagnitudePrune };
+
+// PEFT's magnitude_based_pruning: keeps the int(density * n) values of largest magnitude (the
+// first by position among equal ones), zeroes the rest; density >= 1 keeps all.
+std::vector<double> prune_by_magnitude(std::vector<double> t, double density);
+
+std::vector<double> merge_tasks(TaskMerge how, const std::vector<std::vector<double>>& tasks,
+                                const std::vector<double>& weights, double density,
+                                bool by_frequency);
+
+// The rank-k factors of `delta` [out, in] (row-major) PEFT's "*svd" combinations take: B = U S
+// [out, k] and A = V^T [k, in] from its singular value decomposition, largest values first, so
+// that B A is the best rank-k approximation. Past the matrix's rank (min(out, in)) the
+// factors are zero-padded. With `clamp` (a quantile q in [0, 1]), every value of B and A is
+// clamped to [-h, h], h the q-quantile (linear interpolation) of their values together.
+std::pair<std::vector<double>, std::vector<double>> svd_factors(const std::vector<double>& delta,
+                                                                int64_t out, int64_t in, int64_t k,
+                                                                std::optional<double> clamp);
+
+}  // namespace tessera::lora_detail
