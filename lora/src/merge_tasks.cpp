@@ -27,21 +27,36 @@ int sign_of(double v) {
   return (v > 0) - (v < 0);
 }
 
+// PEFT's random_pruning with rescale: each value kept with probability `density`, divided by it.
+std::vector<double> prune_at_random(std::vector<double> t, double density, Generator& gen) {
+  if (density >= 1) return t;
+  const std::vector<double> u = rand({int64_t(t.size())}, gen, DType::Float64).to_vector<double>();
+  for (size_t e = 0; e < t.size(); ++e)
+    t[e] = u[e] < density ? t[e] / density : 0.0;
+  return t;
+}
+
 }  // namespace
 
 std::vector<double> merge_tasks(TaskMerge how, const std::vector<std::vector<double>>& tasks,
-                                const std::vector<double>& weights, double density,
-                                bool by_frequency) {
+                                const std::vector<double>& weights, const MergeOptions& options) {
   TESSERA_CHECK(!tasks.empty() && tasks.size() == weights.size(), "merge_tasks: ", tasks.size(),
                 " tensors and ", weights.size(), " weights");
+  const bool dare = how == TaskMerge::DareLinear || how == TaskMerge::DareTies;
+  TESSERA_CHECK(!dare || options.gen != nullptr, "merge_tasks: dare without a generator");
   std::vector<std::vector<double>> t = tasks;
-  if (how != TaskMerge::Arithmetic)
-    for (auto& v : t)
-      v = prune_by_magnitude(std::move(v), density);
+  for (auto& v : t) {
+    if (dare)
+      v = prune_at_random(std::move(v), options.density, *options.gen);
+    else if (how != TaskMerge::Arithmetic)
+      v = prune_by_magnitude(std::move(v), options.density);
+  }
+  const bool by_frequency = options.by_frequency;
+  const bool ties = how == TaskMerge::Ties || how == TaskMerge::DareTies;
   const size_t n = t.front().size();
   std::vector<double> out(n, 0.0);
   for (size_t e = 0; e < n; ++e) {
-    if (how != TaskMerge::Ties) {
+    if (!ties) {
       for (size_t i = 0; i < t.size(); ++i)
         out[e] += weights[i] * t[i][e];
       continue;

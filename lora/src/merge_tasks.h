@@ -7,21 +7,31 @@
 #include <utility>
 #include <vector>
 
+#include "tessera/core/random.h"
+
 namespace tessera::lora_detail {
 
 // task_arithmetic: sum_i w_i t_i. ties: each t_i pruned by magnitude to `density`, a majority
 // sign elected per element over the pruned t_i (their sum's sign, or with `by_frequency` the
 // sum of their signs; >= 0 is +), then sum_i w_i t_i over the t_i of that sign divided by how
-// many there are (at least 1). magnitude_prune: each t_i pruned, then task_arithmetic.
-enum class TaskMerge { Arithmetic, Ties, MagnitudePrune };
+// many there are (at least 1). magnitude_prune: each t_i pruned, then task_arithmetic. The dare
+// forms prune at random instead: each value kept with probability `density` (a uniform draw
+// below it) and divided by it, then task_arithmetic (dare_linear) or ties' sign election and
+// average (dare_ties).
+enum class TaskMerge { Arithmetic, Ties, MagnitudePrune, DareLinear, DareTies };
+
+struct MergeOptions {
+  double density = 1;  // >= 1 prunes nothing
+  bool by_frequency = false;
+  Generator* gen = nullptr;  // the dare forms' draws: each t_i's, in order, from here
+};
 
 // PEFT's magnitude_based_pruning: keeps the int(density * n) values of largest magnitude (the
 // first by position among equal ones), zeroes the rest; density >= 1 keeps all.
 std::vector<double> prune_by_magnitude(std::vector<double> t, double density);
 
 std::vector<double> merge_tasks(TaskMerge how, const std::vector<std::vector<double>>& tasks,
-                                const std::vector<double>& weights, double density,
-                                bool by_frequency);
+                                const std::vector<double>& weights, const MergeOptions& options);
 
 // The rank-k factors of `delta` [out, in] (row-major) PEFT's "*svd" combinations take: B = U S
 // [out, k] and A = V^T [k, in] from its singular value decomposition, largest values first, so

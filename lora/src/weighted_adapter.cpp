@@ -37,14 +37,11 @@ std::optional<Combination> combination_of(const std::string& type) {
   const bool with_svd = svd || type == "svd";
   if (base == "linear") return Combination{.svd = with_svd, .merge = TaskMerge::Arithmetic};
   if (base == "ties") return Combination{.svd = with_svd, .merge = TaskMerge::Ties};
+  if (base == "dare_linear") return Combination{.svd = with_svd, .merge = TaskMerge::DareLinear};
+  if (base == "dare_ties") return Combination{.svd = with_svd, .merge = TaskMerge::DareTies};
   if (base == "magnitude_prune")
     return Combination{.svd = with_svd, .merge = TaskMerge::MagnitudePrune};
   return std::nullopt;
-}
-
-// PEFT's dare types drop values at random (torch.bernoulli): not built here.
-bool random_pruning(const std::string& type) {
-  return type.rfind("dare_", 0) == 0;
 }
 
 std::vector<double> host_values(const Tensor& t) {
@@ -62,9 +59,11 @@ struct LayerSources {
 // one side only, so that one adapter's update is w s B A); the "_svd" forms merge the updates
 // s_i B_i A_i with weights w_i and factor the result.
 std::pair<Tensor, Tensor> merged_factors(const Combination& how, const LayerSources& in, int64_t k,
-                                         const WeightedAdapterOptions& options) {
-  const double density = options.density.value_or(1.0);
-  const bool by_frequency = options.majority_sign_method == "frequency";
+                                         const WeightedAdapterOptions& options, uint64_t seed) {
+  Generator gen(seed);
+  const lora_detail::MergeOptions merge{.density = options.density.value_or(1.0),
+                                        .by_frequency = options.majority_sign_method == "frequency",
+                                        .gen = &gen};
   const int64_t rows = in.b.front().size(0), cols = in.a.front().size(1);
   if (!how.svd) {
     std::vector<std::vector<double>> as, bs;
@@ -76,18 +75,15 @@ std::pair<Tensor, Tensor> merged_factors(const Combination& how, const LayerSour
       as.push_back(host_values(in.a[i]));
       bs.push_back(host_values(in.b[i]));
     }
-    return {from_vector<double>(lora_detail::merge_tasks(how.merge, as, wa, density, by_frequency),
-                                {k, cols}),
-            from_vector<double>(lora_detail::merge_tasks(how.merge, bs, wb, density, by_frequency),
-                                {rows, k})};
+    return {from_vector<double>(lora_detail::merge_tasks(how.merge, as, wa, merge), {k, cols}),
+            from_vector<double>(lora_detail::merge_tasks(how.merge, bs, wb, merge), {rows, k})};
   }
   std::vector<std::vector<double>> deltas;
   for (size_t i = 0; i < in.a.size(); ++i)
     deltas.push_back(host_values(mul(matmul(in.b[i].to(Device::cpu()).to(DType::Float64),
                                             in.a[i].to(Device::cpu()).to(DType::Float64)),
                                      in.scale[i])));
-  const std::vector<double> delta =
-      lora_detail::merge_tasks(how.merge, deltas, in.weight, density, by_frequency);
+  const std::vector<double> delta = lora_detail::merge_tasks(how.merge, deltas, in.weight, merge);
   auto [b, a] = lora_detail::svd_factors(delta, rows, cols, k, options.svd_clamp);
   return {from_vector<double>(a, {k, cols}), from_vector<double>(b, {rows, k})};
 }
@@ -109,15 +105,18 @@ void LoraModel::add_weighted_adapter(const std::vector<std::string>& adapters,
   // One adapter can only be scaled, as in PEFT.
   const std::string type = adapters.size() == 1 ? "linear" : combination_type;
   const std::optional<Combination> how = combination_of(type);
-  TESSERA_CHECK(how.has_value(), "LoRA add_weighted_adapter: combination_type '", type, "' ",
-                random_pruning(type) ? "is PEFT's but not built here (it prunes at random)"
-                                     : "is no combination type",
-                "; \"cat\", \"linear\", \"svd\", \"ties\", \"ties_svd\", \"magnitude_prune\" "
-                "and \"magnitude_prune_svd\" are");
+  TESSERA_CHECK(how.has_value(), "LoRA add_weighted_adapter: combination_type '", type,
+                "' is no combination type; \"cat\", \"linear\", \"svd\", \"ties\", "
+                "\"ties_svd\", \"dare_linear\", \"dare_linear_svd\", \"dare_ties\", "
+                "\"dare_ties_svd\", \"magnitude_prune\" and \"magnitude_prune_svd\" are");
+  const bool dare = how->merge == TaskMerge::DareLinear || how->merge == TaskMerge::DareTies;
   TESSERA_CHECK(how->merge == TaskMerge::Arithmetic || (options.density && *options.density >= 0),
                 "LoRA add_weighted_adapter: \"", type, "\" prunes and needs a density >= 0 (",
                 options.density ? std::to_string(*options.density) : std::string("none given"),
                 ")");
+  // PEFT's would divide every kept value by 0.
+  TESSERA_CHECK(!dare || *options.density > 0, "LoRA add_weighted_adapter: \"", type,
+                "\" with density 0 keeps nothing and rescales by 1 / 0");
   TESSERA_CHECK(
       options.majority_sign_method == "total" || options.majority_sign_method == "frequency",
       "LoRA add_weighted_adapter: majority_sign_method '", options.majority_sign_method,
@@ -216,7 +215,8 @@ void LoraModel::add_weighted_adapter(const std::vector<std::string>& adapters,
       // An SVD may differ in its last bits between processes (threads, vector units): it runs
       // on rank 0 alone, whose factors every rank then takes.
       const bool mine = !how->svd || world_rank() == 0;
-      auto [a, b] = mine ? merged_factors(*how, here, new_rank, options)
+      auto [a, b] = mine ? merged_factors(*how, here, new_rank, options,
+                                          lora_slot_seed(options.seed, adapter_name, path))
                          : std::pair{zeros({new_rank, out.at(ka).size(1)}, DType::Float64),
                                      zeros({out.at(kb).size(0), new_rank}, DType::Float64)};
       if (how->svd && world_size() > 1) {

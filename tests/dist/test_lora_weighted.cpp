@@ -16,7 +16,7 @@ using namespace tessera::testing;
 
 namespace {
 
-const LoraSlots kSlots{.max_adapters = 7, .max_rank = 8};
+const LoraSlots kSlots{.max_adapters = 8, .max_rank = 8};
 
 // "default" (r 4, alpha 8, every projection and the table), "b" (r 2, alpha 6, wq, wv and the
 // table) and "c" (r 4, alpha 2, as "default"): random B, so that every update is non-zero.
@@ -40,10 +40,12 @@ void add_sources(LoraModel& lora) {
   lora.add_adapter("c", config_of("c"));
 }
 
-// "svd" and "ties" of "default" and "c", one weight negative.
+// "svd", "ties" and "dare_ties" of "default" and "c", one weight negative.
 void add_more(LoraModel& lora) {
   lora.add_weighted_adapter({"default", "c"}, {0.5, -2.0}, "svd", "svd");
   lora.add_weighted_adapter({"default", "c"}, {0.5, -2.0}, "ties", "ties", {.density = 0.5});
+  lora.add_weighted_adapter({"default", "c"}, {0.5, -2.0}, "dare", "dare_ties",
+                            {.density = 0.6, .seed = 4});
 }
 
 // scale B A of `adapter` in `layer`, from read_adapter's values (zero where it has none).
@@ -73,12 +75,21 @@ Tensor tensor_of(const std::vector<double>& v, const Shape& shape) {
 }
 
 // PEFT's merge_utils written out plainly for the checks: each tensor keeps its int(density n)
-// largest magnitudes; ties elects per element the sign of the pruned values' sum (or of their
+// largest magnitudes (or, with `dare`, the values whose draws from it fall below density,
+// rescaled); ties elects per element the sign of the pruned values' sum (or of their
 // signs' sum) and averages the weighted values of that sign; without ties, the weighted sum.
 std::vector<double> merged_ref(std::vector<std::vector<double>> tasks, const std::vector<double>& w,
-                               double density, bool ties, bool frequency = false) {
+                               double density, bool ties, bool frequency = false,
+                               Generator* dare = nullptr) {
   for (auto& t : tasks) {
     if (density >= 1) break;
+    if (dare) {  // each value kept where its uniform draw is below density, then rescaled
+      const std::vector<double> u =
+          rand({int64_t(t.size())}, *dare, DType::Float64).to_vector<double>();
+      for (size_t e = 0; e < t.size(); ++e)
+        t[e] = u[e] < density ? t[e] / density : 0.0;
+      continue;
+    }
     std::vector<double> mags;
     for (double v : t)
       mags.push_back(std::abs(v));
@@ -133,7 +144,7 @@ TEST(LoraWeighted, CombinationsAreTheSameOnEveryLayout) {
   rl->add_weighted_adapter({"default", "c"}, {0.5, 2.0}, "lin", "linear");
   add_more(*rl);
   std::map<std::string, std::map<std::string, Tensor>> v;
-  for (const std::string name : {"default", "b", "c", "cat", "lin", "svd", "ties"})
+  for (const std::string name : {"default", "b", "c", "cat", "lin", "svd", "ties", "dare"})
     v[name] = rl->read_adapter(name);
   for (const auto& [path, layer] : rl->layers()) {
     SCOPED_TRACE(path);
@@ -158,7 +169,7 @@ TEST(LoraWeighted, CombinationsAreTheSameOnEveryLayout) {
   std::map<std::string, Tensor> ref_logits;
   {
     NoGradGuard no_grad;
-    for (const std::string name : {"cat", "lin", "svd", "ties"}) {
+    for (const std::string name : {"cat", "lin", "svd", "ties", "dare"}) {
       rl->set_adapter(name);
       ref_logits[name] = (*ref)(batch.ids);
     }
@@ -171,7 +182,7 @@ TEST(LoraWeighted, CombinationsAreTheSameOnEveryLayout) {
     run.lora->add_weighted_adapter({"default", "b"}, {0.7, -1.5}, "cat", "cat");
     run.lora->add_weighted_adapter({"default", "c"}, {0.5, 2.0}, "lin", "linear");
     add_more(*run.lora);
-    for (const std::string name : {"cat", "lin", "svd", "ties"}) {
+    for (const std::string name : {"cat", "lin", "svd", "ties", "dare"}) {
       const std::map<std::string, Tensor> got = run.lora->read_adapter(name);
       if (name != "svd")
         for (const auto& [key, t] : got)
@@ -201,7 +212,8 @@ TEST(LoraWeighted, OneAdapterIsScaled) {
 
 // PEFT's factor merges with a negative weight: A_i weighted by sign(w_i s_i) sqrt(|w_i s_i|),
 // B_i by sqrt(|w_i s_i|), then summed ("linear"), averaged where the pruned signs agree
-// ("ties", by sum or by frequency) or pruned and summed ("magnitude_prune").
+// ("ties", by sum or by frequency) or pruned and summed ("magnitude_prune"); the dare types
+// prune at random, from draws that depend on the seed, the new adapter's name and the layer.
 TEST(LoraWeighted, FactorMergesTakeNegativeWeights) {
   if (world_size() > 1) GTEST_SKIP() << "one process: the layouts are the first test's";
   auto model = std::make_shared<Decoder>(lora_decoder_config());
@@ -212,12 +224,14 @@ TEST(LoraWeighted, FactorMergesTakeNegativeWeights) {
   struct Merge {
     std::string name, type;
     WeightedAdapterOptions options;
-    bool ties;
+    bool ties, dare = false;
   };
   const std::vector<Merge> merges = {
       {"ties", "ties", {.density = 0.5}, true},
       {"tiesf", "ties", {.density = 0.7, .majority_sign_method = "frequency"}, true},
-      {"prune", "magnitude_prune", {.density = 0.3}, false}};
+      {"prune", "magnitude_prune", {.density = 0.3}, false},
+      {"darel", "dare_linear", {.density = 0.5, .seed = 3}, false, true},
+      {"daret", "dare_ties", {.density = 0.6, .majority_sign_method = "frequency"}, true, true}};
   std::map<std::string, std::map<std::string, Tensor>> v;
   for (const std::string name : {"default", "c", "minus", "lin"})
     v[name] = lora->read_adapter(name);
@@ -231,6 +245,10 @@ TEST(LoraWeighted, FactorMergesTakeNegativeWeights) {
     SCOPED_TRACE(path);
     expect_close(update(*lora, v["minus"], "minus", path, *layer),
                  mul(update(*lora, v["default"], "default", path, *layer), -2.0), 1e-6, "-2 x");
+    // The dare types' draws: per layer from (seed, name, path), A's tasks then B's.
+    std::map<std::string, Generator> draws;
+    for (const Merge& m : merges)
+      draws.emplace(m.name, Generator(lora_slot_seed(m.options.seed, m.name, path)));
     const double sd = 0.5 * layer->slot(lora->adapter_id("default")).scale;
     const double sc = -2.0 * layer->slot(lora->adapter_id("c")).scale;
     for (const bool is_a : {true, false}) {
@@ -244,7 +262,8 @@ TEST(LoraWeighted, FactorMergesTakeNegativeWeights) {
       for (const Merge& m : merges)
         expect_close(v[m.name].at(key),
                      tensor_of(merged_ref(tasks, w, *m.options.density, m.ties,
-                                          m.options.majority_sign_method == "frequency"),
+                                          m.options.majority_sign_method == "frequency",
+                                          m.dare ? &draws.at(m.name) : nullptr),
                                shape),
                      1e-6, m.name + " " + key);
     }
@@ -354,7 +373,6 @@ TEST(LoraWeighted, WhatCannotBeCombinedIsRefusedAndChangesNothing) {
   refused({"default", "b"}, {1, 1}, "c", "cat", {"add_weighted_adapter", "'c' exists already"});
   refused({"default", "zz"}, {1, 1}, "n", "cat", {"add_weighted_adapter", "no adapter 'zz'"});
   refused({"default", "b"}, {1}, "n", "cat", {"2 adapters (default, b) and 1 weights"});
-  refused({"default", "b"}, {1, 1}, "n", "dare_ties", {"'dare_ties' is PEFT's but not built here"});
   refused({"default", "b"}, {1, 1}, "n", "concat", {"'concat' is no combination type"});
   refused({"default", "b"}, {1, 1}, "n", "linear",
           {"\"linear\" needs equal ranks", "'b' has rank 2 in tok_embeddings"});
@@ -366,6 +384,7 @@ TEST(LoraWeighted, WhatCannotBeCombinedIsRefusedAndChangesNothing) {
     EXPECT_EQ(lora->adapters(), before) << type;
   };
   refused_with("ties", {.density = -0.5}, {"density >= 0"});
+  refused_with("dare_linear", {.density = 0}, {"density 0 keeps nothing"});
   refused_with("ties", {.density = 0.5, .majority_sign_method = "mean"},
                {"majority_sign_method 'mean'"});
   refused_with("svd", {.svd_rank = 0}, {"svd_rank 0 is not a rank"});

@@ -42,12 +42,16 @@ struct WeightedAdapterOptions {
   // The "*svd" types: a quantile in [0, 1]; B and A are clamped to [-h, h], h that quantile of
   // their values together.
   std::optional<double> svd_clamp = std::nullopt;
-  // "ties", "magnitude_prune" and their "_svd" forms (required there): the fraction of each
-  // tensor's values kept, those of largest magnitude (>= 1 keeps all).
+  // "ties", "magnitude_prune", the dare types and their "_svd" forms (required there): the
+  // fraction of each tensor's values kept, those of largest magnitude (dare: at random, the kept
+  // ones divided by it); >= 1 keeps all.
   std::optional<double> density = std::nullopt;
-  // "ties" and "ties_svd": the sign elected per element, that of the values' sum ("total") or
+  // The ties types: the sign elected per element, that of the values' sum ("total") or
   // the more frequent sign ("frequency").
   std::string majority_sign_method = "total";
+  // The dare types' random pruning: each layer's draws come from (seed, the new adapter's name,
+  // the layer's path) alone, the same under any mesh (PEFT draws from torch's global generator).
+  uint64_t seed = 0;
 };
 
 class LoraModel {
@@ -84,18 +88,20 @@ class LoraModel {
   // as targets the paths of the layers it covers. With s_i an adapter's scale:
   // - "cat": A the adapters' A_i w_i s_i stacked, B their B_i side by side, rank the sum of
   //   their r: the update is exactly sum_i w_i s_i B_i A_i.
-  // - "linear", "ties", "magnitude_prune" (equal ranks): A and B each merged on their own, A_i
-  //   weighted by sign(w_i) sqrt(|w_i s_i|) and B_i by sqrt(|w_i s_i|) (PEFT's: not the sum of
-  //   the updates), by task arithmetic (the weighted sum), TIES (pruned to options.density,
-  //   signs elected, the agreeing values averaged) or pruning then the weighted sum.
-  // - "svd", "ties_svd", "magnitude_prune_svd": the updates s_i B_i A_i merged the same three
-  //   ways with weights w_i, then B = U S and A = V^T of its SVD truncated to options.svd_rank
-  //   (else the largest r): the best approximation of that rank, clamped by svd_clamp. The
-  //   SVD runs on rank 0, which sends its result to the others.
+  // - "linear", "ties", "magnitude_prune", "dare_linear", "dare_ties" (equal ranks): A and B
+  //   each merged on their own, A_i weighted by sign(w_i s_i) sqrt(|w_i s_i|) and B_i by
+  //   sqrt(|w_i s_i|) (PEFT's: not the sum of the updates), by task arithmetic (the weighted
+  //   sum), TIES (pruned by magnitude to options.density, signs elected, the agreeing values
+  //   averaged), magnitude pruning then the weighted sum, or DARE (pruned at random, the kept
+  //   values divided by the density; draws from options.seed) then the sum or TIES' election.
+  // - the same five with "_svd" ("svd" for "linear"): the updates s_i B_i A_i merged those ways
+  //   with weights w_i, then B = U S and A = V^T of its SVD truncated to options.svd_rank (else
+  //   the largest r): the best approximation of that rank, clamped by svd_clamp. The SVD runs
+  //   on rank 0, which sends its result to the others.
   // One adapter is always "linear", as in PEFT. Refused, before anything changes, naming what:
   // an existing adapter_name (PEFT returns without a word), an unknown adapter, weights that
-  // do not pair with the adapters, PEFT's dare types (random pruning: not built here), a type
-  // that is none, a density missing or negative where the type prunes, an unknown
+  // do not pair with the adapters, a type that is none, a density missing or negative where
+  // the type prunes (0 for dare, which would divide by it), an unknown
   // majority_sign_method, an svd_rank < 1 or svd_clamp outside [0, 1], DoRA adapters, adapters
   // with trainable tokens (PEFT combines only the LoRA matrices), a rank past max_rank, unequal
   // ranks in a layer for the types that need them. Collective (it reads and writes the
