@@ -335,10 +335,21 @@ LoraConfig from_peft(const nlohmann::ordered_json& j, const std::string& file) {
     c.modules_to_save.push_back(e.get<std::string>());
   }
   tokens_from(j, c, bad);
+  // PEFT's LoRA variants that change what the layer computes (block-diagonal factors, routing
+  // among adapters, a learnt diagonal between A and B over a truncated base, sampling around
+  // the factors, pooled inputs) or what it targets: loaded as plain LoRA they would compute
+  // something else. VeLoRA (a leaner backward of the same forward) and megatron_config (how
+  // PEFT builds its parallel layers) load as plain LoRA.
   for (const char* field : {"target_parameters", "alora_invocation_tokens", "layer_replication"})
     if (j.contains(field) && !j[field].is_null() &&
         !((j[field].is_array() || j[field].is_object() || j[field].is_string()) &&
           j[field].empty()))
+      bad(std::string(field) + " is set (" + j[field].dump() + "): not supported");
+  // A variant's config, even {} (its defaults), turns it on; false or null leaves it off.
+  for (const char* field :
+       {"use_bdlora", "arrow_config", "kasa_config", "monteclora_config", "use_qalora"})
+    if (j.contains(field) && !j[field].is_null() &&
+        !(j[field].is_boolean() && !j[field].get<bool>()))
       bad(std::string(field) + " is set (" + j[field].dump() + "): not supported");
   if (j.contains("use_dora") && !j["use_dora"].is_null()) {
     if (!j["use_dora"].is_boolean()) bad("use_dora is not a boolean");

@@ -285,6 +285,16 @@ TEST(LoraPeft, UnsupportedPeftFieldsAreRefused) {
        "\"peft_type\"",
        "\"alora_invocation_tokens\": [5, 9], \"peft_type\"",
        {"alora_invocation_tokens is set ([5,9])"}},
+      {"bdlora",
+       "\"peft_type\"",
+       "\"use_bdlora\": {\"lora_a_is_blockdiagonal\": true}, \"peft_type\"",
+       {"use_bdlora is set", "not supported"}},
+      {"kasa", "\"peft_type\"", "\"kasa_config\": {}, \"peft_type\"", {"kasa_config is set ({})"}},
+      {"arrow",
+       "\"peft_type\"",
+       "\"arrow_config\": {\"top_k\": 3}, \"peft_type\"",
+       {"arrow_config is set"}},
+      {"qalora", "\"peft_type\"", "\"use_qalora\": true, \"peft_type\"", {"use_qalora is set"}},
       {"tokens",
        "\"trainable_token_indices\": null",
        "\"trainable_token_indices\": [1, 2]",
@@ -310,6 +320,20 @@ TEST(LoraPeft, UnsupportedPeftFieldsAreRefused) {
   for (const auto& [key, t] : lora->read_adapter("regex"))
     EXPECT_EQ(max_abs_diff(t, want.at(key)), 0.0) << key;
   lora->delete_adapter("regex");
+  // Every other field PEFT 0.21's LoraConfig writes, at its default (variants off): it loads.
+  const std::string defaults = peft_config_variant(
+      dir, "defaults", "\"peft_type\"",
+      R"("alora_invocation_tokens": null, "arrow_config": null, "auto_mapping": null,
+         "corda_config": null, "ensure_weight_tying": false, "eva_config": null,
+         "kasa_config": null, "layer_replication": null, "loftq_config": {}, "lora_bias": false,
+         "lora_ga_config": null, "megatron_config": null, "megatron_core": "megatron.core",
+         "monteclora_config": null, "peft_version": "0.21.2", "qalora_group_size": 16,
+         "runtime_config": {"ephemeral_gpu_offload": false}, "target_parameters": null,
+         "use_bdlora": null, "use_qalora": false, "velora_config": null, "peft_type")");
+  lora->load_adapter(defaults, "defaults");
+  for (const auto& [key, t] : lora->read_adapter("defaults"))
+    EXPECT_EQ(max_abs_diff(t, want.at(key)), 0.0) << key;
+  lora->delete_adapter("defaults");
   EXPECT_EQ(lora->adapters(), (std::vector<std::string>{"default"}));
 }
 
