@@ -26,6 +26,10 @@ T scaled(const T& z, const T& g) {
   return cast(mul(cast(z, g.dtype()), g), z.dtype());
 }
 
+// Inverted dropout's multiplier, from the uniform draw `u`: 1/(1-p) where u >= p, else 0; p one
+// value, or one per row ([rows]: `p_rows`) when defined.
+Tensor keep_scale(const Tensor& u, const Tensor& p_rows, double p);
+
 // yp + scale * hp B^T, where yp (the base output [..., out]) and hp (the adapter activations
 // [..., rank]) are partial sums over some mesh dims: both travel in one reduction to Replicate,
 // after which B (replicated) applies to replicated activations, so that B's gradient needs no

@@ -89,6 +89,23 @@ Tensor LoraEmbedding::forward(const Tensor& ids) {
   return scaled(z, div(mag, out_norms(w, a, b, scale).to(mag.dtype())));
 }
 
+// The adapters' update of the table, (scale B A)^T, read by the projection h W^T: scale (h B) A,
+// a Linear whose A is B^T and whose B is A^T (PEFT's tied lm_head), lora_dropout on h included.
+// Only a Decoder under tie_embeddings calls this, and only with ensure_weight_tying do its
+// adapters reach a tied table (LoraModel checks): no flag here. A merged slot is in W already.
+Tensor LoraEmbedding::output_projection(const Tensor& h) {
+  const Tensor& w = weight.local();
+  const Batch bt = batch(h.dim() >= 2 ? h.size(0) : 1, h.device());
+  if (bt.slots.empty()) return Embedding::output_projection(h);
+  TESSERA_CHECK(!slots_[size_t(bt.slots[0])].use_dora, "LoraEmbedding: DoRA adapter '",
+                slots_[size_t(bt.slots[0])].adapter,
+                "' on a table the Decoder also projects with (tie_embeddings)");
+  const Stacked<Tensor> ab = stacked_local(bt);
+  const Tensor hl = dropped_input(h, bt, ab.a.dtype());
+  return linear_lowrank(h, w, Tensor(), transpose(ab.b, 0, 1), transpose(ab.a, 0, 1), ab.scale, hl,
+                        bt.routing);
+}
+
 DTensor LoraEmbedding::forward_dtensor(const DTensor& ids) {
   const DeviceMesh& mesh = ids.mesh();
   const DTensor w = weight.on_mesh(mesh);

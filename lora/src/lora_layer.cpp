@@ -13,6 +13,7 @@
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/autograd/ops.h"
 #include "tessera/core/factory.h"
+#include "tessera/core/kernels/elementwise.h"
 #include "tessera/core/kernels/views.h"
 #include "tessera/dtensor/ops.h"
 #include "window.h"
@@ -325,6 +326,16 @@ void LoraLayer::check_merged(bool mixed) const {
   }
 }
 
+Tensor LoraLayer::dropped_input(const Tensor& x, const Batch& bt, DType at) {
+  if (!bt.any_dropout) return Tensor();
+  // As PEFT: x in the adapters' dtype, then dropout (a bfloat16 base keeps 1/(1-p) exact under
+  // float32 adapters).
+  Tensor u = empty(x.shape(), TensorOptions(DType::Float32, x.device()));
+  uniform_(u, 0.0, 1.0, dropout_gens_[size_t(bt.slots[0])]);
+  return mul(x.dtype() == at ? x : cast(x, at),
+             lora_detail::keep_scale(u, bt.dropout, slots_[size_t(bt.slots[0])].dropout).to(at));
+}
+
 LoraLayer::Batch LoraLayer::batch(int64_t rows, Device device) const {
   Batch b;
   const bool mixed = routing_->sample_slots.has_value();
@@ -419,6 +430,18 @@ LoraLayer::Stacked<DTensor> LoraLayer::stacked_on(const DeviceMesh& mesh, const 
 }
 
 namespace lora_detail {
+
+// Inverted dropout's multiplier, from the uniform draw `u`: 1/(1-p) where u >= p, else 0; p one
+// value or one per row ([rows]).
+Tensor keep_scale(const Tensor& u, const Tensor& p_rows, double p) {
+  NoGradGuard no_grad;
+  Tensor p_t = p_rows.defined()
+                   ? kernels::reshape(p_rows, per_row_shape(p_rows.size(0), 1, u.dim()))
+                   : full({}, p, TensorOptions(DType::Float32, u.device()));
+  Tensor keep = kernels::compare(kernels::CompareOp::Ge, u, p_t).to(DType::Float32);
+  return kernels::binary(kernels::BinaryOp::Div, keep,
+                         kernels::rbinary_scalar(kernels::BinaryOp::Sub, 1.0, p_t));
+}
 
 DTensor reduce_with_activations(const DTensor& yp, const DTensor& hp, const DTensor& b,
                                 double scale, const LowRankRouting& routing) {

@@ -95,22 +95,6 @@ void LoraLinear::init_slot(int64_t i, const std::string& adapter, const LoraConf
   init_magnitude(i);
 }
 
-namespace {
-
-// Inverted dropout's multiplier, from the uniform draw `u`: 1/(1-p) where u >= p, else 0; p one
-// value or one per row ([rows]).
-Tensor keep_scale(const Tensor& u, const Tensor& p_rows, double p) {
-  NoGradGuard no_grad;
-  Tensor p_t = p_rows.defined()
-                   ? kernels::reshape(p_rows, per_row_shape(p_rows.size(0), 1, u.dim()))
-                   : full({}, p, TensorOptions(DType::Float32, u.device()));
-  Tensor keep = kernels::compare(kernels::CompareOp::Ge, u, p_t).to(DType::Float32);
-  return kernels::binary(kernels::BinaryOp::Div, keep,
-                         kernels::rbinary_scalar(kernels::BinaryOp::Sub, 1.0, p_t));
-}
-
-}  // namespace
-
 Tensor LoraLinear::forward(const Tensor& x) {
   TESSERA_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == in_features(), "LoraLinear(",
                 in_features(), " -> ", out_features(), "): input ",
@@ -121,16 +105,7 @@ Tensor LoraLinear::forward(const Tensor& x) {
   const Batch bt = batch(x.dim() >= 2 ? x.size(0) : 1, x.device());
   if (bt.slots.empty()) return linear(x, w, b0);
   const Stacked<Tensor> ab = stacked_local(bt);
-  Tensor xl;
-  if (bt.any_dropout) {
-    // As PEFT: x in the adapters' dtype, then dropout (a bfloat16 base keeps 1/(1-p) exact
-    // under float32 adapters).
-    const DType at = ab.a.dtype();
-    Tensor u = empty(x.shape(), TensorOptions(DType::Float32, x.device()));
-    uniform_(u, 0.0, 1.0, dropout_gens_[size_t(bt.slots[0])]);
-    xl = mul(x.dtype() == at ? x : cast(x, at),
-             keep_scale(u, bt.dropout, slots_[size_t(bt.slots[0])].dropout).to(at));
-  }
+  const Tensor xl = dropped_input(x, bt, ab.a.dtype());
   // batch() refused a DoRA slot in a mixed batch: a DoRA forward has one adapter.
   if (slots_[size_t(bt.slots[0])].use_dora)
     return forward_dora(x, w, b0, ab.a, ab.b, bt.slots[0], xl);
@@ -155,7 +130,8 @@ DTensor LoraLinear::forward_dtensor(const DTensor& x) {
     const Placements mask_placements = x.spec().grad_placements();  // Partial -> Replicate
     DTensor u = rand(x.shape(), mesh, mask_placements, dropout_gens_[size_t(bt.slots[0])],
                      DType::Float32, /*check_generator=*/false);
-    Tensor keep = keep_scale(u.to_local(), bt.dropout, slots_[size_t(bt.slots[0])].dropout);
+    Tensor keep =
+        lora_detail::keep_scale(u.to_local(), bt.dropout, slots_[size_t(bt.slots[0])].dropout);
     xl = mul(x.dtype() == a.dtype() ? x : cast(x, a.dtype()),
              DTensor::from_local(keep.to(a.dtype()), mesh, mask_placements, x.shape()));
   }

@@ -104,6 +104,9 @@ std::vector<size_t> LoraModel::targets(const LoraConfig& config) const {
   }
   TESSERA_CHECK(!out.empty() || !config.has_targets(),
                 "LoRA: no module of the model is left to adapt (", lora_selection_str(config), ")");
+  for (size_t i : out)
+    if (is_tied_output_table(*model_, layers_[i].second->module()))
+      check_tied_target(config, layers_[i].first, "LoRA");
   std::sort(out.begin(), out.end());
   return out;
 }

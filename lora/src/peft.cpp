@@ -126,6 +126,7 @@ nlohmann::ordered_json to_peft(const LoraConfig& c, const std::vector<std::strin
     j["exclude_modules"] = c.exclude_modules;
   j["use_dora"] = c.use_dora;
   j["trainable_token_indices"] = tokens;
+  j["ensure_weight_tying"] = c.ensure_weight_tying;
   return j;
 }
 
@@ -351,6 +352,10 @@ LoraConfig from_peft(const nlohmann::ordered_json& j, const std::string& file) {
     if (j.contains(field) && !j[field].is_null() &&
         !(j[field].is_boolean() && !j[field].get<bool>()))
       bad(std::string(field) + " is set (" + j[field].dump() + "): not supported");
+  if (j.contains("ensure_weight_tying") && !j["ensure_weight_tying"].is_null()) {
+    if (!j["ensure_weight_tying"].is_boolean()) bad("ensure_weight_tying is not a boolean");
+    c.ensure_weight_tying = j["ensure_weight_tying"].get<bool>();
+  }
   if (j.contains("use_dora") && !j["use_dora"].is_null()) {
     if (!j["use_dora"].is_boolean()) bad("use_dora is not a boolean");
     c.use_dora = j["use_dora"].get<bool>();

@@ -72,6 +72,7 @@ nlohmann::json config_json(const LoraConfig& c) {
   j["modules_to_save"] = c.modules_to_save;
   // [key, ids] pairs in the config's order, as the patterns are.
   if (!c.trainable_token_indices.empty()) j["trainable_token_indices"] = c.trainable_token_indices;
+  if (c.ensure_weight_tying) j["ensure_weight_tying"] = true;
   return j;
 }
 
@@ -204,6 +205,9 @@ LoraConfig config_from(const nlohmann::json& j, const std::string& where) {
     c.inference_mode = field(j, "inference_mode", V::boolean, where).get<bool>();
   // Absent from the tables of builds before DoRA: those adapters were LoRA.
   if (j.contains("use_dora")) c.use_dora = field(j, "use_dora", V::boolean, where).get<bool>();
+  // Written only when set: an adapter of an older build, or one without it, did not tie.
+  if (j.contains("ensure_weight_tying"))
+    c.ensure_weight_tying = field(j, "ensure_weight_tying", V::boolean, where).get<bool>();
   c.seed = field(j, "seed", V::number_unsigned, where).get<uint64_t>();
   // Absent from the tables of builds before them: no exclusions, every module takes r and alpha.
   read_selection(j, c, where);

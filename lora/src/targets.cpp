@@ -115,6 +115,21 @@ void check_untied(Module& model, const std::string& path, const ModulePtr& modul
                 "its weight outside its forward and would go on reading the original");
 }
 
+bool is_tied_output_table(const Module& model, const Module& module) {
+  const auto* decoder = dynamic_cast<const Decoder*>(&model);
+  return decoder && decoder->config().tie_embeddings && decoder->tok_embeddings.get() == &module;
+}
+
+void check_tied_target(const LoraConfig& config, const std::string& path, const char* context) {
+  TESSERA_CHECK(config.ensure_weight_tying, context, ": '", path,
+                "' is also the Decoder's output projection (tie_embeddings); set "
+                "LoraConfig::ensure_weight_tying (PEFT's) so that its adapter applies to both "
+                "uses, or leave it out of target_modules");
+  TESSERA_CHECK(!config.use_dora, context, ": '", path,
+                "' is also the Decoder's output projection (tie_embeddings), where DoRA is not "
+                "built; adapt it with LoRA");
+}
+
 // The Linears and Embeddings `config` adapts among `modules`, in the model's order; an error
 // names a target or exclude entry that matches nothing, and a match that cannot be wrapped.
 std::vector<std::pair<std::string, ModulePtr>> find_targets(
@@ -150,9 +165,13 @@ std::vector<std::pair<std::string, ModulePtr>> find_targets(
                   "can still be added after it, into the slots LoraSlots preallocates)");
     // An adapter changes the table's lookups, not another module's reads of the same weight,
     // which a merge would then change too.
-    if (table)
+    if (table) {
+      const bool tied = is_tied_output_table(model, *m);
+      if (tied) check_tied_target(config, path, "apply_lora");
       check_untied(model, path, m,
-                   "apply_lora: '" + path + "' (" + m->type_name() + ", a LoRA target)");
+                   "apply_lora: '" + path + "' (" + m->type_name() + ", a LoRA target)",
+                   /*output_projection=*/tied);
+    }
     found.emplace_back(path, m);
   }
   TESSERA_CHECK(!found.empty() || !config.has_targets(), "apply_lora: no module of ",

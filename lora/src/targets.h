@@ -54,6 +54,14 @@ std::vector<std::pair<std::string, ModulePtr>> find_targets(
 LoraSlots resolve_slots(const LoraSlots& slots, const LoraConfig& config, const std::string& name,
                         const std::vector<std::pair<std::string, ModulePtr>>& found);
 
+// Whether `module` is the table a Decoder `model` also projects its output with
+// (tie_embeddings).
+bool is_tied_output_table(const Module& model, const Module& module);
+
+// An error naming the field when `config` adapts such a table (at `path`) without
+// ensure_weight_tying, or with DoRA, which the tied projection does not apply.
+void check_tied_target(const LoraConfig& config, const std::string& path, const char* context);
+
 // An error "<at>: ..." when a parameter of `module` (at `path` in `model`) is also read by another
 // module: tied by assignment, or a Decoder's tok_embeddings under tie_embeddings, whose output
 // projection reads the table outside the embedding's forward, unless `output_projection` (the

@@ -492,16 +492,17 @@ TEST(LoraEmbedding, PeftFilesAndCheckpointsLoadOnAnotherMesh) {
   }
 }
 
-// Refused before anything changes, naming the table: a table the output projection reads too;
-// "all-linear" leaves tables out, as PEFT's does.
+// Refused before anything changes, naming the table: a table the output projection reads too
+// (without ensure_weight_tying: test_lora_tied.cpp); "all-linear" leaves tables out, as PEFT's
+// does.
 TEST(LoraEmbedding, WhatCannotBeAdaptedIsRefusedNamingIt) {
   if (world_size() > 1) GTEST_SKIP() << "one process";
   DecoderConfig tied = lora_decoder_config();
   tied.tie_embeddings = true;
   auto tied_model = std::make_shared<Decoder>(tied);
   expect_error([&] { apply_lora(tied_model, with_table()); },
-               {"apply_lora: 'tok_embeddings' (Embedding, a LoRA target)",
-                "tied to the Decoder's output projection"});
+               {"apply_lora: 'tok_embeddings' is also the Decoder's output projection",
+                "ensure_weight_tying"});
   EXPECT_EQ(tied_model->tok_embeddings->type_name(), "Embedding") << "left as it was";
   EXPECT_TRUE(tied_model->layers[0]->attention->wq->weight.requires_grad()) << "left unfrozen";
   auto assigned = std::make_shared<Decoder>(lora_decoder_config());

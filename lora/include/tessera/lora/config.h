@@ -91,6 +91,12 @@ struct LoraConfig {
   // and detached from the graph (the DoRA paper, section 4.3). The model's LoraSlots must hold
   // magnitude vectors (LoraSlots::use_dora; apply_lora sets it for a DoRA adapter).
   bool use_dora = false;
+  // PEFT's ensure_weight_tying: a table that is also the output projection (a Decoder under
+  // tie_embeddings) may be a target, and its adapter applies to both uses: the lookup and the
+  // projection (PEFT's tied lm_head adapter: lora_A = B^T, lora_B = A^T, with lora_dropout on
+  // the projection's input), so that merged and unmerged give the same logits. Without it such
+  // a table is refused as a target. Not with DoRA.
+  bool ensure_weight_tying = false;
   // An adapter's initial values depend on this seed, the adapter's name and the module's path
   // only: the same under any mesh or parallelism.
   uint64_t seed = 0;

@@ -20,6 +20,11 @@
 // (ColwiseParallel) gives A replicated and B Shard(0): no collective in the forward, and one
 // all-reduce of the activations' gradient [..., r] in the backward, which the plain table does
 // not make (A's gradient is the sum over B's rows, which the ranks split).
+//
+// A Decoder under tie_embeddings projects its output through the table (output_projection):
+// with ensure_weight_tying the adapters apply there too, as PEFT's tied lm_head adapter
+// (lora_A = B^T, lora_B = A^T): logits = h W^T + scale (dropout(h) B) A, so that they are the
+// logits of the merged table, and A and B get the gradients of both uses.
 #include <memory>
 #include <string>
 #include <utility>
@@ -37,6 +42,7 @@ class LoraEmbedding : public Embedding, public LoraLayer {
 
   Tensor forward(const Tensor& ids) override;
   DTensor forward_dtensor(const DTensor& ids) override;
+  Tensor output_projection(const Tensor& h) override;
   void after_tensor_parallel(const DeviceMesh& mesh) override { distribute_adapters(mesh); }
   std::vector<std::pair<std::string, std::string>> tensor_parallel_inputs() const override {
     return describe_adapters();

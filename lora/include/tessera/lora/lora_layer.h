@@ -172,6 +172,9 @@ class LoraLayer {
   // rows_from_ndim dims (one sample otherwise); refused for a mixed batch when that dim is split
   // over the mesh.
   Batch batch_of(const DTensor& x, int64_t rows_from_ndim) const;
+  // The adapters' input: `x` in their dtype `at` with the batch's dropout applied (its first
+  // slot's stream), or undefined without dropout (the adapters then read x itself).
+  Tensor dropped_input(const Tensor& x, const Batch& bt, DType at);
   // The batch's slots side by side (Stacked, above).
   Stacked<Tensor> stacked_local(const Batch& bt) const;  // plain (or whole) parameters
   Stacked<DTensor> stacked_on(const DeviceMesh& mesh, const Batch& bt) const;
