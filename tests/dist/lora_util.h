@@ -226,6 +226,19 @@ inline void for_each_gathered_lora(
   }
 }
 
+// The run's logits of `ids` are `want` (1e-5) with "default" merged (where fully_shard does not
+// hold the layers: it refuses the merge) and unmerged again.
+inline void expect_merge_keeps_logits(LoraRun& run, const Tensor& ids, const Tensor& want,
+                                      const std::string& layout) {
+  NoGradGuard no_grad;
+  if (layout.rfind("fsdp", 0) != 0 && layout.rfind("hsdp", 0) != 0) {
+    run.lora->merge_adapter("default");
+    expect_close(run.logits(ids), want, 1e-5, "merged");
+    run.lora->unmerge_adapter("default");
+  }
+  expect_close(run.logits(ids), want, 1e-5, "unmerged");
+}
+
 // `ids` run once per adapter of `per_sample` alone (set_adapter; "" is the base model), then as a
 // mixed batch that routes sample r to per_sample[r]: each sample's logits must be what its
 // adapter alone gives (1e-5). Returns the logits of each adapter alone, in per_sample's order,
