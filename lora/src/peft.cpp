@@ -528,7 +528,10 @@ void LoraModel::load_adapter(const std::string& dir, const std::string& name, bo
     }
     cfg = from_peft(j, config_path);
     try {
-      saved_targets(cfg);  // before add_adapter, to name the file
+      // Before add_adapter, to name the file: targets the model cannot take (a tied table
+      // without ensure_weight_tying, a layer apply_lora did not wrap), modules and tables.
+      targets(cfg);
+      saved_targets(cfg);
       token_targets(cfg);
     } catch (const Error& e) {
       TESSERA_FAIL("PEFT config '", config_path, "': ", e.what());
