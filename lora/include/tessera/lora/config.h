@@ -108,8 +108,8 @@ struct LoraConfig {
   // This config with the r and lora_alpha of the module at `path`: what its layer holds.
   LoraConfig for_module(const std::string& path) const;
   bool all_linear() const;  // target_modules is {"all-linear"}
-  // Whether target_modules or target_modules_regex names LoRA targets (false: PEFT's
-  // target_modules=[]).
+  // Whether target_modules or target_modules_regex names LoRA targets (false: token rows
+  // alone).
   bool has_targets() const;
   // The target entries: target_modules', or target_modules_regex alone.
   std::vector<std::string> target_entries() const;
