@@ -203,8 +203,9 @@ class LoraModel {
   // "<path>.base_layer.bias" in a wrapped layer, the parameter's name elsewhere; its copies of
   // modules_to_save as "<path>.<name>", in their dtype; its trainable tokens' rows as
   // "<path>.token_adapter.trainable_tokens_delta", in the table's dtype) and
-  // dir/adapter_config.json, by rank 0.
-  // Collective.
+  // dir/adapter_config.json, by rank 0. An adapter of token rows alone (no target modules) is
+  // written as PEFT's TrainableTokens files: peft_type "TRAINABLE_TOKENS", its rows as
+  // "<path>.trainable_tokens_delta"; load_adapter reads both kinds. Collective.
   void save_adapter(const std::string& dir, const std::string& name);
   // Adds adapter `name` from PEFT files, onto whatever mesh this model has. As PEFT's, it loads
   // for inference unless is_trainable: its config's inference_mode is then set, so its matrices
