@@ -405,18 +405,14 @@ void check_same_files(const std::string& dir, const std::string& name, const Lor
                 " and ", kWeights, ")");
 }
 
-bool ends_with(const std::string& s, const std::string& end) {
-  return s.size() >= end.size() && s.compare(s.size() - end.size(), end.size(), end) == 0;
-}
-
 // A table's rows under PEFT's TrainableTokens key, from read_adapter's, and back (a key that is
 // not a table's rows stays as it is, for write_adapter to name).
 std::string own_rows_key(const std::string& key) {
-  if (!ends_with(key, kLoraRows)) return key;
+  if (!key.ends_with(kLoraRows)) return key;
   return key.substr(0, key.size() - std::strlen(kLoraRows)) + kOwnRows;
 }
 std::string lora_rows_key(const std::string& key) {
-  if (!ends_with(key, kOwnRows) || ends_with(key, kLoraRows)) return key;
+  if (!key.ends_with(kOwnRows) || key.ends_with(kLoraRows)) return key;
   return key.substr(0, key.size() - std::strlen(kOwnRows)) + kLoraRows;
 }
 

@@ -32,9 +32,11 @@ struct Combination {
 
 std::optional<Combination> combination_of(const std::string& type) {
   if (type == "cat") return Combination{.cat = true};
-  const bool svd = type.size() > 4 && type.compare(type.size() - 4, 4, "_svd") == 0;
-  const std::string base = type == "svd" ? "linear" : svd ? type.substr(0, type.size() - 4) : type;
-  const bool with_svd = svd || type == "svd";
+  // "svd" is "linear"'s SVD form; the others name theirs with "_svd".
+  const bool with_svd = type == "svd" || type.ends_with("_svd");
+  const std::string base = type == "svd" ? "linear"
+                           : with_svd    ? type.substr(0, type.size() - 4)
+                                         : type;
   if (base == "linear") return Combination{.svd = with_svd, .merge = TaskMerge::Arithmetic};
   if (base == "ties") return Combination{.svd = with_svd, .merge = TaskMerge::Ties};
   if (base == "dare_linear") return Combination{.svd = with_svd, .merge = TaskMerge::DareLinear};

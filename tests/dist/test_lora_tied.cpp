@@ -45,13 +45,6 @@ LoraLayer& table_layer(LoraModel& lora) {
   return *lora.layers().front().second;
 }
 
-Tensor full_of(const Parameter& p) {
-  return p.is_dtensor() ? p.full() : p.stored();
-}
-Tensor grad_of(Parameter& p) {
-  return p.is_dtensor() ? p.grad_dtensor().full_tensor() : p.grad();
-}
-
 }  // namespace
 
 // The logits are those of the tied decoder whose table is W + scale (B A)^T (PEFT's tied lm_head
@@ -70,8 +63,8 @@ TEST(LoraTied, TheProjectionReadsTheAdapterUnderEveryLayout) {
     run.lora->write_adapter("default", small);
     LoraLayer& layer = table_layer(*run.lora);
     const int64_t r = 4;
-    const Tensor a = kernels::narrow(full_of(layer.lora_A(0)), 0, 0, r).clone();
-    const Tensor b = kernels::narrow(full_of(layer.lora_B(0)), 1, 0, r).clone();
+    const Tensor a = kernels::narrow(layer.lora_A(0).full(), 0, 0, r).clone();
+    const Tensor b = kernels::narrow(layer.lora_B(0).full(), 1, 0, r).clone();
     const double s = layer.slot(0).scale;
     auto ref = std::make_shared<Decoder>(tied_decoder());
     ref->tok_embeddings->weight.copy_from_full(
@@ -83,9 +76,9 @@ TEST(LoraTied, TheProjectionReadsTheAdapterUnderEveryLayout) {
     const Tensor got = run.logits(ids);
     expect_close(got, want, 1e-5, "logits");
     backward(sum(mul(got, got)));
-    expect_close(kernels::narrow(grad_of(layer.lora_A(0)), 0, 0, r),
+    expect_close(kernels::narrow(full_grad(layer.lora_A(0)), 0, 0, r),
                  mul(matmul(transpose(b, 0, 1), transpose(g, 0, 1)), s), 1e-4, "A's gradient");
-    expect_close(kernels::narrow(grad_of(layer.lora_B(0)), 1, 0, r),
+    expect_close(kernels::narrow(full_grad(layer.lora_B(0)), 1, 0, r),
                  mul(matmul(transpose(g, 0, 1), transpose(a, 0, 1)), s), 1e-4, "B's gradient");
     expect_merge_keeps_logits(run, ids, want, l.name);
   }
