@@ -95,6 +95,7 @@ struct HostExec {
   }
 
   static void gemm(const char* op, Device device, const kernels::portable::GemmCall& call) {
+    kernels::portable::check_gemm_call(op, device, call);
     EmulatedMemory* memory = &launch_on(op, device, "gemm");
     memory->open();
     if (call.dtype == DType::Float64)

@@ -60,6 +60,23 @@ TEST(DeviceKernels, MatrixProductsInEveryLayoutFollowTheCpu) {
             cuda(sb).as_strided(tb ? Shape{6, 5} : Shape{5, 6}, tb ? Shape{5, 1} : Shape{1, 5}, 0);
         expect_matches(kernels::matmul(va_dev, vb_dev, false, tb),
                        kernels::matmul(va, vb, false, tb), tol(dt), what + " strided views");
+        // Degenerate products, as an empty shard of a row-parallel weight makes (k = 0: zeros):
+        // cuBLAS refuses a leading dimension below 1 even where it addresses nothing.
+        for (const auto& [m, k, n] :
+             {std::tuple{3, 0, 4}, {1, 0, 1}, {1, 5, 1}, {4, 1, 3}, {0, 3, 2}, {2, 3, 0}}) {
+          const Tensor da = random_tensor(ta ? Shape{k, m} : Shape{m, k}, 92, dt);
+          const Tensor db = random_tensor(tb ? Shape{n, k} : Shape{k, n}, 93, dt);
+          expect_matches(kernels::matmul(cuda(da), cuda(db), ta, tb),
+                         kernels::matmul(da, db, ta, tb), tol(dt),
+                         what + " [" + std::to_string(m) + ", " + std::to_string(k) + "] x [" +
+                             std::to_string(k) + ", " + std::to_string(n) + "]");
+        }
+        // Rows of nothing whose stride is 0 (one row expanded): a leading dimension of 0.
+        const Tensor ea = expand(random_tensor({1, 0}, 96, dt), {3, 0});
+        const Tensor eb = random_tensor(tb ? Shape{4, 0} : Shape{0, 4}, 97, dt);
+        expect_matches(kernels::matmul(expand(cuda(random_tensor({1, 0}, 96, dt)), {3, 0}),
+                                       cuda(eb), false, tb),
+                       kernels::matmul(ea, eb, false, tb), tol(dt), what + " expanded [3, 0]");
       }
     }
     const Tensor x = random_tensor({2, 3, 8}, 85, dt), w = random_tensor({5, 8}, 86, dt),
@@ -73,12 +90,20 @@ TEST(DeviceKernels, MatrixProductsInEveryLayoutFollowTheCpu) {
     expect_matches(kernels::addmm(cuda(c), cuda(m), cuda(w), 0.5, 2.0, false, true),
                    kernels::addmm(c, m, w, 0.5, 2.0, false, true), tol(dt),
                    std::string("addmm ") + dtype_name(dt));
+    const Tensor m0 = random_tensor({6, 0}, 94, dt), w0 = random_tensor({5, 0}, 95, dt);
+    expect_matches(kernels::addmm(cuda(c), cuda(m0), cuda(w0), 0.5, 2.0, false, true),
+                   kernels::addmm(c, m0, w0, 0.5, 2.0, false, true), tol(dt),
+                   std::string("addmm with k = 0 ") + dtype_name(dt));
     if (is_half(dt)) continue;
     Tensor acc = random_tensor({6, 5}, 90, dt);
     Tensor acc_dev = cuda(acc);
     kernels::matmul_accumulate_(acc_dev, cuda(m), cuda(w), -1.5, false, true);
     kernels::matmul_accumulate_(acc, m, w, -1.5, false, true);
     expect_matches(acc_dev, acc, tol(dt), std::string("matmul_accumulate_ ") + dtype_name(dt));
+    kernels::matmul_accumulate_(acc_dev, cuda(m0), cuda(w0), -1.5, false, true);
+    kernels::matmul_accumulate_(acc, m0, w0, -1.5, false, true);
+    expect_matches(acc_dev, acc, tol(dt),
+                   std::string("matmul_accumulate_ with k = 0 ") + dtype_name(dt));
   }
   const Tensor a = cuda(random_tensor({3, 4}, 91, DType::Float32));
   expect_error([&] { kernels::matmul(a, a); }, {"matmul", "inner dimensions", "[3, 4]"});

@@ -206,6 +206,7 @@ struct CudaExec {
   }
 
   static void gemm(const char* op, Device device, const portable::GemmCall& g) {
+    portable::check_gemm_call(op, device, g);
     check_launch(cudaSetDevice(device.index), op, device, "cudaSetDevice");
     cublasHandle_t h = cublas_handle(op, device);
     const cublasOperation_t ta = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;

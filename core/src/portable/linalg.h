@@ -30,6 +30,25 @@ struct GemmCall {
   double alpha = 1, beta = 0;
 };
 
+// The argument rules cuBLAS's gemmStridedBatched enforces (CUBLAS_STATUS_INVALID_VALUE
+// otherwise), checked by every executor, so that the host emulation refuses a call the GPU
+// would: a leading dimension at least 1 and at least the stored matrix's row count, even where
+// a dimension of 0 or 1 means it is never used to address anything.
+inline void check_gemm_call(const char* op, Device device, const GemmCall& g) {
+  TESSERA_CHECK(g.dtype == DType::Float32 || g.dtype == DType::Float64, op, " on ", device.str(),
+                ": gemm of ", dtype_name(g.dtype), " (BLAS takes float32 and float64)");
+  TESSERA_CHECK(g.m >= 0 && g.n >= 0 && g.k >= 0 && g.batch >= 0, op, " on ", device.str(),
+                ": gemm with m ", g.m, ", n ", g.n, ", k ", g.k, ", batch ", g.batch);
+  const int64_t rows_a = g.trans_a ? g.k : g.m, rows_b = g.trans_b ? g.n : g.k;
+  TESSERA_CHECK(g.lda >= std::max<int64_t>(1, rows_a) && g.ldb >= std::max<int64_t>(1, rows_b) &&
+                    g.ldc >= std::max<int64_t>(1, g.m),
+                op, " on ", device.str(), ": gemm leading dimensions lda ", g.lda, ", ldb ", g.ldb,
+                ", ldc ", g.ldc, " below BLAS's minimum ", std::max<int64_t>(1, rows_a), ", ",
+                std::max<int64_t>(1, rows_b), ", ", std::max<int64_t>(1, g.m), " (m ", g.m, ", n ",
+                g.n, ", k ", g.k, ", op(A) ", g.trans_a ? "T" : "N", ", op(B) ",
+                g.trans_b ? "T" : "N", ")");
+}
+
 // One operand as BLAS sees it: a pointer, whether BLAS must transpose what it reads, the leading
 // dimension and the stride between batch entries.
 struct BlasOperand {
@@ -69,12 +88,16 @@ inline BlasOperand blas_operand(const Tensor& x, bool trans, const Shape& batch)
       if (t.size(i) != 1) bstrides[size_t(lead + i)] = t.stride(i);
     int64_t bstride = 0;
     if (!single_stride(bsizes, bstrides, bstride)) return false;
+    // BLAS wants ld >= max(1, rows of the stored matrix) even where it addresses nothing with
+    // it: one stored column (rows <= 1 here), or none stored (cols 0, whose strides may be 0).
     if ((cols <= 1 || cs == 1) && (rows <= 1 || rs >= cols)) {
-      out = {t, t.raw_data(), false, rows <= 1 ? std::max<int64_t>(cols, 1) : rs, bstride};
+      out = {t, t.raw_data(), false,
+             rows <= 1 ? std::max<int64_t>(cols, 1) : std::max<int64_t>(rs, 1), bstride};
       return true;
     }
     if ((rows <= 1 || rs == 1) && (cols <= 1 || cs >= rows)) {
-      out = {t, t.raw_data(), true, cols <= 1 ? std::max<int64_t>(rows, 1) : cs, bstride};
+      out = {t, t.raw_data(), true,
+             cols <= 1 ? std::max<int64_t>(rows, 1) : std::max<int64_t>(cs, 1), bstride};
       return true;
     }
     return false;
