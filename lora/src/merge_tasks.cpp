@@ -1,5 +1,6 @@
 #include "merge_tasks.h"
 
+#include <Eigen/QR>
 #include <Eigen/SVD>
 #include <algorithm>
 #include <cmath>
@@ -87,26 +88,25 @@ double quantile(std::vector<double> v, double q) {
   return v[lo] + (v[hi] - v[lo]) * (pos - double(lo));
 }
 
-}  // namespace
+using Matrix = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
-std::pair<std::vector<double>, std::vector<double>> svd_factors(const std::vector<double>& delta,
-                                                                int64_t out, int64_t in, int64_t k,
-                                                                std::optional<double> clamp) {
-  using Matrix = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  TESSERA_CHECK(int64_t(delta.size()) == out * in && k >= 1, "svd_factors: ", delta.size(),
-                " values for [", out, ", ", in, "] at rank ", k);
-  const Matrix m = Eigen::Map<const Matrix>(delta.data(), out, in);
-  const Eigen::BDCSVD<Matrix> svd(m, Eigen::ComputeThinU | Eigen::ComputeThinV);
-  const int64_t p = std::min<int64_t>(k, int64_t(svd.singularValues().size()));
+// B = U[:, :p] diag(s) [out, k] and A = V[:, :p]^T [k, in], zero past p (and past s's length in
+// B), then PEFT's clamp: every value to [-h, h], h the q-quantile of B's and A's first p
+// columns and rows, as its SVD returns them.
+std::pair<std::vector<double>, std::vector<double>> factors_of(const Matrix& u,
+                                                               const Eigen::VectorXd& s,
+                                                               const Matrix& v, int64_t p,
+                                                               int64_t k,
+                                                               std::optional<double> clamp) {
+  const int64_t out = u.rows(), in = v.rows();
   std::vector<double> b(size_t(out * k), 0.0), a(size_t(k * in), 0.0), values;
   for (int64_t r = 0; r < out; ++r)
-    for (int64_t c = 0; c < p; ++c)
-      b[size_t(r * k + c)] = svd.matrixU()(r, c) * svd.singularValues()(c);
+    for (int64_t c = 0; c < std::min<int64_t>(p, s.size()); ++c)
+      b[size_t(r * k + c)] = u(r, c) * s(c);
   for (int64_t r = 0; r < p; ++r)
     for (int64_t c = 0; c < in; ++c)
-      a[size_t(r * in + c)] = svd.matrixV()(c, r);
+      a[size_t(r * in + c)] = v(c, r);
   if (!clamp) return {b, a};
-  // PEFT's quantile is over U S and V^T as its SVD returns them, without our zero padding.
   for (int64_t r = 0; r < out; ++r)
     for (int64_t c = 0; c < p; ++c)
       values.push_back(b[size_t(r * k + c)]);
@@ -114,9 +114,48 @@ std::pair<std::vector<double>, std::vector<double>> svd_factors(const std::vecto
   const double h = quantile(std::move(values), *clamp);
   // torch's clamp(-h, h): with h < 0 (a low quantile of signed values) every value becomes h.
   for (auto* f : {&b, &a})
-    for (double& v : *f)
-      v = std::min(std::max(v, -h), h);
+    for (double& x : *f)
+      x = std::min(std::max(x, -h), h);
   return {b, a};
+}
+
+}  // namespace
+
+std::pair<std::vector<double>, std::vector<double>> svd_factors(const std::vector<double>& delta,
+                                                                int64_t out, int64_t in, int64_t k,
+                                                                std::optional<double> clamp) {
+  TESSERA_CHECK(int64_t(delta.size()) == out * in && k >= 1, "svd_factors: ", delta.size(),
+                " values for [", out, ", ", in, "] at rank ", k);
+  const Matrix m = Eigen::Map<const Matrix>(delta.data(), out, in);
+  const Eigen::BDCSVD<Matrix> svd(m, Eigen::ComputeThinU | Eigen::ComputeThinV);
+  const int64_t p = std::min<int64_t>(k, int64_t(svd.singularValues().size()));
+  return factors_of(svd.matrixU(), svd.singularValues(), svd.matrixV(), p, k, clamp);
+}
+
+// B A = Qb (Rb Ra^T) Qa^T from the QR decompositions B = Qb Rb and A^T = Qa Ra, so the SVD
+// U_m S V_m^T of the small Rb Ra^T gives B A's: U = Qb U_m, V = Qa V_m. V is completed past
+// Qa's columns (where s is 0) by the next columns of A^T's full Householder Q, orthogonal to
+// them, as many as the full SVD's min(out, in) allows: A's rows stay orthonormal at any k.
+std::pair<std::vector<double>, std::vector<double>> svd_factors_of_product(
+    const std::vector<double>& b, const std::vector<double>& a, int64_t out, int64_t r, int64_t in,
+    int64_t k, std::optional<double> clamp) {
+  TESSERA_CHECK(int64_t(b.size()) == out * r && int64_t(a.size()) == r * in && k >= 1,
+                "svd_factors_of_product: ", b.size(), " and ", a.size(), " values for [", out, ", ",
+                r, "] x [", r, ", ", in, "] at rank ", k);
+  const Eigen::HouseholderQR<Matrix> qb(Eigen::Map<const Matrix>(b.data(), out, r));
+  const Eigen::HouseholderQR<Matrix> qa(Eigen::Map<const Matrix>(a.data(), r, in).transpose());
+  const int64_t cb = std::min(out, r), ca = std::min(in, r);
+  const int64_t p = std::min(k, std::min(out, in));
+  const Matrix rb = qb.matrixQR().topRows(cb).triangularView<Eigen::Upper>();
+  const Matrix ra = qa.matrixQR().topRows(ca).triangularView<Eigen::Upper>();
+  const Eigen::JacobiSVD<Matrix> small(rb * ra.transpose(),
+                                       Eigen::ComputeThinU | Eigen::ComputeFullV);
+  const Matrix qb_thin = qb.householderQ() * Matrix::Identity(out, cb);
+  const Matrix qa_cols = qa.householderQ() * Matrix::Identity(in, std::max(ca, p));
+  Matrix v(in, std::max(ca, p));
+  v.leftCols(ca) = qa_cols.leftCols(ca) * small.matrixV();
+  v.rightCols(v.cols() - ca) = qa_cols.rightCols(v.cols() - ca);
+  return factors_of(qb_thin * small.matrixU(), small.singularValues(), v, p, k, clamp);
 }
 
 }  // namespace tessera::lora_detail

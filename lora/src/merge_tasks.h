@@ -42,4 +42,12 @@ std::pair<std::vector<double>, std::vector<double>> svd_factors(const std::vecto
                                                                 int64_t out, int64_t in, int64_t k,
                                                                 std::optional<double> clamp);
 
+// The same factors of the product B A (b [out, r], a [r, in], row-major) without forming it:
+// O((out + in) r^2) time and O((out + in) r) memory where the SVD of the product takes
+// O(out in min(out, in)) and O(out in). Equal to svd_factors(B A) up to the sign of each pair
+// of a column of B and a row of A (and, where singular values tie, their rotation).
+std::pair<std::vector<double>, std::vector<double>> svd_factors_of_product(
+    const std::vector<double>& b, const std::vector<double>& a, int64_t out, int64_t r, int64_t in,
+    int64_t k, std::optional<double> clamp);
+
 }  // namespace tessera::lora_detail

@@ -80,6 +80,19 @@ std::pair<Tensor, Tensor> merged_factors(const Combination& how, const LayerSour
     return {from_vector<double>(lora_detail::merge_tasks(how.merge, as, wa, merge), {k, cols}),
             from_vector<double>(lora_detail::merge_tasks(how.merge, bs, wb, merge), {rows, k})};
   }
+  if (how.merge == lora_detail::TaskMerge::Arithmetic) {
+    // "svd": sum_i w_i s_i B_i A_i is [w_1 s_1 B_1, ...] times [A_1; ...], factored as such
+    // without the [out, in] update (a 4096 x 4096 layer's would be 128 MiB and a long SVD).
+    std::vector<Tensor> bs, as;
+    for (size_t i = 0; i < in.a.size(); ++i) {
+      bs.push_back(mul(in.b[i].to(Device::cpu()).to(DType::Float64), in.weight[i] * in.scale[i]));
+      as.push_back(in.a[i].to(Device::cpu()).to(DType::Float64));
+    }
+    const Tensor b_cat = cat(bs, 1), a_cat = cat(as, 0);
+    auto [b, a] = lora_detail::svd_factors_of_product(host_values(b_cat), host_values(a_cat), rows,
+                                                      b_cat.size(1), cols, k, options.svd_clamp);
+    return {from_vector<double>(a, {k, cols}), from_vector<double>(b, {rows, k})};
+  }
   std::vector<std::vector<double>> deltas;
   for (size_t i = 0; i < in.a.size(); ++i)
     deltas.push_back(host_values(mul(matmul(in.b[i].to(Device::cpu()).to(DType::Float64),
