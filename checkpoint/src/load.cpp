@@ -15,6 +15,7 @@
 #include "h5/h5.h"
 #include "mapped_file.h"
 #include "plan.h"
+#include "slots.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/comm/agree.h"
 #include "tessera/core/factory.h"
@@ -403,6 +404,7 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
     check_header(file, path);
     table = read_table(file, path);
     found = look_up(file, path, entries, table.size(), keys);
+    std::erase_if(keys.missing_keys, added_later_optimizer_key);
     if (options.strict && (!keys.missing_keys.empty() || !keys.mismatched_keys.empty()))
       TESSERA_FAIL("checkpoint '", path, "' does not match the state dict: ", keys.str());
   });

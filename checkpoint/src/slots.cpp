@@ -92,11 +92,20 @@ IncompatibleKeys check_keys(const std::vector<Slot>& slots, const std::vector<Sc
       if (!s.optional) k.missing_keys.push_back(s.key);
       continue;
     }
-    const bool ok = s.is_int ? std::holds_alternative<int64_t>(it->second)
-                             : std::holds_alternative<double>(it->second);
-    if (!ok)
-      k.mismatched_keys.push_back(s.key + " (expected " + (s.is_int ? "an int64" : "a double") +
-                                  ", got " + state_value_str(it->second) + ")");
+    const bool ok = s.kind == ScalarKind::Int64 ? std::holds_alternative<int64_t>(it->second)
+                    : s.kind == ScalarKind::Double
+                        ? std::holds_alternative<double>(it->second)
+                        : std::holds_alternative<std::string>(it->second);
+    const char* expected = s.kind == ScalarKind::Int64    ? "an int64"
+                           : s.kind == ScalarKind::Double ? "a double"
+                                                          : "a string";
+    if (!ok) {
+      k.mismatched_keys.push_back(s.key + " (expected " + expected + ", got " +
+                                  state_value_str(it->second) + ")");
+    } else if (s.problem) {
+      const std::string p = s.problem(it->second);
+      if (!p.empty()) k.mismatched_keys.push_back(s.key + " (" + p + ")");
+    }
   }
   for (const auto& [key, v] : state)
     if (!known.count(key)) k.unexpected_keys.push_back(key);
@@ -267,7 +276,8 @@ Tensor window_of(const Tensor& full, const Window& w) {
 
 nlohmann::json scalar_json(const StateValue& v) {
   if (const auto* i = std::get_if<int64_t>(&v)) return *i;
-  return std::get<double>(v);
+  if (const auto* x = std::get_if<double>(&v)) return *x;
+  return std::get<std::string>(v);
 }
 
 // Rank 0's part of broadcast_from_rank0 for slot `i`: sends every other rank its window of
@@ -366,10 +376,12 @@ IncompatibleKeys set_from_rank0(std::vector<Slot>& slots, std::vector<ScalarSlot
     for (const ScalarSlot& s : scalars) {
       if (!v["scalars"].contains(s.key)) continue;
       const nlohmann::json& x = v["scalars"][s.key];
-      if (s.is_int)
+      if (s.kind == ScalarKind::Int64)
         s.apply(StateValue(x.get<int64_t>()));
-      else
+      else if (s.kind == ScalarKind::Double)
         s.apply(StateValue(x.get<double>()));
+      else
+        s.apply(StateValue(x.get<std::string>()));
     }
   return k;
 }

@@ -34,15 +34,21 @@ Slot plain_slot(const std::string& key, const Tensor& t);
 // the global tensors, kept on rank 0 only with cpu_offload.
 void get_slots(const std::vector<Slot>& slots, const StateDictOptions& options, StateDict& out);
 
-// A scalar a state dict may set (an optimizer's step or hyperparameter), and how to apply it.
+enum class ScalarKind { Int64, Double, String };
+
+// A scalar a state dict may set (an optimizer's step or hyperparameter, or what a group holds),
+// and how to apply it.
 struct ScalarSlot {
   std::string key;
-  bool is_int = true;  // int64, else double
+  ScalarKind kind = ScalarKind::Int64;
   std::function<void(const StateValue&)> apply;
   // A key that dicts saved before it existed lack (a hyperparameter added later): when absent it
   // is neither missing nor applied, and what it would set keeps its value.
   bool optional = false;
   std::string unit;  // as Slot::unit
+  // Why a value of the right kind does not fit (a negative step), or "" when it does: the key is
+  // then mismatched, found with the others before anything is copied.
+  std::function<std::string(const StateValue&)> problem = nullptr;
 };
 
 // Slots a state dict may hold or leave out as a whole (the optimizer state of a frozen parameter
@@ -64,5 +70,10 @@ IncompatibleKeys set_slots(std::vector<Slot> slots, std::vector<ScalarSlot> scal
                            const StateDict& state, const StateDictOptions& options,
                            const std::string& what,
                            const std::vector<OptionalSlots>& optional = {});
+
+// Whether `key` is a hyperparameter, or a group's "params", of an optimizer state dict
+// ("[<prefix>/]param_groups/[<g>/]<name>") that dicts saved before it existed lack: load()
+// leaves such a key as it is when the file lacks it, as set_optimizer_state_dict does.
+bool added_later_optimizer_key(const std::string& key);
 
 }  // namespace tessera::ckpt

@@ -1,8 +1,11 @@
 // get/set of model and optimizer state dicts: each lists its slots (slots.h) and scalars.
 #include "tessera/checkpoint/state_dict.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <map>
+#include <set>
 
 #include "context.h"
 #include "slots.h"
@@ -77,7 +80,63 @@ bool added_later(const std::string& name) {
   return name == "amsgrad" || name == "maximize" || name == "dampening" || name == "nesterov";
 }
 
+// The names of group g's parameters, one per line: PyTorch's param_groups[g]["params"] as
+// get_optimizer_state_dict gives them (fully qualified names), which say which group of another
+// optimizer a group's hyperparameters belong to.
+std::string group_params(const Optimizer& opt,
+                         const std::vector<std::pair<size_t, std::string>>& names, size_t g) {
+  std::string out;
+  for (const auto& [i, fqn] : names)
+    if (opt.param_group_of(i) == g) out += (out.empty() ? "" : "\n") + fqn;
+  return out;
+}
+
+// How a dict's group g differs from the optimizer's, "" when it holds the same parameters (in
+// any order: state is keyed by name, so the order does not matter).
+std::string group_difference(const std::string& mine, const std::string& theirs, size_t g) {
+  auto lines = [](const std::string& text) {
+    std::set<std::string> out;
+    size_t at = 0;
+    while (at <= text.size()) {
+      const size_t end = std::min(text.find('\n', at), text.size());
+      if (end > at) out.insert(text.substr(at, end - at));
+      at = end + 1;
+    }
+    return out;
+  };
+  const std::set<std::string> a = lines(mine), b = lines(theirs);
+  std::string only_mine, only_theirs;
+  for (const std::string& n : a)
+    if (!b.count(n)) only_mine += (only_mine.empty() ? "" : ", ") + n;
+  for (const std::string& n : b)
+    if (!a.count(n)) only_theirs += (only_theirs.empty() ? "" : ", ") + n;
+  if (only_mine.empty() && only_theirs.empty()) return "";
+  std::string why = "the dict's param group " + std::to_string(g) +
+                    " holds other parameters than the optimizer's";
+  if (!only_theirs.empty()) why += "; only the dict's: " + only_theirs;
+  if (!only_mine.empty()) why += "; only the optimizer's: " + only_mine;
+  return why + "; its hyperparameters are another group's";
+}
+
 }  // namespace
+
+namespace ckpt {
+
+bool added_later_optimizer_key(const std::string& key) {
+  const size_t last = key.rfind('/');
+  if (last == std::string::npos) return false;
+  const std::string name = key.substr(last + 1);
+  if (!added_later(name) && name != "params") return false;
+  std::string parent = key.substr(0, last);
+  const size_t cut = parent.rfind('/');
+  const std::string tail = cut == std::string::npos ? parent : parent.substr(cut + 1);
+  if (!tail.empty() &&
+      std::all_of(tail.begin(), tail.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    parent = cut == std::string::npos ? "" : parent.substr(0, cut);
+  return parent == "param_groups" || parent.ends_with("/param_groups");
+}
+
+}  // namespace ckpt
 
 std::string state_value_str(const StateValue& v) {
   if (const auto* t = std::get_if<Tensor>(&v)) return t->defined() ? t->str() : "undefined Tensor";
@@ -126,7 +185,8 @@ StateDict get_optimizer_state_dict(Module& model, Optimizer& optimizer,
                                    const StateDictOptions& options) {
   std::vector<Slot> slots;
   StateDict scalars;
-  for (const auto& [i, fqn] : optimizer_params(model, optimizer, "get_optimizer_state_dict")) {
+  const auto names = optimizer_params(model, optimizer, "get_optimizer_state_dict");
+  for (const auto& [i, fqn] : names) {
     if (!has_state(optimizer, i)) continue;
     const Parameter& p = *optimizer.params()[i];
     for (const std::string& name : optimizer.state_names(i))
@@ -134,9 +194,12 @@ StateDict get_optimizer_state_dict(Module& model, Optimizer& optimizer,
                                       optimizer.state_tensor(i, name, /*allocate=*/true), p));
     scalars[state_key(fqn, "step")] = optimizer.param_step(i);
   }
-  for (size_t g = 0; g < optimizer.num_param_groups(); ++g)
+  for (size_t g = 0; g < optimizer.num_param_groups(); ++g) {
     for (const auto& [name, v] : optimizer.hyperparameters(g))
       scalars[group_key(optimizer, g, name)] = v;
+    if (optimizer.num_param_groups() > 1)
+      scalars[group_key(optimizer, g, "params")] = group_params(optimizer, names, g);
+  }
   StateDict out;
   ckpt::get_slots(slots, options, out);
   const bool keep = !(options.full_state_dict && options.cpu_offload) || world_rank() == 0;
@@ -151,7 +214,8 @@ IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
   std::vector<ckpt::OptionalSlots> optional;
   // The frozen parameters without state that this call creates state for (the dict holds some).
   std::vector<std::pair<size_t, std::string>> created;
-  for (const auto& [i, fqn] : optimizer_params(model, optimizer, "set_optimizer_state_dict")) {
+  const auto names = optimizer_params(model, optimizer, "set_optimizer_state_dict");
+  for (const auto& [i, fqn] : names) {
     // The slots of parameter i; its state tensors are created (as zeros) here.
     auto add = [&optimizer, i = i, fqn = fqn](std::vector<Slot>& to,
                                               std::vector<ScalarSlot>& to_scalars) {
@@ -162,11 +226,14 @@ IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
                                      optimizer.state_tensor(i, name, /*allocate=*/true), p));
         to.back().unit = unit;
       }
-      to_scalars.push_back({state_key(fqn, "step"), true,
+      to_scalars.push_back({state_key(fqn, "step"), ckpt::ScalarKind::Int64,
                             [&optimizer, i](const StateValue& v) {
                               optimizer.set_param_step(i, std::get<int64_t>(v));
                             },
-                            false, unit});
+                            false, unit,
+                            [](const StateValue& v) -> std::string {
+                              return std::get<int64_t>(v) < 0 ? "a step count below 0" : "";
+                            }});
     };
     // A frozen parameter with no state takes the dict's state when it holds some, and is left
     // without any (none created) when it holds none.
@@ -197,14 +264,35 @@ IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
     if (!drop.empty()) optimizer.reset_state(drop);
   };
   // Each group's hyperparameters are collected and set together, so that their checks see them
-  // all.
+  // all. A dict's group that holds other parameters than the optimizer's (groups built in
+  // another order) has its hyperparameters mismatched: PyTorch's set_optimizer_state_dict maps
+  // groups by their parameters' names, and applying them by position would set another group's
+  // learning rate or weight decay without a word. Dicts from before groups carried their
+  // parameters' names are taken by position.
   std::vector<std::map<std::string, double>> hyper(optimizer.num_param_groups());
-  for (size_t g = 0; g < optimizer.num_param_groups(); ++g)
+  for (size_t g = 0; g < optimizer.num_param_groups(); ++g) {
+    std::function<std::string(const StateValue&)> other_group = nullptr;
+    if (optimizer.num_param_groups() > 1) {
+      auto it = state.find(group_key(optimizer, g, "params"));
+      if (it != state.end() && std::holds_alternative<std::string>(it->second)) {
+        const std::string why = group_difference(group_params(optimizer, names, g),
+                                                 std::get<std::string>(it->second), g);
+        if (!why.empty()) other_group = [why](const StateValue&) { return why; };
+      }
+    }
+    // With several groups, a group's hyperparameters and its names load together: names of
+    // another group leave them all unloaded.
+    const std::string unit =
+        optimizer.num_param_groups() > 1 ? "param_groups/" + std::to_string(g) : "";
+    if (!unit.empty())
+      scalars.push_back({group_key(optimizer, g, "params"), ckpt::ScalarKind::String,
+                         [](const StateValue&) {}, /*optional=*/true, unit, other_group});
     for (const auto& [name, v] : optimizer.hyperparameters(g))
       scalars.push_back(
-          {group_key(optimizer, g, name), false,
+          {group_key(optimizer, g, name), ckpt::ScalarKind::Double,
            [&hyper, g, name = name](const StateValue& x) { hyper[g][name] = std::get<double>(x); },
-           added_later(name), ""});
+           added_later(name), unit});
+  }
   const std::string what = "set_optimizer_state_dict into " + model.type_name();
   // The dict's hyperparameters are checked before anything is copied, so that a bad one (a
   // negative lr) leaves the optimizer as it was. Agreed: with broadcast_from_rank0 only rank 0

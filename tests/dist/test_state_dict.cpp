@@ -438,3 +438,41 @@ TEST(StateDict, TiedWeightsHaveEveryNameAndStayTiedThroughACheckpoint) {
       *b, get_model_state_dict(*a, {.full_state_dict = true}), {.full_state_dict = true});
   EXPECT_TRUE(k2.empty()) << k2.str();
 }
+
+// An optimizer of several groups saves each group's parameter names; a checkpoint from before
+// they (or amsgrad and maximize) were saved still loads strictly, its dict keeping the
+// optimizer's own values for them, which set_optimizer_state_dict then leaves as they are.
+TEST(StateDict, OptimizerCheckpointsWithoutTheNewerKeysLoadStrictly) {
+  auto groups_of = [](Decoder& m) {
+    ParamGroups g{{{}, {}}, {{}, {{"weight_decay", 0.0}, {"amsgrad", 1}}}};
+    for (auto& [name, p] : m.named_parameters())
+      g.groups[name.find("norm") != std::string::npos ? 1 : 0].params.push_back(p);
+    return g;
+  };
+  Parallel a = decoder_layouts().front().build(7);
+  AdamW opt(groups_of(*a.model), checkpoint_adamw());
+  train_step(a, opt, 0);
+  StateDict sd = get_optimizer_state_dict(*a.model, opt);
+  const std::string names = std::get<std::string>(sd.at("param_groups/1/params"));
+  EXPECT_NE(names.find("norm.weight"), std::string::npos) << names;
+  const std::string dir = scratch_dir("state_dict_newer_keys");
+  save(sd, dir + "/now.h5");
+  for (size_t g = 0; g < 2; ++g)
+    for (const char* k : {"params", "amsgrad", "maximize"})
+      ASSERT_EQ(sd.erase("param_groups/" + std::to_string(g) + "/" + k), 1u) << k;
+  save(sd, dir + "/older.h5");
+
+  for (const char* file : {"now.h5", "older.h5"}) {
+    SCOPED_TRACE(file);
+    Parallel b = decoder_layouts().front().build(11);
+    AdamW opt2(groups_of(*b.model), AdamWOptions{.lr = 1.0});
+    StateDict into = get_optimizer_state_dict(*b.model, opt2);
+    const IncompatibleKeys k = load(into, dir + "/" + file);
+    EXPECT_TRUE(k.empty()) << k.str();
+    EXPECT_EQ(std::get<std::string>(into.at("param_groups/1/params")), names);
+    EXPECT_TRUE(set_optimizer_state_dict(*b.model, opt2, into).empty());
+    for (size_t g = 0; g < 2; ++g)
+      EXPECT_EQ(opt2.hyperparameters(g), opt.hyperparameters(g)) << "group " << g;
+    EXPECT_EQ(opt2.param_step(0), 1);
+  }
+}

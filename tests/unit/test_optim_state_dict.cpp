@@ -1,8 +1,9 @@
 // Optimizer state dicts of parameter groups and of the new state (amsgrad's max_exp_avg_sq) on
 // one rank: a round trip through get/set_optimizer_state_dict, dicts saved before groups and
-// the newer hyperparameters existed, and dicts that do not fit.
+// the newer hyperparameters existed, dicts that do not fit, and groups built in another order.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -130,10 +131,74 @@ TEST(OptimizerStateDict, DictsThatDoNotFitAreClearErrors) {
                "AdamW param group 1: weight_decay (-1) must be non-negative");
   expect_same(other.state_tensor(0, "exp_avg", false), exp_avg, "exp_avg after a refused dict");
   EXPECT_EQ(other.param_step(0), 1);
-  // amsgrad's state is required where the optimizer has amsgrad.
+  // A step count below 0, found with the other checks: nothing is copied.
   sd["param_groups/1/weight_decay"] = 0.0;
+  sd["state/weight/step"] = int64_t(-1);
+  expect_error([&] { set_optimizer_state_dict(a.lin, other, sd); },
+               {"state/weight/step", "a step count below 0"});
+  expect_same(other.state_tensor(0, "exp_avg", false), exp_avg, "exp_avg after a negative step");
+  EXPECT_EQ(other.param_step(1), 1);
+  // amsgrad's state is required where the optimizer has amsgrad.
+  sd["state/weight/step"] = int64_t(1);
   sd.erase("state/bias/max_exp_avg_sq");
   expect_error([&] { set_optimizer_state_dict(a.lin, other, sd); }, "state/bias/max_exp_avg_sq");
+}
+
+// Each group's parameters are in the dict by name (PyTorch's param_groups[g]["params"]), so
+// that a dict's hyperparameters never land on another group: an optimizer whose groups were
+// built in another order refuses them, naming the parameters, or with strict = false keeps its
+// own while the state, keyed by name, loads. A dict from before groups held their names is
+// taken by position, as it was.
+TEST(OptimizerStateDict, HyperparametersNeverLandOnAnotherGroup) {
+  Net a;
+  AdamW grouped(groups_of(a, 0.02), AdamWOptions{.weight_decay = 0.1});
+  a.set_grads(1);
+  grouped.step();
+  StateDict sd = get_optimizer_state_dict(a.lin, grouped);
+  EXPECT_EQ(std::get<std::string>(sd.at("param_groups/0/params")), "weight");
+  EXPECT_EQ(std::get<std::string>(sd.at("param_groups/1/params")), "bias");
+  EXPECT_EQ(sd.count("param_groups/params"), 0u);  // one group has nothing to tell apart
+
+  // The same groups the other way round: biases first.
+  const std::vector<ParamGroup> swapped = {
+      {{&a.lin.bias}, {{"weight_decay", 0.0}, {"amsgrad", 1}, {"lr", 0.5}}},
+      {{&a.lin.weight}, {{"amsgrad", 1}}}};
+  AdamW other(swapped, AdamWOptions{.lr = 0.3, .weight_decay = 0.7});
+  const auto before = std::vector{other.hyperparameters(0), other.hyperparameters(1)};
+  expect_error([&] { set_optimizer_state_dict(a.lin, other, sd); },
+               {"param_groups/0/lr", "the dict's param group 0 holds other parameters",
+                "only the dict's: weight", "only the optimizer's: bias"});
+  EXPECT_EQ(other.param_step(0), 0) << "state copied from a refused dict";
+  sd["state/weight/max_exp_avg_sq"] = zeros({2, 3});  // the weights' group has amsgrad here
+  const IncompatibleKeys k = set_optimizer_state_dict(a.lin, other, sd, {.strict = false});
+  auto listed = [&](const std::string& start) {
+    return std::any_of(k.mismatched_keys.begin(), k.mismatched_keys.end(),
+                       [&](const std::string& m) { return m.starts_with(start); });
+  };
+  EXPECT_TRUE(
+      listed("param_groups/1/params (the dict's param group 1 holds other parameters "
+             "than the optimizer's; only the dict's: bias; only the optimizer's: weight"))
+      << k.str();
+  for (const char* key : {"param_groups/0/lr (not loaded", "param_groups/1/weight_decay (not"})
+    EXPECT_TRUE(listed(key)) << key << " in " << k.str();
+  EXPECT_EQ(other.hyperparameters(0), before[0]);
+  EXPECT_EQ(other.hyperparameters(1), before[1]);
+  EXPECT_EQ(other.param_step(0), 1);  // the biases' state, by name
+  expect_same(other.state_tensor(1, "exp_avg", false), grouped.state_tensor(0, "exp_avg", false),
+              "the weights' exp_avg");
+
+  // The same groups in the same order: taken, the names are only checked.
+  sd.erase("state/weight/max_exp_avg_sq");
+  AdamW same(groups_of(a, 0.9), AdamWOptions{});
+  EXPECT_TRUE(set_optimizer_state_dict(a.lin, same, sd).empty());
+  EXPECT_EQ(same.hyperparameters(1).at("lr"), 0.02);
+
+  // A dict without the names: by position, as before they were saved.
+  sd.erase("param_groups/0/params");
+  sd.erase("param_groups/1/params");
+  AdamW positional(groups_of(a, 0.9), AdamWOptions{});
+  set_optimizer_state_dict(a.lin, positional, sd);
+  EXPECT_EQ(positional.hyperparameters(1).at("lr"), 0.02);
 }
 
 // State is created for a frozen parameter without any only to receive the dict's: when that
