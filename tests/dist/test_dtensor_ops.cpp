@@ -240,6 +240,37 @@ TEST(DTensorOps, ElementwiseBroadcastAndPartialAddition) {
   }
 }
 
+// A partial sum casts as its sum does: it stays partial where the cast is linear (into
+// floats), and is summed first where it is not (into integers or bool: each rank's piece of 0.5
+// truncates to 0 while the sum, 0.5 times the ranks, does not).
+TEST(DTensorOps, CastOfAPartialSumIsTheCastOfTheSum) {
+  for (const DeviceMesh& mesh0 : meshes()) {
+    DeviceMesh mesh = mesh0["tp"];
+    const int64_t n = mesh.size();
+    // Pieces 0.5 and, on rank 1, -1.5: sums 0.5 n and, with rank 1's, 0.5 n - 2.
+    const double second = mesh.local_rank(0) == 1 ? -1.5 : 0.5;
+    const DTensor p =
+        DTensor::from_local(from_vector<double>({0.5, second}, {2}), mesh, {Partial()}, Shape{2});
+    const std::vector<double> sums = {0.5 * double(n), 0.5 * double(n) - (n > 1 ? 2.0 : 0.0)};
+    const DTensor f = cast(p, DType::Float32);
+    EXPECT_EQ(f.placements(), (Placements{Partial()}));
+    EXPECT_EQ(f.full_tensor().to_vector<double>(), sums);
+    for (DType dt : {DType::Int64, DType::Int32, DType::Bool}) {
+      SCOPED_TRACE(dtype_name(dt));
+      const DTensor c = cast(p, dt);
+      EXPECT_EQ(c.placements(), (Placements{Replicate()}));
+      EXPECT_EQ(c.full_tensor().to_vector<double>(),
+                cast(from_vector<double>(sums, {2}), dt).to_vector<double>());
+    }
+    const DTensor i =
+        DTensor::from_local(from_vector<int64_t>({3, -1}, {2}), mesh, {Partial()}, Shape{2});
+    EXPECT_EQ(cast(i, DType::Int32).placements(), (Placements{Partial()}));
+    EXPECT_EQ(cast(i, DType::Int32).full_tensor().to_vector<int64_t>(),
+              (std::vector<int64_t>{3 * n, -n}));
+    EXPECT_EQ(cast(i, DType::Bool).placements(), (Placements{Replicate()}));
+  }
+}
+
 TEST(DTensorOps, ReductionsOverShardedDimsArePartial) {
   for (const DeviceMesh& mesh0 : meshes()) {
     DeviceMesh mesh = mesh0["tp"];

@@ -163,8 +163,14 @@ DTensor mul(const DTensor& a, double s) {
 DTensor neg(const DTensor& x) {
   return unary("neg", x, Linearity::Multiplicative, [](const Tensor& t) { return neg(t); });
 }
+// A partial sum stays one through a cast only where the cast is linear: into a floating dtype,
+// or between integer dtypes (two's complement wraps alike). Truncating floats to integers, or
+// anything to bool, is not (trunc(0.5) + trunc(0.5) is 0, trunc(1.0) is 1): the sum is taken
+// first, as PyTorch's DTensor does since its _to_copy fix.
 DTensor cast(const DTensor& x, DType dtype) {
-  return unary("cast", x, Linearity::Multiplicative,
+  const bool linear = dtype != DType::Bool &&
+                      (is_floating(dtype) || (!is_floating(x.dtype()) && x.dtype() != DType::Bool));
+  return unary("cast", x, linear ? Linearity::Multiplicative : Linearity::None,
                [dtype](const Tensor& t) { return cast(t, dtype); });
 }
 
