@@ -14,20 +14,22 @@ namespace {
 // seed and offset; a generator seeded by rank (common for data order) would give each rank a
 // window of a different draw and unequal replicas, silently. PyTorch syncs its DTensor RNG state
 // from rank 0; here the generator is the caller's, so the ranks check that they agree (one small
-// all-reduce per mesh dim), all failing together when they do not.
+// all-reduce per mesh dim), all failing together when they do not. The all-reduces over the
+// mesh dims run one after another on the same values, which then hold the whole mesh's extremes:
+// every rank judges the same values. (Judging after each dim let the ranks of a line that
+// disagreed throw while the others waited for them in the next dim's all-reduce.)
 void check_same_generator(const DTensorSpec& s, const Generator& gen, const char* op) {
   const auto seed = int64_t(gen.seed()), offset = int64_t(gen.offset());
-  for (int64_t m = 0; m < s.mesh.ndim(); ++m) {
-    // ~x orders opposite to x without overflowing, so one Max gives both ends.
-    Tensor v = from_vector<int64_t>({seed, ~seed, offset, ~offset}).to(s.mesh.device());
+  // ~x orders opposite to x without overflowing, so one Max gives both ends.
+  Tensor v = from_vector<int64_t>({seed, ~seed, offset, ~offset}).to(s.mesh.device());
+  for (int64_t m = 0; m < s.mesh.ndim(); ++m)
     s.mesh.group(m)->all_reduce(v, ReduceOp::Max)->wait();
-    const std::vector<int64_t> r = v.to_vector<int64_t>();
-    TESSERA_CHECK(r[0] == ~r[1] && r[2] == ~r[3], op, " on a DTensor over ", s.mesh.str(),
-                  ": the ranks along mesh dim ", m, " draw from different generator states (seed ",
-                  uint64_t(~r[1]), " to ", uint64_t(r[0]), ", offset ", uint64_t(~r[3]), " to ",
-                  uint64_t(r[2]), "; this rank: seed ", gen.seed(), ", offset ", gen.offset(),
-                  "); seed the Generator alike on every rank and draw the same sequence on each");
-  }
+  const std::vector<int64_t> r = v.to_vector<int64_t>();
+  TESSERA_CHECK(r[0] == ~r[1] && r[2] == ~r[3], op, " on a DTensor over ", s.mesh.str(),
+                ": the ranks of the mesh draw from different generator states (seed ",
+                uint64_t(~r[1]), " to ", uint64_t(r[0]), ", offset ", uint64_t(~r[3]), " to ",
+                uint64_t(r[2]), "; this rank: seed ", gen.seed(), ", offset ", gen.offset(),
+                "); seed the Generator alike on every rank and draw the same sequence on each");
 }
 
 // Every rank reserves the whole logical draw, then fills only its window of it.

@@ -157,6 +157,21 @@ TEST(DTensorRandom, RanksWithDifferentGeneratorStatesFailTogether) {
   EXPECT_EQ(same.offset(), 12u);
 }
 
+// On a mesh of two dims, ranks whose line along the first dim agrees and ranks whose line does
+// not fail together too, none left waiting in the second dim's check for the others.
+TEST(DTensorRandom, RanksWithDifferentGeneratorStatesFailTogetherOnATwoDimMesh) {
+  if (world_size() != 4) GTEST_SKIP() << "a 2 x 2 mesh";
+  DeviceMesh mesh({2, 2}, {"dp", "tp"});
+  Generator ahead(kSeed);
+  if (world_rank() == 0) ahead.set_offset(12);  // rank 0's dp line {0, 2} disagrees, {1, 3} not
+  tessera::testing::expect_error(
+      [&] {
+        rand({4, 4}, mesh, {Shard(0), Shard(1)}, ahead);
+      },
+      {"rand on a DTensor over DeviceMesh(dp=2, tp=2", "different generator states",
+       "offset 0 to 12"});
+}
+
 TEST(DTensorRandom, BadArgumentsAreRefusedOnEveryRankBeforeTheGeneratorMoves) {
   DeviceMesh mesh({world_size()}, {"x"});
   DTensor t = distribute_tensor(zeros({5, 3}), mesh, {Shard(0)});
