@@ -250,6 +250,7 @@ std::string tensor_description(const Tensor& t) {
   std::string s = dtype_name(t.dtype());
   s += ' ';
   s += shape_str(t.shape());
+  if (t.requires_grad()) s += " requiring grad";
   return s;
 }
 
@@ -273,12 +274,15 @@ DTensor cut_window(const Tensor& global, std::shared_ptr<const DTensorSpec> spec
                      ? window.clone()
                      : window.contiguous().to(spec->mesh.device());
   if (zero_for_partial(*spec)) local.zero_();
-  return DTensor(std::move(spec), local);
+  DTensor out(std::move(spec), local);
+  // A new leaf that requires grad where the global tensor did, as PyTorch's distribute_tensor.
+  if (global.requires_grad()) out.set_requires_grad(true);
+  return out;
 }
 
 // The source sends each other mesh rank its window (the windows are checked consistent first).
 DTensor send_windows(const Tensor& global, std::shared_ptr<const DTensorSpec> spec, int src_rank,
-                     int data_tag) {
+                     int data_tag, bool requires_grad) {
   const DeviceMesh& mesh = spec->mesh;
   ProcessGroupPtr world = world_group(mesh.device_type());
   Tensor local = empty(spec->local_layout().local_shape, TensorOptions(spec->dtype, mesh.device()));
@@ -301,21 +305,25 @@ DTensor send_windows(const Tensor& global, std::shared_ptr<const DTensorSpec> sp
     world->recv(local, src_rank, data_tag)->wait();
   }
   if (zero_for_partial(*spec)) local.zero_();
-  return DTensor(std::move(spec), local);
+  DTensor out(std::move(spec), local);
+  if (requires_grad) out.set_requires_grad(true);
+  return out;
 }
 
-// The source sends every other mesh rank the global shape and dtype, each rank checks its own
-// tensor against them, and the ranks agree on the outcome before the source sends the windows.
+// The source sends every other mesh rank the global shape, dtype and whether it requires grad, each
+// rank checks its own tensor against them, and the ranks agree on the outcome before the source
+// sends the windows.
 DTensor distribute_from(const Tensor& global, const DeviceMesh& mesh, const Placements& placements,
                         int src_rank) {
   ProcessGroupPtr world = world_group();
   constexpr int kHeaderTag = 0x7e51, kDataTag = 0x7e52;
   const int me = world->rank();
-  Tensor header = zeros({kMaxHeaderDims + 2}, DType::Int64);
+  Tensor header = zeros({kMaxHeaderDims + 3}, DType::Int64);
   if (me == src_rank) {
     int64_t* h = header.data<int64_t>();
     h[0] = global.dim();
     h[1] = int64_t(global.dtype());
+    h[kMaxHeaderDims + 2] = global.requires_grad() ? 1 : 0;
     for (int64_t d = 0; d < global.dim(); ++d)
       h[2 + d] = global.size(d);
     for (int r : mesh.world_ranks())
@@ -334,7 +342,7 @@ DTensor distribute_from(const Tensor& global, const DeviceMesh& mesh, const Plac
                            "source's shape and dtype");
   detail::agree_on_call(mesh, "distribute_tensor", {}, error);
   return send_windows(global, std::make_shared<const DTensorSpec>(mesh, placements, gs, dt),
-                      src_rank, kDataTag);
+                      src_rank, kDataTag, h[kMaxHeaderDims + 2] != 0);
 }
 
 }  // namespace

@@ -240,6 +240,32 @@ TEST(DTensorOps, ElementwiseBroadcastAndPartialAddition) {
   }
 }
 
+// As PyTorch's: distributing a tensor that requires grad gives a new leaf that requires grad,
+// from a source rank (which tells the others) or from every rank (which agree on it).
+TEST(DTensorOps, DistributeTensorKeepsRequiresGrad) {
+  for (const DeviceMesh& mesh0 : meshes()) {
+    DeviceMesh mesh = mesh0["tp"];
+    const Tensor g = random_tensor({5, 3}, 31, DType::Float64);
+    for (int src : {kMeshFirstRank, kEveryRank}) {
+      SCOPED_TRACE(src);
+      const bool holds = src == kEveryRank || mesh.coordinate()[0] == 0;
+      const Tensor mine = holds ? g.clone().set_requires_grad(true) : Tensor();
+      DTensor d = distribute_tensor(mine, mesh, {Shard(0)}, src);
+      ASSERT_TRUE(d.requires_grad());
+      EXPECT_FALSE(d.to_local().grad_fn());
+      const Tensor w = random_tensor({5, 3}, 32, DType::Float64);
+      backward(sum(mul(d.full_tensor(), w)));
+      ASSERT_TRUE(d.grad().defined());
+      expect_close(d.grad().full_tensor(), w, 0, "the leaf's gradient");
+      EXPECT_FALSE(distribute_tensor(holds ? g : Tensor(), mesh, {Shard(0)}, src).requires_grad());
+    }
+    if (mesh.size() > 1) {
+      const Tensor mine = mesh.coordinate()[0] == 0 ? g.clone().set_requires_grad(true) : g;
+      EXPECT_THROW(distribute_tensor(mine, mesh, {Shard(0)}, kEveryRank), Error);
+    }
+  }
+}
+
 // A partial sum casts as its sum does: it stays partial where the cast is linear (into
 // floats), and is summed first where it is not (into integers or bool: each rank's piece of 0.5
 // truncates to 0 while the sum, 0.5 times the ranks, does not).

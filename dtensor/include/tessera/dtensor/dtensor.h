@@ -92,6 +92,8 @@ inline constexpr int kEveryRank = -1;
 // host tensor) values; a wrong
 // or differing input on any rank throws on every rank. A Partial(sum) dim keeps the value on
 // its coordinate 0 and zeros elsewhere; Partial avg, max and min keep it on every coordinate.
+// The result is a new leaf that requires grad where `global` (the source rank's) does, as in
+// PyTorch.
 DTensor distribute_tensor(const Tensor& global, const DeviceMesh& mesh,
                           const Placements& placements, int src_rank = kMeshFirstRank);
 
