@@ -33,6 +33,7 @@ void FSDPGroup::set_unsharded_params() {
 }
 
 void FSDPGroup::unshard(bool async_op) {
+  forget_dropped_forward();
   if (unsharded_) {
     if (!shards_written_since_gather()) {
       if (!backward_pending_) refresh_leaves();
@@ -211,6 +212,7 @@ void FSDPGroup::prefetch(bool forward) {
   for (const auto& t : targets) {
     if (t.get() == this || t->unsharded_) continue;
     if (forward) {
+      t->forget_dropped_forward();  // before its own forward does: not from a stale piece
       t->start_gather();
       if (t->schedule_ != schedule_ && !t->pending_gather_->reuse)
         t->pending_gather_->other_root = true;

@@ -69,6 +69,13 @@ void FSDPGroup::forget_dropped_forward() {
   backward_pending_ = false;
   input_grad_pending_ = 0;
   pending_outputs_.clear();
+  // Nor are the bytes its leaves viewed, or the piece reshard_after_forward=N kept for its
+  // backward: gathered from them, the next forward would read the weights of that forward, not
+  // what an optimizer step or a load wrote to the shards since. It gathers from the shards.
+  if (!unsharded_) {
+    if (pending_gather_ && pending_gather_->reuse) drop_pending_gather();
+    drop_leaves();
+  }
 }
 
 Tensor FSDPGroup::post_forward(const Tensor& y_in) {
@@ -107,9 +114,14 @@ void FSDPGroup::begin_backward() {
 
 void FSDPGroup::pre_backward() {
   // The end of the first backward freed the gathered weights this graph saved.
+  // Each backward settles every forward of the model still pending (it reduces and frees them),
+  // so a backward through a forward settled before reaches no gathered weights. PyTorch's FSDP2
+  // gathers again there; here the forward must run again.
   TESSERA_CHECK(backward_pending_, label(),
-                ": a second backward through the same forward (retain_graph) is not supported; "
-                "run the forward again");
+                ": a second backward through the same forward (retain_graph) is not supported, "
+                "nor a backward through a forward an earlier backward settled (two forwards "
+                "before their backwards: each backward settles every pending forward); run each "
+                "forward's backward before the next forward, or run the forward again");
   begin_backward();
   in_backward_ = true;
   if (unsharded_) {
