@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <set>
 #include <string_view>
 
 #include "checksum.h"
@@ -45,6 +46,30 @@ std::string kind_text(h5::AttrKind k) {
     default:
       return "a value of another type";
   }
+}
+
+// set_optimizer_state_dict loads a parameter's optimizer state whole or not at all (a step
+// without its moments would scale the next updates wrongly), but after load() it sees only the
+// dict, whose keys the file lacked keep their old values: with strict = false, a unit of which
+// the file lacks a key, or holds one that does not fit, is not read at all.
+void keep_optimizer_units_whole(const std::vector<Entry>& entries, std::vector<Found>& found,
+                                IncompatibleKeys& keys) {
+  std::set<std::string> broken;
+  for (const std::string& k : keys.missing_keys)
+    if (const std::string u = optimizer_unit_of(k); !u.empty()) broken.insert(u);
+  for (const std::string& m : keys.mismatched_keys)
+    if (const std::string u = optimizer_unit_of(m.substr(0, m.find(" ("))); !u.empty())
+      broken.insert(u);
+  if (broken.empty()) return;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (!found[i].present) continue;
+    const std::string u = optimizer_unit_of(entries[i].key);
+    if (u.empty() || !broken.count(u)) continue;
+    found[i].present = false;
+    keys.mismatched_keys.push_back(entries[i].key + " (not loaded: another key of " + u +
+                                   " is missing or mismatched, and they load together)");
+  }
+  std::sort(keys.mismatched_keys.begin(), keys.mismatched_keys.end());
 }
 
 // Looks up every entry in the file; wrong shapes and dtypes go to `keys.mismatched_keys`, absent
@@ -405,6 +430,7 @@ IncompatibleKeys load(StateDict& state, const std::string& path, const LoadOptio
     table = read_table(file, path);
     found = look_up(file, path, entries, table.size(), keys);
     std::erase_if(keys.missing_keys, added_later_optimizer_key);
+    keep_optimizer_units_whole(entries, found, keys);
     if (options.strict && (!keys.missing_keys.empty() || !keys.mismatched_keys.empty()))
       TESSERA_FAIL("checkpoint '", path, "' does not match the state dict: ", keys.str());
   });

@@ -76,4 +76,9 @@ IncompatibleKeys set_slots(std::vector<Slot> slots, std::vector<ScalarSlot> scal
 // leaves such a key as it is when the file lacks it, as set_optimizer_state_dict does.
 bool added_later_optimizer_key(const std::string& key);
 
+// The unit of an optimizer state key ("[<prefix>/]state/<fqn>/<name>" with <name> a state
+// tensor's name or "step"): the key without <name>, whose keys load together or not at all
+// (set_optimizer_state_dict's rule, which load() keeps too). "" for any other key.
+std::string optimizer_unit_of(const std::string& key);
+
 }  // namespace tessera::ckpt

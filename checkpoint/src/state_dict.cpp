@@ -136,6 +136,19 @@ bool added_later_optimizer_key(const std::string& key) {
   return parent == "param_groups" || parent.ends_with("/param_groups");
 }
 
+std::string optimizer_unit_of(const std::string& key) {
+  const size_t last = key.rfind('/');
+  if (last == std::string::npos || last == 0) return "";
+  static const std::set<std::string> names = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq",
+                                              "momentum_buffer"};
+  if (!names.count(key.substr(last + 1))) return "";
+  const std::string unit = key.substr(0, last);
+  const size_t fqn = unit.rfind('/');
+  if (fqn == std::string::npos) return "";
+  const std::string parent = unit.substr(0, fqn);
+  return parent == "state" || parent.ends_with("/state") ? unit : "";
+}
+
 }  // namespace ckpt
 
 std::string state_value_str(const StateValue& v) {

@@ -379,6 +379,32 @@ TEST(StateDict, AParametersOptimizerStateLoadsWholeOrNotAtAll) {
   }
 }
 
+// The same rule through a checkpoint: load() with strict = false reads none of a unit whose
+// file holds a key that does not fit, so that set_optimizer_state_dict, which sees only the
+// dict, never takes a step without its moments.
+TEST(StateDict, LoadReadsAParametersOptimizerStateWholeOrNotAtAll) {
+  const std::string w = "layers.0.attention.wq.weight", other = "norm.weight";
+  Parallel a = decoder_layouts().front().build(7);
+  AdamW opt(a.model->parameters(), checkpoint_adamw());
+  for (int s = 0; s < 2; ++s)
+    train_step(a, opt, s);
+  StateDict full = get_optimizer_state_dict(*a.model, opt, {.full_state_dict = true});
+  full["state/" + w + "/exp_avg"] = zeros({4, 3});
+  const std::string path = scratch_dir("state_dict_units") + "/optim.h5";
+  save(full, path);
+  Parallel b = decoder_layouts().front().build(11);
+  AdamW opt2(b.model->parameters(), AdamWOptions{.lr = 1.0});
+  StateDict into = get_optimizer_state_dict(*b.model, opt2);
+  const IncompatibleKeys k = load(into, path, {.strict = false});
+  const std::string listed = k.str();
+  for (const char* name : {"exp_avg (", "exp_avg_sq (not loaded", "step (not loaded"})
+    EXPECT_NE(listed.find("state/" + w + "/" + name), std::string::npos) << listed;
+  EXPECT_TRUE(set_optimizer_state_dict(*b.model, opt2, into).empty());
+  const Parameter& pw = parameter_named(*b.model, w);
+  EXPECT_EQ(opt2.param_step(index_in(opt2, pw)), 0) << "a step loaded without its moments";
+  EXPECT_EQ(opt2.param_step(index_in(opt2, parameter_named(*b.model, other))), 2);
+}
+
 TEST(StateDict, AnOptimizerParameterOutsideTheModelIsAnError) {
   Parallel p = decoder_layouts().front().build(7);
   Parameter stray(zeros({2}));
