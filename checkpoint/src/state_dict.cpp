@@ -91,6 +91,25 @@ std::string group_params(const Optimizer& opt,
   return out;
 }
 
+// A hyperparameter that decides which state tensors a parameter has (Adam's amsgrad, SGD's
+// momentum 0 or not) must agree with the optimizer's: the state keys were chosen by the
+// optimizer's value, so the dict's state would not fit (PyTorch's load_state_dict takes both
+// from the dict; here the optimizer is built with them). Set from the dict, it would start that
+// state from zeros, or drop it, without a word.
+std::function<std::string(const StateValue&)> layout_problem(const std::string& name, double mine) {
+  if (name != "amsgrad" && name != "momentum") return nullptr;
+  return [name, mine](const StateValue& v) -> std::string {
+    const double theirs = std::get<double>(v);
+    if ((theirs != 0) == (mine != 0)) return "";
+    char text[160];
+    std::snprintf(text, sizeof text, "%s %g in the dict, %g in the optimizer", name.c_str(), theirs,
+                  mine);
+    return std::string(text) + ": it decides which state tensors a parameter has (" +
+           (name == "amsgrad" ? "max_exp_avg_sq" : "momentum_buffer") +
+           "); build the optimizer with the dict's " + name;
+  };
+}
+
 // How a dict's group g differs from the optimizer's, "" when it holds the same parameters (in
 // any order: state is keyed by name, so the order does not matter).
 std::string group_difference(const std::string& mine, const std::string& theirs, size_t g) {
@@ -304,7 +323,7 @@ IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
       scalars.push_back(
           {group_key(optimizer, g, name), ckpt::ScalarKind::Double,
            [&hyper, g, name = name](const StateValue& x) { hyper[g][name] = std::get<double>(x); },
-           added_later(name), unit});
+           added_later(name), unit, layout_problem(name, v)});
   }
   const std::string what = "set_optimizer_state_dict into " + model.type_name();
   // The dict's hyperparameters are checked before anything is copied, so that a bad one (a

@@ -201,6 +201,37 @@ TEST(OptimizerStateDict, HyperparametersNeverLandOnAnotherGroup) {
   EXPECT_EQ(positional.hyperparameters(1).at("lr"), 0.02);
 }
 
+// amsgrad (Adam) and momentum 0 or not (SGD) decide which state tensors exist: a dict whose
+// value differs from the optimizer's is refused naming both, or with strict = false leaves the
+// optimizer's, rather than switching amsgrad on over a max_exp_avg_sq of zeros.
+TEST(OptimizerStateDict, HyperparametersThatDecideTheStateMustAgree) {
+  Net a;
+  AdamW with(groups_of(a, 0.02), AdamWOptions{});
+  a.set_grads(1);
+  with.step();
+  const StateDict sd = get_optimizer_state_dict(a.lin, with);
+  const std::vector<ParamGroup> no_amsgrad = {{{&a.lin.weight}, {}},
+                                              {{&a.lin.bias}, {{"weight_decay", 0.0}}}};
+  AdamW without(no_amsgrad, AdamWOptions{});
+  expect_error([&] { set_optimizer_state_dict(a.lin, without, sd); },
+               {"param_groups/1/amsgrad (amsgrad 1 in the dict, 0 in the optimizer",
+                "build the optimizer with the dict's amsgrad", "state/bias/max_exp_avg_sq"});
+  set_optimizer_state_dict(a.lin, without, sd, {.strict = false});
+  EXPECT_EQ(without.hyperparameters(1).at("amsgrad"), 0.0);
+  EXPECT_EQ(without.state_names(1), (std::vector<std::string>{"exp_avg", "exp_avg_sq"}));
+
+  SGD momentum({&a.lin.weight, &a.lin.bias}, {.lr = 0.1, .momentum = 0.9});
+  momentum.step();
+  SGD plain({&a.lin.weight, &a.lin.bias}, {.lr = 0.1});
+  expect_error(
+      [&] { set_optimizer_state_dict(a.lin, plain, get_optimizer_state_dict(a.lin, momentum)); },
+      {"param_groups/momentum (momentum 0.9 in the dict, 0 in the optimizer", "momentum_buffer"});
+  // Another momentum that is not 0 keeps the same state: taken.
+  SGD other({&a.lin.weight, &a.lin.bias}, {.lr = 0.1, .momentum = 0.5});
+  set_optimizer_state_dict(a.lin, other, get_optimizer_state_dict(a.lin, momentum));
+  EXPECT_EQ(other.hyperparameters().at("momentum"), 0.9);
+}
+
 // State is created for a frozen parameter without any only to receive the dict's: when that
 // does not load (the dict is refused, or strict = false leaves its unit out), the parameter is
 // left without state. Zeros left there were saved with it from then on (a LoRA base weight's
