@@ -199,7 +199,10 @@ Tensor DTensor::to_local(const Placements& grad_placements) const {
            std::to_string(mesh().ndim()));
   std::vector<int64_t> sum_dims;
   for (int64_t m = 0; m < mesh().ndim(); ++m) {
-    const Placement& want = grad_placements[size_t(m)];
+    // Shard(-1) names the same dim as the spec's normalized Shard(ndim - 1).
+    const Placement want = grad_placements[size_t(m)].is_shard()
+                               ? grad_placements[size_t(m)].normalized(int64_t(shape().size()))
+                               : grad_placements[size_t(m)];
     if (want == usual[size_t(m)]) continue;
     if (!want.is_partial() || !usual[size_t(m)].is_replicate())
       refuse("mesh dim " + std::to_string(m) + " has " + want.str() + " where the gradient is " +

@@ -122,6 +122,11 @@ TEST(DTensorGradPlacements, LayoutsThatCannotDescribeTheGradientAreRefused) {
   expect_error([&] { (void)r.full_tensor({Partial(ReduceOp::Max)}); },
                {"only terms of a sum are taken"});
   EXPECT_TRUE(w.to_local({Shard(0)}).is_same(w.to_local())) << "the usual layout: the piece";
+  // A negative dim names the same layout, as in the placements the DTensor was made with.
+  DTensor last = distribute_tensor(zeros({4, 4}, DType::Float64), mesh, {Shard(-1)});
+  last.set_requires_grad(true);
+  EXPECT_TRUE(last.to_local({Shard(-1)}).is_same(last.to_local()));
+  EXPECT_TRUE(last.to_local({Shard(1)}).is_same(last.to_local()));
 }
 
 // autograd::grad takes a DTensor leaf's gradient where a backward would accumulate it: reduced
