@@ -351,14 +351,27 @@ TEST(StateDict, OptimizerStateOfAParameterFrozenAfterTrainingIsKept) {
 // A parameter's optimizer state loads whole or not at all: with one of its tensors mis-shaped
 // (a resized layer), strict = false leaves its step and its other moment as they were too, and
 // reports them; the other parameters load (with broadcast_from_rank0 as well).
-TEST(StateDict, AParametersOptimizerStateLoadsWholeOrNotAtAll) {
-  const std::string w = "layers.0.attention.wq.weight", other = "norm.weight";
+namespace {
+
+const std::string kResized = "layers.0.attention.wq.weight";
+
+// A full optimizer dict of two steps whose exp_avg of kResized has another shape (the layer
+// resized since).
+StateDict dict_with_a_resized_moment() {
   Parallel a = decoder_layouts().front().build(7);
   AdamW opt(a.model->parameters(), checkpoint_adamw());
   for (int s = 0; s < 2; ++s)
     train_step(a, opt, s);
   StateDict full = get_optimizer_state_dict(*a.model, opt, {.full_state_dict = true});
-  full["state/" + w + "/exp_avg"] = zeros({4, 3});
+  full["state/" + kResized + "/exp_avg"] = zeros({4, 3});
+  return full;
+}
+
+}  // namespace
+
+TEST(StateDict, AParametersOptimizerStateLoadsWholeOrNotAtAll) {
+  const std::string w = kResized, other = "norm.weight";
+  const StateDict full = dict_with_a_resized_moment();
   for (const bool broadcast : {false, true}) {
     Parallel b = decoder_layouts().front().build(11);
     AdamW opt2(b.model->parameters(), AdamWOptions{.lr = 1.0});
@@ -383,15 +396,9 @@ TEST(StateDict, AParametersOptimizerStateLoadsWholeOrNotAtAll) {
 // file holds a key that does not fit, so that set_optimizer_state_dict, which sees only the
 // dict, never takes a step without its moments.
 TEST(StateDict, LoadReadsAParametersOptimizerStateWholeOrNotAtAll) {
-  const std::string w = "layers.0.attention.wq.weight", other = "norm.weight";
-  Parallel a = decoder_layouts().front().build(7);
-  AdamW opt(a.model->parameters(), checkpoint_adamw());
-  for (int s = 0; s < 2; ++s)
-    train_step(a, opt, s);
-  StateDict full = get_optimizer_state_dict(*a.model, opt, {.full_state_dict = true});
-  full["state/" + w + "/exp_avg"] = zeros({4, 3});
+  const std::string w = kResized, other = "norm.weight";
   const std::string path = scratch_dir("state_dict_units") + "/optim.h5";
-  save(full, path);
+  save(dict_with_a_resized_moment(), path);
   Parallel b = decoder_layouts().front().build(11);
   AdamW opt2(b.model->parameters(), AdamWOptions{.lr = 1.0});
   StateDict into = get_optimizer_state_dict(*b.model, opt2);
