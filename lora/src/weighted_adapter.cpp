@@ -32,8 +32,8 @@ struct Combination {
 
 std::optional<Combination> combination_of(const std::string& type) {
   if (type == "cat") return Combination{.cat = true};
-  // "svd" is "linear"'s SVD form; the others name theirs with "_svd".
-  const bool with_svd = type == "svd" || type.ends_with("_svd");
+  // "svd" is "linear"'s SVD form; the others name theirs with "_svd" ("linear_svd" is none).
+  const bool with_svd = type == "svd" || (type.ends_with("_svd") && type != "linear_svd");
   const std::string base = type == "svd" ? "linear"
                            : with_svd    ? type.substr(0, type.size() - 4)
                                          : type;
@@ -150,9 +150,15 @@ void LoraModel::add_weighted_adapter(const std::vector<std::string>& adapters,
                   "' has trainable tokens, which PEFT's combinations leave out (only the LoRA "
                   "matrices combine)");
   }
+  // Each adapter's rank is its largest, rank_pattern included (PEFT's: the new adapter must
+  // hold every layer's); "cat" sums them, the others take the largest.
   int64_t new_rank = 0;
-  for (const Adapter* a : src)
-    new_rank = how->cat ? new_rank + a->config.r : std::max(new_rank, a->config.r);
+  for (const Adapter* a : src) {
+    int64_t r = a->config.r;
+    for (const auto& [key, pattern_r] : a->config.rank_pattern)
+      r = std::max(r, pattern_r);
+    new_rank = how->cat ? new_rank + r : std::max(new_rank, r);
+  }
   if (how->svd && options.svd_rank) new_rank = *options.svd_rank;
   TESSERA_CHECK(new_rank <= slots_.max_rank,
                 "LoRA add_weighted_adapter: the combined adapter has rank ", new_rank,
@@ -165,18 +171,14 @@ void LoraModel::add_weighted_adapter(const std::vector<std::string>& adapters,
   config.target_modules.clear();
   for (size_t li : covered) {
     const std::string& path = layers_[li].first;
-    int64_t sum = 0;
     for (size_t i = 0; i < src.size(); ++i) {
       if (std::find(src[i]->layers.begin(), src[i]->layers.end(), li) == src[i]->layers.end())
         continue;
       const int64_t r = src[i]->config.rank_for(path);
       TESSERA_CHECK(how->cat || how->svd || r == new_rank, "LoRA add_weighted_adapter: \"", type,
                     "\" needs equal ranks, but adapter '", adapters[i], "' has rank ", r, " in ",
-                    path, ", not ", new_rank, " (the largest r among them)");
-      sum += r;
+                    path, ", not ", new_rank, " (the largest rank among them, rank_pattern's too)");
     }
-    TESSERA_CHECK(!how->cat || sum <= new_rank, "LoRA add_weighted_adapter: the ranks in ", path,
-                  " add up to ", sum, ", past the combined rank ", new_rank, " (a rank_pattern)");
     config.target_modules.push_back(path);
   }
   config.r = new_rank;

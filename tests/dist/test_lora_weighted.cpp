@@ -355,6 +355,36 @@ TEST(LoraWeighted, AnOddCombinedRankAfterAnOrthogonalAdapter) {
                  1e-6, path);
 }
 
+// An adapter's rank is its largest, rank_pattern's included, as PEFT counts it: "svd" keeps a
+// layer of the pattern's rank whole (it was cut to r), and "cat" makes room for every layer's
+// ranks side by side (it refused a layer whose ranks added up past the sum of the r).
+TEST(LoraWeighted, RankPatternsCountInTheCombinedRank) {
+  if (world_size() > 1) GTEST_SKIP() << "one process: the layouts are the first test's";
+  auto model = std::make_shared<Decoder>(lora_decoder_config());
+  LoraConfig c = config_of("default");
+  c.r = 2;
+  c.rank_pattern = {{"wq", 4}};
+  auto lora = apply_lora(model, c, "default", kSlots);
+  c.seed = 9;
+  lora->add_adapter("c", c);
+  lora->add_weighted_adapter({"default", "c"}, {0.5, 0.0}, "svd", "svd");
+  lora->add_weighted_adapter({"default", "c"}, {0.5, 1.5}, "cat", "cat");
+  EXPECT_EQ(lora->config("svd").r, 4);
+  EXPECT_EQ(lora->config("cat").r, 8);
+  std::map<std::string, std::map<std::string, Tensor>> v;
+  for (const std::string name : {"default", "c", "svd", "cat"})
+    v[name] = copy_of(lora->read_adapter(name));
+  for (const auto& [path, layer] : lora->layers()) {
+    SCOPED_TRACE(path);
+    const Tensor ud = update(*lora, v["default"], "default", path, *layer);
+    const Tensor uc = update(*lora, v["c"], "c", path, *layer);
+    expect_close(update(*lora, v["svd"], "svd", path, *layer), mul(ud, 0.5), 1e-5,
+                 "svd: default's update, whole at the pattern's rank");
+    expect_close(update(*lora, v["cat"], "cat", path, *layer), add(mul(ud, 0.5), mul(uc, 1.5)),
+                 1e-5, "cat: both updates");
+  }
+}
+
 TEST(LoraWeighted, WhatCannotBeCombinedIsRefusedAndChangesNothing) {
   auto model = std::make_shared<Decoder>(lora_decoder_config());
   auto lora = apply_lora(model, config_of("default"), "default",
@@ -374,6 +404,7 @@ TEST(LoraWeighted, WhatCannotBeCombinedIsRefusedAndChangesNothing) {
   refused({"default", "zz"}, {1, 1}, "n", "cat", {"add_weighted_adapter", "no adapter 'zz'"});
   refused({"default", "b"}, {1}, "n", "cat", {"2 adapters (default, b) and 1 weights"});
   refused({"default", "b"}, {1, 1}, "n", "concat", {"'concat' is no combination type"});
+  refused({"default", "c"}, {1, 1}, "n", "linear_svd", {"'linear_svd' is no combination type"});
   refused({"default", "b"}, {1, 1}, "n", "linear",
           {"\"linear\" needs equal ranks", "'b' has rank 2 in tok_embeddings"});
   for (const char* type : {"ties", "magnitude_prune_svd"})
