@@ -303,22 +303,16 @@ IncompatibleKeys set_optimizer_state_dict(Module& model, Optimizer& optimizer,
   // parameters' names are taken by position.
   std::vector<std::map<std::string, double>> hyper(optimizer.num_param_groups());
   for (size_t g = 0; g < optimizer.num_param_groups(); ++g) {
-    std::function<std::string(const StateValue&)> other_group = nullptr;
-    if (optimizer.num_param_groups() > 1) {
-      auto it = state.find(group_key(optimizer, g, "params"));
-      if (it != state.end() && std::holds_alternative<std::string>(it->second)) {
-        const std::string why = group_difference(group_params(optimizer, names, g),
-                                                 std::get<std::string>(it->second), g);
-        if (!why.empty()) other_group = [why](const StateValue&) { return why; };
-      }
-    }
     // With several groups, a group's hyperparameters and its names load together: names of
     // another group leave them all unloaded.
     const std::string unit =
         optimizer.num_param_groups() > 1 ? "param_groups/" + std::to_string(g) : "";
     if (!unit.empty())
       scalars.push_back({group_key(optimizer, g, "params"), ckpt::ScalarKind::String,
-                         [](const StateValue&) {}, /*optional=*/true, unit, other_group});
+                         [](const StateValue&) {}, /*optional=*/true, unit,
+                         [mine = group_params(optimizer, names, g), g](const StateValue& v) {
+                           return group_difference(mine, std::get<std::string>(v), g);
+                         }});
     for (const auto& [name, v] : optimizer.hyperparameters(g))
       scalars.push_back(
           {group_key(optimizer, g, name), ckpt::ScalarKind::Double,
