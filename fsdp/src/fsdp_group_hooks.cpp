@@ -113,10 +113,10 @@ void FSDPGroup::begin_backward() {
 }
 
 void FSDPGroup::pre_backward() {
-  // The end of the first backward freed the gathered weights this graph saved.
-  // Each backward settles every forward of the model still pending (it reduces and frees them),
-  // so a backward through a forward settled before reaches no gathered weights. PyTorch's FSDP2
-  // gathers again there; here the forward must run again.
+  // The end of a backward settled this forward (it settles every forward of the model still
+  // pending: reduces their gradients, frees the gathered weights their graphs saved), whether
+  // that backward went through this graph (retain_graph) or through another forward's. PyTorch's
+  // FSDP2 gathers again in the second case; here the forward must run again.
   TESSERA_CHECK(backward_pending_, label(),
                 ": a second backward through the same forward (retain_graph) is not supported, "
                 "nor a backward through a forward an earlier backward settled (two forwards "
