@@ -54,21 +54,16 @@ std::string kind_text(h5::AttrKind k) {
 // the file lacks a key, or holds one that does not fit, is not read at all.
 void keep_optimizer_units_whole(const std::vector<Entry>& entries, std::vector<Found>& found,
                                 IncompatibleKeys& keys) {
-  std::set<std::string> broken;
-  for (const std::string& k : keys.missing_keys)
-    if (const std::string u = optimizer_unit_of(k); !u.empty()) broken.insert(u);
-  for (const std::string& m : keys.mismatched_keys)
-    if (const std::string u = optimizer_unit_of(m.substr(0, m.find(" ("))); !u.empty())
-      broken.insert(u);
-  if (broken.empty()) return;
+  std::vector<std::pair<std::string, std::string>> units;
+  std::set<std::string> present;
   for (size_t i = 0; i < entries.size(); ++i) {
-    if (!found[i].present) continue;
-    const std::string u = optimizer_unit_of(entries[i].key);
-    if (u.empty() || !broken.count(u)) continue;
-    found[i].present = false;
-    keys.mismatched_keys.push_back(entries[i].key + " (not loaded: another key of " + u +
-                                   " is missing or mismatched, and they load together)");
+    units.emplace_back(entries[i].key, optimizer_unit_of(entries[i].key));
+    if (found[i].present) present.insert(entries[i].key);
   }
+  const std::set<std::string> left_out = leave_out_broken_units(
+      units, [&](const std::string& key) { return present.count(key) > 0; }, keys);
+  for (size_t i = 0; i < entries.size(); ++i)
+    if (left_out.count(entries[i].key)) found[i].present = false;
   std::sort(keys.mismatched_keys.begin(), keys.mismatched_keys.end());
 }
 

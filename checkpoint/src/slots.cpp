@@ -49,26 +49,16 @@ std::string tensor_problem(const Slot& s, const StateValue& v, bool broadcast) {
 
 bool fits(const IncompatibleKeys& k, const std::string& key);
 
-// A unit loads whole or not at all: when one of its keys does not fit, the others present are
-// reported mismatched too, and none is loaded.
+// The slots' units load whole or not at all (leave_out_broken_units).
 void keep_units_whole(const std::vector<Slot>& slots, const std::vector<ScalarSlot>& scalars,
                       const StateDict& state, IncompatibleKeys& k) {
-  std::map<std::string, std::vector<std::string>> members;  // unit -> its keys in the dict
-  std::set<std::string> broken;
-  const auto note = [&](const std::string& unit, const std::string& key) {
-    if (unit.empty()) return;
-    if (!fits(k, key)) broken.insert(unit);
-    if (state.count(key)) members[unit].push_back(key);
-  };
+  std::vector<std::pair<std::string, std::string>> keys;
   for (const Slot& s : slots)
-    note(s.unit, s.key);
+    keys.emplace_back(s.key, s.unit);
   for (const ScalarSlot& s : scalars)
-    note(s.unit, s.key);
-  for (const std::string& unit : broken)
-    for (const std::string& key : members[unit])
-      if (fits(k, key))
-        k.mismatched_keys.push_back(key + " (not loaded: another key of " + unit +
-                                    " is missing or mismatched, and they load together)");
+    keys.emplace_back(s.key, s.unit);
+  leave_out_broken_units(
+      keys, [&](const std::string& key) { return state.count(key) > 0; }, k);
 }
 
 IncompatibleKeys check_keys(const std::vector<Slot>& slots, const std::vector<ScalarSlot>& scalars,
@@ -387,6 +377,27 @@ IncompatibleKeys set_from_rank0(std::vector<Slot>& slots, std::vector<ScalarSlot
 }
 
 }  // namespace
+
+std::set<std::string> leave_out_broken_units(
+    const std::vector<std::pair<std::string, std::string>>& keys,
+    const std::function<bool(const std::string&)>& present, IncompatibleKeys& k) {
+  std::map<std::string, std::vector<std::string>> members;  // unit -> its keys present
+  std::set<std::string> broken;
+  for (const auto& [key, unit] : keys) {
+    if (unit.empty()) continue;
+    if (!fits(k, key)) broken.insert(unit);
+    if (present(key)) members[unit].push_back(key);
+  }
+  std::set<std::string> left_out;
+  for (const std::string& unit : broken)
+    for (const std::string& key : members[unit])
+      if (fits(k, key)) {
+        k.mismatched_keys.push_back(key + " (not loaded: another key of " + unit +
+                                    " is missing or mismatched, and they load together)");
+        left_out.insert(key);
+      }
+  return left_out;
+}
 
 Slot parameter_slot(const std::string& key, const Parameter& p) {
   Slot s;

@@ -5,7 +5,9 @@
 // same two functions over different slots.
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tessera/checkpoint/state_dict.h"
@@ -70,6 +72,13 @@ IncompatibleKeys set_slots(std::vector<Slot> slots, std::vector<ScalarSlot> scal
                            const StateDict& state, const StateDictOptions& options,
                            const std::string& what,
                            const std::vector<OptionalSlots>& optional = {});
+
+// A unit loads whole or not at all: of `keys` ({key, unit}; unit "" for none), each key that
+// `present` says the source holds, and whose unit has a key missing or mismatched in `k`, is
+// added to k's mismatched keys ("not loaded: ..."). Returns the keys so left out.
+std::set<std::string> leave_out_broken_units(
+    const std::vector<std::pair<std::string, std::string>>& keys,
+    const std::function<bool(const std::string&)>& present, IncompatibleKeys& k);
 
 // Whether `key` is a hyperparameter, or a group's "params", of an optimizer state dict
 // ("[<prefix>/]param_groups/[<g>/]<name>") that dicts saved before it existed lack: load()
