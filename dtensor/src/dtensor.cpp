@@ -269,6 +269,16 @@ std::string values_description(const Tensor& t) {
   return std::string("digest ") + hex;
 }
 
+// distribute_tensor's result: a new leaf that requires grad where the global tensor did, as
+// PyTorch's.
+DTensor distributed_leaf(std::shared_ptr<const DTensorSpec> spec, Tensor local,
+                         bool requires_grad) {
+  if (zero_for_partial(*spec)) local.zero_();
+  DTensor out(std::move(spec), local);
+  if (requires_grad) out.set_requires_grad(true);
+  return out;
+}
+
 // This rank's window of `global` under `spec`, cut locally.
 DTensor cut_window(const Tensor& global, std::shared_ptr<const DTensorSpec> spec) {
   const Tensor window = window_of(global, spec->local_layout());
@@ -276,11 +286,7 @@ DTensor cut_window(const Tensor& global, std::shared_ptr<const DTensorSpec> spec
   Tensor local = window.device().type == spec->mesh.device_type()
                      ? window.clone()
                      : window.contiguous().to(spec->mesh.device());
-  if (zero_for_partial(*spec)) local.zero_();
-  DTensor out(std::move(spec), local);
-  // A new leaf that requires grad where the global tensor did, as PyTorch's distribute_tensor.
-  if (global.requires_grad()) out.set_requires_grad(true);
-  return out;
+  return distributed_leaf(std::move(spec), local, global.requires_grad());
 }
 
 // The source sends each other mesh rank its window (the windows are checked consistent first).
@@ -307,10 +313,7 @@ DTensor send_windows(const Tensor& global, std::shared_ptr<const DTensorSpec> sp
   } else if (local.numel() > 0) {
     world->recv(local, src_rank, data_tag)->wait();
   }
-  if (zero_for_partial(*spec)) local.zero_();
-  DTensor out(std::move(spec), local);
-  if (requires_grad) out.set_requires_grad(true);
-  return out;
+  return distributed_leaf(std::move(spec), local, requires_grad);
 }
 
 // The source sends every other mesh rank the global shape, dtype and whether it requires grad, each
