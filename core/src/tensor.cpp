@@ -1,5 +1,6 @@
 #include "tessera/core/tensor.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <ostream>
@@ -71,10 +72,12 @@ int64_t Tensor::stride(int64_t d) const {
 
 bool Tensor::is_contiguous() const {
   const TensorImpl& t = checked();
+  // PyTorch's rule: a tensor with no elements is contiguous whatever its strides (an empty
+  // narrow of a transpose too), so that contiguous() copies nothing and checks accept it.
+  if (std::find(t.sizes.begin(), t.sizes.end(), 0) != t.sizes.end()) return true;
   int64_t expected = 1;
   for (size_t i = t.sizes.size(); i-- > 0;) {
     if (t.sizes[i] == 1) continue;
-    if (t.sizes[i] == 0) return true;
     if (t.strides[i] != expected) return false;
     expected *= t.sizes[i];
   }

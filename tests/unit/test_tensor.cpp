@@ -46,6 +46,17 @@ TEST(Tensor, NarrowSliceSelectPermute) {
   EXPECT_EQ(kernels::flatten(a, 1).shape(), (Shape{2, 12}));
 }
 
+// PyTorch's rule: a tensor with no elements is contiguous, whatever strides its view left it.
+TEST(Tensor, AnEmptyTensorIsContiguousWhateverItsStrides) {
+  const Tensor t = kernels::transpose(zeros({4, 3}), 0, 1);  // [3, 4], strides [1, 3]
+  const Tensor e = kernels::narrow(t, 0, 0, 0);
+  ASSERT_EQ(e.shape(), (Shape{0, 4}));
+  ASSERT_EQ(e.strides(), (Shape{1, 3}));
+  EXPECT_TRUE(e.is_contiguous());
+  EXPECT_TRUE(e.contiguous().is_same(e));
+  EXPECT_FALSE(kernels::narrow(t, 0, 0, 1).is_contiguous());  // [1, 4] with strides [1, 3]
+}
+
 TEST(Tensor, ExpandHasZeroStride) {
   Tensor a = from_vector<float>({1, 2, 3}, {3, 1});
   Tensor e = kernels::expand(a, {2, 3, 4});
