@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "saved_module.h"
+#include "targets.h"
 #include "tessera/autograd/grad_mode.h"
 #include "tessera/checkpoint/safetensors.h"
 #include "tessera/comm/agree.h"
@@ -77,10 +78,11 @@ nlohmann::ordered_json tokens_json(
   return j;
 }
 
-// `targets` and `saved` replace c.target_modules and c.modules_to_save: PEFT reads names and
-// dotted suffixes, not patterns.
+// `targets`, `saved` and `excluded` replace c.target_modules, c.modules_to_save and
+// c.exclude_modules: PEFT reads names and dotted suffixes, not patterns.
 nlohmann::ordered_json to_peft(const LoraConfig& c, const std::vector<std::string>& targets,
                                const std::vector<std::string>& saved,
+                               const std::vector<std::string>& excluded,
                                const nlohmann::ordered_json& tokens) {
   nlohmann::ordered_json j;
   j["peft_type"] = "LORA";
@@ -120,10 +122,10 @@ nlohmann::ordered_json to_peft(const LoraConfig& c, const std::vector<std::strin
   j["alpha_pattern"] = pattern_json(c.alpha_pattern);
   if (!c.exclude_modules_regex.empty())
     j["exclude_modules"] = c.exclude_modules_regex;
-  else if (c.exclude_modules.empty())
+  else if (excluded.empty())
     j["exclude_modules"] = nullptr;
   else
-    j["exclude_modules"] = c.exclude_modules;
+    j["exclude_modules"] = excluded;
   j["use_dora"] = c.use_dora;
   j["trainable_token_indices"] = tokens;
   j["ensure_weight_tying"] = c.ensure_weight_tying;
@@ -392,8 +394,9 @@ void check_same_files(const std::string& dir, const std::string& name, const Lor
   ProcessGroupPtr world = world_group();
   if (world->size() == 1) return;
   std::hash<std::string_view> hash;
-  size_t h =
-      hash(to_peft(cfg, cfg.target_modules, cfg.modules_to_save, tokens_json(cfg, {})).dump());
+  size_t h = hash(to_peft(cfg, cfg.target_modules, cfg.modules_to_save, cfg.exclude_modules,
+                          tokens_json(cfg, {}))
+                      .dump());
   for (const auto& [key, t] : values)
     h = h * 1099511628211ull ^ hash(key) ^ (values_digest(t) << 1) ^ hash(shape_str(t.shape()));
   const std::vector<std::string> all = all_gather_strings(world, std::to_string(h));
@@ -446,12 +449,19 @@ void LoraModel::save_adapter(const std::string& dir, const std::string& name) {
     saved_paths.push_back(saved_[i]->path);
   const std::vector<std::string> targets = peft_entries(cfg.target_modules, layers);
   const std::vector<std::string> saved = peft_entries(cfg.modules_to_save, saved_paths);
+  // Every module an exclude pattern matched, targeted or not: a plain target entry ("wq")
+  // matches in every layer when PEFT reads it.
+  std::vector<std::string> module_paths;
+  for (const auto& [path, m] : lora_targetable_modules(*model_))
+    if (!path.empty()) module_paths.push_back(path);
+  const std::vector<std::string> excluded = peft_entries(cfg.exclude_modules, module_paths);
   std::vector<std::pair<std::string, std::vector<int64_t>>> tables;
   for (const auto& [t, ids] : a.tokens)
     tables.emplace_back(tokens_[t].first, ids);
   const nlohmann::ordered_json tokens = tokens_json(cfg, tables);
-  const nlohmann::ordered_json config =
-      cfg.has_targets() ? to_peft(cfg, targets, saved, tokens) : to_peft_tokens(cfg, tables, name);
+  const nlohmann::ordered_json config = cfg.has_targets()
+                                            ? to_peft(cfg, targets, saved, excluded, tokens)
+                                            : to_peft_tokens(cfg, tables, name);
   std::map<std::string, Tensor> values = read_adapter(name);  // collective
   {
     NoGradGuard no_grad;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "saved_module.h"
 #include "tessera/core/error.h"
 #include "tessera/fsdp/fully_shard.h"
 #include "tessera/lora/lora_layer.h"
@@ -15,6 +16,22 @@ namespace tessera {
 const Module* lora_output_layer(Module& model) {
   auto* decoder = dynamic_cast<Decoder*>(&model);
   return decoder ? decoder->output.get() : nullptr;
+}
+
+std::vector<std::pair<std::string, ModulePtr>> lora_targetable_modules(Module& model) {
+  std::vector<std::pair<std::string, ModulePtr>> modules = model.named_modules(), out;
+  std::vector<std::string> inside;
+  for (const auto& [path, m] : modules) {
+    if (std::dynamic_pointer_cast<LoraLayer>(m) || std::dynamic_pointer_cast<TokenEmbedding>(m))
+      inside.push_back(path.empty() ? "" : path + ".");
+    if (std::dynamic_pointer_cast<SavedCopies>(m)) inside.push_back(path);
+  }
+  for (auto& [path, m] : modules)
+    if (path.empty() || std::none_of(inside.begin(), inside.end(), [&](const std::string& p) {
+          return path.compare(0, p.size(), p) == 0;
+        }))
+      out.emplace_back(path, std::move(m));
+  return out;
 }
 
 std::string lora_selection_str(const LoraConfig& config) {

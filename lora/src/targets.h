@@ -17,6 +17,12 @@ namespace tessera {
 // `output` (its lm_head; null when tied), none for any other model.
 const Module* lora_output_layer(Module& model);
 
+// The modules target_modules and exclude_modules may name (the root, "", among them): all but the
+// adapter slots inside LoRA layers, whose paths ("wq.lora_A.0") end in a number as a
+// Sequential's layers' do ("0"), the copies of modules_to_save ("output.modules_to_save.0") and
+// the rows of trainable tokens ("tok_embeddings.token_adapter").
+std::vector<std::pair<std::string, ModulePtr>> lora_targetable_modules(Module& model);
+
 // "target_modules wq, wv; exclude_modules ..." (or the regexes): the selection, for errors.
 std::string lora_selection_str(const LoraConfig& config);
 

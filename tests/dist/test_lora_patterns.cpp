@@ -3,6 +3,7 @@
 // in PEFT's files, in the adapter table, and under every layout.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "dist/checkpoint_util.h"
@@ -298,6 +299,32 @@ TEST(LoraPatterns, LayersToTransformKeepsTheListedLayers) {
   c.layers_to_transform = {0};
   c.target_modules = {"all-linear"};
   expect_error([&] { build(); }, {"layers_to_transform cannot be used with target_modules"});
+}
+
+// PEFT reads exclude_modules as names and dotted suffixes, as it reads targets: a pattern is
+// written as the paths of the modules it matched, targeted or not ("wq" names every layer's).
+TEST(LoraPatterns, PeftFilesListTheModulesAnExcludePatternMatched) {
+  const std::string dir = scratch_dir("lora_exclude_pattern");
+  LoraConfig c = lora_test_config(LoraInit::Random);
+  c.target_modules = {"wq", "w1"};
+  c.exclude_modules = {"layers.[0].attention.w?", "layers.1.feed_forward.w1"};
+  auto m = std::make_shared<Decoder>(lora_decoder_config());
+  auto lora = apply_lora(m, c);
+  lora->save_adapter(dir + "/adapter", "default");
+  auto m2 = std::make_shared<Decoder>(lora_decoder_config());
+  auto other = apply_lora(m2, lora_test_config(), "base", {.max_adapters = 2});
+  other->load_adapter(dir + "/adapter", "loaded");
+  std::vector<std::string> excluded = other->config("loaded").exclude_modules;
+  std::sort(excluded.begin(), excluded.end());
+  EXPECT_EQ(excluded, (std::vector<std::string>{"layers.0.attention.wk", "layers.0.attention.wo",
+                                                "layers.0.attention.wq", "layers.0.attention.wv",
+                                                "layers.1.feed_forward.w1"}));
+  const auto want = lora->read_adapter("default"), have = other->read_adapter("loaded");
+  ASSERT_EQ(have.size(), want.size());
+  EXPECT_EQ(have.count("layers.0.attention.wq.lora_A.weight"), 0u);
+  EXPECT_EQ(have.count("layers.1.attention.wq.lora_A.weight"), 1u);
+  for (const auto& [key, t] : want)
+    expect_identical(have.at(key), t, key);
 }
 
 // save_adapter writes PEFT's fields (patterns in their order, the modules "all-linear" resolved
