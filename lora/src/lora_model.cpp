@@ -15,24 +15,33 @@ namespace tessera {
 
 namespace {
 
-// The modules target_modules may name: all but the adapter slots inside LoRA layers, whose
-// paths ("wq.lora_A.0") end in a number as a Sequential's layers' do ("0"), the copies of
-// modules_to_save ("output.modules_to_save.0") and the rows of trainable tokens
-// ("tok_embeddings.token_adapter").
-std::vector<std::pair<std::string, ModulePtr>> targetable_modules(Module& model) {
-  std::vector<std::pair<std::string, ModulePtr>> modules = model.named_modules(), out;
-  std::vector<std::string> inside;
-  for (const auto& [path, m] : modules) {
-    if (std::dynamic_pointer_cast<LoraLayer>(m) || std::dynamic_pointer_cast<TokenEmbedding>(m))
-      inside.push_back(path.empty() ? "" : path + ".");
-    if (std::dynamic_pointer_cast<SavedCopies>(m)) inside.push_back(path);
+// The bias adapters of the LoraModels on `model` but the one whose layers share `own`.
+std::vector<LoraRouting::BiasAdapter> other_bias_adapters(Module& model, const LoraRouting* own) {
+  std::vector<LoraRouting::BiasAdapter> out;
+  std::set<const LoraRouting*> seen{own};
+  for (const auto& [path, m] : model.named_modules()) {
+    auto l = std::dynamic_pointer_cast<LoraLayer>(m);
+    if (!l || !l->routing() || !seen.insert(l->routing().get()).second) continue;
+    if (l->routing()->bias_adapters)
+      for (auto& b : l->routing()->bias_adapters())
+        out.push_back(std::move(b));
   }
-  for (auto& [path, m] : modules)
-    if (path.empty() || std::none_of(inside.begin(), inside.end(), [&](const std::string& p) {
-          return path.compare(0, p.size(), p) == 0;
-        }))
-      out.emplace_back(path, std::move(m));
   return out;
+}
+
+// The biases are the base model's: adapters of two LoraModels training them would train the
+// same tensors, and each adapter's file would carry the other's changes.
+void refuse_second_bias_mode(const std::string& context, const LoraConfig& config,
+                             const std::vector<LoraRouting::BiasAdapter>& others) {
+  if (config.bias == "none" || others.empty()) return;
+  std::vector<std::string> names;
+  for (const auto& b : others)
+    names.push_back(b.name + " (bias \"" + b.bias + "\")");
+  TESSERA_FAIL(context, ": bias \"", config.bias,
+               "\" would train the base biases, which every adapter shares and adapter ",
+               join(names),
+               " of another LoraModel on this model trains already; set bias \"none\" for one "
+               "of them");
 }
 
 }  // namespace
@@ -76,7 +85,7 @@ const LoraConfig& LoraModel::config(const std::string& adapter) const {
 
 std::vector<size_t> LoraModel::targets(const LoraConfig& config) const {
   std::vector<size_t> out;
-  const auto modules = targetable_modules(*model_);
+  const auto modules = lora_targetable_modules(*model_);
   check_lora_excludes(config, modules, "LoRA");
   const Module* output = lora_output_layer(*model_);
   auto wrapped_at = [&](const std::string& path) {
@@ -137,6 +146,8 @@ std::vector<std::pair<std::string, Parameter*>> LoraModel::bias_parameters(
 // The biases are the base model's: two adapters training them would train the same tensors, and
 // each adapter's file would carry the other's changes.
 void LoraModel::check_bias_adapters(const std::string& name, const LoraConfig& config) const {
+  refuse_second_bias_mode("LoRA add_adapter '" + name + "'", config,
+                          other_bias_adapters(*model_, routing_.get()));
   if (adapters_.empty()) return;
   std::vector<std::string> with_bias;
   for (const auto& [n, a] : adapters_)
@@ -146,6 +157,18 @@ void LoraModel::check_bias_adapters(const std::string& name, const LoraConfig& c
                 "': a model with several adapters cannot have one that trains the base biases, "
                 "which every adapter shares (as in PEFT); set bias \"none\" for ",
                 join(with_bias));
+}
+
+std::vector<LoraRouting::BiasAdapter> LoraModel::bias_adapters() const {
+  std::vector<LoraRouting::BiasAdapter> out;
+  for (const auto& [name, a] : adapters_) {
+    if (a.config.bias == "none") continue;
+    LoraRouting::BiasAdapter b{name, a.config.bias, {}};
+    for (const auto& [key, p] : trained_biases(a))
+      b.trained.push_back(p);
+    out.push_back(std::move(b));
+  }
+  return out;
 }
 
 std::vector<std::pair<std::string, Parameter*>> LoraModel::trained_biases(const Adapter& a) const {
@@ -425,7 +448,9 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
                                       const std::string& adapter_name, const LoraSlots& slots) {
   TESSERA_CHECK(model != nullptr, "apply_lora: null model");
   config.validate();
-  const auto modules = targetable_modules(*model);
+  const std::vector<LoraRouting::BiasAdapter> earlier = other_bias_adapters(*model, nullptr);
+  refuse_second_bias_mode("apply_lora: adapter '" + adapter_name + "'", config, earlier);
+  const auto modules = lora_targetable_modules(*model);
   // Every target resolved before anything changes; the layers in the model's order.
   const std::vector<std::pair<std::string, ModulePtr>> found =
       find_targets(*model, config, modules);
@@ -434,10 +459,16 @@ std::shared_ptr<LoraModel> apply_lora(const ModulePtr& model, const LoraConfig& 
   std::shared_ptr<LoraModel> lm(new LoraModel());
   lm->model_ = model;
   lm->routing_ = std::make_shared<LoraRouting>();
+  lm->routing_->bias_adapters = [weak = std::weak_ptr<LoraModel>(lm)] {
+    auto self = weak.lock();
+    return self ? self->bias_adapters() : std::vector<LoraRouting::BiasAdapter>();
+  };
   lm->slots_ = s;
-  // PEFT freezes the base model: only adapters train, those of an earlier apply_lora (its slots
-  // and its copies of modules_to_save) included.
+  // PEFT freezes the base model: only adapters train, those of an earlier apply_lora (its slots,
+  // its copies of modules_to_save and the biases its bias mode trains) included.
   std::set<const Parameter*> adapters;
+  for (const auto& b : earlier)
+    adapters.insert(b.trained.begin(), b.trained.end());
   for (const auto& [path, m] : model->named_modules()) {
     if (auto l = std::dynamic_pointer_cast<LoraLayer>(m))
       for (int64_t i = 0; i < l->num_slots(); ++i)

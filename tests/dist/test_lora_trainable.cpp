@@ -174,6 +174,35 @@ TEST(LoraBias, OnlyASingleAdapterMayTrainBiases) {
   EXPECT_EQ(trainable_base(*net), (Names{"fc1.bias", "fc2.bias"}));
 }
 
+// A second apply_lora freezes the base model, not the biases the first one's adapter trains; and
+// an adapter of a second LoraModel may not train the biases too, which every adapter shares.
+TEST(LoraBias, ASecondApplyLeavesTheFirstsBiasesTraining) {
+  auto net = std::make_shared<BiasNet>();
+  LoraConfig fc1 = bias_config("all");
+  fc1.target_modules = {"fc1"};
+  auto first = apply_lora(net, fc1);
+  LoraConfig head = bias_config("none");
+  head.target_modules = {"head"};
+  auto second = apply_lora(net, head, "head");
+  EXPECT_EQ(trainable_base(*net), (Names{"fc1.bias", "fc2.bias", "head.bias"}));
+  for (Parameter* p : first->parameters())
+    EXPECT_TRUE(p->requires_grad()) << p->str();
+
+  LoraConfig with_bias = head;
+  with_bias.bias = "lora_only";
+  second->delete_adapter("head");
+  expect_error([&] { second->add_adapter("b", with_bias); },
+               {"LoRA add_adapter 'b'", "bias \"lora_only\"", "default (bias \"all\")",
+                "another LoraModel"});
+  EXPECT_TRUE(second->adapters().empty());
+  auto other = std::make_shared<BiasNet>();
+  auto kept = apply_lora(other, fc1);  // its bias adapter lives as long as its LoraModel
+  expect_error([&] { apply_lora(other, with_bias, "head"); },
+               {"apply_lora: adapter 'head'", "default (bias \"all\")", "another LoraModel"});
+  for (const auto& [name, p] : other->named_parameters())
+    EXPECT_EQ(name.find("head.lora_"), std::string::npos) << "refused before the model changed";
+}
+
 // Trained on any layout, the biases come out as a plain run on the whole batch trains them, and
 // save_adapter writes them under PEFT's names; loaded into a fresh model they give the trained
 // model's output.

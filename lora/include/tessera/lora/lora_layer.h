@@ -14,6 +14,7 @@
 // replicated; a replicated (or plain) W gives both replicated (plain). FSDP later shards them
 // over its mesh dim like any parameter.
 #include <compare>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -53,6 +54,17 @@ struct LoraRouting {
   // DoRA's stacked dropout product routes its adapters to the second half of a batch of 2n
   // samples: rows n..2n-1, made on the device once per (device, n) rather than per forward.
   std::map<std::pair<std::string, int64_t>, Tensor> second_halves;
+
+  // The adapters of the LoraModel these layers belong to whose `bias` mode is not "none", each
+  // with the base biases it trains now (none in inference mode): a later apply_lora on the same
+  // model freezes the base model but leaves these training, and an adapter of another LoraModel
+  // may not train the biases too (every adapter shares them). Set by apply_lora; it answers
+  // nothing once that LoraModel is gone.
+  struct BiasAdapter {
+    std::string name, bias;
+    std::vector<Parameter*> trained;
+  };
+  std::function<std::vector<BiasAdapter>()> bias_adapters;
 };
 
 // One adapter matrix, a module of its own so that its name reads lora_A.<slot>.weight.
@@ -91,6 +103,8 @@ class LoraLayer {
   virtual Module& module() = 0;
   const Module& module() const { return const_cast<LoraLayer*>(this)->module(); }
   ModulePtr module_ptr() { return module().shared_from_this(); }
+  // What the layer's LoraModel shares with its layers (the active slot, its bias adapters).
+  const std::shared_ptr<LoraRouting>& routing() const { return routing_; }
   virtual ModulePtr unwrapped() const = 0;
   virtual Parameter& base_weight() = 0;
   virtual Parameter* base_bias() { return nullptr; }  // none for an Embedding

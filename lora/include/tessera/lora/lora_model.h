@@ -258,6 +258,8 @@ class LoraModel {
   std::vector<std::pair<std::string, Parameter*>> bias_parameters(
       const LoraConfig& config, const std::vector<size_t>& layers) const;
   void check_bias_adapters(const std::string& name, const LoraConfig& config) const;
+  // This model's adapters whose bias mode is not "none" (LoraRouting::bias_adapters).
+  std::vector<LoraRouting::BiasAdapter> bias_adapters() const;
   // bias_parameters of `a`, or none in inference mode: the biases it trains.
   std::vector<std::pair<std::string, Parameter*>> trained_biases(const Adapter& a) const;
   // What trains while `a` holds its slot (holds) or after it leaves it.
