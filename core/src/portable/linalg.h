@@ -10,6 +10,7 @@
 #include "../kernel_table.h"
 #include "linalg_checks.h"
 #include "tessera/core/factory.h"
+#include "tessera/core/kernels/elementwise.h"
 #include "tessera/core/kernels/views.h"
 
 namespace tessera::kernels::portable {
@@ -37,7 +38,8 @@ struct GemmCall {
 inline void check_gemm_call(const char* op, Device device, const GemmCall& g) {
   TESSERA_CHECK(g.dtype == DType::Float32 || g.dtype == DType::Float64, op, " on ", device.str(),
                 ": gemm of ", dtype_name(g.dtype), " (BLAS takes float32 and float64)");
-  TESSERA_CHECK(g.m >= 0 && g.n >= 0 && g.k >= 0 && g.batch >= 0, op, " on ", device.str(),
+  // k = 0 is run_gemm's to write: cuBLAS has left C untouched there.
+  TESSERA_CHECK(g.m >= 0 && g.n >= 0 && g.k > 0 && g.batch >= 0, op, " on ", device.str(),
                 ": gemm with m ", g.m, ", n ", g.n, ", k ", g.k, ", batch ", g.batch);
   const int64_t rows_a = g.trans_a ? g.k : g.m, rows_b = g.trans_b ? g.n : g.k;
   TESSERA_CHECK(g.lda >= std::max<int64_t>(1, rows_a) && g.ldb >= std::max<int64_t>(1, rows_b) &&
@@ -144,6 +146,16 @@ template <class Exec>
 void run_gemm(const char* op, const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a,
               bool trans_b, const Shape& batch, const ProductDims& d, double alpha, double beta) {
   if (out.numel() == 0) return;
+  // An empty sum: C = beta * C, written here. cuBLAS's strided-batched gemm has left C untouched
+  // for k = 0 (pytorch/pytorch#31421), where `out` may hold a reused block's bytes.
+  if (d.k == 0) {
+    Tensor c = out;
+    if (beta == 0.0)
+      c.zero_();
+    else if (beta != 1.0)
+      mul_scalar_(c, beta);
+    return;
+  }
   const BlasOperand oa = blas_operand(a, trans_a, batch), ob = blas_operand(b, trans_b, batch);
   Exec::gemm(op, out.device(), gemm_call(out, oa, ob, batch, d, alpha, beta));
 }
