@@ -5,8 +5,10 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_rmaps_base_oversubscribe=1
 # OpenMPI will not start, even ranks on this machine only (or one program without mpirun), when
 # neither ssh nor rsh is installed; `false` in their place is never run for local ranks.
+# Open MPI 5's launcher (PRRTE) reads the same setting under its own name.
 if ! command -v ssh >/dev/null && ! command -v rsh >/dev/null; then
   export OMPI_MCA_plm_rsh_agent="${OMPI_MCA_plm_rsh_agent-$(type -P false)}"
+  export PRTE_MCA_plm_ssh_agent="${PRTE_MCA_plm_ssh_agent-$(type -P false)}"
 fi
 # Jobs for builds and ctest: every core this process may use. Read before OMP_NUM_THREADS is
 # set below, because GNU nproc honours that variable.
