@@ -43,8 +43,8 @@ if(NOT TESSERA_WITH_CUDA STREQUAL "OFF")
     # Device code is compiled on machines that cannot run it: a warning there (a host-only call
     # from a kernel) is a bug nobody would see until a GPU runs it, so it stops the build.
     add_compile_options("$<$<COMPILE_LANGUAGE:CUDA>:SHELL:--Werror all-warnings>")
-    # No fused multiply-adds: the CPU build rounds a * b + c twice, and the device kernels must
-    # give its bits (tests/unit/test_device_kernels.cpp).
+    # No fused multiply-adds: the CPU build rounds a * b + c twice (-ffp-contract=off, see
+    # tessera_arch), and the device kernels must give its bits (tests/unit/test_device_kernels.cpp).
     add_compile_options("$<$<COMPILE_LANGUAGE:CUDA>:--fmad=false>")
   elseif(TESSERA_WITH_CUDA STREQUAL "ON")
     message(FATAL_ERROR "TESSERA_WITH_CUDA=ON but no CUDA compiler was found")

@@ -9,6 +9,10 @@ target_compile_options(tessera_warnings INTERFACE
   # compiled with -march=native (GCC bug 105593).
   $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<CXX_COMPILER_ID:GNU>>:-Wno-maybe-uninitialized>)
 add_library(tessera_arch INTERFACE)
+# a * b + c rounded twice, never fused: GCC contracts it in C++ by default wherever the target
+# has FMA (-march=native), so the CPU's bits would depend on the machine and on what the
+# vectorizer chose, and the device kernels (built with --fmad=false) could not match them.
+target_compile_options(tessera_arch INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-ffp-contract=off>)
 if(TESSERA_NATIVE)
   target_compile_options(tessera_arch INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-march=native>)
 endif()

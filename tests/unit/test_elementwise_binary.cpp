@@ -86,6 +86,24 @@ TEST(Binary, AllOpsBroadcastFloat32AndFloat64) {
   }
 }
 
+// dst + alpha * src rounds the product before the sum on every machine, never a fused
+// multiply-add (which the compiler would choose where the CPU has one): the device kernels,
+// built without FMA, must give the same bits. With u = 1 + 2^-12, u * u = 1 + 2^-11 + 2^-24
+// rounds to 1 + 2^-11, so -(1 + 2^-11) + u * u is 0 rounded twice and 2^-24 fused.
+TEST(Binary, AddWithAlphaRoundsTheProductBeforeTheSum) {
+  for (DType dt : {DType::Float32, DType::Float64}) {
+    const int e = dt == DType::Float32 ? 12 : 27;  // 2^-24 and 2^-54 below one ulp at 1
+    const double u = 1.0 + std::ldexp(1.0, -e), c = -(1.0 + std::ldexp(1.0, 1 - e));
+    for (const Shape& src_shape : {Shape{67}, Shape{}}) {  // vector loop, broadcast scalar
+      Tensor dst = full({67}, c, dt);
+      kernels::add_(dst, full(src_shape, u, dt), u);
+      for (double v : dst.to(DType::Float64).to_vector<double>())
+        ASSERT_EQ(v, 0.0) << dtype_name(dt) << " source " << shape_str(src_shape)
+                          << ": a fused multiply-add gives " << std::ldexp(1.0, -2 * e);
+    }
+  }
+}
+
 TEST(Binary, NonContiguousOperands) {
   const auto av = wavy(12, -2, 2), bv = wavy(18, -2, 2, 0.7);
   Tensor a = kernels::transpose(tensor_of(av, {3, 4}, DType::Float32), 0, 1);    // [4, 3]
