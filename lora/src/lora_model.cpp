@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <set>
 
+#include "bias_adapters.h"
 #include "saved_module.h"
 #include "targets.h"
 #include "tessera/comm/runtime.h"
@@ -12,39 +13,6 @@
 #include "token_tables.h"
 
 namespace tessera {
-
-namespace {
-
-// The bias adapters of the LoraModels on `model` but the one whose layers share `own`.
-std::vector<LoraRouting::BiasAdapter> other_bias_adapters(Module& model, const LoraRouting* own) {
-  std::vector<LoraRouting::BiasAdapter> out;
-  std::set<const LoraRouting*> seen{own};
-  for (const auto& [path, m] : model.named_modules()) {
-    auto l = std::dynamic_pointer_cast<LoraLayer>(m);
-    if (!l || !l->routing() || !seen.insert(l->routing().get()).second) continue;
-    if (l->routing()->bias_adapters)
-      for (auto& b : l->routing()->bias_adapters())
-        out.push_back(std::move(b));
-  }
-  return out;
-}
-
-// The biases are the base model's: adapters of two LoraModels training them would train the
-// same tensors, and each adapter's file would carry the other's changes.
-void refuse_second_bias_mode(const std::string& context, const LoraConfig& config,
-                             const std::vector<LoraRouting::BiasAdapter>& others) {
-  if (config.bias == "none" || others.empty()) return;
-  std::vector<std::string> names;
-  for (const auto& b : others)
-    names.push_back(b.name + " (bias \"" + b.bias + "\")");
-  TESSERA_FAIL(context, ": bias \"", config.bias,
-               "\" would train the base biases, which every adapter shares and adapter ",
-               join(names),
-               " of another LoraModel on this model trains already; set bias \"none\" for one "
-               "of them");
-}
-
-}  // namespace
 
 std::vector<std::string> LoraModel::adapters() const {
   std::vector<std::pair<int64_t, std::string>> v;

@@ -9,6 +9,7 @@
 #include <limits>
 #include <set>
 
+#include "bias_adapters.h"
 #include "saved_module.h"
 #include "tessera/comm/agree.h"
 #include "tessera/comm/runtime.h"
@@ -391,6 +392,9 @@ std::vector<LoraModel::SavedAdapter> LoraModel::parse_table(const std::string& t
                     a.config.bias,
                     "\" beside other adapters (only a model's single adapter may train the base "
                     "biases)");
+  const auto others = other_bias_adapters(*model_, routing_.get());
+  for (const SavedAdapter& a : out)
+    refuse_second_bias_mode(ctx + ": adapter '" + a.name + "'", a.config, others);
   const bool known = active.empty() || names.count(active);
   TESSERA_CHECK(known, ctx, ": the active adapter '", active, "' is not in the table");
   for (const SavedAdapter& a : out)

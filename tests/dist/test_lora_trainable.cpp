@@ -195,6 +195,13 @@ TEST(LoraBias, ASecondApplyLeavesTheFirstsBiasesTraining) {
                {"LoRA add_adapter 'b'", "bias \"lora_only\"", "default (bias \"all\")",
                 "another LoraModel"});
   EXPECT_TRUE(second->adapters().empty());
+  // Nor from a checkpoint's adapter table.
+  auto elsewhere = std::make_shared<BiasNet>();
+  const StateDict table = apply_lora(elsewhere, with_bias, "b")->state_dict();
+  expect_error(
+      [&] { second->load_state_dict(table); },
+      {"LoRA load_state_dict", "adapter 'b'", "default (bias \"all\")", "another LoraModel"});
+  EXPECT_TRUE(second->adapters().empty());
   auto other = std::make_shared<BiasNet>();
   auto kept = apply_lora(other, fc1);  // its bias adapter lives as long as its LoraModel
   expect_error([&] { apply_lora(other, with_bias, "head"); },
