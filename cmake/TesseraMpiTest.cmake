@@ -19,22 +19,25 @@
 include_guard(GLOBAL)
 
 # OpenMPI refuses to run as root and to start more ranks than cores unless told; other MPIs do
-# not know these flags.
-set(TESSERA_MPIEXEC_EXTRA_FLAGS "")
+# not know these flags. Worked out once (include_guard) but read in every directory that
+# registers tests, so kept in the cache, which every scope sees.
+set(_tessera_extra_flags "")
 if(MPIEXEC_EXECUTABLE)
   execute_process(COMMAND ${MPIEXEC_EXECUTABLE} --version OUTPUT_VARIABLE _tessera_mpiexec_version
                   ERROR_QUIET RESULT_VARIABLE _tessera_mpiexec_rc)
   if(_tessera_mpiexec_rc EQUAL 0 AND _tessera_mpiexec_version MATCHES "Open MPI|OpenRTE")
-    set(TESSERA_MPIEXEC_EXTRA_FLAGS --oversubscribe --allow-run-as-root)
+    set(_tessera_extra_flags --oversubscribe --allow-run-as-root)
     # OpenMPI refuses to start, even ranks on this machine only, when its remote-shell agent (ssh
     # or rsh) is not installed; a harmless program in its place is never run for local ranks.
     find_program(_tessera_remote_shell NAMES ssh rsh NO_CACHE)
     if(NOT _tessera_remote_shell AND NOT DEFINED ENV{OMPI_MCA_plm_rsh_agent})
       find_program(_tessera_false NAMES false NO_CACHE REQUIRED)
-      list(APPEND TESSERA_MPIEXEC_EXTRA_FLAGS --mca plm_rsh_agent ${_tessera_false})
+      list(APPEND _tessera_extra_flags --mca plm_rsh_agent ${_tessera_false})
     endif()
   endif()
 endif()
+set(TESSERA_MPIEXEC_EXTRA_FLAGS "${_tessera_extra_flags}" CACHE INTERNAL
+    "mpiexec flags tessera_add_mpi_test adds (OpenMPI: oversubscribe, run as root)")
 
 function(tessera_add_mpi_test target)
   cmake_parse_arguments(ARG "" "TIMEOUT;NAME;FIXTURES_SETUP;FIXTURES_REQUIRED"
