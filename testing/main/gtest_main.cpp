@@ -39,9 +39,11 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
 };
 
 // Ends each test before the printer: every rank contributes whether the test
-// failed on it (tests run in one order on every rank, so this collective lines up), and rank 0
-// adds a failure naming the other ranks, which its printer and summary then show. A failure
-// added in OnTestEnd still belongs to the ending test.
+// failed on it (tests run in one order on every rank, so this collective lines up), and every
+// rank adds a failure naming the other ranks where it failed, which rank 0's printer and summary
+// then show. A failure added in OnTestEnd still belongs to the ending test, so the test has
+// failed on every rank alike: --gtest_fail_fast then skips the same tests everywhere (a rank
+// that went on alone would meet the others' collectives out of order).
 class VerdictAgreement : public ::testing::EmptyTestEventListener {
  public:
   explicit VerdictAgreement(tessera::ProcessGroupPtr world) : world_(std::move(world)) {}
@@ -54,10 +56,10 @@ class VerdictAgreement : public ::testing::EmptyTestEventListener {
     world_->all_gather_into_tensor(all, mine)->wait();
     const std::vector<int32_t> flags = all.to_vector<int32_t>();
     std::string others;
-    for (int r = 1; r < world_->size(); ++r)
-      if (flags[size_t(r)] != 0)
+    for (int r = 0; r < world_->size(); ++r)
+      if (r != world_->rank() && flags[size_t(r)] != 0)
         others.append(others.empty() ? "" : ", ").append(std::to_string(r));
-    if (world_->rank() == 0 && !others.empty()) {
+    if (!others.empty()) {
       added_ = true;
       ADD_FAILURE_AT(info.file(), info.line())
           << "failed on rank(s) " << others << " of " << world_->size()
@@ -109,10 +111,9 @@ int main(int argc, char** argv) {
   listeners.Append(agreement);
 
   const int run_failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
-  // Rank 0's added failures name other ranks; what counts here is its own (or a failure outside
-  // any test, when it added none).
-  const bool own =
-      rank != 0 || !agreement->added_failures() ? run_failed != 0 : agreement->failed_here();
+  // The added failures name other ranks; what counts here is this rank's own (or a failure
+  // outside any test, when it added none).
+  const bool own = agreement->added_failures() ? agreement->failed_here() : run_failed != 0;
   const int local_failed = own ? 1 : 0;
 
   tessera::Tensor mine = tessera::full({1}, local_failed, tessera::DType::Int32);

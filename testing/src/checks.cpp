@@ -57,19 +57,31 @@ std::string first_difference(const Tensor& got, const Tensor& want, Tolerance to
     return s;
   }
   const std::vector<double> g = got.to_vector<double>(), w = want.to_vector<double>();
+  // Integers compared exactly as integers: past 2^53 two of them can be one double.
+  const bool integers =
+      !is_floating(got.dtype()) && !is_floating(want.dtype()) && tol.rtol == 0 && tol.atol == 0;
+  std::vector<int64_t> gi, wi;
+  if (integers) {
+    gi = got.to(DType::Int64).to_vector<int64_t>();
+    wi = want.to(DType::Int64).to_vector<int64_t>();
+  }
   int64_t first = -1, count = 0;
   double worst = 0;
   for (size_t i = 0; i < g.size(); ++i) {
-    if (within(g[i], w[i], tol)) continue;
+    if (integers ? gi[i] == wi[i] : within(g[i], w[i], tol)) continue;
     if (first < 0) first = int64_t(i);
     ++count;
-    worst = std::max(worst, std::abs(g[i] - w[i]));
+    // NaN is the largest difference there is; std::max would keep the previous one.
+    const double d = std::abs(g[i] - w[i]);
+    worst = std::isnan(d) || std::isnan(worst) ? std::numeric_limits<double>::quiet_NaN()
+                                               : std::max(worst, d);
   }
   if (first < 0) return "";
   const size_t f = size_t(first);
   std::string s = std::to_string(count) + " of " + std::to_string(g.size()) +
                   " elements differ; first at " + where_str(first, want.shape(), at) + ": got " +
-                  value_str(g[f], at) + ", want " + detail::number_str(w[f]);
+                  (integers ? std::to_string(gi[f]) : value_str(g[f], at)) + ", want " +
+                  (integers ? std::to_string(wi[f]) : detail::number_str(w[f]));
   if (tol.rtol != 0 || tol.atol != 0)
     s += "; largest |difference| " + detail::number_str(worst) + " (allowed atol " +
          detail::number_str(tol.atol) + " + rtol " + detail::number_str(tol.rtol) + " * |want|)";
@@ -83,15 +95,15 @@ std::string rank_str(const DTensor& dt) {
 
 // The shapes and dtypes of the members' pieces on one mesh dim: equal pieces can be exchanged.
 constexpr int64_t kMaxDims = 8;
-std::vector<std::vector<int64_t>> gather_headers(const ProcessGroupPtr& group,
-                                                 const Tensor& local) {
-  TESSERA_CHECK(local.dim() <= kMaxDims, "testing checks: local pieces of more than ", kMaxDims,
-                " dims (", shape_str(local.shape()), ")");
+std::vector<std::vector<int64_t>> gather_headers(const ProcessGroupPtr& group, DType dtype,
+                                                 const Shape& shape) {
+  TESSERA_CHECK(int64_t(shape.size()) <= kMaxDims, "testing checks: tensors of more than ",
+                kMaxDims, " dims (", shape_str(shape), ")");
   std::vector<int64_t> h(size_t(kMaxDims + 2), -1);
-  h[0] = int64_t(local.dtype());
-  h[1] = local.dim();
-  for (int64_t d = 0; d < local.dim(); ++d)
-    h[size_t(d + 2)] = local.size(d);
+  h[0] = int64_t(dtype);
+  h[1] = int64_t(shape.size());
+  for (size_t d = 0; d < shape.size(); ++d)
+    h[d + 2] = shape[d];
   Tensor mine = from_vector<int64_t>(h);
   Tensor all = empty({group->size() * (kMaxDims + 2)}, DType::Int64);
   group->all_gather_into_tensor(all, mine)->wait();
@@ -102,9 +114,44 @@ std::vector<std::vector<int64_t>> gather_headers(const ProcessGroupPtr& group,
   return out;
 }
 
+std::vector<std::vector<int64_t>> gather_headers(const ProcessGroupPtr& group,
+                                                 const Tensor& local) {
+  return gather_headers(group, local.dtype(), local.shape());
+}
+
 std::string header_str(const std::vector<int64_t>& h) {
   Shape s(h.begin() + 2, h.begin() + 2 + h[1]);
   return shape_str(s) + " " + dtype_name(DType(h[0]));
+}
+
+// Before full_tensor(), which exchanges the pieces the ranks' specs give them: whether every rank
+// of the mesh describes `dt` alike (global shape, dtype) and holds the piece its coordinate
+// gets, agreed on by every rank (each mesh dim's group compares, then a flag is reduced over
+// every dim), so that a rank that is wrong is reported instead of the ranks exchanging
+// mismatched sizes. "" when all is well; else this rank's problem, or, where another rank's is
+// wrong, a line that says so.
+std::string piece_problem(const DTensor& dt, const char* which) {
+  const DeviceMesh& mesh = dt.mesh();
+  const Window w = reference_window(dt.shape(), mesh.shape(), mesh.coordinate(), dt.placements());
+  std::string problem;
+  if (dt.to_local().shape() != w.shape)
+    problem = rank_str(dt) + " holds a piece of " + which + " of shape " +
+              shape_str(dt.to_local().shape()) + " where " + placements_str(dt.placements()) +
+              " of global shape " + shape_str(dt.shape()) + " give it " + shape_str(w.shape);
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    const auto headers = gather_headers(mesh.group(m), dt.dtype(), dt.shape());
+    const auto& mine = headers[size_t(mesh.group(m)->rank())];
+    if (!problem.empty() || mine == headers[0]) continue;
+    problem = rank_str(dt) + " describes " + which + " as " + header_str(mine) + ", rank " +
+              std::to_string(mesh.group(m)->world_ranks()[0]) + " (first on mesh dim " +
+              std::to_string(m) + ") as " + header_str(headers[0]);
+  }
+  Tensor flag = full({1}, problem.empty() ? 0 : 1, DType::Int32);
+  for (int64_t m = 0; m < mesh.ndim(); ++m)
+    mesh.group(m)->all_reduce(flag, ReduceOp::Max)->wait();
+  if (!problem.empty() || flag.item<int32_t>() == 0) return problem;
+  return std::string("not compared: another rank's piece or description of ") + which +
+         " differs from what this rank's spec gives it (that rank reports which)";
 }
 
 }  // namespace
@@ -213,6 +260,8 @@ std::string replica_mismatch(const DTensor& dt) {
 
 std::string global_mismatch(const DTensor& a, const Tensor& b, Tolerance tol) {
   TESSERA_CHECK(a.defined() && b.defined(), "global_mismatch: an undefined tensor");
+  const std::string piece = piece_problem(a, "the DTensor");
+  if (!piece.empty()) return piece;
   const Tensor full = a.full_tensor().detach();
   Located at{nullptr, b.shape(), false};
   std::string problem = first_difference(full, b, tol, at);
@@ -225,6 +274,11 @@ std::string global_mismatch(const DTensor& a, const Tensor& b, Tolerance tol) {
 
 std::string global_mismatch(const DTensor& a, const DTensor& b, Tolerance tol) {
   TESSERA_CHECK(a.defined() && b.defined(), "global_mismatch: an undefined DTensor");
+  // Both agreed on before either is gathered: every rank then takes the same path.
+  std::string piece = piece_problem(a, "the first DTensor");
+  const std::string other = piece_problem(b, "the second DTensor");
+  if (piece.empty()) piece = other;
+  if (!piece.empty()) return piece;
   const Tensor want = b.full_tensor().detach();
   std::string problem = global_mismatch(a, want, tol);
   if (problem.empty()) return "";

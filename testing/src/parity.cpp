@@ -117,6 +117,16 @@ ParityResult compare_trajectories(const Trajectory& got, const Trajectory& want,
   return r;
 }
 
+namespace {
+
+// Whether two ranks returned the same loss: NaN on both is the same (a loss that diverged
+// everywhere, which the comparison with the reference reports), not ranks that disagree.
+bool same_loss(double a, double b) {
+  return a == b || (std::isnan(a) && std::isnan(b));
+}
+
+}  // namespace
+
 ParityResult run_parity(const MakeRun& make, const DeviceMesh& mesh, const Trajectory& reference,
                         const ParityOptions& opts) {
   TESSERA_CHECK(int(reference.losses.size()) >= opts.steps, "run_parity: the reference has ",
@@ -129,7 +139,7 @@ ParityResult run_parity(const MakeRun& make, const DeviceMesh& mesh, const Traje
     const double loss = run.step(s);
     const std::vector<double> losses = world_values(loss);
     for (size_t k = 0; k < losses.size() && !r.divergence; ++k)
-      if (!(losses[k] == losses[0]))
+      if (!same_loss(losses[k], losses[0]))
         r.divergence =
             Divergence{s, "loss",
                        "ranks disagree: rank 0 returned " + detail::number_str(losses[0]) +
@@ -164,7 +174,7 @@ std::vector<ParityResult> expect_parity(const MakeRun& make, const std::vector<D
   for (size_t s = 0; s < reference.losses.size(); ++s) {
     const std::vector<double> all = world_values(reference.losses[s]);
     size_t k = 0;
-    while (k < all.size() && all[k] == all[0])
+    while (k < all.size() && same_loss(all[k], all[0]))
       ++k;
     if (k == all.size()) continue;
     ADD_FAILURE_AT(where.file_name(), int(where.line()))

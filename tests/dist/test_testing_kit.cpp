@@ -109,6 +109,20 @@ TEST(TestingKit, MaxAbsDiffIsNaNWhenEitherSideHasNaN) {
   EXPECT_EQ(max_abs_diff(from_vector<double>({inf}), from_vector<double>({1})), inf);
 }
 
+// Exact checks compare integers as integers (2^53 + 1 and 2^53 are one double), and a NaN is
+// reported as the largest difference, not dropped from it.
+TEST(TestingKit, MismatchesKeepIntegersExactAndNaNLargest) {
+  const int64_t big = int64_t(1) << 53;
+  TESSERA_EXPECT_CONTAINS(
+      tensor_mismatch(from_vector<int64_t>({big + 1}), from_vector<int64_t>({big})),
+      "got 9007199254740993, want 9007199254740992");
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  TESSERA_EXPECT_CONTAINS(tensor_mismatch(from_vector<double>({2, nan}),
+                                          from_vector<double>({1, 1}), Tolerance{1e-3, 0}),
+                          "2 of 2 elements differ; first at global index [0]: got 2, want 1; "
+                          "largest |difference| nan");
+}
+
 TEST(TestingKit, ReferenceWindowRefusesWhatNoDTensorCanBe) {
   TESSERA_EXPECT_CONTAINS(
       error_of([] {
@@ -183,6 +197,22 @@ TEST(TestingKit, ExpectErrorReportsACallThatDidNotThrow) {
               }).empty());
 }
 
+// Reported at the caller's line, as the checks are, not in the header.
+TEST(TestingKit, ExpectErrorReportsAtTheCallersLine) {
+  ::testing::TestPartResultArray results;
+  int line = 0;
+  {
+    ::testing::ScopedFakeTestPartResultReporter reporter(
+        ::testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD, &results);
+    line = __LINE__ + 1;
+    expect_error([] { TESSERA_FAIL("other"); }, {"needle"});
+  }
+  ASSERT_EQ(results.size(), 1);
+  EXPECT_EQ(results.GetTestPartResult(0).line_number(), line);
+  EXPECT_EQ(std::string(results.GetTestPartResult(0).file_name()), std::string(__FILE__));
+  TESSERA_EXPECT_CONTAINS(results.GetTestPartResult(0).message(), "missing 'needle' in: ");
+}
+
 TEST(TestingKit, ReplicasEqualFindsTheOddRankOut) {
   for (const DeviceMesh& mesh : meshes()) {
     if (mesh.size() == 1) continue;
@@ -220,6 +250,12 @@ TEST(TestingKit, ReplicasEqualFindsTheOddRankOut) {
     } else {
       EXPECT_EQ(shape_msg, "");
     }
+    // So does the global comparison, on every rank, before any piece is gathered.
+    const std::string global_msg =
+        joined(failures_of([&] { expect_close_global(wrong, global, 0.0); }));
+    TESSERA_EXPECT_CONTAINS(global_msg, is_odd ? "describes the DTensor as [8, 3] float64"
+                                               : "not compared: another rank's piece");
+    EXPECT_NE(joined(failures_of([&] { expect_close_global(good, wrong, 0.0); })), "");
     expect_replicas_equal(good);
   }
 }
@@ -330,6 +366,22 @@ TEST(TestingKit, ParityRunnerNamesTheFirstDivergence) {
   TESSERA_EXPECT_CONTAINS(ref_msg, "the reference run differs across ranks (loss of step 0: 0.5");
 }
 
+// A NaN loss on every rank is a loss that diverged, not ranks that disagree.
+TEST(TestingKit, ParityRunnerReportsANaNLossAsADivergence) {
+  const MakeRun nan_run = [](const DeviceMesh*) {
+    TrainingRun run;
+    run.step = [](int) { return std::numeric_limits<double>::quiet_NaN(); };
+    run.parameters = [] { return std::map<std::string, Tensor>{{"w", from_vector<double>({1})}}; };
+    return run;
+  };
+  const DeviceMesh& mesh = meshes().front();
+  const std::string msg =
+      joined(failures_of([&] { expect_parity(nan_run, {mesh}, {.steps = 1}); }));
+  EXPECT_EQ(msg.find("differs across ranks"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("ranks disagree"), std::string::npos) << msg;
+  TESSERA_EXPECT_CONTAINS(msg, mesh.str() + ": diverges after step 0 in loss");
+}
+
 TEST(TestingKit, ParityRunnerStopsEveryRankWhenOnlySomeLossesDiverge) {
   if (world_size() == 1) GTEST_SKIP() << "needs ranks whose references differ";
   // A reference that depends on the rank, and a mesh run that takes rank 0's values (as a
@@ -366,6 +418,39 @@ TEST(TestingKit, ParityRunnerStopsEveryRankWhenOnlySomeLossesDiverge) {
 // Run only as a child job (below): fails on the last rank alone.
 TEST(TestingKitChild, DISABLED_FailsOnTheLastRankOnly) {
   EXPECT_NE(world_rank(), world_size() - 1) << "the deliberate failure";
+}
+
+// Run only as a child job (below), with --gtest_fail_fast: the first fails on rank 0 alone, the
+// second needs every rank in a collective.
+TEST(TestingKitChild, DISABLED_FailFastA_FailsOnRankZeroOnly) {
+  EXPECT_NE(world_rank(), 0) << "the deliberate failure";
+}
+TEST(TestingKitChild, DISABLED_FailFastB_NeedsEveryRank) {
+  EXPECT_EQ(world_mean(1.0), 1.0);
+}
+
+// With --gtest_fail_fast every rank skips the tests after one that failed on any rank: a rank
+// that passed it and went on alone would wait in the next test's collectives for ranks that
+// skipped it.
+TEST(TestingKit, FailFastSkipsTheSameTestsOnEveryRank) {
+  if (world_size() != 2) GTEST_SKIP() << "the child job is started from the 2-rank run";
+  if (world_rank() == 0) {
+    std::array<char, 4096> self{};
+    const ssize_t len = readlink("/proc/self/exe", self.data(), self.size() - 1);
+    ASSERT_GT(len, 0);
+    const tessera::test::ChildResult r = tessera::test::run_child_job(
+        2,
+        tessera::test::shell_quoted(std::string(self.data(), size_t(len))) +
+            " --gtest_also_run_disabled_tests --gtest_color=no --gtest_fail_fast"
+            " --gtest_filter=TestingKitChild.DISABLED_FailFast*",
+        "OMP_NUM_THREADS=1 TESSERA_COLLECTIVE_TIMEOUT=20", 120);
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    TESSERA_EXPECT_CONTAINS(r.output, "[rank 1] [  FAILED  ] TestingKitChild.DISABLED_FailFastA");
+    TESSERA_EXPECT_CONTAINS(r.output,
+                            "\n[  SKIPPED ] TestingKitChild.DISABLED_FailFastB_NeedsEveryRank");
+    TESSERA_EXPECT_CONTAINS(r.output, "[ tessera ] tests failed on rank(s) 0 of 2");
+  }
+  world_group()->barrier()->wait();
 }
 
 // The MPI main reports a test that failed on rank 1 only as failed in rank 0's report and
