@@ -28,7 +28,7 @@
 //                again); its wait is untimed
 // Each time is the slowest rank's, every rank starting together. Ratios are paired per round
 // (tessera / raw of the same round, other / rows, async / save); the JSON gives their median,
-// min and max over the rounds, and the median times in seconds.
+// min and max over the rounds, and the median times in seconds. A first round warms up untimed.
 #include <mpi.h>
 
 #include <algorithm>
@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "cli.h"
+#include "stats.h"
 #include "tessera/comm/mpi_interop.h"
 #include "tessera/tessera.h"
 
@@ -132,14 +133,8 @@ void raw_io(const std::string& path, std::vector<Tensor>& locals, int64_t rows, 
   }
 }
 
-struct Spread {
-  double median, min, max;
-};
-
-Spread spread(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return {v[v.size() / 2], v.front(), v.back()};
-}
+using bench::Spread;
+using bench::spread;
 
 std::string json(const Spread& s) {
   char buf[128];
@@ -188,7 +183,9 @@ int main(int argc, char** argv) {
   for (const auto& [key, v] : state)
     std::get<DTensor>(columns_state[key]).copy_from_full(std::get<DTensor>(v).full_tensor());
   save(columns_state, columns_path, so);
-  for (int round = 0; round < a.rounds; ++round) {
+  // Round -1 warms up, untimed: the first opens and creations of each file, the first load's
+  // setup.
+  for (int round = -1; round < a.rounds; ++round) {
     const double wc = timed([&] { raw_io(raw_path, raw, rows, true, a.fsync, true); });
     const double wi = timed([&] { raw_io(raw_path, raw, rows, true, a.fsync, false); });
     const double s = timed([&] { save(state, path, so); });
@@ -204,6 +201,7 @@ int main(int argc, char** argv) {
     AsyncSave pending;
     const double as = timed([&] { pending = async_save(state, async_path, so); });
     pending.wait();
+    if (round < 0) continue;
     const double w = std::min(wc, wi), r = std::min(rc, ri);
     times["raw_write_collective"].push_back(wc);
     times["raw_write_independent"].push_back(wi);

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <vector>
 
+#include "stats.h"
 #include "tessera/tessera.h"
 
 namespace tessera::bench {
@@ -56,8 +57,7 @@ inline double median_step_seconds(Decoder& model, const TokenBatch& batch, int w
     if (sync) sync->barrier()->wait();
     if (s >= warmup) t.push_back(now_seconds() - t0);
   }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return median(t);
 }
 
 // The baseline of the scaling benchmarks: the unsharded model's median step on rank 0 alone,

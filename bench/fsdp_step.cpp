@@ -51,9 +51,8 @@ Run time_fsdp(const DeviceMesh& mesh, bool prefetch, int steps, const bench::Tok
     sync->barrier()->wait();
     if (s >= warmup) t.push_back(bench::now_seconds() - t0);
   }
-  std::sort(t.begin(), t.end());
   Run r;
-  r.step_seconds = t[t.size() / 2];
+  r.step_seconds = bench::median(t);
   r.progress_seconds = (progress_stats().cpu_seconds - progress_at_warmup.cpu_seconds) / steps;
   r.progress_polls = double(progress_stats().polls - progress_at_warmup.polls) / steps;
   for (auto& st : states) {
@@ -63,10 +62,7 @@ Run time_fsdp(const DeviceMesh& mesh, bool prefetch, int steps, const bench::Tok
   return r;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using bench::median;
 
 }  // namespace
 

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "stats.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/linalg.h"
 #include "tessera/core/random.h"
@@ -105,10 +106,7 @@ Timing run_case(const Case& c, double budget_s) {
     t.eigen_s = std::min(t.eigen_s, es);
     pair_ratios.push_back(es / ts);
   }
-  std::sort(pair_ratios.begin(), pair_ratios.end());
-  size_t mid = pair_ratios.size() / 2;
-  t.paired_ratio =
-      pair_ratios.size() % 2 ? pair_ratios[mid] : 0.5 * (pair_ratios[mid - 1] + pair_ratios[mid]);
+  t.paired_ratio = tessera::bench::median(pair_ratios);
   return t;
 }
 

@@ -12,16 +12,18 @@
 //           no weight gradients) — the cost LoRA adds to is this
 //   lora    the same with adapters of rank r (default 16, alpha 2r) on all seven projections of
 //           every block, trained by AdamW
-//   lora_table  lora with an adapter on the token embeddings too (LoraEmbedding)
+//   lora_table  lora with an adapter on the token embeddings too (LoraEmbedding); backward then
+//           reaches the embeddings instead of stopping at the first block's input
 //   lora_mixed  lora with four such adapters (the model's slots hold four) and a mixed batch
 //           that gives each adapter two of the eight samples, all four trained
 //   lora_tokens  lora with the rows of 16 token ids of the embeddings trained too
-//           (trainable_token_indices, a TokenEmbedding)
+//           (trainable_token_indices, a TokenEmbedding), reached by backward as lora_table's
 //   full    every parameter trained by AdamW (for the optimizer state; its time is reported too)
 // Ratios: median step time of lora over frozen (paired per round; target <= 1.15), of lora_table
 // over lora (what the table's adapter adds), of lora_mixed over lora (what routing each sample
 // to its own adapter adds, with four adapters' optimizer steps), of lora_tokens over lora (what
-// the trainable rows add), and AdamW's state bytes of lora over full.
+// the trainable rows add), and AdamW's state bytes of lora over full. Before timing, one step of
+// each contender checks that every parameter it trains gets a gradient.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -39,6 +41,7 @@ namespace {
 struct Contender {
   std::shared_ptr<Decoder> model;
   std::shared_ptr<LoraModel> lora;
+  std::vector<Parameter*> trained;
   std::unique_ptr<AdamW> opt;
 };
 
@@ -82,15 +85,29 @@ Contender make(const std::string& kind, int r, int dim) {
       }
       trained = c.lora->parameters();
     }
-    // Backward must run through every layer, as under LoRA, even with nothing to train.
-    c.model->layers.front()->register_forward_pre_hook([](Module&, const Tensor& x) {
-      Tensor leaf = x.detach();
-      leaf.set_requires_grad(true);
-      return leaf;
-    });
+    // Backward must run through every layer, as under LoRA, even with nothing to train. Not
+    // where the embeddings train (their adapter, their rows): that input's gradient reaches them.
+    if (kind != "lora_table" && kind != "lora_tokens")
+      c.model->layers.front()->register_forward_pre_hook([](Module&, const Tensor& x) {
+        Tensor leaf = x.detach();
+        leaf.set_requires_grad(true);
+        return leaf;
+      });
   }
+  c.trained = trained;
   if (!trained.empty()) c.opt = std::make_unique<AdamW>(trained, AdamWOptions{});
   return c;
+}
+
+// One step's backward must reach every parameter a contender trains: one that gets no gradient
+// is skipped by AdamW, and the contender would time less work than it names.
+void check_every_trained_parameter_gets_a_gradient(Contender& c, const std::string& kind,
+                                                   const bench::TokenBatch& batch) {
+  backward(cross_entropy((*c.model)(batch.inputs), batch.targets));
+  for (Parameter* p : c.trained)
+    TESSERA_CHECK(p->grad().defined(), "lora_step: contender '", kind, "' trains ", p->str(),
+                  ", which got no gradient");
+  if (c.opt) c.opt->zero_grad();
 }
 
 double step(Contender& c, const bench::TokenBatch& batch) {
@@ -113,14 +130,8 @@ int64_t state_bytes(AdamW& opt) {
   return n;
 }
 
-struct Spread {
-  double median, min, max;
-};
-
-Spread spread(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return {v[v.size() / 2], v.front(), v.back()};
-}
+using bench::Spread;
+using bench::spread;
 
 }  // namespace
 
@@ -141,8 +152,10 @@ int main(int argc, char** argv) {
   const std::vector<const char*> kinds = {"frozen",     "lora",        "lora_table",
                                           "lora_mixed", "lora_tokens", "full"};
   std::map<std::string, Contender> c;
-  for (const char* kind : kinds)
+  for (const char* kind : kinds) {
     c[kind] = make(kind, r, dim);
+    check_every_trained_parameter_gets_a_gradient(c[kind], kind, batch);
+  }
   std::map<std::string, std::vector<double>> medians;
   std::vector<double> overhead, table, mixed, tokens;
   for (int round = 0; round < rounds; ++round) {

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "cli.h"
+#include "stats.h"
 #include "tessera/tessera.h"
 
 namespace {
@@ -230,11 +231,9 @@ Timing run_case(const Case& c, const tessera::DeviceMesh& mesh, int64_t mib) {
       floor_ratios.push_back(a / f);
     }
   }
-  std::sort(ratios.begin(), ratios.end());
-  t.paired_ratio = ratios[ratios.size() / 2];
+  t.paired_ratio = tessera::bench::median(ratios);
   if (floor) {
-    std::sort(floor_ratios.begin(), floor_ratios.end());
-    t.paired_vs_floor = floor_ratios[floor_ratios.size() / 2];
+    t.paired_vs_floor = tessera::bench::median(floor_ratios);
     MPI_Type_free(&columns);
   }
   t.reps = reps;

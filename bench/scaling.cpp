@@ -1,6 +1,7 @@
 // Strong scaling of the decoder training step (forward, backward, AdamW) under FSDP, TP and
 // FSDP x TP at the world size it runs at, against the same model and global batch on one rank
-// timed in the same run (rank 0 alone, the other ranks waiting). Prints JSON on rank 0: per
+// timed in the same run (rank 0 alone, the other ranks waiting; before and after the layouts,
+// the mean of the two the baseline). Prints JSON on rank 0: per
 // parallelism the median step time and speedup = one-rank time / N-rank time (N at most, 1 is
 // no gain), and efficiency = speedup / N.
 //
@@ -91,12 +92,15 @@ int main(int argc, char** argv) {
   const DecoderConfig cfg = bench::decoder_config();
   const bench::TokenBatch tokens = bench::random_tokens(kGlobalBatch, kSeq, cfg.vocab_size, 11);
 
-  const double one_rank_s = bench::one_rank_step_seconds(cfg, tokens, steps);
-
+  // The baseline is timed before and after the layouts, and their mean taken: a drift of the
+  // machine's load during the run then moves both sides of each ratio.
+  const double before_s = bench::one_rank_step_seconds(cfg, tokens, steps);
   std::vector<Layout> layouts;
   for (const auto& run :
        std::vector<std::function<Layout(const bench::TokenBatch&, int)>>{fsdp, tp, fsdp_tp})
     layouts.push_back(run(tokens, steps));
+  const double after_s = bench::one_rank_step_seconds(cfg, tokens, steps);
+  const double one_rank_s = 0.5 * (before_s + after_s);
 
   if (world_rank() != 0) return 0;
   std::printf("{\n  \"benchmark\": \"scaling\",\n  \"world_size\": %d,\n", n);
@@ -107,7 +111,10 @@ int main(int argc, char** argv) {
       (long long)cfg.n_kv_heads, (long long)cfg.ffn_dim, (long long)cfg.vocab_size);
   std::printf("  \"global_batch\": %lld, \"seq\": %lld, \"steps\": %d,\n", (long long)kGlobalBatch,
               (long long)kSeq, steps);
-  std::printf("  \"one_rank_ms\": %.2f,\n  \"layouts\": [\n", one_rank_s * 1e3);
+  std::printf(
+      "  \"one_rank_ms\": %.2f,\n  \"one_rank_ms_before\": %.2f,\n  \"one_rank_ms_after\": "
+      "%.2f,\n  \"layouts\": [\n",
+      one_rank_s * 1e3, before_s * 1e3, after_s * 1e3);
   for (size_t i = 0; i < layouts.size(); ++i) {
     const Layout& l = layouts[i];
     const char* sep = i + 1 < layouts.size() ? "," : "";

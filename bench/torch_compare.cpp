@@ -145,7 +145,7 @@ int main(int argc, char** argv) {
   int64_t parameters = 0;
   const std::vector<double> ours = step_ms(p, device, warmup, steps, parameters);
   const std::string theirs = run_torch(python, p, device_name, warmup, steps);
-  const double ours_ms = ours[ours.size() / 2];
+  const double ours_ms = bench::median(ours);
   const double torch_ms = theirs.empty() ? -1 : json_number(theirs, "median_ms");
   // The same model: the same parameters, tensor for tensor, so the same count.
   TESSERA_CHECK(theirs.empty() || int64_t(json_number(theirs, "parameters")) == parameters,

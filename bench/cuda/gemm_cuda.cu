@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "../stats.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/linalg.h"
 #include "tessera/core/random.h"
@@ -53,10 +54,7 @@ float time_ms(F&& f, int reps) {
   return ms / float(reps);
 }
 
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using tessera::bench::median;
 
 }  // namespace
 
