@@ -415,6 +415,24 @@ TEST(TestingKit, ParityRunnerStopsEveryRankWhenOnlySomeLossesDiverge) {
   EXPECT_EQ(world_mean(1.0), 1.0);
 }
 
+namespace {
+
+// This binary as a 2-rank child job running the disabled TestingKitChild tests `gtest_flags`
+// select, with environment `settings`.
+tessera::test::ChildResult run_child_tests(const std::string& gtest_flags,
+                                           const std::string& settings) {
+  std::array<char, 4096> self{};
+  const ssize_t len = readlink("/proc/self/exe", self.data(), self.size() - 1);
+  TESSERA_CHECK(len > 0, "readlink(/proc/self/exe) failed");
+  return tessera::test::run_child_job(
+      2,
+      tessera::test::shell_quoted(std::string(self.data(), size_t(len))) +
+          " --gtest_also_run_disabled_tests --gtest_color=no " + gtest_flags,
+      settings, 120);
+}
+
+}  // namespace
+
 // Run only as a child job (below): fails on the last rank alone.
 TEST(TestingKitChild, DISABLED_FailsOnTheLastRankOnly) {
   EXPECT_NE(world_rank(), world_size() - 1) << "the deliberate failure";
@@ -435,15 +453,9 @@ TEST(TestingKitChild, DISABLED_FailFastB_NeedsEveryRank) {
 TEST(TestingKit, FailFastSkipsTheSameTestsOnEveryRank) {
   if (world_size() != 2) GTEST_SKIP() << "the child job is started from the 2-rank run";
   if (world_rank() == 0) {
-    std::array<char, 4096> self{};
-    const ssize_t len = readlink("/proc/self/exe", self.data(), self.size() - 1);
-    ASSERT_GT(len, 0);
-    const tessera::test::ChildResult r = tessera::test::run_child_job(
-        2,
-        tessera::test::shell_quoted(std::string(self.data(), size_t(len))) +
-            " --gtest_also_run_disabled_tests --gtest_color=no --gtest_fail_fast"
-            " --gtest_filter=TestingKitChild.DISABLED_FailFast*",
-        "OMP_NUM_THREADS=1 TESSERA_COLLECTIVE_TIMEOUT=20", 120);
+    const tessera::test::ChildResult r =
+        run_child_tests("--gtest_fail_fast --gtest_filter=TestingKitChild.DISABLED_FailFast*",
+                        "OMP_NUM_THREADS=1 TESSERA_COLLECTIVE_TIMEOUT=20");
     EXPECT_NE(r.exit_code, 0) << r.output;
     TESSERA_EXPECT_CONTAINS(r.output, "[rank 1] [  FAILED  ] TestingKitChild.DISABLED_FailFastA");
     TESSERA_EXPECT_CONTAINS(r.output,
@@ -458,15 +470,8 @@ TEST(TestingKit, FailFastSkipsTheSameTestsOnEveryRank) {
 TEST(TestingKit, MainReportsAFailureOnAnyRank) {
   if (world_size() != 2) GTEST_SKIP() << "the child job is started from the 2-rank run";
   if (world_rank() == 0) {
-    std::array<char, 4096> self{};
-    const ssize_t len = readlink("/proc/self/exe", self.data(), self.size() - 1);
-    ASSERT_GT(len, 0);
-    const tessera::test::ChildResult r = tessera::test::run_child_job(
-        2,
-        tessera::test::shell_quoted(std::string(self.data(), size_t(len))) +
-            " --gtest_also_run_disabled_tests --gtest_color=no"
-            " --gtest_filter=TestingKitChild.DISABLED_FailsOnTheLastRankOnly",
-        "OMP_NUM_THREADS=1", 120);
+    const tessera::test::ChildResult r = run_child_tests(
+        "--gtest_filter=TestingKitChild.DISABLED_FailsOnTheLastRankOnly", "OMP_NUM_THREADS=1");
     EXPECT_NE(r.exit_code, 0) << r.output;
     TESSERA_EXPECT_CONTAINS(r.output, "[rank 1] [  FAILED  ] TestingKitChild.");
     TESSERA_EXPECT_CONTAINS(r.output, "failed on rank(s) 1 of 2 (their failures");
