@@ -4,11 +4,58 @@
 
 #include "saved_module.h"
 #include "tessera/autograd/grad_mode.h"
+#include "tessera/comm/agree.h"
+#include "tessera/comm/runtime.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/views.h"
 #include "tessera/lora/lora_model.h"
 
 namespace tessera {
+
+namespace {
+
+// One parameter write_adapter fills from a global tensor.
+struct Target {
+  std::string key;
+  Parameter* param;
+  Shape shape;         // global, unpadded
+  int64_t padded_dim;  // -1: not padded (DoRA's magnitude)
+  int64_t r;           // what is used of the padded dim: the module's r, or the token count
+};
+
+// Refuses `tensors` unless they hold exactly `want`'s keys in their global shapes, naming every
+// key missing, unexpected or mis-shaped (a local shard's shape named as such).
+void check_values(const std::string& name, const std::vector<Target>& want,
+                  const std::map<std::string, Tensor>& tensors) {
+  std::vector<std::string> missing, unexpected, mismatched;
+  std::set<std::string> known;
+  for (const Target& t : want) {
+    known.insert(t.key);
+    auto it = tensors.find(t.key);
+    if (it == tensors.end()) {
+      missing.push_back(t.key);
+      continue;
+    }
+    const Tensor& v = it->second;
+    if (v.defined() && v.shape() == t.shape) continue;
+    std::string why = t.key + " (expected the global shape " + shape_str(t.shape) + ", got " +
+                      (v.defined() ? shape_str(v.shape()) : std::string("undefined"));
+    // This rank's piece of the unpadded matrix, had a local shard been passed.
+    Shape local = t.param->stored().shape();
+    if (t.padded_dim >= 0) local[size_t(t.padded_dim)] = std::min(local[size_t(t.padded_dim)], t.r);
+    if (v.defined() && t.param->is_dtensor() && v.shape() == local)
+      why += ", the shape of this rank's shard: a local piece cannot stand for the global tensor";
+    mismatched.push_back(why + ")");
+  }
+  for (const auto& [k, v] : tensors)
+    if (!known.count(k)) unexpected.push_back(k);
+  TESSERA_CHECK(missing.empty() && unexpected.empty() && mismatched.empty(), "LoRA write_adapter '",
+                name, "': ", missing.empty() ? "" : "missing keys: " + join(missing) + "; ",
+                unexpected.empty() ? "" : "unexpected keys: " + join(unexpected) + "; ",
+                mismatched.empty() ? "" : "mis-shaped keys: " + join(mismatched));
+}
+
+}  // namespace
 
 std::map<std::string, Tensor> LoraModel::read_adapter(const std::string& name) {
   const Adapter& a = find(name, "read_adapter");
@@ -41,13 +88,6 @@ void LoraModel::write_adapter(const std::string& name,
   TESSERA_CHECK(!merged(a), "LoRA write_adapter '", name,
                 "': the adapter is merged into the base weights; call unmerge_adapter(\"", name,
                 "\") first");
-  struct Target {
-    std::string key;
-    Parameter* param;
-    Shape shape;         // global, unpadded
-    int64_t padded_dim;  // -1: not padded (DoRA's magnitude)
-    int64_t r;           // what is used of the padded dim: the module's r, or the token count
-  };
   std::vector<Target> want;
   for (size_t i : a.layers) {
     auto& [path, l] = layers_[i];
@@ -70,33 +110,14 @@ void LoraModel::write_adapter(const std::string& name,
     const int64_t n = int64_t(a.tokens[t++].second.size());
     want.push_back({key, p, {n, p->global_shape()[1]}, 0, n});
   }
-  // Every key checked before anything is written.
-  std::vector<std::string> missing, unexpected, mismatched;
-  std::set<std::string> known;
-  for (const Target& t : want) {
-    known.insert(t.key);
-    auto it = tensors.find(t.key);
-    if (it == tensors.end()) {
-      missing.push_back(t.key);
-      continue;
-    }
-    const Tensor& v = it->second;
-    if (v.defined() && v.shape() == t.shape) continue;
-    std::string why = t.key + " (expected the global shape " + shape_str(t.shape) + ", got " +
-                      (v.defined() ? shape_str(v.shape()) : std::string("undefined"));
-    // This rank's piece of the unpadded matrix, had a local shard been passed.
-    Shape local = t.param->stored().shape();
-    if (t.padded_dim >= 0) local[size_t(t.padded_dim)] = std::min(local[size_t(t.padded_dim)], t.r);
-    if (v.defined() && t.param->is_dtensor() && v.shape() == local)
-      why += ", the shape of this rank's shard: a local piece cannot stand for the global tensor";
-    mismatched.push_back(why + ")");
-  }
-  for (const auto& [k, v] : tensors)
-    if (!known.count(k)) unexpected.push_back(k);
-  TESSERA_CHECK(missing.empty() && unexpected.empty() && mismatched.empty(), "LoRA write_adapter '",
-                name, "': ", missing.empty() ? "" : "missing keys: " + join(missing) + "; ",
-                unexpected.empty() ? "" : "unexpected keys: " + join(unexpected) + "; ",
-                mismatched.empty() ? "" : "mis-shaped keys: " + join(mismatched));
+  // Every key checked before anything is written, and on every rank alike: a map that is wrong
+  // on some ranks only (read from a node-local file) would leave those ranks' windows unwritten
+  // while the others go on into their next collectives with theirs.
+  auto check = [&] { check_values(name, want, tensors); };
+  if (world_size() > 1)
+    run_agreed(world_group(), "LoRA write_adapter '" + name + "'", check);
+  else
+    check();
   NoGradGuard no_grad;
   for (const Target& t : want) {
     if (t.padded_dim < 0) {

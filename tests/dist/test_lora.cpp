@@ -399,6 +399,13 @@ TEST(Lora, ReadWriteIsTheIdentityAndRefusesLocalShards) {
       break;
     }
     EXPECT_TRUE(refused || l.name.rfind("fsdp", 0) != 0) << l.name;
+    // A map that is wrong on one rank only is refused on every rank, naming that rank.
+    auto short_map = first;
+    const int last = world_size() - 1;
+    if (world_rank() == last) short_map.erase(short_map.begin());
+    expect_error([&] { run.lora->write_adapter("default", short_map); },
+                 {"LoRA write_adapter 'default': [rank " + std::to_string(last) + "]",
+                  "missing keys: " + first.begin()->first});
     const auto still = run.lora->read_adapter("default");
     for (const auto& [k, t] : first)
       expect_identical(still.at(k), t, l.name + " after the refused write " + k);

@@ -194,6 +194,8 @@ class LoraModel {
   // The same keys and global shapes, each rank copying its window; every key is checked first
   // (missing, unexpected, wrong shapes — a local shard's shape named as such), nothing is written
   // on an error. Refused for a merged adapter (unmerging would then subtract the new values).
+  // Collective when distributed: the ranks agree on the checks, so a map that is wrong on one
+  // rank is refused on every rank, naming it. Every rank must pass the same values.
   void write_adapter(const std::string& name, const std::map<std::string, Tensor>& tensors);
 
   // --- PEFT files (peft.cpp) ---
