@@ -8,6 +8,7 @@
 #include <limits>
 #include <vector>
 
+#include "tessera/comm/agree.h"
 #include "tessera/comm/runtime.h"
 #include "tessera/core/factory.h"
 #include "tessera/core/kernels/views.h"
@@ -132,19 +133,31 @@ std::string header_str(const std::vector<int64_t>& h) {
 // wrong, a line that says so.
 std::string piece_problem(const DTensor& dt, const char* which) {
   const DeviceMesh& mesh = dt.mesh();
-  const Window w = reference_window(dt.shape(), mesh.shape(), mesh.coordinate(), dt.placements());
+  const std::string placements = placements_str(dt.placements());
   std::string problem;
-  if (dt.to_local().shape() != w.shape)
-    problem = rank_str(dt) + " holds a piece of " + which + " of shape " +
-              shape_str(dt.to_local().shape()) + " where " + placements_str(dt.placements()) +
-              " of global shape " + shape_str(dt.shape()) + " give it " + shape_str(w.shape);
+  try {  // a layout the reference refuses, on this rank alone when the ranks' placements differ
+    const Window w = reference_window(dt.shape(), mesh.shape(), mesh.coordinate(), dt.placements());
+    if (dt.to_local().shape() != w.shape)
+      problem = rank_str(dt) + " holds a piece of " + which + " of shape " +
+                shape_str(dt.to_local().shape()) + " where " + placements + " of global shape " +
+                shape_str(dt.shape()) + " give it " + shape_str(w.shape);
+  } catch (const Error& e) {
+    problem = rank_str(dt) + ": " + e.what();
+  }
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
-    const auto headers = gather_headers(mesh.group(m), dt.dtype(), dt.shape());
-    const auto& mine = headers[size_t(mesh.group(m)->rank())];
-    if (!problem.empty() || mine == headers[0]) continue;
-    problem = rank_str(dt) + " describes " + which + " as " + header_str(mine) + ", rank " +
-              std::to_string(mesh.group(m)->world_ranks()[0]) + " (first on mesh dim " +
-              std::to_string(m) + ") as " + header_str(headers[0]);
+    const ProcessGroupPtr& group = mesh.group(m);
+    const std::string first = "rank " + std::to_string(group->world_ranks()[0]) +
+                              " (first on mesh dim " + std::to_string(m) + ")";
+    const auto headers = gather_headers(group, dt.dtype(), dt.shape());
+    const auto& mine = headers[size_t(group->rank())];
+    const std::vector<std::string> all = all_gather_strings(group, placements);
+    if (!problem.empty()) continue;
+    if (mine != headers[0])
+      problem = rank_str(dt) + " describes " + which + " as " + header_str(mine) + ", " + first +
+                " as " + header_str(headers[0]);
+    else if (placements != all[0])
+      problem =
+          rank_str(dt) + " places " + which + " as " + placements + ", " + first + " as " + all[0];
   }
   Tensor flag = full({1}, problem.empty() ? 0 : 1, DType::Int32);
   for (int64_t m = 0; m < mesh.ndim(); ++m)

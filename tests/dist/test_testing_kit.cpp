@@ -260,6 +260,23 @@ TEST(TestingKit, ReplicasEqualFindsTheOddRankOut) {
   }
 }
 
+// Ranks that place one tensor differently (each piece right for its own placements) are
+// reported before any piece is gathered, on every rank.
+TEST(TestingKit, GlobalChecksReportRanksThatPlaceTheTensorOtherwise) {
+  if (world_size() == 1) GTEST_SKIP() << "needs two ranks";
+  const DeviceMesh mesh({world_size()}, {"x"});
+  const Tensor global = dyadic_tensor({2 * world_size(), 2 * world_size()}, 3);
+  const bool odd = world_rank() % 2 == 1;
+  const Placements p{odd ? Shard(1) : Shard(0)};
+  const DTensor dt = DTensor::from_local(
+      cut_window(global, reference_window(global.shape(), mesh.shape(), mesh.coordinate(), p)),
+      mesh, p, global.shape());
+  const std::string msg = joined(failures_of([&] { expect_close_global(dt, global, 0.0); }));
+  TESSERA_EXPECT_CONTAINS(msg, odd ? "places the DTensor as [S(1)], rank 0 (first on mesh dim 0) "
+                                     "as [S(0)]"
+                                   : "not compared: another rank's piece");
+}
+
 TEST(TestingKit, PartialPiecesAreCheckedByTheirSum) {
   const DeviceMesh& mesh = meshes().front();
   const Tensor global = dyadic_tensor({6, 2}, 11);
