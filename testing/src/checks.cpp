@@ -271,10 +271,10 @@ std::string replica_mismatch(const DTensor& dt) {
   return problem;
 }
 
-std::string global_mismatch(const DTensor& a, const Tensor& b, Tolerance tol) {
-  TESSERA_CHECK(a.defined() && b.defined(), "global_mismatch: an undefined tensor");
-  const std::string piece = piece_problem(a, "the DTensor");
-  if (!piece.empty()) return piece;
+namespace {
+
+// global_mismatch once the ranks agreed that `a`'s pieces can be gathered (piece_problem).
+std::string gathered_mismatch(const DTensor& a, const Tensor& b, Tolerance tol) {
   const Tensor full = a.full_tensor().detach();
   Located at{nullptr, b.shape(), false};
   std::string problem = first_difference(full, b, tol, at);
@@ -285,6 +285,15 @@ std::string global_mismatch(const DTensor& a, const Tensor& b, Tolerance tol) {
          " (seen on rank " + std::to_string(world_rank()) + "): " + problem;
 }
 
+}  // namespace
+
+std::string global_mismatch(const DTensor& a, const Tensor& b, Tolerance tol) {
+  TESSERA_CHECK(a.defined() && b.defined(), "global_mismatch: an undefined tensor");
+  const std::string piece = piece_problem(a, "the DTensor");
+  if (!piece.empty()) return piece;
+  return gathered_mismatch(a, b, tol);
+}
+
 std::string global_mismatch(const DTensor& a, const DTensor& b, Tolerance tol) {
   TESSERA_CHECK(a.defined() && b.defined(), "global_mismatch: an undefined DTensor");
   // Both agreed on before either is gathered: every rank then takes the same path.
@@ -293,7 +302,7 @@ std::string global_mismatch(const DTensor& a, const DTensor& b, Tolerance tol) {
   if (piece.empty()) piece = other;
   if (!piece.empty()) return piece;
   const Tensor want = b.full_tensor().detach();
-  std::string problem = global_mismatch(a, want, tol);
+  std::string problem = gathered_mismatch(a, want, tol);
   if (problem.empty()) return "";
   return problem + " (want: " + placements_str(b.placements()) + " on " + b.mesh().str() + ")";
 }
